@@ -1,0 +1,65 @@
+# The verbs a newcomer uses. `make serve` and `make test` set up everything they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+GPU    ?= 0
+EXTRA  := $(if $(filter 1,$(GPU)),gpu,cpu)
+MODELS ?= models
+CERTS  ?= certs
+ARGS   ?=
+
+PROTO_SRC := $(shell find protos -name '*.proto')
+STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
+STAMP_PROTO := protos/.generated
+STAMP_MODELS := $(MODELS)/.exported
+
+.PHONY: help setup proto models serve test lint clean
+
+help:
+	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
+	@echo "make test    run the test suite (no GPU needed)"
+	@echo "make lint    ruff + mypy"
+	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
+	@echo "make models  export the example model repository into $(MODELS)/"
+
+$(BIN)/python:
+	@echo "==> creating $(VENV)"
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP_INSTALL): pyproject.toml | $(BIN)/python
+	@echo "==> installing paddlequic[$(EXTRA),dev] into $(VENV) (first time: a minute or two)"
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(EXTRA),dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+setup: $(STAMP_INSTALL) $(STAMP_PROTO)
+
+$(STAMP_PROTO): $(PROTO_SRC) $(STAMP_INSTALL)
+	@echo "==> generating protobuf code"
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	@touch $@
+
+proto: $(STAMP_PROTO)
+
+$(STAMP_MODELS): scripts/export_models.py $(STAMP_INSTALL)
+	@echo "==> exporting example models into $(MODELS)/ (random weights, real architectures)"
+	$(BIN)/python scripts/export_models.py --out $(MODELS)
+	@touch $@
+
+models: $(STAMP_MODELS)
+
+serve: setup models
+	$(BIN)/paddlequic serve --model-repository $(MODELS) $(ARGS)
+
+test: setup models
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) $(MODELS) $(STAMP_PROTO) .pytest_cache .mypy_cache
+	find protos -name '*_pb2*.py*' -delete

@@ -1,0 +1,1 @@
+"""What other services import: the numpy-level inference client and the command line."""

@@ -1,0 +1,137 @@
+"""The `paddlequic` command line. `serve` imports the server lazily, so client commands start
+fast and never load server code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+DEFAULT_URL = os.environ.get("PADDLEQUIC_URL", "grpc://localhost:8001")
+
+
+def _serve(argv: Sequence[str]) -> int:
+    from service.server import main as serve_main
+
+    return serve_main(argv)
+
+
+def _client(url: str) -> Any:
+    from clients.inference_client import InferenceClient
+
+    return InferenceClient(url)
+
+
+def _models(args: argparse.Namespace) -> int:
+    with _client(args.url) as client:
+        rows = [(m.name, m.version, m.state, m.reason) for m in client.index()]
+    width = max((len(r[0]) for r in rows), default=5)
+    print(f"{'MODEL':<{width}}  VERSION  STATE        REASON")
+    for name, version, state, reason in rows:
+        print(f"{name:<{width}}  {version:<7}  {state:<11}  {reason}")
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    with _client(args.url) as client:
+        status = client.health(args.model or "")
+    print(f"{args.model or 'server'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def random_inputs(
+    metadata: Any, batch: int, seq_len: int, rng: np.random.Generator
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Random tensors matching the model's metadata: the first -1 is the batch, other -1s a
+    sequence length; integers stay small so embedding ids are in range."""
+    from clients.inference_client import _NUMPY
+
+    arrays = {}
+    for tensor in metadata.inputs:
+        shape = [
+            (batch if axis == 0 else seq_len) if d == -1 else d
+            for axis, d in enumerate(tensor.shape)
+        ]
+        dtype = _NUMPY[tensor.datatype]
+        if dtype.kind == "f":
+            arrays[tensor.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            arrays[tensor.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            arrays[tensor.name] = rng.integers(0, 100, shape).astype(dtype)
+    return arrays
+
+
+def _infer(args: argparse.Namespace) -> int:
+    with _client(args.url) as client:
+        if args.random:
+            metadata = client.metadata(args.model, args.model_version)
+            inputs = random_inputs(metadata, args.batch, args.seq_len, np.random.default_rng(0))
+        elif args.input:
+            inputs = {}
+            for item in args.input:
+                name, sep, path = item.partition("=")
+                if not sep:
+                    raise SystemExit(f"--input takes NAME=FILE.npy, got {item!r}")
+                inputs[name] = np.load(Path(path))
+        else:
+            raise SystemExit("give --input NAME=FILE.npy (one per input) or --random")
+        outputs = client.infer(args.model, inputs, version=args.model_version)
+    for name, array in outputs.items():
+        print(f"{name}: {array.dtype} {list(array.shape)}")
+        with np.printoptions(precision=4, suppress=True, threshold=40, edgeitems=3):
+            print(array)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paddlequic", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run the server (see `paddlequic serve --help`)", add_help=False)
+
+    def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=help_text)
+        command.add_argument(
+            "--url",
+            default=DEFAULT_URL,
+            help=f"server URL (env PADDLEQUIC_URL; default {DEFAULT_URL})",
+        )
+        return command
+
+    client_command("models", "list the model repository and each version's state")
+    health = client_command("health", "check server (or one model's) health")
+    health.add_argument("--model", help="a model name; the whole server when omitted")
+    infer = client_command("infer", "run one inference and print the outputs")
+    infer.add_argument("model")
+    infer.add_argument("--model-version", default="", help="version; the newest ready if omitted")
+    infer.add_argument("--input", action="append", metavar="NAME=FILE.npy", help="an input tensor")
+    infer.add_argument("--random", action="store_true", help="random inputs shaped by metadata")
+    infer.add_argument("--batch", type=int, default=1, help="batch size for --random")
+    infer.add_argument("--seq-len", type=int, default=8, help="variable dims for --random")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    args = build_parser().parse_args(argv)
+    handlers = {"models": _models, "health": _health, "infer": _infer}
+    try:
+        return handlers[args.command](args)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Export the example model repository behind `make models`.
+
+The server and its tests need real Paddle inference models without downloading anything, so this
+builds real architectures with seeded random weights, saves them with `paddle.jit.save` and writes
+a Triton-style `config.pbtxt` beside each. Every model is exported into a temp dir and renamed into
+place, so a half-written model never appears in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+os.environ.setdefault("GLOG_v", "0")
+warnings.filterwarnings("ignore", message="No ccache found")
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+from paddle import nn  # noqa: E402
+
+DType = Literal["float32", "int64", "int32"]
+TRITON_TYPES: dict[DType, str] = {
+    "float32": "TYPE_FP32",
+    "int64": "TYPE_INT64",
+    "int32": "TYPE_INT32",
+}
+MODEL_FILES = ("inference.json", "inference.pdiparams")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]  # full shape, batch dim first; -1 = variable
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    factory: Callable[[], nn.Layer]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]  # names must be fetch_name_0, fetch_name_1, ... in order
+    max_batch_size: int
+    default: bool = True
+
+
+def mlp(*sizes: int) -> nn.Sequential:
+    """Linear layers of the given widths with ReLU between them (none after the last)."""
+    layers: list[nn.Layer] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+# forward() argument names must equal the InputSpec names: dy2static matches them by name.
+class MLP(nn.Layer):
+    def __init__(self, *sizes: int, softmax: bool = False) -> None:
+        super().__init__()
+        self.body = mlp(*sizes)
+        self.softmax = softmax
+
+    def forward(self, input: paddle.Tensor) -> paddle.Tensor:
+        out: paddle.Tensor = self.body(input)
+        return nn.functional.softmax(out, axis=-1) if self.softmax else out
+
+
+class TextClassifier(nn.Layer):
+    def __init__(self, vocab: int = 1000, dim: int = 64, classes: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=128, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, token_ids: paddle.Tensor) -> paddle.Tensor:
+        hidden: paddle.Tensor = self.encoder(self.embed(token_ids))
+        out: paddle.Tensor = self.head(hidden.mean(axis=1))
+        return out
+
+
+class TwoTower(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user_tower = mlp(32, 64, 16)
+        self.item_tower = mlp(48, 64, 16)
+
+    def forward(
+        self, user: paddle.Tensor, item: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        u: paddle.Tensor = self.user_tower(user)
+        score = (u * self.item_tower(item)).sum(axis=-1, keepdim=True)
+        return u, score
+
+
+def f32(name: str, *shape: int) -> TensorSpec:
+    return TensorSpec(name, "float32", shape)
+
+
+MODELS: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        "mlp",
+        lambda: MLP(256, 128, 10, softmax=True),
+        (f32("input", -1, 256),),
+        (f32("fetch_name_0", -1, 10),),
+        64,
+    ),
+    ModelSpec(
+        "resnet18",
+        lambda: paddle.vision.models.resnet18(pretrained=False),
+        (f32("image", -1, 3, 224, 224),),
+        (f32("fetch_name_0", -1, 1000),),
+        16,
+    ),
+    ModelSpec(
+        "text_classifier",
+        TextClassifier,
+        (TensorSpec("token_ids", "int64", (-1, -1)),),
+        (f32("fetch_name_0", -1, 4),),
+        32,
+    ),
+    ModelSpec(
+        "two_tower",
+        TwoTower,
+        (f32("user", -1, 32), f32("item", -1, 48)),
+        (f32("fetch_name_0", -1, 16), f32("fetch_name_1", -1, 1)),
+        64,
+    ),
+    # One call is dominated by its ~100 MB of weights: used by the batching benchmark.
+    ModelSpec(
+        "mlp_wide",
+        lambda: MLP(2048, 4096, 4096, 10),
+        (f32("input", -1, 2048),),
+        (f32("fetch_name_0", -1, 10),),
+        128,
+        default=False,
+    ),
+)
+
+
+def config_pbtxt(spec: ModelSpec) -> str:
+    def block(tensors: Sequence[TensorSpec]) -> str:
+        lines = []
+        for t in tensors:
+            dims = t.shape[1:] if spec.max_batch_size > 0 else t.shape
+            dtype, dims_text = TRITON_TYPES[t.dtype], ", ".join(str(d) for d in dims)
+            lines.append(f'  {{ name: "{t.name}", data_type: {dtype}, dims: [ {dims_text} ] }}')
+        return ",\n".join(lines)
+
+    return (
+        f'name: "{spec.name}"\n'
+        'platform: "paddle_inference"\n'
+        f"max_batch_size: {spec.max_batch_size}\n"
+        f"input [\n{block(spec.inputs)}\n]\n"
+        f"output [\n{block(spec.outputs)}\n]\n"
+        "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
+    )
+
+
+def is_exported(model_dir: Path) -> bool:
+    version = model_dir / "1"
+    return (model_dir / "config.pbtxt").is_file() and all(
+        (version / f).is_file() for f in MODEL_FILES
+    )
+
+
+def export(spec: ModelSpec, out: Path) -> int:
+    """Export one model into out/NAME atomically; returns its size in bytes."""
+    seed = zlib.crc32(spec.name.encode())  # stable per model, independent of export order
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=out))
+    try:
+        paddle.seed(seed)
+        np.random.seed(seed)
+        # Fresh parameter names per model, so names don't depend on what was built before.
+        with paddle.utils.unique_name.guard():
+            layer = spec.factory()
+        input_spec = [paddle.static.InputSpec(list(t.shape), t.dtype, t.name) for t in spec.inputs]
+        paddle.jit.save(layer.eval(), str(tmp / "1" / "inference"), input_spec=input_spec)
+        (tmp / "config.pbtxt").write_text(config_pbtxt(spec))
+        size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+        target = out / spec.name
+        if target.exists():  # os.replace cannot replace a non-empty directory: move it aside
+            old = Path(tempfile.mkdtemp(prefix=f".old-{spec.name}-", dir=out))
+            os.replace(target, old / spec.name)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+        return size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    names = [m.name for m in MODELS]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, required=True, help="model repository directory")
+    parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=", ".join(names))
+    parser.add_argument("--all", action="store_true", help="also export non-default models")
+    parser.add_argument("--force", action="store_true", help="re-export models already present")
+    args = parser.parse_args(argv)
+
+    if args.only:
+        selected = [m for m in MODELS if m.name in args.only]
+    else:
+        selected = [m for m in MODELS if m.default or args.all]
+    args.out.mkdir(parents=True, exist_ok=True)
+    paddle.device.set_device("cpu")
+    for spec in selected:
+        if not args.force and is_exported(args.out / spec.name):
+            print(f"exporting {spec.name} ... skipped (already exported)", flush=True)
+            continue
+        print(f"exporting {spec.name} ... ", end="", flush=True)
+        start = time.perf_counter()
+        size = export(spec, args.out)
+        print(f"done in {time.perf_counter() - start:.1f} s, {size / 1e6:.1f} MB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

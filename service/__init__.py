@@ -1,0 +1,1 @@
+"""Everything that runs in the server: API servicers, repository, scheduling, workers, backend."""

@@ -1,0 +1,117 @@
+"""A Paddle Inference predictor for one model version, and what its program declares."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.tensors import PADDLE_NAMES, TensorSpec
+from service.workers.protocol import Load, Timings
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+os.environ.setdefault("GLOG_v", "0")
+
+import warnings
+
+warnings.filterwarnings("ignore", message="No ccache found")
+import paddle  # noqa: E402
+from paddle import inference  # noqa: E402
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class PaddleModel:
+    def __init__(self, load: Load) -> None:
+        model_file, params_file = Path(load.model_file), Path(load.params_file)
+        major = int(paddle.version.full_version.split(".")[0])
+        if model_file.suffix == ".json" and 0 < major < 3:
+            raise RuntimeError(
+                f"{model_file} is a Paddle 3 program but this worker runs paddle "
+                f"{paddle.version.full_version}; export the model in the legacy .pdmodel format"
+            )
+        self.inputs, self.outputs = introspect(model_file)
+        config = inference.Config(str(model_file), str(params_file))
+        config.disable_glog_info()
+        params = load.parameters
+        if load.device.startswith("gpu"):
+            config.enable_use_gpu(int(params.get("gpu_memory_mb", "1024")), 0)
+        else:
+            config.disable_gpu()
+            if params.get("onednn", "true").lower() in _TRUE:
+                config.enable_mkldnn()
+            else:
+                config.disable_mkldnn()
+            config.set_cpu_math_library_num_threads(int(params.get("cpu_math_threads", "1")))
+        self.device = "gpu" if config.use_gpu() else "cpu"
+        self.predictor = inference.create_predictor(config)
+        names = list(self.predictor.get_output_names())
+        if self.outputs and [o.name for o in self.outputs] != names:
+            self.outputs = tuple(
+                TensorSpec(n, o.datatype, o.shape) for n, o in zip(names, self.outputs, strict=True)
+            )
+
+    def run(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: tuple[str, ...]
+    ) -> tuple[dict[str, np.ndarray[Any, Any]], Timings]:
+        """Set every input (an unset one would silently reuse the last caller's data), run,
+        and copy the requested outputs out."""
+        t0 = time.perf_counter_ns()
+        for name, array in inputs.items():
+            handle = self.predictor.get_input_handle(name)
+            handle.reshape(list(array.shape))
+            handle.copy_from_cpu(array)
+        t1 = time.perf_counter_ns()
+        self.predictor.run()
+        t2 = time.perf_counter_ns()
+        result = {name: self.predictor.get_output_handle(name).copy_to_cpu() for name in outputs}
+        t3 = time.perf_counter_ns()
+        return result, Timings(t1 - t0, t2 - t1, t3 - t2)
+
+
+def introspect(model_file: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Declared inputs and outputs, read from the program: no predictor API reports them."""
+    paddle.enable_static()
+    try:
+        executor = paddle.static.Executor(paddle.CPUPlace())
+        prefix = str(model_file.with_suffix(""))
+        if model_file.suffix == ".json":
+            program, _, _ = paddle.static.load_inference_model(prefix, executor)
+            return _pir_io(program)
+        with paddle.pir_utils.OldIrGuard():
+            program, feeds, fetches = paddle.static.load_inference_model(prefix, executor)
+            block = program.global_block()
+            inputs = tuple(_spec(n, block.var(n).shape, block.var(n).dtype) for n in feeds)
+            outputs = tuple(_spec(v.name, v.shape, v.dtype) for v in fetches)
+            return inputs, outputs
+    finally:
+        paddle.disable_static()
+
+
+def _pir_io(program: Any) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    inputs, outputs = [], []
+    for op in program.global_block().ops:
+        if op.name() == "pd_op.data":
+            result = op.result(0)
+            inputs.append(_spec(op.attrs()["name"], result.shape, result.dtype))
+        elif op.name() == "pd_op.fetch":
+            source = op.operand_source(0)
+            outputs.append(
+                (op.attrs()["col"], _spec(op.attrs()["name"], source.shape, source.dtype))
+            )
+    return tuple(inputs), tuple(spec for _, spec in sorted(outputs, key=lambda x: x[0]))
+
+
+def _spec(name: str, shape: Any, dtype: Any) -> TensorSpec:
+    paddle_name = str(dtype).removeprefix("paddle.").lower()
+    for prefix in ("datatype.", "vartype."):
+        paddle_name = paddle_name.removeprefix(prefix)
+    aliases = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}
+    paddle_name = aliases.get(paddle_name, paddle_name)
+    if paddle_name not in PADDLE_NAMES:
+        raise RuntimeError(f"tensor {name!r} has dtype {dtype}, which paddlequic cannot serve")
+    return TensorSpec(name, PADDLE_NAMES[paddle_name], tuple(int(d) for d in shape))

@@ -1,0 +1,38 @@
+"""paddlequic.v1.Control: what runs where, for operators and tests."""
+
+from __future__ import annotations
+
+from protos.paddlequic.v1 import control_pb2 as pb
+from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
+from service.errors import ServicerContext
+from service.model_manager import ModelManager
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    def __init__(self, models: ModelManager) -> None:
+        self.models = models
+
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: ServicerContext
+    ) -> pb.ListInstancesResponse:
+        versions = (
+            self.models.versions_of(request.model_name)
+            if request.model_name
+            else self.models.all_versions()
+        )
+        return pb.ListInstancesResponse(
+            instances=[
+                pb.Instance(
+                    model_name=v.name,
+                    model_version=str(v.version),
+                    name=i.spec.instance_name,
+                    device=i.loaded.device if i.loaded else i.spec.device,
+                    pid=i.pid,
+                    state=i.state.value,
+                    outstanding=i.outstanding,
+                    restarts=i.restarts,
+                )
+                for v in versions
+                for i in v.instances
+            ]
+        )

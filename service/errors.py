@@ -1,0 +1,46 @@
+"""One exception type that carries a gRPC status, raised anywhere in the request path."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import grpc
+
+# What servicers receive on every transport (the HTTP/3 one behaves the same way).
+ServicerContext = grpc.aio.ServicerContext[Any, Any]
+
+
+class ServiceError(Exception):
+    """A request failed with a gRPC status code and a message meant for the caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"ServiceError({self.code.name}, {self.message!r})"
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+
+
+def unavailable(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def internal(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INTERNAL, message)
+
+
+def deadline_exceeded(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+
+async def abort(context: ServicerContext, exc: ServiceError) -> NoReturn:
+    await context.abort(exc.code, exc.message)

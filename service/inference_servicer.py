@@ -1,0 +1,230 @@
+"""inference.GRPCInferenceService: the Open Inference Protocol. One servicer object serves
+every transport, so it only speaks in terms of a grpc.aio-style servicer context."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from service import errors
+from service.errors import ServicerContext
+from service.model_manager import ModelManager, ServedVersion
+from service.tensors import BY_CONFIG_TYPE, from_numpy
+from service.workers.instance import InferResult
+
+log = logging.getLogger("paddlequic.api")
+
+SERVER_NAME = "paddlequic"
+SERVER_VERSION = "0.1.0"
+EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
+STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, models: ModelManager) -> None:
+        self.models = models
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.models.all_ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+        )
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: ServicerContext
+    ) -> pb.ModelReadyResponse:
+        try:
+            served = self.models.resolve(request.name, request.version)
+        except errors.ServiceError as exc:
+            if exc.code is grpc.StatusCode.INVALID_ARGUMENT:
+                await errors.abort(context, exc)
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=served.ready)
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        served = await self._resolve(context, request.name, request.version)
+        config = served.config
+        batch = [-1] if config.max_batch_size > 0 else []
+        return pb.ModelMetadataResponse(
+            name=served.name,
+            versions=[str(v.version) for v in self.models.versions_of(served.name)],
+            platform=config.platform,
+            inputs=[
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t.name,
+                    datatype=BY_CONFIG_TYPE[t.data_type].name,
+                    shape=batch + list(t.dims),
+                )
+                for t in config.input
+            ],
+            outputs=[
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t.name,
+                    datatype=BY_CONFIG_TYPE[t.data_type].name,
+                    shape=batch + list(t.dims),
+                )
+                for t in config.output
+            ],
+        )
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: ServicerContext
+    ) -> pb.ModelConfigResponse:
+        served = await self._resolve(context, request.name, request.version)
+        return pb.ModelConfigResponse(config=served.config)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        if request.name:
+            chosen = (
+                [await self._resolve(context, request.name, request.version)]
+                if request.version
+                else self.models.versions_of(request.name)
+            )
+            if not chosen:
+                await errors.abort(context, errors.not_found(f"unknown model '{request.name}'"))
+        else:
+            chosen = self.models.all_versions()
+        return pb.ModelStatisticsResponse(
+            model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
+        )
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        entries = self.models.index()
+        if request.ready:
+            entries = [e for e in entries if e.state == "READY"]
+        return pb.RepositoryIndexResponse(models=entries)
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: ServicerContext
+    ) -> pb.RepositoryModelLoadResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "loading models at run time is not implemented yet; models load at start-up",
+        )
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: ServicerContext
+    ) -> pb.RepositoryModelUnloadResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "unloading models at run time is not implemented yet",
+        )
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: ServicerContext
+    ) -> pb.ModelInferResponse:
+        try:
+            return await self._infer(request, _deadline(context))
+        except errors.ServiceError as exc:
+            await errors.abort(context, exc)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: ServicerContext,
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests run concurrently and answer in completion order (correlate by id); a
+        failed request yields an error_message and the stream goes on."""
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        tasks: set[asyncio.Task[None]] = set()
+        deadline = _deadline(context)
+
+        async def run_one(request: pb.ModelInferRequest) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, deadline)
+                )
+            except errors.ServiceError as exc:
+                response = pb.ModelStreamInferResponse(
+                    error_message=f"{exc.code.name}: {exc.message}",
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name,
+                        model_version=request.model_version,
+                        id=request.id,
+                    ),
+                )
+            finally:
+                window.release()
+            await responses.put(response)
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    await window.acquire()
+                    task = asyncio.create_task(run_one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*list(tasks))
+            finally:
+                await responses.put(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, deadline: float | None
+    ) -> pb.ModelInferResponse:
+        served = self.models.resolve(request.model_name, request.model_version)
+        result = await self.models.infer(served, request, deadline)
+        return _response(served, request, result)
+
+    async def _resolve(self, context: ServicerContext, name: str, version: str) -> ServedVersion:
+        try:
+            return self.models.resolve(name, version)
+        except errors.ServiceError as exc:
+            await errors.abort(context, exc)
+
+
+def _response(
+    served: ServedVersion, request: pb.ModelInferRequest, result: InferResult
+) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(
+        model_name=served.name, model_version=str(served.version), id=request.id
+    )
+    for tensor in result.outputs:
+        response.outputs.add(
+            name=tensor.name,
+            datatype=from_numpy(np.dtype(tensor.dtype)).name,
+            shape=tensor.shape,
+        )
+        response.raw_output_contents.append(tensor.data)
+    return response
+
+
+def _deadline(context: ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return asyncio.get_running_loop().time() + remaining

@@ -1,0 +1,224 @@
+"""The models being served: loading them into worker instances, finding the one a request
+names, routing it to an instance, and recording what happened."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
+from service import errors
+from service.repository import (
+    ModelFiles,
+    ModelRepository,
+    RepositoryError,
+    check_model_name,
+    complete_config,
+    parse_version,
+)
+from service.statistics import ModelStats
+from service.tensors import config_type_name
+from service.validation import RequestValidator
+from service.workers.instance import InferResult, State, WorkerInstance, WorkerSpec
+
+log = logging.getLogger("paddlequic.models")
+
+
+class VersionState(enum.Enum):
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass
+class ServedVersion:
+    name: str
+    version: int
+    config: mc.ModelConfig
+    state: VersionState = VersionState.LOADING
+    reason: str = ""
+    instances: list[WorkerInstance] = field(default_factory=list)
+    validator: RequestValidator | None = None
+    stats: ModelStats = field(default_factory=ModelStats)
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is VersionState.READY and any(
+            i.state is State.READY for i in self.instances
+        )
+
+    def pick_instance(self) -> WorkerInstance:
+        """Least outstanding work among ready instances; rotate among equals."""
+        ready = [i for i in self.instances if i.state is State.READY] or self.instances
+        least = min(i.outstanding for i in ready)
+        candidates = [i for i in ready if i.outstanding == least]
+        return candidates[next(self._turn) % len(candidates)]
+
+
+class ModelManager:
+    def __init__(self, repository: ModelRepository, on_change: Callable[[], None]) -> None:
+        self.repository = repository
+        self._on_change = on_change
+        self._models: dict[str, dict[int, ServedVersion]] = {}
+        self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
+        self.loading_done = False
+
+    async def load_all(self) -> None:
+        names = self.repository.model_names()
+        if not names:
+            log.warning(
+                "model repository %s holds no models; export the examples with `make models`",
+                self.repository.root,
+            )
+        await asyncio.gather(*(self._load_model(name) for name in names))
+        self.loading_done = True
+        self._on_change()
+
+    async def _load_model(self, name: str) -> None:
+        try:
+            model = self.repository.load(name)
+        except RepositoryError as exc:
+            self._failed[name] = str(exc)
+            log.error("model %s not loaded: %s", name, exc)
+            return
+        versions = {f.version: ServedVersion(name, f.version, model.config) for f in model.versions}
+        self._models[name] = versions
+        self._on_change()
+        await asyncio.gather(*(self._load_version(versions[f.version], f) for f in model.versions))
+
+    async def _load_version(self, served: ServedVersion, files: ModelFiles) -> None:
+        config = served.config
+        count = sum(max(g.count, 1) for g in config.instance_group) or 1
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        served.instances = [
+            WorkerInstance(
+                WorkerSpec(f"{served.name}_{served.version}_cpu{i}", served.name, files, params)
+            )
+            for i in range(count)
+        ]
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(i.start() for i in served.instances), return_exceptions=True
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        try:
+            if failure is not None:
+                raise RepositoryError(f"loading {files.path} failed: {failure}")
+            loaded = results[0]
+            assert not isinstance(loaded, BaseException)
+            served.config = complete_config(config, loaded.inputs, loaded.outputs)
+            served.validator = RequestValidator(served.config)
+        except RepositoryError as exc:
+            served.state, served.reason = VersionState.UNAVAILABLE, str(exc)
+            log.error("model %s version %d not loaded: %s", served.name, served.version, exc)
+            await asyncio.gather(*(i.stop() for i in served.instances))
+            self._on_change()
+            return
+        served.state = VersionState.READY
+        log.info(
+            "loaded model %s version %d on %s in %.1f s: inputs %s -> outputs %s",
+            served.name,
+            served.version,
+            ", ".join(
+                f"{i.spec.instance_name}={i.loaded.device if i.loaded else '?'}"
+                for i in served.instances
+            ),
+            time.monotonic() - started,
+            _describe(served.config.input, served.config.max_batch_size),
+            _describe(served.config.output, served.config.max_batch_size),
+        )
+        self._on_change()
+
+    def resolve(self, name: str, version: str) -> ServedVersion:
+        """The version a request names, or the newest ready one; errors say what exists."""
+        check_model_name(name)
+        number = parse_version(version)
+        versions = self._models.get(name)
+        if versions is None:
+            if name in self._failed:
+                raise errors.unavailable(f"model '{name}' failed to load: {self._failed[name]}")
+            raise errors.not_found(f"unknown model '{name}'; served models: {sorted(self._models)}")
+        # A loaded version whose workers are restarting still takes requests: they wait for
+        # the restart (bounded), which ModelReady reports as not ready meanwhile.
+        if number is None:
+            ready = [v for v in versions.values() if v.state is VersionState.READY]
+            if ready:
+                return max(ready, key=lambda v: v.version)
+            newest = versions[max(versions)]
+            raise errors.unavailable(_not_ready(newest))
+        served = versions.get(number)
+        if served is None:
+            raise errors.not_found(
+                f"model '{name}' has no version {number}; served versions: {sorted(versions)}"
+            )
+        if served.state is not VersionState.READY:
+            raise errors.unavailable(_not_ready(served))
+        return served
+
+    def versions_of(self, name: str) -> list[ServedVersion]:
+        check_model_name(name)
+        return sorted(self._models.get(name, {}).values(), key=lambda v: v.version)
+
+    def all_versions(self) -> list[ServedVersion]:
+        return [v for name in sorted(self._models) for v in self.versions_of(name)]
+
+    @property
+    def all_ready(self) -> bool:
+        return self.loading_done and not self._failed and all(v.ready for v in self.all_versions())
+
+    def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        entries = [
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=v.name, version=str(v.version), state=v.state.value, reason=v.reason
+            )
+            for v in self.all_versions()
+        ]
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason=r)
+            for n, r in sorted(self._failed.items())
+        ]
+        return entries
+
+    async def infer(
+        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
+    ) -> InferResult:
+        started = time.perf_counter_ns()
+        try:
+            assert served.validator is not None
+            job = served.validator.validate(request)
+            result = await served.pick_instance().infer(job, deadline)
+        except BaseException:
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            raise
+        served.stats.record_success(
+            job.batch_size, time.perf_counter_ns() - started, result.queue_ns, result.timings
+        )
+        return result
+
+    async def stop(self) -> None:
+        for served in self.all_versions():
+            served.state = VersionState.UNLOADING
+        await asyncio.gather(*(i.stop() for v in self.all_versions() for i in v.instances))
+        for served in self.all_versions():
+            served.state = VersionState.UNAVAILABLE
+
+
+def _not_ready(served: ServedVersion) -> str:
+    detail = f": {served.reason}" if served.reason else ""
+    return f"model '{served.name}' version {served.version} is {served.state.value.lower()}{detail}"
+
+
+def _describe(tensors: object, max_batch_size: int) -> str:
+    batch = [-1] if max_batch_size > 0 else []
+    return ", ".join(
+        f"{t.name}:{config_type_name(t.data_type).removeprefix('TYPE_')}{batch + list(t.dims)}"
+        for t in tensors  # type: ignore[attr-defined]
+    )

@@ -1,0 +1,215 @@
+"""The model repository on disk: names, versions, config.pbtxt, and completing the config.
+
+Model names and versions arrive from the network, so they are checked here before any of them
+is joined to a path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from protos.inference import model_config_pb2 as mc
+from service import errors
+from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_name
+
+PLATFORM = "paddle_inference"
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_MAX_VERSION = 2**63 - 1
+
+
+class RepositoryError(Exception):
+    """A model in the repository cannot be served; the message says how to fix it."""
+
+
+def check_model_name(name: str) -> str:
+    """Refuse anything but a plain directory name (no separators, no `..`)."""
+    if not _NAME_RE.fullmatch(name) or ".." in name:
+        raise errors.invalid(
+            f"model name {name!r} is not a plain name (letters, digits, '_', '-', '.'; "
+            "no path separators or '..')"
+        )
+    return name
+
+
+def parse_version(version: str) -> int | None:
+    """'' means "the newest ready version"; otherwise a non-negative decimal integer."""
+    if version == "":
+        return None
+    if not version.isdigit() or not version.isascii() or int(version) > _MAX_VERSION:
+        raise errors.invalid(f"model version {version!r} is not a version number")
+    return int(version)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """One numeric version directory and the Paddle files in it."""
+
+    version: int
+    path: Path
+    model_file: Path
+    params_file: Path
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    name: str
+    path: Path
+    config: mc.ModelConfig
+    versions: tuple[ModelFiles, ...]  # the versions the version policy serves, oldest first
+
+
+class ModelRepository:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def model_names(self) -> list[str]:
+        if not self.root.is_dir():
+            raise RepositoryError(
+                f"model repository {self.root} does not exist; export the example models "
+                "with `make models` or pass --model-repository"
+            )
+        return sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and _NAME_RE.fullmatch(p.name)
+        )
+
+    def load(self, name: str) -> RepositoryModel:
+        check_model_name(name)
+        path = self.root / name
+        if not path.is_dir():
+            raise RepositoryError(f"model {name!r} not found in repository {self.root}")
+        config = read_config(path, name)
+        available = _version_dirs(path)
+        if not available:
+            raise RepositoryError(
+                f"model {name!r} has no version directories under {path}; "
+                "export one with `make models`"
+            )
+        chosen = select_versions(config.version_policy, sorted(available))
+        if not chosen:
+            raise RepositoryError(
+                f"model {name!r}: version_policy selects none of the versions "
+                f"{sorted(available)} under {path}"
+            )
+        return RepositoryModel(
+            name, path, config, tuple(_model_files(available[v], v) for v in chosen)
+        )
+
+
+def read_config(path: Path, name: str) -> mc.ModelConfig:
+    config = mc.ModelConfig()
+    config_file = path / "config.pbtxt"
+    if config_file.is_file():
+        try:
+            text_format.Parse(config_file.read_text(), config)
+        except text_format.ParseError as exc:
+            raise RepositoryError(f"{config_file}: {exc}") from exc
+    if config.name and config.name != name:
+        raise RepositoryError(
+            f"{config_file}: name {config.name!r} differs from the directory name {name!r}"
+        )
+    config.name = name
+    if config.platform and config.platform != PLATFORM:
+        raise RepositoryError(
+            f"{config_file}: platform {config.platform!r} is not served here; "
+            f"use platform: {PLATFORM!r}"
+        )
+    config.platform = PLATFORM
+    if config.max_batch_size < 0:
+        raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
+    return config
+
+
+def select_versions(policy: mc.ModelVersionPolicy, available: Sequence[int]) -> list[int]:
+    """Triton's version_policy: latest N (default 1), all, or specific versions."""
+    kind = policy.WhichOneof("policy_choice")
+    if kind == "all":
+        return list(available)
+    if kind == "specific":
+        wanted = set(policy.specific.versions)
+        return [v for v in available if v in wanted]
+    count = policy.latest.num_versions if kind == "latest" else 1
+    return list(available[-max(count, 1) :])
+
+
+def _version_dirs(path: Path) -> dict[int, Path]:
+    return {
+        int(p.name): p
+        for p in path.iterdir()
+        if p.is_dir() and p.name.isdigit() and p.name.isascii() and int(p.name) <= _MAX_VERSION
+    }
+
+
+def _model_files(path: Path, version: int) -> ModelFiles:
+    """Prefer `inference.*`; otherwise the single program file in the directory."""
+    for program_ext in (".json", ".pdmodel"):
+        candidates = [path / f"inference{program_ext}"]
+        if not candidates[0].is_file():
+            candidates = sorted(path.glob(f"*{program_ext}"))
+        for program in candidates:
+            params = program.with_suffix(".pdiparams")
+            if program.is_file() and params.is_file():
+                return ModelFiles(version, path, program, params)
+    raise RepositoryError(
+        f"{path} holds no Paddle model (expected inference.json or inference.pdmodel with "
+        "inference.pdiparams); export one with `make models`"
+    )
+
+
+def complete_config(
+    config: mc.ModelConfig, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> mc.ModelConfig:
+    """Fill inputs/outputs the config omits from what the model file declares, and check the
+    ones it lists against the model, so a wrong config fails at load and not per request."""
+    done = mc.ModelConfig()
+    done.CopyFrom(config)
+    batched = config.max_batch_size > 0
+    for kind, declared, listed in (
+        ("input", inputs, done.input),
+        ("output", outputs, done.output),
+    ):
+        by_name = {t.name: t for t in declared}
+        listed_entries: Sequence[mc.ModelInput | mc.ModelOutput] = listed
+        if not listed_entries:
+            for spec in declared:
+                entry = listed.add()
+                entry.name = spec.name
+                entry.data_type = BY_NAME[spec.datatype].config_type
+                entry.dims.extend(_config_dims(spec, batched))
+            continue
+        for entry in listed_entries:
+            found = by_name.get(entry.name)
+            if found is None:
+                raise RepositoryError(
+                    f"model {config.name!r}: config.pbtxt lists {kind} {entry.name!r} but the "
+                    f"model has {sorted(by_name)}"
+                )
+            spec = found
+            want = BY_NAME[spec.datatype].config_type
+            if entry.data_type != want:
+                raise RepositoryError(
+                    f"model {config.name!r}: {kind} {entry.name!r} is "
+                    f"{config_type_name(entry.data_type)} in config.pbtxt but "
+                    f"{config_type_name(want)} in the model"
+                )
+            if kind == "input" and len(entry.dims) + batched != len(spec.shape):
+                raise RepositoryError(
+                    f"model {config.name!r}: input {entry.name!r} has dims {list(entry.dims)} in "
+                    f"config.pbtxt but shape {list(spec.shape)} in the model"
+                    + (" (the batch dimension is implied by max_batch_size)" if batched else "")
+                )
+    for entry in list(done.input) + list(done.output):
+        if entry.data_type not in BY_CONFIG_TYPE:
+            raise RepositoryError(
+                f"model {config.name!r}: {entry.name!r} has unsupported data_type "
+                f"{config_type_name(entry.data_type)}"
+            )
+    return done
+
+
+def _config_dims(spec: TensorSpec, batched: bool) -> tuple[int, ...]:
+    return spec.shape[1:] if batched and spec.shape else spec.shape

@@ -1,0 +1,123 @@
+"""The server process: load the models, serve the API, stop cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.inference import grpc_service_pb2 as inference_pb2
+from protos.inference import grpc_service_pb2_grpc as inference_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+from service import settings as settings_module
+from service.control_servicer import ControlServicer
+from service.inference_servicer import InferenceServicer
+from service.model_manager import ModelManager
+from service.reflection import add_reflection
+from service.repository import ModelRepository, RepositoryError
+from service.settings import ServerSettings
+
+log = logging.getLogger("paddlequic.server")
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class Health:
+    """grpc.health.v1 statuses: "" and the inference service follow server readiness, and
+    each model name follows that model's readiness."""
+
+    def __init__(self, models: ModelManager) -> None:
+        self.servicer = health_async.HealthServicer()
+        self.models = models
+        self._pending: asyncio.Task[None] | None = None
+
+    def changed(self) -> None:
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.get_running_loop().create_task(self._update())
+
+    async def _update(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        overall = serving if self.models.all_ready else not_serving
+        await self.servicer.set("", overall)
+        await self.servicer.set(INFERENCE_SERVICE, overall)
+        for served in self.models.all_versions():
+            ready = any(v.ready for v in self.models.versions_of(served.name))
+            await self.servicer.set(served.name, serving if ready else not_serving)
+
+
+async def serve(settings: ServerSettings) -> None:
+    loop = asyncio.get_running_loop()
+    health: Health | None = None
+    models = ModelManager(
+        ModelRepository(settings.model_repository),
+        lambda: health.changed() if health else None,
+    )
+    health = Health(models)
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+    ]
+    server = grpc.aio.server(options=options)
+    inference_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(models), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(models), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    add_reflection(server, (INFERENCE_SERVICE, CONTROL_SERVICE, HEALTH_SERVICE))
+    port = server.add_insecure_port(f"{_bracket(settings.host)}:{settings.grpc_port}")
+    await server.start()
+    health.changed()
+    log.info(
+        "listening: gRPC over HTTP/2 on %s:%d (model repository %s)",
+        settings.host,
+        port,
+        settings.model_repository,
+    )
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.create_task(models.load_all())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({loader, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and loader.exception() is not None:
+        stop.set()
+        log.error("%s", loader.exception())
+    elif loader.done():
+        log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
+    await stopped
+    log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
+    await server.stop(settings.grace_period)
+    loader.cancel()
+    await models.stop()
+    log.info("stopped")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = settings_module.parse(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(serve(settings))
+    except RepositoryError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Check an inference request against the model's declared inputs before it reaches a worker.
+
+Paddle silently reuses the previous caller's data for an input that is not set, accepts wrong
+ranks and some wrong dtypes, and can crash on others (notes/paddle-inference.md), so nothing
+that fails here may ever reach a predictor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
+from service.errors import invalid
+from service.tensors import BY_CONFIG_TYPE, Datatype
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    name: str
+    datatype: Datatype
+    shape: tuple[int, ...]
+    data: bytes  # little-endian, row-major, exactly prod(shape) * itemsize bytes
+
+
+@dataclass(frozen=True)
+class InferJob:
+    """A validated request: every declared input exactly once, and the outputs to return."""
+
+    inputs: tuple[InputTensor, ...]
+    outputs: tuple[str, ...]
+    batch_size: int  # 0 when the model does not batch
+
+
+@dataclass(frozen=True)
+class _Declared:
+    datatype: Datatype
+    dims: tuple[int, ...]  # without the batch dimension when the model batches
+
+
+class RequestValidator:
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.model = config.name
+        self.max_batch_size = config.max_batch_size
+        self.inputs = {
+            i.name: _Declared(BY_CONFIG_TYPE[i.data_type], tuple(i.dims)) for i in config.input
+        }
+        self.outputs = tuple(o.name for o in config.output)
+
+    def validate(self, request: pb.ModelInferRequest) -> InferJob:
+        raw = request.raw_input_contents
+        if raw and len(raw) != len(request.inputs):
+            raise invalid(
+                f"model '{self.model}': {len(raw)} raw_input_contents for "
+                f"{len(request.inputs)} inputs; send one per input, in order"
+            )
+        seen: dict[str, InputTensor] = {}
+        for index, tensor in enumerate(request.inputs):
+            if tensor.name in seen:
+                raise invalid(f"input '{tensor.name}' appears more than once")
+            declared = self.inputs.get(tensor.name)
+            if declared is None:
+                raise invalid(
+                    f"model '{self.model}' has no input '{tensor.name}'; "
+                    f"its inputs are {sorted(self.inputs)}"
+                )
+            shape = self._check_shape(tensor, declared)
+            data = (
+                self._raw_data(tensor, raw[index], declared, shape)
+                if raw
+                else self._typed_data(tensor, declared, shape)
+            )
+            seen[tensor.name] = InputTensor(tensor.name, declared.datatype, shape, data)
+        missing = sorted(set(self.inputs) - set(seen))
+        if missing:
+            raise invalid(
+                f"model '{self.model}': missing input(s) {missing}; every input must be sent "
+                "with every request"
+            )
+        return InferJob(tuple(seen.values()), self._outputs(request), self._batch(seen))
+
+    def _check_shape(
+        self, tensor: pb.ModelInferRequest.InferInputTensor, declared: _Declared
+    ) -> tuple[int, ...]:
+        name = tensor.name
+        if tensor.datatype != declared.datatype.name:
+            raise invalid(
+                f"input '{name}': expected datatype {declared.datatype.name}, "
+                f"got {tensor.datatype or 'none'}"
+            )
+        shape = tuple(tensor.shape)
+        expected = ((-1,) if self.max_batch_size > 0 else ()) + declared.dims
+        if len(shape) != len(expected):
+            raise invalid(
+                f"input '{name}': expected rank {len(expected)} (shape {list(expected)}), "
+                f"got shape {list(shape)}"
+            )
+        if any(d <= 0 for d in shape):
+            raise invalid(f"input '{name}': every dimension must be >= 1, got {list(shape)}")
+        for axis, (got, want) in enumerate(zip(shape, expected, strict=True)):
+            if want != -1 and got != want:
+                raise invalid(
+                    f"input '{name}': dimension {axis} must be {want} "
+                    f"(shape {list(expected)}), got {list(shape)}"
+                )
+        if self.max_batch_size > 0 and shape[0] > self.max_batch_size:
+            raise invalid(
+                f"input '{name}': batch size {shape[0]} exceeds max_batch_size "
+                f"{self.max_batch_size} of model '{self.model}'"
+            )
+        return shape
+
+    @staticmethod
+    def _raw_data(
+        tensor: pb.ModelInferRequest.InferInputTensor,
+        data: bytes,
+        declared: _Declared,
+        shape: tuple[int, ...],
+    ) -> bytes:
+        if tensor.HasField("contents"):
+            raise invalid(
+                f"input '{tensor.name}': both raw_input_contents and contents are set; use one"
+            )
+        expected = math.prod(shape) * declared.datatype.numpy.itemsize
+        if len(data) != expected:
+            raise invalid(
+                f"input '{tensor.name}': shape {list(shape)} of {declared.datatype.name} needs "
+                f"{expected} bytes of raw_input_contents, got {len(data)}"
+            )
+        return data
+
+    @staticmethod
+    def _typed_data(
+        tensor: pb.ModelInferRequest.InferInputTensor, declared: _Declared, shape: tuple[int, ...]
+    ) -> bytes:
+        field = declared.datatype.contents_field
+        if field is None:
+            raise invalid(
+                f"input '{tensor.name}': {declared.datatype.name} has no typed contents field; "
+                "send it in raw_input_contents"
+            )
+        values = getattr(tensor.contents, field)
+        count = math.prod(shape)
+        if len(values) != count:
+            raise invalid(
+                f"input '{tensor.name}': shape {list(shape)} needs {count} values in "
+                f"contents.{field}, got {len(values)}"
+            )
+        try:
+            return np.asarray(values, dtype=declared.datatype.numpy).tobytes()
+        except OverflowError as exc:
+            raise invalid(
+                f"input '{tensor.name}': a value does not fit {declared.datatype.name}"
+            ) from exc
+
+    def _outputs(self, request: pb.ModelInferRequest) -> tuple[str, ...]:
+        names = tuple(o.name for o in request.outputs)
+        if not names:
+            return self.outputs
+        if len(set(names)) != len(names):
+            raise invalid(f"requested outputs {list(names)} name an output more than once")
+        unknown = [n for n in names if n not in self.outputs]
+        if unknown:
+            raise invalid(
+                f"model '{self.model}' has no output(s) {unknown}; "
+                f"its outputs are {list(self.outputs)}"
+            )
+        return names
+
+    def _batch(self, inputs: dict[str, InputTensor]) -> int:
+        if self.max_batch_size == 0:
+            return 0
+        sizes = {t.shape[0] for t in inputs.values()}
+        if len(sizes) != 1:
+            raise invalid(f"inputs disagree on the batch size: {sorted(sizes)}")
+        return sizes.pop()

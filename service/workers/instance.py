@@ -1,0 +1,361 @@
+"""The front-end's handle on one worker process: start, send requests, detect death, restart.
+
+The asyncio loop watches the worker's socket directly (no thread per worker). Tensor bytes go
+through a few shared-memory slots per worker, so the next request can be written while the
+worker computes the current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from service import errors
+from service.repository import ModelFiles
+from service.validation import InferJob
+from service.workers import protocol
+from service.workers.shm import Segment, layout
+
+log = logging.getLogger("paddlequic.worker")
+_T = TypeVar("_T")
+
+SLOTS_PER_WORKER = 2
+LOAD_TIMEOUT_S = 600.0
+READY_WAIT_S = 60.0
+MAX_RESTART_DELAY_S = 30.0
+
+
+class State(enum.Enum):
+    STARTING = "STARTING"
+    READY = "READY"
+    RESTARTING = "RESTARTING"
+    STOPPED = "STOPPED"
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class InferResult:
+    outputs: tuple[OutputTensor, ...]
+    timings: protocol.Timings
+    queue_ns: int  # from infer() to the request being handed to the worker
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.input = Segment(0)
+        self.output = Segment(0)
+
+    def write(self, job: InferJob) -> tuple[protocol.TensorRef, ...]:
+        offsets, total = layout(len(t.data) for t in job.inputs)
+        if total > self.input.size:
+            self.input.release()
+            self.input = Segment(total)
+        buf = self.input.buf
+        refs = []
+        for tensor, offset in zip(job.inputs, offsets, strict=True):
+            buf[offset : offset + len(tensor.data)] = tensor.data
+            refs.append(
+                protocol.TensorRef(
+                    tensor.name, tensor.datatype.numpy.str, tensor.shape, offset, len(tensor.data)
+                )
+            )
+        return tuple(refs)
+
+    def read(self, result: protocol.Result) -> tuple[OutputTensor, ...]:
+        if result.inline:
+            _, needed = layout(ref.nbytes for ref in result.outputs)
+            self.output.release()
+            self.output = Segment(needed)
+            return tuple(
+                OutputTensor(r.name, r.dtype, r.shape, result.inline[r.name])
+                for r in result.outputs
+            )
+        buf = self.output.buf
+        return tuple(
+            OutputTensor(r.name, r.dtype, r.shape, bytes(buf[r.offset : r.offset + r.nbytes]))
+            for r in result.outputs
+        )
+
+    def release(self) -> None:
+        self.input.release()
+        self.output.release()
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[InferResult]
+    slot: _Slot
+    queue_ns: int
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker runs and where; placement fills device and environment."""
+
+    instance_name: str
+    model_name: str
+    files: ModelFiles
+    parameters: Mapping[str, str]
+    device: str = "cpu"
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class WorkerInstance:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.state = State.STARTING
+        self.pid = 0
+        self.restarts = 0
+        self.loaded: protocol.Loaded | None = None
+        self._ready = asyncio.Event()
+        self._slots = [_Slot() for _ in range(SLOTS_PER_WORKER)]
+        self._free: asyncio.Queue[_Slot] = asyncio.Queue()
+        for slot in self._slots:
+            self._free.put_nowait(slot)
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._writer: asyncio.StreamWriter | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._started_at = 0.0
+        self._restart_delay = 0.0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    async def start(self) -> protocol.Loaded:
+        """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
+        loaded = await self._launch()
+        self.loaded = loaded
+        return loaded
+
+    async def infer(self, job: InferJob, deadline: float | None) -> InferResult:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter_ns()
+        if not self._ready.is_set():
+            try:
+                await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+            except TimeoutError:
+                raise errors.unavailable(self._not_ready_message()) from None
+        slot = await _until(self._free.get(), deadline, "deadline exceeded waiting for a worker")
+        try:
+            if self.state is not State.READY or self._writer is None:
+                raise errors.unavailable(self._not_ready_message())
+            refs = slot.write(job)
+            request_id = next(self._ids)
+            message = protocol.Infer(
+                request_id, slot.input.name, slot.output.name, slot.output.size, refs, job.outputs
+            )
+            future: asyncio.Future[InferResult] = loop.create_future()
+            self._pending[request_id] = _Pending(future, slot, time.perf_counter_ns() - started)
+            self._writer.write(protocol.encode(message))
+        except BaseException:
+            self._free.put_nowait(slot)
+            raise
+        # From here the slot belongs to the pending entry: the worker may still write into it,
+        # so only its answer (or its death) gives the slot back.
+        try:
+            return await _until(asyncio.shield(future), deadline, "deadline exceeded in the worker")
+        finally:
+            if not future.done():
+                future.cancel()
+
+    async def stop(self) -> None:
+        self.state = State.STOPPED
+        self._ready.clear()
+        if self._restart_task:
+            self._restart_task.cancel()
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.write(protocol.encode(protocol.Shutdown()))
+                await self._writer.drain()
+        if self._process is not None and self._process.returncode is None:
+            try:
+                await asyncio.wait_for(self._process.wait(), 5)
+            except TimeoutError:
+                self._process.kill()
+                await self._process.wait()
+        if self._reader_task:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        self._fail_pending("the server is shutting down")
+        for slot in self._slots:
+            slot.release()
+
+    def _not_ready_message(self) -> str:
+        return (
+            f"model '{self.spec.model_name}' instance {self.spec.instance_name} is "
+            f"{self.state.value.lower()}; retry shortly"
+        )
+
+    async def _launch(self) -> protocol.Loaded:
+        parent, child = socket.socketpair()
+        env = {**os.environ, "GLOG_minloglevel": "2", **self.spec.env}
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "service.workers.main",
+                "--fd",
+                str(child.fileno()),
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            child.close()
+        self.pid = self._process.pid
+        self._started_at = time.monotonic()
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        self._writer = writer
+        files = self.spec.files
+        writer.write(
+            protocol.encode(
+                protocol.Load(
+                    self.spec.model_name,
+                    files.version,
+                    str(files.model_file),
+                    str(files.params_file),
+                    dict(self.spec.parameters),
+                    self.spec.device,
+                )
+            )
+        )
+        try:
+            first = await asyncio.wait_for(_read_message(reader), LOAD_TIMEOUT_S)
+        except TimeoutError:
+            first = protocol.LoadFailed(f"loading took longer than {LOAD_TIMEOUT_S:.0f} s")
+        if not isinstance(first, protocol.Loaded):
+            writer.close()
+            if self._process.returncode is None:
+                self._process.kill()
+            code = await self._process.wait()
+            reason = (
+                first.reason
+                if isinstance(first, protocol.LoadFailed)
+                else f"worker exited ({code})"
+            )
+            raise RuntimeError(reason)
+        self.state = State.READY
+        self._ready.set()
+        self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
+        return first
+
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                message = await _read_message(reader)
+                if message is None:
+                    break
+                if isinstance(message, protocol.Result | protocol.Failed):
+                    self._complete(message)
+        except (ConnectionError, ValueError) as exc:
+            log.warning("worker %s: %s", self.spec.instance_name, exc)
+        finally:
+            writer.close()
+        if self.state is not State.STOPPED:
+            await self._on_death()
+
+    def _complete(self, message: protocol.Result | protocol.Failed) -> None:
+        pending = self._pending.pop(message.request_id, None)
+        if pending is None:
+            return
+        try:
+            if isinstance(message, protocol.Failed):
+                outcome: InferResult | errors.ServiceError = errors.internal(
+                    f"model '{self.spec.model_name}' failed: {message.message}"
+                )
+            else:
+                outcome = InferResult(pending.slot.read(message), message.timings, pending.queue_ns)
+        finally:
+            self._free.put_nowait(pending.slot)
+        if pending.future.done():
+            return
+        if isinstance(outcome, errors.ServiceError):
+            pending.future.set_exception(outcome)
+        else:
+            pending.future.set_result(outcome)
+
+    async def _on_death(self) -> None:
+        self.state = State.RESTARTING
+        self._ready.clear()
+        self._writer = None
+        code = await self._process.wait() if self._process else None
+        how = (
+            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+        )
+        log.error(
+            "worker %s (pid %d) %s; failing %d in-flight request(s) and restarting",
+            self.spec.instance_name,
+            self.pid,
+            how,
+            len(self._pending),
+        )
+        self._fail_pending(
+            f"the worker process for model '{self.spec.model_name}' {how} while running this "
+            "request; it is being restarted"
+        )
+        lived = time.monotonic() - self._started_at
+        self._restart_delay = (
+            0.0 if lived > MAX_RESTART_DELAY_S else min(max(1.0, self._restart_delay * 2), 30.0)
+        )
+        self._restart_task = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        while self.state is State.RESTARTING:
+            await asyncio.sleep(self._restart_delay)
+            try:
+                await self._launch()
+            except (RuntimeError, OSError, TimeoutError) as exc:
+                self._restart_delay = min(max(1.0, self._restart_delay * 2), MAX_RESTART_DELAY_S)
+                log.error("restarting worker %s failed: %s", self.spec.instance_name, exc)
+                continue
+            self.restarts += 1
+            log.info("worker %s restarted (pid %d)", self.spec.instance_name, self.pid)
+
+    def _fail_pending(self, message: str) -> None:
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            self._free.put_nowait(entry.slot)
+            if not entry.future.done():
+                entry.future.set_exception(errors.unavailable(message))
+
+
+async def _read_message(reader: asyncio.StreamReader) -> protocol.Message | None:
+    try:
+        header = await reader.readexactly(protocol.header_size())
+        body = await reader.readexactly(protocol.body_size(header))
+    except asyncio.IncompleteReadError:
+        return None
+    return protocol.decode(body)
+
+
+async def _until(awaitable: Awaitable[_T], deadline: float | None, message: str) -> _T:
+    if deadline is None:
+        return await awaitable
+    remaining = deadline - asyncio.get_running_loop().time()
+    try:
+        return await asyncio.wait_for(awaitable, max(remaining, 0.0))
+    except TimeoutError:
+        raise errors.deadline_exceeded(message) from None

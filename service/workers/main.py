@@ -1,0 +1,120 @@
+"""Entry point of a worker process: `python -m service.workers.main --fd N`.
+
+The front-end sets the environment (device visibility, thread counts) before this process
+starts, so it is in force before paddle is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+import numpy as np
+
+from service.workers import protocol
+from service.workers.shm import MappingCache, layout
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = sock.recv(remaining)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> protocol.Message | None:
+    header = _recv_exact(sock, protocol.header_size())
+    if header is None:
+        return None
+    body = _recv_exact(sock, protocol.body_size(header))
+    return None if body is None else protocol.decode(body)
+
+
+def _infer(model: Any, maps: MappingCache, msg: protocol.Infer) -> protocol.Result:
+    in_map = maps.get(msg.input_segment)
+    inputs = {
+        ref.name: np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=in_map, offset=ref.offset)
+        for ref in msg.inputs
+    }
+    arrays, timings = model.run(inputs, msg.outputs)
+    offsets, total = layout(a.nbytes for a in arrays.values())
+    if total > msg.output_capacity:
+        inline = {name: np.ascontiguousarray(a).tobytes() for name, a in arrays.items()}
+        refs = tuple(
+            protocol.TensorRef(n, a.dtype.str, a.shape, 0, a.nbytes) for n, a in arrays.items()
+        )
+        return protocol.Result(msg.request_id, timings, refs, inline)
+    out_map = maps.get(msg.output_segment)
+    refs_list = []
+    for (name, array), offset in zip(arrays.items(), offsets, strict=True):
+        view = np.ndarray(array.shape, array.dtype, buffer=out_map, offset=offset)
+        view[...] = array
+        refs_list.append(
+            protocol.TensorRef(name, array.dtype.str, array.shape, offset, array.nbytes)
+        )
+    return protocol.Result(msg.request_id, timings, tuple(refs_list))
+
+
+def serve(sock: socket.socket) -> int:
+    load = _recv(sock)
+    if not isinstance(load, protocol.Load):
+        return 2
+    try:
+        from service.backend.paddle_model import PaddleModel
+
+        model = PaddleModel(load)
+    except Exception as exc:
+        sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc))))
+        return 1
+    sock.sendall(protocol.encode(protocol.Loaded(model.inputs, model.outputs, model.device)))
+    maps = MappingCache()
+    while True:
+        msg = _recv(sock)
+        if msg is None or isinstance(msg, protocol.Shutdown):
+            return 0
+        if not isinstance(msg, protocol.Infer):
+            continue
+        reply: protocol.Message
+        try:
+            reply = _infer(model, maps, msg)
+        except Exception as exc:
+            reply = protocol.Failed(msg.request_id, _reason(exc))
+        sock.sendall(protocol.encode(reply))
+
+
+def _reason(exc: BaseException) -> str:
+    """Paddle's exceptions carry a C++ stack; the useful line names the error class."""
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if "Error:" in line or "Error]" in line:
+            return line.strip()[:2000]
+    lines = text.splitlines() or traceback.format_exception_only(exc)
+    return f"{type(exc).__name__}: {lines[0].strip()}"[:2000]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args()
+    # The front-end owns shutdown; Ctrl-C in the terminal must not kill workers first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return serve(sock)
+    finally:
+        sock.close()
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Messages between the front-end and a worker process, and their framing on the socket.
+
+Only small descriptors cross the socket; tensor bytes live in shared memory (shm.py). Both ends
+are our own processes started from the same code, so pickle is safe here.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass, field
+
+from service.tensors import TensorSpec
+
+_HEADER = struct.Struct("<I")
+MAX_MESSAGE = 1 << 31
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lies in a shared-memory segment."""
+
+    name: str
+    dtype: str  # numpy dtype string, e.g. "<f4"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """First message to a new worker: what to load and how."""
+
+    model_name: str
+    version: int
+    model_file: str
+    params_file: str
+    parameters: dict[str, str]
+    device: str
+
+
+@dataclass(frozen=True)
+class Loaded:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    device: str
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Infer:
+    request_id: int
+    input_segment: str
+    output_segment: str
+    output_capacity: int
+    inputs: tuple[TensorRef, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Timings:
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: int
+    timings: Timings
+    outputs: tuple[TensorRef, ...]  # in the output segment
+    # Outputs that did not fit the output segment travel inline; rare, and the front-end grows
+    # the segment for next time.
+    inline: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Message = Load | Loaded | LoadFailed | Infer | Result | Failed | Shutdown
+
+
+def encode(message: Message) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+def header_size() -> int:
+    return _HEADER.size
+
+
+def body_size(header: bytes) -> int:
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_MESSAGE:
+        raise ValueError(f"worker message of {size} bytes exceeds {MAX_MESSAGE}")
+    return int(size)
+
+
+def decode(body: bytes) -> Message:
+    message = pickle.loads(body)
+    if not isinstance(message, Load | Loaded | LoadFailed | Infer | Result | Failed | Shutdown):
+        raise ValueError(f"unexpected worker message {type(message).__name__}")
+    return message

@@ -1,0 +1,1 @@
+"""Wire protocols with no inference knowledge (gRPC framing and status mapping, HTTP/3)."""
