@@ -1,0 +1,65 @@
+"""Run an exported example model in-process with Paddle: the ground truth that served outputs
+are compared with. Only tests import this (paddle never enters the server's front-end)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.servers import EXAMPLE_MODELS
+
+os.environ.setdefault("GLOG_minloglevel", "2")
+warnings.filterwarnings("ignore", message="No ccache found")
+
+
+@functools.cache
+def _predictor(model: str, version: int) -> Any:
+    from paddle import inference
+
+    directory = Path(EXAMPLE_MODELS) / model / str(version)
+    config = inference.Config(
+        str(directory / "inference.json"), str(directory / "inference.pdiparams")
+    )
+    config.disable_glog_info()
+    config.disable_gpu()
+    return inference.create_predictor(config)
+
+
+def run_reference(
+    model: str, inputs: dict[str, np.ndarray[Any, Any]], version: int = 1
+) -> dict[str, np.ndarray[Any, Any]]:
+    predictor = _predictor(model, version)
+    for name, array in inputs.items():
+        handle = predictor.get_input_handle(name)
+        handle.reshape(list(array.shape))
+        handle.copy_from_cpu(np.ascontiguousarray(array))
+    predictor.run()
+    return {
+        name: predictor.get_output_handle(name).copy_to_cpu()
+        for name in predictor.get_output_names()
+    }
+
+
+# Inputs for each example model: batch 3, sequence length 7 where the length varies.
+def example_inputs(model: str, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    if model == "mlp":
+        return {"input": rng.standard_normal((3, 256), dtype=np.float32)}
+    if model == "resnet18":
+        return {"image": rng.standard_normal((2, 3, 224, 224), dtype=np.float32)}
+    if model == "text_classifier":
+        return {"token_ids": rng.integers(0, 1000, (3, 7), dtype=np.int64)}
+    if model == "two_tower":
+        return {
+            "user": rng.standard_normal((3, 32), dtype=np.float32),
+            "item": rng.standard_normal((3, 48), dtype=np.float32),
+        }
+    raise KeyError(model)
+
+
+EXAMPLES = ("mlp", "resnet18", "text_classifier", "two_tower")

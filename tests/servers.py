@@ -1,0 +1,126 @@
+"""Start and stop the real server process for tests, on ports the OS chose."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_MODELS = Path(os.environ.get("PADDLEQUIC_TEST_MODELS", REPO_ROOT / "models"))
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    """A port free on both TCP and UDP (the server uses the same number for both)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind(("127.0.0.1", 0))
+            port = int(tcp.getsockname()[1])
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                try:
+                    udp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no port free on both TCP and UDP")
+
+
+def model_repository(target: Path, names: Sequence[str]) -> Path:
+    """A repository holding some of the example models (symlinked, nothing copied)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        source = EXAMPLE_MODELS / name
+        if not source.is_dir():
+            raise RuntimeError(f"example model {source} is missing; run `make models`")
+        (target / name).symlink_to(source)
+    return target
+
+
+class ServerProcess:
+    def __init__(self, repository: Path, log_path: Path, extra_args: Sequence[str] = ()) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"grpc://{self.address}"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service.server",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(self.port),
+                "--model-repository",
+                str(repository),
+                *extra_args,
+            ],
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.channel = grpc.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+        )
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.control = control_pb2_grpc.ControlStub(self.channel)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self.log_text()}")
+            with contextlib.suppress(grpc.RpcError):
+                if self.stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()}")
+
+    def instances(self, model: str) -> list[control_pb2.Instance]:
+        request = control_pb2.ListInstancesRequest(model_name=model)
+        return list(self.control.ListInstances(request, timeout=5).instances)
+
+    def stop(self) -> int:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def running_server(
+    repository: Path, log_path: Path, extra_args: Sequence[str] = ()
+) -> Iterator[ServerProcess]:
+    server = ServerProcess(repository, log_path, extra_args)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
