@@ -3,6 +3,7 @@ package, which grpcio-reflection lacks), so grpcurl and newer tools both work.""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
@@ -18,6 +19,21 @@ SERVICE_NAMES = (
     alpha_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name,
     v1_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name,
 )
+
+
+class _ReflectionServicer(alpha_async.ReflectionServicer):  # type: ignore[misc]
+    """Also resolves `package.Service.Method` symbols, which upb's descriptor pool does not
+    find (grpc/grpc#34743), so `grpcurl describe SERVICE.METHOD` works."""
+
+    def _file_containing_symbol(self, request: Any, fully_qualified_name: str) -> Any:
+        service, _, method = fully_qualified_name.rpartition(".")
+        try:
+            self._pool.FindFileContainingSymbol(fully_qualified_name)
+        except KeyError:
+            with contextlib.suppress(KeyError):
+                if method in self._pool.FindServiceByName(service).methods_by_name:
+                    fully_qualified_name = service
+        return super()._file_containing_symbol(request, fully_qualified_name)
 
 
 class ReflectionV1Servicer(v1_grpc.ServerReflectionServicer):
@@ -40,6 +56,6 @@ class ReflectionV1Servicer(v1_grpc.ServerReflectionServicer):
 def add_reflection(server: Any, service_names: Sequence[str]) -> None:
     """Register both reflection versions on any server with grpc's registration methods."""
     names = (*service_names, *SERVICE_NAMES)
-    alpha = alpha_async.ReflectionServicer(names)
+    alpha = _ReflectionServicer(names)
     alpha_grpc.add_ServerReflectionServicer_to_server(alpha, server)
     v1_grpc.add_ServerReflectionServicer_to_server(ReflectionV1Servicer(alpha), server)
