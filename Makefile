@@ -13,7 +13,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models serve test lint clean
+.PHONY: help setup proto models certs serve test lint clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -21,6 +21,7 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
+	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
 
 $(BIN)/python:
 	@echo "==> creating $(VENV)"
@@ -49,8 +50,14 @@ $(STAMP_MODELS): scripts/export_models.py $(STAMP_INSTALL)
 
 models: $(STAMP_MODELS)
 
-serve: setup models
-	$(BIN)/paddlequic serve --model-repository $(MODELS) $(ARGS)
+$(CERTS)/server.pem: $(STAMP_INSTALL)
+	@echo "==> creating development certificates in $(CERTS)/"
+	$(BIN)/paddlequic certs --dir $(CERTS)
+
+certs: $(CERTS)/server.pem
+
+serve: setup models certs
+	$(BIN)/paddlequic serve --model-repository $(MODELS) --certs-dir $(CERTS) $(ARGS)
 
 test: setup models
 	$(BIN)/python -m pytest $(ARGS)

@@ -4,6 +4,7 @@ fast and never load server code."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -14,6 +15,9 @@ import grpc
 import numpy as np
 
 DEFAULT_URL = os.environ.get("PADDLEQUIC_URL", "grpc://localhost:8001")
+DEFAULT_CA_FILE = os.environ.get("PADDLEQUIC_CA_FILE") or (
+    "certs/ca.pem" if Path("certs/ca.pem").is_file() else None
+)
 
 
 def _serve(argv: Sequence[str]) -> int:
@@ -22,14 +26,14 @@ def _serve(argv: Sequence[str]) -> int:
     return serve_main(argv)
 
 
-def _client(url: str) -> Any:
+def _client(args: argparse.Namespace) -> Any:
     from clients.inference_client import InferenceClient
 
-    return InferenceClient(url)
+    return InferenceClient(args.url, ca_file=args.ca_file)
 
 
 def _models(args: argparse.Namespace) -> int:
-    with _client(args.url) as client:
+    with _client(args) as client:
         rows = [(m.name, m.version, m.state, m.reason) for m in client.index()]
     width = max((len(r[0]) for r in rows), default=5)
     print(f"{'MODEL':<{width}}  VERSION  STATE        REASON")
@@ -39,10 +43,19 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    with _client(args.url) as client:
+    with _client(args) as client:
         status = client.health(args.model or "")
     print(f"{args.model or 'server'}: {status}")
     return 0 if status == "SERVING" else 1
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from transport.certs import describe_trust, ensure_dev_certificates
+
+    certs, created = ensure_dev_certificates(Path(args.dir), force=args.force)
+    print(f"{'created' if created else 'kept'} development certificates in {certs.directory}")
+    print(describe_trust(certs))
+    return 0
 
 
 def random_inputs(
@@ -69,7 +82,7 @@ def random_inputs(
 
 
 def _infer(args: argparse.Namespace) -> int:
-    with _client(args.url) as client:
+    with _client(args) as client:
         if args.random:
             metadata = client.metadata(args.model, args.model_version)
             inputs = random_inputs(metadata, args.batch, args.seq_len, np.random.default_rng(0))
@@ -100,10 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--url",
             default=DEFAULT_URL,
-            help=f"server URL (env PADDLEQUIC_URL; default {DEFAULT_URL})",
+            help="grpc://HOST:PORT (HTTP/2) or h3://HOST:PORT (HTTP/3) "
+            f"(env PADDLEQUIC_URL; default {DEFAULT_URL})",
+        )
+        command.add_argument(
+            "--ca-file",
+            default=DEFAULT_CA_FILE,
+            help="CA certificate that signed the server's, for h3:// "
+            f"(env PADDLEQUIC_CA_FILE; default {DEFAULT_CA_FILE or 'system roots'})",
         )
         return command
 
+    certs = sub.add_parser("certs", help="create a development CA and server certificate")
+    certs.add_argument("--dir", default="certs", help="where to write them (default certs)")
+    certs.add_argument("--force", action="store_true", help="replace existing ones")
     client_command("models", "list the model repository and each version's state")
     health = client_command("health", "check server (or one model's) health")
     health.add_argument("--model", help="a model name; the whole server when omitted")
@@ -119,10 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    logging.getLogger("quic").setLevel(logging.CRITICAL)  # errors reach the user as statuses
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
     args = build_parser().parse_args(argv)
-    handlers = {"models": _models, "health": _health, "infer": _infer}
+    handlers = {"models": _models, "health": _health, "infer": _infer, "certs": _certs}
     try:
         return handlers[args.command](args)
     except grpc.RpcError as exc:

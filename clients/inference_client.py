@@ -1,14 +1,16 @@
 """A numpy-level client for the Open Inference Protocol: arrays in, arrays out.
 
-`grpc://host:port` speaks gRPC over HTTP/2.
+`grpc://host:port` speaks gRPC over HTTP/2, `h3://host:port` gRPC over HTTP/3 (QUIC, TLS 1.3:
+pass the CA that signed the server's certificate, e.g. the development CA certs/ca.pem).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
@@ -20,6 +22,11 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
 DEFAULT_PORT = 8001
 MAX_MESSAGE_BYTES = 64 << 20
+_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+_T = TypeVar("_T")
 
 # The protocol's datatype names for numpy dtypes (BF16 has no numpy dtype).
 _DATATYPES = {
@@ -52,14 +59,15 @@ class Target:
 
 
 def parse_url(url: str) -> Target:
-    """`grpc://host:port`; a bare `host:port` means grpc."""
+    """`grpc://host:port` (HTTP/2) or `h3://host:port` (HTTP/3); a bare `host:port` means grpc."""
     parts = urlsplit(url if "://" in url else f"grpc://{url}")
-    if parts.scheme != "grpc":
+    if parts.scheme not in ("grpc", "h3"):
         raise ValueError(
-            f"unsupported URL scheme {parts.scheme!r} in {url!r}; use grpc://HOST:PORT"
+            f"unsupported URL scheme {parts.scheme!r} in {url!r}; "
+            "use grpc://HOST:PORT (HTTP/2) or h3://HOST:PORT (HTTP/3)"
         )
     if not parts.hostname:
-        raise ValueError(f"URL {url!r} names no host; use grpc://HOST:PORT")
+        raise ValueError(f"URL {url!r} names no host; use grpc://HOST:PORT or h3://HOST:PORT")
     return Target(parts.scheme, parts.hostname, parts.port or DEFAULT_PORT)
 
 
@@ -80,9 +88,8 @@ def build_request(
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, array in inputs.items():
         request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
-        request.raw_input_contents.append(
-            np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-        )
+        little_endian = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        request.raw_input_contents.append(little_endian.tobytes())
     for name in outputs:
         request.outputs.add(name=name)
     return request
@@ -96,20 +103,77 @@ def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any,
     return arrays
 
 
-class InferenceClient:
-    """Synchronous client; one channel, reused for every call."""
+class AsyncInferenceClient:
+    """Async client; `grpc://` uses grpc.aio over HTTP/2, `h3://` the QUIC channel. Both drive
+    the same generated stub. Create it inside the event loop that uses it."""
 
-    def __init__(self, url: str = f"grpc://localhost:{DEFAULT_PORT}") -> None:
+    def __init__(
+        self, url: str = f"grpc://localhost:{DEFAULT_PORT}", ca_file: str | None = None
+    ) -> None:
         self.target = parse_url(url)
-        self._channel = grpc.insecure_channel(
-            self.target.address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        self._channel: Any
+        if self.target.scheme == "h3":
+            from clients.quic_channel import QuicChannel
+
+            self._channel = QuicChannel(self.target.address, ca_file=ca_file)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.target.address, options=_OPTIONS)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        outputs: Sequence[str] = (),
+        version: str = "",
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        request = build_request(model, inputs, outputs, version)
+        return parse_response(await self.stub.ModelInfer(request, timeout=timeout))
+
+    async def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
+        request = pb.ModelMetadataRequest(name=model, version=version)
+        response: pb.ModelMetadataResponse = await self.stub.ModelMetadata(request)
+        return response
+
+    async def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        return list((await self.stub.RepositoryIndex(pb.RepositoryIndexRequest())).models)
+
+    async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = await self._health.Check(request, timeout=timeout)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class InferenceClient:
+    """Synchronous facade: the async client runs on a private event loop thread, so both
+    transports behave the same and calls from any thread are safe."""
+
+    def __init__(
+        self, url: str = f"grpc://localhost:{DEFAULT_PORT}", ca_file: str | None = None
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def create() -> AsyncInferenceClient:
+            return AsyncInferenceClient(url, ca_file)
+
+        self._client = self._run(create())
+        self.target = self._client.target
+
+    def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def infer(
         self,
@@ -119,34 +183,26 @@ class InferenceClient:
         version: str = "",
         timeout: float | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
-        request = build_request(model, inputs, outputs, version)
-        return parse_response(self.stub.ModelInfer(request, timeout=timeout))
+        return self._run(self._client.infer(model, inputs, outputs, version, timeout))
 
     def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
-        response: pb.ModelMetadataResponse = self.stub.ModelMetadata(
-            pb.ModelMetadataRequest(name=model, version=version)
-        )
-        return response
+        return self._run(self._client.metadata(model, version))
 
     def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
-        return list(self.stub.RepositoryIndex(pb.RepositoryIndexRequest()).models)
+        return self._run(self._client.index())
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
-        response = self._health.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        return self._run(self._client.health(service, timeout))
 
     def close(self) -> None:
-        self._channel.close()
+        if self._loop.is_running():
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
 
     def __enter__(self) -> InferenceClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -6,11 +6,29 @@ from protos.paddlequic.v1 import control_pb2 as pb
 from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
 from service.errors import ServicerContext
 from service.model_manager import ModelManager
+from transport.h3_server import H3Server
 
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, models: ModelManager) -> None:
         self.models = models
+        self.h3: H3Server | None = None  # set once HTTP/3 listens
+
+    async def TransportStats(
+        self, request: pb.TransportStatsRequest, context: ServicerContext
+    ) -> pb.TransportStatsResponse:
+        if self.h3 is None:
+            return pb.TransportStatsResponse(h3_enabled=False)
+        stats = self.h3.stats
+        return pb.TransportStatsResponse(
+            h3_enabled=True,
+            h3_connections=stats.connections,
+            h3_calls=stats.calls,
+            h3_rejected_streams=stats.rejected_streams,
+            h3_peak_send_buffered=self.h3.peak_send_buffered(),
+            h3_blocked_writers=self.h3.blocked_writers(),
+            h3_handshakes=stats.handshakes,
+        )
 
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: ServicerContext

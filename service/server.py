@@ -7,6 +7,9 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import _async as health_async
@@ -14,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.inference import grpc_service_pb2 as inference_pb2
 from protos.inference import grpc_service_pb2_grpc as inference_grpc
-from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from service import settings as settings_module
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
@@ -22,12 +25,17 @@ from service.model_manager import ModelManager
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
 from service.settings import ServerSettings
+from service.testing_servicer import TestingServicer
+from transport.certs import describe_trust, ensure_dev_certificates
+from transport.h3_protocol import H3Settings
+from transport.h3_server import H3Server
 
 log = logging.getLogger("paddlequic.server")
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 CONTROL_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Control"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+TESTING_SERVICE = testing_pb2.DESCRIPTOR.services_by_name["Testing"].full_name
 
 
 class Health:
@@ -67,19 +75,23 @@ async def serve(settings: ServerSettings) -> None:
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ]
     server = grpc.aio.server(options=options)
-    inference_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(models), server)
-    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(models), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    add_reflection(server, (INFERENCE_SERVICE, CONTROL_SERVICE, HEALTH_SERVICE))
+    servicers = _Servicers(
+        InferenceServicer(models),
+        ControlServicer(models),
+        health.servicer,
+        TestingServicer() if settings.testing_service else None,
+    )
+    servicers.register(server)
     port = server.add_insecure_port(f"{_bracket(settings.host)}:{settings.grpc_port}")
     await server.start()
-    health.changed()
     log.info(
         "listening: gRPC over HTTP/2 on %s:%d (model repository %s)",
         settings.host,
         port,
         settings.model_repository,
     )
+    h3_server = await _start_h3(settings, port, servicers) if settings.h3 else None
+    health.changed()
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -94,10 +106,53 @@ async def serve(settings: ServerSettings) -> None:
         log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
     await stopped
     log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
-    await server.stop(settings.grace_period)
+    await asyncio.gather(
+        server.stop(settings.grace_period),
+        *([h3_server.stop(settings.grace_period)] if h3_server else []),
+    )
     loader.cancel()
     await models.stop()
     log.info("stopped")
+
+
+@dataclass(frozen=True)
+class _Servicers:
+    """The servicer objects, registered on every transport: the same instances serve both."""
+
+    inference: InferenceServicer
+    control: ControlServicer
+    health: health_async.HealthServicer
+    testing: TestingServicer | None
+
+    def register(self, server: Any) -> None:
+        inference_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, server)
+        control_pb2_grpc.add_ControlServicer_to_server(self.control, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [INFERENCE_SERVICE, CONTROL_SERVICE, HEALTH_SERVICE]
+        if self.testing is not None:
+            testing_pb2_grpc.add_TestingServicer_to_server(self.testing, server)
+            names.append(TESTING_SERVICE)
+        add_reflection(server, names)
+
+
+async def _start_h3(settings: ServerSettings, tcp_port: int, servicers: _Servicers) -> H3Server:
+    if settings.tls_cert:
+        cert, key = Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)
+    else:
+        certs, created = ensure_dev_certificates(settings.certs_dir)
+        cert, key = certs.server_cert, certs.server_key
+        log.info(
+            "%s development certificates in %s\n%s",
+            "created" if created else "using",
+            certs.directory,
+            describe_trust(certs),
+        )
+    h3_server = H3Server(H3Settings(max_message=settings.max_message_bytes))
+    servicers.register(h3_server)
+    port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)
+    servicers.control.h3 = h3_server
+    log.info("listening: gRPC over HTTP/3 (QUIC, TLS 1.3) on %s:%d/udp", settings.host, port)
+    return h3_server
 
 
 def _bracket(host: str) -> str:
@@ -111,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection
     try:
         asyncio.run(serve(settings))
     except RepositoryError as exc:

@@ -19,8 +19,14 @@ class ServerSettings:
     host: str = "0.0.0.0"
     grpc_port: int = 8001
     log_level: str = "info"
+    h3: bool = True
+    h3_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    certs_dir: Path = Path("certs")
     grace_period: float = 5.0
     max_message_bytes: int = 64 << 20
+    testing_service: bool = False
 
 
 _HELP = {
@@ -28,8 +34,14 @@ _HELP = {
     "host": "address to listen on",
     "grpc_port": "TCP port for gRPC over HTTP/2 (0: any free port)",
     "log_level": "debug, info, warning or error",
+    "h3": "also serve gRPC over HTTP/3 (QUIC, UDP)",
+    "h3_port": "UDP port for HTTP/3 (0: the same number as the HTTP/2 port)",
+    "tls_cert": "PEM certificate chain for HTTP/3 (empty: development certificates)",
+    "tls_key": "PEM private key for --tls-cert",
+    "certs_dir": "where development certificates are created and found",
     "grace_period": "seconds in-flight calls may take to finish on shutdown",
     "max_message_bytes": "largest request or response message accepted",
+    "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
 }
 
 
@@ -46,12 +58,20 @@ def build_parser(prog: str = "paddlequic serve") -> argparse.ArgumentParser:
     for f in fields(ServerSettings):
         default = getattr(defaults, f.name)
         env = env_name(f.name)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{_HELP[f.name]} (env {env}; default {default})"
+        if isinstance(default, bool):
+            value = os.environ.get(env)
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default if value is None else value.lower() in ("1", "true", "yes", "on"),
+                help=help_text,
+            )
+            continue
         kind: Any = type(default)
         parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=kind,
-            default=kind(os.environ.get(env, default)),
-            help=f"{_HELP[f.name]} (env {env}; default {default})",
+            flag, type=kind, default=kind(os.environ.get(env, default)), help=help_text
         )
     return parser
 

@@ -1,0 +1,474 @@
+"""A grpc.aio-compatible channel over HTTP/3 (QUIC), so generated stubs work unchanged:
+`GRPCInferenceServiceStub(QuicChannel("localhost:8001", ca_file="certs/ca.pem"))`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Generator, Iterable
+from types import TracebackType
+from typing import Any
+
+import grpc
+from grpc.aio import EOF, AioRpcError, Metadata  # type: ignore[attr-defined]
+
+from transport import headers as wire
+from transport.framing import encode_message
+from transport.h3_client import H3ClientConnection, client_configuration
+from transport.h3_protocol import H3Settings, H3Stream, StreamClosed
+
+Serializer = Callable[[Any], bytes] | None
+Deserializer = Callable[[bytes], Any] | None
+MetadataArg = Iterable[tuple[str, str | bytes]] | None
+DEFAULT_PORT = 8001
+
+
+def _split_target(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return target.strip("[]"), DEFAULT_PORT
+    return host.strip("[]"), int(port)
+
+
+class QuicChannel:
+    """Connects lazily, reuses one connection for every call, and opens a new one after the
+    old one died or the server sent GOAWAY."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        ca_file: str | None = None,
+        server_name: str | None = None,
+        settings: H3Settings | None = None,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        self.host, self.port = _split_target(target)
+        self.authority = f"{self.host}:{self.port}" if ":" not in self.host else target
+        self._ca_file = ca_file
+        self._server_name = server_name or self.host
+        self._settings = settings or H3Settings()
+        self._idle_timeout_s = idle_timeout_s
+        self._connection: H3ClientConnection | None = None
+        self._old: list[H3ClientConnection] = []
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def connection(self) -> H3ClientConnection:
+        if self._closed:
+            raise StreamClosed(grpc.StatusCode.CANCELLED, "the channel is closed")
+        async with self._lock:
+            if self._connection is None or not self._connection.usable:
+                if self._connection is not None:
+                    self._old.append(self._connection)
+                configuration = client_configuration(
+                    self._server_name, self._ca_file, None, self._idle_timeout_s, self._settings
+                )
+                try:
+                    self._connection = await H3ClientConnection.connect(
+                        self.host, self.port, configuration, self._settings
+                    )
+                    await self._connection.wait_connected()
+                except (ConnectionError, OSError) as exc:
+                    self._connection = None
+                    raise StreamClosed(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"failed to connect to {self.authority} over HTTP/3: "
+                        f"{exc or type(exc).__name__}",
+                    ) from exc
+            return self._connection
+
+    async def channel_ready(self) -> None:
+        await self.connection()
+
+    async def close(self, grace: float | None = None) -> None:
+        self._closed = True
+        for connection in [*self._old, *([self._connection] if self._connection else [])]:
+            await connection.close()
+        self._connection = None
+        self._old.clear()
+
+    async def __aenter__(self) -> QuicChannel:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+    ) -> _MultiCallable:
+        return _MultiCallable(
+            self, method, request_serializer, response_deserializer, UnaryUnaryCall
+        )
+
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+    ) -> _MultiCallable:
+        return _MultiCallable(
+            self, method, request_serializer, response_deserializer, UnaryStreamCall
+        )
+
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+    ) -> _MultiCallable:
+        return _MultiCallable(
+            self, method, request_serializer, response_deserializer, StreamUnaryCall
+        )
+
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+    ) -> _MultiCallable:
+        return _MultiCallable(
+            self, method, request_serializer, response_deserializer, StreamStreamCall
+        )
+
+
+class _MultiCallable:
+    def __init__(
+        self,
+        channel: QuicChannel,
+        method: str,
+        serializer: Serializer,
+        deserializer: Deserializer,
+        call_type: type[_Call],
+    ) -> None:
+        self._channel = channel
+        self._method = method
+        self._serializer = serializer or (lambda m: m)
+        self._deserializer = deserializer or (lambda b: b)
+        self._call_type = call_type
+
+    def __call__(
+        self,
+        request: Any = None,
+        *,
+        timeout: float | None = None,
+        metadata: MetadataArg = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._call_type(
+            self._channel,
+            self._method,
+            self._serializer,
+            self._deserializer,
+            request,
+            timeout,
+            tuple(metadata or ()),
+        )
+
+
+class _Call:
+    """State shared by the four call kinds: one HTTP/3 request stream."""
+
+    request_streaming = False
+
+    def __init__(
+        self,
+        channel: QuicChannel,
+        method: str,
+        serializer: Callable[[Any], bytes],
+        deserializer: Callable[[bytes], Any],
+        request: Any,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str | bytes], ...],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._channel = channel
+        self._method = method
+        self._serialize = serializer
+        self._deserialize = deserializer
+        self._deadline = None if timeout is None else loop.time() + timeout
+        self._timeout = timeout
+        self._metadata = metadata
+        self._stream: H3Stream | None = None
+        self._initial: Metadata | None = None
+        self._status: tuple[grpc.StatusCode, str, Metadata] | None = None
+        self._status_ready = asyncio.Event()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._cancel_requested = False
+        self._timer = (
+            loop.call_at(self._deadline, self._expire) if self._deadline is not None else None
+        )
+        self._started: asyncio.Task[H3Stream] = loop.create_task(self._start())
+        self._writer: asyncio.Task[None] | None = None
+        if self.request_streaming and request is not None:
+            self._writer = loop.create_task(self._write_all(request))
+        elif not self.request_streaming:
+            self._writer = loop.create_task(self._send_unary(request))
+
+    # stream set-up and teardown
+
+    async def _start(self) -> H3Stream:
+        try:
+            connection = await self._channel.connection()
+            stream = connection.open_stream()
+        except StreamClosed as exc:
+            self._finish(exc.status, exc.message, Metadata())
+            raise
+        self._stream = stream
+        if self._cancel_requested:
+            stream.cancel()
+        remaining = None if self._deadline is None else self._remaining()
+        stream.send_headers(
+            wire.request_headers(self._channel.authority, self._method, remaining, self._metadata)
+        )
+        return stream
+
+    def _remaining(self) -> float:
+        assert self._deadline is not None
+        return max(self._deadline - asyncio.get_running_loop().time(), 0.0)
+
+    def _expire(self) -> None:
+        if self._status is None:
+            self._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", Metadata())
+            self._abandon_stream()
+
+    def _abandon_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream.protocol.forget(self._stream.stream_id)
+        else:
+            self._cancel_requested = True
+
+    def _finish(self, code: grpc.StatusCode, details: str, trailing: Metadata) -> None:
+        if self._status is not None:
+            return
+        self._status = (code, details, trailing)
+        self._status_ready.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._stream is not None and code == grpc.StatusCode.OK:
+            self._stream.protocol.forget(self._stream.stream_id)
+        for callback in self._callbacks:
+            callback(self)
+
+    def _error(self) -> AioRpcError:
+        assert self._status is not None
+        code, details, trailing = self._status
+        return AioRpcError(code, self._initial or Metadata(), trailing, details, None)
+
+    async def _stream_ready(self) -> H3Stream:
+        try:
+            return await asyncio.shield(self._started)
+        except StreamClosed:
+            raise self._error() from None
+
+    # sending
+
+    async def _send_unary(self, request: Any) -> None:
+        with contextlib.suppress(StreamClosed, AioRpcError):
+            stream = await self._stream_ready()
+            await stream.send_data(encode_message(self._serialize(request)), end=True)
+
+    async def _write_all(self, requests: Any) -> None:
+        with contextlib.suppress(StreamClosed, AioRpcError):
+            if hasattr(requests, "__aiter__"):
+                async for request in requests:
+                    await self.write(request)
+            else:
+                for request in requests:
+                    await self.write(request)
+            await self.done_writing()
+
+    async def write(self, request: Any) -> None:
+        stream = await self._stream_ready()
+        if self._status is not None:
+            raise self._error()
+        try:
+            await stream.send_data(encode_message(self._serialize(request)))
+        except StreamClosed:
+            await self._receive_status()
+            raise self._error() from None
+
+    async def done_writing(self) -> None:
+        stream = await self._stream_ready()
+        with contextlib.suppress(StreamClosed):
+            await stream.send_data(b"", end=True)
+
+    # receiving
+
+    async def _headers(self) -> Metadata | None:
+        """Response headers; None when the call already has its status."""
+        if self._initial is not None:
+            return self._initial
+        stream = await self._stream_ready()
+        try:
+            headers = await stream.wait_headers()
+        except StreamClosed as exc:
+            self._finish(exc.status, exc.message, Metadata())
+            return None
+        if wire.is_trailers_only(headers):
+            status = wire.parse_trailers(headers)
+            self._initial = Metadata()
+            self._finish(status.code, status.message, Metadata(*status.metadata))
+            return None
+        head = wire.parse_response_headers(headers)
+        if isinstance(head, wire.Status):
+            self._initial = Metadata()
+            self._finish(head.code, head.message, Metadata(*head.metadata))
+            return None
+        self._initial = Metadata(*head.metadata)
+        return self._initial
+
+    async def _read(self) -> Any:
+        """The next response message, or EOF once the status is known and OK."""
+        if self._status is None and await self._headers() is not None:
+            assert self._stream is not None
+            try:
+                data = await self._stream.read_message()
+            except StreamClosed as exc:
+                self._finish(exc.status, exc.message, Metadata())
+            else:
+                if data is not None:
+                    return self._deserialize(data)
+                await self._receive_status()
+        assert self._status is not None
+        if self._status[0] != grpc.StatusCode.OK:
+            raise self._error()
+        return EOF
+
+    async def _receive_status(self) -> None:
+        if self._status is not None or self._stream is None:
+            return
+        try:
+            await self._stream.wait_closed()
+        except StreamClosed as exc:
+            self._finish(exc.status, exc.message, Metadata())
+            return
+        if self._stream.error is not None:
+            self._finish(self._stream.error.status, self._stream.error.message, Metadata())
+        elif self._stream.trailers is None:
+            self._finish(grpc.StatusCode.INTERNAL, "the server sent no trailers", Metadata())
+        else:
+            status = wire.parse_trailers(self._stream.trailers)
+            self._finish(status.code, status.message, Metadata(*status.metadata))
+
+    async def _unary_response(self) -> Any:
+        response = await self._read()
+        if response is EOF:
+            raise AioRpcError(
+                grpc.StatusCode.INTERNAL,
+                self._initial or Metadata(),
+                Metadata(),
+                "the server sent no response message",
+                None,
+            )
+        extra = await self._read()
+        if extra is not EOF:
+            raise AioRpcError(
+                grpc.StatusCode.INTERNAL,
+                self._initial or Metadata(),
+                Metadata(),
+                "the server sent more than one response message",
+                None,
+            )
+        return response
+
+    # grpc.aio.Call
+
+    def cancel(self) -> bool:
+        if self._status is not None:
+            return False
+        self._finish(grpc.StatusCode.CANCELLED, "Locally cancelled by application!", Metadata())
+        self._abandon_stream()
+        return True
+
+    def cancelled(self) -> bool:
+        return self._status is not None and self._status[0] == grpc.StatusCode.CANCELLED
+
+    def done(self) -> bool:
+        return self._status is not None
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._remaining()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if self._status is not None:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    async def initial_metadata(self) -> Metadata:
+        await self._headers()
+        return self._initial or Metadata()
+
+    async def trailing_metadata(self) -> Metadata:
+        await self._wait_status()
+        assert self._status is not None
+        return self._status[2]
+
+    async def code(self) -> grpc.StatusCode:
+        await self._wait_status()
+        assert self._status is not None
+        return self._status[0]
+
+    async def details(self) -> str:
+        await self._wait_status()
+        assert self._status is not None
+        return self._status[1]
+
+    async def wait_for_connection(self) -> None:
+        await self._stream_ready()
+
+    async def _wait_status(self) -> None:
+        while self._status is None:
+            try:
+                if await self._read() is EOF:
+                    return
+            except AioRpcError:
+                return
+
+
+class UnaryUnaryCall(_Call):
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._unary_response().__await__()
+
+
+class _ResponseStream(_Call):
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        while (message := await self._read()) is not EOF:
+            yield message
+
+    async def read(self) -> Any:
+        return await self._read()
+
+
+class UnaryStreamCall(_ResponseStream):
+    pass
+
+
+class StreamUnaryCall(_Call):
+    request_streaming = True
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._unary_response().__await__()
+
+
+class StreamStreamCall(_ResponseStream):
+    request_streaming = True

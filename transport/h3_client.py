@@ -1,0 +1,132 @@
+"""The client end of a gRPC-over-HTTP/3 connection: connect, open request streams, learn of
+GOAWAY and connection loss."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import grpc
+from aioquic.asyncio.client import connect
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.tls import SessionTicket
+
+from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
+
+
+class _ClientProtocol(GrpcH3Protocol):
+    def __init__(
+        self, quic: QuicConnection, stream_handler: object = None, *, settings: H3Settings
+    ) -> None:
+        super().__init__(quic, settings=settings)
+        self.handshake: asyncio.Future[events.HandshakeCompleted] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def handshake_completed(self, event: events.HandshakeCompleted) -> None:
+        if not self.handshake.done():
+            self.handshake.set_result(event)
+
+    def connection_lost_hook(self) -> None:
+        if not self.handshake.done():
+            assert self.terminated is not None
+            self.handshake.set_exception(ConnectionError(self.terminated.message))
+
+    def _goaway_received(self, stream_id: int) -> None:
+        super()._goaway_received(stream_id)
+        refused = StreamClosed(
+            grpc.StatusCode.UNAVAILABLE, "the server is going away (GOAWAY); retry the call"
+        )
+        for sid, stream in list(self.streams.items()):
+            if sid >= stream_id:
+                stream.fail(refused)
+
+    def open_stream(self) -> H3Stream:
+        stream_id = self._quic.get_next_available_stream_id()
+        stream = H3Stream(self, stream_id)
+        self.streams[stream_id] = stream
+        return stream
+
+
+class H3ClientConnection:
+    """One QUIC connection carrying many calls; unusable once closed or told to go away."""
+
+    def __init__(self, protocol: _ClientProtocol, stack: contextlib.AsyncExitStack) -> None:
+        self.protocol = protocol
+        self._stack = stack
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        configuration: QuicConfiguration,
+        settings: H3Settings | None = None,
+        session_ticket_handler: Any = None,
+    ) -> H3ClientConnection:
+        """Start the handshake without waiting for it, so the first request can ride along
+        as 0-RTT early data when the configuration carries a session ticket."""
+        chosen = settings or H3Settings()
+
+        def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
+            return _ClientProtocol(quic, settings=chosen)
+
+        stack = contextlib.AsyncExitStack()
+        protocol = await stack.enter_async_context(
+            connect(
+                host,
+                port,
+                configuration=configuration,
+                create_protocol=create_protocol,
+                session_ticket_handler=session_ticket_handler,
+                wait_connected=False,
+            )
+        )
+        assert isinstance(protocol, _ClientProtocol)
+        # After connect(): the H3 control streams must use the transport parameters that a
+        # session ticket restored (notes/aioquic.md).
+        protocol.ensure_h3()
+        protocol.transmit()
+        return cls(protocol, stack)
+
+    async def wait_connected(self) -> events.HandshakeCompleted:
+        return await asyncio.shield(self.protocol.handshake)
+
+    @property
+    def usable(self) -> bool:
+        return self.protocol.terminated is None and self.protocol.goaway_stream_id is None
+
+    def open_stream(self) -> H3Stream:
+        if self.protocol.terminated is not None:
+            raise self.protocol.terminated
+        return self.protocol.open_stream()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._stack.aclose(), 2.0)
+
+
+def client_configuration(
+    server_name: str,
+    ca_file: str | None = None,
+    session_ticket: SessionTicket | None = None,
+    idle_timeout_s: float = 60.0,
+    settings: H3Settings | None = None,
+) -> QuicConfiguration:
+    chosen = settings or H3Settings()
+    configuration = QuicConfiguration(
+        is_client=True,
+        alpn_protocols=H3_ALPN,
+        server_name=server_name,
+        idle_timeout=idle_timeout_s,
+        max_data=chosen.connection_window,
+        max_stream_data=chosen.stream_window,
+    )
+    if ca_file:
+        configuration.load_verify_locations(cafile=ca_file)
+    configuration.session_ticket = session_ticket
+    return configuration

@@ -1,0 +1,369 @@
+"""A gRPC server on HTTP/3 (aioquic) that drives the same grpc.RpcMethodHandlers as grpc.aio,
+so `add_XServicer_to_server(servicer, server)` registers one servicer on both transports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+from aioquic.asyncio.server import QuicServer, serve
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.tls import SessionTicket
+from grpc.aio import AbortError
+
+from transport import headers as wire
+from transport.errors import ProtocolError
+from transport.h3_context import H3ServicerContext
+from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
+from transport.status import H3_NO_ERROR, H3_REQUEST_REJECTED
+
+log = logging.getLogger("paddlequic.h3.server")
+
+
+@dataclass(frozen=True)
+class _CallDetails:
+    """grpc.HandlerCallDetails for generic handlers."""
+
+    method: str
+    invocation_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+@dataclass
+class H3ServerStats:
+    connections: int = 0
+    calls: int = 0
+    rejected_streams: int = 0
+    peak_send_buffered: int = 0
+    handshakes: dict[str, int] = field(default_factory=dict)
+
+
+class _ServerProtocol(GrpcH3Protocol):
+    def __init__(
+        self,
+        quic: QuicConnection,
+        stream_handler: object = None,
+        *,
+        settings: H3Settings,
+        server: H3Server,
+    ) -> None:
+        super().__init__(quic, settings=settings)
+        self.server = server
+        self.handshake_done = False
+        self.highest_stream_id = -4
+        server.connection_opened(self)
+
+    def stream_opened(self, stream_id: int) -> H3Stream | None:
+        if self.server.shutting_down or (
+            self.goaway_sent is not None and stream_id >= self.goaway_sent
+        ):
+            self.server.stats.rejected_streams += 1
+            self.reset(stream_id, H3_REQUEST_REJECTED)
+            return None
+        stream = H3Stream(self, stream_id)
+        self.streams[stream_id] = stream
+        self.highest_stream_id = max(self.highest_stream_id, stream_id)
+        self.server.start_call(self, stream)
+        return stream
+
+    goaway_sent: int | None = None
+
+    def send_goaway(self) -> None:
+        if self.goaway_sent is None and self.terminated is None:
+            self.goaway_sent = self.highest_stream_id + 4
+            self.ensure_h3().send_goaway(self.goaway_sent)
+            self.transmit_soon()
+
+    def handshake_completed(self, event: events.HandshakeCompleted) -> None:
+        self.handshake_done = True
+        kind = "resumed" if event.session_resumed else "full"
+        self.server.count_handshake(kind)
+
+    def connection_lost_hook(self) -> None:
+        self.server.connection_closed(self)
+
+    def peer(self) -> str:
+        paths = self._quic._network_paths
+        if not paths:
+            return "unknown"
+        host, port = paths[0].addr[:2]
+        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+
+class H3Server:
+    def __init__(
+        self,
+        settings: H3Settings | None = None,
+        session_ticket_fetcher: Callable[[bytes], SessionTicket | None] | None = None,
+        session_ticket_handler: Callable[[SessionTicket], None] | None = None,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        self.settings = settings or H3Settings()
+        self._ticket_fetcher = session_ticket_fetcher
+        self._ticket_handler = session_ticket_handler
+        self._idle_timeout_s = idle_timeout_s
+        self._registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        self._generic: list[grpc.GenericRpcHandler[Any, Any]] = []
+        self._connections: set[_ServerProtocol] = set()
+        self._calls: set[asyncio.Task[None]] = set()
+        self._quic_server: QuicServer | None = None
+        self.shutting_down = False
+        self.stats = H3ServerStats()
+
+    # grpc.aio.Server's registration API
+
+    def add_generic_rpc_handlers(
+        self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
+    ) -> None:
+        self._generic.extend(handlers)
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        for method, handler in method_handlers.items():
+            self._registered[f"/{service_name}/{method}"] = handler
+
+    def lookup(
+        self, method: str, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self._registered.get(method)
+        if handler is not None:
+            return handler
+        details = _CallDetails(method, metadata)
+        for generic in self._generic:
+            found = generic.service(details)  # type: ignore[arg-type]
+            if found is not None:
+                return found
+        return None
+
+    # life cycle
+
+    async def start(self, host: str, port: int, certfile: Path, keyfile: Path) -> int:
+        """Listen on UDP; returns the bound port."""
+        configuration = QuicConfiguration(
+            is_client=False,
+            alpn_protocols=H3_ALPN,
+            idle_timeout=self._idle_timeout_s,
+            max_data=self.settings.connection_window,
+            max_stream_data=self.settings.stream_window,
+        )
+        configuration.load_cert_chain(certfile, keyfile)
+
+        def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
+            return _ServerProtocol(quic, settings=self.settings, server=self)
+
+        self._quic_server = await serve(
+            host,
+            port,
+            configuration=configuration,
+            create_protocol=create_protocol,
+            session_ticket_fetcher=self._ticket_fetcher,
+            session_ticket_handler=self._ticket_handler,
+        )
+        sockname = self._quic_server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        return int(sockname[1])
+
+    async def stop(self, grace: float | None) -> None:
+        """GOAWAY, refuse new streams, let in-flight calls finish within `grace`, close."""
+        self.shutting_down = True
+        for connection in list(self._connections):
+            connection.send_goaway()
+        if self._calls and grace:
+            await asyncio.wait(set(self._calls), timeout=grace)
+        for task in list(self._calls):
+            task.cancel()
+        if self._calls:
+            await asyncio.wait(set(self._calls), timeout=1.0)
+        for connection in list(self._connections):
+            connection.close(error_code=H3_NO_ERROR, reason_phrase="server shutting down")
+        await asyncio.sleep(0)
+        if self._quic_server is not None:
+            self._quic_server.close()
+            self._quic_server = None
+
+    def connection_opened(self, connection: _ServerProtocol) -> None:
+        self._connections.add(connection)
+        self.stats.connections += 1
+
+    def connection_closed(self, connection: _ServerProtocol) -> None:
+        self._connections.discard(connection)
+        self.stats.peak_send_buffered = max(
+            self.stats.peak_send_buffered, connection.peak_send_buffered
+        )
+
+    def count_handshake(self, kind: str) -> None:
+        self.stats.handshakes[kind] = self.stats.handshakes.get(kind, 0) + 1
+
+    def blocked_writers(self) -> int:
+        return sum(c.blocked_writers for c in self._connections)
+
+    def peak_send_buffered(self) -> int:
+        """The most bytes any stream held unacknowledged: bounded by flow control."""
+        return max(
+            [self.stats.peak_send_buffered, *(c.peak_send_buffered for c in self._connections)]
+        )
+
+    # calls
+
+    def start_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
+        self.stats.calls += 1
+        task = asyncio.get_running_loop().create_task(self._run_call(connection, stream))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _run_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
+        context: H3ServicerContext | None = None
+        try:
+            headers = await stream.wait_headers()
+            try:
+                head = wire.parse_request_headers(headers)
+            except ProtocolError as exc:
+                block = (
+                    wire.error_response(exc.http_status)
+                    if exc.http_status
+                    else wire.trailers_only(exc.status, exc.message)
+                )
+                stream.send_headers(block, end=True)
+                return
+            handler = self.lookup(head.method_path, head.metadata)
+            if handler is None:
+                stream.send_headers(
+                    wire.trailers_only(
+                        grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.method_path}"
+                    ),
+                    end=True,
+                )
+                return
+            context = H3ServicerContext(
+                stream,
+                head.method_path,
+                head.metadata,
+                head.timeout,
+                connection.peer(),
+                handler.response_serializer,
+                handler.request_deserializer,
+            )
+            code, details, trailing = await self._drive(handler, context, stream, head.timeout)
+            if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
+                return  # the client is gone; nobody reads an answer
+            block = (
+                wire.trailers(code, details, trailing)
+                if context.headers_sent
+                else wire.trailers_only(code, details, trailing)
+            )
+            with contextlib.suppress(StreamClosed):
+                stream.send_headers(block, end=True)
+        except StreamClosed:
+            pass
+        except asyncio.CancelledError:
+            # Server stopping past its grace period: tell the client, then go.
+            with contextlib.suppress(Exception):
+                if not stream.sent_end and stream.error is None:
+                    status = grpc.StatusCode.UNAVAILABLE
+                    message = "server shutting down"
+                    block = (
+                        wire.trailers(status, message)
+                        if context is not None and context.headers_sent
+                        else wire.trailers_only(status, message)
+                    )
+                    stream.send_headers(block, end=True)
+            raise
+        finally:
+            if context is not None:
+                context.finish()
+            connection.forget(stream.stream_id)
+
+    async def _drive(
+        self,
+        handler: grpc.RpcMethodHandler[Any, Any],
+        context: H3ServicerContext,
+        stream: H3Stream,
+        timeout: float | None,
+    ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
+        task = asyncio.get_running_loop().create_task(_invoke(handler, context, stream))
+
+        def on_reset(error: StreamClosed) -> None:
+            context.mark_cancelled()
+            task.cancel()
+
+        stream.on_reset = on_reset
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(task)
+        except TimeoutError:
+            task.cancel()
+            context.mark_cancelled()
+            with contextlib.suppress(BaseException):
+                await task
+            return grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()
+        except AbortError:
+            pass
+        except StreamClosed as exc:
+            return exc.status, exc.message, ()
+        except asyncio.CancelledError:
+            if task.cancelled() and stream.error is not None:
+                return stream.error.status, stream.error.message, ()
+            task.cancel()
+            raise
+        except Exception as exc:
+            log.exception("unexpected error in %s", context.method_path)
+            return grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ()
+        return context.final_status()
+
+
+async def _invoke(
+    handler: grpc.RpcMethodHandler[Any, Any], context: H3ServicerContext, stream: H3Stream
+) -> None:
+    """Call the handler as its kind requires and write what it returns."""
+    request: Any
+    if handler.request_streaming:
+        request = context.request_iterator()
+    else:
+        data = await stream.read_message()
+        if data is None:
+            raise StreamClosed(grpc.StatusCode.INTERNAL, "request ended without a message")
+        if await stream.read_message() is not None:
+            raise StreamClosed(
+                grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
+            )
+        request = _deserialize(handler, data)
+    if handler.response_streaming:
+        method = handler.stream_stream if handler.request_streaming else handler.unary_stream
+        assert method is not None
+        result = method(request, cast(Any, context))
+        if hasattr(result, "__aiter__"):
+            async for response in result:
+                await context.write(response)
+        elif inspect.isawaitable(result):
+            await result
+        elif result is not None:
+            for response in result:
+                await context.write(response)
+        return
+    method = handler.stream_unary if handler.request_streaming else handler.unary_unary
+    assert method is not None
+    response = method(request, cast(Any, context))
+    if inspect.isawaitable(response):
+        response = await response
+    if response is not None:
+        await context.write(response)
+
+
+def _deserialize(handler: grpc.RpcMethodHandler[Any, Any], data: bytes) -> Any:
+    if handler.request_deserializer is None:
+        return data
+    try:
+        return handler.request_deserializer(data)
+    except Exception as exc:
+        raise StreamClosed(
+            grpc.StatusCode.INTERNAL, f"failed to parse the request message: {exc}"
+        ) from exc
