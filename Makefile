@@ -13,12 +13,13 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models certs serve test lint clean
+.PHONY: help setup proto models certs serve test lint bench-transport clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
 	@echo "make test    run the test suite (no GPU needed)"
 	@echo "make lint    ruff + mypy"
+	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
 	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
@@ -61,6 +62,9 @@ serve: setup models certs
 
 test: setup models
 	$(BIN)/python -m pytest $(ARGS)
+
+bench-transport: setup models
+	$(BIN)/python scripts/bench_transport.py $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
