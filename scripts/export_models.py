@@ -165,6 +165,7 @@ def config_pbtxt(spec: ModelSpec) -> str:
         f"input [\n{block(spec.inputs)}\n]\n"
         f"output [\n{block(spec.outputs)}\n]\n"
         "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
+        "dynamic_batching { }\n"
     )
 
 
@@ -219,7 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     paddle.device.set_device("cpu")
     for spec in selected:
         if not args.force and is_exported(args.out / spec.name):
-            print(f"exporting {spec.name} ... skipped (already exported)", flush=True)
+            config = args.out / spec.name / "config.pbtxt"
+            if config.read_text() != config_pbtxt(spec):
+                config.write_text(config_pbtxt(spec))
+                print(f"exporting {spec.name} ... weights kept, config.pbtxt updated", flush=True)
+            else:
+                print(f"exporting {spec.name} ... skipped (already exported)", flush=True)
             continue
         print(f"exporting {spec.name} ... ", end="", flush=True)
         start = time.perf_counter()

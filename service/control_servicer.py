@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protos.paddlequic.v1 import control_pb2 as pb
 from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
-from service.errors import ServicerContext
+from service.errors import ServicerContext, reports_errors
 from service.model_manager import ModelManager
 from transport.h3_server import H3Server
 
@@ -30,6 +30,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             h3_handshakes=stats.handshakes,
         )
 
+    @reports_errors
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: ServicerContext
     ) -> pb.ListInstancesResponse:

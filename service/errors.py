@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -44,3 +46,24 @@ def deadline_exceeded(message: str) -> ServiceError:
 
 async def abort(context: ServicerContext, exc: ServiceError) -> NoReturn:
     await context.abort(exc.code, exc.message)
+
+
+_Self = TypeVar("_Self")
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+def reports_errors(
+    method: Callable[[_Self, _Request, ServicerContext], Awaitable[_Response]],
+) -> Callable[[_Self, _Request, ServicerContext], Awaitable[_Response]]:
+    """A unary servicer method whose ServiceErrors reach the caller as their status (an
+    uncaught exception would be UNKNOWN)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: _Self, request: _Request, context: ServicerContext) -> _Response:
+        try:
+            return await method(self, request, context)
+        except ServiceError as exc:
+            await abort(context, exc)
+
+    return wrapper

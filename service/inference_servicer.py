@@ -13,10 +13,10 @@ import numpy as np
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service import errors
+from service.batching.batcher import Answer
 from service.errors import ServicerContext
 from service.model_manager import ModelManager, ServedVersion
 from service.tensors import BY_CONFIG_TYPE, from_numpy
-from service.workers.instance import InferResult
 
 log = logging.getLogger("paddlequic.api")
 
@@ -58,10 +58,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=served.ready)
 
+    @errors.reports_errors
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: ServicerContext
     ) -> pb.ModelMetadataResponse:
-        served = await self._resolve(context, request.name, request.version)
+        served = self.models.resolve(request.name, request.version)
         config = served.config
         batch = [-1] if config.max_batch_size > 0 else []
         return pb.ModelMetadataResponse(
@@ -86,23 +87,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             ],
         )
 
+    @errors.reports_errors
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: ServicerContext
     ) -> pb.ModelConfigResponse:
-        served = await self._resolve(context, request.name, request.version)
+        served = self.models.resolve(request.name, request.version)
         return pb.ModelConfigResponse(config=served.config)
 
+    @errors.reports_errors
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: ServicerContext
     ) -> pb.ModelStatisticsResponse:
         if request.name:
             chosen = (
-                [await self._resolve(context, request.name, request.version)]
+                [self.models.resolve(request.name, request.version)]
                 if request.version
                 else self.models.versions_of(request.name)
             )
             if not chosen:
-                await errors.abort(context, errors.not_found(f"unknown model '{request.name}'"))
+                raise errors.not_found(f"unknown model '{request.name}'")
         else:
             chosen = self.models.all_versions()
         return pb.ModelStatisticsResponse(
@@ -133,13 +136,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             "unloading models at run time is not implemented yet",
         )
 
+    @errors.reports_errors
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: ServicerContext
     ) -> pb.ModelInferResponse:
-        try:
-            return await self._infer(request, _deadline(context))
-        except errors.ServiceError as exc:
-            await errors.abort(context, exc)
+        return await self._infer(request, _deadline(context))
 
     async def ModelStreamInfer(
         self,
@@ -200,20 +201,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         result = await self.models.infer(served, request, deadline)
         return _response(served, request, result)
 
-    async def _resolve(self, context: ServicerContext, name: str, version: str) -> ServedVersion:
-        try:
-            return self.models.resolve(name, version)
-        except errors.ServiceError as exc:
-            await errors.abort(context, exc)
-
 
 def _response(
-    served: ServedVersion, request: pb.ModelInferRequest, result: InferResult
+    served: ServedVersion, request: pb.ModelInferRequest, answer: Answer
 ) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(
         model_name=served.name, model_version=str(served.version), id=request.id
     )
-    for tensor in result.outputs:
+    for tensor in answer.outputs:
         response.outputs.add(
             name=tensor.name,
             datatype=from_numpy(np.dtype(tensor.dtype)).name,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import errors
+from service.batching.batcher import Answer, DynamicBatcher, policy_from_config
 from service.repository import (
     ModelFiles,
     ModelRepository,
@@ -24,8 +25,14 @@ from service.repository import (
 )
 from service.statistics import ModelStats
 from service.tensors import config_type_name
-from service.validation import RequestValidator
-from service.workers.instance import InferResult, State, WorkerInstance, WorkerSpec
+from service.validation import InferJob, RequestValidator
+from service.workers.instance import (
+    SLOTS_PER_WORKER,
+    InferResult,
+    State,
+    WorkerInstance,
+    WorkerSpec,
+)
 
 log = logging.getLogger("paddlequic.models")
 
@@ -46,8 +53,9 @@ class ServedVersion:
     reason: str = ""
     instances: list[WorkerInstance] = field(default_factory=list)
     validator: RequestValidator | None = None
+    batcher: DynamicBatcher | None = None
     stats: ModelStats = field(default_factory=ModelStats)
-    _turn: itertools.count[int] = field(default_factory=itertools.count)
+    _random: random.Random = field(default_factory=lambda: random.Random(0))
 
     @property
     def ready(self) -> bool:
@@ -56,11 +64,16 @@ class ServedVersion:
         )
 
     def pick_instance(self) -> WorkerInstance:
-        """Least outstanding work among ready instances; rotate among equals."""
+        """Power of two choices by outstanding work among the ready instances."""
         ready = [i for i in self.instances if i.state is State.READY] or self.instances
-        least = min(i.outstanding for i in ready)
-        candidates = [i for i in ready if i.outstanding == least]
-        return candidates[next(self._turn) % len(candidates)]
+        if len(ready) == 1:
+            return ready[0]
+        first, second = self._random.sample(ready, 2)
+        return first if first.outstanding <= second.outstanding else second
+
+    def capacity(self) -> int:
+        """Batches the ready instances can hold at once (one running, one queued each)."""
+        return SLOTS_PER_WORKER * sum(i.state is State.READY for i in self.instances)
 
 
 class ModelManager:
@@ -116,6 +129,11 @@ class ModelManager:
             assert not isinstance(loaded, BaseException)
             served.config = complete_config(config, loaded.inputs, loaded.outputs)
             served.validator = RequestValidator(served.config)
+            served.batcher = DynamicBatcher(
+                policy_from_config(served.config),
+                lambda job: self._run_batch(served, job),
+                served.capacity,
+            )
         except RepositoryError as exc:
             served.state, served.reason = VersionState.UNAVAILABLE, str(exc)
             log.error("model %s version %d not loaded: %s", served.name, served.version, exc)
@@ -189,26 +207,55 @@ class ModelManager:
 
     async def infer(
         self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
-    ) -> InferResult:
+    ) -> Answer:
         started = time.perf_counter_ns()
         try:
-            assert served.validator is not None
+            assert served.validator is not None and served.batcher is not None
             job = served.validator.validate(request)
-            result = await served.pick_instance().infer(job, deadline)
+            priority, timeout_s = request_scheduling(request)
+            answer = await served.batcher.submit(job, deadline, priority, timeout_s)
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
         served.stats.record_success(
-            job.batch_size, time.perf_counter_ns() - started, result.queue_ns, result.timings
+            max(job.batch_size, 1),
+            time.perf_counter_ns() - started,
+            answer.queue_ns,
+            answer.timings,
         )
+        return answer
+
+    async def _run_batch(self, served: ServedVersion, job: InferJob) -> InferResult:
+        result = await served.pick_instance().infer(job, None)
+        served.stats.record_batch(max(job.batch_size, 1), result.timings)
         return result
 
     async def stop(self) -> None:
         for served in self.all_versions():
             served.state = VersionState.UNLOADING
+        await asyncio.gather(*(v.batcher.stop() for v in self.all_versions() if v.batcher))
         await asyncio.gather(*(i.stop() for v in self.all_versions() for i in v.instances))
         for served in self.all_versions():
             served.state = VersionState.UNAVAILABLE
+
+
+def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float | None]:
+    """Triton's request parameters: `priority` (1 = highest) and `timeout` (microseconds)."""
+    values: list[int | None] = []
+    for key in ("priority", "timeout"):
+        parameter = request.parameters.get(key)
+        kind = parameter.WhichOneof("parameter_choice") if parameter is not None else None
+        if kind not in ("int64_param", "uint64_param"):
+            if kind is not None:
+                raise errors.invalid(f"request parameter '{key}' must be an integer")
+            values.append(None)
+            continue
+        value = int(getattr(parameter, kind))
+        if value < 0:
+            raise errors.invalid(f"request parameter '{key}' must not be negative")
+        values.append(value)
+    priority, timeout_us = values
+    return priority, None if timeout_us is None else timeout_us / 1e6
 
 
 def _not_ready(served: ServedVersion) -> str:

@@ -43,16 +43,19 @@ class ModelStats:
     last_inference_ms: int = 0
     batches: dict[int, _BatchStats] = field(default_factory=dict)
 
-    def record_success(self, batch_size: int, total_ns: int, queue_ns: int, t: Timings) -> None:
-        rows = max(batch_size, 1)
+    def record_success(self, rows: int, total_ns: int, queue_ns: int, t: Timings) -> None:
+        """One request answered; compute durations are its batch's, as Triton reports them."""
         self.success.add(total_ns)
         self.queue.add(queue_ns)
         self.compute_input.add(t.input_ns)
         self.compute_infer.add(t.infer_ns)
         self.compute_output.add(t.output_ns)
         self.inference_count += rows
-        self.execution_count += 1
         self.last_inference_ms = time.time_ns() // 1_000_000
+
+    def record_batch(self, rows: int, t: Timings) -> None:
+        """One execution on a worker, of `rows` rows from one or more requests."""
+        self.execution_count += 1
         batch = self.batches.setdefault(rows, _BatchStats())
         batch.compute_input.add(t.input_ns)
         batch.compute_infer.add(t.infer_ns)

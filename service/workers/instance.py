@@ -32,6 +32,7 @@ _T = TypeVar("_T")
 SLOTS_PER_WORKER = 2
 LOAD_TIMEOUT_S = 600.0
 READY_WAIT_S = 60.0
+_BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
 MAX_RESTART_DELAY_S = 30.0
 
 
@@ -283,9 +284,12 @@ class WorkerInstance:
             return
         try:
             if isinstance(message, protocol.Failed):
-                outcome: InferResult | errors.ServiceError = errors.internal(
-                    f"model '{self.spec.model_name}' failed: {message.message}"
-                )
+                # Paddle's InvalidArgument/OutOfRange errors are about the request's values
+                # (e.g. embedding ids out of range), which validation cannot see.
+                bad_input = any(k in message.message for k in _BAD_INPUT_ERRORS)
+                outcome: InferResult | errors.ServiceError = (
+                    errors.invalid if bad_input else errors.internal
+                )(f"model '{self.spec.model_name}' failed: {message.message}")
             else:
                 outcome = InferResult(pending.slot.read(message), message.timings, pending.queue_ns)
         finally:

@@ -1,0 +1,146 @@
+"""The batching decisions, kept free of asyncio and clocks so they can be tested with explicit
+times: which requests leave the queue together, and when to look again.
+
+Triton's rules: requests are taken in arrival order (higher priority first); only requests whose
+non-batch shapes and requested outputs match share a batch; the largest preferred batch size that
+can be formed goes at once, as does a full batch; otherwise the batcher waits while the oldest
+request has waited less than max_queue_delay, then sends what it has.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.validation import InferJob
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int  # 0: no batching, every request runs alone
+    preferred_sizes: tuple[int, ...] = ()
+    max_queue_delay_s: float = 0.0
+    max_queue_size: int = 0  # 0: unbounded
+    priority_levels: int = 0  # 0: one level
+    default_priority: int = 0
+    default_timeout_s: float | None = None
+    allow_timeout_override: bool = False
+
+    def priority_of(self, requested: int | None) -> int:
+        """1 is the highest level; out-of-range or absent means the default level."""
+        levels = max(self.priority_levels, 1)
+        default = self.default_priority if 1 <= self.default_priority <= levels else levels
+        if requested is None or not 1 <= requested <= levels:
+            return default
+        return requested
+
+    def timeout_of(self, requested_s: float | None) -> float | None:
+        if requested_s is not None and self.allow_timeout_override:
+            return requested_s
+        return self.default_timeout_s
+
+
+def bucket_of(job: InferJob) -> Hashable:
+    """Requests batch together only with the same non-batch shapes and requested outputs."""
+    return (tuple((t.name, t.shape[1:]) for t in job.inputs), job.outputs)
+
+
+@dataclass(eq=False)
+class Pending:
+    job: InferJob
+    arrival: float
+    expires: float | None  # the request's queue timeout or deadline, whichever comes first
+    priority: int = 1
+    bucket: Hashable = None
+    ticket: Any = None  # what the driver needs to answer this request
+    order: int = 0
+
+    @property
+    def rows(self) -> int:
+        return max(self.job.batch_size, 1)
+
+
+@dataclass
+class BatchQueue:
+    policy: BatchPolicy
+    _pending: list[Pending] = field(default_factory=list)
+    _order: Iterator[int] = field(default_factory=itertools.count)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def push(self, item: Pending) -> None:
+        limit = self.policy.max_queue_size
+        if limit and len(self._pending) >= limit:
+            raise QueueFull(f"the queue holds its maximum of {limit} requests")
+        item.order = next(self._order)
+        if item.bucket is None:
+            item.bucket = bucket_of(item.job)
+        self._pending.append(item)
+        self._pending.sort(key=lambda p: (p.priority, p.order))
+
+    def expire(self, now: float) -> list[Pending]:
+        """Remove and return the requests whose time ran out: they never reach a worker."""
+        expired = [p for p in self._pending if p.expires is not None and p.expires <= now]
+        if expired:
+            self._pending = [p for p in self._pending if p not in expired]
+        return expired
+
+    def remove(self, item: Pending) -> None:
+        if item in self._pending:
+            self._pending.remove(item)
+
+    def next_batch(self, now: float) -> list[Pending] | float | None:
+        """A batch to run now, or the time to look again, or None when the queue is empty."""
+        if not self._pending:
+            return None
+        head = self._pending[0]
+        policy = self.policy
+        if policy.max_batch_size == 0:
+            return self._take([head])
+        candidates, rows = [], 0
+        full = False
+        for item in self._pending:
+            if item.bucket != head.bucket:
+                continue
+            if rows + item.rows > policy.max_batch_size:
+                full = True
+                break
+            candidates.append(item)
+            rows += item.rows
+        full = full or rows == policy.max_batch_size
+        if full:
+            return self._take(candidates)
+        preferred = self._largest_preferred_prefix(candidates)
+        if preferred:
+            return self._take(candidates[:preferred])
+        window_end = head.arrival + policy.max_queue_delay_s
+        if now < window_end:
+            expiries = [p.expires for p in self._pending if p.expires is not None]
+            return min([window_end, *expiries])
+        return self._take(candidates)
+
+    def next_expiry(self) -> float | None:
+        expiries = [p.expires for p in self._pending if p.expires is not None]
+        return min(expiries, default=None)
+
+    def _largest_preferred_prefix(self, candidates: list[Pending]) -> int:
+        """How many candidates make up the largest preferred batch size; 0 if none does."""
+        sizes = set(self.policy.preferred_sizes)
+        best, rows = 0, 0
+        for count, item in enumerate(candidates, start=1):
+            rows += item.rows
+            if rows in sizes:
+                best = count
+        return best
+
+    def _take(self, batch: list[Pending]) -> list[Pending]:
+        taken = set(map(id, batch))
+        self._pending = [p for p in self._pending if id(p) not in taken]
+        return batch

@@ -1,0 +1,10 @@
+"""Topology-aware placement of model instances (DESIGN.md section 6).
+
+- `topology`: the host's GPUs, their pairwise links and the CPU NUMA nodes; loaded from a
+  recorded file (`--topology FILE`) or built for a CPU-only host.
+- `nvml`: discovery of the real host through NVML (nvidia-ml-py); CPU-only without a driver.
+- `placement`: instance requests -> concrete devices, CPU sets and worker environment.
+- `report`: the human-readable picture of a topology and where instances would go.
+
+Nothing here imports paddle; NVML is imported only when `nvml.discover()` runs.
+"""

@@ -1,0 +1,140 @@
+"""A worker process that dies mid-request: its request fails with UNAVAILABLE, everything else
+goes on, and the instance comes back (DESIGN.md section 3, "Why worker processes").
+
+Starts its own server: killing workers of the shared one would disturb other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request, parse_response
+from protos.paddlequic.v1 import control_pb2
+from tests.reference import example_inputs, run_reference
+from tests.servers import ServerProcess, model_repository, running_server
+
+_T = TypeVar("_T")
+POLL_LIMIT_S = 120.0  # generous: a restart loads ResNet-18 again on a busy 2-core machine
+RPC_TIMEOUT_S = 150.0  # longer than the server's own bounded wait for a restarting worker
+
+
+def wait_for(what: str, probe: Callable[[], _T | None], limit_s: float = POLL_LIMIT_S) -> _T:
+    """Poll until probe() returns something (bounded), instead of guessing a sleep."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found is not None:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"gave up after {limit_s:.0f} s waiting for {what}")
+
+
+def assert_matches_reference(
+    model: str, inputs: dict[str, np.ndarray[Any, Any]], response: Any
+) -> None:
+    served = parse_response(response)
+    expected = run_reference(model, inputs)
+    assert list(served) == list(expected)
+    for name, array in expected.items():
+        assert served[name].shape == array.shape
+        np.testing.assert_allclose(served[name], array, rtol=1e-4, atol=1e-5)
+
+
+def only_instance(server: ServerProcess, model: str) -> control_pb2.Instance:
+    (instance,) = server.instances(model)
+    return instance
+
+
+def test_killed_worker_fails_its_request_and_comes_back(tmp_path: Path) -> None:
+    repository = model_repository(tmp_path / "models", ["mlp", "resnet18"])
+    with running_server(repository, tmp_path / "server.log") as server:
+        check_kill_and_restart(server)
+
+
+def check_kill_and_restart(server: ServerProcess) -> None:
+    """SIGKILL the resnet18 worker with a request inside it, then watch the server recover."""
+    before = only_instance(server, "resnet18")
+    assert (before.state, before.restarts, before.outstanding) == ("READY", 0, 0)
+    assert before.pid > 0
+    slow_inputs = {"image": np.random.default_rng(1).standard_normal((16, 3, 224, 224), np.float32)}
+
+    # Stop the worker before sending, so the request is certainly still inside it when it is
+    # killed (a running worker could finish it between our look and the kill).
+    os.kill(before.pid, signal.SIGSTOP)
+    slow = server.stub.ModelInfer.future(
+        build_request("resnet18", slow_inputs), timeout=RPC_TIMEOUT_S
+    )
+    wait_for(
+        "the resnet18 request to reach its worker",
+        lambda: True if only_instance(server, "resnet18").outstanding >= 1 else None,
+    )
+    os.kill(before.pid, signal.SIGKILL)
+    follower_inputs = example_inputs("resnet18", seed=5)
+    follower = server.stub.ModelInfer.future(
+        build_request("resnet18", follower_inputs), timeout=RPC_TIMEOUT_S
+    )
+
+    error = slow.exception(timeout=RPC_TIMEOUT_S)
+    assert isinstance(error, grpc.Call), f"the request in the killed worker succeeded: {slow}"
+    details = error.details() or ""
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, details
+    assert "worker process for model 'resnet18'" in details
+    assert "killed by signal 9" in details
+    assert "restarted" in details
+
+    # Once the front-end has seen the death, other models keep answering meanwhile.
+    wait_for(
+        "the front-end to notice the dead worker",
+        lambda: True if only_instance(server, "resnet18").state != "READY" else None,
+    )
+    # A resnet18 request sent while the instance restarts waits for it (DESIGN.md: nothing
+    # but the in-flight batch is lost).
+    waiter_inputs = example_inputs("resnet18", seed=6)
+    waiter = server.stub.ModelInfer.future(
+        build_request("resnet18", waiter_inputs), timeout=RPC_TIMEOUT_S
+    )
+    mlp_inputs = example_inputs("mlp", seed=11)
+    mlp = server.stub.ModelInfer(build_request("mlp", mlp_inputs), timeout=RPC_TIMEOUT_S)
+    assert_matches_reference("mlp", mlp_inputs, mlp)
+    assert server.process.poll() is None, "the server process died with its worker"
+
+    after = wait_for(
+        "the resnet18 instance to be restarted",
+        lambda: (
+            i
+            if (i := only_instance(server, "resnet18")).state == "READY" and i.pid != before.pid
+            else None
+        ),
+    )
+    assert after.restarts == 1
+
+    # Sent before the restart finished: it waits for the new worker or fails cleanly, but
+    # never hangs and never answers with somebody else's data.
+    outcome = follower.exception(timeout=RPC_TIMEOUT_S)
+    if outcome is None:
+        assert_matches_reference("resnet18", follower_inputs, follower.result())
+    else:
+        assert isinstance(outcome, grpc.Call)
+        assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
+
+    assert_matches_reference("resnet18", waiter_inputs, waiter.result(timeout=RPC_TIMEOUT_S))
+    for seed in (21, 22):
+        inputs = example_inputs("resnet18", seed=seed)
+        response = server.stub.ModelInfer(build_request("resnet18", inputs), timeout=RPC_TIMEOUT_S)
+        assert_matches_reference("resnet18", inputs, response)
+    big = server.stub.ModelInfer(build_request("resnet18", slow_inputs), timeout=RPC_TIMEOUT_S)
+    assert_matches_reference("resnet18", slow_inputs, big)
+    final = only_instance(server, "resnet18")
+    assert (final.pid, final.restarts, final.outstanding) == (after.pid, 1, 0)
+    assert only_instance(server, "mlp").restarts == 0
+    log = server.log_text()
+    assert f"(pid {before.pid}) was killed by signal 9" in log
+    assert f"restarted (pid {after.pid})" in log

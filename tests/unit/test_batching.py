@@ -1,0 +1,283 @@
+"""The dynamic batcher's decisions, driven by explicit times (a fake clock: nothing sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from service import errors
+from service.batching.assemble import join, split
+from service.batching.batcher import DynamicBatcher
+from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull
+from service.tensors import BY_NAME
+from service.validation import InferJob, InputTensor
+from service.workers.instance import InferResult, OutputTensor
+from service.workers.protocol import Timings
+
+
+def job(
+    rows: int = 1, width: int = 4, outputs: tuple[str, ...] = ("y",), fill: float = 0
+) -> InferJob:
+    data = np.full((rows, width), fill, np.float32).tobytes()
+    return InferJob((InputTensor("x", BY_NAME["FP32"], (rows, width), data),), outputs, rows)
+
+
+def pending(at: float, rows: int = 1, expires: float | None = None, **kwargs: object) -> Pending:
+    return Pending(job(rows, **kwargs), at, expires)  # type: ignore[arg-type]
+
+
+def sizes(batch: object) -> list[int]:
+    assert isinstance(batch, list), batch
+    return [p.rows for p in batch]
+
+
+def test_no_delay_sends_what_is_there_at_once() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8))
+    for t in (0.0, 0.1, 0.2):
+        queue.push(pending(t))
+    assert sizes(queue.next_batch(0.2)) == [1, 1, 1]
+    assert queue.next_batch(0.2) is None
+
+
+def test_full_batch_goes_at_once_and_the_rest_waits_for_the_next() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0))
+    for t in range(6):
+        queue.push(pending(t * 0.001))
+    assert sizes(queue.next_batch(0.006)) == [1, 1, 1, 1]
+    # Two left: not full, no preferred size: wait for the oldest's window.
+    assert queue.next_batch(0.006) == pytest.approx(0.004 + 1.0)
+    assert sizes(queue.next_batch(1.005)) == [1, 1]
+
+
+def test_largest_preferred_size_goes_at_once() -> None:
+    queue = BatchQueue(
+        BatchPolicy(max_batch_size=16, preferred_sizes=(2, 4), max_queue_delay_s=1.0)
+    )
+    for t in range(5):
+        queue.push(pending(t * 0.001))
+    assert sizes(queue.next_batch(0.005)) == [1, 1, 1, 1]  # 4 beats 2
+    assert queue.next_batch(0.005) == pytest.approx(0.004 + 1.0)  # 1 left: wait
+
+
+def test_preferred_size_counts_rows_not_requests() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=16, preferred_sizes=(6,), max_queue_delay_s=1.0))
+    queue.push(pending(0.0, rows=4))
+    assert queue.next_batch(0.0) == pytest.approx(1.0)
+    queue.push(pending(0.1, rows=2))
+    assert sizes(queue.next_batch(0.1)) == [4, 2]
+
+
+def test_delay_window_is_measured_from_the_oldest_request() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8, max_queue_delay_s=0.5))
+    queue.push(pending(10.0))
+    queue.push(pending(10.4))
+    assert queue.next_batch(10.45) == pytest.approx(10.5)
+    assert sizes(queue.next_batch(10.5)) == [1, 1]
+
+
+def test_a_batch_never_exceeds_max_batch_size_in_rows() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8))
+    for rows in (5, 4, 3):
+        queue.push(pending(0.0, rows=rows))
+    assert sizes(queue.next_batch(0.0)) == [5]  # 5 + 4 > 8: full
+    assert sizes(queue.next_batch(0.0)) == [4, 3]
+
+
+def test_only_matching_shapes_and_outputs_batch_together() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8))
+    queue.push(pending(0.0, width=4))
+    queue.push(pending(0.1, width=8))
+    queue.push(pending(0.2, width=4))
+    queue.push(pending(0.3, width=4, outputs=("z",)))
+    first = queue.next_batch(0.3)
+    assert [p.arrival for p in first] == [0.0, 0.2]  # type: ignore[union-attr]
+    assert [p.arrival for p in queue.next_batch(0.3)] == [0.1]  # type: ignore[union-attr]
+    assert [p.arrival for p in queue.next_batch(0.3)] == [0.3]  # type: ignore[union-attr]
+
+
+def test_max_batch_size_zero_runs_every_request_alone() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=0))
+    queue.push(pending(0.0))
+    queue.push(pending(0.0))
+    assert sizes(queue.next_batch(0.0)) == [1]
+    assert sizes(queue.next_batch(0.0)) == [1]
+
+
+def test_queue_full_is_refused_at_once() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8, max_queue_size=2))
+    queue.push(pending(0.0))
+    queue.push(pending(0.0))
+    with pytest.raises(QueueFull):
+        queue.push(pending(0.0))
+
+
+def test_timed_out_requests_leave_the_queue_and_never_batch() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8, max_queue_delay_s=1.0))
+    early, late = pending(0.0, expires=0.3), pending(0.1, expires=5.0)
+    queue.push(early)
+    queue.push(late)
+    assert queue.next_batch(0.2) == pytest.approx(0.3)  # wake for the expiry, not the window
+    assert queue.expire(0.3) == [early]
+    assert sizes(queue.next_batch(1.1)) == [1]
+    assert queue.expire(10.0) == []
+
+
+def test_priorities_go_first_then_arrival_order() -> None:
+    policy = BatchPolicy(max_batch_size=2, priority_levels=3, default_priority=2)
+    queue = BatchQueue(policy)
+    low = Pending(job(), 0.0, None, policy.priority_of(3))
+    default = Pending(job(), 0.1, None, policy.priority_of(None))
+    high = Pending(job(), 0.2, None, policy.priority_of(1))
+    for item in (low, default, high):
+        queue.push(item)
+    assert queue.next_batch(0.2) == [high, default]
+    assert queue.next_batch(0.2) == [low]
+    assert policy.priority_of(7) == 2  # out of range: the default level
+
+
+def test_timeout_override_only_when_allowed() -> None:
+    assert BatchPolicy(8, default_timeout_s=1.0).timeout_of(0.1) == 1.0
+    allowed = BatchPolicy(8, default_timeout_s=1.0, allow_timeout_override=True)
+    assert allowed.timeout_of(0.1) == 0.1
+    assert allowed.timeout_of(None) == 1.0
+
+
+def test_join_and_split_keep_each_requests_rows() -> None:
+    jobs = [job(rows, fill=rows) for rows in (1, 3, 2)]
+    joined = join(jobs)
+    assert joined.batch_size == 6 and joined.inputs[0].shape == (6, 4)
+    rows = np.frombuffer(joined.inputs[0].data, np.float32).reshape(6, 4)[:, 0]
+    assert rows.tolist() == [1, 3, 3, 3, 2, 2]
+    out = OutputTensor("y", "<f4", (6, 1), rows.astype(np.float32).reshape(6, 1).tobytes())
+    parts = split(InferResult((out,), Timings(1, 2, 3), 0), [1, 3, 2])
+    assert [np.frombuffer(p[0].data, np.float32).tolist() for p in parts] == [
+        [1],
+        [3, 3, 3],
+        [2, 2],
+    ]
+    assert [p[0].shape for p in parts] == [(1, 1), (3, 1), (2, 1)]
+
+
+def test_split_refuses_outputs_without_the_batch_dimension() -> None:
+    out = OutputTensor("y", "<f4", (1,), b"\0\0\0\0")
+    with pytest.raises(errors.ServiceError) as raised:
+        split(InferResult((out,), Timings(0, 0, 0), 0), [1, 1])
+    assert raised.value.code == grpc.StatusCode.INTERNAL
+
+
+class _Executor:
+    """Stands in for the worker pool: records batches, answers when the test says so."""
+
+    def __init__(self) -> None:
+        self.batches: list[InferJob] = []
+        self.release = asyncio.Event()
+        self.fail_with: errors.ServiceError | None = None
+
+    async def __call__(self, batch: InferJob) -> InferResult:
+        self.batches.append(batch)
+        await self.release.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        rows = np.frombuffer(batch.inputs[0].data, np.float32).reshape(batch.batch_size, -1)
+        if (rows < 0).any():  # like Paddle on an out-of-range embedding id
+            raise errors.invalid("InvalidArgumentError: value out of range")
+        data = rows.sum(axis=1, keepdims=True).astype(np.float32)
+        return InferResult(
+            (OutputTensor("y", "<f4", data.shape, data.tobytes()),), Timings(1, 2, 3), 0
+        )
+
+
+def test_requests_accumulate_while_the_instance_is_busy() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+        first = asyncio.create_task(batcher.submit(job(fill=1), None))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in range(2, 6)]
+        await asyncio.sleep(0)
+        assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
+        executor.release.set()
+        answers = await asyncio.gather(first, *rest)
+        assert [b.batch_size for b in executor.batches] == [1, 4]
+        assert [np.frombuffer(a.outputs[0].data, np.float32)[0] for a in answers] == [
+            4,
+            8,
+            12,
+            16,
+            20,
+        ]
+        assert [a.batch_rows for a in answers] == [1, 4, 4, 4, 4]
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_worker_failure_fails_every_request_of_the_batch_and_nothing_hangs() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        executor.fail_with = errors.unavailable("worker died")
+        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+        busy = asyncio.create_task(batcher.submit(job(), None))
+        await asyncio.sleep(0)
+        batch = [asyncio.create_task(batcher.submit(job(), None)) for _ in range(3)]
+        executor.release.set()
+        results = await asyncio.gather(busy, *batch, return_exceptions=True)
+        assert all(isinstance(r, errors.ServiceError) for r in results)
+        assert {r.code for r in results if isinstance(r, errors.ServiceError)} == {
+            grpc.StatusCode.UNAVAILABLE
+        }
+        executor.fail_with = None
+        assert (await batcher.submit(job(fill=2), None)).outputs[0].shape == (1, 1)
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_queue_full_and_deadline_statuses() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        policy = BatchPolicy(max_batch_size=8, max_queue_size=1)
+        batcher = DynamicBatcher(policy, executor, lambda: 1)
+        running = asyncio.create_task(batcher.submit(job(), None))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        queued = asyncio.create_task(batcher.submit(job(), loop.time() + 0.01))
+        await asyncio.sleep(0)
+        with pytest.raises(errors.ServiceError) as full:
+            await batcher.submit(job(), None)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(errors.ServiceError) as expired:
+            await queued  # its deadline passes while the instance is busy
+        assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        executor.release.set()
+        await running
+        assert len(executor.batches) == 1  # the expired request never reached the executor
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+        busy = asyncio.create_task(batcher.submit(job(fill=1), None))
+        await asyncio.sleep(0)
+        fills = [2, -1, 3]
+        batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in fills]
+        executor.release.set()
+        await busy
+        results = await asyncio.gather(*batch, return_exceptions=True)
+        assert isinstance(results[1], errors.ServiceError)
+        assert results[1].code == grpc.StatusCode.INVALID_ARGUMENT
+        good = [r for i, r in enumerate(results) if i != 1]
+        assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
+        assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
+        await batcher.stop()
+
+    asyncio.run(scenario())
