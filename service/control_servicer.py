@@ -53,5 +53,13 @@ class ControlServicer(pb_grpc.ControlServicer):
                 )
                 for v in versions
                 for i in v.instances
-            ]
+            ],
+            queues=[
+                pb.ModelQueue(
+                    model_name=v.name,
+                    model_version=str(v.version),
+                    queued=v.batcher.queued if v.batcher else 0,
+                )
+                for v in versions
+            ],
         )

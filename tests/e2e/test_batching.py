@@ -1,0 +1,125 @@
+"""Dynamic batching through the real server: concurrent requests become batches, and every
+request gets exactly its own rows back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request, parse_response
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1 import control_pb2
+from tests.reference import run_reference
+from tests.servers import ServerProcess
+
+CLIENTS = 64
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """Hold the worker still so the queue fills deterministically, whatever the machine."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_queued(server: ServerProcess, model: str, at_least: int) -> None:
+    deadline = time.monotonic() + 30
+    request = control_pb2.ListInstancesRequest(model_name=model)
+    while time.monotonic() < deadline:
+        queues = server.control.ListInstances(request, timeout=5).queues
+        if sum(q.queued for q in queues) >= at_least:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{at_least} requests never queued for {model}")
+
+
+def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
+    stats = server.stub.ModelStatistics(pb.ModelStatisticsRequest(name=model)).model_stats[0]
+    return {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+
+
+def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerProcess) -> None:
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(CLIENTS)]
+    before = batch_counts(server, "mlp")
+    (instance,) = server.instances("mlp")
+
+    async def send_all() -> list[pb.ModelInferResponse]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            calls = [
+                asyncio.ensure_future(
+                    stub.ModelInfer(build_request("mlp", {"input": x}), timeout=60)
+                )
+                for x in inputs
+            ]
+            # The two worker slots take two requests; the rest must wait in the queue.
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_queued, server, "mlp", CLIENTS - 2
+            )
+            os.kill(instance.pid, signal.SIGCONT)
+            return list(await asyncio.gather(*calls))
+
+    with paused(instance.pid):
+        responses = asyncio.run(send_all())
+
+    after = batch_counts(server, "mlp")
+    grown = {size: after.get(size, 0) - before.get(size, 0) for size in after}
+    assert max(size for size, count in grown.items() if count) > 1, grown
+    assert sum(size * count for size, count in grown.items()) == sum(len(x) for x in inputs)
+    for x, response in zip(inputs, responses, strict=True):
+        served = parse_response(response)["fetch_name_0"]
+        assert served.shape == (len(x), 10)
+        for row in range(len(x)):
+            expected = run_reference("mlp", {"input": x[row : row + 1]})["fetch_name_0"]
+            np.testing.assert_array_equal(served[row : row + 1], expected)
+
+
+def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerProcess) -> None:
+    """Embedding ids out of range pass validation (values are not checked) and make Paddle
+    fail; batched with good requests, only the bad one may fail, with INVALID_ARGUMENT."""
+    rng = np.random.default_rng(3)
+    good = [rng.integers(0, 1000, (1, 7), dtype=np.int64) for _ in range(6)]
+    bad = np.full((1, 7), 10**9, dtype=np.int64)
+    (instance,) = server.instances("text_classifier")
+
+    async def send_all() -> list[object]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            batch = [*good[:3], bad, *good[3:]]
+            calls = [
+                asyncio.ensure_future(
+                    stub.ModelInfer(build_request("text_classifier", {"token_ids": x}), timeout=60)
+                )
+                for x in batch
+            ]
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_queued, server, "text_classifier", len(batch) - 2
+            )
+            os.kill(instance.pid, signal.SIGCONT)
+            return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    with paused(instance.pid):
+        results = asyncio.run(send_all())
+
+    error = results.pop(3)
+    assert isinstance(error, grpc.aio.AioRpcError)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text_classifier" in (error.details() or "")
+    for x, response in zip(good, results, strict=True):
+        assert isinstance(response, pb.ModelInferResponse)
+        expected = run_reference("text_classifier", {"token_ids": x})["fetch_name_0"]
+        np.testing.assert_allclose(
+            parse_response(response)["fetch_name_0"], expected, rtol=1e-4, atol=1e-5
+        )
