@@ -13,12 +13,13 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models certs serve test lint bench-transport clean
+.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
 	@echo "make test    run the test suite (no GPU needed)"
 	@echo "make lint    ruff + mypy"
+	@echo "make bench   batching off/on vs the raw predictor (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
@@ -63,8 +64,14 @@ serve: setup models certs
 test: setup models
 	$(BIN)/python -m pytest $(ARGS)
 
+models-bench: models
+	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide
+
+bench: setup models-bench
+	$(BIN)/python -m scripts.bench_batching $(ARGS)
+
 bench-transport: setup models
-	$(BIN)/python scripts/bench_transport.py $(ARGS)
+	$(BIN)/python -m scripts.bench_transport $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

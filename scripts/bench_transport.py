@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from scripts.bench_common import closed_loop, process_cpu_seconds, write_json
 from tests.servers import ServerProcess, model_repository
 
-_TICKS = os.sysconf("SC_CLK_TCK")
+Load = Callable[[float], Awaitable[int]]
 
 
 @dataclass
@@ -46,18 +43,13 @@ class Measurement:
     client_cpu_us_per_call: float
 
 
-def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 async def measure(
     transport: str,
     workload: str,
     concurrency: int,
     duration: float,
     server_pid: int,
-    run: Callable[[float], Awaitable[int]],
+    run: Load,
 ) -> Measurement:
     await run(min(duration / 4, 1.0))  # warm-up: connections, predictor shapes
     server0, client0, t0 = process_cpu_seconds(server_pid), time.process_time(), time.perf_counter()
@@ -81,27 +73,14 @@ async def measure(
     return result
 
 
-def unary_load(
-    stub: Any, request: pb.ModelInferRequest, concurrency: int
-) -> Callable[[float], Awaitable[int]]:
+def unary_load(stub: Any, request: pb.ModelInferRequest, concurrency: int) -> Load:
     async def run(duration: float) -> int:
-        end = time.perf_counter() + duration
-        counts = [0] * concurrency
-
-        async def worker(index: int) -> None:
-            while time.perf_counter() < end:
-                await stub.ModelInfer(request)
-                counts[index] += 1
-
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        return sum(counts)
+        return len(await closed_loop(stub, request, concurrency, duration))
 
     return run
 
 
-def stream_load(
-    stub: Any, request: pb.ModelInferRequest, window: int
-) -> Callable[[float], Awaitable[int]]:
+def stream_load(stub: Any, request: pb.ModelInferRequest, window: int) -> Load:
     async def run(duration: float) -> int:
         end = time.perf_counter() + duration
         credit = asyncio.Semaphore(window)
@@ -181,9 +160,7 @@ def main() -> int:
             server.stop()
     print()
     print(table(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_json(args.out, results)
     return 0
 
 

@@ -1,0 +1,57 @@
+"""What the benchmarks share: a closed-loop load generator, process measurements, output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+async def closed_loop(stub: Any, request: Any, concurrency: int, duration: float) -> list[float]:
+    """`concurrency` clients each send ModelInfer again as soon as the last answer came;
+    returns every call's latency in seconds."""
+    end = time.perf_counter() + duration
+    latencies: list[float] = []
+
+    async def client() -> None:
+        while (start := time.perf_counter()) < end:
+            await stub.ModelInfer(request, timeout=120)
+            latencies.append(time.perf_counter() - start)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return latencies
+
+
+def percentiles_ms(latencies: Sequence[float]) -> dict[str, float]:
+    values = np.asarray(latencies) * 1e3
+    return {f"p{p}_ms": round(float(np.percentile(values, p)), 2) for p in (50, 90, 99)}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def rss_bytes(pids: Sequence[int]) -> int:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def write_json(path: Path, rows: Sequence[Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = [asdict(r) if is_dataclass(r) and not isinstance(r, type) else r for r in rows]
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"\nwrote {path}")
