@@ -26,6 +26,12 @@ def _serve(argv: Sequence[str]) -> int:
     return serve_main(argv)
 
 
+def _topology(argv: Sequence[str]) -> int:
+    from service.topology_command import main as topology_main
+
+    return topology_main(argv)
+
+
 def _client(args: argparse.Namespace) -> Any:
     from clients.inference_client import InferenceClient
 
@@ -107,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paddlequic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the server (see `paddlequic serve --help`)", add_help=False)
+    sub.add_parser(
+        "topology",
+        help="devices, links and where each model instance would go (--topology FILE)",
+        add_help=False,
+    )
 
     def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text)
@@ -145,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("quic").setLevel(logging.CRITICAL)  # errors reach the user as statuses
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
+    if argv[:1] == ["topology"]:
+        return _topology(argv[1:])
     args = build_parser().parse_args(argv)
     handlers = {"models": _models, "health": _health, "infer": _infer, "certs": _certs}
     try:

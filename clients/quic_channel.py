@@ -209,6 +209,7 @@ class _Call:
         self._status_ready = asyncio.Event()
         self._callbacks: list[Callable[[Any], None]] = []
         self._cancel_requested = False
+        self._locally_cancelled = False
         self._timer = (
             loop.call_at(self._deadline, self._expire) if self._deadline is not None else None
         )
@@ -265,7 +266,11 @@ class _Call:
         for callback in self._callbacks:
             callback(self)
 
-    def _error(self) -> AioRpcError:
+    def _error(self) -> AioRpcError | asyncio.CancelledError:
+        """What using a finished, failed call raises: like grpc.aio, asyncio.CancelledError
+        once the application cancelled it, AioRpcError otherwise."""
+        if self._locally_cancelled:
+            return asyncio.CancelledError()
         assert self._status is not None
         code, details, trailing = self._status
         return AioRpcError(code, self._initial or Metadata(), trailing, details, None)
@@ -392,6 +397,7 @@ class _Call:
     def cancel(self) -> bool:
         if self._status is not None:
             return False
+        self._locally_cancelled = True
         self._finish(grpc.StatusCode.CANCELLED, "Locally cancelled by application!", Metadata())
         self._abandon_stream()
         return True
@@ -439,6 +445,11 @@ class _Call:
                 if await self._read() is EOF:
                     return
             except AioRpcError:
+                return
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._locally_cancelled or (task is not None and task.cancelling()):
+                    raise
                 return
 
 

@@ -45,7 +45,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                     model_name=v.name,
                     model_version=str(v.version),
                     name=i.spec.instance_name,
-                    device=i.loaded.device if i.loaded else i.spec.device,
+                    device=i.spec.label,
                     pid=i.pid,
                     state=i.state.value,
                     outstanding=i.outstanding,

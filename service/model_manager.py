@@ -23,6 +23,14 @@ from service.repository import (
     complete_config,
     parse_version,
 )
+from service.scheduling.instances import (
+    frontend_numa_node,
+    instance_requests,
+    place_all,
+    worker_environment,
+)
+from service.scheduling.placement import Placement
+from service.scheduling.topology import Topology
 from service.statistics import ModelStats
 from service.tensors import config_type_name
 from service.validation import InferJob, RequestValidator
@@ -35,6 +43,7 @@ from service.workers.instance import (
 )
 
 log = logging.getLogger("paddlequic.models")
+SPILL_MARGIN = 2  # remote instances take work once local ones hold this much more
 
 
 class VersionState(enum.Enum):
@@ -55,6 +64,7 @@ class ServedVersion:
     validator: RequestValidator | None = None
     batcher: DynamicBatcher | None = None
     stats: ModelStats = field(default_factory=ModelStats)
+    local_numa: int | None = None  # the front-end's NUMA node
     _random: random.Random = field(default_factory=lambda: random.Random(0))
 
     @property
@@ -64,11 +74,21 @@ class ServedVersion:
         )
 
     def pick_instance(self) -> WorkerInstance:
-        """Power of two choices by outstanding work among the ready instances."""
+        """Power of two choices by outstanding work, among the ready instances on the
+        front-end's NUMA node first; spill to remote ones when the local ones are clearly
+        busier."""
         ready = [i for i in self.instances if i.state is State.READY] or self.instances
-        if len(ready) == 1:
-            return ready[0]
-        first, second = self._random.sample(ready, 2)
+        local = [i for i in ready if i.spec.numa_node == self.local_numa]
+        remote = [i for i in ready if i.spec.numa_node != self.local_numa]
+        if not local or not remote:
+            return self._two_choices(local or remote)
+        near, far = self._two_choices(local), self._two_choices(remote)
+        return far if near.outstanding >= far.outstanding + SPILL_MARGIN else near
+
+    def _two_choices(self, instances: list[WorkerInstance]) -> WorkerInstance:
+        if len(instances) == 1:
+            return instances[0]
+        first, second = self._random.sample(instances, 2)
         return first if first.outstanding <= second.outstanding else second
 
     def capacity(self) -> int:
@@ -77,45 +97,84 @@ class ServedVersion:
 
 
 class ModelManager:
-    def __init__(self, repository: ModelRepository, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self, repository: ModelRepository, topology: Topology, on_change: Callable[[], None]
+    ) -> None:
         self.repository = repository
+        self.topology = topology
         self._on_change = on_change
         self._models: dict[str, dict[int, ServedVersion]] = {}
         self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
         self.loading_done = False
 
     async def load_all(self) -> None:
+        """Read every model, place all their instances in one pass, then start them."""
         names = self.repository.model_names()
         if not names:
             log.warning(
                 "model repository %s holds no models; export the examples with `make models`",
                 self.repository.root,
             )
-        await asyncio.gather(*(self._load_model(name) for name in names))
+        models = []
+        for name in names:
+            try:
+                models.append(self.repository.load(name))
+            except RepositoryError as exc:
+                self._failed[name] = str(exc)
+                log.error("model %s not loaded: %s", name, exc)
+        requests = {
+            _key(m.name, f.version): instance_requests(
+                _key(m.name, f.version), m.config, self.topology
+            )
+            for m in models
+            for f in m.versions
+        }
+        placements, unplaced = place_all(requests, self.topology)
+        loads = []
+        for model in models:
+            versions = {
+                f.version: ServedVersion(model.name, f.version, model.config)
+                for f in model.versions
+            }
+            self._models[model.name] = versions
+            for files in model.versions:
+                served, key = versions[files.version], _key(model.name, files.version)
+                if key in unplaced:
+                    served.state, served.reason = VersionState.UNAVAILABLE, unplaced[key]
+                    log.error(
+                        "model %s version %d not placed: %s",
+                        model.name,
+                        files.version,
+                        unplaced[key],
+                    )
+                    continue
+                loads.append(self._load_version(served, files, placements[key]))
+        self._on_change()
+        await asyncio.gather(*loads)
         self.loading_done = True
         self._on_change()
 
-    async def _load_model(self, name: str) -> None:
-        try:
-            model = self.repository.load(name)
-        except RepositoryError as exc:
-            self._failed[name] = str(exc)
-            log.error("model %s not loaded: %s", name, exc)
-            return
-        versions = {f.version: ServedVersion(name, f.version, model.config) for f in model.versions}
-        self._models[name] = versions
-        self._on_change()
-        await asyncio.gather(*(self._load_version(versions[f.version], f) for f in model.versions))
-
-    async def _load_version(self, served: ServedVersion, files: ModelFiles) -> None:
+    async def _load_version(
+        self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
+    ) -> None:
         config = served.config
-        count = sum(max(g.count, 1) for g in config.instance_group) or 1
         params = {k: v.string_value for k, v in config.parameters.items()}
+        served.local_numa = frontend_numa_node(self.topology)
+        simulated = self.topology.simulated
         served.instances = [
             WorkerInstance(
-                WorkerSpec(f"{served.name}_{served.version}_cpu{i}", served.name, files, params)
+                WorkerSpec(
+                    p.instance_name,
+                    served.name,
+                    files,
+                    params,
+                    device="gpu" if p.device == "gpu" and not simulated else "cpu",
+                    env=worker_environment(p, params, p.device == "cpu" or simulated),
+                    numa_node=p.numa_node,
+                    label=_device_label(p, self.topology.simulated),
+                )
             )
-            for i in range(count)
+            for p in placements
         ]
         started = time.monotonic()
         results = await asyncio.gather(
@@ -145,10 +204,7 @@ class ModelManager:
             "loaded model %s version %d on %s in %.1f s: inputs %s -> outputs %s",
             served.name,
             served.version,
-            ", ".join(
-                f"{i.spec.instance_name}={i.loaded.device if i.loaded else '?'}"
-                for i in served.instances
-            ),
+            ", ".join(f"{i.spec.instance_name} on {i.spec.label}" for i in served.instances),
             time.monotonic() - started,
             _describe(served.config.input, served.config.max_batch_size),
             _describe(served.config.output, served.config.max_batch_size),
@@ -256,6 +312,17 @@ def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float
         values.append(value)
     priority, timeout_us = values
     return priority, None if timeout_us is None else timeout_us / 1e6
+
+
+def _key(name: str, version: int) -> str:
+    return f"{name}_{version}"
+
+
+def _device_label(placement: Placement, simulated: bool) -> str:
+    if placement.device == "cpu":
+        return f"cpu (NUMA {placement.numa_node})" if placement.numa_node >= 0 else "cpu"
+    gpus = ",".join(str(i) for i in placement.gpu_indices)
+    return f"gpu {gpus} (simulated: CPU predictor)" if simulated else f"gpu {gpus}"
 
 
 def _not_ready(served: ServedVersion) -> str:

@@ -24,6 +24,8 @@ from service.inference_servicer import InferenceServicer
 from service.model_manager import ModelManager
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
+from service.scheduling.nvml import discover
+from service.scheduling.topology import Topology, load_topology_file
 from service.settings import ServerSettings
 from service.testing_servicer import TestingServicer
 from transport.certs import describe_trust, ensure_dev_certificates
@@ -65,8 +67,10 @@ class Health:
 async def serve(settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
     health: Health | None = None
+    topology = load_topology(settings.topology)
     models = ModelManager(
         ModelRepository(settings.model_repository),
+        topology,
         lambda: health.changed() if health else None,
     )
     health = Health(models)
@@ -153,6 +157,21 @@ async def _start_h3(settings: ServerSettings, tcp_port: int, servicers: _Service
     servicers.control.h3 = h3_server
     log.info("listening: gRPC over HTTP/3 (QUIC, TLS 1.3) on %s:%d/udp", settings.host, port)
     return h3_server
+
+
+def load_topology(path: str) -> Topology:
+    """A recorded host from --topology, or what NVML finds here (CPU-only without a driver)."""
+    topology = load_topology_file(path) if path else discover()
+    if topology.gpus:
+        log.info(
+            "topology: %d GPU(s)%s (%s)",
+            len(topology.gpus),
+            ", SIMULATED: GPU instances run CPU predictors" if topology.simulated else "",
+            topology.source,
+        )
+    else:
+        log.info("topology: %s, %d NUMA node(s)", topology.source, len(topology.numa_nodes))
+    return topology
 
 
 def _bracket(host: str) -> str:

@@ -27,6 +27,7 @@ class ServerSettings:
     grace_period: float = 5.0
     max_message_bytes: int = 64 << 20
     testing_service: bool = False
+    topology: str = ""
 
 
 _HELP = {
@@ -41,6 +42,8 @@ _HELP = {
     "certs_dir": "where development certificates are created and found",
     "grace_period": "seconds in-flight calls may take to finish on shutdown",
     "max_message_bytes": "largest request or response message accepted",
+    "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
+    "NVML; its GPU instances run CPU predictors, logged as simulated",
     "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
 }
 

@@ -114,8 +114,10 @@ class WorkerSpec:
     model_name: str
     files: ModelFiles
     parameters: Mapping[str, str]
-    device: str = "cpu"
+    device: str = "cpu"  # what the worker's predictor uses: "cpu" or "gpu"
     env: Mapping[str, str] = field(default_factory=dict)
+    numa_node: int = -1
+    label: str = "cpu"  # where placement put it, for people
 
 
 class WorkerInstance:

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from service.scheduling.cpulist import parse_cpulist
 from service.workers import protocol
+from service.workers.protocol import CPU_AFFINITY_ENV
 from service.workers.shm import MappingCache, layout
 
 
@@ -101,7 +103,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0].strip()}"[:2000]
 
 
+def _pin_cpus() -> None:
+    """Run on the CPUs placement chose (near the device), as far as this process may."""
+    wanted = os.environ.get(CPU_AFFINITY_ENV)
+    if wanted:
+        usable = parse_cpulist(wanted) & os.sched_getaffinity(0)
+        if usable:
+            os.sched_setaffinity(0, usable)
+
+
 def main() -> int:
+    _pin_cpus()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True)
     args = parser.parse_args()

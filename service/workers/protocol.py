@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from service.tensors import TensorSpec
 
 _HEADER = struct.Struct("<I")
+# The CPUs placement chose for a worker, as a Linux cpulist; applied before paddle is imported.
+CPU_AFFINITY_ENV = "PADDLEQUIC_CPU_AFFINITY"
 MAX_MESSAGE = 1 << 31
 
 
