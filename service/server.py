@@ -86,15 +86,23 @@ async def serve(settings: ServerSettings) -> None:
         TestingServicer() if settings.testing_service else None,
     )
     servicers.register(server)
-    port = server.add_insecure_port(f"{_bracket(settings.host)}:{settings.grpc_port}")
+    tls = _tls_files(settings) if settings.h3 or settings.h2_tls else None
+    address = f"{_bracket(settings.host)}:{settings.grpc_port}"
+    if settings.h2_tls:
+        assert tls is not None
+        credentials = grpc.ssl_server_credentials([(tls[1].read_bytes(), tls[0].read_bytes())])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
     log.info(
-        "listening: gRPC over HTTP/2 on %s:%d (model repository %s)",
+        "listening: gRPC over HTTP/2%s on %s:%d (model repository %s)",
+        " with TLS" if settings.h2_tls else "",
         settings.host,
         port,
         settings.model_repository,
     )
-    h3_server = await _start_h3(settings, port, servicers) if settings.h3 else None
+    h3_server = await _start_h3(settings, port, servicers, tls) if tls and settings.h3 else None
     health.changed()
 
     stop = asyncio.Event()
@@ -139,18 +147,24 @@ class _Servicers:
         add_reflection(server, names)
 
 
-async def _start_h3(settings: ServerSettings, tcp_port: int, servicers: _Servicers) -> H3Server:
+def _tls_files(settings: ServerSettings) -> tuple[Path, Path]:
+    """Certificate chain and key: --tls-cert/--tls-key, or the development certificates."""
     if settings.tls_cert:
-        cert, key = Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)
-    else:
-        certs, created = ensure_dev_certificates(settings.certs_dir)
-        cert, key = certs.server_cert, certs.server_key
-        log.info(
-            "%s development certificates in %s\n%s",
-            "created" if created else "using",
-            certs.directory,
-            describe_trust(certs),
-        )
+        return Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)
+    certs, created = ensure_dev_certificates(settings.certs_dir)
+    log.info(
+        "%s development certificates in %s\n%s",
+        "created" if created else "using",
+        certs.directory,
+        describe_trust(certs),
+    )
+    return certs.server_cert, certs.server_key
+
+
+async def _start_h3(
+    settings: ServerSettings, tcp_port: int, servicers: _Servicers, tls: tuple[Path, Path]
+) -> H3Server:
+    cert, key = tls
     h3_server = H3Server(H3Settings(max_message=settings.max_message_bytes))
     servicers.register(h3_server)
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)

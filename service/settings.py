@@ -20,6 +20,7 @@ class ServerSettings:
     grpc_port: int = 8001
     log_level: str = "info"
     h3: bool = True
+    h2_tls: bool = False
     h3_port: int = 0
     tls_cert: str = ""
     tls_key: str = ""
@@ -36,6 +37,7 @@ _HELP = {
     "grpc_port": "TCP port for gRPC over HTTP/2 (0: any free port)",
     "log_level": "debug, info, warning or error",
     "h3": "also serve gRPC over HTTP/3 (QUIC, UDP)",
+    "h2_tls": "serve HTTP/2 with TLS too, with the HTTP/3 certificate",
     "h3_port": "UDP port for HTTP/3 (0: the same number as the HTTP/2 port)",
     "tls_cert": "PEM certificate chain for HTTP/3 (empty: development certificates)",
     "tls_key": "PEM private key for --tls-cert",
