@@ -1,0 +1,104 @@
+"""Client-side cache of TLS session tickets, per server, for 0-RTT reconnects.
+
+A ticket is used at most once (taken out of the cache when a connection starts with it); the
+server sends a fresh one on every resumed connection. With `path`, tickets survive a restart of
+the client process: the file holds resumption secrets, so it is written with mode 0600 and must
+be treated like a private key.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from aioquic.tls import CipherSuite, SessionTicket
+
+
+class SessionTicketCache:
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._tickets: dict[str, SessionTicket] = {}
+        self._lock = threading.Lock()
+        if self.path is not None and self.path.exists():
+            self._tickets = _load(self.path)
+
+    @staticmethod
+    def key(server_name: str, host: str, port: int) -> str:
+        return f"{server_name}@{host}:{port}"
+
+    def take(self, key: str) -> SessionTicket | None:
+        """The server's ticket, removed from the cache: a ticket is used at most once."""
+        with self._lock:
+            ticket = self._tickets.pop(key, None)
+            if ticket is not None:
+                self._save()
+            return ticket if ticket is not None and ticket.is_valid else None
+
+    def add(self, key: str, ticket: SessionTicket) -> None:
+        with self._lock:
+            self._tickets[key] = ticket
+            self._save()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._tickets
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        data = {key: _encode(ticket) for key, ticket in self._tickets.items()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tickets-")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(data, handle)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _encode(ticket: SessionTicket) -> dict[str, Any]:
+    return {
+        "age_add": ticket.age_add,
+        "cipher_suite": int(ticket.cipher_suite),
+        "not_valid_after": ticket.not_valid_after.isoformat(),
+        "not_valid_before": ticket.not_valid_before.isoformat(),
+        "resumption_secret": base64.b64encode(ticket.resumption_secret).decode(),
+        "server_name": ticket.server_name,
+        "ticket": base64.b64encode(ticket.ticket).decode(),
+        "max_early_data_size": ticket.max_early_data_size,
+        "other_extensions": [
+            [kind, base64.b64encode(value).decode()] for kind, value in ticket.other_extensions
+        ],
+    }
+
+
+def _load(path: Path) -> dict[str, SessionTicket]:
+    """Unreadable or foreign content is ignored: the cost is one full handshake."""
+    try:
+        data = json.loads(path.read_text())
+        return {
+            key: SessionTicket(
+                age_add=int(item["age_add"]),
+                cipher_suite=CipherSuite(int(item["cipher_suite"])),
+                not_valid_after=datetime.datetime.fromisoformat(item["not_valid_after"]),
+                not_valid_before=datetime.datetime.fromisoformat(item["not_valid_before"]),
+                resumption_secret=base64.b64decode(item["resumption_secret"]),
+                server_name=str(item["server_name"]),
+                ticket=base64.b64decode(item["ticket"]),
+                max_early_data_size=item["max_early_data_size"],
+                other_extensions=[
+                    (int(kind), base64.b64decode(value)) for kind, value in item["other_extensions"]
+                ],
+            )
+            for key, item in data.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
