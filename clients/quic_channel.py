@@ -261,7 +261,8 @@ class _Call:
         self._status_ready.set()
         if self._timer is not None:
             self._timer.cancel()
-        if self._stream is not None and code == grpc.StatusCode.OK:
+        if self._stream is not None:
+            # Whatever the status, the connection no longer routes events to this call.
             self._stream.protocol.forget(self._stream.stream_id)
         for callback in self._callbacks:
             callback(self)

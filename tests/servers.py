@@ -50,8 +50,16 @@ def model_repository(target: Path, names: Sequence[str]) -> Path:
 
 
 class ServerProcess:
-    def __init__(self, repository: Path, log_path: Path, extra_args: Sequence[str] = ()) -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        repository: Path,
+        log_path: Path,
+        extra_args: Sequence[str] = (),
+        port: int | None = None,
+    ) -> None:
+        """`port`: listen there (e.g. to restart a server where clients expect it); default
+        a free one."""
+        self.port = free_port() if port is None else port
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.address}"
         self.log_path = log_path
@@ -116,9 +124,9 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def running_server(
-    repository: Path, log_path: Path, extra_args: Sequence[str] = ()
+    repository: Path, log_path: Path, extra_args: Sequence[str] = (), port: int | None = None
 ) -> Iterator[ServerProcess]:
-    server = ServerProcess(repository, log_path, extra_args)
+    server = ServerProcess(repository, log_path, extra_args, port)
     try:
         server.wait_ready()
         yield server

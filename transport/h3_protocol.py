@@ -58,11 +58,17 @@ class StreamClosed(Exception):
 
 
 class GrpcH3Connection(H3Connection):
-    """H3Connection that sends and reports GOAWAY (aioquic drops a received one silently)."""
+    """H3Connection that sends and reports GOAWAY.
+
+    aioquic 1.7.2 skips a received GOAWAY's payload without a word (its control stream parser
+    only hands SETTINGS and MAX_PUSH_ID to `_handle_control_frame`), so the peer's control
+    stream is read a second time here, for GOAWAY frames only.
+    """
 
     def __init__(self, quic: QuicConnection, on_goaway: Callable[[int], None]) -> None:
         super().__init__(quic)
         self._on_goaway = on_goaway
+        self._peer_control = _GoawayReader()
 
     def send_goaway(self, stream_id: int) -> None:
         assert self._local_control_stream_id is not None
@@ -71,12 +77,64 @@ class GrpcH3Connection(H3Connection):
             encode_frame(FrameType.GOAWAY, encode_uint_var(stream_id)),
         )
 
-    def _handle_control_frame(self, frame_type: int, frame_data: bytes) -> None:
-        if frame_type == FrameType.GOAWAY:
+    def handle_event(self, event: events.QuicEvent) -> list[H3Event]:
+        h3_events = super().handle_event(event)
+        # aioquic learns which stream is the peer's control stream from its first bytes,
+        # which it has just parsed: every byte of that stream passes here after it did.
+        if (
+            isinstance(event, events.StreamDataReceived)
+            and event.stream_id == self._peer_control_stream_id
+            and not self._is_done
+        ):
+            for stream_id in self._peer_control.feed(event.data):
+                self._on_goaway(stream_id)
+        return h3_events
+
+
+class _GoawayReader:
+    """The GOAWAY frames of a control stream (stream type, then frames). Other frames'
+    payloads are skipped as they arrive, never buffered."""
+
+    _MAX_GOAWAY_PAYLOAD = 8  # one variable-length integer
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._typed = False  # the stream type was read
+        self._skip = 0  # payload bytes of an uninteresting frame still to come
+
+    def feed(self, data: bytes) -> list[int]:
+        """The ids of the GOAWAY frames that `data` completes."""
+        self._buffer += data
+        found: list[int] = []
+        while self._buffer:
+            if self._skip:
+                skipped = min(self._skip, len(self._buffer))
+                self._buffer = self._buffer[skipped:]
+                self._skip -= skipped
+                continue
+            buf = Buffer(data=self._buffer)
+            try:
+                if not self._typed:
+                    buf.pull_uint_var()
+                    self._typed = True
+                    self._buffer = self._buffer[buf.tell() :]
+                    continue
+                frame_type = buf.pull_uint_var()
+                size = buf.pull_uint_var()
+            except BufferReadError:
+                break  # a header split across packets: wait for the rest
+            start = buf.tell()
+            if frame_type != FrameType.GOAWAY or size > self._MAX_GOAWAY_PAYLOAD:
+                self._buffer = self._buffer[start:]
+                self._skip = size
+                continue
+            if len(self._buffer) < start + size:
+                break
+            payload = self._buffer[start : start + size]
+            self._buffer = self._buffer[start + size :]
             with contextlib.suppress(BufferReadError):
-                self._on_goaway(Buffer(data=frame_data).pull_uint_var())
-            return
-        super()._handle_control_frame(frame_type, frame_data)
+                found.append(Buffer(data=payload).pull_uint_var())
+        return found
 
 
 class H3Stream:
@@ -294,11 +352,18 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         return sum(send_buffered(self._quic, sid) for sid in self.streams)
 
     async def wait_send_window(self, stream: H3Stream) -> None:
-        while (
-            stream.error is None and send_buffered(self._quic, stream.stream_id) >= SEND_HIGH_WATER
-        ):
-            self._send_wakeup.clear()
-            await self._send_wakeup.wait()
+        if stream.error is not None or not self._send_blocked(stream):
+            return
+        self.blocked_writers += 1
+        try:
+            while stream.error is None and self._send_blocked(stream):
+                self._send_wakeup.clear()
+                await self._send_wakeup.wait()
+        finally:
+            self.blocked_writers -= 1
+
+    def _send_blocked(self, stream: H3Stream) -> bool:
+        return send_buffered(self._quic, stream.stream_id) >= SEND_HIGH_WATER
 
     def wake_senders(self) -> None:
         self._send_wakeup.set()

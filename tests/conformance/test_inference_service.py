@@ -1,0 +1,204 @@
+"""GRPCInferenceService, health and server reflection over both transports."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2 as alpha_pb2
+from grpc_reflection.v1alpha import reflection_pb2_grpc as alpha_grpc
+
+from clients.inference_client import build_request, parse_response
+from protos.grpc.reflection.v1 import reflection_pb2 as v1_pb2
+from protos.grpc.reflection.v1 import reflection_pb2_grpc as v1_grpc
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.conformance.conftest import EOF, MODELS, ChannelFactory
+from tests.reference import example_inputs, run_reference
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def test_liveness_readiness_and_server_metadata(make_channel: ChannelFactory) -> None:
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+            assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+            for model in MODELS:
+                assert (await stub.ModelReady(pb.ModelReadyRequest(name=model))).ready
+            assert not (await stub.ModelReady(pb.ModelReadyRequest(name="nope"))).ready
+            metadata = await stub.ServerMetadata(pb.ServerMetadataRequest())
+            assert metadata.name == "paddlequic"
+            assert "binary_tensor_data" in metadata.extensions
+
+    asyncio.run(main())
+
+
+def test_model_metadata_config_and_index(make_channel: ChannelFactory) -> None:
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="two_tower"))
+            assert (metadata.name, list(metadata.versions)) == ("two_tower", ["1"])
+            assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
+                ("user", "FP32", [-1, 32]),
+                ("item", "FP32", [-1, 48]),
+            ]
+            assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+                ("fetch_name_0", "FP32", [-1, 16]),
+                ("fetch_name_1", "FP32", [-1, 1]),
+            ]
+            config = (await stub.ModelConfig(pb.ModelConfigRequest(name="mlp"))).config
+            assert (config.name, config.max_batch_size) == ("mlp", 64)
+            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+            assert {(m.name, m.version, m.state) for m in index.models} == {
+                (name, "1", "READY") for name in MODELS
+            }
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.ModelMetadata(pb.ModelMetadataRequest(name="nope"))
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "unknown model 'nope'" in (error.value.details() or "")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_infer_matches_in_process_paddle(make_channel: ChannelFactory, model: str) -> None:
+    inputs = example_inputs(model)
+    expected = run_reference(model, inputs)
+
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            request = build_request(model, inputs, request_id="conformance")
+            response = await stub.ModelInfer(request, timeout=60)
+            assert (response.model_name, response.model_version, response.id) == (
+                model,
+                "1",
+                "conformance",
+            )
+            served = parse_response(response)
+            assert list(served) == list(expected)
+            for name, array in expected.items():
+                assert served[name].shape == array.shape
+                np.testing.assert_allclose(served[name], array, rtol=RTOL, atol=ATOL)
+
+    asyncio.run(main())
+
+
+def test_model_statistics_count_an_inference(make_channel: ChannelFactory) -> None:
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            request = pb.ModelStatisticsRequest(name="two_tower")
+            (before,) = (await stub.ModelStatistics(request)).model_stats
+            inputs = example_inputs("two_tower")
+            await stub.ModelInfer(build_request("two_tower", inputs), timeout=60)
+            (after,) = (await stub.ModelStatistics(request)).model_stats
+            assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+            assert after.inference_count == before.inference_count + 3
+
+    asyncio.run(main())
+
+
+def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFactory) -> None:
+    good = [example_inputs("mlp", seed) for seed in range(5)]
+    requests = [build_request("mlp", x, request_id=f"ok-{i}") for i, x in enumerate(good)]
+    bad = build_request("mlp", {"input": np.zeros((2, 255), np.float32)}, request_id="bad")
+    requests.insert(2, bad)
+
+    async def generate() -> AsyncIterator[pb.ModelInferRequest]:
+        for request in requests:
+            yield request
+
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            call = stub.ModelStreamInfer(generate(), timeout=60)
+            responses = [response async for response in call]
+            assert await call.code() == grpc.StatusCode.OK
+            assert len(responses) == len(requests)
+            by_id = {r.infer_response.id: r for r in responses}
+            assert "dimension 1 must be 256" in by_id["bad"].error_message
+            for i, inputs in enumerate(good):
+                response = by_id[f"ok-{i}"]
+                assert response.error_message == ""
+                served = parse_response(response.infer_response)["fetch_name_0"]
+                expected = run_reference("mlp", inputs)["fetch_name_0"]
+                np.testing.assert_allclose(served, expected, rtol=RTOL, atol=ATOL)
+
+    asyncio.run(main())
+
+
+def test_repository_model_load_is_unimplemented(make_channel: ChannelFactory) -> None:
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "not implemented" in (error.value.details() or "")
+
+    asyncio.run(main())
+
+
+def test_health_check(make_channel: ChannelFactory) -> None:
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            for service in ("", "inference.GRPCInferenceService", *MODELS):
+                request = health_pb2.HealthCheckRequest(service=service)
+                assert (await stub.Check(request)).status == serving
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+EXPECTED_SERVICES = {
+    "inference.GRPCInferenceService",
+    "paddlequic.v1.Control",
+    "paddlequic.v1.Testing",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+}
+
+
+def test_reflection_lists_services(make_channel: ChannelFactory) -> None:
+    async def main() -> None:
+        async with make_channel() as channel:
+            v1 = v1_grpc.ServerReflectionStub(channel)
+            responses = [
+                response
+                async for response in v1.ServerReflectionInfo(
+                    iter([v1_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+                )
+            ]
+            assert len(responses) == 1
+            names = {s.name for s in responses[0].list_services_response.service}
+            assert names >= EXPECTED_SERVICES
+
+            alpha = alpha_grpc.ServerReflectionStub(channel)
+            call = alpha.ServerReflectionInfo(timeout=10)
+            await call.write(alpha_pb2.ServerReflectionRequest(list_services=""))
+            response = await call.read()
+            names = {s.name for s in response.list_services_response.service}
+            assert names >= EXPECTED_SERVICES
+            await call.write(
+                alpha_pb2.ServerReflectionRequest(file_containing_symbol="paddlequic.v1.Testing")
+            )
+            response = await call.read()
+            assert response.file_descriptor_response.file_descriptor_proto
+            await call.done_writing()
+            assert await call.read() == EOF
+            assert await call.code() == grpc.StatusCode.OK
+
+    asyncio.run(main())
