@@ -59,6 +59,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                     model_name=v.name,
                     model_version=str(v.version),
                     queued=v.batcher.queued if v.batcher else 0,
+                    in_flight=v.batcher.in_flight_requests if v.batcher else 0,
                 )
                 for v in versions
             ],

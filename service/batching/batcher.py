@@ -41,6 +41,7 @@ class DynamicBatcher:
         self._queue = BatchQueue(policy)
         self._wake = asyncio.Event()
         self._in_flight = 0
+        self.in_flight_requests = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -131,8 +132,9 @@ class DynamicBatcher:
                 item.ticket.set_result(Answer(outputs, result.timings, waited, rows))
 
     async def _execute(self, batch: list[Pending]) -> None:
+        batch = [item for item in batch if not item.ticket.done()]
+        self.in_flight_requests += len(batch)
         try:
-            batch = [item for item in batch if not item.ticket.done()]
             if not batch:
                 return
             try:
@@ -153,6 +155,7 @@ class DynamicBatcher:
                 _fail(item, errors.internal(f"batch execution failed: {exc}"))
         finally:
             self._in_flight -= 1
+            self.in_flight_requests -= len(batch)
             self._wake.set()
 
 
