@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import AsyncIterator, Callable, Generator, Iterable
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 import grpc
+from aioquic.quic import events
 from grpc.aio import EOF, AioRpcError, Metadata  # type: ignore[attr-defined]
 
+from clients.tickets import SessionTicketCache
+from transport import early_data
 from transport import headers as wire
+from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.framing import encode_message
 from transport.h3_client import H3ClientConnection, client_configuration
 from transport.h3_protocol import H3Settings, H3Stream, StreamClosed
@@ -21,6 +27,8 @@ Serializer = Callable[[Any], bytes] | None
 Deserializer = Callable[[bytes], Any] | None
 MetadataArg = Iterable[tuple[str, str | bytes]] | None
 DEFAULT_PORT = 8001
+CONNECT_ATTEMPTS = 3  # for calls without a deadline
+MAX_BACKOFF_S = 5.0
 
 
 def _split_target(target: str) -> tuple[str, int]:
@@ -32,7 +40,13 @@ def _split_target(target: str) -> tuple[str, int]:
 
 class QuicChannel:
     """Connects lazily, reuses one connection for every call, and opens a new one after the
-    old one died or the server sent GOAWAY."""
+    old one died, idled out or the server sent GOAWAY.
+
+    With a `ticket_cache` the channel resumes TLS sessions: a new connection that has a ticket
+    sends its first calls (those in `early_data_methods`) as 0-RTT early data, with the
+    handshake. Calls made while a connection is being (re)established wait for it, retrying
+    with jittered exponential backoff, up to their deadline.
+    """
 
     def __init__(
         self,
@@ -42,48 +56,141 @@ class QuicChannel:
         server_name: str | None = None,
         settings: H3Settings | None = None,
         idle_timeout_s: float = 60.0,
+        ticket_cache: SessionTicketCache | None = None,
+        early_data_methods: frozenset[str] = DEFAULT_EARLY_DATA_METHODS,
+        connect_timeout_s: float = 10.0,
+        keepalive_s: float | None = None,
+        ticket_wait_s: float = 1.0,
     ) -> None:
         self.host, self.port = _split_target(target)
         self.authority = f"{self.host}:{self.port}" if ":" not in self.host else target
         self._ca_file = ca_file
         self._server_name = server_name or self.host
-        self._settings = settings or H3Settings()
+        chosen = settings or H3Settings()
+        self._settings = replace(chosen, keepalive_s=keepalive_s or chosen.keepalive_s)
         self._idle_timeout_s = idle_timeout_s
+        self._tickets = ticket_cache
+        self._ticket_key = SessionTicketCache.key(self._server_name, self.host, self.port)
+        self.early_data_methods = early_data_methods
+        self._connect_timeout_s = connect_timeout_s
+        self._ticket_wait_s = ticket_wait_s
         self._connection: H3ClientConnection | None = None
         self._old: list[H3ClientConnection] = []
         self._lock = asyncio.Lock()
         self._closed = False
+        self.last_connect_mode: str | None = None  # full, resumed, 0rtt-accepted, 0rtt-rejected
 
-    async def connection(self) -> H3ClientConnection:
+    async def connection(
+        self, early: bool = False, deadline: float | None = None
+    ) -> H3ClientConnection:
+        """The current connection; `early` calls may use it before its handshake completes."""
         if self._closed:
             raise StreamClosed(grpc.StatusCode.CANCELLED, "the channel is closed")
         async with self._lock:
             if self._connection is None or not self._connection.usable:
                 if self._connection is not None:
                     self._old.append(self._connection)
-                configuration = client_configuration(
-                    self._server_name, self._ca_file, None, self._idle_timeout_s, self._settings
-                )
-                try:
-                    self._connection = await H3ClientConnection.connect(
-                        self.host, self.port, configuration, self._settings
-                    )
-                    await self._connection.wait_connected()
-                except (ConnectionError, OSError) as exc:
                     self._connection = None
-                    raise StreamClosed(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"failed to connect to {self.authority} over HTTP/3: "
-                        f"{exc or type(exc).__name__}",
-                    ) from exc
-            return self._connection
+                self._connection = await self._connect_with_backoff(deadline)
+            connection = self._connection
+        if early and connection.may_send_early:
+            return connection
+        await self._wait_handshake(connection, deadline)
+        return connection
+
+    async def _connect_with_backoff(self, deadline: float | None) -> H3ClientConnection:
+        loop = asyncio.get_running_loop()
+        delay, attempts = 0.05, 0
+        while True:
+            attempts += 1
+            try:
+                return await self._connect()
+            except StreamClosed:
+                remaining = None if deadline is None else deadline - loop.time()
+                if (remaining is None and attempts >= CONNECT_ATTEMPTS) or (
+                    remaining is not None and remaining <= delay
+                ):
+                    raise
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, MAX_BACKOFF_S)
+
+    async def _connect(self) -> H3ClientConnection:
+        ticket = self._tickets.take(self._ticket_key) if self._tickets else None
+        configuration = client_configuration(
+            self._server_name, self._ca_file, ticket, self._idle_timeout_s, self._settings
+        )
+        tickets = self._tickets
+        key = self._ticket_key
+        try:
+            connection = await H3ClientConnection.connect(
+                self.host,
+                self.port,
+                configuration,
+                self._settings,
+                session_ticket_handler=(lambda t: tickets.add(key, t))
+                if tickets is not None
+                else None,
+            )
+        except OSError as exc:
+            raise self._unavailable(exc) from exc
+        connection.protocol.handshake.add_done_callback(
+            lambda done: self._record_mode(connection, done)
+        )
+        return connection
+
+    async def _wait_handshake(self, connection: H3ClientConnection, deadline: float | None) -> None:
+        timeout = self._connect_timeout_s
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - asyncio.get_running_loop().time(), 0.0))
+        try:
+            await asyncio.wait_for(connection.wait_connected(), timeout)
+        except TimeoutError:
+            await self._drop(connection)
+            raise StreamClosed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no HTTP/3 handshake with {self.authority} within {timeout:.1f} s",
+            ) from None
+        except ConnectionError as exc:
+            await self._drop(connection)
+            raise self._unavailable(exc) from exc
+
+    async def _drop(self, connection: H3ClientConnection) -> None:
+        if self._connection is connection:
+            self._connection = None
+        await connection.close()
+
+    def _unavailable(self, exc: BaseException) -> StreamClosed:
+        return StreamClosed(
+            grpc.StatusCode.UNAVAILABLE,
+            f"failed to connect to {self.authority} over HTTP/3: {exc or type(exc).__name__}",
+        )
+
+    def _record_mode(
+        self, connection: H3ClientConnection, done: asyncio.Future[events.HandshakeCompleted]
+    ) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        event = done.result()
+        if event.early_data_accepted:
+            self.last_connect_mode = "0rtt-accepted"
+        elif connection.sent_early:
+            self.last_connect_mode = "0rtt-rejected"
+        else:
+            self.last_connect_mode = "resumed" if event.session_resumed else "full"
 
     async def channel_ready(self) -> None:
         await self.connection()
 
     async def close(self, grace: float | None = None) -> None:
+        """Close every connection; first wait briefly for a session ticket the server has not
+        sent yet, so the next connection can resume (it arrives about one RTT after the
+        handshake)."""
         self._closed = True
-        for connection in [*self._old, *([self._connection] if self._connection else [])]:
+        current = self._connection
+        if self._tickets is not None and current is not None and current.handshake_succeeded:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(current.ticket_received.wait(), self._ticket_wait_s)
+        for connection in [*self._old, *([current] if current else [])]:
             await connection.close()
         self._connection = None
         self._old.clear()
@@ -223,8 +330,9 @@ class _Call:
     # stream set-up and teardown
 
     async def _start(self) -> H3Stream:
+        early = early_data.allowed(self._method, self._channel.early_data_methods)
         try:
-            connection = await self._channel.connection()
+            connection = await self._channel.connection(early, self._deadline)
             stream = connection.open_stream()
         except StreamClosed as exc:
             self._finish(exc.status, exc.message, Metadata())

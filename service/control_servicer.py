@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from protos.paddlequic.v1 import control_pb2 as pb
 from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
 from service.errors import ServicerContext, reports_errors
 from service.model_manager import ModelManager
 from transport.h3_server import H3Server
+from transport.tickets import MemoryTicketStore
 
 
 class ControlServicer(pb_grpc.ControlServicer):
@@ -28,6 +31,9 @@ class ControlServicer(pb_grpc.ControlServicer):
             h3_peak_send_buffered=self.h3.peak_send_buffered(),
             h3_blocked_writers=self.h3.blocked_writers(),
             h3_handshakes=stats.handshakes,
+            h3_tickets=dataclasses.asdict(self.h3.tickets.counters)
+            if isinstance(self.h3.tickets, MemoryTicketStore)
+            else {},
         )
 
     @reports_errors

@@ -29,8 +29,10 @@ from service.scheduling.topology import Topology, load_topology_file
 from service.settings import ServerSettings
 from service.testing_servicer import TestingServicer
 from transport.certs import describe_trust, ensure_dev_certificates
+from transport.early_data import parse_allowlist
 from transport.h3_protocol import H3Settings
 from transport.h3_server import H3Server
+from transport.tickets import MemoryTicketStore
 
 log = logging.getLogger("paddlequic.server")
 
@@ -165,11 +167,21 @@ async def _start_h3(
     settings: ServerSettings, tcp_port: int, servicers: _Servicers, tls: tuple[Path, Path]
 ) -> H3Server:
     cert, key = tls
-    h3_server = H3Server(H3Settings(max_message=settings.max_message_bytes))
+    h3_server = H3Server(
+        H3Settings(max_message=settings.max_message_bytes),
+        tickets=MemoryTicketStore(ttl_s=settings.ticket_ttl),
+        zero_rtt=settings.zero_rtt,
+        early_data_methods=parse_allowlist(settings.early_data_methods),
+    )
     servicers.register(h3_server)
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)
     servicers.control.h3 = h3_server
-    log.info("listening: gRPC over HTTP/3 (QUIC, TLS 1.3) on %s:%d/udp", settings.host, port)
+    log.info(
+        "listening: gRPC over HTTP/3 (QUIC, TLS 1.3, 0-RTT %s) on %s:%d/udp",
+        "on" if settings.zero_rtt else "off",
+        settings.host,
+        port,
+    )
     return h3_server
 
 

@@ -21,6 +21,9 @@ class ServerSettings:
     log_level: str = "info"
     h3: bool = True
     h2_tls: bool = False
+    zero_rtt: bool = True
+    ticket_ttl: float = 3600.0
+    early_data_methods: str = "default"
     h3_port: int = 0
     tls_cert: str = ""
     tls_key: str = ""
@@ -38,6 +41,10 @@ _HELP = {
     "log_level": "debug, info, warning or error",
     "h3": "also serve gRPC over HTTP/3 (QUIC, UDP)",
     "h2_tls": "serve HTTP/2 with TLS too, with the HTTP/3 certificate",
+    "zero_rtt": "let resumed HTTP/3 clients send their first requests as 0-RTT early data",
+    "ticket_ttl": "seconds a session ticket stays valid (each is single use)",
+    "early_data_methods": "RPCs served from early data: /pkg.Service/Method or /pkg.Service/*, "
+    "comma-separated; `default` = health, readiness, metadata, config, statistics, inference",
     "h3_port": "UDP port for HTTP/3 (0: the same number as the HTTP/2 port)",
     "tls_cert": "PEM certificate chain for HTTP/3 (empty: development certificates)",
     "tls_key": "PEM private key for --tls-cert",

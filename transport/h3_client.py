@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -55,9 +56,15 @@ class _ClientProtocol(GrpcH3Protocol):
 class H3ClientConnection:
     """One QUIC connection carrying many calls; unusable once closed or told to go away."""
 
-    def __init__(self, protocol: _ClientProtocol, stack: contextlib.AsyncExitStack) -> None:
+    def __init__(
+        self, protocol: _ClientProtocol, stack: contextlib.AsyncExitStack, resuming: bool
+    ) -> None:
         self.protocol = protocol
         self._stack = stack
+        # A ticket that allows early data was offered: requests may go before the handshake.
+        self.may_send_early = resuming
+        self.sent_early = False
+        self.ticket_received = asyncio.Event()
 
     @classmethod
     async def connect(
@@ -66,7 +73,7 @@ class H3ClientConnection:
         port: int,
         configuration: QuicConfiguration,
         settings: H3Settings | None = None,
-        session_ticket_handler: Any = None,
+        session_ticket_handler: Callable[[SessionTicket], None] | None = None,
     ) -> H3ClientConnection:
         """Start the handshake without waiting for it, so the first request can ride along
         as 0-RTT early data when the configuration carries a session ticket."""
@@ -75,6 +82,14 @@ class H3ClientConnection:
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
             return _ClientProtocol(quic, settings=chosen)
 
+        holder: list[H3ClientConnection] = []
+
+        def ticket_arrived(ticket: SessionTicket) -> None:
+            if session_ticket_handler is not None:
+                session_ticket_handler(ticket)
+            if holder:
+                holder[0].ticket_received.set()
+
         stack = contextlib.AsyncExitStack()
         protocol = await stack.enter_async_context(
             connect(
@@ -82,7 +97,7 @@ class H3ClientConnection:
                 port,
                 configuration=configuration,
                 create_protocol=create_protocol,
-                session_ticket_handler=session_ticket_handler,
+                session_ticket_handler=ticket_arrived if session_ticket_handler else None,
                 wait_connected=False,
             )
         )
@@ -91,10 +106,20 @@ class H3ClientConnection:
         # session ticket restored (notes/aioquic.md).
         protocol.ensure_h3()
         protocol.transmit()
-        return cls(protocol, stack)
+        ticket = configuration.session_ticket
+        connection = cls(
+            protocol, stack, ticket is not None and ticket.max_early_data_size is not None
+        )
+        holder.append(connection)
+        return connection
 
     async def wait_connected(self) -> events.HandshakeCompleted:
         return await asyncio.shield(self.protocol.handshake)
+
+    @property
+    def handshake_succeeded(self) -> bool:
+        handshake = self.protocol.handshake
+        return handshake.done() and not handshake.cancelled() and handshake.exception() is None
 
     @property
     def usable(self) -> bool:
@@ -103,6 +128,8 @@ class H3ClientConnection:
     def open_stream(self) -> H3Stream:
         if self.protocol.terminated is not None:
             raise self.protocol.terminated
+        if not self.protocol.handshake.done():
+            self.sent_early = True
         return self.protocol.open_stream()
 
     async def close(self) -> None:

@@ -151,6 +151,7 @@ class H3Stream:
         self.error: StreamClosed | None = None
         self.sent_end = False
         self._changed = asyncio.Event()
+        self.early = False  # opened before the handshake completed: arrived as 0-RTT data
         self.on_headers: Callable[[], None] | None = None
         self.on_reset: Callable[[StreamClosed], None] | None = None
 

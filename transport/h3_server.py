@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -18,14 +18,16 @@ from aioquic.h3.connection import H3_ALPN
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.tls import SessionTicket
 from grpc.aio import AbortError
 
+from transport import early_data
 from transport import headers as wire
+from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 from transport.status import H3_NO_ERROR, H3_REQUEST_REJECTED
+from transport.tickets import TicketStore
 
 log = logging.getLogger("paddlequic.h3.server")
 
@@ -58,8 +60,12 @@ class _ServerProtocol(GrpcH3Protocol):
     ) -> None:
         super().__init__(quic, settings=settings)
         self.server = server
-        self.handshake_done = False
+        # aioquic installs the 1-RTT keys and queues HandshakeCompleted together, so a request
+        # seen before that event arrived as 0-RTT early data.
+        self.handshake_done = asyncio.Event()
         self.highest_stream_id = -4
+        if not server.zero_rtt:
+            _refuse_early_data(quic)
         server.connection_opened(self)
 
     def stream_opened(self, stream_id: int) -> H3Stream | None:
@@ -70,6 +76,7 @@ class _ServerProtocol(GrpcH3Protocol):
             self.reset(stream_id, H3_REQUEST_REJECTED)
             return None
         stream = H3Stream(self, stream_id)
+        stream.early = not self.handshake_done.is_set()
         self.streams[stream_id] = stream
         self.highest_stream_id = max(self.highest_stream_id, stream_id)
         self.server.start_call(self, stream)
@@ -84,11 +91,14 @@ class _ServerProtocol(GrpcH3Protocol):
             self.transmit_soon()
 
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
-        self.handshake_done = True
-        kind = "resumed" if event.session_resumed else "full"
-        self.server.count_handshake(kind)
+        self.handshake_done.set()
+        if event.early_data_accepted:
+            self.server.count_handshake("0rtt_accepted")
+        else:
+            self.server.count_handshake("resumed" if event.session_resumed else "full")
 
     def connection_lost_hook(self) -> None:
+        self.handshake_done.set()  # wakes calls held for it; their streams have failed
         self.server.connection_closed(self)
 
     def peer(self) -> str:
@@ -103,13 +113,17 @@ class H3Server:
     def __init__(
         self,
         settings: H3Settings | None = None,
-        session_ticket_fetcher: Callable[[bytes], SessionTicket | None] | None = None,
-        session_ticket_handler: Callable[[SessionTicket], None] | None = None,
+        tickets: TicketStore | None = None,
+        zero_rtt: bool = True,
+        early_data_methods: frozenset[str] = DEFAULT_EARLY_DATA_METHODS,
         idle_timeout_s: float = 60.0,
     ) -> None:
+        """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
+        early data, of which only `early_data_methods` run before the handshake completes."""
         self.settings = settings or H3Settings()
-        self._ticket_fetcher = session_ticket_fetcher
-        self._ticket_handler = session_ticket_handler
+        self.tickets = tickets
+        self.zero_rtt = zero_rtt
+        self.early_data_methods = early_data_methods
         self._idle_timeout_s = idle_timeout_s
         self._registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         self._generic: list[grpc.GenericRpcHandler[Any, Any]] = []
@@ -166,8 +180,8 @@ class H3Server:
             port,
             configuration=configuration,
             create_protocol=create_protocol,
-            session_ticket_fetcher=self._ticket_fetcher,
-            session_ticket_handler=self._ticket_handler,
+            session_ticket_fetcher=self.tickets.pop if self.tickets is not None else None,
+            session_ticket_handler=self.tickets.add if self.tickets is not None else None,
         )
         sockname = self._quic_server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
         return int(sockname[1])
@@ -234,6 +248,13 @@ class H3Server:
                 )
                 stream.send_headers(block, end=True)
                 return
+            if stream.early and not early_data.allowed(head.method_path, self.early_data_methods):
+                # Not idempotent: replayable early data must not run it. Hold it until the
+                # handshake completes (a replayed handshake never does); it then runs once.
+                self.count_handshake("early_requests_held")
+                await connection.handshake_done.wait()
+                if connection.terminated is not None:
+                    return
             handler = self.lookup(head.method_path, head.metadata)
             if handler is None:
                 stream.send_headers(
@@ -356,6 +377,18 @@ async def _invoke(
         response = await response
     if response is not None:
         await context.write(response)
+
+
+def _refuse_early_data(quic: QuicConnection) -> None:
+    """Issue tickets that do not allow early data (resumption stays). aioquic creates the TLS
+    context when the first packet arrives and has no setting for this, hence the wrapper."""
+    initialize = quic._initialize
+
+    def initialize_without_early_data(peer_cid: bytes) -> None:
+        initialize(peer_cid)
+        quic.tls._max_early_data = None
+
+    quic._initialize = initialize_without_early_data  # type: ignore[method-assign]
 
 
 def _deserialize(handler: grpc.RpcMethodHandler[Any, Any], data: bytes) -> Any:
