@@ -4,6 +4,7 @@ transport conformance suite can exercise both transports through the real server
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,8 +17,10 @@ from service.errors import ServicerContext
 class TestingServicer(pb_grpc.TestingServicer):
     def __init__(self) -> None:
         self._cancelled: set[str] = set()
+        self._executions: collections.Counter[str] = collections.Counter()
 
     async def Unary(self, request: pb.EchoRequest, context: ServicerContext) -> pb.EchoResponse:
+        self._executions[request.token] += 1
         await self._prepare(request, context)
         return pb.EchoResponse(payload=request.payload)
 
@@ -53,6 +56,11 @@ class TestingServicer(pb_grpc.TestingServicer):
         self, request: pb.EchoRequest, context: ServicerContext
     ) -> pb.EchoResponse:
         return pb.EchoResponse(cancelled=request.token in self._cancelled)
+
+    async def Executions(
+        self, request: pb.EchoRequest, context: ServicerContext
+    ) -> pb.EchoResponse:
+        return pb.EchoResponse(messages=self._executions[request.token])
 
     async def _prepare(self, request: pb.EchoRequest, context: ServicerContext) -> None:
         if request.echo_metadata:
