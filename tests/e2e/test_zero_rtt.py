@@ -56,7 +56,10 @@ async def infer_once(server: ServerProcess, certs: Path, cache: SessionTicketCac
 
 
 def stats(server: ServerProcess) -> control_pb2.TransportStatsResponse:
-    return server.control.TransportStats(control_pb2.TransportStatsRequest(), timeout=5)
+    response: control_pb2.TransportStatsResponse = server.control.TransportStats(
+        control_pb2.TransportStatsRequest(), timeout=5
+    )
+    return response
 
 
 def test_resumed_connection_sends_its_first_request_as_early_data(
