@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,10 @@ def _topology(argv: Sequence[str]) -> int:
     return topology_main(argv)
 
 
-def _client(args: argparse.Namespace) -> Any:
+def _client(args: argparse.Namespace, tickets: Any = None) -> Any:
     from clients.inference_client import InferenceClient
 
-    return InferenceClient(args.url, ca_file=args.ca_file)
+    return InferenceClient(args.url, ca_file=args.ca_file, ticket_cache=tickets)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -88,7 +89,11 @@ def random_inputs(
 
 
 def _infer(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    from clients.tickets import SessionTicketCache
+
+    tickets = SessionTicketCache(args.tickets) if args.url.startswith("h3://") else None
+    client = _client(args, tickets)
+    try:
         if args.random:
             metadata = client.metadata(args.model, args.model_version)
             inputs = random_inputs(metadata, args.batch, args.seq_len, np.random.default_rng(0))
@@ -101,7 +106,17 @@ def _infer(args: argparse.Namespace) -> int:
                 inputs[name] = np.load(Path(path))
         else:
             raise SystemExit("give --input NAME=FILE.npy (one per input) or --random")
-        outputs = client.infer(args.model, inputs, version=args.model_version)
+        for call in range(1, args.repeat + 1):
+            if args.reconnect and call > 1:
+                client.close()
+                client = _client(args, tickets)
+            started = time.perf_counter()
+            outputs = client.infer(args.model, inputs, version=args.model_version)
+            if args.repeat > 1:
+                elapsed = (time.perf_counter() - started) * 1e3
+                print(f"call {call}: {client.connect_mode:<14} {elapsed:8.2f} ms")
+    finally:
+        client.close()
     for name, array in outputs.items():
         print(f"{name}: {array.dtype} {list(array.shape)}")
         with np.printoptions(precision=4, suppress=True, threshold=40, edgeitems=3):
@@ -148,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--random", action="store_true", help="random inputs shaped by metadata")
     infer.add_argument("--batch", type=int, default=1, help="batch size for --random")
     infer.add_argument("--seq-len", type=int, default=8, help="variable dims for --random")
+    infer.add_argument("--repeat", type=int, default=1, help="send the request N times")
+    infer.add_argument(
+        "--reconnect", action="store_true", help="a new connection for every call (with --repeat)"
+    )
+    infer.add_argument(
+        "--tickets",
+        help="h3: keep TLS session tickets in this file (mode 0600, secret) so a later run "
+        "resumes with 0-RTT",
+    )
     return parser
 
 

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -108,14 +109,20 @@ class AsyncInferenceClient:
     the same generated stub. Create it inside the event loop that uses it."""
 
     def __init__(
-        self, url: str = f"grpc://localhost:{DEFAULT_PORT}", ca_file: str | None = None
+        self,
+        url: str = f"grpc://localhost:{DEFAULT_PORT}",
+        ca_file: str | None = None,
+        ticket_cache: SessionTicketCache | None = None,
     ) -> None:
+        """`ticket_cache` (h3 only) lets reconnects resume with 0-RTT."""
         self.target = parse_url(url)
         self._channel: Any
         if self.target.scheme == "h3":
             from clients.quic_channel import QuicChannel
 
-            self._channel = QuicChannel(self.target.address, ca_file=ca_file)
+            self._channel = QuicChannel(
+                self.target.address, ca_file=ca_file, ticket_cache=ticket_cache
+            )
         else:
             self._channel = grpc.aio.insecure_channel(self.target.address, options=_OPTIONS)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
@@ -145,6 +152,11 @@ class AsyncInferenceClient:
         response = await self._health.Check(request, timeout=timeout)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
+    @property
+    def connect_mode(self) -> str:
+        """How the last HTTP/3 connection started (full, resumed, 0rtt-accepted, ...)."""
+        return str(getattr(self._channel, "last_connect_mode", None) or "tcp")
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -160,14 +172,17 @@ class InferenceClient:
     transports behave the same and calls from any thread are safe."""
 
     def __init__(
-        self, url: str = f"grpc://localhost:{DEFAULT_PORT}", ca_file: str | None = None
+        self,
+        url: str = f"grpc://localhost:{DEFAULT_PORT}",
+        ca_file: str | None = None,
+        ticket_cache: SessionTicketCache | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
 
         async def create() -> AsyncInferenceClient:
-            return AsyncInferenceClient(url, ca_file)
+            return AsyncInferenceClient(url, ca_file, ticket_cache)
 
         self._client = self._run(create())
         self.target = self._client.target
@@ -193,6 +208,10 @@ class InferenceClient:
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         return self._run(self._client.health(service, timeout))
+
+    @property
+    def connect_mode(self) -> str:
+        return self._client.connect_mode
 
     def close(self) -> None:
         if self._loop.is_running():
