@@ -28,6 +28,7 @@ Deserializer = Callable[[bytes], Any] | None
 MetadataArg = Iterable[tuple[str, str | bytes]] | None
 DEFAULT_PORT = 8001
 CONNECT_ATTEMPTS = 3  # for calls without a deadline
+MAX_ATTEMPTS = 5  # transparent retries of one call
 MAX_BACKOFF_S = 5.0
 
 
@@ -284,6 +285,7 @@ class _MultiCallable:
             request,
             timeout,
             tuple(metadata or ()),
+            bool(wait_for_ready),
         )
 
 
@@ -301,9 +303,13 @@ class _Call:
         request: Any,
         timeout: float | None,
         metadata: tuple[tuple[str, str | bytes], ...],
+        wait_for_ready: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._channel = channel
+        self._request = request
+        self._wait_for_ready = wait_for_ready
+        self._attempts = 1
         self._method = method
         self._serialize = serializer
         self._deserialize = deserializer
@@ -332,8 +338,7 @@ class _Call:
     async def _start(self) -> H3Stream:
         early = early_data.allowed(self._method, self._channel.early_data_methods)
         try:
-            connection = await self._channel.connection(early, self._deadline)
-            stream = connection.open_stream()
+            stream = await self._open_stream(early)
         except StreamClosed as exc:
             self._finish(exc.status, exc.message, Metadata())
             raise
@@ -345,6 +350,18 @@ class _Call:
             wire.request_headers(self._channel.authority, self._method, remaining, self._metadata)
         )
         return stream
+
+    async def _open_stream(self, early: bool) -> H3Stream:
+        """A stream on a live connection. The connection can die between being handed out and
+        the stream opening (its close was still in flight); nothing was sent yet, so take the
+        channel's next one."""
+        for _ in range(MAX_ATTEMPTS - 1):
+            connection = await self._channel.connection(early, self._deadline)
+            try:
+                return connection.open_stream()
+            except StreamClosed:
+                continue
+        return (await self._channel.connection(early, self._deadline)).open_stream()
 
     def _remaining(self) -> float:
         assert self._deadline is not None
@@ -429,11 +446,15 @@ class _Call:
         if self._initial is not None:
             return self._initial
         stream = await self._stream_ready()
-        try:
-            headers = await stream.wait_headers()
-        except StreamClosed as exc:
-            self._finish(exc.status, exc.message, Metadata())
-            return None
+        while True:
+            try:
+                headers = await stream.wait_headers()
+                break
+            except StreamClosed as exc:
+                if not self._may_retry(exc):
+                    self._finish(exc.status, exc.message, Metadata())
+                    return None
+                stream = await self._retry(stream)
         if wire.is_trailers_only(headers):
             status = wire.parse_trailers(headers)
             self._initial = Metadata()
@@ -446,6 +467,28 @@ class _Call:
             return None
         self._initial = Metadata(*head.metadata)
         return self._initial
+
+    def _may_retry(self, error: StreamClosed) -> bool:
+        """gRPC's transparent retry: a unary request that the server refused unprocessed (or any
+        UNAVAILABLE one with wait_for_ready) is sent again on a fresh stream, until the
+        deadline."""
+        return (
+            not self.request_streaming
+            and self._status is None
+            and error.status == grpc.StatusCode.UNAVAILABLE
+            and (error.refused or self._wait_for_ready)
+            and self._attempts < MAX_ATTEMPTS
+            and (self._deadline is None or self._remaining() > 0)
+        )
+
+    async def _retry(self, failed: H3Stream) -> H3Stream:
+        self._attempts += 1
+        failed.protocol.forget(failed.stream_id)
+        await asyncio.sleep(min(0.05 * 2**self._attempts, MAX_BACKOFF_S) * random.uniform(0.5, 1.5))
+        self._started = asyncio.get_running_loop().create_task(self._start())
+        stream = await self._stream_ready()
+        await stream.send_data(encode_message(self._serialize(self._request)), end=True)
+        return stream
 
     async def _read(self) -> Any:
         """The next response message, or EOF once the status is known and OK."""

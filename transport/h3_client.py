@@ -40,7 +40,9 @@ class _ClientProtocol(GrpcH3Protocol):
     def _goaway_received(self, stream_id: int) -> None:
         super()._goaway_received(stream_id)
         refused = StreamClosed(
-            grpc.StatusCode.UNAVAILABLE, "the server is going away (GOAWAY); retry the call"
+            grpc.StatusCode.UNAVAILABLE,
+            "the server is going away (GOAWAY) and did not process the call",
+            refused=True,
         )
         for sid, stream in list(self.streams.items()):
             if sid >= stream_id:

@@ -30,7 +30,7 @@ from aioquic.quic.connection import QuicConnection
 from transport.errors import ProtocolError
 from transport.framing import DEFAULT_MAX_MESSAGE, MessageDecoder
 from transport.h3_flow import ReceiveCredit, send_buffered, set_max_concurrent_streams
-from transport.status import H3_REQUEST_CANCELLED, status_from_h3_error
+from transport.status import H3_REQUEST_CANCELLED, H3_REQUEST_REJECTED, status_from_h3_error
 
 log = logging.getLogger("paddlequic.h3")
 
@@ -51,10 +51,11 @@ class H3Settings:
 class StreamClosed(Exception):
     """The stream ended abnormally; `status` is what the call should report."""
 
-    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, message: str, refused: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.refused = refused  # the peer refused the stream unprocessed: safe to retry
 
 
 class GrpcH3Connection(H3Connection):
@@ -293,6 +294,7 @@ class GrpcH3Protocol(QuicConnectionProtocol):
                     StreamClosed(
                         status_from_h3_error(event.error_code),
                         f"stream reset by peer (HTTP/3 error 0x{event.error_code:x})",
+                        refused=event.error_code == H3_REQUEST_REJECTED,
                     )
                 )
         if h3 is not None:
