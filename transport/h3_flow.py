@@ -26,10 +26,6 @@ DEFAULT_STREAM_WINDOW = 1 << 20
 DEFAULT_CONNECTION_WINDOW = 16 << 20
 
 
-def _is_request_stream(stream_id: int) -> bool:
-    return stream_id & 2 == 0
-
-
 class ReceiveCredit:
     """Credit = bytes the application consumed + window, per request stream and in total."""
 
@@ -45,14 +41,25 @@ class ReceiveCredit:
         self._unconsumed: defaultdict[int, int] = defaultdict(int)
         self._total_unconsumed = 0
         original_stream_limits = quic._write_stream_limits
+        unconsumed = self._unconsumed
+        half_window = stream_window // 2
 
+        # Called for every stream in every packet aioquic builds: kept lean.
         def write_stream_limits(
             conn: QuicConnection, builder: QuicPacketBuilder, space: object, stream: QuicStream
         ) -> None:
-            if stream.stream_id is None or not _is_request_stream(stream.stream_id):
+            stream_id = stream.stream_id
+            if stream_id is None or stream_id & 2:
                 original_stream_limits(builder, space, stream)  # type: ignore[arg-type]
                 return
-            self._write_stream_credit(builder, stream)
+            local = stream.max_stream_data_local
+            if not local:
+                return
+            target = stream.receiver.highest_offset - unconsumed.get(stream_id, 0) + stream_window
+            if target - local >= half_window:
+                stream.max_stream_data_local = local = target
+            if stream.max_stream_data_local_sent != local:
+                self._send_stream_credit(builder, stream)
 
         def write_connection_limits(
             conn: QuicConnection, builder: QuicPacketBuilder, space: object
@@ -81,21 +88,11 @@ class ReceiveCredit:
     def unconsumed(self) -> int:
         return self._total_unconsumed
 
-    def _write_stream_credit(self, builder: QuicPacketBuilder, stream: QuicStream) -> None:
-        if not stream.max_stream_data_local:
-            return
-        consumed = stream.receiver.highest_offset - self._unconsumed.get(stream.stream_id or 0, 0)
-        target = consumed + self.stream_window
-        # Batch updates: only when at least half a window can be granted.
-        if target - stream.max_stream_data_local >= self.stream_window // 2:
-            stream.max_stream_data_local = target
-        if stream.max_stream_data_local_sent == stream.max_stream_data_local:
-            return
-        quic = self.quic
+    def _send_stream_credit(self, builder: QuicPacketBuilder, stream: QuicStream) -> None:
         buf = builder.start_frame(
             QuicFrameType.MAX_STREAM_DATA,
             capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
-            handler=quic._on_max_stream_data_delivery,
+            handler=self.quic._on_max_stream_data_delivery,
             handler_args=(stream,),
         )
         buf.push_uint_var(stream.stream_id or 0)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -278,7 +279,12 @@ class GrpcH3Protocol(QuicConnectionProtocol):
     # aioquic callbacks
 
     def datagram_received(self, data: bytes | str, addr: object) -> None:
-        super().datagram_received(data, addr)
+        """As aioquic's, but transmitting once per event-loop turn rather than once per
+        datagram: under load many datagrams arrive together, and every transmit walks all
+        streams."""
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        self._process_events()
+        self._transmit_soon()
         self.wake_senders()
 
     def quic_event_received(self, event: events.QuicEvent) -> None:

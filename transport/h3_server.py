@@ -310,34 +310,36 @@ class H3Server:
         stream: H3Stream,
         timeout: float | None,
     ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
-        task = asyncio.get_running_loop().create_task(_invoke(handler, context, stream))
+        # The handler runs in this call's own task (no task per call beyond it): a reset
+        # from the peer cancels this task, and the deadline is a timeout around it.
+        current = asyncio.current_task()
+        assert current is not None
 
         def on_reset(error: StreamClosed) -> None:
             context.mark_cancelled()
-            task.cancel()
+            current.cancel()
 
         stream.on_reset = on_reset
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.shield(task)
+                await _invoke(handler, context, stream)
         except TimeoutError:
-            task.cancel()
             context.mark_cancelled()
-            with contextlib.suppress(BaseException):
-                await task
             return grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()
         except AbortError:
             pass
         except StreamClosed as exc:
             return exc.status, exc.message, ()
         except asyncio.CancelledError:
-            if task.cancelled() and stream.error is not None:
-                return stream.error.status, stream.error.message, ()
-            task.cancel()
-            raise
+            if stream.error is None or not context.cancelled():
+                raise  # the server is stopping
+            current.uncancel()
+            return stream.error.status, stream.error.message, ()
         except Exception as exc:
             log.exception("unexpected error in %s", context.method_path)
             return grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ()
+        finally:
+            stream.on_reset = None
         return context.final_status()
 
 
