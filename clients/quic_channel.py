@@ -330,8 +330,6 @@ class _Call:
         self._writer: asyncio.Task[None] | None = None
         if self.request_streaming and request is not None:
             self._writer = loop.create_task(self._write_all(request))
-        elif not self.request_streaming:
-            self._writer = loop.create_task(self._send_unary(request))
 
     # stream set-up and teardown
 
@@ -349,6 +347,10 @@ class _Call:
         stream.send_headers(
             wire.request_headers(self._channel.authority, self._method, remaining, self._metadata)
         )
+        if not self.request_streaming:
+            # Headers and the one message leave together, usually in one packet.
+            with contextlib.suppress(StreamClosed):
+                await stream.send_data(encode_message(self._serialize(self._request)), end=True)
         return stream
 
     async def _open_stream(self, early: bool) -> H3Stream:
@@ -408,11 +410,6 @@ class _Call:
             raise self._error() from None
 
     # sending
-
-    async def _send_unary(self, request: Any) -> None:
-        with contextlib.suppress(StreamClosed, AioRpcError):
-            stream = await self._stream_ready()
-            await stream.send_data(encode_message(self._serialize(request)), end=True)
 
     async def _write_all(self, requests: Any) -> None:
         with contextlib.suppress(StreamClosed, AioRpcError):
@@ -486,9 +483,7 @@ class _Call:
         failed.protocol.forget(failed.stream_id)
         await asyncio.sleep(min(0.05 * 2**self._attempts, MAX_BACKOFF_S) * random.uniform(0.5, 1.5))
         self._started = asyncio.get_running_loop().create_task(self._start())
-        stream = await self._stream_ready()
-        await stream.send_data(encode_message(self._serialize(self._request)), end=True)
-        return stream
+        return await self._stream_ready()
 
     async def _read(self) -> Any:
         """The next response message, or EOF once the status is known and OK."""
