@@ -63,3 +63,17 @@ def example_inputs(model: str, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]
 
 
 EXAMPLES = ("mlp", "resnet18", "text_classifier", "two_tower")
+
+
+def assert_matches_reference(
+    model: str, inputs: dict[str, np.ndarray[Any, Any]], response: Any
+) -> None:
+    """A served ModelInferResponse holds the same outputs as in-process Paddle, in order."""
+    from clients.inference_client import parse_response
+
+    served = parse_response(response)
+    expected = run_reference(model, inputs)
+    assert list(served) == list(expected)
+    for name, array in expected.items():
+        assert served[name].shape == array.shape
+        np.testing.assert_allclose(served[name], array, rtol=1e-4, atol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
-from tests.reference import EXAMPLES, example_inputs, run_reference
+from tests.reference import EXAMPLES, assert_matches_reference, example_inputs, run_reference
 from tests.servers import ServerProcess
 
 
@@ -16,12 +16,7 @@ def test_model_infer_matches_in_process_paddle(server: ServerProcess, model: str
     inputs = example_inputs(model)
     response = server.stub.ModelInfer(build_request(model, inputs, request_id="r1"), timeout=60)
     assert (response.model_name, response.model_version, response.id) == (model, "1", "r1")
-    served = parse_response(response)
-    expected = run_reference(model, inputs)
-    assert list(served) == list(expected)
-    for name, array in expected.items():
-        assert served[name].shape == array.shape
-        np.testing.assert_allclose(served[name], array, rtol=1e-4, atol=1e-5)
+    assert_matches_reference(model, inputs, response)
 
 
 def test_requested_output_subset(server: ServerProcess) -> None:

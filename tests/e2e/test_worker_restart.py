@@ -11,14 +11,14 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
-from clients.inference_client import build_request, parse_response
+from clients.inference_client import build_request
 from protos.paddlequic.v1 import control_pb2
-from tests.reference import example_inputs, run_reference
+from tests.reference import assert_matches_reference, example_inputs
 from tests.servers import ServerProcess, model_repository, running_server
 
 _T = TypeVar("_T")
@@ -35,17 +35,6 @@ def wait_for(what: str, probe: Callable[[], _T | None], limit_s: float = POLL_LI
             return found
         time.sleep(0.02)
     raise AssertionError(f"gave up after {limit_s:.0f} s waiting for {what}")
-
-
-def assert_matches_reference(
-    model: str, inputs: dict[str, np.ndarray[Any, Any]], response: Any
-) -> None:
-    served = parse_response(response)
-    expected = run_reference(model, inputs)
-    assert list(served) == list(expected)
-    for name, array in expected.items():
-        assert served[name].shape == array.shape
-        np.testing.assert_allclose(served[name], array, rtol=1e-4, atol=1e-5)
 
 
 def only_instance(server: ServerProcess, model: str) -> control_pb2.Instance:
