@@ -181,8 +181,8 @@ def main() -> int:
         if not (EXAMPLE_MODELS / model / "1").is_dir():
             raise SystemExit(f"model {model} is not exported; run `make models-bench`")
         print(f"{model}: raw predictor", flush=True)
-        max_batch = 16 if model == "resnet18" else 64
-        rows += raw_predictor(model, [1, 4, max_batch], args.duration / 2)
+        sizes = [1, 2, 4, 8, 16] if model == "resnet18" else [1, 4, 8, 16, 32, 64]
+        rows += raw_predictor(model, sizes, args.duration / 2)
         with tempfile.TemporaryDirectory() as tmp:
             for batching in (False, True):
                 setup = "batching-on" if batching else "batching-off"
