@@ -23,6 +23,7 @@ from service.repository import (
     complete_config,
     parse_version,
 )
+from service.scheduling import routing
 from service.scheduling.instances import (
     frontend_numa_node,
     instance_requests,
@@ -43,7 +44,6 @@ from service.workers.instance import (
 )
 
 log = logging.getLogger("paddlequic.models")
-SPILL_MARGIN = 2  # remote instances take work once local ones hold this much more
 
 
 class VersionState(enum.Enum):
@@ -74,22 +74,8 @@ class ServedVersion:
         )
 
     def pick_instance(self) -> WorkerInstance:
-        """Power of two choices by outstanding work, among the ready instances on the
-        front-end's NUMA node first; spill to remote ones when the local ones are clearly
-        busier."""
         ready = [i for i in self.instances if i.state is State.READY] or self.instances
-        local = [i for i in ready if i.spec.numa_node == self.local_numa]
-        remote = [i for i in ready if i.spec.numa_node != self.local_numa]
-        if not local or not remote:
-            return self._two_choices(local or remote)
-        near, far = self._two_choices(local), self._two_choices(remote)
-        return far if near.outstanding >= far.outstanding + SPILL_MARGIN else near
-
-    def _two_choices(self, instances: list[WorkerInstance]) -> WorkerInstance:
-        if len(instances) == 1:
-            return instances[0]
-        first, second = self._random.sample(instances, 2)
-        return first if first.outstanding <= second.outstanding else second
+        return routing.choose(ready, self.local_numa, self._random)
 
     def capacity(self) -> int:
         """Batches the ready instances can hold at once (one running, one queued each)."""

@@ -145,6 +145,10 @@ class WorkerInstance:
     def outstanding(self) -> int:
         return len(self._pending)
 
+    @property
+    def numa_node(self) -> int:
+        return self.spec.numa_node
+
     async def start(self) -> protocol.Loaded:
         """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
         loaded = await self._launch()
