@@ -10,6 +10,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
@@ -42,6 +43,7 @@ from service.workers.instance import (
     WorkerInstance,
     WorkerSpec,
 )
+from service.workers.protocol import Timings
 
 log = logging.getLogger("paddlequic.models")
 
@@ -82,6 +84,16 @@ class ServedVersion:
         return SLOTS_PER_WORKER * sum(i.state is State.READY for i in self.instances)
 
 
+class ManagerObserver(Protocol):
+    """Told what only the model manager sees (metrics and tracing live elsewhere)."""
+
+    def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None: ...
+
+    def on_batch(self, model: str, rows: int, timings: Timings) -> None: ...
+
+    def on_load_failure(self, model: str, reason: str) -> None: ...
+
+
 class ModelManager:
     def __init__(
         self, repository: ModelRepository, topology: Topology, on_change: Callable[[], None]
@@ -92,6 +104,7 @@ class ModelManager:
         self._models: dict[str, dict[int, ServedVersion]] = {}
         self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
         self.loading_done = False
+        self.observer: ManagerObserver | None = None
 
     async def load_all(self) -> None:
         """Read every model, place all their instances in one pass, then start them."""
@@ -108,6 +121,7 @@ class ModelManager:
             except RepositoryError as exc:
                 self._failed[name] = str(exc)
                 log.error("model %s not loaded: %s", name, exc)
+                self._load_failed(name, "repository")
         requests = {
             _key(m.name, f.version): instance_requests(
                 _key(m.name, f.version), m.config, self.topology
@@ -133,6 +147,7 @@ class ModelManager:
                         files.version,
                         unplaced[key],
                     )
+                    self._load_failed(model.name, "placement")
                     continue
                 loads.append(self._load_version(served, files, placements[key]))
         self._on_change()
@@ -182,6 +197,7 @@ class ModelManager:
         except RepositoryError as exc:
             served.state, served.reason = VersionState.UNAVAILABLE, str(exc)
             log.error("model %s version %d not loaded: %s", served.name, served.version, exc)
+            self._load_failed(served.name, "load")
             await asyncio.gather(*(i.stop() for i in served.instances))
             self._on_change()
             return
@@ -259,18 +275,24 @@ class ModelManager:
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
+        elapsed_ns = time.perf_counter_ns() - started
         served.stats.record_success(
-            max(job.batch_size, 1),
-            time.perf_counter_ns() - started,
-            answer.queue_ns,
-            answer.timings,
+            max(job.batch_size, 1), elapsed_ns, answer.queue_ns, answer.timings
         )
+        if self.observer is not None:
+            self.observer.on_request(served.name, elapsed_ns, answer)
         return answer
 
     async def _run_batch(self, served: ServedVersion, job: InferJob) -> InferResult:
         result = await served.pick_instance().infer(job, None)
         served.stats.record_batch(max(job.batch_size, 1), result.timings)
+        if self.observer is not None:
+            self.observer.on_batch(served.name, max(job.batch_size, 1), result.timings)
         return result
+
+    def _load_failed(self, name: str, reason: str) -> None:
+        if self.observer is not None:
+            self.observer.on_load_failure(name, reason)
 
     async def stop(self) -> None:
         for served in self.all_versions():

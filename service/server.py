@@ -22,6 +22,10 @@ from service import settings as settings_module
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
 from service.model_manager import ModelManager
+from service.observability.handlers import ObservedServer, Observer
+from service.observability.logs import RequestLog, configure_logging
+from service.observability.metrics import Metrics, MetricsUnavailable
+from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
 from service.scheduling.nvml import discover
@@ -69,6 +73,9 @@ class Health:
 async def serve(settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
     health: Health | None = None
+    tracing = tracer_provider(
+        settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
+    )
     topology = load_topology(settings.topology)
     models = ModelManager(
         ModelRepository(settings.model_repository),
@@ -76,6 +83,22 @@ async def serve(settings: ServerSettings) -> None:
         lambda: health.changed() if health else None,
     )
     health = Health(models)
+    metrics = Metrics(models, topology) if settings.metrics else None
+    observer = Observer(
+        metrics,
+        RequestLog(
+            settings.slow_request_ms,
+            settings.log_sample_ratio,
+            settings.log_sample_seed if settings.log_sample_seed >= 0 else None,
+        ),
+        tracing.get_tracer("paddlequic") if tracing else None,
+    )
+    models.observer = observer
+    metrics_server = metrics.serve(settings.host, settings.metrics_port) if metrics else None
+    if metrics_server is not None:
+        log.info(
+            "metrics on http://%s:%d/metrics", _bracket(settings.host), metrics_server.server_port
+        )
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -87,7 +110,7 @@ async def serve(settings: ServerSettings) -> None:
         health.servicer,
         TestingServicer() if settings.testing_service else None,
     )
-    servicers.register(server)
+    servicers.register(ObservedServer(server, "h2", observer))
     tls = _tls_files(settings) if settings.h3 or settings.h2_tls else None
     address = f"{_bracket(settings.host)}:{settings.grpc_port}"
     if settings.h2_tls:
@@ -104,7 +127,11 @@ async def serve(settings: ServerSettings) -> None:
         port,
         settings.model_repository,
     )
-    h3_server = await _start_h3(settings, port, servicers, tls) if tls and settings.h3 else None
+    h3_server = (
+        await _start_h3(settings, port, servicers, tls, observer) if tls and settings.h3 else None
+    )
+    if metrics is not None:
+        metrics.state.h3 = h3_server
     health.changed()
 
     stop = asyncio.Event()
@@ -126,6 +153,10 @@ async def serve(settings: ServerSettings) -> None:
     )
     loader.cancel()
     await models.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    if tracing is not None:
+        tracing.shutdown()
     log.info("stopped")
 
 
@@ -164,7 +195,11 @@ def _tls_files(settings: ServerSettings) -> tuple[Path, Path]:
 
 
 async def _start_h3(
-    settings: ServerSettings, tcp_port: int, servicers: _Servicers, tls: tuple[Path, Path]
+    settings: ServerSettings,
+    tcp_port: int,
+    servicers: _Servicers,
+    tls: tuple[Path, Path],
+    observer: Observer,
 ) -> H3Server:
     cert, key = tls
     h3_server = H3Server(
@@ -173,7 +208,7 @@ async def _start_h3(
         zero_rtt=settings.zero_rtt,
         early_data_methods=parse_allowlist(settings.early_data_methods),
     )
-    servicers.register(h3_server)
+    servicers.register(ObservedServer(h3_server, "h3", observer))
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)
     servicers.control.h3 = h3_server
     log.info(
@@ -206,15 +241,11 @@ def _bracket(host: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_module.parse(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection
     try:
         asyncio.run(serve(settings))
-    except RepositoryError as exc:
+    except (RepositoryError, TracingUnavailable, MetricsUnavailable) as exc:
         log.error("%s", exc)
         return 1
     return 0

@@ -32,6 +32,15 @@ class ServerSettings:
     max_message_bytes: int = 64 << 20
     testing_service: bool = False
     topology: str = ""
+    metrics: bool = True
+    metrics_port: int = 8002
+    log_format: str = "json"
+    slow_request_ms: float = 1000.0
+    log_sample_ratio: float = 0.01
+    log_sample_seed: int = -1
+    trace_console: bool = False
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
 
 
 _HELP = {
@@ -54,6 +63,16 @@ _HELP = {
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
     "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
+    "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
+    "metrics_port": "TCP port for /metrics (0: any free port, logged)",
+    "log_format": "json (one object per line) or text",
+    "slow_request_ms": "requests at least this slow are always logged",
+    "log_sample_ratio": "fraction of successful, fast requests logged (errors always are)",
+    "log_sample_seed": "seed of the request log sampling (-1: unseeded)",
+    "trace_console": "write OpenTelemetry spans to stderr, one JSON object per line",
+    "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
+    "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "
+    "the caller's decision",
 }
 
 

@@ -75,6 +75,9 @@ class ServerProcess:
                 str(self.port),
                 "--model-repository",
                 str(repository),
+                # Servers run side by side in tests: metrics on any free port unless asked.
+                "--metrics-port",
+                "0",
                 *extra_args,
             ],
             cwd=REPO_ROOT,

@@ -1,0 +1,287 @@
+"""Every RPC observed on every transport without the transports knowing: servicers register
+through `ObservedServer`, which wraps each grpc.RpcMethodHandler's behavior to count, time,
+trace and log the call, and otherwise passes requests, responses and errors through as is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextvars import Token
+from typing import Any, TypeAlias
+
+import grpc
+from grpc.aio import AbortError
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context as OtelContext
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from service.batching.batcher import Answer
+from service.observability.logs import RequestLog
+from service.observability.metrics import Metrics
+from service.workers.protocol import Timings
+from transport.h3_protocol import StreamClosed
+
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Behavior = Callable[..., Any]
+_BUILDERS: dict[tuple[bool, bool], Callable[..., Handler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class Observer:
+    """What is done with each finished RPC (metrics, request log, span), and the
+    ModelManager's hook for what only the model manager knows (queue, batch, load failures)."""
+
+    def __init__(self, metrics: Metrics | None, request_log: RequestLog, tracer: Tracer | None):
+        self.metrics = metrics
+        self.request_log = request_log
+        self.tracer = tracer
+
+    def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None:
+        """One inference request done: its queue wait, and child spans of the RPC's span for
+        the wait and the batch it ran in (times reconstructed from the measured durations)."""
+        if self.metrics is not None:
+            self.metrics.queue_duration.labels(model).observe(answer.queue_ns / 1e9)
+        if self.tracer is None or not trace.get_current_span().is_recording():
+            return
+        end = time.time_ns()
+        start = end - elapsed_ns
+        queued = min(start + answer.queue_ns, end)
+        self.tracer.start_span("queue", start_time=start).end(end_time=queued)
+        batch = self.tracer.start_span(
+            "batch",
+            start_time=queued,
+            attributes={
+                "paddlequic.batch_rows": answer.batch_rows,
+                "paddlequic.infer_ns": answer.timings.infer_ns,
+                "paddlequic.input_ns": answer.timings.input_ns,
+                "paddlequic.output_ns": answer.timings.output_ns,
+            },
+        )
+        batch.end(end_time=end)
+
+    def on_batch(self, model: str, rows: int, timings: Timings) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_batch(model, rows, timings)
+
+    def on_load_failure(self, model: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.load_failures.labels(model, reason).inc()
+
+
+class ObservedServer:
+    """Stands in for a server (grpc.aio or H3Server) during registration only."""
+
+    def __init__(self, server: Any, transport: str, observer: Observer) -> None:
+        self._server = server
+        self._transport = transport
+        self._observer = observer
+
+    def add_generic_rpc_handlers(
+        self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
+    ) -> None:
+        self._server.add_generic_rpc_handlers([_ObservedGeneric(h, self.wrap) for h in handlers])
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: Mapping[str, Handler]
+    ) -> None:
+        self._server.add_registered_method_handlers(
+            service_name,
+            {m: self.wrap(f"/{service_name}/{m}", h) for m, h in method_handlers.items()},
+        )
+
+    def wrap(self, method_path: str, handler: Handler) -> Handler:
+        """The same handler kind with an observed behavior; a synchronous behavior (none of
+        ours) is left as it is."""
+        streaming = (handler.request_streaming, handler.response_streaming)
+        behavior: Behavior | None = {
+            (False, False): handler.unary_unary,
+            (False, True): handler.unary_stream,
+            (True, False): handler.stream_unary,
+            (True, True): handler.stream_stream,
+        }[streaming]
+        assert behavior is not None
+        if inspect.isasyncgenfunction(behavior):
+            observed = self._async_generator(method_path, behavior, handler.request_streaming)
+        elif inspect.iscoroutinefunction(behavior):
+            observed = self._coroutine(method_path, behavior, handler.request_streaming)
+        else:
+            return handler
+        return _BUILDERS[streaming](
+            observed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _coroutine(self, method_path: str, behavior: Behavior, request_streaming: bool) -> Behavior:
+        async def observed(request: Any, context: Any) -> Any:
+            call = _Call(self._observer, self._transport, method_path, context)
+            request = call.requests(request) if request_streaming else call.saw(request)
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                call.finish(exc)
+                raise
+            call.finish(None, response)
+            return response
+
+        return observed
+
+    def _async_generator(
+        self, method_path: str, behavior: Behavior, request_streaming: bool
+    ) -> Behavior:
+        async def observed(request: Any, context: Any) -> AsyncIterator[Any]:
+            call = _Call(self._observer, self._transport, method_path, context)
+            request = call.requests(request) if request_streaming else call.saw(request)
+            try:
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except BaseException as exc:
+                call.finish(exc)
+                raise
+            call.finish(None)
+
+        return observed
+
+
+class _ObservedGeneric(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """A generic handler whose handlers come back wrapped (once per method)."""
+
+    def __init__(
+        self, inner: grpc.GenericRpcHandler[Any, Any], wrap: Callable[[str, Handler], Handler]
+    ) -> None:
+        self._inner = inner
+        self._wrap = wrap
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        found = self._inner.service(handler_call_details)
+        if found is None:
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not found:
+            cached = (found, self._wrap(method, found))
+            self._wrapped[method] = cached
+        return cached[1]
+
+
+class _Call:
+    """One RPC being observed: started at construction, recorded once by finish()."""
+
+    def __init__(self, observer: Observer, transport: str, method_path: str, context: Any) -> None:
+        self.observer = observer
+        self.transport = transport
+        self.service, _, self.rpc = method_path.lstrip("/").rpartition("/")
+        self.context = context
+        self.model = self.version = self.request_id = ""
+        self.started = time.perf_counter_ns()
+        if observer.metrics is not None:
+            observer.metrics.inflight.labels(transport).inc()
+        self.span: trace.Span | None = None
+        self._token: Token[OtelContext] | None = None
+        if observer.tracer is not None:
+            metadata = {
+                str(k): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)
+            }
+            self.span = observer.tracer.start_span(
+                method_path.lstrip("/"),
+                context=propagate.extract(metadata),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "rpc.system": "grpc",
+                    "rpc.service": self.service,
+                    "rpc.method": self.rpc,
+                    "paddlequic.transport": transport,
+                },
+            )
+            self._token = otel_context.attach(trace.set_span_in_context(self.span))
+
+    def saw(self, request: Any) -> Any:
+        """Take the labels from a request message (the first one of a stream)."""
+        if not self.model:
+            self.model = _text_field(request, "model_name", "name")
+            self.version = _text_field(request, "model_version", "version")
+            self.request_id = _text_field(request, "id")
+        return request
+
+    async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield self.saw(request)
+
+    def finish(self, error: BaseException | None, response: Any = None) -> None:
+        code = _status(error, self.context)
+        seconds = (time.perf_counter_ns() - self.started) / 1e9
+        self.version = _text_field(response, "model_version") or self.version
+        metrics = self.observer.metrics
+        if metrics is not None:
+            metrics.inflight.labels(self.transport).dec()
+            metrics.requests.labels(
+                self.model, self.version, self.transport, self.rpc, code.name
+            ).inc()
+            metrics.request_duration.labels(self.model, self.transport, self.rpc).observe(seconds)
+        fields = {
+            "model": self.model,
+            "version": self.version,
+            "transport": self.transport,
+            "rpc": self.rpc,
+            "request_id": self.request_id,
+        }
+        if self.span is not None:
+            self.span.set_attribute("paddlequic.model", self.model)
+            self.span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code is not grpc.StatusCode.OK:
+                self.span.set_status(Status(StatusCode.ERROR, code.name))
+            if self.span.is_recording():
+                fields["trace_id"] = format(self.span.get_span_context().trace_id, "032x")
+            self.span.end()
+            assert self._token is not None
+            otel_context.detach(self._token)
+        latency_ms = round(seconds * 1e3, 3)
+        if self.observer.request_log.wanted(code, latency_ms):
+            if code is not grpc.StatusCode.OK:
+                fields["error"] = _details(error, self.context)
+            self.observer.request_log.emit(code, latency_ms, fields)
+
+
+def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
+    """The status the transport will send for a behavior that returned or raised `error`."""
+    if error is None or isinstance(error, AbortError):
+        code = context.code()
+        if isinstance(code, int):
+            code = _CODES.get(code)
+        return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK
+    if isinstance(error, StreamClosed):
+        return error.status
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0.001
+        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+def _details(error: BaseException | None, context: Any) -> str:
+    """The status message the caller gets, or what went wrong if the transport makes it."""
+    if error is None or isinstance(error, AbortError):
+        details = context.details()
+        return details.decode(errors="replace") if isinstance(details, bytes) else str(details)
+    if isinstance(error, StreamClosed):
+        return error.message
+    return repr(error)
+
+
+def _text_field(message: Any, *names: str) -> str:
+    for name in names:
+        value = getattr(message, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return ""

@@ -1,0 +1,169 @@
+"""Prometheus metrics on a registry of our own, served by prometheus_client's HTTP server.
+Counters and histograms are updated as things happen; state the server already keeps
+(queues, restarts, HTTP/3 counters, GPU memory) is read when Prometheus scrapes."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.model_manager import ModelManager
+from service.scheduling.topology import Topology
+from service.workers.protocol import Timings
+from transport.h3_server import H3Server
+
+log = logging.getLogger("paddlequic.metrics")
+
+SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class MetricsUnavailable(Exception):
+    """The metrics port could not be bound."""
+
+
+class Metrics:
+    """Every metric the server exports."""
+
+    def __init__(self, models: ModelManager, topology: Topology) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        self.requests = Counter(
+            "paddlequic_requests",
+            "RPCs finished, by final status code",
+            ["model", "version", "transport", "rpc", "code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "paddlequic_request_duration_seconds",
+            "RPC duration in the server, from the handler's start to its last response",
+            ["model", "transport", "rpc"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "paddlequic_queue_duration_seconds",
+            "wait of an inference request in the batch queue and for a worker slot",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.compute_duration = Histogram(
+            "paddlequic_compute_duration_seconds",
+            "predictor run time of one batch in its worker",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "paddlequic_batch_size",
+            "rows in each batch run by a worker",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "paddlequic_inflight_requests", "RPCs being handled", ["transport"], registry=r
+        )
+        self.load_failures = Counter(
+            "paddlequic_model_load_failures",
+            "models or versions that failed to load, by stage",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.state = _StateCollector(models, topology)
+        r.register(self.state)
+
+    def serve(self, host: str, port: int) -> Any:
+        """Start the HTTP server in its own thread; returns it (`server_port`, `shutdown()`)."""
+        try:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise MetricsUnavailable(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror} "
+                "(choose another --metrics-port, 0 for any, or --no-metrics)"
+            ) from None
+        return server
+
+    def observe_batch(self, model: str, rows: int, timings: Timings) -> None:
+        self.batch_size.labels(model).observe(rows)
+        self.compute_duration.labels(model).observe(timings.infer_ns / 1e9)
+
+
+class _StateCollector(Collector):
+    """Read on scrape, in the HTTP server's thread: only plain reads of asyncio-owned state,
+    copied before iterating."""
+
+    def __init__(self, models: ModelManager, topology: Topology) -> None:
+        self.models = models
+        self.h3: H3Server | None = None
+        gpus = [g.index for g in topology.gpus] if not topology.simulated else []
+        self._gpus = _NvmlMemory(gpus) if gpus else None
+
+    def collect(self) -> Iterator[Metric]:
+        versions = list(self.models.all_versions())
+        depth = GaugeMetricFamily(
+            "paddlequic_queue_depth",
+            "requests waiting in the batch queue",
+            labels=["model", "version"],
+        )
+        restarts: dict[str, int] = {}
+        for v in versions:
+            depth.add_metric([v.name, str(v.version)], v.batcher.queued if v.batcher else 0)
+            restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
+        yield depth
+        worker_restarts = CounterMetricFamily(
+            "paddlequic_worker_restarts", "worker processes restarted after dying", labels=["model"]
+        )
+        for name, count in sorted(restarts.items()):
+            worker_restarts.add_metric([name], count)
+        yield worker_restarts
+        if self.h3 is not None:
+            stats = self.h3.stats
+            yield CounterMetricFamily(
+                "paddlequic_h3_connections", "HTTP/3 connections accepted", value=stats.connections
+            )
+            handshakes = CounterMetricFamily(
+                "paddlequic_h3_handshakes",
+                "HTTP/3 handshakes by kind (full, resumed, 0rtt_accepted) and early requests held",
+                labels=["kind"],
+            )
+            for kind, count in sorted(dict(stats.handshakes).items()):
+                handshakes.add_metric([kind], count)
+            yield handshakes
+        if self._gpus is not None:
+            yield self._gpus.collect()
+
+
+class _NvmlMemory:
+    """GPU memory in use, by GPU index, through NVML (only built when GPUs were found)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self._nvml: Any = importlib.import_module("pynvml")
+        self._nvml.nvmlInit()
+        self._handles = {i: self._nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+
+    def collect(self) -> Metric:
+        family = GaugeMetricFamily(
+            "paddlequic_gpu_memory_used_bytes", "GPU memory in use (all processes)", labels=["gpu"]
+        )
+        for index, handle in self._handles.items():
+            family.add_metric([str(index)], self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return family
