@@ -65,6 +65,36 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from service.signing import generate_keys
+
+    private = Path(args.out).with_suffix(".key")
+    public = private.with_suffix(".pub")
+    key_id = generate_keys(private, public)
+    print(f"key {key_id}: private {private} (mode 0600, keep it secret), public {public}")
+    print(f"trust it on the server: copy {public} into the --trusted-keys directory")
+    return 0
+
+
+def _sign(args: argparse.Namespace) -> int:
+    from service.signing import sign
+
+    print(f"signed: {sign(Path(args.version_dir), Path(args.key))}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from service.signing import SignatureError, load_trusted_keys, verify
+
+    try:
+        signer = verify(Path(args.version_dir), load_trusted_keys(Path(args.trusted_keys)))
+    except SignatureError as exc:
+        print(f"REFUSED: {exc}", file=sys.stderr)
+        return 1
+    print(f"OK: {args.version_dir} signed by key {signer}; every file matches")
+    return 0
+
+
 def random_inputs(
     metadata: Any, batch: int, seq_len: int, rng: np.random.Generator
 ) -> dict[str, np.ndarray[Any, Any]]:
@@ -153,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="create a development CA and server certificate")
     certs.add_argument("--dir", default="certs", help="where to write them (default certs)")
     certs.add_argument("--force", action="store_true", help="replace existing ones")
+    keygen = sub.add_parser("keygen", help="create an Ed25519 key pair for signing models")
+    keygen.add_argument("--out", default="model-signing", help="NAME: writes NAME.key, NAME.pub")
+    sign = sub.add_parser("sign", help="sign a model version directory (MODEL/VERSION)")
+    sign.add_argument("version_dir")
+    sign.add_argument("--key", required=True, help="the private key from keygen")
+    verify = sub.add_parser("verify", help="check a model version's signature and files")
+    verify.add_argument("version_dir")
+    verify.add_argument("--trusted-keys", required=True, help="directory of *.pub keys")
     client_command("models", "list the model repository and each version's state")
     health = client_command("health", "check server (or one model's) health")
     health.add_argument("--model", help="a model name; the whole server when omitted")
@@ -183,7 +221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["topology"]:
         return _topology(argv[1:])
     args = build_parser().parse_args(argv)
-    handlers = {"models": _models, "health": _health, "infer": _infer, "certs": _certs}
+    handlers = {
+        "models": _models,
+        "health": _health,
+        "infer": _infer,
+        "certs": _certs,
+        "keygen": _keygen,
+        "sign": _sign,
+        "verify": _verify,
+    }
     try:
         return handlers[args.command](args)
     except grpc.RpcError as exc:

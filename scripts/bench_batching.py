@@ -48,6 +48,9 @@ class Row:
 def raw_predictor(model: str, batch_sizes: list[int], duration: float) -> list[Row]:
     """The engine alone: one predictor configured as the server's workers are."""
     os.environ.setdefault("GLOG_minloglevel", "2")
+    # As in the server's CPU workers: OpenMP threads spinning next to other work on a
+    # small machine would make the reference slower than it is.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.filterwarnings("ignore", message="No ccache found")
     from paddle import inference
 

@@ -36,6 +36,10 @@ def unavailable(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+def failed_precondition(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
 def internal(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INTERNAL, message)
 

@@ -33,6 +33,7 @@ from service.scheduling.instances import (
 )
 from service.scheduling.placement import Placement
 from service.scheduling.topology import Topology
+from service.signing import SignatureError, SigningPolicy
 from service.statistics import ModelStats
 from service.tensors import config_type_name
 from service.validation import InferJob, RequestValidator
@@ -67,6 +68,7 @@ class ServedVersion:
     batcher: DynamicBatcher | None = None
     stats: ModelStats = field(default_factory=ModelStats)
     local_numa: int | None = None  # the front-end's NUMA node
+    refused: bool = False  # by the signing policy: requests get FAILED_PRECONDITION
     _random: random.Random = field(default_factory=lambda: random.Random(0))
 
     @property
@@ -105,6 +107,7 @@ class ModelManager:
         self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
         self.loading_done = False
         self.observer: ManagerObserver | None = None
+        self.signing: SigningPolicy | None = None
 
     async def load_all(self) -> None:
         """Read every model, place all their instances in one pass, then start them."""
@@ -159,6 +162,19 @@ class ModelManager:
         self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
     ) -> None:
         config = served.config
+        if self.signing is not None:
+            try:
+                await asyncio.to_thread(self.signing.check, files.path)
+            except SignatureError as exc:
+                served.state, served.reason, served.refused = (
+                    VersionState.UNAVAILABLE,
+                    f"signature refused: {exc}",
+                    True,
+                )
+                log.error("model %s version %d refused: %s", served.name, served.version, exc)
+                self._load_failed(served.name, "signature")
+                self._on_change()
+                return
         params = {k: v.string_value for k, v in config.parameters.items()}
         served.local_numa = frontend_numa_node(self.topology)
         simulated = self.topology.simulated
@@ -228,15 +244,14 @@ class ModelManager:
             ready = [v for v in versions.values() if v.state is VersionState.READY]
             if ready:
                 return max(ready, key=lambda v: v.version)
-            newest = versions[max(versions)]
-            raise errors.unavailable(_not_ready(newest))
+            raise _not_ready(versions[max(versions)])
         served = versions.get(number)
         if served is None:
             raise errors.not_found(
                 f"model '{name}' has no version {number}; served versions: {sorted(versions)}"
             )
         if served.state is not VersionState.READY:
-            raise errors.unavailable(_not_ready(served))
+            raise _not_ready(served)
         return served
 
     def versions_of(self, name: str) -> list[ServedVersion]:
@@ -333,9 +348,14 @@ def _device_label(placement: Placement, simulated: bool) -> str:
     return f"gpu {gpus} (simulated: CPU predictor)" if simulated else f"gpu {gpus}"
 
 
-def _not_ready(served: ServedVersion) -> str:
+def _not_ready(served: ServedVersion) -> errors.ServiceError:
     detail = f": {served.reason}" if served.reason else ""
-    return f"model '{served.name}' version {served.version} is {served.state.value.lower()}{detail}"
+    message = (
+        f"model '{served.name}' version {served.version} is {served.state.value.lower()}{detail}"
+    )
+    if served.refused:
+        return errors.failed_precondition(message)
+    return errors.unavailable(message)
 
 
 def _describe(tensors: object, max_batch_size: int) -> str:

@@ -31,6 +31,7 @@ from service.repository import ModelRepository, RepositoryError
 from service.scheduling.nvml import discover
 from service.scheduling.topology import Topology, load_topology_file
 from service.settings import ServerSettings
+from service.signing import SigningPolicy, load_trusted_keys
 from service.testing_servicer import TestingServicer
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.early_data import parse_allowlist
@@ -82,6 +83,14 @@ async def serve(settings: ServerSettings) -> None:
         topology,
         lambda: health.changed() if health else None,
     )
+    if settings.trusted_keys or settings.require_signed:
+        trusted = load_trusted_keys(Path(settings.trusted_keys)) if settings.trusted_keys else {}
+        models.signing = SigningPolicy(trusted, settings.require_signed)
+        log.info(
+            "signed models: %d trusted key(s)%s",
+            len(trusted),
+            ", unsigned versions refused" if settings.require_signed else "",
+        )
     health = Health(models)
     metrics = Metrics(models, topology) if settings.metrics else None
     observer = Observer(

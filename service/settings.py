@@ -31,6 +31,8 @@ class ServerSettings:
     grace_period: float = 5.0
     max_message_bytes: int = 64 << 20
     testing_service: bool = False
+    trusted_keys: str = ""
+    require_signed: bool = False
     topology: str = ""
     metrics: bool = True
     metrics_port: int = 8002
@@ -62,6 +64,9 @@ _HELP = {
     "max_message_bytes": "largest request or response message accepted",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
+    "trusted_keys": "directory of Ed25519 public keys (*.pub): versions signed by other keys, "
+    "or changed since signing, are refused",
+    "require_signed": "refuse unsigned model versions too",
     "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
     "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
     "metrics_port": "TCP port for /metrics (0: any free port, logged)",

@@ -108,6 +108,20 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()}")
 
+    def wait_loaded(self) -> None:
+        """Until every model has finished loading, whether it succeeded or not (ServerReady
+        stays false while any failed)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self.log_text()}")
+            with contextlib.suppress(grpc.RpcError):
+                index = self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=1).models
+                if index and all(m.state != "LOADING" for m in index):
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"models still loading after {START_TIMEOUT_S} s:\n{self.log_text()}")
+
     def instances(self, model: str) -> list[control_pb2.Instance]:
         request = control_pb2.ListInstancesRequest(model_name=model)
         return list(self.control.ListInstances(request, timeout=5).instances)
@@ -127,11 +141,17 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def running_server(
-    repository: Path, log_path: Path, extra_args: Sequence[str] = (), port: int | None = None
+    repository: Path,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
+    wait: bool = True,
 ) -> Iterator[ServerProcess]:
+    """`wait=False`: return once it started; the test waits for what it needs."""
     server = ServerProcess(repository, log_path, extra_args, port)
     try:
-        server.wait_ready()
+        if wait:
+            server.wait_ready()
         yield server
     finally:
         server.stop()
