@@ -13,7 +13,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt clean
+.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt bench-observability clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -21,6 +21,7 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   batching off/on vs the raw predictor (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
+	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
@@ -73,6 +74,9 @@ bench: setup models-bench
 
 bench-transport: setup models
 	$(BIN)/python -m scripts.bench_transport $(ARGS)
+
+bench-observability: setup models
+	$(BIN)/python -m scripts.bench_observability $(ARGS)
 
 bench-rtt: setup models
 	$(BIN)/python -m scripts.rtt_lab $(ARGS)
