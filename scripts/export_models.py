@@ -176,9 +176,11 @@ def is_exported(model_dir: Path) -> bool:
     )
 
 
-def export(spec: ModelSpec, out: Path) -> int:
-    """Export one model into out/NAME atomically; returns its size in bytes."""
-    seed = zlib.crc32(spec.name.encode())  # stable per model, independent of export order
+def export(spec: ModelSpec, out: Path, version: int = 1) -> int:
+    """Export one model into out/NAME atomically; returns its size in bytes. A version other
+    than 1 (other weights, same architecture) is added as out/NAME/VERSION, also atomically."""
+    # Stable per model and version, independent of export order.
+    seed = zlib.crc32(spec.name.encode()) + version - 1
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=out))
     try:
         paddle.seed(seed)
@@ -187,7 +189,10 @@ def export(spec: ModelSpec, out: Path) -> int:
         with paddle.utils.unique_name.guard():
             layer = spec.factory()
         input_spec = [paddle.static.InputSpec(list(t.shape), t.dtype, t.name) for t in spec.inputs]
-        paddle.jit.save(layer.eval(), str(tmp / "1" / "inference"), input_spec=input_spec)
+        paddle.jit.save(layer.eval(), str(tmp / str(version) / "inference"), input_spec=input_spec)
+        if version != 1:
+            os.replace(tmp / str(version), out / spec.name / str(version))
+            return sum(p.stat().st_size for p in (out / spec.name / str(version)).rglob("*"))
         (tmp / "config.pbtxt").write_text(config_pbtxt(spec))
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         target = out / spec.name
@@ -210,6 +215,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=", ".join(names))
     parser.add_argument("--all", action="store_true", help="also export non-default models")
     parser.add_argument("--force", action="store_true", help="re-export models already present")
+    parser.add_argument(
+        "--add-version",
+        type=int,
+        metavar="N",
+        help="add version N (other random weights) to models already exported",
+    )
     args = parser.parse_args(argv)
 
     if args.only:
@@ -219,6 +230,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     paddle.device.set_device("cpu")
     for spec in selected:
+        if args.add_version:
+            if not is_exported(args.out / spec.name):
+                raise SystemExit(f"{spec.name} is not exported in {args.out}; export it first")
+            size = export(spec, args.out, args.add_version)
+            print(f"added {spec.name} version {args.add_version}, {size / 1e6:.1f} MB", flush=True)
+            continue
         if not args.force and is_exported(args.out / spec.name):
             config = args.out / spec.name / "config.pbtxt"
             if config.read_text() != config_pbtxt(spec):

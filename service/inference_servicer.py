@@ -27,8 +27,9 @@ STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backp
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: ModelManager) -> None:
+    def __init__(self, models: ModelManager, control_mode: str = "none") -> None:
         self.models = models
+        self.control_mode = control_mode
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -120,21 +121,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             entries = [e for e in entries if e.state == "READY"]
         return pb.RepositoryIndexResponse(models=entries)
 
+    @errors.reports_errors
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "loading models at run time is not implemented yet; models load at start-up",
-        )
+        """Load or reload; answers once the new versions serve (or why they do not)."""
+        self._check_explicit_control()
+        await self.models.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
 
+    @errors.reports_errors
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: ServicerContext
     ) -> pb.RepositoryModelUnloadResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "unloading models at run time is not implemented yet",
-        )
+        self._check_explicit_control()
+        await self.models.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    def _check_explicit_control(self) -> None:
+        if self.control_mode != "explicit":
+            raise errors.ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"explicit model load / unload is not allowed in model control mode "
+                f"'{self.control_mode}'; start the server with --model-control-mode explicit",
+            )
 
     @errors.reports_errors
     async def ModelInfer(

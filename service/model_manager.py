@@ -8,8 +8,9 @@ import enum
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from protos.inference import grpc_service_pb2 as pb
@@ -35,7 +36,7 @@ from service.scheduling.placement import Placement
 from service.scheduling.topology import Topology
 from service.signing import SignatureError, SigningPolicy
 from service.statistics import ModelStats
-from service.tensors import config_type_name
+from service.tensors import BY_CONFIG_TYPE, config_type_name
 from service.validation import InferJob, RequestValidator
 from service.workers.instance import (
     SLOTS_PER_WORKER,
@@ -47,6 +48,8 @@ from service.workers.instance import (
 from service.workers.protocol import Timings
 
 log = logging.getLogger("paddlequic.models")
+WARM_UP_TIMEOUT_S = 120.0
+RETIRE_TIMEOUT_S = 60.0
 
 
 class VersionState(enum.Enum):
@@ -69,6 +72,8 @@ class ServedVersion:
     stats: ModelStats = field(default_factory=ModelStats)
     local_numa: int | None = None  # the front-end's NUMA node
     refused: bool = False  # by the signing policy: requests get FAILED_PRECONDITION
+    fingerprint: tuple[tuple[str, int, int], ...] = ()  # the files it was loaded from
+    active: int = 0  # requests that resolved to this version and are not answered yet
     _random: random.Random = field(default_factory=lambda: random.Random(0))
 
     @property
@@ -108,10 +113,15 @@ class ModelManager:
         self.loading_done = False
         self.observer: ManagerObserver | None = None
         self.signing: SigningPolicy | None = None
+        self._unloaded: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tried: dict[tuple[str, int], tuple[tuple[str, int, int], ...]] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
 
-    async def load_all(self) -> None:
-        """Read every model, place all their instances in one pass, then start them."""
-        names = self.repository.model_names()
+    async def load_all(self, only: Sequence[str] | None = None) -> None:
+        """Read every model (or those in `only`), place all their instances in one pass, then
+        start them."""
+        names = self.repository.model_names() if only is None else list(only)
         if not names:
             log.warning(
                 "model repository %s holds no models; export the examples with `make models`",
@@ -136,7 +146,9 @@ class ModelManager:
         loads = []
         for model in models:
             versions = {
-                f.version: ServedVersion(model.name, f.version, model.config)
+                f.version: ServedVersion(
+                    model.name, f.version, model.config, fingerprint=fingerprint(f.path)
+                )
                 for f in model.versions
             }
             self._models[model.name] = versions
@@ -234,12 +246,20 @@ class ModelManager:
         check_model_name(name)
         number = parse_version(version)
         versions = self._models.get(name)
+        if name in self._unloaded:
+            raise errors.unavailable(
+                f"model '{name}' was unloaded; load it again with RepositoryModelLoad"
+            )
         if versions is None:
             if name in self._failed:
                 raise errors.unavailable(f"model '{name}' failed to load: {self._failed[name]}")
             raise errors.not_found(f"unknown model '{name}'; served models: {sorted(self._models)}")
         # A loaded version whose workers are restarting still takes requests: they wait for
         # the restart (bounded), which ModelReady reports as not ready meanwhile.
+        if name in self._unloaded:
+            raise errors.unavailable(
+                f"model '{name}' was unloaded; load it again with RepositoryModelLoad"
+            )
         if number is None:
             ready = [v for v in versions.values() if v.state is VersionState.READY]
             if ready:
@@ -276,12 +296,17 @@ class ModelManager:
             pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason=r)
             for n, r in sorted(self._failed.items())
         ]
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason="unloaded")
+            for n in sorted(self._unloaded)
+        ]
         return entries
 
     async def infer(
         self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
     ) -> Answer:
         started = time.perf_counter_ns()
+        served.active += 1  # before any await: a swap cannot retire it under this request
         try:
             assert served.validator is not None and served.batcher is not None
             job = served.validator.validate(request)
@@ -290,6 +315,8 @@ class ModelManager:
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
+        finally:
+            served.active -= 1
         elapsed_ns = time.perf_counter_ns() - started
         served.stats.record_success(
             max(job.batch_size, 1), elapsed_ns, answer.queue_ns, answer.timings
@@ -309,7 +336,148 @@ class ModelManager:
         if self.observer is not None:
             self.observer.on_load_failure(name, reason)
 
+    # lifecycle: load, reload and unload while serving
+
+    async def load_model(self, name: str) -> None:
+        """Load a model, or reload it: versions that are new or whose files changed start in
+        new workers and are warmed up, then take over in one step; the versions they replace
+        finish what they hold, then stop. A version that fails to load leaves the one it would
+        have replaced serving, and the error says why."""
+        check_model_name(name)
+        if not (self.repository.root / name).is_dir():
+            raise errors.not_found(f"model '{name}' not found in {self.repository.root}")
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            try:
+                model = self.repository.load(name)
+            except RepositoryError as exc:
+                raise errors.internal(f"model '{name}' cannot be loaded: {exc}") from exc
+            current = self._models.get(name, {}) if name not in self._unloaded else {}
+            result: dict[int, ServedVersion] = {}
+            failures: list[ServedVersion] = []
+            for files in model.versions:
+                old = current.get(files.version)
+                prints = await asyncio.to_thread(fingerprint, files.path)
+                unchanged = old is not None and old.fingerprint == prints
+                if unchanged and old is not None and old.state is VersionState.READY:
+                    result[files.version] = old
+                    continue
+                if self._tried.get((name, files.version)) == prints and old is not None:
+                    result[files.version] = old  # this failure was reported already
+                    continue
+                candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
+                await self._start_version(candidate, files)
+                if candidate.state is VersionState.READY:
+                    self._tried.pop((name, files.version), None)
+                    result[files.version] = candidate
+                    continue
+                self._tried[(name, files.version)] = prints
+                failures.append(candidate)
+                if old is not None and old.state is VersionState.READY:
+                    old.reason = (
+                        f"a new load failed, the loaded files still serve: {candidate.reason}"
+                    )
+                    result[files.version] = old
+                else:
+                    result[files.version] = candidate
+            if failures and not any(v.state is VersionState.READY for v in result.values()):
+                # Nothing new is ready: what served before goes on serving.
+                for version in current.values():
+                    if version.state is VersionState.READY and version.version not in result:
+                        version.reason = f"kept serving: {failures[0].reason}"
+                        result[version.version] = version
+            retired = [v for v in current.values() if result.get(v.version) is not v]
+            self._models[name] = result
+            self._failed.pop(name, None)
+            self._unloaded.discard(name)
+            self._on_change()
+            for version in retired:
+                self._retire_soon(version, "replaced")
+            if failures:
+                first = failures[0]
+                message = f"model '{name}' version {first.version}: {first.reason}"
+                raise (
+                    errors.failed_precondition(message)
+                    if first.refused
+                    else errors.internal(message)
+                )
+
+    async def unload_model(self, name: str) -> None:
+        """Stop serving a model: new requests are refused at once; what its versions hold
+        finishes; then their workers exit."""
+        check_model_name(name)
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            versions = self._models.pop(name, None)
+            if versions is None or name in self._unloaded:
+                raise errors.not_found(f"model '{name}' is not loaded")
+            self._unloaded.add(name)
+            self._on_change()
+            await asyncio.gather(*(self._retire(v, "unloaded") for v in versions.values()))
+
+    async def rescan(self, unload_missing: bool, only_loaded: bool) -> None:
+        """Pick up what changed in the repository (SIGHUP, polling)."""
+        names = set(self.repository.model_names())
+        targets = sorted(set(self._models) - self._unloaded) if only_loaded else sorted(names)
+        for name in targets:
+            if name not in names:
+                continue
+            try:
+                await self.load_model(name)
+            except errors.ServiceError as exc:
+                log.error("reload of %s: %s", name, exc.message)
+        if unload_missing:
+            for name in sorted(set(self._models) - names - self._unloaded):
+                await self.unload_model(name)
+
+    async def _start_version(self, served: ServedVersion, files: ModelFiles) -> None:
+        key = _key(served.name, served.version)
+        placements, unplaced = place_all(
+            {key: instance_requests(key, served.config, self.topology)}, self.topology
+        )
+        if key in unplaced:
+            served.state, served.reason = VersionState.UNAVAILABLE, unplaced[key]
+            return
+        await self._load_version(served, files, placements[key])
+        if served.state is VersionState.READY:
+            await self._warm_up(served)
+
+    async def _warm_up(self, served: ServedVersion) -> None:
+        """One inference per declared input shape before the version takes traffic."""
+        try:
+            deadline = asyncio.get_running_loop().time() + WARM_UP_TIMEOUT_S
+            await self.infer(served, warm_up_request(served.config), deadline)
+        except errors.ServiceError as exc:
+            served.state, served.reason = VersionState.UNAVAILABLE, f"warm-up failed: {exc.message}"
+            await self._retire(served, served.reason)
+            served.state = VersionState.UNAVAILABLE
+            return
+        served.stats = ModelStats()
+
+    def _retire_soon(self, served: ServedVersion, why: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._retire(served, why))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, served: ServedVersion, why: str) -> None:
+        """Let a version finish what it holds (bounded), then stop its workers."""
+        if served.state is VersionState.READY:
+            served.state = VersionState.UNLOADING
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETIRE_TIMEOUT_S
+        batcher = served.batcher
+        while loop.time() < deadline and (
+            served.active or (batcher and (batcher.queued or batcher.in_flight_requests))
+        ):
+            await asyncio.sleep(0.01)
+        if batcher is not None:
+            await batcher.stop()
+        await asyncio.gather(*(i.stop() for i in served.instances))
+        if served.state is VersionState.UNLOADING:
+            served.state, served.reason = VersionState.UNAVAILABLE, why
+        log.info("model %s version %d %s; its workers stopped", served.name, served.version, why)
+
     async def stop(self) -> None:
+        for task in list(self._retiring):
+            await task
         for served in self.all_versions():
             served.state = VersionState.UNLOADING
         await asyncio.gather(*(v.batcher.stop() for v in self.all_versions() if v.batcher))
@@ -335,6 +503,30 @@ def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float
         values.append(value)
     priority, timeout_us = values
     return priority, None if timeout_us is None else timeout_us / 1e6
+
+
+def fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """What identifies a version's files without reading them: path, size, mtime."""
+    entries = []
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        stat = file.stat()
+        entries.append((file.relative_to(directory).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+def warm_up_request(config: mc.ModelConfig) -> pb.ModelInferRequest:
+    """Zeros for every input, batch 1, every variable dimension 1."""
+    request = pb.ModelInferRequest(model_name=config.name, id="warm-up")
+    batch = [1] if config.max_batch_size > 0 else []
+    for tensor in config.input:
+        datatype = BY_CONFIG_TYPE[tensor.data_type]
+        shape = batch + [1 if d < 0 else d for d in tensor.dims]
+        request.inputs.add(name=tensor.name, datatype=datatype.name, shape=shape)
+        size = datatype.numpy.itemsize
+        for dim in shape:
+            size *= dim
+        request.raw_input_contents.append(bytes(size))
+    return request
 
 
 def _key(name: str, version: int) -> str:

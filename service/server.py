@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,7 @@ async def serve(settings: ServerSettings) -> None:
     ]
     server = grpc.aio.server(options=options)
     servicers = _Servicers(
-        InferenceServicer(models),
+        InferenceServicer(models, settings.model_control_mode),
         ControlServicer(models),
         health.servicer,
         TestingServicer() if settings.testing_service else None,
@@ -146,7 +146,9 @@ async def serve(settings: ServerSettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loader = asyncio.create_task(models.load_all())
+    lifecycle = Lifecycle(models, settings)
+    loop.add_signal_handler(signal.SIGHUP, lifecycle.rescan_soon)
+    loader = asyncio.create_task(lifecycle.start())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({loader, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception() is not None:
@@ -155,6 +157,7 @@ async def serve(settings: ServerSettings) -> None:
     elif loader.done():
         log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
     await stopped
+    lifecycle.stop()
     log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
     await asyncio.gather(
         server.stop(settings.grace_period),
@@ -227,6 +230,55 @@ async def _start_h3(
         port,
     )
     return h3_server
+
+
+class Lifecycle:
+    """What changes the served models after start: SIGHUP rescans, polling, per control mode."""
+
+    def __init__(self, models: ModelManager, settings: ServerSettings) -> None:
+        mode = settings.model_control_mode
+        if mode not in ("none", "poll", "explicit"):
+            raise RepositoryError(
+                f"--model-control-mode must be none, poll or explicit, not {mode!r}"
+            )
+        if settings.poll_repository > 0 and mode == "none":
+            mode = "poll"
+        self.models = models
+        self.mode = mode
+        self.interval = settings.poll_repository or 5.0
+        self.startup = [n.strip() for n in settings.load_model.split(",") if n.strip()]
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        if self.mode == "explicit" and "*" not in self.startup:
+            await self.models.load_all(self.startup)
+        else:
+            await self.models.load_all()
+        if self.mode == "poll":
+            self._spawn(self._poll())
+
+    def rescan_soon(self) -> None:
+        log.info("SIGHUP: rescanning the model repository")
+        self._spawn(self._rescan())
+
+    def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def _rescan(self) -> None:
+        await self.models.rescan(
+            unload_missing=self.mode == "poll", only_loaded=self.mode == "explicit"
+        )
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self._rescan()
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def load_topology(path: str) -> Topology:

@@ -31,6 +31,9 @@ class ServerSettings:
     grace_period: float = 5.0
     max_message_bytes: int = 64 << 20
     testing_service: bool = False
+    model_control_mode: str = "none"
+    load_model: str = ""
+    poll_repository: float = 0.0
     trusted_keys: str = ""
     require_signed: bool = False
     topology: str = ""
@@ -64,6 +67,11 @@ _HELP = {
     "max_message_bytes": "largest request or response message accepted",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
+    "model_control_mode": "none: load every model at start, reload on SIGHUP; poll: also "
+    "rescan every --poll-repository seconds; explicit: load --load-model at start, then "
+    "RepositoryModelLoad/Unload",
+    "load_model": "models to load at start in explicit mode, comma-separated (* = all)",
+    "poll_repository": "seconds between repository rescans in poll mode",
     "trusted_keys": "directory of Ed25519 public keys (*.pub): versions signed by other keys, "
     "or changed since signing, are refused",
     "require_signed": "refuse unsigned model versions too",

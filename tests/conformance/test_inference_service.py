@@ -135,14 +135,17 @@ def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFact
     asyncio.run(main())
 
 
-def test_repository_model_load_is_unimplemented(make_channel: ChannelFactory) -> None:
+def test_repository_model_load_needs_explicit_control_mode(make_channel: ChannelFactory) -> None:
+    """The conformance server runs in control mode none, as Triton's default: explicit loads
+    are refused with the reason, identically on both transports."""
+
     async def main() -> None:
         async with make_channel() as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
-            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            assert "not implemented" in (error.value.details() or "")
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--model-control-mode explicit" in (error.value.details() or "")
 
     asyncio.run(main())
 
