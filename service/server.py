@@ -101,6 +101,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.log_sample_seed if settings.log_sample_seed >= 0 else None,
         ),
         tracing.get_tracer("paddlequic") if tracing else None,
+        settings.trace_sample_ratio,
     )
     models.observer = observer
     metrics_server = metrics.serve(settings.host, settings.metrics_port) if metrics else None

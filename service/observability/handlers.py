@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextvars import Token
@@ -40,16 +41,27 @@ class Observer:
     """What is done with each finished RPC (metrics, request log, span), and the
     ModelManager's hook for what only the model manager knows (queue, batch, load failures)."""
 
-    def __init__(self, metrics: Metrics | None, request_log: RequestLog, tracer: Tracer | None):
+    def __init__(
+        self,
+        metrics: Metrics | None,
+        request_log: RequestLog,
+        tracer: Tracer | None,
+        trace_ratio: float = 1.0,
+    ):
         self.metrics = metrics
         self.request_log = request_log
         self.tracer = tracer
+        self.trace_ratio = trace_ratio
+        self._random = random.Random()
+
+    def sample_new(self) -> bool:
+        return self._random.random() < self.trace_ratio
 
     def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None:
         """One inference request done: its queue wait, and child spans of the RPC's span for
         the wait and the batch it ran in (times reconstructed from the measured durations)."""
         if self.metrics is not None:
-            self.metrics.queue_duration.labels(model).observe(answer.queue_ns / 1e9)
+            self.metrics.child(self.metrics.queue_duration, model).observe(answer.queue_ns / 1e9)
         if self.tracer is None or not trace.get_current_span().is_recording():
             return
         end = time.time_ns()
@@ -186,13 +198,17 @@ class _Call:
         self.model = self.version = self.request_id = ""
         self.started = time.perf_counter_ns()
         if observer.metrics is not None:
-            observer.metrics.inflight.labels(transport).inc()
+            observer.metrics.child(observer.metrics.inflight, transport).inc()
         self.span: trace.Span | None = None
         self._token: Token[OtelContext] | None = None
-        if observer.tracer is not None:
-            metadata = {
-                str(k): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)
-            }
+        metadata = (
+            {str(k): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+            if observer.tracer is not None
+            else {}
+        )
+        # A new trace that the ratio would not sample gets no span at all: making an unsampled
+        # span costs as much as the rest of the observation.
+        if observer.tracer is not None and ("traceparent" in metadata or observer.sample_new()):
             self.span = observer.tracer.start_span(
                 method_path.lstrip("/"),
                 context=propagate.extract(metadata),
@@ -224,11 +240,13 @@ class _Call:
         self.version = _text_field(response, "model_version") or self.version
         metrics = self.observer.metrics
         if metrics is not None:
-            metrics.inflight.labels(self.transport).dec()
-            metrics.requests.labels(
-                self.model, self.version, self.transport, self.rpc, code.name
+            metrics.child(metrics.inflight, self.transport).dec()
+            metrics.child(
+                metrics.requests, self.model, self.version, self.transport, self.rpc, code.name
             ).inc()
-            metrics.request_duration.labels(self.model, self.transport, self.rpc).observe(seconds)
+            metrics.child(metrics.request_duration, self.model, self.transport, self.rpc).observe(
+                seconds
+            )
         fields = {
             "model": self.model,
             "version": self.version,
