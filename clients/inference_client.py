@@ -18,6 +18,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.tickets import SessionTicketCache
+from clients.trace_context import with_trace_context
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -137,7 +138,10 @@ class AsyncInferenceClient:
         timeout: float | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         request = build_request(model, inputs, outputs, version)
-        return parse_response(await self.stub.ModelInfer(request, timeout=timeout))
+        response = await self.stub.ModelInfer(
+            request, timeout=timeout, metadata=with_trace_context()
+        )
+        return parse_response(response)
 
     async def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
         request = pb.ModelMetadataRequest(name=model, version=version)

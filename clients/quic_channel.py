@@ -16,6 +16,7 @@ from aioquic.quic import events
 from grpc.aio import EOF, AioRpcError, Metadata  # type: ignore[attr-defined]
 
 from clients.tickets import SessionTicketCache
+from clients.trace_context import with_trace_context
 from transport import early_data
 from transport import headers as wire
 from transport.early_data import DEFAULT_EARLY_DATA_METHODS
@@ -284,7 +285,7 @@ class _MultiCallable:
             self._deserializer,
             request,
             timeout,
-            tuple(metadata or ()),
+            with_trace_context(metadata or ()),
             bool(wait_for_ready),
         )
 
