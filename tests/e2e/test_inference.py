@@ -39,24 +39,6 @@ def test_typed_contents_equal_raw(server: ServerProcess) -> None:
     )
 
 
-def test_stream_with_a_bad_request_in_the_middle(server: ServerProcess) -> None:
-    good = [example_inputs("mlp", seed) for seed in range(6)]
-    requests = [build_request("mlp", x, request_id=f"ok-{i}") for i, x in enumerate(good)]
-    bad = build_request("mlp", {"input": np.zeros((2, 255), np.float32)}, request_id="bad")
-    requests.insert(3, bad)
-    responses = list(server.stub.ModelStreamInfer(iter(requests), timeout=60))
-    assert len(responses) == len(requests)
-    by_id = {r.infer_response.id: r for r in responses}
-    assert "dimension 1 must be 256" in by_id["bad"].error_message
-    for i, inputs in enumerate(good):
-        response = by_id[f"ok-{i}"]
-        assert response.error_message == ""
-        served = parse_response(response.infer_response)["fetch_name_0"]
-        np.testing.assert_allclose(
-            served, run_reference("mlp", inputs)["fetch_name_0"], rtol=1e-4, atol=1e-5
-        )
-
-
 def test_metadata_config_statistics_and_index(server: ServerProcess) -> None:
     metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="text_classifier"))
     assert metadata.platform == "paddle_inference"

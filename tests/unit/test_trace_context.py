@@ -18,7 +18,9 @@ def test_the_active_span_travels_as_traceparent() -> None:
         metadata = dict(with_trace_context((("x-a", "1"),)))
     context = span.get_span_context()
     assert metadata["x-a"] == "1"
-    assert metadata["traceparent"].startswith(f"00-{context.trace_id:032x}-{context.span_id:016x}-")
+    assert str(metadata["traceparent"]).startswith(
+        f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+    )
 
 
 def test_the_callers_own_traceparent_wins() -> None:
