@@ -209,7 +209,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         served = self.models.resolve(request.model_name, request.model_version)
         result = await self.models.infer(served, request, deadline)
-        return _response(served, request, result)
+        with self.models.encode_span():
+            return _response(served, request, result)
 
 
 def _response(

@@ -4,14 +4,18 @@ names, routing it to an instance, and recording what happened."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from opentelemetry.trace import SpanContext
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
@@ -97,6 +101,12 @@ class ManagerObserver(Protocol):
     def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None: ...
 
     def on_batch(self, model: str, rows: int, timings: Timings) -> None: ...
+
+    def batch_span(
+        self, model: str, version: int, rows: int, requests: Sequence[SpanContext]
+    ) -> AbstractContextManager[Any]: ...
+
+    def encode_span(self) -> AbstractContextManager[Any]: ...
 
     def on_load_failure(self, model: str, reason: str) -> None: ...
 
@@ -219,7 +229,7 @@ class ModelManager:
             served.validator = RequestValidator(served.config)
             served.batcher = DynamicBatcher(
                 policy_from_config(served.config),
-                lambda job: self._run_batch(served, job),
+                lambda job, requests: self._run_batch(served, job, requests),
                 served.capacity,
             )
         except RepositoryError as exc:
@@ -325,12 +335,25 @@ class ModelManager:
             self.observer.on_request(served.name, elapsed_ns, answer)
         return answer
 
-    async def _run_batch(self, served: ServedVersion, job: InferJob) -> InferResult:
-        result = await served.pick_instance().infer(job, None)
+    async def _run_batch(
+        self, served: ServedVersion, job: InferJob, requests: Sequence[SpanContext]
+    ) -> InferResult:
+        rows = max(job.batch_size, 1)
+        with (
+            self.observer.batch_span(served.name, served.version, rows, requests)
+            if self.observer is not None
+            else contextlib.nullcontext()
+        ):
+            result = await served.pick_instance().infer(job, None)
         served.stats.record_batch(max(job.batch_size, 1), result.timings)
         if self.observer is not None:
             self.observer.on_batch(served.name, max(job.batch_size, 1), result.timings)
         return result
+
+    def encode_span(self) -> AbstractContextManager[Any]:
+        return (
+            self.observer.encode_span() if self.observer is not None else contextlib.nullcontext()
+        )
 
     def _load_failed(self, name: str, reason: str) -> None:
         if self.observer is not None:

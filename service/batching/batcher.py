@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
@@ -32,7 +34,7 @@ class DynamicBatcher:
     def __init__(
         self,
         policy: BatchPolicy,
-        run_batch: Callable[[InferJob], Awaitable[InferResult]],
+        run_batch: Callable[[InferJob, list[SpanContext]], Awaitable[InferResult]],
         capacity: Callable[[], int],
     ) -> None:
         self.policy = policy
@@ -64,6 +66,7 @@ class DynamicBatcher:
         future: asyncio.Future[Answer] = loop.create_future()
         pending = Pending(job, now, min(limits, default=None), self.policy.priority_of(priority))
         pending.ticket = future
+        pending.trace = trace.get_current_span().get_span_context()
         try:
             self._queue.push(pending)
         except QueueFull as exc:
@@ -119,7 +122,9 @@ class DynamicBatcher:
         """Run one batch and answer its requests; on failure raise, answering none."""
         started = asyncio.get_running_loop().time()
         try:
-            result = await self._run_batch(join([item.job for item in batch]))
+            result = await self._run_batch(
+                join([item.job for item in batch]), [item.trace for item in batch]
+            )
             parts = split(result, [item.rows for item in batch])
         except errors.ServiceError as exc:
             if len(batch) == 1:

@@ -59,6 +59,7 @@ class Pending:
     priority: int = 1
     bucket: Hashable = None
     ticket: Any = None  # what the driver needs to answer this request
+    trace: Any = None  # the request's span context, for linking the batch span to it
     order: int = 0
 
     @property

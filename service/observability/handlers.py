@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextvars import Token
 from typing import Any, TypeAlias
 
@@ -18,7 +18,7 @@ from grpc.aio import AbortError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context as OtelContext
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, Tracer
 
 from service.batching.batcher import Answer
 from service.observability.logs import RequestLog
@@ -58,8 +58,8 @@ class Observer:
         return self._random.random() < self.trace_ratio
 
     def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None:
-        """One inference request done: its queue wait, and child spans of the RPC's span for
-        the wait and the batch it ran in (times reconstructed from the measured durations)."""
+        """One inference request done: its queue wait, as a child span of the RPC's span
+        (times reconstructed from the measured durations)."""
         if self.metrics is not None:
             self.metrics.child(self.metrics.queue_duration, model).observe(answer.queue_ns / 1e9)
         if self.tracer is None or not trace.get_current_span().is_recording():
@@ -68,17 +68,32 @@ class Observer:
         start = end - elapsed_ns
         queued = min(start + answer.queue_ns, end)
         self.tracer.start_span("queue", start_time=start).end(end_time=queued)
-        batch = self.tracer.start_span(
+
+    def batch_span(
+        self, model: str, version: int, rows: int, requests: Sequence[SpanContext]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """A span for one batch execution, linked to the span of every request in it (a batch
+        belongs to several traces, so it starts its own)."""
+        sampled = [c for c in requests if c.is_valid and c.trace_flags.sampled]
+        if self.tracer is None or not sampled:
+            return contextlib.nullcontext()
+        return self.tracer.start_as_current_span(
             "batch",
-            start_time=queued,
+            context=OtelContext(),
+            links=[Link(c) for c in sampled],
             attributes={
-                "paddlequic.batch_rows": answer.batch_rows,
-                "paddlequic.infer_ns": answer.timings.infer_ns,
-                "paddlequic.input_ns": answer.timings.input_ns,
-                "paddlequic.output_ns": answer.timings.output_ns,
+                "paddlequic.model": model,
+                "paddlequic.version": str(version),
+                "paddlequic.batch_size": rows,
+                "paddlequic.requests": len(requests),
             },
         )
-        batch.end(end_time=end)
+
+    def encode_span(self) -> contextlib.AbstractContextManager[Any]:
+        """Building the response, as a child of the RPC's span."""
+        if self.tracer is None or not trace.get_current_span().is_recording():
+            return contextlib.nullcontext()
+        return self.tracer.start_as_current_span("encode")
 
     def on_batch(self, model: str, rows: int, timings: Timings) -> None:
         if self.metrics is not None:

@@ -199,8 +199,20 @@ def test_spans_continue_the_callers_trace_on_both_transports(observed: Observed)
         assert server_span["parent_id"] == f"0x{PARENT_ID}"
         assert server_span["attributes"]["rpc.method"] == "ModelInfer"
         assert server_span["attributes"]["paddlequic.model"] == "mlp"
-        children = [s["name"] for s in spans if s["parent_id"] == server_span["context"]["span_id"]]
-        assert sorted(children) == ["batch", "queue"]
+        span_id = server_span["context"]["span_id"]
+        children = [s["name"] for s in spans if s["parent_id"] == span_id]
+        assert sorted(children) == ["encode", "queue"]
+
+        # The batch that ran the request is a span of its own, linked to every request in it.
+        def links_to(span: dict[str, Any], request_span: str) -> bool:
+            links = span.get("links") or []
+            return span.get("name") == "batch" and any(
+                link["context"]["span_id"] == request_span for link in links
+            )
+
+        (batch,) = log_objects(observed, 1, lambda s, here=span_id: links_to(s, here))
+        assert batch["attributes"]["paddlequic.model"] == "mlp"
+        assert batch["attributes"]["paddlequic.batch_size"] >= 1
 
 
 def test_errors_are_logged_and_unsampled_successes_are_not(observed: Observed) -> None:

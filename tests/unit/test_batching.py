@@ -176,7 +176,7 @@ class _Executor:
         self.release = asyncio.Event()
         self.fail_with: errors.ServiceError | None = None
 
-    async def __call__(self, batch: InferJob) -> InferResult:
+    async def __call__(self, batch: InferJob, requests: object = ()) -> InferResult:
         self.batches.append(batch)
         await self.release.wait()
         if self.fail_with is not None:
