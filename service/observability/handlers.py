@@ -280,7 +280,7 @@ class _Call:
             assert self._token is not None
             otel_context.detach(self._token)
         latency_ms = round(seconds * 1e3, 3)
-        if self.observer.request_log.wanted(code, latency_ms):
+        if self.observer.request_log.wanted(code, latency_ms, self.request_id):
             if code is not grpc.StatusCode.OK:
                 fields["error"] = _details(error, self.context)
             self.observer.request_log.emit(code, latency_ms, fields)

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import sys
+import zlib
 from typing import Any
 
 import grpc
@@ -47,17 +48,23 @@ def configure_logging(log_format: str, level: str) -> None:
 class RequestLog:
     """Logs every failed and every slow request, and `sample_ratio` of the others: enough to
     see what happens without one line per request at thousands of requests per second.
-    `seed` makes the sample reproducible (tests)."""
+    With a `seed`, a request that carries an id is sampled by a hash of seed and id, so which
+    ones are logged is reproducible whatever else the server is doing (tests)."""
 
     def __init__(self, slow_ms: float, sample_ratio: float, seed: int | None) -> None:
         self.slow_ms = slow_ms
         self.sample_ratio = sample_ratio
+        self.seed = seed
         self._random = random.Random(seed)
 
-    def wanted(self, code: grpc.StatusCode, latency_ms: float) -> bool:
+    def wanted(self, code: grpc.StatusCode, latency_ms: float, request_id: str = "") -> bool:
         if code is not grpc.StatusCode.OK or latency_ms >= self.slow_ms:
             return True
-        return self.sample_ratio > 0 and self._random.random() < self.sample_ratio
+        if self.sample_ratio <= 0:
+            return False
+        if self.seed is not None and request_id:
+            return sampled_by_id(self.seed, request_id, self.sample_ratio)
+        return self._random.random() < self.sample_ratio
 
     def emit(self, code: grpc.StatusCode, latency_ms: float, fields: dict[str, Any]) -> None:
         level = logging.WARNING if code is not grpc.StatusCode.OK else logging.INFO
@@ -71,3 +78,7 @@ class RequestLog:
             latency_ms,
             extra={"fields": fields},
         )
+
+
+def sampled_by_id(seed: int, request_id: str, ratio: float) -> bool:
+    return zlib.crc32(f"{seed}:{request_id}".encode()) < ratio * 2**32

@@ -20,6 +20,7 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
+from service.observability.logs import sampled_by_id
 from tests.servers import ServerProcess, free_port, model_repository, running_server
 
 GOOD = {"input": np.ones((1, 256), np.float32)}
@@ -240,3 +241,33 @@ def test_errors_are_logged_and_unsampled_successes_are_not(observed: Observed) -
         assert line["timestamp"] and line["message"]
     every_request = log_objects(observed, 0, lambda obj: obj.get("event") == "request")
     assert all(line["status"] != "OK" for line in every_request)
+
+
+def test_successes_are_sampled_at_the_configured_ratio(tmp_path: Path) -> None:
+    """Seeded: which successes are logged follows from their ids alone."""
+    ratio, seed = 0.3, 7
+    args = ["--no-h3", "--log-sample-ratio", str(ratio), "--log-sample-seed", str(seed)]
+    repo = model_repository(tmp_path / "models", ["mlp"])
+    with running_server(repo, tmp_path / "log", args) as server:
+        ids = [f"sample-{i}" for i in range(40)]
+        for request_id in ids:
+            request = build_request(
+                "mlp", {"input": np.ones((1, 256), np.float32)}, request_id=request_id
+            )
+            server.stub.ModelInfer(request, timeout=30)
+        server.stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
+        expected = {i for i in ids if sampled_by_id(seed, i, ratio)}
+        assert 0 < len(expected) < len(ids)
+
+        def logged() -> set[str]:
+            lines = [json.loads(x) for x in server.log_text().splitlines() if x.startswith("{")]
+            return {
+                line["request_id"]
+                for line in lines
+                if line.get("event") == "request" and line["request_id"].startswith("sample-")
+            }
+
+        deadline = time.monotonic() + 10
+        while logged() != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert logged() == expected
