@@ -157,7 +157,7 @@ def summary(rows: list[Row]) -> str:
             f"{r.p90_ms:>8.1f} {r.p99_ms:>8.1f} {r.mean_batch:>6.1f} {r.rss_mb:>7.0f}"
         )
     lines.append("")
-    for model in MODELS:
+    for model in dict.fromkeys(r.model for r in rows):
         raw = {r.concurrency: r for r in rows if r.model == model and r.setup == "raw"}
         on = {r.concurrency: r for r in rows if r.model == model and r.setup == "batching-on"}
         off = {r.concurrency: r for r in rows if r.model == model and r.setup == "batching-off"}
