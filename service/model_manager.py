@@ -385,7 +385,10 @@ class ModelManager:
                     result[files.version] = old
                     continue
                 if self._tried.get((name, files.version)) == prints and old is not None:
-                    result[files.version] = old  # this failure was reported already
+                    # Failed before with these very files: not loaded again, still failing.
+                    result[files.version] = old
+                    if old.state is not VersionState.READY:
+                        failures.append(old)
                     continue
                 candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
                 await self._start_version(candidate, files)

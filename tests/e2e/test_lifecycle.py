@@ -115,6 +115,11 @@ def test_hot_reload_under_load_then_a_broken_version(tmp_path: Path) -> None:
             assert "version 3" in (failed.value.details() or "")
         assert load.failures == []
         assert {v for v, _ in load.answers} == {"2"}
+        # Asked again with the same broken files: the same error, and 2 still serves.
+        with pytest.raises(grpc.RpcError) as again:
+            server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+        assert again.value.code() == grpc.StatusCode.INTERNAL
+        assert serving_version(server) == "2"
         index = server.stub.RepositoryIndex(pb.RepositoryIndexRequest()).models
         broken = [m for m in index if m.version == "3"]
         assert broken and broken[0].state == "UNAVAILABLE" and broken[0].reason
