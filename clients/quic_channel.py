@@ -315,12 +315,10 @@ class _Call:
         self._serialize = serializer
         self._deserialize = deserializer
         self._deadline = None if timeout is None else loop.time() + timeout
-        self._timeout = timeout
         self._metadata = metadata
         self._stream: H3Stream | None = None
         self._initial: Metadata | None = None
         self._status: tuple[grpc.StatusCode, str, Metadata] | None = None
-        self._status_ready = asyncio.Event()
         self._callbacks: list[Callable[[Any], None]] = []
         self._cancel_requested = False
         self._locally_cancelled = False
@@ -386,7 +384,6 @@ class _Call:
         if self._status is not None:
             return
         self._status = (code, details, trailing)
-        self._status_ready.set()
         if self._timer is not None:
             self._timer.cancel()
         if self._stream is not None:

@@ -357,9 +357,6 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         self.peak_send_buffered = max(self.peak_send_buffered, buffered)
         self.transmit_soon()
 
-    def send_buffered_total(self) -> int:
-        return sum(send_buffered(self._quic, sid) for sid in self.streams)
-
     async def wait_send_window(self, stream: H3Stream) -> None:
         if stream.error is not None or not self._send_blocked(stream):
             return

@@ -96,8 +96,3 @@ def status_from_http(http_status: int) -> grpc.StatusCode:
 def status_from_h3_error(code: int) -> grpc.StatusCode:
     """Status for a stream the peer reset with an HTTP/3 error code."""
     return _FROM_H3.get(code, grpc.StatusCode.INTERNAL)
-
-
-def h3_error_for_cancel() -> int:
-    """Error code for RESET_STREAM/STOP_SENDING on cancellation or an expired deadline (G2)."""
-    return H3_REQUEST_CANCELLED
