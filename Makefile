@@ -31,7 +31,7 @@ $(BIN)/python:
 	@echo "==> creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP_INSTALL): pyproject.toml | $(BIN)/python
+$(STAMP_INSTALL): pyproject.toml setup.py | $(BIN)/python
 	@echo "==> installing paddlequic[$(EXTRA),dev] into $(VENV) (first time: a minute or two)"
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[$(EXTRA),dev]'
@@ -40,9 +40,10 @@ $(STAMP_INSTALL): pyproject.toml | $(BIN)/python
 
 setup: $(STAMP_INSTALL) $(STAMP_PROTO)
 
-$(STAMP_PROTO): $(PROTO_SRC) $(STAMP_INSTALL)
+# The build step every pip install runs (setup.py), again when a .proto changed.
+$(STAMP_PROTO): $(PROTO_SRC) setup.py $(STAMP_INSTALL)
 	@echo "==> generating protobuf code"
-	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	$(BIN)/python setup.py -q build_protos
 	@touch $@
 
 proto: $(STAMP_PROTO)

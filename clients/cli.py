@@ -4,16 +4,19 @@ fast and never load server code."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
+
+from clients import __version__
 
 DEFAULT_URL = os.environ.get("PADDLEQUIC_URL", "grpc://localhost:8001")
 DEFAULT_CA_FILE = os.environ.get("PADDLEQUIC_CA_FILE") or (
@@ -21,14 +24,29 @@ DEFAULT_CA_FILE = os.environ.get("PADDLEQUIC_CA_FILE") or (
 )
 
 
+@contextlib.contextmanager
+def _server_extra(command: str) -> Iterator[None]:
+    """`pip install paddlequic` installs the client only: server commands then stop with one
+    line saying what to install instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"error: `paddlequic {command}` needs the server, which this install lacks "
+            f"(no module {exc.name!r}): pip install 'paddlequic[server]'"
+        ) from None
+
+
 def _serve(argv: Sequence[str]) -> int:
-    from service.server import main as serve_main
+    with _server_extra("serve"):
+        from service.server import main as serve_main
 
     return serve_main(argv)
 
 
 def _topology(argv: Sequence[str]) -> int:
-    from service.topology_command import main as topology_main
+    with _server_extra("topology"):
+        from service.topology_command import main as topology_main
 
     return topology_main(argv)
 
@@ -156,6 +174,7 @@ def _infer(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paddlequic", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the server (see `paddlequic serve --help`)", add_help=False)
     sub.add_parser(

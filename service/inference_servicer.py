@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from clients import __version__
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service import errors
@@ -21,7 +22,6 @@ from service.tensors import BY_CONFIG_TYPE, from_numpy
 log = logging.getLogger("paddlequic.api")
 
 SERVER_NAME = "paddlequic"
-SERVER_VERSION = "0.1.0"
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
 
@@ -45,7 +45,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ServerMetadataRequest, context: ServicerContext
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
         )
 
     async def ModelReady(
