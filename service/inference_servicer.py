@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from importlib import metadata
 
 import grpc
 import numpy as np
 
-from clients import __version__
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service import errors
@@ -22,6 +22,9 @@ from service.tensors import BY_CONFIG_TYPE, from_numpy
 log = logging.getLogger("paddlequic.api")
 
 SERVER_NAME = "paddlequic"
+# The installed distribution's version (set from clients.__version__ at build time): the server
+# never imports the client package.
+SERVER_VERSION = metadata.version("paddlequic")
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
 
@@ -45,7 +48,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ServerMetadataRequest, context: ServicerContext
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=__version__, extensions=EXTENSIONS
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
         )
 
     async def ModelReady(
