@@ -133,7 +133,7 @@ def build_parser(prog: str = "paddlequic serve") -> argparse.ArgumentParser:
             parser.add_argument(
                 flag,
                 action=_Repeatable,
-                default=tuple(v for v in value.split(ENV_SEPARATOR) if v.strip()),
+                default=tuple(v.strip() for v in value.split(ENV_SEPARATOR) if v.strip()),
                 help=help_text,
             )
             continue
