@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -264,8 +265,13 @@ def _client_auth(settings: ServerSettings) -> ClientAuth | None:
             raise ClientAuthError("--require-client-cert needs --tls-client-ca")
         return None
     ca_file = Path(settings.tls_client_ca)
-    if not ca_file.is_file():
-        raise ClientAuthError(f"--tls-client-ca {ca_file} is not a file")
+    try:
+        x509.load_pem_x509_certificates(ca_file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ClientAuthError(f"--tls-client-ca {ca_file}: no PEM certificates ({exc})") from exc
+    if settings.require_client_cert and not settings.h2_tls:
+        # The HTTP/2 port would stay open to anyone, in plain text.
+        raise ClientAuthError("--require-client-cert needs --h2-tls")
     if not settings.h3 and not settings.h2_tls:
         raise ClientAuthError("--tls-client-ca needs TLS: HTTP/3 or --h2-tls")
     log.info(

@@ -233,3 +233,37 @@ def test_the_cli_takes_a_client_certificate(mutual: Mutual) -> None:
             mutual.key,
         )
         assert (allowed.returncode, allowed.stdout.strip()) == (0, "server: SERVING")
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--restricted-protocol", f"model-reposit:k={ADMIN}"], "unknown restricted protocol"),
+        (
+            ["--restricted-protocol", f"health:k={ADMIN}", "--restricted-protocol", "health:j=v"],
+            "'health' can not be specified in multiple config groups",
+        ),
+        (["--require-client-cert"], "--require-client-cert needs --tls-client-ca"),
+        (["--tls-client-ca", "no-such-ca.pem"], "--tls-client-ca no-such-ca.pem: no PEM"),
+        (["--tls-client-ca", "README.md"], "--tls-client-ca README.md: no PEM"),
+        (
+            ["--tls-client-ca", "CA", "--require-client-cert"],
+            "--require-client-cert needs --h2-tls",
+        ),
+    ],
+)
+def test_unusable_security_settings_stop_the_server_at_start(
+    tmp_path: Path, args: list[str], error: str
+) -> None:
+    ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
+    args = [str(ca) if a == "CA" else a for a in args]
+    started = subprocess.run(
+        [sys.executable, "-m", "service.server", "--model-repository", str(tmp_path), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode == 1
+    assert error in started.stderr
+    assert ADMIN not in started.stderr
