@@ -22,6 +22,10 @@ DEFAULT_URL = os.environ.get("PADDLEQUIC_URL", "grpc://localhost:8001")
 DEFAULT_CA_FILE = os.environ.get("PADDLEQUIC_CA_FILE") or (
     "certs/ca.pem" if Path("certs/ca.pem").is_file() else None
 )
+DEFAULT_CLIENT_CERT = os.environ.get("PADDLEQUIC_CLIENT_CERT") or None
+DEFAULT_CLIENT_KEY = os.environ.get("PADDLEQUIC_CLIENT_KEY") or None
+# NAME=VALUE pairs separated by `;`: secrets stay out of the command line (visible in ps).
+DEFAULT_HEADERS = [h for h in os.environ.get("PADDLEQUIC_HEADERS", "").split(";") if h.strip()]
 
 
 @contextlib.contextmanager
@@ -54,7 +58,21 @@ def _topology(argv: Sequence[str]) -> int:
 def _client(args: argparse.Namespace, tickets: Any = None) -> Any:
     from clients.inference_client import InferenceClient
 
-    return InferenceClient(args.url, ca_file=args.ca_file, ticket_cache=tickets)
+    return InferenceClient(
+        args.url,
+        ca_file=args.ca_file,
+        ticket_cache=tickets,
+        client_cert=args.client_cert,
+        client_key=args.client_key,
+        metadata=[_header(h) for h in args.header or DEFAULT_HEADERS],
+    )
+
+
+def _header(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name.strip():
+        raise ValueError("--header takes NAME=VALUE (the value is not shown)")
+    return name.strip().lower(), value
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -75,11 +93,15 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from transport.certs import describe_trust, ensure_dev_certificates
+    from transport.certs import describe_trust, ensure_dev_certificates, issue_client_certificate
 
     certs, created = ensure_dev_certificates(Path(args.dir), force=args.force)
     print(f"{'created' if created else 'kept'} development certificates in {certs.directory}")
     print(describe_trust(certs))
+    for name in args.client or ():
+        cert, key = issue_client_certificate(Path(args.dir), name)
+        print(f"client certificate {name!r}: {cert}, key {key} (mode 0600)")
+        print(f"  paddlequic infer --client-cert {cert} --client-key {key} ...")
     return 0
 
 
@@ -194,14 +216,39 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--ca-file",
             default=DEFAULT_CA_FILE,
-            help="CA certificate that signed the server's, for h3:// "
+            help="CA certificate that signed the server's, for h3:// and grpcs:// "
             f"(env PADDLEQUIC_CA_FILE; default {DEFAULT_CA_FILE or 'system roots'})",
+        )
+        command.add_argument(
+            "--client-cert",
+            default=DEFAULT_CLIENT_CERT,
+            help="PEM client certificate for servers that ask for one (mutual TLS) "
+            "(env PADDLEQUIC_CLIENT_CERT)",
+        )
+        command.add_argument(
+            "--client-key",
+            default=DEFAULT_CLIENT_KEY,
+            help="its PEM private key (env PADDLEQUIC_CLIENT_KEY; default: in --client-cert)",
+        )
+        command.add_argument(
+            "--header",
+            action="append",
+            metavar="NAME=VALUE",
+            help="call metadata, repeatable, e.g. a restricted protocol's "
+            "triton-grpc-protocol-KEY=VALUE (env PADDLEQUIC_HEADERS, `;`-separated)",
         )
         return command
 
     certs = sub.add_parser("certs", help="create a development CA and server certificate")
     certs.add_argument("--dir", default="certs", help="where to write them (default certs)")
     certs.add_argument("--force", action="store_true", help="replace existing ones")
+    certs.add_argument(
+        "--client",
+        action="append",
+        metavar="NAME",
+        help="also issue a client certificate NAME (mutual TLS), repeatable: "
+        "DIR/client-NAME.pem and DIR/client-NAME-key.pem",
+    )
     keygen = sub.add_parser("keygen", help="create an Ed25519 key pair for signing models")
     keygen.add_argument("--out", default="model-signing", help="NAME: writes NAME.key, NAME.pub")
     sign = sub.add_parser("sign", help="sign a model version directory (MODEL/VERSION)")
@@ -254,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: e.g. a certificate file that is missing
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

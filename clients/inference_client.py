@@ -1,15 +1,18 @@
 """A numpy-level client for the Open Inference Protocol: arrays in, arrays out.
 
-`grpc://host:port` speaks gRPC over HTTP/2, `h3://host:port` gRPC over HTTP/3 (QUIC, TLS 1.3:
-pass the CA that signed the server's certificate, e.g. the development CA certs/ca.pem).
+`grpc://host:port` speaks gRPC over HTTP/2, `grpcs://host:port` over HTTP/2 with TLS (a server
+started with --h2-tls), `h3://host:port` gRPC over HTTP/3 (QUIC, TLS 1.3). With TLS, pass the CA
+that signed the server's certificate (e.g. the development CA certs/ca.pem) and, for a server
+that asks for one, a client certificate and key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -18,7 +21,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.tickets import SessionTicketCache
-from clients.trace_context import with_trace_context
+from clients.trace_context import Metadata, with_trace_context
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -61,12 +64,13 @@ class Target:
 
 
 def parse_url(url: str) -> Target:
-    """`grpc://host:port` (HTTP/2) or `h3://host:port` (HTTP/3); a bare `host:port` means grpc."""
+    """`grpc://host:port` (HTTP/2), `grpcs://host:port` (HTTP/2 with TLS) or `h3://host:port`
+    (HTTP/3); a bare `host:port` means grpc."""
     parts = urlsplit(url if "://" in url else f"grpc://{url}")
-    if parts.scheme not in ("grpc", "h3"):
+    if parts.scheme not in ("grpc", "grpcs", "h3"):
         raise ValueError(
-            f"unsupported URL scheme {parts.scheme!r} in {url!r}; "
-            "use grpc://HOST:PORT (HTTP/2) or h3://HOST:PORT (HTTP/3)"
+            f"unsupported URL scheme {parts.scheme!r} in {url!r}; use grpc://HOST:PORT "
+            "(HTTP/2), grpcs://HOST:PORT (HTTP/2 with TLS) or h3://HOST:PORT (HTTP/3)"
         )
     if not parts.hostname:
         raise ValueError(f"URL {url!r} names no host; use grpc://HOST:PORT or h3://HOST:PORT")
@@ -106,24 +110,45 @@ def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any,
 
 
 class AsyncInferenceClient:
-    """Async client; `grpc://` uses grpc.aio over HTTP/2, `h3://` the QUIC channel. Both drive
-    the same generated stub. Create it inside the event loop that uses it."""
+    """Async client; `grpc://` and `grpcs://` use grpc.aio over HTTP/2, `h3://` the QUIC
+    channel. All drive the same generated stub. Create it inside the event loop that uses it."""
 
     def __init__(
         self,
         url: str = f"grpc://localhost:{DEFAULT_PORT}",
         ca_file: str | None = None,
         ticket_cache: SessionTicketCache | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        metadata: Iterable[tuple[str, str]] = (),
     ) -> None:
-        """`ticket_cache` (h3 only) lets reconnects resume with 0-RTT."""
+        """`ticket_cache` (h3 only) lets reconnects resume with 0-RTT. `client_cert` and
+        `client_key` (PEM; the key may be in the certificate file) need TLS. `metadata` goes
+        with every call, e.g. the header of a restricted protocol."""
         self.target = parse_url(url)
+        self._metadata: Metadata = tuple(metadata)
         self._channel: Any
         if self.target.scheme == "h3":
             from clients.quic_channel import QuicChannel
 
             self._channel = QuicChannel(
-                self.target.address, ca_file=ca_file, ticket_cache=ticket_cache
+                self.target.address,
+                ca_file=ca_file,
+                ticket_cache=ticket_cache,
+                client_cert=client_cert,
+                client_key=client_key,
             )
+        elif self.target.scheme == "grpcs":
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=Path(ca_file).read_bytes() if ca_file else None,
+                private_key=Path(client_key or client_cert).read_bytes() if client_cert else None,
+                certificate_chain=Path(client_cert).read_bytes() if client_cert else None,
+            )
+            self._channel = grpc.aio.secure_channel(
+                self.target.address, credentials, options=_OPTIONS
+            )
+        elif client_cert:
+            raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
         else:
             self._channel = grpc.aio.insecure_channel(self.target.address, options=_OPTIONS)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
@@ -139,21 +164,24 @@ class AsyncInferenceClient:
     ) -> dict[str, np.ndarray[Any, Any]]:
         request = build_request(model, inputs, outputs, version)
         response = await self.stub.ModelInfer(
-            request, timeout=timeout, metadata=with_trace_context()
+            request, timeout=timeout, metadata=with_trace_context(self._metadata)
         )
         return parse_response(response)
 
     async def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
         request = pb.ModelMetadataRequest(name=model, version=version)
-        response: pb.ModelMetadataResponse = await self.stub.ModelMetadata(request)
+        response: pb.ModelMetadataResponse = await self.stub.ModelMetadata(
+            request, metadata=self._metadata
+        )
         return response
 
     async def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
-        return list((await self.stub.RepositoryIndex(pb.RepositoryIndexRequest())).models)
+        request = pb.RepositoryIndexRequest()
+        return list((await self.stub.RepositoryIndex(request, metadata=self._metadata)).models)
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         request = health_pb2.HealthCheckRequest(service=service)
-        response = await self._health.Check(request, timeout=timeout)
+        response = await self._health.Check(request, timeout=timeout, metadata=self._metadata)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
     @property
@@ -180,13 +208,19 @@ class InferenceClient:
         url: str = f"grpc://localhost:{DEFAULT_PORT}",
         ca_file: str | None = None,
         ticket_cache: SessionTicketCache | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+        metadata: Iterable[tuple[str, str]] = (),
     ) -> None:
+        """As `AsyncInferenceClient`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
 
         async def create() -> AsyncInferenceClient:
-            return AsyncInferenceClient(url, ca_file, ticket_cache)
+            return AsyncInferenceClient(
+                url, ca_file, ticket_cache, client_cert, client_key, metadata
+            )
 
         self._client = self._run(create())
         self.target = self._client.target

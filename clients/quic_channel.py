@@ -48,6 +48,10 @@ class QuicChannel:
     sends its first calls (those in `early_data_methods`) as 0-RTT early data, with the
     handshake. Calls made while a connection is being (re)established wait for it, retrying
     with jittered exponential backoff, up to their deadline.
+
+    `client_cert`/`client_key` (PEM) are offered to servers that ask for a client certificate
+    (mutual TLS). A session ticket resumes the identity of the connection that received it, so
+    a ticket cache belongs to one client identity.
     """
 
     def __init__(
@@ -63,10 +67,14 @@ class QuicChannel:
         connect_timeout_s: float = 10.0,
         keepalive_s: float | None = None,
         ticket_wait_s: float = 1.0,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         self.host, self.port = _split_target(target)
         self.authority = f"{self.host}:{self.port}" if ":" not in self.host else target
         self._ca_file = ca_file
+        self._client_cert = client_cert
+        self._client_key = client_key
         self._server_name = server_name or self.host
         chosen = settings or H3Settings()
         self._settings = replace(chosen, keepalive_s=keepalive_s or chosen.keepalive_s)
@@ -119,7 +127,13 @@ class QuicChannel:
     async def _connect(self) -> H3ClientConnection:
         ticket = self._tickets.take(self._ticket_key) if self._tickets else None
         configuration = client_configuration(
-            self._server_name, self._ca_file, ticket, self._idle_timeout_s, self._settings
+            self._server_name,
+            self._ca_file,
+            ticket,
+            self._idle_timeout_s,
+            self._settings,
+            self._client_cert,
+            self._client_key,
         )
         tickets = self._tickets
         key = self._ticket_key

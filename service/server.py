@@ -6,12 +6,13 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,12 +29,19 @@ from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
+from service.restricted import (
+    RestrictedServer,
+    Restriction,
+    RestrictionError,
+    parse_restrictions,
+)
 from service.scheduling.nvml import discover
 from service.scheduling.topology import Topology, load_topology_file
 from service.settings import ServerSettings
 from service.signing import SigningPolicy, load_trusted_keys
 from service.testing_servicer import TestingServicer
 from transport.certs import describe_trust, ensure_dev_certificates
+from transport.client_auth import ClientAuth
 from transport.early_data import parse_allowlist
 from transport.h3_protocol import H3Settings
 from transport.h3_server import H3Server
@@ -73,6 +81,8 @@ class Health:
 
 async def serve(settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
+    restrictions = parse_restrictions(settings.restricted_protocol)
+    client_auth = _client_auth(settings)
     health: Health | None = None
     tracing = tracer_provider(
         settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
@@ -104,10 +114,14 @@ async def serve(settings: ServerSettings) -> None:
         settings.trace_sample_ratio,
     )
     models.observer = observer
-    metrics_server = metrics.serve(settings.host, settings.metrics_port) if metrics else None
+    metrics_server = (
+        metrics.serve(settings.metrics_host, settings.metrics_port) if metrics else None
+    )
     if metrics_server is not None:
         log.info(
-            "metrics on http://%s:%d/metrics", _bracket(settings.host), metrics_server.server_port
+            "metrics on http://%s:%d/metrics",
+            _bracket(settings.metrics_host),
+            metrics_server.server_port,
         )
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -120,12 +134,18 @@ async def serve(settings: ServerSettings) -> None:
         health.servicer,
         TestingServicer() if settings.testing_service else None,
     )
-    servicers.register(ObservedServer(server, "h2", observer))
+    servicers.register(RestrictedServer(ObservedServer(server, "h2", observer), restrictions))
     tls = _tls_files(settings) if settings.h3 or settings.h2_tls else None
     address = f"{_bracket(settings.host)}:{settings.grpc_port}"
     if settings.h2_tls:
         assert tls is not None
-        credentials = grpc.ssl_server_credentials([(tls[1].read_bytes(), tls[0].read_bytes())])
+        # grpcio can require a client certificate or not ask for one: without
+        # --require-client-cert it does not ask (HTTP/3 asks and checks one that is sent).
+        credentials = grpc.ssl_server_credentials(
+            [(tls[1].read_bytes(), tls[0].read_bytes())],
+            root_certificates=client_auth.ca_file.read_bytes() if client_auth else None,
+            require_client_auth=client_auth is not None and client_auth.required,
+        )
         port = server.add_secure_port(address, credentials)
     else:
         port = server.add_insecure_port(address)
@@ -138,7 +158,9 @@ async def serve(settings: ServerSettings) -> None:
         settings.model_repository,
     )
     h3_server = (
-        await _start_h3(settings, port, servicers, tls, observer) if tls and settings.h3 else None
+        await _start_h3(settings, port, servicers, tls, observer, restrictions, client_auth)
+        if tls and settings.h3
+        else None
     )
     if metrics is not None:
         metrics.state.h3 = h3_server
@@ -213,6 +235,8 @@ async def _start_h3(
     servicers: _Servicers,
     tls: tuple[Path, Path],
     observer: Observer,
+    restrictions: Mapping[str, Restriction],
+    client_auth: ClientAuth | None,
 ) -> H3Server:
     cert, key = tls
     h3_server = H3Server(
@@ -220,8 +244,9 @@ async def _start_h3(
         tickets=MemoryTicketStore(ttl_s=settings.ticket_ttl),
         zero_rtt=settings.zero_rtt,
         early_data_methods=parse_allowlist(settings.early_data_methods),
+        client_auth=client_auth,
     )
-    servicers.register(ObservedServer(h3_server, "h3", observer))
+    servicers.register(RestrictedServer(ObservedServer(h3_server, "h3", observer), restrictions))
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)
     servicers.control.h3 = h3_server
     log.info(
@@ -231,6 +256,36 @@ async def _start_h3(
         port,
     )
     return h3_server
+
+
+def _client_auth(settings: ServerSettings) -> ClientAuth | None:
+    """Mutual TLS from --tls-client-ca / --require-client-cert, checked before serving."""
+    if not settings.tls_client_ca:
+        if settings.require_client_cert:
+            raise ClientAuthError("--require-client-cert needs --tls-client-ca")
+        return None
+    ca_file = Path(settings.tls_client_ca)
+    try:
+        x509.load_pem_x509_certificates(ca_file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ClientAuthError(f"--tls-client-ca {ca_file}: no PEM certificates ({exc})") from exc
+    if settings.require_client_cert and not settings.h2_tls:
+        # The HTTP/2 port would stay open to anyone, in plain text.
+        raise ClientAuthError("--require-client-cert needs --h2-tls")
+    if not settings.h3 and not settings.h2_tls:
+        raise ClientAuthError("--tls-client-ca needs TLS: HTTP/3 or --h2-tls")
+    log.info(
+        "client certificates from %s: %s",
+        ca_file,
+        "required"
+        if settings.require_client_cert
+        else "optional (clients without one are served; HTTP/2 does not ask for one)",
+    )
+    return ClientAuth(ca_file, settings.require_client_cert)
+
+
+class ClientAuthError(ValueError):
+    """Client certificate settings that cannot be served."""
 
 
 class Lifecycle:
@@ -307,7 +362,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection
     try:
         asyncio.run(serve(settings))
-    except (RepositoryError, TracingUnavailable, MetricsUnavailable) as exc:
+    except (
+        RepositoryError,
+        TracingUnavailable,
+        MetricsUnavailable,
+        RestrictionError,
+        ClientAuthError,
+    ) as exc:
         log.error("%s", exc)
         return 1
     return 0

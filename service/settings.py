@@ -10,7 +10,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from service.restricted import RESTRICTABLE
+
 ENV_PREFIX = "PADDLEQUIC_"
+# Environment variables of repeatable options hold their values separated by this.
+ENV_SEPARATOR = ";"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ServerSettings:
     topology: str = ""
     metrics: bool = True
     metrics_port: int = 8002
+    metrics_host: str = "127.0.0.1"
     log_format: str = "json"
     slow_request_ms: float = 1000.0
     log_sample_ratio: float = 0.01
@@ -46,6 +51,9 @@ class ServerSettings:
     trace_console: bool = False
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
+    restricted_protocol: tuple[str, ...] = ()
+    tls_client_ca: str = ""
+    require_client_cert: bool = False
 
 
 _HELP = {
@@ -78,6 +86,7 @@ _HELP = {
     "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
     "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
     "metrics_port": "TCP port for /metrics (0: any free port, logged)",
+    "metrics_host": "address /metrics listens on (0.0.0.0: every interface)",
     "log_format": "json (one object per line) or text",
     "slow_request_ms": "requests at least this slow are always logged",
     "log_sample_ratio": "fraction of successful, fast requests logged (errors always are)",
@@ -86,6 +95,12 @@ _HELP = {
     "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
     "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "
     "the caller's decision",
+    "restricted_protocol": "CATEGORIES:KEY=VALUE, repeatable (env: `;`-separated): calls in "
+    "these comma-separated categories need metadata triton-grpc-protocol-KEY: VALUE, else "
+    "UNAUTHENTICATED; categories: " + ", ".join(RESTRICTABLE),
+    "tls_client_ca": "PEM CA certificates that client certificates must chain to (HTTP/3, "
+    "HTTP/2 with --h2-tls)",
+    "require_client_cert": "refuse TLS clients without a certificate from --tls-client-ca",
 }
 
 
@@ -113,11 +128,35 @@ def build_parser(prog: str = "paddlequic serve") -> argparse.ArgumentParser:
                 help=help_text,
             )
             continue
+        if isinstance(default, tuple):
+            value = os.environ.get(env, "")
+            parser.add_argument(
+                flag,
+                action=_Repeatable,
+                default=tuple(v.strip() for v in value.split(ENV_SEPARATOR) if v.strip()),
+                help=help_text,
+            )
+            continue
         kind: Any = type(default)
         parser.add_argument(
             flag, type=kind, default=kind(os.environ.get(env, default)), help=help_text
         )
     return parser
+
+
+class _Repeatable(argparse.Action):
+    """Each use of the flag adds a value; the flag's values replace the environment's."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest)
+        given = () if current is self.default else current
+        setattr(namespace, self.dest, (*given, values))
 
 
 def parse(argv: Sequence[str] | None = None) -> ServerSettings:

@@ -1,4 +1,5 @@
-"""Development TLS certificates: a private CA and a server certificate it signs.
+"""Development TLS certificates: a private CA, a server certificate it signs, and on request
+client certificates for mutual TLS.
 
 HTTP/3 has no plaintext mode (QUIC always runs TLS 1.3), so the server needs a certificate even on
 a laptop. Rather than a bare self-signed server certificate, we create a small CA and sign the
@@ -16,6 +17,7 @@ import contextlib
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 import socket
 from dataclasses import dataclass
@@ -27,7 +29,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["DevCertificates", "describe_trust", "ensure_dev_certificates"]
+__all__ = [
+    "DevCertificates",
+    "describe_trust",
+    "ensure_dev_certificates",
+    "issue_client_certificate",
+]
 
 CA_COMMON_NAME = "paddlequic development CA"
 SERVER_COMMON_NAME = "localhost"
@@ -40,6 +47,22 @@ RENEW_BEFORE = datetime.timedelta(days=30)
 # The CA is replaced earlier than that: a server certificate never outlives its CA, so a CA this
 # close to expiry could only sign server certificates that are already due for renewal.
 CA_RENEW_BEFORE = 2 * RENEW_BEFORE
+
+CLIENT_VALIDITY = datetime.timedelta(days=365)
+# Server and client certificates: EC keys only sign (the TLS 1.3 handshake signature).
+_LEAF_KEY_USAGE = x509.KeyUsage(
+    digital_signature=True,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    key_cert_sign=False,
+    crl_sign=False,
+    encipher_only=False,
+    decipher_only=False,
+)
+# Client names become file names and common names: plain names only.
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 _FIXED_DNS_NAMES = ("localhost",)
 _FIXED_IP_ADDRESSES = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
@@ -111,6 +134,27 @@ def ensure_dev_certificates(
     _write_private_key(certs.server_key, server_key)
     _write_certificate(certs.server_cert, server_cert)
     return certs, True
+
+
+def issue_client_certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    """A client certificate for mutual TLS (common name ``name``, client-auth usage only),
+    signed by the development CA in ``directory`` (made if missing). Returns the certificate
+    and key paths, ``client-NAME.pem`` and ``client-NAME-key.pem``; an existing pair is
+    replaced."""
+    if not _CLIENT_NAME.fullmatch(name):
+        raise ValueError(
+            f"client name {name!r}: letters, digits, '.', '_', '-' (at most 64, not first)"
+        )
+    certs, _ = ensure_dev_certificates(directory)
+    ca = _load_valid_ca(certs, _now())
+    assert ca is not None  # ensure_dev_certificates just made or checked it
+    ca_cert, ca_key = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert_path = directory / f"client-{name}.pem"
+    key_path = directory / f"client-{name}-key.pem"
+    _write_private_key(key_path, key)
+    _write_certificate(cert_path, _make_client_certificate(name, key, ca_cert, ca_key, _now()))
+    return cert_path, key_path
 
 
 def describe_trust(certs: DevCertificates) -> str:
@@ -191,21 +235,35 @@ def _make_server_certificate(
         .not_valid_after(not_after)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_LEAF_KEY_USAGE, critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def _make_client_certificate(
+    name: str,
+    key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    now: datetime.datetime,
+) -> x509.Certificate:
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(min(now + CLIENT_VALIDITY, ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_LEAF_KEY_USAGE, critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),

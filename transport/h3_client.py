@@ -145,7 +145,11 @@ def client_configuration(
     session_ticket: SessionTicket | None = None,
     idle_timeout_s: float = 60.0,
     settings: H3Settings | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
 ) -> QuicConfiguration:
+    """`client_cert`/`client_key`: a certificate chain and key (PEM; the key may be in the
+    chain file) offered when the server asks for one (mutual TLS)."""
     chosen = settings or H3Settings()
     configuration = QuicConfiguration(
         is_client=True,
@@ -157,5 +161,7 @@ def client_configuration(
     )
     if ca_file:
         configuration.load_verify_locations(cafile=ca_file)
+    if client_cert:
+        configuration.load_cert_chain(client_cert, client_key or None)
     configuration.session_ticket = session_ticket
     return configuration

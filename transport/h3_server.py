@@ -22,6 +22,7 @@ from grpc.aio import AbortError
 
 from transport import early_data
 from transport import headers as wire
+from transport.client_auth import ClientAuth, request_client_certificates
 from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
@@ -66,6 +67,8 @@ class _ServerProtocol(GrpcH3Protocol):
         self.highest_stream_id = -4
         if not server.zero_rtt:
             _refuse_early_data(quic)
+        if server.client_auth is not None:
+            request_client_certificates(quic, server.client_auth)
         server.connection_opened(self)
 
     def stream_opened(self, stream_id: int) -> H3Stream | None:
@@ -117,14 +120,17 @@ class H3Server:
         zero_rtt: bool = True,
         early_data_methods: frozenset[str] = DEFAULT_EARLY_DATA_METHODS,
         idle_timeout_s: float = 60.0,
+        client_auth: ClientAuth | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
-        early data, of which only `early_data_methods` run before the handshake completes."""
+        early data, of which only `early_data_methods` run before the handshake completes.
+        `client_auth`: ask clients for certificates (mutual TLS)."""
         self.settings = settings or H3Settings()
         self.tickets = tickets
         self.zero_rtt = zero_rtt
         self.early_data_methods = early_data_methods
         self._idle_timeout_s = idle_timeout_s
+        self.client_auth = client_auth
         self._registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         self._generic: list[grpc.GenericRpcHandler[Any, Any]] = []
         self._connections: set[_ServerProtocol] = set()

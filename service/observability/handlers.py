@@ -28,7 +28,7 @@ from transport.h3_protocol import StreamClosed
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Behavior = Callable[..., Any]
-_BUILDERS: dict[tuple[bool, bool], Callable[..., Handler]] = {
+HANDLER_BUILDERS: dict[tuple[bool, bool], Callable[..., Handler]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -104,6 +104,18 @@ class Observer:
             self.metrics.load_failures.labels(model, reason).inc()
 
 
+def behavior_of(handler: Handler) -> Behavior:
+    """The one behavior a handler of its kind has."""
+    behavior: Behavior | None = {
+        (False, False): handler.unary_unary,
+        (False, True): handler.unary_stream,
+        (True, False): handler.stream_unary,
+        (True, True): handler.stream_stream,
+    }[handler.request_streaming, handler.response_streaming]
+    assert behavior is not None
+    return behavior
+
+
 class ObservedServer:
     """Stands in for a server (grpc.aio or H3Server) during registration only."""
 
@@ -115,7 +127,7 @@ class ObservedServer:
     def add_generic_rpc_handlers(
         self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
     ) -> None:
-        self._server.add_generic_rpc_handlers([_ObservedGeneric(h, self.wrap) for h in handlers])
+        self._server.add_generic_rpc_handlers([WrappedGeneric(h, self.wrap) for h in handlers])
 
     def add_registered_method_handlers(
         self, service_name: str, method_handlers: Mapping[str, Handler]
@@ -129,20 +141,14 @@ class ObservedServer:
         """The same handler kind with an observed behavior; a synchronous behavior (none of
         ours) is left as it is."""
         streaming = (handler.request_streaming, handler.response_streaming)
-        behavior: Behavior | None = {
-            (False, False): handler.unary_unary,
-            (False, True): handler.unary_stream,
-            (True, False): handler.stream_unary,
-            (True, True): handler.stream_stream,
-        }[streaming]
-        assert behavior is not None
+        behavior = behavior_of(handler)
         if inspect.isasyncgenfunction(behavior):
             observed = self._async_generator(method_path, behavior, handler.request_streaming)
         elif inspect.iscoroutinefunction(behavior):
             observed = self._coroutine(method_path, behavior, handler.request_streaming)
         else:
             return handler
-        return _BUILDERS[streaming](
+        return HANDLER_BUILDERS[streaming](
             observed,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
@@ -180,7 +186,7 @@ class ObservedServer:
         return observed
 
 
-class _ObservedGeneric(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+class WrappedGeneric(grpc.GenericRpcHandler):  # type: ignore[type-arg]
     """A generic handler whose handlers come back wrapped (once per method)."""
 
     def __init__(

@@ -1,0 +1,269 @@
+"""Access control against the real server on both transports: restricted protocols (header and
+value, else UNAUTHENTICATED) and client certificates (mutual TLS) on HTTP/3 and HTTP/2 with TLS,
+with the numpy client and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import InferenceClient, build_request
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
+from transport.certs import issue_client_certificate
+
+ADMIN = "admin-Secret-7f3a"
+INFER = "infer-Secret-91c2"
+ADMIN_HEADER = ("triton-grpc-protocol-admin-key", ADMIN)
+INFER_HEADER = ("triton-grpc-protocol-infer-key", INFER)
+REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+TIMEOUT_S = 30.0
+
+
+@dataclass
+class Restricted:
+    server: ServerProcess
+    certs: Path
+
+
+@pytest.fixture(scope="module")
+def restricted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restricted]:
+    root = tmp_path_factory.mktemp("restricted")
+    certs = root / "certs"
+    args = [
+        "--certs-dir",
+        str(certs),
+        "--restricted-protocol",
+        f"model-repository,control:admin-key={ADMIN}",
+        "--restricted-protocol",
+        f"inference:infer-key={INFER}",
+    ]
+    with running_server(model_repository(root / "models", ["mlp"]), root / "log", args) as s:
+        yield Restricted(s, certs)
+
+
+@asynccontextmanager
+async def channel(restricted: Restricted, transport: str) -> AsyncIterator[Any]:
+    address = f"localhost:{restricted.server.port}"
+    if transport == "h3":
+        async with QuicChannel(address, ca_file=str(restricted.certs / "ca.pem")) as h3:
+            yield h3
+    else:
+        async with grpc.aio.insecure_channel(address) as h2:
+            yield h2
+
+
+async def _code(call: Any) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.RpcError as exc:
+        assert ADMIN not in str(exc.details()) and INFER not in str(exc.details())
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_restricted_categories_need_their_header(restricted: Restricted, transport: str) -> None:
+    async def scenario() -> None:
+        async with channel(restricted, transport) as ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            control = control_pb2_grpc.ControlStub(ch)
+            index = pb.RepositoryIndexRequest()
+            unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+            assert await _code(stub.RepositoryIndex(index, timeout=TIMEOUT_S)) == unauthenticated
+            wrong = [(ADMIN_HEADER[0], ADMIN + "x")]
+            assert await _code(stub.RepositoryIndex(index, metadata=wrong)) == unauthenticated
+            # One group's header does not open another group's categories.
+            assert await _code(stub.RepositoryIndex(index, metadata=[INFER_HEADER])) == (
+                unauthenticated
+            )
+            listing = control_pb2.ListInstancesRequest(model_name="mlp")
+            assert await _code(control.ListInstances(listing)) == unauthenticated
+            assert await _code(stub.ModelInfer(REQUEST, timeout=TIMEOUT_S)) == unauthenticated
+            stream = stub.ModelStreamInfer(iter([REQUEST]), timeout=TIMEOUT_S)
+            with pytest.raises(grpc.RpcError) as refused:
+                async for _ in stream:
+                    pass
+            assert refused.value.code() == unauthenticated
+            assert "expecting header 'triton-grpc-protocol-infer-key'" in str(
+                refused.value.details()
+            )
+
+            models = await stub.RepositoryIndex(index, metadata=[ADMIN_HEADER])
+            assert [m.name for m in models.models] == ["mlp"]
+            instances = await control.ListInstances(listing, metadata=[ADMIN_HEADER])
+            assert instances.instances
+            response = await stub.ModelInfer(REQUEST, metadata=[INFER_HEADER], timeout=TIMEOUT_S)
+            assert response.model_name == "mlp"
+            streamed = stub.ModelStreamInfer(
+                iter([REQUEST]), metadata=[INFER_HEADER], timeout=TIMEOUT_S
+            )
+            assert [r.error_message async for r in streamed] == [""]
+            # Categories left unrestricted need nothing.
+            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"))
+            assert metadata.name == "mlp"
+            assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+
+    asyncio.run(scenario())
+
+
+def test_refusals_are_counted_and_secrets_never_logged(restricted: Restricted) -> None:
+    with pytest.raises(grpc.RpcError):
+        restricted.server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=TIMEOUT_S)
+    log = restricted.server.log_text()
+    assert "UNAUTHENTICATED" in log
+    assert ADMIN not in log and INFER not in log
+    assert "metrics on http://127.0.0.1:" in log  # --metrics-host defaults to loopback
+
+
+def test_the_client_and_cli_send_headers(restricted: Restricted) -> None:
+    url = f"h3://localhost:{restricted.server.port}"
+    ca = str(restricted.certs / "ca.pem")
+    with InferenceClient(url, ca_file=ca, metadata=[INFER_HEADER]) as client:
+        outputs = client.infer("mlp", {"input": np.ones((1, 256), np.float32)})
+    assert outputs["fetch_name_0"].shape == (1, 10)
+    refused = _cli("models", "--url", url, "--ca-file", ca)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    allowed = _cli("models", "--url", url, "--ca-file", ca, "--header", "=".join(ADMIN_HEADER))
+    assert allowed.returncode == 0 and "READY" in allowed.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# --- mutual TLS ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Mutual:
+    server: ServerProcess
+    ca: str
+    cert: str
+    key: str
+    stranger_cert: str
+    stranger_key: str
+
+
+@pytest.fixture(scope="module")
+def mutual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mutual]:
+    """HTTP/3 and HTTP/2 with TLS, both requiring a client certificate from the dev CA (an
+    empty repository: the handshake is what is tested)."""
+    root = tmp_path_factory.mktemp("mutual")
+    certs = root / "certs"
+    cert, key = issue_client_certificate(certs, "tester")
+    stranger_cert, stranger_key = issue_client_certificate(root / "other", "stranger")
+    ca = str(certs / "ca.pem")
+    args = [
+        "--certs-dir",
+        str(certs),
+        "--h2-tls",
+        "--tls-client-ca",
+        ca,
+        "--require-client-cert",
+    ]
+    (root / "models").mkdir()
+    with running_server(root / "models", root / "log", args, wait=False) as server:
+        deadline = time.monotonic() + 120
+        while True:
+            with (
+                suppress(grpc.RpcError),
+                InferenceClient(
+                    f"grpcs://localhost:{server.port}",
+                    ca,
+                    client_cert=str(cert),
+                    client_key=str(key),
+                ) as client,
+            ):
+                if client.health() == "SERVING":
+                    break
+            assert server.process.poll() is None, server.log_text()
+            assert time.monotonic() < deadline, server.log_text()
+            time.sleep(0.2)
+        yield Mutual(server, ca, str(cert), str(key), str(stranger_cert), str(stranger_key))
+
+
+@pytest.mark.parametrize("scheme", ["grpcs", "h3"])
+def test_a_client_certificate_is_required(mutual: Mutual, scheme: str) -> None:
+    url = f"{scheme}://localhost:{mutual.server.port}"
+    with InferenceClient(url, mutual.ca, client_cert=mutual.cert, client_key=mutual.key) as ok:
+        assert ok.health() == "SERVING"
+        assert ok.index() == []
+    for cert, key in ((None, None), (mutual.stranger_cert, mutual.stranger_key)):
+        refused = InferenceClient(url, mutual.ca, client_cert=cert, client_key=key)
+        with refused, pytest.raises(grpc.RpcError) as failure:
+            refused.health(timeout=10)
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_cli_takes_a_client_certificate(mutual: Mutual) -> None:
+    for scheme in ("grpcs", "h3"):
+        url = f"{scheme}://localhost:{mutual.server.port}"
+        refused = _cli("health", "--url", url, "--ca-file", mutual.ca)
+        assert refused.returncode == 1, refused.stdout
+        allowed = _cli(
+            "health",
+            "--url",
+            url,
+            "--ca-file",
+            mutual.ca,
+            "--client-cert",
+            mutual.cert,
+            "--client-key",
+            mutual.key,
+        )
+        assert (allowed.returncode, allowed.stdout.strip()) == (0, "server: SERVING")
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--restricted-protocol", f"model-reposit:k={ADMIN}"], "unknown restricted protocol"),
+        (
+            ["--restricted-protocol", f"health:k={ADMIN}", "--restricted-protocol", "health:j=v"],
+            "'health' can not be specified in multiple config groups",
+        ),
+        (["--require-client-cert"], "--require-client-cert needs --tls-client-ca"),
+        (["--tls-client-ca", "no-such-ca.pem"], "--tls-client-ca no-such-ca.pem: no PEM"),
+        (["--tls-client-ca", "README.md"], "--tls-client-ca README.md: no PEM"),
+        (
+            ["--tls-client-ca", "CA", "--require-client-cert"],
+            "--require-client-cert needs --h2-tls",
+        ),
+    ],
+)
+def test_unusable_security_settings_stop_the_server_at_start(
+    tmp_path: Path, args: list[str], error: str
+) -> None:
+    ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
+    args = [str(ca) if a == "CA" else a for a in args]
+    started = subprocess.run(
+        [sys.executable, "-m", "service.server", "--model-repository", str(tmp_path), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode == 1
+    assert error in started.stderr
+    assert ADMIN not in started.stderr
