@@ -161,8 +161,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests run concurrently and answer in completion order (correlate by id); a
-        failed request yields an error_message and the stream goes on."""
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        failed request yields an error_message and the stream goes on.
+
+        A request holds its slot in the window until its response was taken by the
+        transport (the generator resumes only then), so a client that stops reading stops
+        being read: the request iterator waits for a slot, and the response queue never
+        holds more than the window."""
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(
+            STREAM_WINDOW + 1
+        )
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
         deadline = _deadline(context)
@@ -181,14 +188,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         id=request.id,
                     ),
                 )
-            finally:
-                window.release()
             await responses.put(response)
 
         async def read_requests() -> None:
             try:
-                async for request in request_iterator:
+                while True:
                     await window.acquire()
+                    request = await anext(request_iterator, None)
+                    if request is None:
+                        break
                     task = asyncio.create_task(run_one(request))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -201,6 +209,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             while (response := await responses.get()) is not None:
                 yield response
+                window.release()
             await reader
         finally:
             reader.cancel()

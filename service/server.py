@@ -127,7 +127,7 @@ async def serve(settings: ServerSettings) -> None:
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
     ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     servicers = _Servicers(
         InferenceServicer(models, settings.model_control_mode),
         ControlServicer(models),
@@ -245,6 +245,7 @@ async def _start_h3(
         zero_rtt=settings.zero_rtt,
         early_data_methods=parse_allowlist(settings.early_data_methods),
         client_auth=client_auth,
+        max_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
     servicers.register(RestrictedServer(ObservedServer(h3_server, "h3", observer), restrictions))
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)

@@ -34,6 +34,7 @@ class ServerSettings:
     certs_dir: Path = Path("certs")
     grace_period: float = 5.0
     max_message_bytes: int = 64 << 20
+    max_concurrent_rpcs: int = 1024
     testing_service: bool = False
     model_control_mode: str = "none"
     load_model: str = ""
@@ -73,6 +74,8 @@ _HELP = {
     "certs_dir": "where development certificates are created and found",
     "grace_period": "seconds in-flight calls may take to finish on shutdown",
     "max_message_bytes": "largest request or response message accepted",
+    "max_concurrent_rpcs": "RPCs handled at once on each transport; more are refused with "
+    "RESOURCE_EXHAUSTED",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
     "model_control_mode": "none: load every model at start, reload on SIGHUP; poll: also "
@@ -160,4 +163,8 @@ class _Repeatable(argparse.Action):
 
 
 def parse(argv: Sequence[str] | None = None) -> ServerSettings:
-    return ServerSettings(**vars(build_parser().parse_args(argv)))
+    parser = build_parser()
+    settings = ServerSettings(**vars(parser.parse_args(argv)))
+    if settings.max_concurrent_rpcs < 1:
+        parser.error("--max-concurrent-rpcs must be at least 1")
+    return settings

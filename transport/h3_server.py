@@ -121,16 +121,21 @@ class H3Server:
         early_data_methods: frozenset[str] = DEFAULT_EARLY_DATA_METHODS,
         idle_timeout_s: float = 60.0,
         client_auth: ClientAuth | None = None,
+        max_concurrent_rpcs: int | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
-        `client_auth`: ask clients for certificates (mutual TLS)."""
+        `client_auth`: ask clients for certificates (mutual TLS). Past `max_concurrent_rpcs`
+        handlers running at once (None: no limit), calls are refused with RESOURCE_EXHAUSTED,
+        as grpc.aio's `maximum_concurrent_rpcs` does."""
         self.settings = settings or H3Settings()
         self.tickets = tickets
         self.zero_rtt = zero_rtt
         self.early_data_methods = early_data_methods
         self._idle_timeout_s = idle_timeout_s
         self.client_auth = client_auth
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self._active_rpcs = 0
         self._registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         self._generic: list[grpc.GenericRpcHandler[Any, Any]] = []
         self._connections: set[_ServerProtocol] = set()
@@ -270,6 +275,17 @@ class H3Server:
                     end=True,
                 )
                 return
+            if (
+                self.max_concurrent_rpcs is not None
+                and self._active_rpcs >= self.max_concurrent_rpcs
+            ):
+                stream.send_headers(
+                    wire.trailers_only(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded"
+                    ),
+                    end=True,
+                )
+                return
             context = H3ServicerContext(
                 stream,
                 head.method_path,
@@ -279,6 +295,7 @@ class H3Server:
                 handler.response_serializer,
                 handler.request_deserializer,
             )
+            self._active_rpcs += 1
             code, details, trailing = await self._drive(handler, context, stream, head.timeout)
             if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
                 return  # the client is gone; nobody reads an answer
@@ -306,6 +323,7 @@ class H3Server:
             raise
         finally:
             if context is not None:
+                self._active_rpcs -= 1
                 context.finish()
             connection.forget(stream.stream_id)
 

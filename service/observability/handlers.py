@@ -261,11 +261,14 @@ class _Call:
         self.version = _text_field(response, "model_version") or self.version
         metrics = self.observer.metrics
         if metrics is not None:
+            # The rpc label is bounded by construction: only registered methods are observed
+            # (the transports answer any other with UNIMPLEMENTED before a handler runs).
+            model, version = metrics.names.labels(self.model, self.version)
             metrics.child(metrics.inflight, self.transport).dec()
             metrics.child(
-                metrics.requests, self.model, self.version, self.transport, self.rpc, code.name
+                metrics.requests, model, version, self.transport, self.rpc, code.name
             ).inc()
-            metrics.child(metrics.request_duration, self.model, self.transport, self.rpc).observe(
+            metrics.child(metrics.request_duration, model, self.transport, self.rpc).observe(
                 seconds
             )
         fields = {

@@ -32,6 +32,7 @@ SECONDS_BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+UNKNOWN = "_unknown"  # the label value of every name from a request the server does not serve
 
 
 class MetricsUnavailable(Exception):
@@ -83,6 +84,8 @@ class Metrics:
         self.inflight = Gauge(
             "paddlequic_inflight_requests", "RPCs being handled", ["transport"], registry=r
         )
+        # Its model label needs no bounding: the model manager reports failures only for
+        # directories of the repository (RepositoryModelLoad refuses other names first).
         self.load_failures = Counter(
             "paddlequic_model_load_failures",
             "models or versions that failed to load, by stage",
@@ -91,6 +94,7 @@ class Metrics:
         )
         self.state = _StateCollector(models, topology)
         r.register(self.state)
+        self.names = ServedNames(models)
 
     def serve(self, host: str, port: int) -> Any:
         """Start the HTTP server in its own thread; returns it (`server_port`, `shutdown()`)."""
@@ -115,6 +119,35 @@ class Metrics:
     def observe_batch(self, model: str, rows: int, timings: Timings) -> None:
         self.child(self.batch_size, model).observe(rows)
         self.child(self.compute_duration, model).observe(timings.infer_ns / 1e9)
+
+
+class ServedNames:
+    """Label values for model names and versions taken from requests. Each distinct label
+    value makes a new series for as long as the server runs, so only the models and versions
+    the model manager holds (from the repository) get their own; any other is `UNKNOWN`."""
+
+    def __init__(self, models: ModelManager) -> None:
+        self._models = models
+        self._served: set[tuple[str, str]] = set()  # (model, "") and (model, version)
+
+    def labels(self, model: str, version: str) -> tuple[str, str]:
+        """("", "") stay as they are: calls that name no model or no version."""
+        if model and not self._is_served(model, ""):
+            return UNKNOWN, UNKNOWN if version else ""
+        if version and not self._is_served(model, version):
+            return model, UNKNOWN
+        return model, version
+
+    def _is_served(self, model: str, version: str) -> bool:
+        key = (model, version)
+        if key in self._served:
+            return True
+        found = any(
+            v.name == model and version in ("", str(v.version)) for v in self._models.all_versions()
+        )
+        if found:
+            self._served.add(key)
+        return found
 
 
 class _StateCollector(Collector):
