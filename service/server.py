@@ -104,6 +104,7 @@ async def serve(settings: ServerSettings) -> None:
         settings.trace_sample_ratio,
     )
     models.observer = observer
+    models.testing = settings.testing_service
     metrics_server = metrics.serve(settings.host, settings.metrics_port) if metrics else None
     if metrics_server is not None:
         log.info(
