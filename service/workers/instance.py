@@ -176,6 +176,7 @@ class WorkerInstance:
         self._watched: int | None = None  # the request the watchdog times
         self._watchdog: asyncio.TimerHandle | None = None
         self._killed_hung = False
+        self._answered = 0  # results since the worker (re)started
 
     @property
     def outstanding(self) -> int:
@@ -283,6 +284,7 @@ class WorkerInstance:
             child.close()
         self.pid = self._process.pid
         self._started_at = time.monotonic()
+        self._answered = 0
         self._killed_hung = False
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         self._writer = writer
@@ -338,6 +340,7 @@ class WorkerInstance:
         pending = self._pending.pop(message.request_id, None)
         if pending is None:
             return
+        self._answered += 1
         self._watch_oldest()
         try:
             if isinstance(message, protocol.Failed):
@@ -410,9 +413,13 @@ class WorkerInstance:
             "request; it is being restarted"
         )
         self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+        # Back off only for a worker that keeps dying young without answering anything (a
+        # crash loop); one that was serving comes back at once.
         lived = time.monotonic() - self._started_at
         self._restart_delay = (
-            0.0 if lived > MAX_RESTART_DELAY_S else min(max(1.0, self._restart_delay * 2), 30.0)
+            0.0
+            if lived > MAX_RESTART_DELAY_S or self._answered
+            else min(max(1.0, self._restart_delay * 2), MAX_RESTART_DELAY_S)
         )
         self._restart_task = asyncio.create_task(self._restart())
 
