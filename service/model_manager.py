@@ -486,7 +486,11 @@ class ModelManager:
 
     async def rescan(self, unload_missing: bool, only_loaded: bool) -> None:
         """Pick up what changed in the repository (SIGHUP, polling)."""
-        names = set(self.repository.model_names())
+        try:
+            names = set(self.repository.model_names())
+        except (RepositoryError, OSError) as exc:
+            log.error("rescan: %s", exc)  # the models already loaded keep serving
+            return
         targets = sorted(set(self._models) - self._unloaded) if only_loaded else sorted(names)
         for name in targets:
             if name not in names:

@@ -95,9 +95,10 @@ class _Slot:
 
     def read(self, result: protocol.Result) -> tuple[OutputTensor, ...]:
         if result.inline:
+            # Grown for next time; while shared memory is short, big results stay inline.
             _, needed = layout(ref.nbytes for ref in result.outputs)
-            self.output.release()
-            self.output = Segment(needed)
+            with contextlib.suppress(errors.ServiceError):
+                self.output = grown(self.output, needed)
             return tuple(
                 OutputTensor(r.name, r.dtype, r.shape, result.inline[r.name])
                 for r in result.outputs
