@@ -413,6 +413,7 @@ class ModelManager:
             try:
                 model = self.repository.load(name)
             except (RepositoryError, OSError) as exc:
+                self._repository_failed(name, str(exc))
                 raise errors.internal(f"model '{name}' cannot be loaded: {exc}") from exc
             current = self._models.get(name, {}) if name not in self._unloaded else {}
             result: dict[int, ServedVersion] = {}
@@ -471,6 +472,23 @@ class ModelManager:
                     if first.refused
                     else errors.internal(message)
                 )
+
+    def _repository_failed(self, name: str, reason: str) -> None:
+        """A reload that cannot read the model: what serves keeps serving, with the reason;
+        a model with nothing serving is UNAVAILABLE with it."""
+        serving = [
+            v
+            for v in self._models.get(name, {}).values()
+            if v.state is VersionState.READY and name not in self._unloaded
+        ]
+        for version in serving:
+            version.reason = f"kept serving: a reload failed: {reason}"
+        if not serving:
+            self._models.pop(name, None)
+            self._unloaded.discard(name)
+            self._failed[name] = reason
+        self._load_failed(name, "repository")
+        self._on_change()
 
     async def unload_model(self, name: str) -> None:
         """Stop serving a model: new requests are refused at once; what its versions hold

@@ -51,18 +51,22 @@ def add_mlp_copy(root: Path, name: str, parameters: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("watchdog")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    models = tmp_path_factory.mktemp("watchdog") / "models"
     add_mlp_copy(
-        root / "models",
+        models,
         "mlp",
         parameter("execution_timeout_ms", str(EXECUTION_TIMEOUT_MS))
         + parameter("testing_crash_on", str(POISON)),
     )
-    add_mlp_copy(root / "models", "broken", parameter("cpu_math_threads", "abc"))
-    with running_server(
-        root / "models", root / "server.log", ["--testing-service"], wait=False
-    ) as process:
+    add_mlp_copy(models, "broken", parameter("cpu_math_threads", "abc"))
+    return models
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path) -> Iterator[ServerProcess]:
+    log = repository.parent / "server.log"
+    with running_server(repository, log, ["--testing-service"], wait=False) as process:
         process.wait_loaded()
         yield process
 
@@ -97,6 +101,28 @@ def test_a_model_with_a_bad_parameter_is_unavailable_and_the_rest_serves(
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "cpu_math_threads" in (refused.value.details() or "")
     inputs = example_inputs("mlp", seed=1)
+    assert_matches_reference("mlp", inputs, infer(server, inputs))
+
+
+def test_a_model_with_a_bad_parameter_found_on_rescan_is_unavailable(
+    server: ServerProcess, repository: Path
+) -> None:
+    add_mlp_copy(repository, "late", parameter("execution_timeout_ms", "soon"))
+    server.process.send_signal(signal.SIGHUP)
+    late = wait_for(
+        "the rescan to report the new model",
+        lambda: next(
+            (
+                m
+                for m in server.stub.RepositoryIndex(pb.RepositoryIndexRequest()).models
+                if m.name == "late"
+            ),
+            None,
+        ),
+    )
+    assert late.state == "UNAVAILABLE"
+    assert "parameter execution_timeout_ms must be an integer, not 'soon'" in late.reason
+    inputs = example_inputs("mlp", seed=2)
     assert_matches_reference("mlp", inputs, infer(server, inputs))
 
 
