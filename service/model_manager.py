@@ -21,6 +21,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import errors
 from service.batching.batcher import Answer, DynamicBatcher, policy_from_config
+from service.model_parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.repository import (
     ModelFiles,
     ModelRepository,
@@ -54,6 +55,10 @@ from service.workers.protocol import Timings
 log = logging.getLogger("paddlequic.models")
 WARM_UP_TIMEOUT_S = 120.0
 RETIRE_TIMEOUT_S = 60.0
+# The watchdog's default limit per batch, where config.pbtxt sets no execution_timeout_ms:
+# generous, so only a hung or stopped worker is killed, never a slow batch.
+MIN_EXECUTION_TIMEOUT_S = 30.0
+WARM_UP_MULTIPLE = 20
 
 
 class VersionState(enum.Enum):
@@ -127,6 +132,8 @@ class ModelManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tried: dict[tuple[str, int], tuple[tuple[str, int, int], ...]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
+        # --testing-service: honour test-only model parameters (a worker that crashes on cue).
+        self.testing = False
 
     async def load_all(self, only: Sequence[str] | None = None) -> None:
         """Read every model (or those in `only`), place all their instances in one pass, then
@@ -137,27 +144,36 @@ class ModelManager:
                 "model repository %s holds no models; export the examples with `make models`",
                 self.repository.root,
             )
-        models = []
+        models, requests, prints = [], {}, {}
         for name in names:
+            # Whatever goes wrong with one model (bad files, an I/O error, a bad parameter)
+            # fails that model with a reason; it never stops the server.
             try:
-                models.append(self.repository.load(name))
-            except RepositoryError as exc:
+                model = self.repository.load(name)
+                model_requests = {
+                    _key(name, f.version): instance_requests(
+                        _key(name, f.version), model.config, self.topology
+                    )
+                    for f in model.versions
+                }
+                prints[name] = {f.version: fingerprint(f.path) for f in model.versions}
+            except (RepositoryError, OSError, ValueError) as exc:
                 self._failed[name] = str(exc)
                 log.error("model %s not loaded: %s", name, exc)
                 self._load_failed(name, "repository")
-        requests = {
-            _key(m.name, f.version): instance_requests(
-                _key(m.name, f.version), m.config, self.topology
-            )
-            for m in models
-            for f in m.versions
-        }
-        placements, unplaced = place_all(requests, self.topology)
+                continue
+            models.append(model)
+            requests.update(model_requests)
+        try:
+            placements, unplaced = place_all(requests, self.topology)
+        except Exception as exc:  # a bug in placement must not take the other models down
+            log.exception("placement failed")
+            placements, unplaced = {}, {key: f"placement failed: {exc}" for key in requests}
         loads = []
         for model in models:
             versions = {
                 f.version: ServedVersion(
-                    model.name, f.version, model.config, fingerprint=fingerprint(f.path)
+                    model.name, f.version, model.config, fingerprint=prints[model.name][f.version]
                 )
                 for f in model.versions
             }
@@ -174,11 +190,26 @@ class ModelManager:
                     )
                     self._load_failed(model.name, "placement")
                     continue
-                loads.append(self._load_version(served, files, placements[key]))
+                loads.append(self._load_and_warm_up(served, files, placements[key]))
         self._on_change()
         await asyncio.gather(*loads)
         self.loading_done = True
         self._on_change()
+
+    async def _load_and_warm_up(
+        self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
+    ) -> None:
+        """Load and warm up one version; any failure leaves it UNAVAILABLE with the reason."""
+        try:
+            await self._load_version(served, files, placements)
+            if served.state is VersionState.READY:
+                await self._warm_up(served)
+        except Exception as exc:
+            log.exception("model %s version %d failed to load", served.name, served.version)
+            served.state, served.reason = VersionState.UNAVAILABLE, f"loading failed: {exc}"
+            self._load_failed(served.name, "load")
+            await asyncio.gather(*(i.stop() for i in served.instances), return_exceptions=True)
+            self._on_change()
 
     async def _load_version(
         self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
@@ -197,7 +228,10 @@ class ModelManager:
                 self._load_failed(served.name, "signature")
                 self._on_change()
                 return
-        params = {k: v.string_value for k, v in config.parameters.items()}
+        params = string_parameters(config)
+        if not self.testing:
+            params.pop(TESTING_CRASH_ON, None)
+        limits = check_parameters(config)
         served.local_numa = frontend_numa_node(self.topology)
         simulated = self.topology.simulated
         served.instances = [
@@ -211,6 +245,7 @@ class ModelManager:
                     env=worker_environment(p, params, p.device == "cpu" or simulated),
                     numa_node=p.numa_node,
                     label=_device_label(p, self.topology.simulated),
+                    execution_timeout_s=limits.execution_timeout_s,
                 )
             )
             for p in placements
@@ -228,9 +263,10 @@ class ModelManager:
             served.config = complete_config(config, loaded.inputs, loaded.outputs)
             served.validator = RequestValidator(served.config)
             served.batcher = DynamicBatcher(
-                policy_from_config(served.config),
-                lambda job, requests: self._run_batch(served, job, requests),
+                policy_from_config(served.config, len(served.instances)),
+                lambda job, requests, deadline: self._run_batch(served, job, requests, deadline),
                 served.capacity,
+                f"model '{served.name}' version {served.version}",
             )
         except RepositoryError as exc:
             served.state, served.reason = VersionState.UNAVAILABLE, str(exc)
@@ -336,7 +372,11 @@ class ModelManager:
         return answer
 
     async def _run_batch(
-        self, served: ServedVersion, job: InferJob, requests: Sequence[SpanContext]
+        self,
+        served: ServedVersion,
+        job: InferJob,
+        requests: Sequence[SpanContext],
+        deadline: float | None,
     ) -> InferResult:
         rows = max(job.batch_size, 1)
         with (
@@ -344,7 +384,7 @@ class ModelManager:
             if self.observer is not None
             else contextlib.nullcontext()
         ):
-            result = await served.pick_instance().infer(job, None)
+            result = await served.pick_instance().infer(job, deadline)
         served.stats.record_batch(max(job.batch_size, 1), result.timings)
         if self.observer is not None:
             self.observer.on_batch(served.name, max(job.batch_size, 1), result.timings)
@@ -372,14 +412,20 @@ class ModelManager:
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
                 model = self.repository.load(name)
-            except RepositoryError as exc:
+            except (RepositoryError, OSError) as exc:
+                self._repository_failed(name, str(exc))
                 raise errors.internal(f"model '{name}' cannot be loaded: {exc}") from exc
             current = self._models.get(name, {}) if name not in self._unloaded else {}
             result: dict[int, ServedVersion] = {}
             failures: list[ServedVersion] = []
             for files in model.versions:
                 old = current.get(files.version)
-                prints = await asyncio.to_thread(fingerprint, files.path)
+                try:
+                    prints = await asyncio.to_thread(fingerprint, files.path)
+                except OSError as exc:
+                    raise errors.internal(
+                        f"model '{name}' version {files.version} cannot be read: {exc}"
+                    ) from exc
                 unchanged = old is not None and old.fingerprint == prints
                 if unchanged and old is not None and old.state is VersionState.READY:
                     result[files.version] = old
@@ -427,6 +473,23 @@ class ModelManager:
                     else errors.internal(message)
                 )
 
+    def _repository_failed(self, name: str, reason: str) -> None:
+        """A reload that cannot read the model: what serves keeps serving, with the reason;
+        a model with nothing serving is UNAVAILABLE with it."""
+        serving = [
+            v
+            for v in self._models.get(name, {}).values()
+            if v.state is VersionState.READY and name not in self._unloaded
+        ]
+        for version in serving:
+            version.reason = f"kept serving: a reload failed: {reason}"
+        if not serving:
+            self._models.pop(name, None)
+            self._unloaded.discard(name)
+            self._failed[name] = reason
+        self._load_failed(name, "repository")
+        self._on_change()
+
     async def unload_model(self, name: str) -> None:
         """Stop serving a model: new requests are refused at once; what its versions hold
         finishes; then their workers exit."""
@@ -441,7 +504,11 @@ class ModelManager:
 
     async def rescan(self, unload_missing: bool, only_loaded: bool) -> None:
         """Pick up what changed in the repository (SIGHUP, polling)."""
-        names = set(self.repository.model_names())
+        try:
+            names = set(self.repository.model_names())
+        except (RepositoryError, OSError) as exc:
+            log.error("rescan: %s", exc)  # the models already loaded keep serving
+            return
         targets = sorted(set(self._models) - self._unloaded) if only_loaded else sorted(names)
         for name in targets:
             if name not in names:
@@ -456,26 +523,34 @@ class ModelManager:
 
     async def _start_version(self, served: ServedVersion, files: ModelFiles) -> None:
         key = _key(served.name, served.version)
-        placements, unplaced = place_all(
-            {key: instance_requests(key, served.config, self.topology)}, self.topology
-        )
+        try:
+            placements, unplaced = place_all(
+                {key: instance_requests(key, served.config, self.topology)}, self.topology
+            )
+        except Exception as exc:  # a bug in placement must not take the other models down
+            log.exception("placement of %s failed", key)
+            placements, unplaced = {}, {key: f"placement failed: {exc}"}
         if key in unplaced:
             served.state, served.reason = VersionState.UNAVAILABLE, unplaced[key]
             return
-        await self._load_version(served, files, placements[key])
-        if served.state is VersionState.READY:
-            await self._warm_up(served)
+        await self._load_and_warm_up(served, files, placements[key])
 
     async def _warm_up(self, served: ServedVersion) -> None:
-        """One inference per declared input shape before the version takes traffic."""
+        """One inference per declared input shape before the version takes traffic; its time
+        sets the watchdog's limit where config.pbtxt sets none."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            deadline = asyncio.get_running_loop().time() + WARM_UP_TIMEOUT_S
-            await self.infer(served, warm_up_request(served.config), deadline)
+            await self.infer(served, warm_up_request(served.config), started + WARM_UP_TIMEOUT_S)
         except errors.ServiceError as exc:
             served.state, served.reason = VersionState.UNAVAILABLE, f"warm-up failed: {exc.message}"
             await self._retire(served, served.reason)
             served.state = VersionState.UNAVAILABLE
             return
+        timeout_s = max(MIN_EXECUTION_TIMEOUT_S, WARM_UP_MULTIPLE * (loop.time() - started))
+        for instance in served.instances:
+            if instance.execution_timeout_s is None:
+                instance.execution_timeout_s = timeout_s
         served.stats = ModelStats()
 
     def _retire_soon(self, served: ServedVersion, why: str) -> None:

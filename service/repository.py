@@ -15,6 +15,7 @@ from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
+from service.model_parameters import ParameterError, check_parameters
 from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_name
 
 PLATFORM = "paddle_inference"
@@ -121,6 +122,10 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
     config.platform = PLATFORM
     if config.max_batch_size < 0:
         raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
+    try:
+        check_parameters(config)
+    except ParameterError as exc:
+        raise RepositoryError(f"{config_file}: {exc}") from None
     return config
 
 

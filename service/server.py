@@ -114,6 +114,7 @@ async def serve(settings: ServerSettings) -> None:
         settings.trace_sample_ratio,
     )
     models.observer = observer
+    models.testing = settings.testing_service
     metrics_server = (
         metrics.serve(settings.metrics_host, settings.metrics_port) if metrics else None
     )

@@ -15,7 +15,12 @@ import numpy as np
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.errors import invalid
+from service.model_parameters import check_parameters
 from service.tensors import BY_CONFIG_TYPE, Datatype
+
+# Where config.pbtxt sets no max_input_elements: an input with variable non-batch dimensions
+# may hold this many elements per batch row (a fixed-shape input is bounded by its shape).
+DEFAULT_ELEMENTS_PER_ROW = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,19 @@ class InferJob:
 class _Declared:
     datatype: Datatype
     dims: tuple[int, ...]  # without the batch dimension when the model batches
+    max_elements: int | None  # per request; None: the fixed dims bound it
+
+
+def element_limit(config: mc.ModelConfig, dims: tuple[int, ...]) -> int | None:
+    """The most elements one request may send for an input: config.pbtxt's
+    max_input_elements, else DEFAULT_ELEMENTS_PER_ROW per batch row for an input with variable
+    dimensions, so one long sequence cannot exhaust a worker's memory."""
+    configured = check_parameters(config).max_input_elements  # checked when the model was read
+    if configured is not None:
+        return configured
+    if -1 in dims:
+        return max(config.max_batch_size, 1) * DEFAULT_ELEMENTS_PER_ROW
+    return None
 
 
 class RequestValidator:
@@ -46,7 +64,10 @@ class RequestValidator:
         self.model = config.name
         self.max_batch_size = config.max_batch_size
         self.inputs = {
-            i.name: _Declared(BY_CONFIG_TYPE[i.data_type], tuple(i.dims)) for i in config.input
+            i.name: _Declared(
+                BY_CONFIG_TYPE[i.data_type], tuple(i.dims), element_limit(config, tuple(i.dims))
+            )
+            for i in config.input
         }
         self.outputs = tuple(o.name for o in config.output)
 
@@ -110,6 +131,12 @@ class RequestValidator:
             raise invalid(
                 f"input '{name}': batch size {shape[0]} exceeds max_batch_size "
                 f"{self.max_batch_size} of model '{self.model}'"
+            )
+        limit = declared.max_elements
+        if limit is not None and math.prod(shape) > limit:
+            raise invalid(
+                f"input '{name}': shape {list(shape)} has {math.prod(shape)} elements, more than "
+                f"max_input_elements {limit} of model '{self.model}'"
             )
         return shape
 

@@ -1,6 +1,11 @@
 """The asyncio side of dynamic batching: one queue per model version, batches handed to the
 instances only while they have room (so requests accumulate into batches under load even with
-no queue delay), and every request answered exactly once."""
+no queue delay), and every request answered exactly once.
+
+Inference has no side effects, so a batch whose worker died is not a failure: its requests go
+back to the queue. One that was being computed in two batches whose workers both died is a
+suspected poison input: it fails with INTERNAL, and identical inputs fail at once for a while
+(poison.py), so one input cannot crash-loop a model while the other callers are served."""
 
 from __future__ import annotations
 
@@ -16,10 +21,16 @@ from opentelemetry.trace import SpanContext
 from protos.inference import model_config_pb2 as mc
 from service import errors
 from service.batching.assemble import join, split
-from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull
+from service.batching.poison import PoisonList
+from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.validation import InferJob
-from service.workers.instance import InferResult, OutputTensor
+from service.workers.instance import InferResult, OutputTensor, WorkerDied
 from service.workers.protocol import Timings
+
+CRASHES_TO_POISON = 2
+# A batch runs until its last request's deadline (or without one if any has none); each request
+# is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
+RunBatch = Callable[[InferJob, list[SpanContext], float | None], Awaitable[InferResult]]
 
 
 @dataclass(frozen=True)
@@ -34,10 +45,13 @@ class DynamicBatcher:
     def __init__(
         self,
         policy: BatchPolicy,
-        run_batch: Callable[[InferJob, list[SpanContext]], Awaitable[InferResult]],
+        run_batch: RunBatch,
         capacity: Callable[[], int],
+        name: str = "the model",
     ) -> None:
         self.policy = policy
+        self.name = name
+        self.poison = PoisonList()
         self._run_batch = run_batch
         self._capacity = capacity
         self._queue = BatchQueue(policy)
@@ -63,8 +77,11 @@ class DynamicBatcher:
         queue_timeout = self.policy.timeout_of(timeout_s)
         timeout_at = None if queue_timeout is None else now + queue_timeout
         limits = [t for t in (deadline, timeout_at) if t is not None]
+        if self.poison and self.poison.holds(job, now):
+            raise errors.internal(self._poison_message())
         future: asyncio.Future[Answer] = loop.create_future()
         pending = Pending(job, now, min(limits, default=None), self.policy.priority_of(priority))
+        pending.deadline = deadline
         pending.ticket = future
         pending.trace = trace.get_current_span().get_span_context()
         try:
@@ -75,7 +92,15 @@ class DynamicBatcher:
             self._loop_task = loop.create_task(self._schedule())
         self._wake.set()
         try:
-            return await future
+            if deadline is None:
+                return await future
+            return await asyncio.wait_for(future, max(deadline - now, 0.0))
+        except TimeoutError:
+            self._queue.remove(pending)
+            raise errors.deadline_exceeded(
+                f"the request's deadline passed after {loop.time() - now:.3f} s, before its "
+                "batch finished"
+            ) from None
         except asyncio.CancelledError:
             self._queue.remove(pending)
             raise
@@ -121,15 +146,13 @@ class DynamicBatcher:
     async def _run(self, batch: list[Pending]) -> None:
         """Run one batch and answer its requests; on failure raise, answering none."""
         started = asyncio.get_running_loop().time()
-        try:
-            result = await self._run_batch(
-                join([item.job for item in batch]), [item.trace for item in batch]
-            )
-            parts = split(result, [item.rows for item in batch])
-        except errors.ServiceError as exc:
-            if len(batch) == 1:
-                _fail(batch[0], exc)
-            raise
+        deadlines = [item.deadline for item in batch]
+        result = await self._run_batch(
+            join([item.job for item in batch]),
+            [item.trace for item in batch],
+            None if None in deadlines else max(d for d in deadlines if d is not None),
+        )
+        parts = split(result, [item.rows for item in batch])
         rows = sum(item.rows for item in batch)
         for item, outputs in zip(batch, parts, strict=True):
             waited = int((started - item.arrival) * 1e9) + result.queue_ns
@@ -137,24 +160,16 @@ class DynamicBatcher:
                 item.ticket.set_result(Answer(outputs, result.timings, waited, rows))
 
     async def _execute(self, batch: list[Pending]) -> None:
+        if self.poison:  # identical to an input found poisonous while it waited
+            now = asyncio.get_running_loop().time()
+            for item in batch:
+                if self.poison.holds(item.job, now):
+                    _fail(item, errors.internal(self._poison_message()))
         batch = [item for item in batch if not item.ticket.done()]
         self.in_flight_requests += len(batch)
         try:
-            if not batch:
-                return
-            try:
-                await self._run(batch)
-            except errors.ServiceError as exc:
-                if exc.code != grpc.StatusCode.INVALID_ARGUMENT or len(batch) == 1:
-                    raise
-                # One request's values failed the whole batch: run each alone, so only
-                # that request fails and the others are unaffected.
-                for item in batch:
-                    with contextlib.suppress(errors.ServiceError):
-                        await self._run([item])
-        except errors.ServiceError as exc:
-            for item in batch:
-                _fail(item, exc)
+            if batch:
+                await self._attempt(batch)
         except Exception as exc:
             for item in batch:
                 _fail(item, errors.internal(f"batch execution failed: {exc}"))
@@ -163,24 +178,63 @@ class DynamicBatcher:
             self.in_flight_requests -= len(batch)
             self._wake.set()
 
+    async def _attempt(self, batch: list[Pending]) -> None:
+        try:
+            await self._run(batch)
+        except WorkerDied as exc:
+            self._after_crash(batch, exc)
+        except errors.ServiceError as exc:
+            if exc.code != grpc.StatusCode.INVALID_ARGUMENT or len(batch) == 1:
+                for item in batch:
+                    _fail(item, exc)
+                return
+            # One request's values failed the whole batch: run each alone, so only
+            # that request fails and the others are unaffected.
+            for item in batch:
+                await self._attempt([item])
+
+    def _after_crash(self, batch: list[Pending], exc: WorkerDied) -> None:
+        """Queue the batch again; a request the worker was computing when it died twice is
+        suspected poison. A batch that was only waiting in the worker never ran: it goes back
+        as it was."""
+        now = asyncio.get_running_loop().time()
+        for item in batch:
+            if item.ticket.done():
+                continue
+            if exc.running:
+                item.crashes += 1
+                if item.crashes >= CRASHES_TO_POISON:
+                    self.poison.add(item.job, now)
+                    _fail(item, errors.internal(self._poison_message()))
+                    continue
+            self._queue.requeue(item, alone=exc.running)
+
+    def _poison_message(self) -> str:
+        return (
+            f"suspected poison input: the worker of {self.name} died {CRASHES_TO_POISON} times "
+            f"while computing this input; identical inputs are refused for "
+            f"{self.poison.ttl_s:.0f} s"
+        )
+
 
 def _fail(item: Pending, error: errors.ServiceError) -> None:
     if not item.ticket.done():
         item.ticket.set_exception(error)
 
 
-def policy_from_config(config: mc.ModelConfig) -> BatchPolicy:
+def policy_from_config(config: mc.ModelConfig, instances: int) -> BatchPolicy:
     """Triton's config: dynamic_batching present -> batch up to max_batch_size; absent -> every
-    request runs alone (still queued here, so the instances are never oversubscribed)."""
+    request runs alone (still queued here, so the instances are never oversubscribed). The
+    queue is always bounded: default_queue_policy.max_queue_size, else default_queue_size."""
     if not config.HasField("dynamic_batching") or config.max_batch_size == 0:
-        return BatchPolicy(max_batch_size=0)
+        return BatchPolicy(max_batch_size=0, max_queue_size=default_queue_size(1, instances))
     batching = config.dynamic_batching
     queue = batching.default_queue_policy
     return BatchPolicy(
         max_batch_size=config.max_batch_size,
         preferred_sizes=tuple(sorted(s for s in batching.preferred_batch_size if s > 0)),
         max_queue_delay_s=batching.max_queue_delay_microseconds / 1e6,
-        max_queue_size=queue.max_queue_size,
+        max_queue_size=queue.max_queue_size or default_queue_size(config.max_batch_size, instances),
         priority_levels=batching.priority_levels,
         default_priority=batching.default_priority_level,
         default_timeout_s=(

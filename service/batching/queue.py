@@ -5,6 +5,10 @@ Triton's rules: requests are taken in arrival order (higher priority first); onl
 non-batch shapes and requested outputs match share a batch; the largest preferred batch size that
 can be formed goes at once, as does a full batch; otherwise the batcher waits while the oldest
 request has waited less than max_queue_delay, then sends what it has.
+
+Requests whose batch was running when its worker died go back to the front of the queue (their
+original place), each to run alone: the one that crashed the worker is then found without
+crashing it once per request of the batch.
 """
 
 from __future__ import annotations
@@ -16,9 +20,20 @@ from typing import Any
 
 from service.validation import InferJob
 
+DEFAULT_MIN_QUEUE_SIZE = 64
+QUEUED_BATCHES_PER_INSTANCE = 8
+
 
 class QueueFull(Exception):
     pass
+
+
+def default_queue_size(max_batch_size: int, instances: int) -> int:
+    """The bound when config.pbtxt sets none: enough for several full batches per instance."""
+    return max(
+        DEFAULT_MIN_QUEUE_SIZE,
+        QUEUED_BATCHES_PER_INSTANCE * max(max_batch_size, 1) * max(instances, 1),
+    )
 
 
 @dataclass(frozen=True)
@@ -26,7 +41,7 @@ class BatchPolicy:
     max_batch_size: int  # 0: no batching, every request runs alone
     preferred_sizes: tuple[int, ...] = ()
     max_queue_delay_s: float = 0.0
-    max_queue_size: int = 0  # 0: unbounded
+    max_queue_size: int = 0  # 0: unbounded (policy_from_config always sets a bound)
     priority_levels: int = 0  # 0: one level
     default_priority: int = 0
     default_timeout_s: float | None = None
@@ -57,6 +72,9 @@ class Pending:
     arrival: float
     expires: float | None  # the request's queue timeout or deadline, whichever comes first
     priority: int = 1
+    deadline: float | None = None  # the caller's own; what is left after a crash
+    crashes: int = 0  # batches it was running in when their worker died
+    alone: bool = False  # runs in a batch of its own (set after a crash)
     bucket: Hashable = None
     ticket: Any = None  # what the driver needs to answer this request
     trace: Any = None  # the request's span context, for linking the batch span to it
@@ -86,6 +104,15 @@ class BatchQueue:
         self._pending.append(item)
         self._pending.sort(key=lambda p: (p.priority, p.order))
 
+    def requeue(self, item: Pending, alone: bool) -> None:
+        """Back in at its original place after its worker died (`alone`: to run in a batch of
+        its own), bounded by the caller's deadline only (its queue timeout was for the first
+        wait). Not counted against max_queue_size: it was admitted already."""
+        item.alone = item.alone or alone
+        item.expires = item.deadline
+        self._pending.append(item)
+        self._pending.sort(key=lambda p: (p.priority, p.order))
+
     def expire(self, now: float) -> list[Pending]:
         """Remove and return the requests whose time ran out: they never reach a worker."""
         expired = [p for p in self._pending if p.expires is not None and p.expires <= now]
@@ -103,12 +130,12 @@ class BatchQueue:
             return None
         head = self._pending[0]
         policy = self.policy
-        if policy.max_batch_size == 0:
+        if policy.max_batch_size == 0 or head.alone:
             return self._take([head])
         candidates, rows = [], 0
         full = False
         for item in self._pending:
-            if item.bucket != head.bucket:
+            if item.bucket != head.bucket or item.alone:
                 continue
             if rows + item.rows > policy.max_batch_size:
                 full = True

@@ -3,6 +3,11 @@
 The asyncio loop watches the worker's socket directly (no thread per worker). Tensor bytes go
 through a few shared-memory slots per worker, so the next request can be written while the
 worker computes the current one.
+
+A worker runs its requests one after the other, so the oldest one it holds is the one it is
+running. A watchdog gives that one `execution_timeout_s`; a worker still on it after that is
+hung (or stopped) and is killed, which ends like any other death: the requests it held fail
+with WorkerDied, which the batcher answers by queueing them again.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import grpc
 
 from service import errors
 from service.repository import ModelFiles
@@ -34,6 +41,15 @@ LOAD_TIMEOUT_S = 600.0
 READY_WAIT_S = 60.0
 _BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
 MAX_RESTART_DELAY_S = 30.0
+
+
+class WorkerDied(errors.ServiceError):
+    """The worker died (or was killed by the watchdog) holding this request. `running`: it was
+    the request being computed, not one waiting behind it in the worker."""
+
+    def __init__(self, message: str, running: bool) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.running = running
 
 
 class State(enum.Enum):
@@ -65,9 +81,7 @@ class _Slot:
 
     def write(self, job: InferJob) -> tuple[protocol.TensorRef, ...]:
         offsets, total = layout(len(t.data) for t in job.inputs)
-        if total > self.input.size:
-            self.input.release()
-            self.input = Segment(total)
+        self.input = grown(self.input, total)
         buf = self.input.buf
         refs = []
         for tensor, offset in zip(job.inputs, offsets, strict=True):
@@ -81,9 +95,10 @@ class _Slot:
 
     def read(self, result: protocol.Result) -> tuple[OutputTensor, ...]:
         if result.inline:
+            # Grown for next time; while shared memory is short, big results stay inline.
             _, needed = layout(ref.nbytes for ref in result.outputs)
-            self.output.release()
-            self.output = Segment(needed)
+            with contextlib.suppress(errors.ServiceError):
+                self.output = grown(self.output, needed)
             return tuple(
                 OutputTensor(r.name, r.dtype, r.shape, result.inline[r.name])
                 for r in result.outputs
@@ -97,6 +112,23 @@ class _Slot:
     def release(self) -> None:
         self.input.release()
         self.output.release()
+
+
+def grown(segment: Segment, size: int) -> Segment:
+    """`segment`, or a bigger one replacing it. When shared memory is exhausted the request
+    fails with RESOURCE_EXHAUSTED and `segment` stays in use, so the slot keeps working."""
+    if size <= segment.size:
+        return segment
+    try:
+        bigger = Segment(size)
+    except OSError as exc:
+        raise errors.ServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"no shared memory for a request of {size} bytes ({exc.strerror or exc}); "
+            "retry later or send less",
+        ) from None
+    segment.release()
+    return bigger
 
 
 @dataclass
@@ -118,6 +150,7 @@ class WorkerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     numa_node: int = -1
     label: str = "cpu"  # where placement put it, for people
+    execution_timeout_s: float | None = None  # the watchdog's limit per batch; None: none
 
 
 class WorkerInstance:
@@ -140,6 +173,11 @@ class WorkerInstance:
         self._restart_task: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._restart_delay = 0.0
+        self.execution_timeout_s = spec.execution_timeout_s
+        self._watched: int | None = None  # the request the watchdog times
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._killed_hung = False
+        self._answered = 0  # results since the worker (re)started
 
     @property
     def outstanding(self) -> int:
@@ -158,15 +196,9 @@ class WorkerInstance:
     async def infer(self, job: InferJob, deadline: float | None) -> InferResult:
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
-        if not self._ready.is_set():
-            try:
-                await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
-            except TimeoutError:
-                raise errors.unavailable(self._not_ready_message()) from None
-        slot = await _until(self._free.get(), deadline, "deadline exceeded waiting for a worker")
+        slot = await self._ready_slot(deadline)
         try:
-            if self.state is not State.READY or self._writer is None:
-                raise errors.unavailable(self._not_ready_message())
+            assert self._writer is not None
             refs = slot.write(job)
             request_id = next(self._ids)
             message = protocol.Infer(
@@ -175,6 +207,7 @@ class WorkerInstance:
             future: asyncio.Future[InferResult] = loop.create_future()
             self._pending[request_id] = _Pending(future, slot, time.perf_counter_ns() - started)
             self._writer.write(protocol.encode(message))
+            self._watch_oldest()
         except BaseException:
             self._free.put_nowait(slot)
             raise
@@ -185,6 +218,24 @@ class WorkerInstance:
         finally:
             if not future.done():
                 future.cancel()
+
+    async def _ready_slot(self, deadline: float | None) -> _Slot:
+        """A free slot of a ready worker; a worker that dies meanwhile is waited for again
+        (bounded), so a request never fails just for arriving during a restart."""
+        while True:
+            if self.state is State.STOPPED:
+                raise errors.unavailable(self._not_ready_message())
+            if not self._ready.is_set():
+                try:
+                    await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+                except TimeoutError:
+                    raise errors.unavailable(self._not_ready_message()) from None
+            slot = await _until(
+                self._free.get(), deadline, "deadline exceeded waiting for a worker"
+            )
+            if self.state is State.READY and self._writer is not None:
+                return slot
+            self._free.put_nowait(slot)
 
     async def stop(self) -> None:
         self.state = State.STOPPED
@@ -205,7 +256,7 @@ class WorkerInstance:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
-        self._fail_pending("the server is shutting down")
+        self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
         for slot in self._slots:
             slot.release()
 
@@ -234,6 +285,8 @@ class WorkerInstance:
             child.close()
         self.pid = self._process.pid
         self._started_at = time.monotonic()
+        self._answered = 0
+        self._killed_hung = False
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         self._writer = writer
         files = self.spec.files
@@ -288,6 +341,8 @@ class WorkerInstance:
         pending = self._pending.pop(message.request_id, None)
         if pending is None:
             return
+        self._answered += 1
+        self._watch_oldest()
         try:
             if isinstance(message, protocol.Failed):
                 # Paddle's InvalidArgument/OutOfRange errors are about the request's values
@@ -307,28 +362,65 @@ class WorkerInstance:
         else:
             pending.future.set_result(outcome)
 
+    def _watch_oldest(self) -> None:
+        """Time the request the worker is running now: the oldest it holds."""
+        oldest = next(iter(self._pending), None)
+        if oldest == self._watched:
+            return
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self._watched = oldest
+        if oldest is not None and self.execution_timeout_s is not None:
+            self._watchdog = asyncio.get_running_loop().call_later(
+                self.execution_timeout_s, self._kill_hung, oldest
+            )
+
+    def _kill_hung(self, request_id: int) -> None:
+        self._watchdog = None
+        process = self._process
+        if request_id not in self._pending or process is None or process.returncode is not None:
+            return
+        log.error(
+            "worker %s (pid %d) has run one batch for more than %.1f s (execution_timeout_ms); "
+            "killing it",
+            self.spec.instance_name,
+            self.pid,
+            self.execution_timeout_s,
+        )
+        self._killed_hung = True
+        process.kill()
+
     async def _on_death(self) -> None:
         self.state = State.RESTARTING
         self._ready.clear()
         self._writer = None
         code = await self._process.wait() if self._process else None
-        how = (
-            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
-        )
+        if self._killed_hung:
+            how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s"
+        elif code is not None and code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited ({code})"
         log.error(
-            "worker %s (pid %d) %s; failing %d in-flight request(s) and restarting",
+            "worker %s (pid %d) %s; %d request(s) in it go back to the queue; restarting",
             self.spec.instance_name,
             self.pid,
             how,
             len(self._pending),
         )
-        self._fail_pending(
-            f"the worker process for model '{self.spec.model_name}' {how} while running this "
+        message = (
+            f"the worker process for model '{self.spec.model_name}' {how} while holding this "
             "request; it is being restarted"
         )
+        self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+        # Back off only for a worker that keeps dying young without answering anything (a
+        # crash loop); one that was serving comes back at once.
         lived = time.monotonic() - self._started_at
         self._restart_delay = (
-            0.0 if lived > MAX_RESTART_DELAY_S else min(max(1.0, self._restart_delay * 2), 30.0)
+            0.0
+            if lived > MAX_RESTART_DELAY_S or self._answered
+            else min(max(1.0, self._restart_delay * 2), MAX_RESTART_DELAY_S)
         )
         self._restart_task = asyncio.create_task(self._restart())
 
@@ -344,12 +436,15 @@ class WorkerInstance:
             self.restarts += 1
             log.info("worker %s restarted (pid %d)", self.spec.instance_name, self.pid)
 
-    def _fail_pending(self, message: str) -> None:
+    def _fail_pending(self, error: Callable[[int], errors.ServiceError]) -> None:
+        """Fail what the worker held; `error` gets each request's place in the worker's line
+        (0: the one it was running)."""
         pending, self._pending = self._pending, {}
-        for entry in pending.values():
+        self._watch_oldest()
+        for index, entry in enumerate(pending.values()):
             self._free.put_nowait(entry.slot)
             if not entry.future.done():
-                entry.future.set_exception(errors.unavailable(message))
+                entry.future.set_exception(error(index))
 
 
 async def _read_message(reader: asyncio.StreamReader) -> protocol.Message | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from service.model_parameters import TESTING_CRASH_ON
 from service.scheduling.cpulist import parse_cpulist
 from service.workers import protocol
 from service.workers.protocol import CPU_AFFINITY_ENV
@@ -41,12 +42,16 @@ def _recv(sock: socket.socket) -> protocol.Message | None:
     return None if body is None else protocol.decode(body)
 
 
-def _infer(model: Any, maps: MappingCache, msg: protocol.Infer) -> protocol.Result:
+def _infer(
+    model: Any, maps: MappingCache, msg: protocol.Infer, crash_on: float | None
+) -> protocol.Result:
     in_map = maps.get(msg.input_segment)
     inputs = {
         ref.name: np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=in_map, offset=ref.offset)
         for ref in msg.inputs
     }
+    if crash_on is not None and any((a == crash_on).any() for a in inputs.values()):
+        os.abort()  # test-only (--testing-service): stands in for a crash inside Paddle
     arrays, timings = model.run(inputs, msg.outputs)
     offsets, total = layout(a.nbytes for a in arrays.values())
     if total > msg.output_capacity:
@@ -79,6 +84,9 @@ def serve(sock: socket.socket) -> int:
         return 1
     sock.sendall(protocol.encode(protocol.Loaded(model.inputs, model.outputs, model.device)))
     maps = MappingCache()
+    # The front-end passes this parameter on only when it runs with --testing-service.
+    crash_text = load.parameters.get(TESTING_CRASH_ON)
+    crash_on = None if crash_text is None else float(crash_text)
     while True:
         msg = _recv(sock)
         if msg is None or isinstance(msg, protocol.Shutdown):
@@ -87,7 +95,7 @@ def serve(sock: socket.socket) -> int:
             continue
         reply: protocol.Message
         try:
-            reply = _infer(model, maps, msg)
+            reply = _infer(model, maps, msg, crash_on)
         except Exception as exc:
             reply = protocol.Failed(msg.request_id, _reason(exc))
         sock.sendall(protocol.encode(reply))

@@ -30,7 +30,11 @@ def layout(sizes: Iterable[int]) -> tuple[list[int], int]:
 
 
 class Segment:
-    """A front-end owned segment, replaced by a bigger one when a request does not fit."""
+    """A front-end owned segment, replaced by a bigger one when a request does not fit.
+
+    Its memory is reserved when it is made: a segment only sized (ftruncate) would be sparse,
+    and touching a page that /dev/shm has no room for kills the process with SIGBUS. Reserving
+    turns a full /dev/shm into an OSError (ENOSPC) here instead."""
 
     def __init__(self, size: int) -> None:
         size = max(MIN_SEGMENT, size)
@@ -39,6 +43,15 @@ class Segment:
         )
         self.name = self._shm.name
         self.size = size
+        try:
+            fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.release()
+            raise
 
     @property
     def buf(self) -> memoryview:

@@ -1,5 +1,5 @@
-"""A worker process that dies mid-request: its request fails with UNAVAILABLE, everything else
-goes on, and the instance comes back (DESIGN.md section 3, "Why worker processes").
+"""A worker process that dies mid-request: its request runs again in the restarted worker,
+everything else goes on, and the instance comes back.
 
 Starts its own server: killing workers of the shared one would disturb other tests.
 """
@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import grpc
 import numpy as np
 
 from clients.inference_client import build_request
@@ -42,7 +41,7 @@ def only_instance(server: ServerProcess, model: str) -> control_pb2.Instance:
     return instance
 
 
-def test_killed_worker_fails_its_request_and_comes_back(tmp_path: Path) -> None:
+def test_killed_worker_comes_back_and_its_request_runs_again(tmp_path: Path) -> None:
     repository = model_repository(tmp_path / "models", ["mlp", "resnet18"])
     with running_server(repository, tmp_path / "server.log") as server:
         check_kill_and_restart(server)
@@ -71,21 +70,12 @@ def check_kill_and_restart(server: ServerProcess) -> None:
         build_request("resnet18", follower_inputs), timeout=RPC_TIMEOUT_S
     )
 
-    error = slow.exception(timeout=RPC_TIMEOUT_S)
-    assert isinstance(error, grpc.Call), f"the request in the killed worker succeeded: {slow}"
-    details = error.details() or ""
-    assert error.code() == grpc.StatusCode.UNAVAILABLE, details
-    assert "worker process for model 'resnet18'" in details
-    assert "killed by signal 9" in details
-    assert "restarted" in details
-
     # Once the front-end has seen the death, other models keep answering meanwhile.
     wait_for(
         "the front-end to notice the dead worker",
         lambda: True if only_instance(server, "resnet18").state != "READY" else None,
     )
-    # A resnet18 request sent while the instance restarts waits for it (DESIGN.md: nothing
-    # but the in-flight batch is lost).
+    # A resnet18 request sent while the instance restarts waits for it.
     waiter_inputs = example_inputs("resnet18", seed=6)
     waiter = server.stub.ModelInfer.future(
         build_request("resnet18", waiter_inputs), timeout=RPC_TIMEOUT_S
@@ -105,14 +95,10 @@ def check_kill_and_restart(server: ServerProcess) -> None:
     )
     assert after.restarts == 1
 
-    # Sent before the restart finished: it waits for the new worker or fails cleanly, but
-    # never hangs and never answers with somebody else's data.
-    outcome = follower.exception(timeout=RPC_TIMEOUT_S)
-    if outcome is None:
-        assert_matches_reference("resnet18", follower_inputs, follower.result())
-    else:
-        assert isinstance(outcome, grpc.Call)
-        assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
+    # The request the killed worker held ran again in the new one (inference has no side
+    # effects); the one sent before the restart finished waited for it.
+    assert_matches_reference("resnet18", slow_inputs, slow.result(timeout=RPC_TIMEOUT_S))
+    assert_matches_reference("resnet18", follower_inputs, follower.result(timeout=RPC_TIMEOUT_S))
 
     assert_matches_reference("resnet18", waiter_inputs, waiter.result(timeout=RPC_TIMEOUT_S))
     for seed in (21, 22):
@@ -125,5 +111,6 @@ def check_kill_and_restart(server: ServerProcess) -> None:
     assert (final.pid, final.restarts, final.outstanding) == (after.pid, 1, 0)
     assert only_instance(server, "mlp").restarts == 0
     log = server.log_text()
-    assert f"(pid {before.pid}) was killed by signal 9" in log
+    assert f"(pid {before.pid}) was killed by signal 9;" in log
+    assert "request(s) in it go back to the queue" in log
     assert f"restarted (pid {after.pid})" in log

@@ -7,14 +7,17 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
+from protos.inference import model_config_pb2 as mc
 from service import errors
 from service.batching.assemble import join, split
-from service.batching.batcher import DynamicBatcher
-from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull
+from service.batching.batcher import DynamicBatcher, policy_from_config
+from service.batching.poison import PoisonList, fingerprint
+from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.tensors import BY_NAME
 from service.validation import InferJob, InputTensor
-from service.workers.instance import InferResult, OutputTensor
+from service.workers.instance import InferResult, OutputTensor, WorkerDied
 from service.workers.protocol import Timings
 
 
@@ -175,13 +178,23 @@ class _Executor:
         self.batches: list[InferJob] = []
         self.release = asyncio.Event()
         self.fail_with: errors.ServiceError | None = None
+        self.fail_once: list[errors.ServiceError] = []
+        self.crash_on: float | None = None  # like a worker that dies on this value
+        self.deadlines: list[float | None] = []
 
-    async def __call__(self, batch: InferJob, requests: object = ()) -> InferResult:
+    async def __call__(
+        self, batch: InferJob, requests: object = (), deadline: float | None = None
+    ) -> InferResult:
         self.batches.append(batch)
+        self.deadlines.append(deadline)
         await self.release.wait()
         if self.fail_with is not None:
             raise self.fail_with
+        if self.fail_once:
+            raise self.fail_once.pop()
         rows = np.frombuffer(batch.inputs[0].data, np.float32).reshape(batch.batch_size, -1)
+        if self.crash_on is not None and (rows == self.crash_on).any():
+            raise WorkerDied("the worker process was killed by signal 6", running=True)
         if (rows < 0).any():  # like Paddle on an out-of-range embedding id
             raise errors.invalid("InvalidArgumentError: value out of range")
         data = rows.sum(axis=1, keepdims=True).astype(np.float32)
@@ -281,3 +294,129 @@ def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> None:
         await batcher.stop()
 
     asyncio.run(scenario())
+
+
+def test_requests_queued_again_keep_their_place_and_run_alone() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8, max_queue_size=2))
+    first, second = pending(0.0, expires=5.0), pending(0.1)
+    first.deadline = 30.0
+    for item in (first, second):
+        queue.push(item)
+    crashed = queue.next_batch(0.1)
+    assert crashed == [first, second]
+    queue.push(pending(0.2))  # arrived while the batch ran
+    for item in (first, second):
+        queue.requeue(item, alone=True)  # over max_queue_size: they were admitted already
+    assert first.expires == 30.0  # the queue timeout was for the first wait; the deadline holds
+    assert queue.next_batch(0.3) == [first]
+    assert queue.next_batch(0.3) == [second]
+    assert sizes(queue.next_batch(0.3)) == [1]
+
+
+def test_requests_that_only_waited_behind_a_crash_batch_as_before() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=8))
+    items = [pending(t) for t in (0.0, 0.1)]
+    for item in items:
+        queue.requeue(item, alone=False)
+    assert queue.next_batch(0.2) == items
+
+
+def test_queues_are_bounded_by_default() -> None:
+    assert default_queue_size(max_batch_size=64, instances=2) == 8 * 64 * 2
+    assert default_queue_size(max_batch_size=1, instances=1) == 64
+    assert default_queue_size(max_batch_size=0, instances=1) == 64
+    batching = text_format.Parse(
+        "max_batch_size: 16 dynamic_batching { }", mc.ModelConfig(name="m")
+    )
+    assert policy_from_config(batching, 3).max_queue_size == 8 * 16 * 3
+    batching.dynamic_batching.default_queue_policy.max_queue_size = 5
+    assert policy_from_config(batching, 3).max_queue_size == 5
+    unbatched = mc.ModelConfig(name="m", max_batch_size=0)
+    assert policy_from_config(unbatched, 1).max_queue_size == 64
+
+
+def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        executor.crash_on = 13.0
+        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1, "model 'm'")
+        busy = asyncio.create_task(batcher.submit(job(fill=1), None))
+        await asyncio.sleep(0)
+        batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in (2, 13, 3)]
+        executor.release.set()
+        await busy
+        results = await asyncio.gather(*batch, return_exceptions=True)
+        poison = results[1]
+        assert isinstance(poison, errors.ServiceError), poison
+        assert poison.code == grpc.StatusCode.INTERNAL
+        assert "suspected poison input" in poison.message and "model 'm'" in poison.message
+        good = [results[0], results[2]]
+        assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
+        # The batch of three crashed once; alone, only the poison input crashed again.
+        assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
+        with pytest.raises(errors.ServiceError) as again:
+            await batcher.submit(job(fill=13), None)
+        assert again.value.code == grpc.StatusCode.INTERNAL
+        assert again.value.message == poison.message
+        assert len(executor.batches) == 5  # refused without reaching a worker
+        other = await batcher.submit(job(fill=5), None)  # everyone else is still served
+        assert np.frombuffer(other.outputs[0].data, np.float32)[0] == 20
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_requests_waiting_behind_a_crash_run_again_without_a_strike() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+        executor.fail_once = [
+            WorkerDied("died", running=False),
+            WorkerDied("died", running=False),
+        ]
+        executor.release.set()
+        answer = await batcher.submit(job(fill=4), None)
+        assert np.frombuffer(answer.outputs[0].data, np.float32)[0] == 16
+        assert len(executor.batches) == 3
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_deadline_ends_its_request_not_its_batch() -> None:
+    async def scenario() -> None:
+        executor = _Executor()
+        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+        loop = asyncio.get_running_loop()
+        short = asyncio.create_task(batcher.submit(job(fill=1), loop.time() + 0.01))
+        far = loop.time() + 60
+        long = asyncio.create_task(batcher.submit(job(fill=2), far))
+        with pytest.raises(errors.ServiceError) as expired:
+            await short
+        assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        executor.release.set()
+        assert np.frombuffer((await long).outputs[0].data, np.float32)[0] == 8
+        # One batch held both; it ran until its last deadline.
+        assert [b.batch_size for b in executor.batches] == [2]
+        assert executor.deadlines == [far]
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_poison_list_matches_identical_inputs_only_and_forgets() -> None:
+    poison = PoisonList(ttl_s=10.0, max_entries=2)
+    assert not poison
+    poison.add(job(fill=13), now=0.0)
+    assert poison.holds(job(fill=13), now=9.9)
+    assert not poison.holds(job(fill=13, width=5), now=1.0)  # another shape
+    assert not poison.holds(job(fill=12), now=1.0)  # other bytes
+    assert not poison.holds(job(fill=13, outputs=("z",)), now=1.0)  # other outputs
+    assert fingerprint(job(fill=13)) == fingerprint(job(fill=13))
+    assert not poison.holds(job(fill=13), now=10.0)  # expired
+    assert not poison
+    for fill, at in ((1, 0.0), (2, 1.0), (3, 2.0)):
+        poison.add(job(fill=fill), now=at)
+    assert len(poison) == 2  # bounded: the oldest went first
+    assert not poison.holds(job(fill=1), now=3.0)
+    assert poison.holds(job(fill=2), now=3.0) and poison.holds(job(fill=3), now=3.0)

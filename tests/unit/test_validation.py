@@ -23,7 +23,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.errors import ServiceError
 from service.tensors import BY_CONFIG_TYPE, BY_NAME, DATATYPES, Datatype
-from service.validation import InferJob, RequestValidator
+from service.validation import DEFAULT_ELEMENTS_PER_ROW, InferJob, RequestValidator, element_limit
 
 # Batched, with every kind of input: fixed and variable dims, typed and raw-only datatypes.
 MIXED = text_format.Parse(
@@ -274,7 +274,26 @@ def test_huge_shape_is_refused_without_allocating() -> None:
     )
     request.inputs[0].name, request.inputs[0].datatype = "ids", "INT64"
     message = refusal(ids, request)
-    assert f"needs {2**65} bytes of raw_input_contents, got 1024" in message
+    assert f"has {2**62} elements, more than max_input_elements {4 * 2**20}" in message
+
+
+def test_variable_dims_are_bounded_by_default_fixed_ones_by_their_shape() -> None:
+    assert element_limit(MIXED, (-1,)) == 8 * DEFAULT_ELEMENTS_PER_ROW
+    assert element_limit(MIXED, (3,)) is None
+    assert element_limit(UNBATCHED, (2, -1)) == DEFAULT_ELEMENTS_PER_ROW
+
+
+def test_max_input_elements_from_the_config() -> None:
+    config = text_format.Parse(
+        'name: "ids" max_batch_size: 4 input [{ name: "ids" data_type: TYPE_INT64 dims: [-1] }]'
+        ' parameters { key: "max_input_elements" value: { string_value: "10" } }',
+        mc.ModelConfig(),
+    )
+    RequestValidator(config).validate(raw_request("ids", [("ids", "INT64", (2, 5))]))
+    message = refusal(config, raw_request("ids", [("ids", "INT64", (2, 6))]))
+    assert message == (
+        "input 'ids': shape [2, 6] has 12 elements, more than max_input_elements 10 of model 'ids'"
+    )
 
 
 @pytest.mark.parametrize("count", [0, 2])
