@@ -48,6 +48,11 @@ class _ClientProtocol(GrpcH3Protocol):
             if sid >= stream_id:
                 stream.fail(refused)
 
+    def stop_sending_received(self, stream: H3Stream, error: StreamClosed) -> None:
+        """The server refused the rest of the request (e.g. an oversized message): stop
+        writing, and still read the status it answers with."""
+        stream.stop_sending(error)
+
     def open_stream(self) -> H3Stream:
         stream_id = self._quic.get_next_available_stream_id()
         stream = H3Stream(self, stream_id)
