@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any, cast
 
+from aioquic import tls
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer, encode_uint_var  # type: ignore[attr-defined]
 from aioquic.h3.connection import FrameType, H3Connection, Setting, encode_frame
@@ -223,6 +224,29 @@ def refuse_early_data(quic: QuicConnection) -> None:
         quic.tls._max_early_data = None
 
     quic._initialize = initialize_without_early_data  # type: ignore[method-assign]
+
+
+def resend_early_data_after_retry(quic: QuicConnection) -> None:
+    """A client's 0-RTT data must be sent again after a Retry (the server dropped it with
+    the Initial it answered with Retry). aioquic starts new packet spaces on Retry and drops
+    the old ones' packets without reporting them lost, so their stream data was never sent
+    again and the calls hung. Here they are reported lost: their data goes out again, as
+    0-RTT with the new Initial."""
+    receive_retry = quic._receive_retry_packet
+
+    def receive_retry_packet(header: Any, packet_without_tag: bytes, now: float) -> None:
+        retries = quic._retry_count
+        old_space = quic._spaces.get(tls.Epoch.ONE_RTT)
+        receive_retry(header, packet_without_tag, now)
+        if quic._retry_count != retries and old_space is not None and old_space.sent_packets:
+            quic._loss._on_packets_lost(
+                congestion_event=False,
+                now=now,
+                packets=list(old_space.sent_packets.values()),
+                space=old_space,
+            )
+
+    quic._receive_retry_packet = receive_retry_packet  # type: ignore[method-assign]
 
 
 def peer_address(quic: QuicConnection) -> NetworkAddress | None:

@@ -16,6 +16,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
+from transport.aioquic_internals import resend_early_data_after_retry
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 
 
@@ -24,6 +25,7 @@ class _ClientProtocol(GrpcH3Protocol):
         self, quic: QuicConnection, stream_handler: object = None, *, settings: H3Settings
     ) -> None:
         super().__init__(quic, settings=settings)
+        resend_early_data_after_retry(quic)
         self.handshake: asyncio.Future[events.HandshakeCompleted] = (
             asyncio.get_running_loop().create_future()
         )

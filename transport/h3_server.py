@@ -371,32 +371,47 @@ class H3Server:
             code, details, trailing = await self._drive(handler, context, stream, head.timeout)
             if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
                 return  # the client is gone; nobody reads an answer
-            block = (
-                wire.trailers(code, details, trailing)
-                if context.headers_sent
-                else wire.trailers_only(code, details, trailing)
-            )
-            with contextlib.suppress(StreamClosed):
-                stream.send_headers(block, end=True)
+            self._end(stream, context, code, details, trailing)
         except StreamClosed:
             pass
         except asyncio.CancelledError:
             # Server stopping past its grace period: tell the client, then go.
-            with contextlib.suppress(Exception):
-                if not stream.sent_end and stream.error is None:
-                    status = grpc.StatusCode.UNAVAILABLE
-                    message = "server shutting down"
-                    block = (
-                        wire.trailers(status, message)
-                        if context is not None and context.headers_sent
-                        else wire.trailers_only(status, message)
-                    )
-                    stream.send_headers(block, end=True)
+            self._end(stream, context, grpc.StatusCode.UNAVAILABLE, "server shutting down")
             raise
+        except Exception as exc:
+            # A bug of ours, or a servicer context method that raised: the stream still ends.
+            log.exception("call on stream %d failed", stream.stream_id)
+            self._end(stream, context, grpc.StatusCode.INTERNAL, f"server error: {exc}")
         finally:
             if context is not None:
                 context.finish()
+            if not stream.ended:
+                # The call is over while the peer still sends: nobody will read it.
+                connection.stop_receiving(stream.stream_id)
             connection.forget(stream.stream_id)
+
+    @staticmethod
+    def _end(
+        stream: H3Stream,
+        context: H3ServicerContext | None,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: tuple[tuple[str, str | bytes], ...] = (),
+    ) -> None:
+        """Send the status, unless the stream already ended or can no longer carry it.
+        Trailing metadata the handler set that cannot be sent (invalid keys or values)
+        turns the status into INTERNAL rather than leaving the stream open."""
+        if stream.sent_end:
+            return
+        build = (
+            wire.trailers if context is not None and context.headers_sent else wire.trailers_only
+        )
+        try:
+            block = build(code, details, trailing)
+        except ValueError as exc:
+            block = build(grpc.StatusCode.INTERNAL, f"invalid trailing metadata: {exc}", ())
+        with contextlib.suppress(Exception):  # the stream or the connection is gone
+            stream.send_headers(block, end=True)
 
     async def _drive(
         self,

@@ -82,7 +82,11 @@ class HalfOpen:
         """The server's first datagram: its packet type, and the close it carries if any."""
         data = self.sock.recv(65536)
         header = pull_quic_header(Buffer(data=data), host_cid_length=8)
-        self.quic.receive_datagram(data, self.server, now=time.monotonic())
+        now = time.monotonic()
+        self.quic.receive_datagram(data, self.server, now=now)
+        # A close is reported once the draining period (3 PTO, under a second) has passed;
+        # the idle timeout (60 s) is far off.
+        self.quic.handle_timer(now=now + 5)
         closed = None
         while (event := self.quic.next_event()) is not None:
             if isinstance(event, events.ConnectionTerminated):
