@@ -74,6 +74,52 @@ def test_metadata_bomb_is_refused_and_the_call_does_not_run(
     asyncio.run(main())
 
 
+def request_block(authority: str, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    return [
+        (b":method", b"POST"),
+        (b":scheme", b"https"),
+        (b":authority", authority.encode()),
+        (b":path", b"/paddlequic.v1.Testing/Unary"),
+        (b"content-type", b"application/grpc"),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "end", "status", "words"),
+    [
+        # Only the prefix of a 100 MiB message, and the stream left open: the answer must not
+        # wait for more (on main it never came).
+        (b"\x00" + (100 << 20).to_bytes(4, "big"), False, b"8", b"exceeds the limit"),
+        (b"\x01\x00\x00\x00\x02ab", False, b"12", b"compressed"),
+        (b"\x00\x00\x00\x00\x09abc", True, b"13", b"stream ended inside a message"),
+    ],
+    ids=["oversized-prefix", "compressed", "truncated"],
+)
+def test_h3_decode_errors_are_answered_with_their_status(
+    conformance_server: ServerProcess,
+    ca_file: Path,
+    data: bytes,
+    end: bool,
+    status: bytes,
+    words: bytes,
+) -> None:
+    """HTTP/3 only, written by hand: the server answers a malformed request stream with the
+    status that names the problem, while the client's side of the stream may still be open."""
+
+    async def main() -> None:
+        channel = QuicChannel(f"localhost:{conformance_server.port}", ca_file=str(ca_file))
+        async with channel:
+            stream = (await channel.connection()).open_stream()
+            stream.send_headers(request_block(channel.authority))
+            await stream.send_data(data, end=end)
+            block = await asyncio.wait_for(stream.wait_headers(), 30)
+            assert dict(block)[b"grpc-status"] == status
+            assert words in dict(block)[b"grpc-message"]
+
+    asyncio.run(main())
+
+
 def test_h3_server_refuses_a_metadata_bomb_from_a_client_that_ignores_its_settings(
     conformance_server: ServerProcess, ca_file: Path
 ) -> None:
@@ -85,21 +131,12 @@ def test_h3_server_refuses_a_metadata_bomb_from_a_client_that_ignores_its_settin
         before = (await transport_stats(conformance_server)).h3_refusals["metadata"]
         channel = QuicChannel(f"localhost:{conformance_server.port}", ca_file=str(ca_file))
         async with channel:
-            connection = await channel.connection(early=True)
-            stream = connection.open_stream()
-            headers = [
-                (b":method", b"POST"),
-                (b":scheme", b"https"),
-                (b":authority", channel.authority.encode()),
-                (b":path", b"/paddlequic.v1.Testing/Unary"),
-                (b"content-type", b"application/grpc"),
-                *[(b"x-bomb-%d" % i, b"b" * 4096) for i in range(8)],
-            ]
-            stream.send_headers(headers, end=True)
+            stream = (await channel.connection()).open_stream()
+            bomb = [(b"x-bomb-%d" % i, b"b" * 4096) for i in range(8)]
+            stream.send_headers(request_block(channel.authority, *bomb), end=True)
             block = await asyncio.wait_for(stream.wait_headers(), 30)
             assert (b"grpc-status", b"8") in block
-            message = dict(block)[b"grpc-message"]
-            assert b"SETTINGS_MAX_FIELD_SECTION_SIZE" in message
+            assert b"SETTINGS_MAX_FIELD_SECTION_SIZE" in dict(block)[b"grpc-message"]
         after = (await transport_stats(conformance_server)).h3_refusals["metadata"]
         assert after == before + 1
 

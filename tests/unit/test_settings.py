@@ -1,0 +1,29 @@
+"""Server options: the transport limits' flags, defaults and refused values."""
+
+from __future__ import annotations
+
+import pytest
+
+from service import settings
+
+
+def test_transport_limits_are_bounded_by_default() -> None:
+    defaults = settings.parse([])
+    assert defaults.max_metadata_bytes == 16 << 10
+    assert defaults.h3_max_connections == 1024
+    assert defaults.h3_max_connections_per_address == 64
+    assert defaults.h3_handshake_timeout == 10.0
+    assert defaults.h3_retry == "auto"
+
+
+def test_transport_limits_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PADDLEQUIC_H3_MAX_CONNECTIONS_PER_ADDRESS", "8")
+    chosen = settings.parse(["--h3-retry", "always", "--max-metadata-bytes", "4096"])
+    assert (chosen.h3_retry, chosen.max_metadata_bytes) == ("always", 4096)
+    assert chosen.h3_max_connections_per_address == 8
+
+
+def test_an_unknown_retry_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        settings.parse(["--h3-retry", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
