@@ -6,8 +6,8 @@ connection admission (limits, Retry on demand), refusing early data per connecti
 module replaces or reads private methods and attributes, read from aioquic 1.7.2, and refuses
 to load with any other version: a silent mismatch would corrupt flow control.
 
-Besides these, subclasses of aioquic's `QuicConnectionProtocol` use its `_quic`, `_loop` and
-`_transmit_soon` members, which aioquic's own examples use for subclassing.
+Besides these, subclasses of aioquic's `QuicConnectionProtocol` use its `_quic`, `_loop`,
+`_process_events` and `_transmit_soon` members, as aioquic's own examples do.
 """
 
 from __future__ import annotations
@@ -160,9 +160,6 @@ class ReceiveCredit:
         stream stays stopped while aioquic keeps it)."""
         self._in_progress.pop(stream_id, None)
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
-
-    def held(self, stream_id: int) -> int:
-        return self._unconsumed.get(stream_id, 0)
 
     @property
     def unconsumed(self) -> int:
