@@ -12,7 +12,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.chaos.harness import FULL, GOAL_RSS_MB, SHORT, Row, chaos_server, run_row
+from tests.chaos.harness import (
+    FULL,
+    GOAL_RSS_MB,
+    SHORT,
+    Row,
+    attacker_process,
+    chaos_server,
+    run_row,
+)
 from tests.chaos.registry import ATTACKS
 
 COLUMNS = ("attack", "good requests", "good failures", "RSS growth MB", "attacker got", "goal")
@@ -31,7 +39,7 @@ def table(rows: list[Row]) -> str:
             _counts(row.good_failures),
             f"{row.rss_growth_mb:.1f}",
             _counts(row.attacker),
-            "pass" if row.passed else "FAIL: " + "; ".join(row.problems or ["see columns"]),
+            "pass" if row.passed else "FAIL: " + "; ".join(row.misses()),
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -51,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="chaos-") as directory:
         print(f"starting the server ({scale.name} sizes, {len(attacks)} attacks)", flush=True)
-        with chaos_server(Path(directory)) as target:
+        with chaos_server(Path(directory)) as (server, target), attacker_process() as pool:
             for spec in attacks:
                 print(f"  {spec.name} ...", end="", flush=True)
-                row = asyncio.run(run_row(target, spec, scale))
+                row = asyncio.run(run_row(server, target, spec, scale, pool))
                 rows.append(row)
                 verdict = "pass" if row.passed else "FAIL"
                 print(f" {verdict} ({row.seconds:.0f} s)", flush=True)

@@ -33,7 +33,7 @@ async def random_names(target: Target, scale: Scale) -> AttackResult:
     """ModelInfer on random 60-character names: NOT_FOUND each time, and the metrics must not
     grow a series per name."""
     result = AttackResult()
-    metrics_before = target.metrics_bytes()
+    metrics_before = await asyncio.to_thread(target.metrics_bytes)
     inputs = {"input": np.zeros((1, 256), np.float32)}
     alphabet = string.ascii_letters + string.digits
     rng = random.Random(10)
@@ -49,7 +49,7 @@ async def random_names(target: Target, scale: Scale) -> AttackResult:
                 call = stub.ModelInfer(build_request(name, inputs), timeout=CALL_TIMEOUT_S)
                 pending.add(asyncio.ensure_future(outcome_of(call, CALL_TIMEOUT_S)))
             result.outcomes.update(await asyncio.gather(*pending))
-    growth = target.metrics_bytes() - metrics_before
+    growth = await asyncio.to_thread(target.metrics_bytes) - metrics_before
     result.notes["metrics_growth_bytes"] = growth
     if growth > METRICS_GROWTH_LIMIT:
         result.problems.append(f"/metrics grew by {growth} bytes for unknown model names")
@@ -68,7 +68,7 @@ async def initial_flood(target: Target, scale: Scale) -> AttackResult:
     """Real QUIC Initials (each from a new client connection) from one UDP socket, never
     answered: what the server sends back is counted by packet type."""
     result = AttackResult()
-    address = ("127.0.0.1", target.server.port)
+    address = ("127.0.0.1", target.port)
     configuration = QuicConfiguration(
         is_client=True, alpn_protocols=H3_ALPN, server_name="localhost"
     )
@@ -104,9 +104,7 @@ async def initial_flood(target: Target, scale: Scale) -> AttackResult:
 async def _h3_handshake(target: Target) -> tuple[str, H3ClientConnection | None]:
     configuration = client_configuration("localhost", str(target.ca_file))
     try:
-        connection = await H3ClientConnection.connect(
-            "127.0.0.1", target.server.port, configuration
-        )
+        connection = await H3ClientConnection.connect("127.0.0.1", target.port, configuration)
     except Exception as exc:
         return status_name(exc), None
     try:
@@ -119,7 +117,7 @@ async def _h3_handshake(target: Target) -> tuple[str, H3ClientConnection | None]
 
 async def _h2_connection(target: Target) -> tuple[str, asyncio.StreamWriter | None]:
     try:
-        _, writer = await asyncio.open_connection("127.0.0.1", target.server.port)
+        _, writer = await asyncio.open_connection("127.0.0.1", target.port)
     except Exception as exc:
         return status_name(exc), None
     writer.write(HTTP2_PREFACE)

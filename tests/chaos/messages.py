@@ -42,11 +42,11 @@ async def _h3_announced_oversize(target: Target) -> str:
     the status the server answers with. The server may also stop our sending (STOP_SENDING):
     that fails our stream locally, so its headers are looked at directly, not awaited."""
     configuration = client_configuration("localhost", str(target.ca_file))
-    connection = await H3ClientConnection.connect("127.0.0.1", target.server.port, configuration)
+    connection = await H3ClientConnection.connect("127.0.0.1", target.port, configuration)
     try:
         await asyncio.wait_for(connection.wait_connected(), CALL_TIMEOUT_S)
         stream = connection.open_stream()
-        stream.send_headers(wire.request_headers(target.server.address, MODEL_INFER, None))
+        stream.send_headers(wire.request_headers(target.address, MODEL_INFER, None))
         with contextlib.suppress(StreamClosed):
             await stream.send_data(struct.pack(">BI", 0, ANNOUNCED_BYTES) + bytes(SENT_BYTES))
         deadline = asyncio.get_running_loop().time() + ANSWER_TIMEOUT_S
@@ -72,7 +72,7 @@ async def oversized_messages(target: Target, scale: Scale) -> AttackResult:
         raw_input_contents=[bytes(H2_OVERSIZED_BYTES)],
     )
     options = [("grpc.max_send_message_length", 2 * H2_OVERSIZED_BYTES)]
-    async with grpc.aio.insecure_channel(target.server.address, options=options) as channel:
+    async with grpc.aio.insecure_channel(target.address, options=options) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.oversized):
             call = stub.ModelInfer(big, timeout=CALL_TIMEOUT_S)

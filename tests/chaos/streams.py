@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 from grpc.aio import AioRpcError
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from tests.chaos.harness import TRANSPORTS, AttackResult, Scale, Target, status_name
 
 STREAM_ROWS = 64
@@ -75,4 +76,9 @@ async def slow_reader(target: Target, scale: Scale) -> AttackResult:
         call.cancel()
     result.outcomes[outcome] += 1
     result.notes["messages_read"] = read
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stats = await control_pb2_grpc.ControlStub(channel).TransportStats(
+            control_pb2.TransportStatsRequest(), timeout=10
+        )
+    result.notes["h3_peak_send_buffered_bytes"] = stats.h3_peak_send_buffered
     return result

@@ -6,17 +6,33 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
+from concurrent.futures import Executor
+from typing import NamedTuple
 
 import pytest
 
-from tests.chaos.harness import SHORT, AttackSpec, Target, chaos_server, run_row
+from tests.chaos.harness import (
+    SHORT,
+    AttackSpec,
+    Target,
+    attacker_process,
+    chaos_server,
+    run_row,
+)
 from tests.chaos.registry import ATTACKS
+from tests.servers import ServerProcess
+
+
+class Chaos(NamedTuple):
+    server: ServerProcess
+    target: Target
+    attacker: Executor
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
-    with chaos_server(tmp_path_factory.mktemp("chaos")) as served:
-        yield served
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
+    with chaos_server(tmp_path_factory.mktemp("chaos")) as served, attacker_process() as pool:
+        yield Chaos(*served, pool)
 
 
 @pytest.mark.parametrize(
@@ -30,6 +46,6 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         for spec in ATTACKS
     ],
 )
-def test_attack_meets_the_goal(target: Target, spec: AttackSpec) -> None:
-    row = asyncio.run(run_row(target, spec, SHORT))
+def test_attack_meets_the_goal(chaos: Chaos, spec: AttackSpec) -> None:
+    row = asyncio.run(run_row(chaos.server, chaos.target, spec, SHORT, chaos.attacker))
     assert row.passed, row.explain()

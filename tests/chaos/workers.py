@@ -37,7 +37,7 @@ POISON_VALUE = -7.0e30
 
 
 async def _instances(target: Target) -> list[control_pb2.Instance]:
-    async with grpc.aio.insecure_channel(target.server.address) as channel:
+    async with grpc.aio.insecure_channel(target.address) as channel:
         response = await control_pb2_grpc.ControlStub(channel).ListInstances(
             control_pb2.ListInstancesRequest(model_name=GOOD_MODEL), timeout=10
         )
@@ -51,7 +51,7 @@ def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
     except OSError:
         return False
     parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
-    if parent != str(target.server.process.pid):
+    if parent != str(target.pid):
         return False
     os.kill(pid, sig)
     return True
@@ -127,7 +127,7 @@ async def poison_input(target: Target, scale: Scale) -> AttackResult:
     values = np.zeros((1, 256), np.float32)
     values[0, 0] = POISON_VALUE
     request = build_request(POISON_MODEL, {"input": values})
-    async with grpc.aio.insecure_channel(target.server.address) as channel:
+    async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.poison):
             call = stub.ModelInfer(request, timeout=RESTART_LIMIT_S)
@@ -145,7 +145,7 @@ def _touch_version(target: Target) -> None:
 async def hot_reload(target: Target, scale: Scale) -> AttackResult:
     """RepositoryModelLoad of `mlp` after touching its files, repeatedly, under load."""
     result = AttackResult()
-    async with grpc.aio.insecure_channel(target.server.address) as channel:
+    async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.reloads):
             before = {i.pid for i in await _instances(target)}
