@@ -44,6 +44,10 @@ RECOVERY_CALL_S = 10.0
 # stopped worker is replaced after this long. Kept well above a batch's run time under load.
 EXECUTION_TIMEOUT_PARAMETER = "execution_timeout_ms"
 EXECUTION_TIMEOUT_MS = 3000
+# The test-only crash trigger (honoured only with --testing-service): a worker aborts when an
+# input element equals this number. Exact in float32.
+CRASH_ON_PARAMETER = "testing_crash_on"
+POISON_VALUE = 1234.5
 MLP_CONFIG = f"""\
 name: "mlp"
 platform: "paddle_inference"
@@ -56,6 +60,7 @@ parameters {{
   key: "{EXECUTION_TIMEOUT_PARAMETER}"
   value: {{ string_value: "{EXECUTION_TIMEOUT_MS}" }}
 }}
+parameters {{ key: "{CRASH_ON_PARAMETER}" value: {{ string_value: "{POISON_VALUE}" }} }}
 """
 
 

@@ -19,6 +19,7 @@ from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
 from tests.chaos.harness import (
     EXECUTION_TIMEOUT_MS,
     GOOD_MODEL,
+    POISON_VALUE,
     AttackResult,
     Scale,
     Target,
@@ -29,11 +30,6 @@ RESTART_LIMIT_S = 60.0
 RELOAD_TIMEOUT_S = 120.0
 STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in seconds
 POLL_S = 0.05
-# The test-only crash trigger (served only with --testing-service): a request for
-# POISON_MODEL whose first input value is POISON_VALUE makes the predictor's worker crash.
-# The defence's branch defines the real trigger: adjust these two when merging it.
-POISON_MODEL = GOOD_MODEL
-POISON_VALUE = -7.0e30
 
 
 async def _instances(target: Target) -> list[control_pb2.Instance]:
@@ -121,12 +117,13 @@ async def worker_sigstop(target: Target, scale: Scale) -> AttackResult:
 
 
 async def poison_input(target: Target, scale: Scale) -> AttackResult:
-    """Requests carrying the crash trigger: each must fail with a clear status (its worker
-    dies and is replaced), and the good clients must not notice."""
+    """Requests for the good clients' own model carrying its crash trigger: each must fail
+    with a clear status (the worker dies and is replaced), and the good clients, whose
+    requests may share the crashed batch, must not notice."""
     result = AttackResult()
     values = np.zeros((1, 256), np.float32)
     values[0, 0] = POISON_VALUE
-    request = build_request(POISON_MODEL, {"input": values})
+    request = build_request(GOOD_MODEL, {"input": values})
     async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.poison):
