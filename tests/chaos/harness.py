@@ -26,6 +26,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import example_inputs, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from transport.h3_protocol import StreamClosed
 
 TRANSPORTS = ("h2", "h3")
 GOAL_RSS_MB = 32.0
@@ -224,6 +225,8 @@ def status_name(exc: BaseException) -> str:
     """An attacking call's outcome from the exception it raised."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code().name
+    if isinstance(exc, StreamClosed):
+        return exc.status.name
     if isinstance(exc, TimeoutError):
         return "no answer"
     if isinstance(exc, ConnectionError | OSError):
@@ -232,7 +235,7 @@ def status_name(exc: BaseException) -> str:
 
 
 async def outcome_of(call: Awaitable[Any], timeout_s: float) -> str:
-    """ "OK" or how the call failed; never waits past `timeout_s`."""
+    """The call's outcome: OK or how it failed; never waits past `timeout_s`."""
     try:
         await asyncio.wait_for(call, timeout_s)
     except Exception as exc:
