@@ -41,8 +41,8 @@ SETTLE_S = 0.5
 RSS_SAMPLE_S = 0.1
 RECOVERY_LIMIT_S = 120.0
 RECOVERY_CALL_S = 10.0
-# The per-model watchdog parameter (its branch reads it from config.pbtxt `parameters`): a
-# stopped worker is replaced after this long. Kept well above a batch's run time under load.
+# The per-model watchdog parameter (config.pbtxt `parameters`): a stopped worker is replaced
+# after this long. Kept well above a batch's run time under load.
 EXECUTION_TIMEOUT_PARAMETER = "execution_timeout_ms"
 EXECUTION_TIMEOUT_MS = 3000
 # The test-only crash trigger (honoured only with --testing-service): a worker aborts when an
@@ -170,9 +170,6 @@ class AttackSpec:
     run: Attack
     # Outcomes that count as "answered with a clear status or refused at the transport".
     answered: frozenset[str]
-    # Why the row fails on the current code (the defence's branch is not merged): pytest
-    # marks it xfail; `make chaos` runs and reports it like any other.
-    pending: str | None = None
 
 
 @dataclass
