@@ -147,4 +147,10 @@ def test_the_installed_cli_calls_the_server_over_both_transports(
         assert done.returncode == 0, done.stderr
         assert f"{output_names('mlp')[0]}: float32 [1, 10]" in done.stdout
         outputs.append(done.stdout)
+        perf = client_install.run(
+            "paddlequic", "perf", "mlp", "--url", url, "--ca-file", ca_file,
+            "--duration", "0.3", "--warmup", "0.1",
+        )  # fmt: skip
+        assert perf.returncode == 0, perf.stderr
+        assert perf.stdout.split()[:3] == ["concurrency", "connect", "req/s"]
     assert outputs[0] == outputs[1]  # the same seeded inputs, the same answer on both
