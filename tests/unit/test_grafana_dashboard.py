@@ -12,7 +12,6 @@ import pytest
 
 from service.model_manager import ModelManager
 from service.observability.metrics import Metrics
-from service.repository import ModelRepository
 from service.scheduling.topology import cpu_only_topology
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "paddlequic.json"
@@ -38,9 +37,7 @@ def exported_metric_names() -> set[str]:
     """Every sample name the server's registry can export, from a registry built as serve
     builds it, including families only a server with HTTP/3 or GPUs yields."""
     topology = cpu_only_topology()
-    metrics = Metrics(
-        ModelManager(ModelRepository(Path("models")), topology, lambda: None), topology
-    )
+    metrics = Metrics(ModelManager(lambda: None), topology)
     families = [*metrics.registry.collect(), *metrics.state.describe()]
     return {f.name + suffix for f in families for suffix in SUFFIXES[f.type]}
 
