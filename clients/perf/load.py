@@ -52,7 +52,7 @@ class Step:
 
     concurrency: int
     connect: str
-    window_s: float = 0.0
+    window_s: float  # the measured window's length
     latencies_ns: list[int] = field(default_factory=list)  # successful requests
     errors: dict[str, int] = field(default_factory=dict)  # by status code name
     modes: dict[str, int] = field(default_factory=dict)  # how each connection started
@@ -73,24 +73,27 @@ class _Records:
 
 async def run_step(spec: LoadSpec, concurrency: int, progress: Progress | None = None) -> Step:
     records = _Records()
-    shared = open_channel(spec.target, spec.ca_file, None, spec.client_cert, spec.client_key)
+    step = Step(concurrency, spec.connect, spec.duration_s)
+    shared = None
+    if spec.connect == "reuse":
+        shared = open_channel(spec.target, spec.ca_file, None, spec.client_cert, spec.client_key)
     try:
-        if spec.connect != "reuse":
+        if shared is None:
             callers = [_connect_each(spec, records) for _ in range(concurrency)]
         elif spec.streaming:
             callers = [_streaming(spec, shared, records) for _ in range(concurrency)]
         else:
             callers = [_unary(spec, shared, records) for _ in range(concurrency)]
         tasks = [asyncio.ensure_future(c) for c in callers]
-        step = await _clock(spec, concurrency, records, progress)
+        window_start = await _clock(spec, step, records, progress)
         records.stopping = True
         await asyncio.gather(*tasks)
     finally:
-        await shared.close()
-    start, end = step.window_s, step.window_s + spec.duration_s
-    step.window_s = spec.duration_s
+        if shared is not None:
+            await shared.close()
+    window_end = window_start + int(spec.duration_s * 1e9)
     for began, ended, code, mode in records.items:
-        if began < start * 1e9 or ended > end * 1e9:
+        if began < window_start or ended > window_end:
             continue
         if code == "OK":
             step.latencies_ns.append(ended - began)
@@ -101,14 +104,11 @@ async def run_step(spec: LoadSpec, concurrency: int, progress: Progress | None =
     return step
 
 
-async def _clock(
-    spec: LoadSpec, concurrency: int, records: _Records, progress: Progress | None
-) -> Step:
-    """Sleeps through the warm-up and the window, reporting progress; the returned step's
-    window_s holds the window's start (perf_counter seconds) until run_step fills it in."""
-    step = Step(concurrency, spec.connect)
+async def _clock(spec: LoadSpec, step: Step, records: _Records, progress: Progress | None) -> int:
+    """Sleeps through the warm-up and the window, reporting progress, and measures the CPU
+    both sides spend in the window; returns the window's start (perf_counter_ns)."""
     await _phase("warm-up", spec.warmup_s, records, progress)
-    step.window_s = time.perf_counter()
+    window_start = time.perf_counter_ns()
     cpu = time.process_time()
     server = await _server_cpu(spec.server_metrics)
     await _phase("measuring", spec.duration_s, records, progress)
@@ -116,7 +116,7 @@ async def _clock(
     after = await _server_cpu(spec.server_metrics)
     if server is not None and after is not None:
         step.server_cpu_s = after - server
-    return step
+    return window_start
 
 
 async def _phase(name: str, length: float, records: _Records, progress: Progress | None) -> None:
