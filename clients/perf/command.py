@@ -52,11 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="concurrent requests per step: START:END[:STEP], STEP added or xN multiplied "
         "(1:64:x2), or a list 1,4,16 (default 1)",
     )
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds measured per step")
     parser.add_argument(
-        "--warmup", type=float, default=1.0, help="seconds of load before each measurement"
+        "--duration",
+        type=float,
+        default=5.0,
+        help="seconds measured per step (default %(default)s)",
     )
-    parser.add_argument("-b", "--batch-size", type=int, default=1, help="rows per request")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds of load before each measurement (default %(default)s)",
+    )
+    parser.add_argument(
+        "-b", "--batch-size", type=int, default=1, help="rows per request (default %(default)s)"
+    )
     parser.add_argument(
         "--shape",
         action="append",
@@ -83,7 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="also report this latency percentile (50, 90 and 99 always are), repeatable",
     )
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds per request (default %(default)s)"
+    )
     parser.add_argument(
         "--server-metrics",
         default="",
