@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 GPU    ?= 0
 EXTRA  := $(if $(filter 1,$(GPU)),gpu,cpu)
+# paddlepaddle-gpu 2.6 reads only legacy programs (inference.pdmodel)
+EXPORT_FLAGS := $(if $(filter 1,$(GPU)),--legacy)
 MODELS ?= models
 CERTS  ?= certs
 ARGS   ?=
@@ -50,7 +52,7 @@ proto: $(STAMP_PROTO)
 
 $(STAMP_MODELS): scripts/export_models.py $(STAMP_INSTALL)
 	@echo "==> exporting example models into $(MODELS)/ (random weights, real architectures)"
-	$(BIN)/python scripts/export_models.py --out $(MODELS)
+	$(BIN)/python scripts/export_models.py --out $(MODELS) $(EXPORT_FLAGS)
 	@touch $@
 
 models: $(STAMP_MODELS)
@@ -68,7 +70,7 @@ test: setup models
 	$(BIN)/python -m pytest $(ARGS)
 
 models-bench: models
-	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide
+	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide $(EXPORT_FLAGS)
 
 bench: setup models-bench
 	$(BIN)/python -m scripts.bench_batching $(ARGS)

@@ -21,6 +21,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import errors
 from service.batching.batcher import Answer, DynamicBatcher, policy_from_config
+from service.batching.shapes import shape_buckets
 from service.model_parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.repository import (
     ModelFiles,
@@ -246,6 +247,7 @@ class ModelManager:
                     numa_node=p.numa_node,
                     label=_device_label(p, self.topology.simulated),
                     execution_timeout_s=limits.execution_timeout_s,
+                    shapes=shape_buckets(config),
                 )
             )
             for p in placements
