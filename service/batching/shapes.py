@@ -21,6 +21,9 @@ class ShapeBuckets:
     batch: tuple[int, ...] = ()  # ascending; empty: batches run at the size they were formed
     sequence: tuple[int, ...] = ()  # ascending; empty: variable dimensions are not padded
     pad_value: float = 0.0  # what padded positions of variable dimensions hold
+    # Per input, the axes (of the request's tensor) the config declares variable, other than
+    # the batch dimension: the ones sequence buckets pad.
+    variable: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def batch_rows(self, rows: int) -> int:
         """The bucket a batch of `rows` runs at (itself beyond the largest bucket)."""
@@ -29,6 +32,13 @@ class ShapeBuckets:
     def length(self, size: int) -> int:
         """The bucket a variable dimension of `size` is padded to (itself beyond the largest)."""
         return next((s for s in self.sequence if s >= size), size)
+
+    def padded_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """`shape` with the input's variable dimensions padded to their sequence bucket."""
+        if not self.sequence:
+            return shape
+        axes = dict(self.variable).get(name, ())
+        return tuple(self.length(d) if i in axes else d for i, d in enumerate(shape))
 
     def shape_count(self, variable_dims: int) -> int:
         """How many input shapes the buckets make for an input with that many variable
@@ -65,10 +75,20 @@ def shape_buckets(config: mc.ModelConfig) -> ShapeBuckets:
         raise ParameterError(
             f"parameter sequence_pad_value must be a number, not {pad!r}"
         ) from None
+    first = 1 if top > 0 else 0  # the batch dimension is not in the config's dims
+    variable = tuple(
+        (t.name, tuple(i + first for i, d in enumerate(t.dims) if d < 0)) for t in config.input
+    )
+    if sequence and any(d < 0 for t in config.output for d in t.dims):
+        raise ParameterError(
+            "parameter sequence_buckets needs outputs without variable dimensions: padded "
+            "positions could not be cut out of them"
+        )
     return ShapeBuckets(
         tuple(sorted(batch)),
         tuple(sorted(set(_sizes("sequence_buckets", sequence, None)))) if sequence else (),
         pad_value,
+        variable,
     )
 
 
