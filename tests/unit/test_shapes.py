@@ -102,8 +102,8 @@ def test_padded_rows_are_zeros_and_never_reach_a_response() -> None:
 
 def test_different_lengths_share_a_batch_padded_with_the_pad_value() -> None:
     shapes = shape_buckets(config(TOKENS, sequence_buckets="8,16", sequence_pad_value="-1"))
-    short, long = tokens(9, 13)
-    assert bucket_of(short, shapes) == bucket_of(long, shapes) != bucket_of(*tokens(3), shapes)
+    short, long, shorter = tokens(9, 13, 3)
+    assert bucket_of(short, shapes) == bucket_of(long, shapes) != bucket_of(shorter, shapes)
     joined = join([short, long], shapes)
     assert joined.inputs[0].shape == (2, 16) and joined.batch_size == 2
     ids = np.frombuffer(joined.inputs[0].data, np.int64).reshape(2, 16)
