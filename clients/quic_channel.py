@@ -357,9 +357,22 @@ class _Call:
         if self._cancel_requested:
             stream.cancel()
         remaining = None if self._deadline is None else self._remaining()
-        stream.send_headers(
-            wire.request_headers(self._channel.authority, self._method, remaining, self._metadata)
+        headers = wire.request_headers(
+            self._channel.authority, self._method, remaining, self._metadata
         )
+        limit = stream.protocol.peer_max_field_section()
+        size = wire.field_section_size(headers)
+        if limit is not None and size > limit:
+            # The server would refuse it; before its SETTINGS arrive, it does so itself.
+            stream.cancel()
+            error = StreamClosed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request metadata of {size} bytes exceeds the server's limit of {limit} "
+                "bytes (SETTINGS_MAX_FIELD_SECTION_SIZE)",
+            )
+            self._finish(error.status, error.message, Metadata())
+            raise error
+        stream.send_headers(headers)
         if not self.request_streaming:
             # Headers and the one message leave together, usually in one packet.
             with contextlib.suppress(StreamClosed):

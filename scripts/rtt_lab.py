@@ -568,7 +568,9 @@ def check_link(link: Link, rtt_ms: float) -> float:
     return mean
 
 
-def _start_server(link: Link, tmp: Path, log: Any) -> subprocess.Popen[bytes]:
+def _start_server(
+    link: Link, tmp: Path, log: Any, server_args: Sequence[str]
+) -> subprocess.Popen[bytes]:
     repository = tmp / "models"
     repository.mkdir()
     (repository / "mlp").symlink_to(REPO_ROOT / "models" / "mlp")
@@ -587,6 +589,7 @@ def _start_server(link: Link, tmp: Path, log: Any) -> subprocess.Popen[bytes]:
         str(repository),
         "--log-level",
         "warning",
+        *server_args,
     ]
     return subprocess.Popen(
         link.exec_prefix("server") + command,
@@ -622,7 +625,9 @@ def _wait_server(link: Link, server: subprocess.Popen[bytes], ca_file: Path, log
         raise RuntimeError(f"the server did not get ready:\n{log.read_text()}")
 
 
-def run_lab(rtts: Sequence[float], repetitions: int, modes: Sequence[str]) -> list[Row]:
+def run_lab(
+    rtts: Sequence[float], repetitions: int, modes: Sequence[str], server_args: Sequence[str] = ()
+) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="rtt-lab-") as name, Link(rtts[0] / 2) as link:
         tmp = Path(name)
@@ -631,7 +636,7 @@ def run_lab(rtts: Sequence[float], repetitions: int, modes: Sequence[str]) -> li
         check_link(link, rtts[0])
         print("starting the server (mlp only) in the server namespace ...", flush=True)
         with log_path.open("wb") as log:
-            server = _start_server(link, tmp, log)
+            server = _start_server(link, tmp, log, server_args)
             try:
                 _wait_server(link, server, ca_file, log_path)
                 for rtt in rtts:
@@ -717,7 +722,7 @@ def _lab_main(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _exit_on_signal)
     try:
-        rows = run_lab(args.rtts, args.repetitions, args.modes)
+        rows = run_lab(args.rtts, args.repetitions, args.modes, args.server_arg)
     except KeyboardInterrupt:
         print("\nrtt_lab: interrupted; server, forwarder and namespaces are gone", file=sys.stderr)
         return 130
@@ -737,6 +742,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repetitions", type=int, default=20, help="new connections per mode")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--out", type=Path, default=Path("bench-results/rtt.json"))
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="a server flag, e.g. --server-arg=--h3-retry=always (repeatable)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="{client,ready,forward}")
     for name in ("client", "ready"):
         sub = commands.add_parser(name, help="internal: runs in the client namespace")

@@ -31,6 +31,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             h3_peak_send_buffered=self.h3.peak_send_buffered(),
             h3_blocked_writers=self.h3.blocked_writers(),
             h3_handshakes=stats.handshakes,
+            h3_refusals=stats.refusals,
             h3_tickets=dataclasses.asdict(self.h3.tickets.counters)
             if isinstance(self.h3.tickets, MemoryTicketStore)
             else {},

@@ -44,7 +44,7 @@ from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
 from transport.early_data import parse_allowlist
 from transport.h3_protocol import H3Settings
-from transport.h3_server import H3Server
+from transport.h3_server import H3Limits, H3Server, RetryMode
 from transport.tickets import MemoryTicketStore
 
 log = logging.getLogger("paddlequic.server")
@@ -127,6 +127,7 @@ async def serve(settings: ServerSettings) -> None:
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_metadata_size", settings.max_metadata_bytes),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     servicers = _Servicers(
@@ -241,12 +242,20 @@ async def _start_h3(
 ) -> H3Server:
     cert, key = tls
     h3_server = H3Server(
-        H3Settings(max_message=settings.max_message_bytes),
+        H3Settings(
+            max_message=settings.max_message_bytes, max_metadata=settings.max_metadata_bytes
+        ),
         tickets=MemoryTicketStore(ttl_s=settings.ticket_ttl),
         zero_rtt=settings.zero_rtt,
         early_data_methods=parse_allowlist(settings.early_data_methods),
         client_auth=client_auth,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
+        limits=H3Limits(
+            max_connections=settings.h3_max_connections,
+            max_connections_per_address=settings.h3_max_connections_per_address,
+            handshake_timeout_s=settings.h3_handshake_timeout,
+            retry=RetryMode(settings.h3_retry),
+        ),
     )
     servicers.register(RestrictedServer(ObservedServer(h3_server, "h3", observer), restrictions))
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)

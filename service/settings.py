@@ -35,6 +35,11 @@ class ServerSettings:
     grace_period: float = 5.0
     max_message_bytes: int = 64 << 20
     max_concurrent_rpcs: int = 1024
+    max_metadata_bytes: int = 16 << 10
+    h3_max_connections: int = 1024
+    h3_max_connections_per_address: int = 64
+    h3_handshake_timeout: float = 10.0
+    h3_retry: str = "auto"
     testing_service: bool = False
     model_control_mode: str = "none"
     load_model: str = ""
@@ -76,6 +81,13 @@ _HELP = {
     "max_message_bytes": "largest request or response message accepted",
     "max_concurrent_rpcs": "RPCs handled at once on each transport; more are refused with "
     "RESOURCE_EXHAUSTED",
+    "max_metadata_bytes": "largest header block (metadata) accepted, on both transports; "
+    "RFC 9114 size: names + values + 32 per entry",
+    "h3_max_connections": "HTTP/3 connections held at once; more are refused at once",
+    "h3_max_connections_per_address": "HTTP/3 connections held at once from one IP address",
+    "h3_handshake_timeout": "seconds an HTTP/3 connection may take to complete its handshake",
+    "h3_retry": "QUIC Retry (address validation, one more round trip): auto (while many "
+    "handshakes are unfinished), always or never",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
     "model_control_mode": "none: load every model at start, reload on SIGHUP; poll: also "
@@ -105,6 +117,10 @@ _HELP = {
     "HTTP/2 with --h2-tls)",
     "require_client_cert": "refuse TLS clients without a certificate from --tls-client-ca",
 }
+
+
+# Options that take one of a few words: anything else is refused at parse time.
+_CHOICES = {"h3_retry": ("auto", "always", "never")}
 
 
 def env_name(field_name: str) -> str:
@@ -142,7 +158,11 @@ def build_parser(prog: str = "paddlequic serve") -> argparse.ArgumentParser:
             continue
         kind: Any = type(default)
         parser.add_argument(
-            flag, type=kind, default=kind(os.environ.get(env, default)), help=help_text
+            flag,
+            type=kind,
+            default=kind(os.environ.get(env, default)),
+            choices=_CHOICES.get(f.name),
+            help=help_text,
         )
     return parser
 

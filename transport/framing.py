@@ -41,6 +41,12 @@ class MessageDecoder:
         """Bytes received but not yet returned as messages (a parsed header included)."""
         return self._queued + (HEADER_SIZE if self._body_size is not None else 0)
 
+    @property
+    def in_progress(self) -> int:
+        """Size on the wire (prefix included) of the message being received; 0 between
+        messages."""
+        return 0 if self._body_size is None else HEADER_SIZE + self._body_size
+
     def feed(self, data: bytes) -> list[bytes]:
         """Add received bytes; return the messages they complete."""
         if data:

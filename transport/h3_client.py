@@ -16,6 +16,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
+from transport.aioquic_internals import resend_early_data_after_retry
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 
 
@@ -24,6 +25,7 @@ class _ClientProtocol(GrpcH3Protocol):
         self, quic: QuicConnection, stream_handler: object = None, *, settings: H3Settings
     ) -> None:
         super().__init__(quic, settings=settings)
+        resend_early_data_after_retry(quic)
         self.handshake: asyncio.Future[events.HandshakeCompleted] = (
             asyncio.get_running_loop().create_future()
         )
@@ -47,6 +49,11 @@ class _ClientProtocol(GrpcH3Protocol):
         for sid, stream in list(self.streams.items()):
             if sid >= stream_id:
                 stream.fail(refused)
+
+    def stop_sending_received(self, stream: H3Stream, error: StreamClosed) -> None:
+        """The server refused the rest of the request (e.g. an oversized message): stop
+        writing, and still read the status it answers with."""
+        stream.stop_sending(error)
 
     def open_stream(self) -> H3Stream:
         stream_id = self._quic.get_next_available_stream_id()

@@ -1,15 +1,14 @@
 """What gRPC over HTTP/3 needs on both ends of a QUIC connection, and aioquic lacks: GOAWAY,
-stream resets as events, application-driven flow control with send backpressure, failing
-every stream when the connection dies, and keepalive pings.
+stream resets as events, application-driven flow control with send backpressure, bounded
+header blocks, failing every stream when the connection dies, and keepalive pings.
 
-Protocol state (which stream holds what) is kept in `H3Stream`; the asyncio protocol only moves
-events to streams and wakes waiters.
+What a stream received is kept in a `StreamState` (no I/O); `H3Stream` adds its waiters, and
+the asyncio protocol only moves events to streams and wakes them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from collections.abc import Callable
@@ -18,199 +17,131 @@ from typing import cast
 
 import grpc
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.buffer import (  # type: ignore[attr-defined]
-    Buffer,
-    BufferReadError,
-    encode_uint_var,
-)
-from aioquic.h3.connection import FrameType, H3Connection, encode_frame
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
-from transport.errors import ProtocolError
-from transport.framing import DEFAULT_MAX_MESSAGE, MessageDecoder
-from transport.h3_flow import ReceiveCredit, send_buffered, set_max_concurrent_streams
+from transport.aioquic_internals import (
+    GrpcH3Connection,
+    ReceiveCredit,
+    send_buffered,
+    set_max_concurrent_streams,
+)
+from transport.framing import DEFAULT_MAX_MESSAGE
+from transport.h3_stream_state import Headers, StreamState
+from transport.h3_stream_state import StreamClosed as StreamClosed
 from transport.status import H3_REQUEST_CANCELLED, H3_REQUEST_REJECTED, status_from_h3_error
 
 log = logging.getLogger("paddlequic.h3")
 
-Headers = list[tuple[bytes, bytes]]
-
 SEND_HIGH_WATER = 1 << 20  # a writer waits while this much is unacknowledged on its stream
+DEFAULT_MAX_METADATA = 16 << 10
 
 
 @dataclass(frozen=True)
 class H3Settings:
     max_message: int = DEFAULT_MAX_MESSAGE
+    max_metadata: int = DEFAULT_MAX_METADATA  # largest header block, as SETTINGS announce it
     max_concurrent_streams: int = 256
     stream_window: int = 1 << 20
     connection_window: int = 16 << 20
     keepalive_s: float | None = None  # PING this often while the connection is open
 
 
-class StreamClosed(Exception):
-    """The stream ended abnormally; `status` is what the call should report."""
-
-    def __init__(self, status: grpc.StatusCode, message: str, refused: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.refused = refused  # the peer refused the stream unprocessed: safe to retry
-
-
-class GrpcH3Connection(H3Connection):
-    """H3Connection that sends and reports GOAWAY.
-
-    aioquic 1.7.2 skips a received GOAWAY's payload without a word (its control stream parser
-    only hands SETTINGS and MAX_PUSH_ID to `_handle_control_frame`), so the peer's control
-    stream is read a second time here, for GOAWAY frames only.
-    """
-
-    def __init__(self, quic: QuicConnection, on_goaway: Callable[[int], None]) -> None:
-        super().__init__(quic)
-        self._on_goaway = on_goaway
-        self._peer_control = _GoawayReader()
-
-    def send_goaway(self, stream_id: int) -> None:
-        assert self._local_control_stream_id is not None
-        self._quic.send_stream_data(
-            self._local_control_stream_id,
-            encode_frame(FrameType.GOAWAY, encode_uint_var(stream_id)),
-        )
-
-    def handle_event(self, event: events.QuicEvent) -> list[H3Event]:
-        h3_events = super().handle_event(event)
-        # aioquic learns which stream is the peer's control stream from its first bytes,
-        # which it has just parsed: every byte of that stream passes here after it did.
-        if (
-            isinstance(event, events.StreamDataReceived)
-            and event.stream_id == self._peer_control_stream_id
-            and not self._is_done
-        ):
-            for stream_id in self._peer_control.feed(event.data):
-                self._on_goaway(stream_id)
-        return h3_events
-
-
-class _GoawayReader:
-    """The GOAWAY frames of a control stream (stream type, then frames). Other frames'
-    payloads are skipped as they arrive, never buffered."""
-
-    _MAX_GOAWAY_PAYLOAD = 8  # one variable-length integer
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._typed = False  # the stream type was read
-        self._skip = 0  # payload bytes of an uninteresting frame still to come
-
-    def feed(self, data: bytes) -> list[int]:
-        """The ids of the GOAWAY frames that `data` completes."""
-        self._buffer += data
-        found: list[int] = []
-        while self._buffer:
-            if self._skip:
-                skipped = min(self._skip, len(self._buffer))
-                self._buffer = self._buffer[skipped:]
-                self._skip -= skipped
-                continue
-            buf = Buffer(data=self._buffer)
-            try:
-                if not self._typed:
-                    buf.pull_uint_var()
-                    self._typed = True
-                    self._buffer = self._buffer[buf.tell() :]
-                    continue
-                frame_type = buf.pull_uint_var()
-                size = buf.pull_uint_var()
-            except BufferReadError:
-                break  # a header split across packets: wait for the rest
-            start = buf.tell()
-            if frame_type != FrameType.GOAWAY or size > self._MAX_GOAWAY_PAYLOAD:
-                self._buffer = self._buffer[start:]
-                self._skip = size
-                continue
-            if len(self._buffer) < start + size:
-                break
-            payload = self._buffer[start : start + size]
-            self._buffer = self._buffer[start + size :]
-            with contextlib.suppress(BufferReadError):
-                found.append(Buffer(data=payload).pull_uint_var())
-        return found
-
-
 class H3Stream:
-    """One request stream: incoming headers and messages, outgoing data with backpressure."""
+    """One request stream: its `StreamState`, waiters, outgoing data with backpressure."""
 
     def __init__(self, protocol: GrpcH3Protocol, stream_id: int) -> None:
         self.protocol = protocol
         self.stream_id = stream_id
-        self.decoder = MessageDecoder(protocol.settings.max_message)
-        self.headers: Headers | None = None
-        self.trailers: Headers | None = None
-        self.messages: collections.deque[bytes] = collections.deque()
-        self.ended = False  # the peer finished sending
-        self.error: StreamClosed | None = None
+        self.state = StreamState(protocol.settings.max_message)
         self.sent_end = False
+        self.send_error: StreamClosed | None = None  # the peer stopped reading (STOP_SENDING)
         self._changed = asyncio.Event()
+        self._credited = 0  # state.held as last reported to the connection's credit
+        self._in_progress = 0  # state.in_progress as last reported
         self.early = False  # opened before the handshake completed: arrived as 0-RTT data
         self.on_headers: Callable[[], None] | None = None
         self.on_reset: Callable[[StreamClosed], None] | None = None
 
+    @property
+    def headers(self) -> Headers | None:
+        return self.state.headers
+
+    @property
+    def trailers(self) -> Headers | None:
+        return self.state.trailers
+
+    @property
+    def ended(self) -> bool:
+        return self.state.ended
+
+    @property
+    def error(self) -> StreamClosed | None:
+        return self.state.error
+
     # events from the connection
 
     def headers_received(self, headers: Headers, ended: bool) -> None:
-        if self.headers is None:
-            self.headers = headers
-        else:
-            self.trailers = headers
-        self._end(ended)
+        self.state.headers_received(headers, ended)
+        if self.state.error is not None:
+            self._failed()
         if self.on_headers is not None:
             self.on_headers()
         self._changed.set()
 
     def data_received(self, data: bytes, ended: bool) -> None:
-        try:
-            for message in self.decoder.feed(data):
-                self.messages.append(message)
-                self.protocol.credit.received(self.stream_id, len(message) + 5)
-        except ProtocolError as exc:
-            # Stop the peer's sending; our side stays open to answer with this status.
-            self.fail(StreamClosed(exc.status, exc.message))
-            self.protocol.stop_receiving(self.stream_id)
-            return
-        self._end(ended)
+        if self.state.data_received(data, ended):
+            self._sync_credit()
+        elif self.state.error is not None:
+            self._failed()
         self._changed.set()
-
-    def _end(self, ended: bool) -> None:
-        if ended and not self.ended:
-            self.ended = True
-            try:
-                self.decoder.finish()
-            except ProtocolError as exc:
-                self.fail(StreamClosed(exc.status, exc.message))
 
     def fail(self, error: StreamClosed) -> None:
-        if self.error is None:
-            self.error = error
-            if self.on_reset is not None:
-                self.on_reset(error)
+        if self.state.fail(error):
+            self._failed()
         self._changed.set()
+
+    def stop_sending(self, error: StreamClosed) -> None:
+        """The peer reads no more (it may still answer, e.g. with an error status)."""
+        if self.send_error is None:
+            self.send_error = error
         self.protocol.wake_senders()
+
+    def _failed(self) -> None:
+        """Nobody will read this stream: stop the peer's sending (our side stays open to answer
+        with the status) and release the credit it held."""
+        assert self.state.error is not None
+        self.protocol.stop_receiving(self.stream_id)
+        self._credited = 0
+        if self.on_reset is not None:
+            self.on_reset(self.state.error)
+        self.protocol.wake_senders()
+
+    def _sync_credit(self) -> None:
+        if self.state.in_progress != self._in_progress:
+            self._in_progress = self.state.in_progress
+            self.protocol.credit.message_in_progress(self.stream_id, self._in_progress)
+        held = self.state.held
+        if held > self._credited:
+            self.protocol.credit.received(self.stream_id, held - self._credited)
+        elif held < self._credited:
+            self.protocol.credit.consumed(self.stream_id, self._credited - held)
+            self.protocol.transmit_soon()
+        self._credited = held
 
     # what a call uses
 
     async def read_message(self) -> bytes | None:
         """The next message; None when the peer finished sending."""
         while True:
-            if self.messages:
-                message = self.messages.popleft()
-                self.protocol.credit.consumed(self.stream_id, len(message) + 5)
-                self.protocol.transmit_soon()
+            message = self.state.take_message()
+            if message is not None:
+                self._sync_credit()
                 return message
-            if self.error is not None:
-                raise self.error
-            if self.ended:
+            if self.state.error is not None:
+                raise self.state.error
+            if self.state.ended:
                 return None
             self._changed.clear()
             await self._changed.wait()
@@ -231,16 +162,22 @@ class H3Stream:
 
     async def send_data(self, data: bytes, end: bool = False) -> None:
         await self.protocol.wait_send_window(self)
-        if self.error is not None:
-            raise self.error
+        self._check_sendable()
         self.protocol.h3_send_data(self.stream_id, data, end)
         self.sent_end = end
 
     def send_headers(self, headers: Headers, end: bool = False) -> None:
-        if self.error is not None:
-            raise self.error
+        self._check_sendable()
         self.protocol.h3_send_headers(self.stream_id, headers, end)
         self.sent_end = end
+
+    def _check_sendable(self) -> None:
+        """A stream that failed on the peer's malformed input still sends its answer (the
+        status says what was wrong); one reset, stopped or on a dead connection does not."""
+        if self.error is not None and not self.state.malformed:
+            raise self.error
+        if self.send_error is not None:
+            raise self.send_error
 
     def cancel(self, error_code: int = H3_REQUEST_CANCELLED) -> None:
         if self.error is None:
@@ -265,13 +202,20 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         self.goaway_stream_id: int | None = None
         self.terminated: StreamClosed | None = None
         self.peak_send_buffered = 0
+        self._h3_held: dict[int, int] = {}
         self.blocked_writers = 0
         self._send_wakeup = asyncio.Event()
         self._keepalive: asyncio.Task[None] | None = None
 
     def ensure_h3(self) -> GrpcH3Connection:
         if self.h3 is None:
-            self.h3 = GrpcH3Connection(self._quic, self._goaway_received)
+            self.h3 = GrpcH3Connection(
+                self._quic,
+                max_field_section=self.settings.max_metadata,
+                on_goaway=self._goaway_received,
+                on_too_large=self._header_block_too_large,
+                on_buffered=self._h3_buffered,
+            )
             if self.settings.keepalive_s:
                 self._keepalive = asyncio.get_running_loop().create_task(self._keepalive_loop())
         return self.h3
@@ -296,13 +240,16 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         if isinstance(event, events.StreamReset | events.StopSendingReceived):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                stream.fail(
-                    StreamClosed(
-                        status_from_h3_error(event.error_code),
-                        f"stream reset by peer (HTTP/3 error 0x{event.error_code:x})",
-                        refused=event.error_code == H3_REQUEST_REJECTED,
-                    )
+                error = StreamClosed(
+                    status_from_h3_error(event.error_code),
+                    f"stream {'reset' if isinstance(event, events.StreamReset) else 'stopped'} "
+                    f"by peer (HTTP/3 error 0x{event.error_code:x})",
+                    refused=event.error_code == H3_REQUEST_REJECTED,
                 )
+                if isinstance(event, events.StreamReset):
+                    stream.fail(error)
+                else:
+                    self.stop_sending_received(stream, error)
         if h3 is not None:
             for h3_event in h3.handle_event(event):
                 self._h3_event_received(h3_event)
@@ -332,6 +279,20 @@ class GrpcH3Protocol(QuicConnectionProtocol):
 
     # hooks for subclasses
 
+    def stop_sending_received(self, stream: H3Stream, error: StreamClosed) -> None:
+        """The peer will not read what we send on `stream`. A server's answer is then of no
+        use: the call ends (the client overrides this: a server may stop the upload and
+        still answer)."""
+        stream.fail(error)
+
+    def peer_max_field_section(self) -> int | None:
+        """The largest header block the peer accepts, once its SETTINGS arrived."""
+        return None if self.h3 is None else self.h3.peer_max_field_section
+
+    def header_block_refused(self, stream_id: int, message: str) -> None:
+        """A stream's first header block was too large (server side: answer it)."""
+        self.stop_receiving(stream_id)
+
     def stream_opened(self, stream_id: int) -> H3Stream | None:
         """The peer opened a stream (server side); None refuses it."""
         return None
@@ -358,11 +319,11 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         self.transmit_soon()
 
     async def wait_send_window(self, stream: H3Stream) -> None:
-        if stream.error is not None or not self._send_blocked(stream):
+        if stream.error is not None or stream.send_error or not self._send_blocked(stream):
             return
         self.blocked_writers += 1
         try:
-            while stream.error is None and self._send_blocked(stream):
+            while stream.error is None and not stream.send_error and self._send_blocked(stream):
                 self._send_wakeup.clear()
                 await self._send_wakeup.wait()
         finally:
@@ -382,13 +343,42 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         self.transmit_soon()
 
     def stop_receiving(self, stream_id: int, error_code: int = H3_REQUEST_CANCELLED) -> None:
+        """STOP_SENDING: nobody reads the stream any more, so it gets no more credit."""
+        self.credit.stop(stream_id)
+        self._h3_held.pop(stream_id, None)
         with contextlib.suppress(Exception):
             self._quic.stop_stream(stream_id, error_code)
         self.transmit_soon()
 
     def forget(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
+        self._h3_held.pop(stream_id, None)
         self.credit.forget(stream_id)
+
+    def _h3_buffered(self, stream_id: int, size: int) -> None:
+        """The H3 layer holds `size` bytes of a partial frame (a header block) of the stream:
+        they hold credit back as unread messages do."""
+        previous = self._h3_held.pop(stream_id, 0)
+        if size:
+            self._h3_held[stream_id] = size
+        if size > previous:
+            self.credit.received(stream_id, size - previous)
+        elif size < previous:
+            self.credit.consumed(stream_id, previous - size)
+
+    def _header_block_too_large(self, stream_id: int, size: int) -> None:
+        """The peer sent a header block over our SETTINGS_MAX_FIELD_SECTION_SIZE; aioquic
+        dropped it, and the stream's later data. An open call fails with RESOURCE_EXHAUSTED;
+        a request nobody saw yet is answered so without running (see the server)."""
+        message = (
+            f"header block of at least {size} bytes exceeds the limit of "
+            f"{self.settings.max_metadata} bytes (SETTINGS_MAX_FIELD_SECTION_SIZE)"
+        )
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.fail(StreamClosed(grpc.StatusCode.RESOURCE_EXHAUSTED, message))
+        else:
+            self.header_block_refused(stream_id, message)
 
     def transmit_soon(self) -> None:
         self._transmit_soon()

@@ -7,21 +7,29 @@ import asyncio
 import contextlib
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
-from aioquic.asyncio.server import QuicServer, serve
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import NetworkAddress, QuicConnection
+from aioquic.quic.packet import QuicErrorCode
 from grpc.aio import AbortError
 
 from transport import early_data
 from transport import headers as wire
+from transport.aioquic_internals import (
+    Admission,
+    AdmittingQuicServer,
+    peer_address,
+    refuse_early_data,
+)
 from transport.client_auth import ClientAuth, request_client_certificates
 from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.errors import ProtocolError
@@ -48,6 +56,31 @@ class H3ServerStats:
     rejected_streams: int = 0
     peak_send_buffered: int = 0
     handshakes: dict[str, int] = field(default_factory=dict)
+    # "connections", "connections_per_address": new connections refused at a limit;
+    # "handshake_timeout": dropped before completing the handshake; "metadata": streams
+    # refused for a header block over the limit; "retry": Retry packets sent.
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class RetryMode(Enum):
+    """When a new connection must first prove its address with a QUIC Retry (one more round
+    trip): `auto` only while many connections are half-open (a flood of Initials, possibly
+    from spoofed addresses)."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+@dataclass(frozen=True)
+class H3Limits:
+    """What one server holds for connections it did not choose: all bounded."""
+
+    max_connections: int = 1024
+    max_connections_per_address: int = 64
+    handshake_timeout_s: float = 10.0
+    retry: RetryMode = RetryMode.AUTO
+    retry_above_half_open: int = 64  # auto: Retry while this many handshakes are unfinished
 
 
 class _ServerProtocol(GrpcH3Protocol):
@@ -66,10 +99,31 @@ class _ServerProtocol(GrpcH3Protocol):
         self.handshake_done = asyncio.Event()
         self.highest_stream_id = -4
         if not server.zero_rtt:
-            _refuse_early_data(quic)
+            refuse_early_data(quic)
         if server.client_auth is not None:
             request_client_certificates(quic, server.client_auth)
-        server.connection_opened(self)
+        self.address = server.connection_opened(self)
+        self._handshake_timer = self._loop.call_later(
+            server.limits.handshake_timeout_s, self._handshake_expired
+        )
+
+    def _handshake_expired(self) -> None:
+        """Drop a connection that never completed its handshake: a peer that only sends
+        Initials must not hold state for the whole idle timeout."""
+        if not self.handshake_done.is_set() and self.terminated is None:
+            self.server.count_refusal("handshake_timeout")
+            self._quic.close(
+                error_code=QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout"
+            )
+            self.transmit_soon()
+
+    def header_block_refused(self, stream_id: int, message: str) -> None:
+        self.server.count_refusal("metadata")
+        super().header_block_refused(stream_id, message)
+        with contextlib.suppress(Exception):
+            self.h3_send_headers(
+                stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
+            )
 
     def stream_opened(self, stream_id: int) -> H3Stream | None:
         if self.server.shutting_down or (
@@ -95,6 +149,7 @@ class _ServerProtocol(GrpcH3Protocol):
 
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
         self.handshake_done.set()
+        self._handshake_timer.cancel()
         if event.early_data_accepted:
             self.server.count_handshake("0rtt_accepted")
         else:
@@ -102,13 +157,14 @@ class _ServerProtocol(GrpcH3Protocol):
 
     def connection_lost_hook(self) -> None:
         self.handshake_done.set()  # wakes calls held for it; their streams have failed
+        self._handshake_timer.cancel()
         self.server.connection_closed(self)
 
     def peer(self) -> str:
-        paths = self._quic._network_paths
-        if not paths:
+        address = peer_address(self._quic)
+        if address is None:
             return "unknown"
-        host, port = paths[0].addr[:2]
+        host, port = address[:2]
         return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
@@ -122,6 +178,7 @@ class H3Server:
         idle_timeout_s: float = 60.0,
         client_auth: ClientAuth | None = None,
         max_concurrent_rpcs: int | None = None,
+        limits: H3Limits | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
@@ -136,11 +193,14 @@ class H3Server:
         self.client_auth = client_auth
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._active_rpcs = 0
+        self.limits = limits or H3Limits()
+        self._per_address: Counter[str] = Counter()
+        self._admitted: str = ""  # the address of the connection being created
         self._registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         self._generic: list[grpc.GenericRpcHandler[Any, Any]] = []
         self._connections: set[_ServerProtocol] = set()
         self._calls: set[asyncio.Task[None]] = set()
-        self._quic_server: QuicServer | None = None
+        self._quic_server: AdmittingQuicServer | None = None
         self.shutting_down = False
         self.stats = H3ServerStats()
 
@@ -186,16 +246,40 @@ class H3Server:
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
             return _ServerProtocol(quic, settings=self.settings, server=self)
 
-        self._quic_server = await serve(
-            host,
-            port,
-            configuration=configuration,
-            create_protocol=create_protocol,
-            session_ticket_fetcher=self.tickets.pop if self.tickets is not None else None,
-            session_ticket_handler=self.tickets.add if self.tickets is not None else None,
+        _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: AdmittingQuicServer(
+                admit=self._admit,
+                configuration=configuration,
+                create_protocol=create_protocol,
+                session_ticket_fetcher=self.tickets.pop if self.tickets is not None else None,
+                session_ticket_handler=self.tickets.add if self.tickets is not None else None,
+            ),
+            local_addr=(host, port),
         )
-        sockname = self._quic_server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
-        return int(sockname[1])
+        return self._quic_server.port
+
+    def _admit(self, address: NetworkAddress, has_token: bool) -> Admission:
+        """Decide on a new connection before any state exists for it."""
+        host = str(address[0])
+        limits = self.limits
+        if len(self._connections) >= limits.max_connections:
+            self.count_refusal("connections")
+            return Admission.REFUSE
+        if self._per_address[host] >= limits.max_connections_per_address:
+            self.count_refusal("connections_per_address")
+            return Admission.REFUSE
+        if not has_token and (
+            limits.retry is RetryMode.ALWAYS
+            or (limits.retry is RetryMode.AUTO and self.half_open() >= limits.retry_above_half_open)
+        ):
+            self.count_refusal("retry")
+            return Admission.RETRY
+        self._admitted = host
+        return Admission.ACCEPT
+
+    def half_open(self) -> int:
+        """Connections whose handshake has not completed."""
+        return sum(not c.handshake_done.is_set() for c in self._connections)
 
     async def stop(self, grace: float | None) -> None:
         """GOAWAY, refuse new streams, let in-flight calls finish within `grace`, close."""
@@ -215,15 +299,26 @@ class H3Server:
             self._quic_server.close()
             self._quic_server = None
 
-    def connection_opened(self, connection: _ServerProtocol) -> None:
+    def connection_opened(self, connection: _ServerProtocol) -> str:
+        """Count the connection; returns the address it was admitted for."""
         self._connections.add(connection)
         self.stats.connections += 1
+        host, self._admitted = self._admitted, ""
+        self._per_address[host] += 1
+        return host
 
     def connection_closed(self, connection: _ServerProtocol) -> None:
-        self._connections.discard(connection)
+        if connection in self._connections:
+            self._connections.discard(connection)
+            self._per_address[connection.address] -= 1
+            if not self._per_address[connection.address]:
+                del self._per_address[connection.address]
         self.stats.peak_send_buffered = max(
             self.stats.peak_send_buffered, connection.peak_send_buffered
         )
+
+    def count_refusal(self, kind: str) -> None:
+        self.stats.refusals[kind] = self.stats.refusals.get(kind, 0) + 1
 
     def count_handshake(self, kind: str) -> None:
         self.stats.handshakes[kind] = self.stats.handshakes.get(kind, 0) + 1
@@ -299,33 +394,48 @@ class H3Server:
             code, details, trailing = await self._drive(handler, context, stream, head.timeout)
             if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
                 return  # the client is gone; nobody reads an answer
-            block = (
-                wire.trailers(code, details, trailing)
-                if context.headers_sent
-                else wire.trailers_only(code, details, trailing)
-            )
-            with contextlib.suppress(StreamClosed):
-                stream.send_headers(block, end=True)
+            self._end(stream, context, code, details, trailing)
         except StreamClosed:
             pass
         except asyncio.CancelledError:
             # Server stopping past its grace period: tell the client, then go.
-            with contextlib.suppress(Exception):
-                if not stream.sent_end and stream.error is None:
-                    status = grpc.StatusCode.UNAVAILABLE
-                    message = "server shutting down"
-                    block = (
-                        wire.trailers(status, message)
-                        if context is not None and context.headers_sent
-                        else wire.trailers_only(status, message)
-                    )
-                    stream.send_headers(block, end=True)
+            self._end(stream, context, grpc.StatusCode.UNAVAILABLE, "server shutting down")
             raise
+        except Exception as exc:
+            # A bug of ours, or a servicer context method that raised: the stream still ends.
+            log.exception("call on stream %d failed", stream.stream_id)
+            self._end(stream, context, grpc.StatusCode.INTERNAL, f"server error: {exc}")
         finally:
             if context is not None:
                 self._active_rpcs -= 1
                 context.finish()
+            if not stream.ended:
+                # The call is over while the peer still sends: nobody will read it.
+                connection.stop_receiving(stream.stream_id)
             connection.forget(stream.stream_id)
+
+    @staticmethod
+    def _end(
+        stream: H3Stream,
+        context: H3ServicerContext | None,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: tuple[tuple[str, str | bytes], ...] = (),
+    ) -> None:
+        """Send the status, unless the stream already ended or can no longer carry it.
+        Trailing metadata the handler set that cannot be sent (invalid keys or values)
+        turns the status into INTERNAL rather than leaving the stream open."""
+        if stream.sent_end:
+            return
+        build = (
+            wire.trailers if context is not None and context.headers_sent else wire.trailers_only
+        )
+        try:
+            block = build(code, details, trailing)
+        except ValueError as exc:
+            block = build(grpc.StatusCode.INTERNAL, f"invalid trailing metadata: {exc}", ())
+        with contextlib.suppress(Exception):  # the stream or the connection is gone
+            stream.send_headers(block, end=True)
 
     async def _drive(
         self,
@@ -403,18 +513,6 @@ async def _invoke(
         response = await response
     if response is not None:
         await context.write(response)
-
-
-def _refuse_early_data(quic: QuicConnection) -> None:
-    """Issue tickets that do not allow early data (resumption stays). aioquic creates the TLS
-    context when the first packet arrives and has no setting for this, hence the wrapper."""
-    initialize = quic._initialize
-
-    def initialize_without_early_data(peer_cid: bytes) -> None:
-        initialize(peer_cid)
-        quic.tls._max_early_data = None
-
-    quic._initialize = initialize_without_early_data  # type: ignore[method-assign]
 
 
 def _deserialize(handler: grpc.RpcMethodHandler[Any, Any], data: bytes) -> Any:

@@ -31,6 +31,12 @@ _PATH_RE = re.compile(r"/[^/]+/[^/]+")
 _HTTP_STATUS_RE = re.compile(rb"[1-5][0-9][0-9]")
 
 
+def field_section_size(headers: Headers) -> int:
+    """A header block's size as HTTP/3 limits it (RFC 9114 section 4.2.2): name and value
+    lengths plus 32 per field."""
+    return sum(len(name) + len(value) + 32 for name, value in headers)
+
+
 @dataclass(frozen=True)
 class RequestHead:
     """What a server needs from request headers to dispatch a call."""

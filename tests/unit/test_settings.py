@@ -1,4 +1,4 @@
-"""Server options that need more than a type: refused at parse time with a usage error."""
+"""Server options: bounded defaults, values from flags and environment, refused values."""
 
 from __future__ import annotations
 
@@ -12,3 +12,25 @@ def test_max_concurrent_rpcs_is_bounded_and_positive() -> None:
     assert settings.parse(["--max-concurrent-rpcs", "3"]).max_concurrent_rpcs == 3
     with pytest.raises(SystemExit):
         settings.parse(["--max-concurrent-rpcs", "0"])
+
+
+def test_transport_limits_are_bounded_by_default() -> None:
+    defaults = settings.parse([])
+    assert defaults.max_metadata_bytes == 16 << 10
+    assert defaults.h3_max_connections == 1024
+    assert defaults.h3_max_connections_per_address == 64
+    assert defaults.h3_handshake_timeout == 10.0
+    assert defaults.h3_retry == "auto"
+
+
+def test_transport_limits_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PADDLEQUIC_H3_MAX_CONNECTIONS_PER_ADDRESS", "8")
+    chosen = settings.parse(["--h3-retry", "always", "--max-metadata-bytes", "4096"])
+    assert (chosen.h3_retry, chosen.max_metadata_bytes) == ("always", 4096)
+    assert chosen.h3_max_connections_per_address == 8
+
+
+def test_an_unknown_retry_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        settings.parse(["--h3-retry", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err

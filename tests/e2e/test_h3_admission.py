@@ -1,0 +1,200 @@
+"""What the HTTP/3 server admits from an untrusted network: connection limits in total and
+per address, half-open connections dropped after the handshake timeout, and QUIC Retry
+(always, or automatically under a flood of half-open connections) with 0-RTT still working.
+
+Half-open connections are made by hand: a real aioquic client connection whose Initial is
+sent from a UDP socket bound to a chosen loopback address, and never continued."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicErrorCode, QuicPacketType, pull_quic_header
+from grpc.aio import AioRpcError
+
+from clients.quic_channel import QuicChannel
+from clients.tickets import SessionTicketCache
+from protos.inference import grpc_service_pb2 as inference_pb2
+from protos.inference import grpc_service_pb2_grpc as inference_grpc
+from protos.paddlequic.v1 import control_pb2
+from tests.servers import ServerProcess, model_repository, running_server
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("certs")
+
+
+@contextlib.contextmanager
+def h3_server(root: Path, certs: Path, args: Sequence[str]) -> Iterator[ServerProcess]:
+    repository = model_repository(root / "models", [])
+    with running_server(repository, root / "log", ["--certs-dir", str(certs), *args]) as server:
+        yield server
+
+
+def refusals(server: ServerProcess) -> dict[str, int]:
+    response: control_pb2.TransportStatsResponse = server.control.TransportStats(
+        control_pb2.TransportStatsRequest(), timeout=5
+    )
+    return dict(response.h3_refusals)
+
+
+def eventually(check: object, what: str, attempts: int = 300) -> None:
+    assert callable(check)
+    for _ in range(attempts):
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+class HalfOpen:
+    """A connection attempt from `host` that sends its Initial and nothing else."""
+
+    def __init__(self, port: int, host: str) -> None:
+        self.quic = QuicConnection(
+            configuration=QuicConfiguration(
+                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
+            )
+        )
+        self.server = ("127.0.0.1", port)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.sock.settimeout(10)
+        self.quic.connect(self.server, now=time.monotonic())
+        for data, _ in self.quic.datagrams_to_send(now=time.monotonic()):
+            self.sock.sendto(data, self.server)
+
+    def answer(self) -> tuple[QuicPacketType, events.ConnectionTerminated | None]:
+        """The server's first datagram: its packet type, and the close it carries if any."""
+        data = self.sock.recv(65536)
+        header = pull_quic_header(Buffer(data=data), host_cid_length=8)
+        now = time.monotonic()
+        self.quic.receive_datagram(data, self.server, now=now)
+        # A close is reported once the draining period (3 PTO, under a second) has passed;
+        # the idle timeout (60 s) is far off.
+        self.quic.handle_timer(now=now + 5)
+        closed = None
+        while (event := self.quic.next_event()) is not None:
+            if isinstance(event, events.ConnectionTerminated):
+                closed = event
+        return header.packet_type, closed
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def server_live(server: ServerProcess, certs: Path, **kw: object) -> QuicChannel:
+    """A new channel that made one call (kept open, so its connection stays)."""
+    channel = QuicChannel(f"localhost:{server.port}", ca_file=str(certs / "ca.pem"), **kw)  # type: ignore[arg-type]
+    stub = inference_grpc.GRPCInferenceServiceStub(channel)
+    await stub.ServerLive(inference_pb2.ServerLiveRequest(), timeout=20)
+    return channel
+
+
+def test_the_connection_over_the_per_address_limit_is_refused(tmp_path: Path, certs: Path) -> None:
+    args = ["--h3-max-connections-per-address", "2", "--h3-retry", "never"]
+    with h3_server(tmp_path, certs, args) as server:
+
+        async def main() -> None:
+            first = await server_live(server, certs)
+            second = await server_live(server, certs)
+            with pytest.raises(AioRpcError) as refused:
+                await server_live(server, certs)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "too many connections" in (refused.value.details() or "")
+            for channel in (first, second):  # the first two are unaffected
+                stub = inference_grpc.GRPCInferenceServiceStub(channel)
+                live = await stub.ServerLive(inference_pb2.ServerLiveRequest(), timeout=20)
+                assert live.live
+                await channel.close()
+
+        asyncio.run(main())
+        assert refusals(server)["connections_per_address"] >= 1
+
+
+def test_total_limit_and_handshake_timeout(tmp_path: Path, certs: Path) -> None:
+    args = [
+        "--h3-max-connections",
+        "3",
+        "--h3-handshake-timeout",
+        "1",
+        "--h3-retry",
+        "never",
+    ]
+    with h3_server(tmp_path, certs, args) as server:
+        half_open = [HalfOpen(server.port, f"127.0.0.{n}") for n in (2, 3, 4)]
+        for attempt in half_open:
+            packet_type, closed = attempt.answer()
+            assert packet_type == QuicPacketType.INITIAL and closed is None  # admitted
+        extra = HalfOpen(server.port, "127.0.0.5")
+        _, closed = extra.answer()
+        assert closed is not None and closed.error_code == QuicErrorCode.CONNECTION_REFUSED
+        assert refusals(server)["connections"] == 1
+        # Never completed: dropped after the handshake timeout, which makes room again.
+        eventually(
+            lambda: refusals(server).get("handshake_timeout") == 3, "half-open connections dropped"
+        )
+
+        async def call() -> None:
+            channel = await server_live(server, certs)
+            await channel.close()
+
+        def admitted() -> bool:
+            try:
+                asyncio.run(call())
+            except AioRpcError:
+                return False
+            return True
+
+        eventually(admitted, "a new connection is admitted", attempts=20)
+        for attempt in [*half_open, extra]:
+            attempt.close()
+
+
+def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs: Path) -> None:
+    with h3_server(tmp_path, certs, ["--h3-retry", "always"]) as server:
+        cache = SessionTicketCache()
+
+        async def connect_once() -> str | None:
+            channel = await server_live(server, certs, ticket_cache=cache)
+            await channel.close()
+            return channel.last_connect_mode
+
+        modes = [asyncio.run(connect_once()) for _ in range(3)]
+        assert modes == ["full", "0rtt-accepted", "0rtt-accepted"]
+        assert refusals(server)["retry"] >= 3
+
+
+def test_retry_auto_starts_under_a_flood_of_half_open_connections(
+    tmp_path: Path, certs: Path
+) -> None:
+    """The server's threshold: Retry once 64 handshakes are unfinished."""
+    with h3_server(tmp_path, certs, ["--h3-max-connections-per-address", "100"]) as server:
+        flood = [HalfOpen(server.port, "127.0.0.2") for _ in range(64)]
+        for attempt in flood:
+            assert attempt.answer()[0] == QuicPacketType.INITIAL  # no Retry below the threshold
+        probe = HalfOpen(server.port, "127.0.0.3")
+        assert probe.answer()[0] == QuicPacketType.RETRY
+
+        async def call() -> None:  # a real client follows the Retry and is served
+            channel = await server_live(server, certs)
+            await channel.close()
+
+        asyncio.run(call())
+        assert refusals(server)["retry"] >= 2
+        for attempt in [*flood, probe]:
+            attempt.close()
