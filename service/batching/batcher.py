@@ -29,9 +29,10 @@ from service.workers.instance import InferResult, OutputTensor, WorkerDied
 from service.workers.protocol import Timings
 
 CRASHES_TO_POISON = 2
-# A batch runs until its last request's deadline (or without one if any has none); each request
-# is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
-RunBatch = Callable[[InferJob, list[SpanContext], float | None], Awaitable[InferResult]]
+# Runs a job padded to its shape bucket; the int is the rows its requests brought, without the
+# padding. A batch runs until its last request's deadline (or without one if any has none); each
+# request is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
+RunBatch = Callable[[InferJob, int, list[SpanContext], float | None], Awaitable[InferResult]]
 
 
 @dataclass(frozen=True)
@@ -149,13 +150,14 @@ class DynamicBatcher:
         started = asyncio.get_running_loop().time()
         deadlines = [item.deadline for item in batch]
         job = join([item.job for item in batch], self.policy.shapes)
+        rows = sum(item.rows for item in batch)
         result = await self._run_batch(
             job,
+            rows,
             [item.trace for item in batch],
             None if None in deadlines else max(d for d in deadlines if d is not None),
         )
         parts = split(result, [item.rows for item in batch], max(job.batch_size, 1))
-        rows = sum(item.rows for item in batch)
         for item, outputs in zip(batch, parts, strict=True):
             waited = int((started - item.arrival) * 1e9) + result.queue_ns
             if not item.ticket.done():
