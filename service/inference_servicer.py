@@ -16,6 +16,7 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service import errors
 from service.batching.batcher import Answer
 from service.errors import ServicerContext
+from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager, ServedVersion
 from service.tensors import BY_CONFIG_TYPE, from_numpy
 
@@ -30,8 +31,9 @@ STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backp
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: ModelManager, control_mode: str = "none") -> None:
+    def __init__(self, models: ModelManager, lifecycle: Lifecycle, control_mode: str) -> None:
         self.models = models
+        self.lifecycle = lifecycle
         self.control_mode = control_mode
 
     async def ServerLive(
@@ -130,7 +132,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.RepositoryModelLoadResponse:
         """Load or reload; answers once the new versions serve (or why they do not)."""
         self._check_explicit_control()
-        await self.models.load_model(request.model_name)
+        await self.lifecycle.load_model(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @errors.reports_errors
@@ -138,7 +140,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: ServicerContext
     ) -> pb.RepositoryModelUnloadResponse:
         self._check_explicit_control()
-        await self.models.unload_model(request.model_name)
+        await self.lifecycle.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     def _check_explicit_control(self) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, tes
 from service import settings as settings_module
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
+from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager
 from service.observability.handlers import ObservedServer, Observer
 from service.observability.logs import RequestLog, configure_logging
@@ -35,8 +36,7 @@ from service.restricted import (
     RestrictionError,
     parse_restrictions,
 )
-from service.scheduling.nvml import discover
-from service.scheduling.topology import Topology, load_topology_file
+from service.scheduling.host import load_topology
 from service.settings import ServerSettings
 from service.signing import SigningPolicy, load_trusted_keys
 from service.testing_servicer import TestingServicer
@@ -88,14 +88,11 @@ async def serve(settings: ServerSettings) -> None:
         settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
     )
     topology = load_topology(settings.topology)
-    models = ModelManager(
-        ModelRepository(settings.model_repository),
-        topology,
-        lambda: health.changed() if health else None,
-    )
+    models = ModelManager(lambda: health.changed() if health else None)
+    lifecycle = Lifecycle(models, ModelRepository(settings.model_repository), topology, settings)
     if settings.trusted_keys or settings.require_signed:
         trusted = load_trusted_keys(Path(settings.trusted_keys)) if settings.trusted_keys else {}
-        models.signing = SigningPolicy(trusted, settings.require_signed)
+        lifecycle.signing = SigningPolicy(trusted, settings.require_signed)
         log.info(
             "signed models: %d trusted key(s)%s",
             len(trusted),
@@ -114,7 +111,6 @@ async def serve(settings: ServerSettings) -> None:
         settings.trace_sample_ratio,
     )
     models.observer = observer
-    models.testing = settings.testing_service
     metrics_server = (
         metrics.serve(settings.metrics_host, settings.metrics_port) if metrics else None
     )
@@ -131,7 +127,7 @@ async def serve(settings: ServerSettings) -> None:
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     servicers = _Servicers(
-        InferenceServicer(models, settings.model_control_mode),
+        InferenceServicer(models, lifecycle, settings.model_control_mode),
         ControlServicer(models),
         health.servicer,
         TestingServicer() if settings.testing_service else None,
@@ -171,7 +167,6 @@ async def serve(settings: ServerSettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    lifecycle = Lifecycle(models, settings)
     loop.add_signal_handler(signal.SIGHUP, lifecycle.rescan_soon)
     loader = asyncio.create_task(lifecycle.start())
     stopped = asyncio.create_task(stop.wait())
@@ -182,14 +177,14 @@ async def serve(settings: ServerSettings) -> None:
     elif loader.done():
         log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
     await stopped
-    lifecycle.stop()
+    lifecycle.stop_watching()
     log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
     await asyncio.gather(
         server.stop(settings.grace_period),
         *([h3_server.stop(settings.grace_period)] if h3_server else []),
     )
     loader.cancel()
-    await models.stop()
+    await lifecycle.stop()
     if metrics_server is not None:
         metrics_server.shutdown()
     if tracing is not None:
@@ -297,70 +292,6 @@ def _client_auth(settings: ServerSettings) -> ClientAuth | None:
 
 class ClientAuthError(ValueError):
     """Client certificate settings that cannot be served."""
-
-
-class Lifecycle:
-    """What changes the served models after start: SIGHUP rescans, polling, per control mode."""
-
-    def __init__(self, models: ModelManager, settings: ServerSettings) -> None:
-        mode = settings.model_control_mode
-        if mode not in ("none", "poll", "explicit"):
-            raise RepositoryError(
-                f"--model-control-mode must be none, poll or explicit, not {mode!r}"
-            )
-        if settings.poll_repository > 0 and mode == "none":
-            mode = "poll"
-        self.models = models
-        self.mode = mode
-        self.interval = settings.poll_repository or 5.0
-        self.startup = [n.strip() for n in settings.load_model.split(",") if n.strip()]
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        if self.mode == "explicit" and "*" not in self.startup:
-            await self.models.load_all(self.startup)
-        else:
-            await self.models.load_all()
-        if self.mode == "poll":
-            self._spawn(self._poll())
-
-    def rescan_soon(self) -> None:
-        log.info("SIGHUP: rescanning the model repository")
-        self._spawn(self._rescan())
-
-    def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    async def _rescan(self) -> None:
-        await self.models.rescan(
-            unload_missing=self.mode == "poll", only_loaded=self.mode == "explicit"
-        )
-
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self._rescan()
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-def load_topology(path: str) -> Topology:
-    """A recorded host from --topology, or what NVML finds here (CPU-only without a driver)."""
-    topology = load_topology_file(path) if path else discover()
-    if topology.gpus:
-        log.info(
-            "topology: %d GPU(s)%s (%s)",
-            len(topology.gpus),
-            ", SIMULATED: GPU instances run CPU predictors" if topology.simulated else "",
-            topology.source,
-        )
-    else:
-        log.info("topology: %s, %d NUMA node(s)", topology.source, len(topology.numa_nodes))
-    return topology
 
 
 def _bracket(host: str) -> str:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from service.repository import ModelRepository, RepositoryError
+from service.scheduling.host import load_topology
 from service.scheduling.instances import instance_requests, place_all
 from service.scheduling.report import describe
-from service.server import load_topology
 
 
 def main(argv: Sequence[str]) -> int:

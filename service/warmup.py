@@ -27,6 +27,7 @@ class WarmUp:
     name: str
     request: pb.ModelInferRequest
     count: int = 1
+    bucket: bool = False  # one of the shape buckets (else a model_warmup sample)
 
 
 def warm_ups(config: mc.ModelConfig, shapes: ShapeBuckets) -> list[WarmUp]:
@@ -39,7 +40,7 @@ def warm_ups(config: mc.ModelConfig, shapes: ShapeBuckets) -> list[WarmUp]:
     for rows, length in itertools.product(batches, lengths):
         dims = {t.name: [length if d < 0 else d for d in t.dims] for t in config.input}
         label = f"bucket {rows or 'unbatched'}" + (f" x {length}" if variable else "")
-        plan.append(WarmUp(label, _request(config, rows, dims, zero=True)))
+        plan.append(WarmUp(label, _request(config, rows, dims, zero=True), bucket=True))
     for sample in config.model_warmup:
         plan.append(_sample(config, sample))
     return plan

@@ -3,6 +3,7 @@
 - `topology`: the host's GPUs, their pairwise links and the CPU NUMA nodes; loaded from a
   recorded file (`--topology FILE`) or built for a CPU-only host.
 - `nvml`: discovery of the real host through NVML (nvidia-ml-py); CPU-only without a driver.
+- `host`: the topology the server uses: `--topology FILE` or the discovered host.
 - `placement`: instance requests -> concrete devices, CPU sets and worker environment.
 - `report`: the human-readable picture of a topology and where instances would go.
 
