@@ -6,7 +6,8 @@ For `resnet18` and `mlp_wide` a closed loop of single-row requests runs at concu
 process, configured as the server's workers are, with nothing else running) runs every batch
 size the server formed in that measurement, at a fixed shape; weighted by how often each size
 was formed, that is the engine's own rows/s for the same work. For `mlp_wide` at the highest
-concurrency a second server without dynamic batching is measured in the same rounds. Machines
+concurrency a second server without dynamic batching is measured in the same rounds, and the
+engine alone runs batch sizes drawn from 1..64 padded to the buckets and unpadded. Machines
 are noisy (other work shares the CPUs), so every ratio is taken within one round and the rounds
 alternate: the table reports the median ratio and its range.
 """
@@ -39,12 +40,13 @@ from tests.servers import EXAMPLE_MODELS, ServerProcess
 MODELS = {"resnet18": ("image", (3, 224, 224)), "mlp_wide": ("input", (2048,))}
 CONCURRENCY = (1, 8, 64)
 OFF_MODEL, OFF_CONCURRENCY = "mlp_wide", 64
+RANDOM_SIZES = 64  # the engine alone on batch sizes drawn from 1..64, padded or not
 
 
 @dataclass
 class Row:
     model: str
-    setup: str  # batching-on, batching-off
+    setup: str  # batching-on, batching-off; engine-padded, engine-unpadded (random sizes)
     concurrency: int
     round: int
     rows_per_s: float
@@ -58,7 +60,7 @@ class Row:
 class RawPredictor:
     """The engine alone: a worker's predictor (same class, same config) in this process."""
 
-    def __init__(self, model: str, config: mc.ModelConfig) -> None:
+    def __init__(self, model: str, config: mc.ModelConfig, buckets: bool = True) -> None:
         os.environ.setdefault("GLOG_minloglevel", "2")
         # As in the server's CPU workers: one OpenMP thread per math thread.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -70,7 +72,10 @@ class RawPredictor:
 
         directory = EXAMPLE_MODELS / model / "1"
         files = (str(directory / "inference.json"), str(directory / "inference.pdiparams"))
-        load = Load(model, 1, *files, string_parameters(config), "cpu", shape_buckets(config))
+        if not buckets:
+            config.parameters["batch_buckets"].string_value = "none"
+        self.shapes = shape_buckets(config)
+        load = Load(model, 1, *files, string_parameters(config), "cpu", self.shapes)
         self.model = PaddleModel(load)
         self.input, self.shape = MODELS[model]
         self.outputs = tuple(o.name for o in self.model.outputs)
@@ -84,6 +89,19 @@ class RawPredictor:
             self.model.run({self.input: x}, self.outputs)
             runs += 1
         return (time.perf_counter() - started) / runs
+
+    def random_batches(self, duration: float) -> float:
+        """Rows/s with batch sizes drawn from 1..RANDOM_SIZES, as a dynamic batcher forms
+        them, each padded to this predictor's batch bucket (if it has buckets)."""
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((max(RANDOM_SIZES, *self.shapes.batch), *self.shape))
+        x = x.astype(np.float32)
+        rows, started = 0, time.perf_counter()
+        while time.perf_counter() - started < duration:
+            size = int(rng.integers(1, RANDOM_SIZES + 1))
+            self.model.run({self.input: x[: self.shapes.batch_rows(size)]}, self.outputs)
+            rows += size
+        return rows / (time.perf_counter() - started)
 
     def rows_per_s(self, formed: Counter[int], duration: float) -> float:
         """Rows/s of the engine running the batches the server formed, as often as it did."""
@@ -139,6 +157,9 @@ async def measure(
 def run_model(model: str, rounds: int, duration: float, root: Path) -> list[Row]:
     text = (EXAMPLE_MODELS / model / "config.pbtxt").read_text()
     raw = RawPredictor(model, text_format.Parse(text, mc.ModelConfig()))
+    unpadded = None
+    if model == OFF_MODEL:
+        unpadded = RawPredictor(model, text_format.Parse(text, mc.ModelConfig()), buckets=False)
     setups = {"batching-on": True} | ({"batching-off": False} if model == OFF_MODEL else {})
     servers = {
         setup: ServerProcess(repository(root, model, on), root / f"{setup}.log", ["--no-h3"])
@@ -178,6 +199,11 @@ def run_model(model: str, rounds: int, duration: float, root: Path) -> list[Row]
                     f" (mean batch {mean:.1f}); raw at those sizes {reference:>8.1f} rows/s",
                     flush=True,
                 )
+            if unpadded is not None:
+                for setup, predictor in (("engine-padded", raw), ("engine-unpadded", unpadded)):
+                    rate = predictor.random_batches(duration)
+                    rows.append(Row(model, setup, 0, index, round(rate, 1), 0, 0, 0, 0, 0))
+                    print(f"  round {index} {setup:<15} {model} {rate:>8.1f} rows/s", flush=True)
     finally:
         for server in servers.values():
             server.stop()
@@ -196,7 +222,10 @@ def summary(rows: list[Row]) -> str:
     groups: dict[tuple[str, str, int], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.model, r.setup, r.concurrency), []).append(r)
+    engine = {k: v for k, v in groups.items() if k[1].startswith("engine-")}
     for (model, setup, concurrency), group in groups.items():
+        if (model, setup, concurrency) in engine:
+            continue
         lines.append(
             f"{model:<9} {setup:<12} {concurrency:>4} "
             f"{statistics.median(r.rows_per_s for r in group):>8.1f} "
@@ -213,6 +242,16 @@ def summary(rows: list[Row]) -> str:
         ratios = [a.rows_per_s / b.rows_per_s for a, b in zip(on, off, strict=True)]
         lines.append(
             f"\n{OFF_MODEL} at c={OFF_CONCURRENCY}: batching on / off {_median_range(ratios)}"
+        )
+    padded = engine.get((OFF_MODEL, "engine-padded", 0), [])
+    unpadded = engine.get((OFF_MODEL, "engine-unpadded", 0), [])
+    if padded and unpadded:
+        ratios = [a.rows_per_s / b.rows_per_s for a, b in zip(padded, unpadded, strict=True)]
+        lines.append(
+            f"{OFF_MODEL} engine alone, batch sizes drawn from 1..{RANDOM_SIZES}: padded to "
+            f"buckets {statistics.median(r.rows_per_s for r in padded):.1f} rows/s, unpadded "
+            f"{statistics.median(r.rows_per_s for r in unpadded):.1f} rows/s: "
+            f"{_median_range(ratios)}"
         )
     return "\n".join(lines)
 
