@@ -106,33 +106,55 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from service.signing import generate_keys
+    with _server_extra("keygen"):
+        from service.signing import generate_keys
 
     private = Path(args.out).with_suffix(".key")
     public = private.with_suffix(".pub")
-    key_id = generate_keys(private, public)
-    print(f"key {key_id}: private {private} (mode 0600, keep it secret), public {public}")
-    print(f"trust it on the server: copy {public} into the --trusted-keys directory")
+    fingerprint = generate_keys(private, public)
+    print(f"ECDSA P-256 key {fingerprint[:16]}: private {private} (mode 0600, keep it secret)")
+    print(f"public {public}: copy it into the server's --trusted-keys directory")
     return 0
 
 
 def _sign(args: argparse.Namespace) -> int:
-    from service.signing import sign
+    with _server_extra("sign"):
+        from service.signing import sign
 
-    print(f"signed: {sign(Path(args.version_dir), Path(args.key))}")
+    print(f"signed: {sign(Path(args.model_dir), Path(args.key))}")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from service.signing import SignatureError, load_trusted_keys, verify
+    """Each version as the server checks it at load."""
+    with _server_extra("verify"):
+        from service.signing import SignatureError, TrustError, check_version, load_trust
 
+    model_dir = Path(args.model_dir)
     try:
-        signer = verify(Path(args.version_dir), load_trusted_keys(Path(args.trusted_keys)))
-    except SignatureError as exc:
-        print(f"REFUSED: {exc}", file=sys.stderr)
+        trust = load_trust(
+            Path(args.trusted_keys) if args.trusted_keys else None,
+            Path(args.trusted_ca) if args.trusted_ca else None,
+        )
+        versions = sorted(
+            int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()
+        )
+    except (TrustError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not versions:
+        print(f"REFUSED: {model_dir} has no version directories", file=sys.stderr)
         return 1
-    print(f"OK: {args.version_dir} signed by key {signer}; every file matches")
-    return 0
+    refused = 0
+    for version in versions:
+        try:
+            signer = check_version(model_dir, model_dir.name, version, trust, None)
+        except SignatureError as exc:
+            print(f"REFUSED version {version}: {exc}", file=sys.stderr)
+            refused += 1
+            continue
+        print(f"OK version {version}: signed by {signer}; config.pbtxt and every file match")
+    return 1 if refused else 0
 
 
 def random_inputs(
@@ -249,14 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="also issue a client certificate NAME (mutual TLS), repeatable: "
         "DIR/client-NAME.pem and DIR/client-NAME-key.pem",
     )
-    keygen = sub.add_parser("keygen", help="create an Ed25519 key pair for signing models")
+    keygen = sub.add_parser("keygen", help="create an ECDSA P-256 key pair for signing models")
     keygen.add_argument("--out", default="model-signing", help="NAME: writes NAME.key, NAME.pub")
-    sign = sub.add_parser("sign", help="sign a model version directory (MODEL/VERSION)")
-    sign.add_argument("version_dir")
-    sign.add_argument("--key", required=True, help="the private key from keygen")
-    verify = sub.add_parser("verify", help="check a model version's signature and files")
-    verify.add_argument("version_dir")
-    verify.add_argument("--trusted-keys", required=True, help="directory of *.pub keys")
+    sign = sub.add_parser(
+        "sign", help="sign a model directory (OpenSSF model-signing): writes MODEL/model.sig"
+    )
+    sign.add_argument("model_dir")
+    sign.add_argument("--key", required=True, help="the private key (PEM) from keygen")
+    verify = sub.add_parser("verify", help="check a model's versions as the server would")
+    verify.add_argument("model_dir")
+    verify.add_argument("--trusted-keys", help="directory of public keys (*.pem, *.pub)")
+    verify.add_argument("--trusted-ca", help="PEM file of CA certificates")
     client_command("models", "list the model repository and each version's state")
     health = client_command("health", "check server (or one model's) health")
     health.add_argument("--model", help="a model name; the whole server when omitted")

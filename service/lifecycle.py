@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from protos.inference import model_config_pb2 as mc
 from service import errors
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.shapes import shape_buckets
@@ -22,6 +25,7 @@ from service.repository import (
     RepositoryError,
     check_model_name,
     complete_config,
+    read_config,
 )
 from service.scheduling.instances import (
     frontend_numa_node,
@@ -32,7 +36,7 @@ from service.scheduling.instances import (
 from service.scheduling.placement import Placement
 from service.scheduling.topology import Topology
 from service.settings import ServerSettings
-from service.signing import SignatureError, SigningPolicy
+from service.signing import CONFIG_FILE, SIGNATURE_FILE, SignatureError, SigningPolicy
 from service.statistics import ModelStats
 from service.tensors import config_type_name
 from service.validation import RequestValidator
@@ -81,6 +85,7 @@ class Lifecycle:
         self._locks: dict[str, asyncio.Lock] = {}
         self._tried: dict[tuple[str, int], Fingerprint] = {}
         self._retiring: set[asyncio.Task[None]] = set()
+        self._copies: Path | None = None  # the private copies of verified versions (0700)
 
     async def start(self) -> None:
         if self.mode == "explicit" and "*" not in self.startup:
@@ -110,6 +115,8 @@ class Lifecycle:
         await asyncio.gather(*(i.stop() for v in versions for i in v.instances))
         for served in versions:
             served.state = VersionState.UNAVAILABLE
+        if self._copies is not None:
+            shutil.rmtree(self._copies, ignore_errors=True)
 
     async def _rescan(self) -> None:
         await self.rescan(unload_missing=self.mode == "poll", only_loaded=self.mode == "explicit")
@@ -198,6 +205,7 @@ class Lifecycle:
             served.state, served.reason = VersionState.UNAVAILABLE, f"loading failed: {exc}"
             self.models.load_failed(served.name, "load")
             await asyncio.gather(*(i.stop() for i in served.instances), return_exceptions=True)
+            _drop_copy(served)
             self.models.changed()
 
     async def _load_version(
@@ -206,7 +214,7 @@ class Lifecycle:
         config = served.config
         if self.signing is not None:
             try:
-                await asyncio.to_thread(self.signing.check, files.path)
+                files, config = await asyncio.to_thread(self._verified, served, files)
             except SignatureError as exc:
                 served.state, served.reason, served.refused = (
                     VersionState.UNAVAILABLE,
@@ -214,6 +222,7 @@ class Lifecycle:
                     True,
                 )
                 log.error("model %s version %d refused: %s", served.name, served.version, exc)
+                _drop_copy(served)
                 self.models.load_failed(served.name, "signature")
                 self.models.changed()
                 return
@@ -265,6 +274,7 @@ class Lifecycle:
             log.error("model %s version %d not loaded: %s", served.name, served.version, exc)
             self.models.load_failed(served.name, "load")
             await asyncio.gather(*(i.stop() for i in served.instances))
+            _drop_copy(served)
             self.models.changed()
             return
         log.info(
@@ -277,6 +287,37 @@ class Lifecycle:
             _describe(served.config.output, served.config.max_batch_size),
         )
         self.models.changed()
+
+    def _verified(
+        self, served: ServedVersion, files: ModelFiles
+    ) -> tuple[ModelFiles, mc.ModelConfig]:
+        """Check the version's signature, copying the checked bytes into a private directory:
+        the files and the config to load from then, the repository's if it is unsigned and
+        that is allowed. Every worker start and restart loads the copy, so nothing written to
+        the repository after the check (or a swapped symlink) ever runs."""
+        assert self.signing is not None
+        if self._copies is None:
+            self._copies = Path(tempfile.mkdtemp(prefix="paddlequic-verified-"))  # mode 0700
+        copy = Path(tempfile.mkdtemp(prefix=f"{served.name}-{served.version}-", dir=self._copies))
+        served.copy = copy
+        model_dir = self.repository.root / served.name
+        if not self.signing.check(model_dir, served.name, served.version, copy):
+            _drop_copy(served)
+            return files, served.config
+        try:
+            config = read_config(copy, served.name)
+        except RepositoryError as exc:
+            raise SignatureError(f"the signed {CONFIG_FILE} cannot be served: {exc}") from exc
+        if config != served.config:
+            raise SignatureError(f"{served.name}/{CONFIG_FILE} changed while being loaded")
+        version_dir = copy / str(served.version)
+        relocated = ModelFiles(
+            files.version,
+            version_dir,
+            version_dir / files.model_file.relative_to(files.path),
+            version_dir / files.params_file.relative_to(files.path),
+        )
+        return relocated, config
 
     async def load_model(self, name: str) -> None:
         """Load a model, or reload it: versions that are new or whose files changed start in
@@ -461,18 +502,31 @@ class Lifecycle:
         if batcher is not None:
             await batcher.stop()
         await asyncio.gather(*(i.stop() for i in served.instances))
+        _drop_copy(served)
         if served.state is VersionState.UNLOADING:
             served.state, served.reason = VersionState.UNAVAILABLE, why
         log.info("model %s version %d %s; its workers stopped", served.name, served.version, why)
 
 
 def fingerprint(directory: Path) -> Fingerprint:
-    """What identifies a version's files without reading them: path, size, mtime."""
+    """What identifies a version's files without reading them: path, size, mtime; with the
+    model's config.pbtxt and signature, which it is loaded (and checked) with."""
     entries = []
-    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+    model_files = [directory.parent / CONFIG_FILE, directory.parent / SIGNATURE_FILE]
+    for file in [p for p in model_files if p.is_file()] + sorted(
+        p for p in directory.rglob("*") if p.is_file()
+    ):
         stat = file.stat()
-        entries.append((file.relative_to(directory).as_posix(), stat.st_size, stat.st_mtime_ns))
+        entries.append(
+            (file.relative_to(directory.parent).as_posix(), stat.st_size, stat.st_mtime_ns)
+        )
     return tuple(entries)
+
+
+def _drop_copy(served: ServedVersion) -> None:
+    if served.copy is not None:
+        shutil.rmtree(served.copy, ignore_errors=True)
+        served.copy = None
 
 
 def _key(name: str, version: int) -> str:

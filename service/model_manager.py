@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from opentelemetry.trace import SpanContext
@@ -47,6 +48,7 @@ class ServedVersion:
     local_numa: int | None = None  # the front-end's NUMA node
     refused: bool = False  # by the signing policy: requests get FAILED_PRECONDITION
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # the files it was loaded from
+    copy: Path | None = None  # the verified private copy its workers load (signed models)
     active: int = 0  # requests that resolved to this version and are not answered yet
     _random: random.Random = field(default_factory=lambda: random.Random(0))
 

@@ -38,7 +38,7 @@ from service.restricted import (
 )
 from service.scheduling.host import load_topology
 from service.settings import ServerSettings
-from service.signing import SigningPolicy, load_trusted_keys
+from service.signing import SigningPolicy, TrustError, load_trust
 from service.testing_servicer import TestingServicer
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
@@ -90,13 +90,16 @@ async def serve(settings: ServerSettings) -> None:
     topology = load_topology(settings.topology)
     models = ModelManager(lambda: health.changed() if health else None)
     lifecycle = Lifecycle(models, ModelRepository(settings.model_repository), topology, settings)
-    if settings.trusted_keys or settings.require_signed:
-        trusted = load_trusted_keys(Path(settings.trusted_keys)) if settings.trusted_keys else {}
-        lifecycle.signing = SigningPolicy(trusted, settings.require_signed)
+    if settings.trusted_keys or settings.trusted_ca or settings.require_signed:
+        trust = load_trust(
+            Path(settings.trusted_keys) if settings.trusted_keys else None,
+            Path(settings.trusted_ca) if settings.trusted_ca else None,
+        )
+        lifecycle.signing = SigningPolicy(trust, settings.require_signed)
         log.info(
-            "signed models: %d trusted key(s)%s",
-            len(trusted),
-            ", unsigned versions refused" if settings.require_signed else "",
+            "signed models: trusted %s%s",
+            ", ".join(trust.names) or "nothing",
+            ", unsigned models refused" if settings.require_signed else "",
         )
     health = Health(models)
     metrics = Metrics(models, topology) if settings.metrics else None
@@ -310,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         MetricsUnavailable,
         RestrictionError,
         ClientAuthError,
+        TrustError,
     ) as exc:
         log.error("%s", exc)
         return 1

@@ -45,6 +45,7 @@ class ServerSettings:
     load_model: str = ""
     poll_repository: float = 0.0
     trusted_keys: str = ""
+    trusted_ca: str = ""
     require_signed: bool = False
     topology: str = ""
     metrics: bool = True
@@ -95,9 +96,12 @@ _HELP = {
     "RepositoryModelLoad/Unload",
     "load_model": "models to load at start in explicit mode, comma-separated (* = all)",
     "poll_repository": "seconds between repository rescans in poll mode",
-    "trusted_keys": "directory of Ed25519 public keys (*.pub): versions signed by other keys, "
-    "or changed since signing, are refused",
-    "require_signed": "refuse unsigned model versions too",
+    "trusted_keys": "directory of ECDSA public keys (*.pem, *.pub) trusted to sign models "
+    "(OpenSSF model-signing, MODEL/model.sig): versions signed otherwise, or changed since "
+    "signing, are refused",
+    "trusted_ca": "PEM file of CA certificates: models signed with a certificate chaining to "
+    "one are trusted too",
+    "require_signed": "refuse unsigned models too (without it they load with a warning)",
     "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
     "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
     "metrics_port": "TCP port for /metrics (0: any free port, logged)",

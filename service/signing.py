@@ -1,69 +1,92 @@
-"""Signed model versions: an Ed25519 signature over a manifest of every file in a version
-directory (relative path, size, SHA-256).
+"""Signed models in the OpenSSF model-signing format (the `model-signing` package): an in-toto
+statement in a Sigstore bundle, `models/NAME/model.sig`, covering config.pbtxt and every
+version directory, its subject name the model's name.
 
-`paddlequic sign` writes `paddlequic.sig` into the version directory; the server, given trusted
-public keys, checks it before any file reaches Paddle: an unknown key, a bad signature, or a
-file modified, added or removed since signing refuses the version, naming the file.
+The server checks one version at a time: the signature verifies with a trusted key (or a
+certificate chaining to the trusted CA), the subject is the model, and config.pbtxt plus every
+file of the version match the signed manifest exactly. The files are read once, through
+descriptors opened without following symlinks, and the bytes hashed are the bytes written to a
+private copy that the workers load, so nothing changed on disk after the check is ever run.
+
+The verifiers come from model-signing's internal modules (`model_signing._signing`): its public
+API verifies whole directories only, and a version is checked on its own here. The package is
+pinned for that reason.
 """
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import hashlib
-import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
-from cryptography.exceptions import InvalidSignature
+import model_signing
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric import ec
+from model_signing import manifest
+from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_pb
+from model_signing._signing.signing import Verifier
 
-SIGNATURE_FILE = "paddlequic.sig"
+SIGNATURE_FILE = "model.sig"
+CONFIG_FILE = "config.pbtxt"
+KEY_SUFFIXES = (".pem", ".pub")
 log = logging.getLogger("paddlequic.signing")
 _CHUNK = 1 << 20
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class SignatureError(Exception):
-    """The version's signature does not hold; the message says which file or key."""
+    """The version is refused; the message names the file or the key."""
+
+
+class TrustError(ValueError):
+    """The trusted keys or CA given to the server cannot be used."""
 
 
 @dataclass(frozen=True)
-class Entry:
-    path: str  # relative, with "/" separators
-    size: int
-    sha256: str
+class Trust:
+    """Who may sign: verifiers by the name an operator recognizes (key file or CA file)."""
+
+    verifiers: tuple[tuple[str, Verifier], ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.verifiers]
 
 
-def manifest(version_dir: Path) -> list[Entry]:
-    """Every regular file below the version directory but the signature, each read once."""
-    entries = []
-    for file in sorted(p for p in version_dir.rglob("*") if p.is_file()):
-        relative = file.relative_to(version_dir).as_posix()
-        if relative == SIGNATURE_FILE:
-            continue
-        digest, size = hashlib.sha256(), 0
-        with file.open("rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-        entries.append(Entry(relative, size, digest.hexdigest()))
-    return entries
-
-
-def _canonical(entries: list[Entry]) -> bytes:
-    return json.dumps([[e.path, e.size, e.sha256] for e in entries], separators=(",", ":")).encode()
-
-
-def key_id(public_key: Ed25519PublicKey) -> str:
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:16]
+def load_trust(keys_dir: Path | None, ca_file: Path | None) -> Trust:
+    """Every `*.pem` and `*.pub` public key in `keys_dir`, and the CA certificates in
+    `ca_file`. A file that is not a usable key stops the server: trust must not shrink
+    silently."""
+    verifiers: list[tuple[str, Verifier]] = []
+    if keys_dir is not None:
+        if not keys_dir.is_dir():
+            raise TrustError(f"--trusted-keys {keys_dir} is not a directory")
+        for file in sorted(p for p in keys_dir.iterdir() if p.suffix in KEY_SUFFIXES):
+            try:
+                verifiers.append((file.name, sign_ec_key.Verifier(file)))
+            except (ValueError, TypeError, OSError) as exc:
+                raise TrustError(
+                    f"--trusted-keys: {file} is not an ECDSA (P-256, P-384, P-521) public key "
+                    f"in PEM: {exc}"
+                ) from exc
+    if ca_file is not None:
+        try:
+            verifiers.append((ca_file.name, sign_certificate.Verifier([ca_file])))
+        except (ValueError, OSError) as exc:
+            raise TrustError(f"--trusted-ca {ca_file}: no PEM certificates ({exc})") from exc
+    return Trust(tuple(verifiers))
 
 
 def generate_keys(private_path: Path, public_path: Path) -> str:
-    """A new key pair; the private key file is created with mode 0600. Returns the key id."""
-    key = Ed25519PrivateKey.generate()
+    """A new ECDSA P-256 key pair in PEM; the private key file is created with mode 0600.
+    Returns the public key's fingerprint (SHA-256 of its PEM, as the signature records it)."""
+    key = ec.generate_private_key(ec.SECP256R1())
     private = key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -72,88 +95,197 @@ def generate_keys(private_path: Path, public_path: Path) -> str:
     fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(private)
-    public_path.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    return key_id(key.public_key())
+    public_path.write_bytes(public)
+    return hashlib.sha256(public).hexdigest()
 
 
-def sign(version_dir: Path, private_key_path: Path) -> Path:
-    key = serialization.load_pem_private_key(private_key_path.read_bytes(), password=None)
-    if not isinstance(key, Ed25519PrivateKey):
-        raise SignatureError(f"{private_key_path} is not an Ed25519 private key")
-    entries = manifest(version_dir)
-    document = {
-        "key_id": key_id(key.public_key()),
-        "files": [[e.path, e.size, e.sha256] for e in entries],
-        "signature": base64.b64encode(key.sign(_canonical(entries))).decode(),
-    }
-    target = version_dir / SIGNATURE_FILE
-    target.write_text(json.dumps(document, indent=1) + "\n")
+def sign(model_dir: Path, private_key: Path) -> Path:
+    """Sign a model directory as `model_signing sign key MODEL --private_key KEY --signature
+    MODEL/model.sig` does."""
+    target = model_dir / SIGNATURE_FILE
+    model_signing.signing.Config().use_elliptic_key_signer(
+        private_key=private_key
+    ).set_hashing_config(
+        model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE])
+    ).sign(model_dir, target)
     return target
 
 
-def load_trusted_keys(directory: Path) -> dict[str, Ed25519PublicKey]:
-    """Every `*.pub` Ed25519 public key in the directory, by key id."""
-    keys = {}
-    for file in sorted(directory.glob("*.pub")):
-        key = serialization.load_pem_public_key(file.read_bytes())
-        if isinstance(key, Ed25519PublicKey):
-            keys[key_id(key)] = key
-    return keys
-
-
-def verify(version_dir: Path, trusted: dict[str, Ed25519PublicKey]) -> str:
-    """The signing key's id, or SignatureError saying what does not hold."""
-    signature_file = version_dir / SIGNATURE_FILE
-    if not signature_file.is_file():
-        raise SignatureError(f"{version_dir} is not signed (no {SIGNATURE_FILE})")
+def signed_manifest(model_dir: Path, name: str, trust: Trust) -> tuple[dict[str, str], str]:
+    """The signed file digests (path -> SHA-256 hex) and who signed them, or SignatureError."""
+    signature_file = model_dir / SIGNATURE_FILE
     try:
-        document = json.loads(signature_file.read_text())
-        signed = [Entry(str(p), int(s), str(h)) for p, s, h in document["files"]]
-        signature = base64.b64decode(document["signature"])
-        signer = str(document["key_id"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SignatureError(f"{signature_file} is malformed: {exc}") from exc
-    key = trusted.get(signer)
-    if key is None:
-        raise SignatureError(f"{version_dir} is signed by unknown key {signer}")
-    try:
-        key.verify(signature, _canonical(signed))
-    except InvalidSignature:
+        signature = sign_sigstore_pb.Signature.read(signature_file)
+    except FileNotFoundError:
+        raise SignatureError(f"model '{name}' is not signed (no {SIGNATURE_FILE})") from None
+    except Exception as exc:  # a signature file is untrusted input: any parse error refuses it
+        raise SignatureError(f"{signature_file} is not a model-signing bundle: {exc}") from exc
+    problems = []
+    for signer, verifier in trust.verifiers:
+        try:
+            signed = verifier.verify(signature)
+            break
+        except Exception as exc:  # whatever a verifier raises, this key did not sign it
+            problems.append(f"{signer}: {exc or type(exc).__name__}")
+    else:
+        trusted = ", ".join(problems) if problems else "no trusted keys configured"
         raise SignatureError(
-            f"{signature_file}: the signature does not match its manifest"
-        ) from None
-    _compare(version_dir, signed, manifest(version_dir))
+            f"{signature_file} is not signed by a trusted key{_key_hint(signature)} ({trusted})"
+        )
+    if signed.model_name != name:
+        raise SignatureError(
+            f"{signature_file} was signed for model '{signed.model_name}', not '{name}'"
+        )
+    method = signed.serialization_type
+    if method.get("method") != "files" or method.get("hash_type") != "sha256":
+        raise SignatureError(
+            f"{signature_file}: serialization {method.get('method')}/{method.get('hash_type')} "
+            "is not served; sign with the default (files, sha256)"
+        )
+    return _digests(signed), signer
+
+
+def _digests(signed: manifest.Manifest) -> dict[str, str]:
+    return {rd.identifier: rd.digest.digest_hex for rd in signed.resource_descriptors()}
+
+
+def _key_hint(signature: sign_sigstore_pb.Signature) -> str:
+    material = signature.bundle.verification_material
+    key = getattr(material, "public_key", None)
+    hint = getattr(key, "hint", None)
+    return f" (it names key {hint})" if hint else ""
+
+
+def check_version(
+    model_dir: Path, name: str, version: int, trust: Trust, copy_to: Path | None
+) -> str:
+    """Verify config.pbtxt and version `version` of a signed model; with `copy_to`, the bytes
+    checked are written there (config.pbtxt, VERSION/...) for the workers to load. Returns
+    who signed it."""
+    signed, signer = signed_manifest(model_dir, name, trust)
+    prefix = f"{version}/"
+    wanted = {p: d for p, d in signed.items() if p == CONFIG_FILE or p.startswith(prefix)}
+    if not any(p.startswith(prefix) for p in wanted):
+        raise SignatureError(
+            f"model '{name}' version {version} is not in the signed manifest "
+            f"({model_dir / SIGNATURE_FILE}); sign the model again to serve it"
+        )
+    found = _read_version(model_dir, version, copy_to)
+    for path in sorted(set(wanted) | set(found)):
+        where = f"{name}/{path}"
+        if path not in found:
+            raise SignatureError(f"{where}: signed file was removed")
+        if path not in wanted:
+            raise SignatureError(f"{where} was added after signing")
+        if wanted[path] != found[path]:
+            raise SignatureError(f"{where} was modified after signing")
     return signer
 
 
-def _compare(version_dir: Path, signed: list[Entry], actual: list[Entry]) -> None:
-    expected = {e.path: e for e in signed}
-    found = {e.path: e for e in actual}
-    for path in sorted(set(expected) | set(found)):
-        if path not in found:
-            raise SignatureError(f"{version_dir}: signed file {path} was removed")
-        if path not in expected:
-            raise SignatureError(f"{version_dir}: file {path} was added after signing")
-        if expected[path] != found[path]:
-            raise SignatureError(f"{version_dir}: file {path} was modified after signing")
+def _read_version(model_dir: Path, version: int, copy_to: Path | None) -> dict[str, str]:
+    """SHA-256 of config.pbtxt and of every file under VERSION/, each read once; symlinks and
+    anything but regular files and directories are refused."""
+    digests: dict[str, str] = {}
+    root = _open_dir(model_dir, None, model_dir.name)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            digests[CONFIG_FILE] = _copy_file(root, CONFIG_FILE, CONFIG_FILE, copy_to)
+        _copy_tree(root, str(version), copy_to, digests)
+    finally:
+        os.close(root)
+    return digests
+
+
+def _copy_tree(parent: int, relative: str, copy_to: Path | None, digests: dict[str, str]) -> None:
+    directory = _open_dir(relative.rsplit("/", 1)[-1], parent, relative)
+    try:
+        if copy_to is not None:
+            (copy_to / relative).mkdir(mode=0o700)
+        for entry in sorted(os.listdir(directory)):
+            path = f"{relative}/{entry}"
+            mode = os.stat(entry, dir_fd=directory, follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                _copy_tree(directory, path, copy_to, digests)
+            elif stat.S_ISREG(mode):
+                digests[path] = _copy_file(directory, entry, path, copy_to)
+            else:
+                raise SignatureError(f"{path} is {_kind(mode)}; only regular files are served")
+    finally:
+        os.close(directory)
+
+
+def _open_dir(path: Path | str, parent: int | None, shown: str) -> int:
+    try:
+        return os.open(path, _OPEN_DIR, dir_fd=parent)
+    except OSError as exc:
+        if _is_symlink(path, parent):
+            raise SignatureError(f"{shown} is a symlink; symlinks are refused") from None
+        raise SignatureError(f"{shown} cannot be read: {exc.strerror or exc}") from None
+
+
+def _copy_file(directory: int, entry: str, relative: str, copy_to: Path | None) -> str:
+    try:
+        fd = os.open(entry, _OPEN_FILE, dir_fd=directory)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        if _is_symlink(entry, directory):
+            raise SignatureError(f"{relative} is a symlink; symlinks are refused") from None
+        raise SignatureError(f"{relative} cannot be read: {exc.strerror or exc}") from None
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as source:
+        mode = os.fstat(source.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise SignatureError(f"{relative} is {_kind(mode)}; only regular files are served")
+        target = _create(copy_to / relative) if copy_to is not None else None
+        try:
+            while chunk := source.read(_CHUNK):
+                digest.update(chunk)
+                if target is not None:
+                    target.write(chunk)
+        finally:
+            if target is not None:
+                target.close()
+    return digest.hexdigest()
+
+
+def _create(path: Path) -> IO[bytes]:
+    """A new read-only file only this user can read."""
+    return os.fdopen(
+        os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400), "wb"
+    )
+
+
+def _is_symlink(path: Path | str, parent: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(path, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _kind(mode: int) -> str:
+    return "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
 
 
 @dataclass(frozen=True)
 class SigningPolicy:
-    """With trusted keys, bad signatures are always refused; unsigned versions are refused
-    only when `required`, and otherwise load with a warning."""
+    """With trust configured, a bad signature is always refused; an unsigned model is refused
+    only when `required`, and otherwise loads from the repository with a warning."""
 
-    trusted: dict[str, Ed25519PublicKey]
+    trust: Trust
     required: bool
 
-    def check(self, version_dir: Path) -> None:
-        if not (version_dir / SIGNATURE_FILE).is_file() and not self.required:
+    def check(self, model_dir: Path, name: str, version: int, copy_to: Path) -> bool:
+        """True: verified, and the checked bytes are in `copy_to`. False: unsigned, allowed."""
+        if not self.required and not os.path.lexists(model_dir / SIGNATURE_FILE):
             log.warning(
-                "%s is not signed; loading it (use --require-signed to refuse)", version_dir
+                "model %s is not signed (no %s); loading it (use --require-signed to refuse)",
+                name,
+                SIGNATURE_FILE,
             )
-            return
-        verify(version_dir, self.trusted)
+            return False
+        check_version(model_dir, name, version, self.trust, copy_to)
+        return True

@@ -1,9 +1,17 @@
-"""The server's signing policy: signed versions load, tampered or unsigned ones are refused
-with a reason, and requests for them get FAILED_PRECONDITION."""
+"""The server's signing policy (OpenSSF model-signing): signed versions load; tampered files or
+config, a signature moved to another model, a version the signature does not list and (with
+--require-signed) unsigned models are refused with the reason, requests for them get
+FAILED_PRECONDITION, and the failures are counted. What a worker loads, at every start and
+restart, is the verified copy, never the repository's files."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -13,44 +21,141 @@ import pytest
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from service.signing import generate_keys, sign
-from tests.servers import EXAMPLE_MODELS, running_server
+from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
 
-REQUEST = {"input": np.ones((1, 256), np.float32)}
+REQUEST = {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]}
+ALL_VERSIONS = "version_policy: { all: {} }\n"
+
+
+def add_model(root: Path, name: str, extra_config: str = "") -> Path:
+    target = root / name
+    shutil.copytree(EXAMPLE_MODELS / "mlp" / "1", target / "1")
+    config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
+    (target / "config.pbtxt").write_text(
+        config.replace('name: "mlp"', f'name: "{name}"') + extra_config
+    )
+    return target
 
 
 def repository(root: Path, key: Path) -> Path:
-    """good: signed; tampered: signed, then a file changed; unsigned: never signed."""
-    for name in ("good", "tampered", "unsigned"):
-        shutil.copytree(EXAMPLE_MODELS / "mlp" / "1", root / name / "1")
-        config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
-        (root / name / "config.pbtxt").write_text(config.replace('name: "mlp"', f'name: "{name}"'))
-    sign(root / "good" / "1", key)
-    sign(root / "tampered" / "1", key)
+    """good: signed. tampered: a weight file changed after signing. config: config.pbtxt
+    changed after signing (c). impostor: good's files and signature under another name (d).
+    partial: signed with version 1, then version 2 added (d). unsigned: never signed."""
+    sign(add_model(root, "good"), key)
+    sign(add_model(root, "tampered"), key)
     (root / "tampered" / "1" / "inference.pdiparams").write_bytes(b"\0" * 64)
+    sign(add_model(root, "config"), key)
+    with (root / "config" / "config.pbtxt").open("a") as handle:
+        handle.write('parameters { key: "cpu_threads" value: { string_value: "2" } }\n')
+    shutil.copytree(root / "good", root / "impostor")
+    config = root / "impostor" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "good"', 'name: "impostor"'))
+    sign(add_model(root, "partial", ALL_VERSIONS), key)
+    shutil.copytree(root / "partial" / "1", root / "partial" / "2")
+    add_model(root, "unsigned")
     return root
+
+
+def infer(server: ServerProcess, model: str, version: str = "") -> bytes:
+    request = build_request(model, REQUEST, version=version)
+    return bytes(server.stub.ModelInfer(request, timeout=60).raw_output_contents[0])
+
+
+def refused(server: ServerProcess, model: str, version: str = "") -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as error:
+        infer(server, model, version)
+    return error.value.code()
+
+
+def index(server: ServerProcess) -> dict[tuple[str, str], pb.RepositoryIndexResponse.ModelIndex]:
+    models = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10).models
+    return {(m.name, m.version): m for m in models}
+
+
+def signature_failures(metrics_port: int) -> int:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("paddlequic_model_load_failures_total{") and 'reason="signature"' in line
+    )
+
+
+def keys(tmp_path: Path) -> tuple[Path, Path]:
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    generate_keys(tmp_path / "release.key", trusted / "release.pub")
+    return tmp_path / "release.key", trusted
 
 
 @pytest.mark.parametrize("required", [True, False])
 def test_signing_policy(tmp_path: Path, required: bool) -> None:
-    trusted = tmp_path / "trusted"
-    trusted.mkdir()
-    generate_keys(tmp_path / "release.key", trusted / "release.pub")
-    repo = repository(tmp_path / "models", tmp_path / "release.key")
-    args = ["--trusted-keys", str(trusted), "--no-h3", *(["--require-signed"] if required else [])]
-    server_log = tmp_path / "server.log"
-    with running_server(repo, server_log, args, wait=False) as server:
+    key, trusted = keys(tmp_path)
+    repo = repository(tmp_path / "models", key)
+    metrics_port = free_port()
+    args = ["--trusted-keys", str(trusted), "--no-h3", "--metrics-port", str(metrics_port)]
+    args += ["--require-signed"] if required else []
+    with running_server(repo, tmp_path / "server.log", args, wait=False) as server:
         server.wait_loaded()
-        index = {m.name: m for m in server.stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
-        assert index["good"].state == "READY"
-        assert index["tampered"].state == "UNAVAILABLE"
-        assert "inference.pdiparams was modified" in index["tampered"].reason
-        assert server.stub.ModelInfer(build_request("good", REQUEST), timeout=30).outputs
-        with pytest.raises(grpc.RpcError) as refused:
-            server.stub.ModelInfer(build_request("tampered", REQUEST), timeout=30)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        models = index(server)
+        assert models["good", "1"].state == "READY"
+        assert infer(server, "good")
+        expected = {
+            ("tampered", "1"): "tampered/1/inference.pdiparams was modified after signing",
+            ("config", "1"): "config/config.pbtxt was modified after signing",
+            ("impostor", "1"): "signed for model 'good', not 'impostor'",
+            ("partial", "2"): "version 2 is not in the signed manifest",
+        }
+        for (name, version), reason in expected.items():
+            assert models[name, version].state == "UNAVAILABLE"
+            assert reason in models[name, version].reason
+            assert refused(server, name, version) == grpc.StatusCode.FAILED_PRECONDITION
+        # The version the signature lists serves.
+        assert models["partial", "1"].state == "READY"
+        assert infer(server, "partial", "1") == infer(server, "good")
         if required:
-            assert index["unsigned"].state == "UNAVAILABLE"
-            assert "not signed" in index["unsigned"].reason
+            assert models["unsigned", "1"].state == "UNAVAILABLE"
+            assert "is not signed" in models["unsigned", "1"].reason
         else:
-            assert index["unsigned"].state == "READY"
-            assert "is not signed; loading it" in server.log_text()
+            assert models["unsigned", "1"].state == "READY"
+            assert "is not signed (no model.sig); loading it" in server.log_text()
+        assert signature_failures(metrics_port) == len(expected) + required
+
+
+def eventually(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 120  # a restart loads Paddle again on a busy 2-core machine
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_restarts_and_reloads_load_only_verified_bytes(tmp_path: Path) -> None:
+    """(a): weights tampered with after the load never serve: not after the worker dies and
+    restarts, not after a reload, which refuses them and leaves the verified version serving."""
+    key, trusted = keys(tmp_path)
+    model = add_model(tmp_path / "models", "good")
+    sign(model, key)
+    args = ["--trusted-keys", str(trusted), "--require-signed", "--no-h3"]
+    with running_server(tmp_path / "models", tmp_path / "server.log", args) as server:
+        answer = infer(server, "good")
+        weights = model / "1" / "inference.pdiparams"
+        weights.write_bytes(bytes(weights.stat().st_size))  # zeros: another answer if loaded
+        (before,) = server.instances("good")
+        os.kill(before.pid, signal.SIGKILL)
+        eventually(
+            "the worker to restart",
+            lambda: [(i.state, i.restarts) for i in server.instances("good")] == [("READY", 1)],
+        )
+        assert infer(server, "good") == answer
+
+        server.process.send_signal(signal.SIGHUP)
+        eventually(
+            "the reload to refuse the tampered weights",
+            lambda: "inference.pdiparams was modified" in index(server)["good", "1"].reason,
+        )
+        assert index(server)["good", "1"].state == "READY"
+        assert infer(server, "good") == answer
