@@ -94,7 +94,7 @@ class RawPredictor:
         """Rows/s with batch sizes drawn from 1..RANDOM_SIZES, as a dynamic batcher forms
         them, each padded to this predictor's batch bucket (if it has buckets)."""
         rng = np.random.default_rng(1)
-        x = rng.standard_normal((max(RANDOM_SIZES, *self.shapes.batch), *self.shape))
+        x = rng.standard_normal((max((RANDOM_SIZES, *self.shapes.batch)), *self.shape))
         x = x.astype(np.float32)
         rows, started = 0, time.perf_counter()
         while time.perf_counter() - started < duration:
