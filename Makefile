@@ -15,12 +15,13 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt bench-observability clean
+.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt bench-observability chaos clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
 	@echo "make test    run the test suite (no GPU needed)"
 	@echo "make lint    ruff + mypy"
+	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
@@ -83,6 +84,9 @@ bench-observability: setup models
 
 bench-rtt: setup models
 	$(BIN)/python -m scripts.rtt_lab $(ARGS)
+
+chaos: setup models
+	$(BIN)/python -m tests.chaos $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

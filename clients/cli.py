@@ -49,10 +49,10 @@ def _serve(argv: Sequence[str]) -> int:
 
 
 def _topology(argv: Sequence[str]) -> int:
-    with _server_extra("topology"):
+    with _server_extra("topology"):  # NVML is imported when the command runs
         from service.topology_command import main as topology_main
 
-    return topology_main(argv)
+        return topology_main(argv)
 
 
 def _client(args: argparse.Namespace, tickets: Any = None) -> Any:

@@ -127,6 +127,9 @@ async def serve(settings: ServerSettings) -> None:
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_metadata_size", settings.max_metadata_bytes),
+        # grpc core has no per-address limit; the total and idle connections are bounded.
+        ("grpc.max_allowed_incoming_connections", settings.h2_max_connections),
+        ("grpc.max_connection_idle_ms", int(settings.idle_timeout * 1000)),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     servicers = _Servicers(
@@ -246,6 +249,7 @@ async def _start_h3(
         tickets=MemoryTicketStore(ttl_s=settings.ticket_ttl),
         zero_rtt=settings.zero_rtt,
         early_data_methods=parse_allowlist(settings.early_data_methods),
+        idle_timeout_s=settings.idle_timeout,
         client_auth=client_auth,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         limits=H3Limits(

@@ -36,6 +36,8 @@ class ServerSettings:
     max_message_bytes: int = 64 << 20
     max_concurrent_rpcs: int = 1024
     max_metadata_bytes: int = 16 << 10
+    h2_max_connections: int = 1024
+    idle_timeout: float = 60.0
     h3_max_connections: int = 1024
     h3_max_connections_per_address: int = 64
     h3_handshake_timeout: float = 10.0
@@ -84,6 +86,9 @@ _HELP = {
     "RESOURCE_EXHAUSTED",
     "max_metadata_bytes": "largest header block (metadata) accepted, on both transports; "
     "RFC 9114 size: names + values + 32 per entry",
+    "h2_max_connections": "HTTP/2 connections held at once; more are closed as they arrive",
+    "idle_timeout": "seconds a connection may stay idle (HTTP/2: no call; HTTP/3: no packet) "
+    "before the server closes it",
     "h3_max_connections": "HTTP/3 connections held at once; more are refused at once",
     "h3_max_connections_per_address": "HTTP/3 connections held at once from one IP address",
     "h3_handshake_timeout": "seconds an HTTP/3 connection may take to complete its handshake",

@@ -53,16 +53,13 @@ _DEFAULT_MAX_NVLINKS = 18
 
 
 def discover(nvml: Any = None, sys_root: str = "/sys") -> Topology:
-    """The host's GPUs and links through NVML, or a CPU-only topology when there is no NVML.
+    """The host's GPUs and links through NVML, or a CPU-only topology when there is no driver.
 
-    `nvml` is the pynvml module (imported here by default); tests pass a stand-in for the
-    library. `sys_root` is where /sys is (NUMA nodes, PCI devices)."""
+    `nvml` is the pynvml module (imported here by default; nvidia-ml-py is a dependency of the
+    server, so its absence is an incomplete install, not a CPU-only host); tests pass a
+    stand-in for the library. `sys_root` is where /sys is (NUMA nodes, PCI devices)."""
     if nvml is None:
-        try:
-            nvml = importlib.import_module("pynvml")
-        except ImportError:
-            log.warning("nvidia-ml-py is not installed; treating this host as CPU-only")
-            return _cpu_only(sys_root, "nvidia-ml-py not installed")
+        nvml = importlib.import_module("pynvml")
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:

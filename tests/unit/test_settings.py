@@ -17,6 +17,8 @@ def test_max_concurrent_rpcs_is_bounded_and_positive() -> None:
 def test_transport_limits_are_bounded_by_default() -> None:
     defaults = settings.parse([])
     assert defaults.max_metadata_bytes == 16 << 10
+    assert defaults.h2_max_connections == 1024
+    assert defaults.idle_timeout == 60.0
     assert defaults.h3_max_connections == 1024
     assert defaults.h3_max_connections_per_address == 64
     assert defaults.h3_handshake_timeout == 10.0

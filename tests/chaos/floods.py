@@ -1,0 +1,154 @@
+"""Attacks by volume: random model names, a flood of QUIC Initials, thousands of idle
+connections."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import string
+import time
+
+import numpy as np
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.chaos.harness import TRANSPORTS, AttackResult, Scale, Target, outcome_of, status_name
+from transport.h3_client import H3ClientConnection, client_configuration
+
+NAME_LENGTH = 60
+CONCURRENCY = 16
+CALL_TIMEOUT_S = 20.0
+METRICS_GROWTH_LIMIT = 64 << 10  # /metrics may grow by known models, never per unknown name
+# Long header packet types of QUIC v1 (RFC 9000, 17.2), by bits 4-5 of the first byte.
+LONG_HEADER_TYPES = ("Initial", "0-RTT", "Handshake", "Retry")
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+
+
+async def random_names(target: Target, scale: Scale) -> AttackResult:
+    """ModelInfer on random 60-character names: NOT_FOUND each time, and the metrics must not
+    grow a series per name."""
+    result = AttackResult()
+    metrics_before = await asyncio.to_thread(target.metrics_bytes)
+    inputs = {"input": np.zeros((1, 256), np.float32)}
+    alphabet = string.ascii_letters + string.digits
+    rng = random.Random(10)
+    for transport in TRANSPORTS:
+        async with target.channel(transport) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            pending: set[asyncio.Task[str]] = set()
+            for _ in range(scale.names):
+                if len(pending) >= CONCURRENCY:
+                    done, pending = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
+                    result.outcomes.update(d.result() for d in done)
+                name = "".join(rng.choices(alphabet, k=NAME_LENGTH))
+                call = stub.ModelInfer(build_request(name, inputs), timeout=CALL_TIMEOUT_S)
+                pending.add(asyncio.ensure_future(outcome_of(call, CALL_TIMEOUT_S)))
+            result.outcomes.update(await asyncio.gather(*pending))
+    growth = await asyncio.to_thread(target.metrics_bytes) - metrics_before
+    result.notes["metrics_growth_bytes"] = growth
+    if growth > METRICS_GROWTH_LIMIT:
+        result.problems.append(f"/metrics grew by {growth} bytes for unknown model names")
+    return result
+
+
+def _reply_kind(datagram: bytes) -> str:
+    if not datagram or not datagram[0] & 0x80:
+        return "server replied short header"
+    if datagram[1:5] == b"\0\0\0\0":
+        return "server replied Version Negotiation"
+    return f"server replied {LONG_HEADER_TYPES[(datagram[0] >> 4) & 0x3]}"
+
+
+async def initial_flood(target: Target, scale: Scale) -> AttackResult:
+    """Real QUIC Initials (each from a new client connection) from one UDP socket, never
+    answered: what the server sends back is counted by packet type."""
+    result = AttackResult()
+    address = ("127.0.0.1", target.port)
+    configuration = QuicConfiguration(
+        is_client=True, alpn_protocols=H3_ALPN, server_name="localhost"
+    )
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.bind(("127.0.0.1", 0))
+        sock.setblocking(False)
+
+        def drain() -> None:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    result.outcomes[_reply_kind(sock.recv(65536))] += 1
+
+        for index in range(scale.initials):
+            quic = QuicConnection(configuration=configuration)
+            quic.connect(address, now=time.monotonic())
+            for data, _ in quic.datagrams_to_send(now=time.monotonic()):
+                sock.sendto(data, address)
+            result.notes["initials_sent"] = index + 1
+            drain()
+            await asyncio.sleep(0)
+        # Replies still on their way: wait for them, a bounded while.
+        deadline = loop.time() + 1.0
+        while loop.time() < deadline:
+            drain()
+            await asyncio.sleep(0.05)
+    if not result.outcomes:
+        result.outcomes["refused at transport"] = scale.initials
+    return result
+
+
+async def _h3_handshake(target: Target) -> tuple[str, H3ClientConnection | None]:
+    configuration = client_configuration("localhost", str(target.ca_file))
+    try:
+        connection = await H3ClientConnection.connect("127.0.0.1", target.port, configuration)
+    except Exception as exc:
+        return status_name(exc), None
+    try:
+        await asyncio.wait_for(connection.wait_connected(), CALL_TIMEOUT_S)
+    except Exception as exc:
+        await connection.close()
+        return status_name(exc), None
+    return "connected", connection
+
+
+async def _h2_connection(target: Target) -> tuple[str, asyncio.StreamWriter | None]:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", target.port)
+    except Exception as exc:
+        return status_name(exc), None
+    writer.write(HTTP2_PREFACE)
+    return "connected", writer
+
+
+async def idle_connections(target: Target, scale: Scale) -> AttackResult:
+    """Completed HTTP/3 handshakes and HTTP/2 connections (preface and SETTINGS sent) that
+    then do nothing, all held open together for a while."""
+    result = AttackResult()
+    h3: list[H3ClientConnection] = []
+    h2: list[asyncio.StreamWriter] = []
+    try:
+        for start in range(0, scale.idle_h3, CONCURRENCY):
+            batch = min(CONCURRENCY, scale.idle_h3 - start)
+            for kind, connection in await asyncio.gather(
+                *(_h3_handshake(target) for _ in range(batch))
+            ):
+                result.outcomes[f"h3 {kind}"] += 1
+                if connection is not None:
+                    h3.append(connection)
+        for kind, writer in await asyncio.gather(
+            *(_h2_connection(target) for _ in range(scale.idle_h2))
+        ):
+            result.outcomes[f"h2 {kind}"] += 1
+            if writer is not None:
+                h2.append(writer)
+        await asyncio.sleep(scale.idle_hold_s)
+        result.notes["h3_open_after_hold"] = sum(c.usable for c in h3)
+    finally:
+        for writer in h2:
+            writer.close()
+        await asyncio.gather(*(c.close() for c in h3))
+    return result

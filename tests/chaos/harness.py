@@ -1,0 +1,442 @@
+"""Runs one attack against a live server while good clients call on both transports, and turns
+what happened into a row: good requests, their failures, front-end RSS growth, what the attacker
+got, and whether the row meets the goal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import shutil
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request, parse_response
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.reference import example_inputs, run_reference
+from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from transport.h3_protocol import StreamClosed
+
+TRANSPORTS = ("h2", "h3")
+GOAL_RSS_MB = 32.0
+MAX_MESSAGE = 64 << 20
+H2_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+GOOD_MODEL = "mlp"
+GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
+SETTLE_S = 0.5
+RSS_SAMPLE_S = 0.1
+RECOVERY_LIMIT_S = 120.0
+RECOVERY_CALL_S = 10.0
+# The per-model watchdog parameter (config.pbtxt `parameters`): a stopped worker is replaced
+# after this long. Kept well above a batch's run time under load.
+EXECUTION_TIMEOUT_PARAMETER = "execution_timeout_ms"
+EXECUTION_TIMEOUT_MS = 3000
+# The test-only crash trigger (honoured only with --testing-service): a worker aborts when an
+# input element equals this number. Exact in float32.
+CRASH_ON_PARAMETER = "testing_crash_on"
+POISON_VALUE = 1234.5
+MLP_CONFIG = f"""\
+name: "mlp"
+platform: "paddle_inference"
+max_batch_size: 64
+input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [ {{ name: "fetch_name_0", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+instance_group [ {{ kind: KIND_CPU, count: 2 }} ]
+dynamic_batching {{ }}
+parameters {{
+  key: "{EXECUTION_TIMEOUT_PARAMETER}"
+  value: {{ string_value: "{EXECUTION_TIMEOUT_MS}" }}
+}}
+parameters {{ key: "{CRASH_ON_PARAMETER}" value: {{ string_value: "{POISON_VALUE}" }} }}
+"""
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How hard each attack pushes; every attack is bounded by these counts and times."""
+
+    name: str
+    good_loops: int  # concurrent good callers per transport
+    names: int  # random model names per transport
+    stream_requests: int
+    stream_s: float
+    oversized: int  # per transport
+    bombs: int  # per transport
+    initials: int
+    idle_h3: int
+    idle_h2: int
+    idle_hold_s: float
+    slow_read_s: float
+    kills: int
+    stops: int
+    poison: int
+    reloads: int
+    attack_limit_s: float
+
+
+SHORT = Scale(
+    name="short",
+    good_loops=2,
+    names=150,
+    stream_requests=300,
+    stream_s=1.5,
+    oversized=1,
+    bombs=2,
+    initials=1000,
+    idle_h3=150,
+    idle_h2=200,
+    idle_hold_s=1.0,
+    slow_read_s=1.5,
+    kills=1,
+    stops=1,
+    poison=2,
+    reloads=1,
+    attack_limit_s=60.0,
+)
+FULL = Scale(
+    name="full",
+    good_loops=4,
+    names=3000,
+    stream_requests=20000,
+    stream_s=20.0,
+    oversized=3,
+    bombs=20,
+    initials=5000,
+    idle_h3=2000,
+    idle_h2=2000,
+    idle_hold_s=5.0,
+    slow_read_s=10.0,
+    kills=3,
+    stops=2,
+    poison=10,
+    reloads=5,
+    attack_limit_s=240.0,
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The server under attack and how to reach it; plain data, so that the attacker's own
+    process gets a copy."""
+
+    address: str
+    port: int
+    pid: int  # the front-end process
+    ca_file: Path
+    metrics_url: str
+    repository: Path
+
+    def channel(self, transport: str) -> grpc.aio.Channel | QuicChannel:
+        """A new channel; create it inside the event loop that uses it."""
+        if transport == "h2":
+            return grpc.aio.insecure_channel(self.address, options=H2_OPTIONS)
+        return QuicChannel(self.address, ca_file=str(self.ca_file), server_name="localhost")
+
+    def metrics_bytes(self) -> int:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return len(response.read())
+
+
+@dataclass
+class AttackResult:
+    """What the attacker got: outcome -> count (a gRPC status name, "refused at transport", or
+    an attack-specific outcome), anything it found wrong, and numbers worth reporting."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    notes: dict[str, float] = field(default_factory=dict)
+
+
+Attack = Callable[[Target, Scale], Awaitable[AttackResult]]
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    name: str
+    run: Attack
+    # Outcomes that count as "answered with a clear status or refused at the transport".
+    answered: frozenset[str]
+
+
+@dataclass
+class Row:
+    attack: str
+    good_requests: int
+    good_failures: dict[str, int]
+    rss_growth_mb: float
+    attacker: dict[str, int]
+    problems: list[str]
+    notes: dict[str, float]
+    seconds: float
+
+    def misses(self) -> list[str]:
+        """How the row misses the goal; empty when it meets it."""
+        found = list(self.problems)
+        if self.good_failures:
+            found.insert(0, f"{sum(self.good_failures.values())} good requests failed")
+        if self.rss_growth_mb >= GOAL_RSS_MB:
+            found.insert(0, f"RSS grew {self.rss_growth_mb:.1f} MB")
+        if not self.good_requests:
+            found.append("no good request was made")
+        return found
+
+    @property
+    def passed(self) -> bool:
+        return not self.misses()
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "passed": self.passed, "misses": self.misses()}
+
+    def explain(self) -> str:
+        """Why the row misses the goal, for a failing test's message."""
+        return (
+            f"{self.attack}: {'; '.join(self.misses())}. {self.good_requests} good requests, "
+            f"failures {self.good_failures}, RSS +{self.rss_growth_mb:.1f} MB (goal < "
+            f"{GOAL_RSS_MB:.0f}), attacker got {self.attacker}"
+        )
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of one process (not its children), from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def status_name(exc: BaseException) -> str:
+    """An attacking call's outcome from the exception it raised."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    if isinstance(exc, StreamClosed):
+        return exc.status.name
+    if isinstance(exc, TimeoutError):
+        return "no answer"
+    if isinstance(exc, ConnectionError | OSError):
+        return "refused at transport"
+    return f"client error {type(exc).__name__}"
+
+
+async def outcome_of(call: Awaitable[Any], timeout_s: float) -> str:
+    """The call's outcome: OK or how it failed; never waits past `timeout_s`."""
+    try:
+        await asyncio.wait_for(call, timeout_s)
+    except Exception as exc:
+        return status_name(exc)
+    return "OK"
+
+
+class GoodClients:
+    """Loops of ModelInfer on `mlp` over both transports, each response checked against
+    in-process Paddle."""
+
+    def __init__(self, target: Target, loops: int) -> None:
+        self._target = target
+        self._loops = loops
+        self._inputs = example_inputs(GOOD_MODEL, seed=7)
+        self._expected = run_reference(GOOD_MODEL, self._inputs)
+        self._request = build_request(GOOD_MODEL, self._inputs)
+        self.requests = 0
+        self.failures: Counter[str] = Counter()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._channels: list[grpc.aio.Channel | QuicChannel] = []
+        self._first: dict[str, asyncio.Event] = {t: asyncio.Event() for t in TRANSPORTS}
+
+    async def start(self) -> None:
+        for transport in TRANSPORTS:
+            channel = self._target.channel(transport)
+            self._channels.append(channel)
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for _ in range(self._loops):
+                self._tasks.append(asyncio.create_task(self._loop(transport, stub)))
+        # Baselines are taken with both transports' connections already open.
+        await asyncio.wait_for(
+            asyncio.gather(*(e.wait() for e in self._first.values())), GOOD_TIMEOUT_S
+        )
+
+    async def stop(self) -> None:
+        """Let each loop finish the call it is in, then close the channels."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        for channel in self._channels:
+            await channel.close(None)
+
+    async def _loop(self, transport: str, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+        while not self._stop.is_set():
+            self.requests += 1
+            try:
+                response = await stub.ModelInfer(self._request, timeout=GOOD_TIMEOUT_S)
+                problem = self._check(response)
+            except grpc.aio.AioRpcError as exc:
+                problem = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem:
+                self.failures[f"{transport} {problem[:200]}"] += 1
+            self._first[transport].set()
+            await asyncio.sleep(0)
+
+    def _check(self, response: pb.ModelInferResponse) -> str:
+        served = parse_response(response)
+        for name, array in self._expected.items():
+            if name not in served or not np.allclose(served[name], array, rtol=1e-4, atol=1e-5):
+                return f"wrong output {name}"
+        return ""
+
+
+async def _sample_peak(pid: int, peak: list[float]) -> None:
+    while True:
+        with contextlib.suppress(OSError):
+            peak[0] = max(peak[0], rss_mb(pid))
+        await asyncio.sleep(RSS_SAMPLE_S)
+
+
+def _attack(run: Attack, target: Target, scale: Scale) -> AttackResult:
+    """In the attacker's process: one attack, bounded in time."""
+
+    async def bounded() -> AttackResult:
+        try:
+            return await asyncio.wait_for(run(target, scale), scale.attack_limit_s)
+        except TimeoutError:
+            return AttackResult(problems=[f"attack still running after {scale.attack_limit_s} s"])
+        except Exception as exc:
+            return AttackResult(problems=[f"attack raised {type(exc).__name__}: {exc}"])
+
+    return asyncio.run(bounded())
+
+
+@contextlib.contextmanager
+def attacker_process() -> Iterator[Executor]:
+    """Attacks run in a process of their own: the attacker's CPU-heavy loops (thousands of
+    handshakes) must not delay the good clients' event loop and pass for server slowness."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        yield pool
+
+
+async def _wait_responsive(target: Target) -> None:
+    """Until a new call on each transport succeeds: the aftermath of the previous attack
+    (the server closing thousands of connections) is not charged to the next row."""
+    request = build_request(GOOD_MODEL, example_inputs(GOOD_MODEL))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RECOVERY_LIMIT_S
+    for transport in TRANSPORTS:
+        while True:
+            async with target.channel(transport) as channel:
+                try:
+                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                    await stub.ModelInfer(request, timeout=RECOVERY_CALL_S)
+                    break
+                except Exception:
+                    if loop.time() > deadline:
+                        raise
+            await asyncio.sleep(RECOVERY_CALL_S / 10)
+
+
+def _row(spec: AttackSpec, started: float, good: GoodClients, **fields: Any) -> Row:
+    return Row(
+        attack=spec.name,
+        good_requests=good.requests,
+        good_failures=dict(good.failures),
+        seconds=round(time.monotonic() - started, 1),
+        **fields,
+    )
+
+
+async def run_row(
+    server: ServerProcess, target: Target, spec: AttackSpec, scale: Scale, attacker: Executor
+) -> Row:
+    """The attack runs in `attacker` while good clients call from this process. RSS growth is
+    the larger of the peak during the attack and the level after a settle, over the level
+    before it (the peak catches memory held only while the attack lasts, such as idle
+    connections; the level after catches what stays)."""
+    started = time.monotonic()
+    good = GoodClients(target, scale.good_loops)
+    try:
+        await _wait_responsive(target)
+        await good.start()
+    except Exception as exc:
+        await good.stop()
+        problem = f"not attacked: the server does not answer good calls ({exc!r})"
+        return _row(
+            spec, started, good, rss_growth_mb=0.0, attacker={}, problems=[problem], notes={}
+        )
+    await asyncio.sleep(SETTLE_S)
+    before = rss_mb(target.pid)
+    peak = [before]
+    sampler = asyncio.create_task(_sample_peak(target.pid, peak))
+    try:
+        result = await asyncio.wrap_future(attacker.submit(_attack, spec.run, target, scale))
+    except Exception as exc:
+        result = AttackResult(problems=[f"the attacker process failed: {exc!r}"])
+    await good.stop()
+    await asyncio.sleep(SETTLE_S)
+    sampler.cancel()
+    problems = list(result.problems)
+    if server.process.poll() is not None:
+        problems.append(f"the server exited ({server.process.returncode})")
+        after = peak[0]
+    else:
+        after = rss_mb(target.pid)
+    unanswered = sorted(set(result.outcomes) - spec.answered)
+    if unanswered:
+        problems.append(f"attacking requests not answered as expected: {unanswered}")
+    return _row(
+        spec,
+        started,
+        good,
+        rss_growth_mb=round(max(peak[0], after) - before, 1),
+        attacker=dict(result.outcomes),
+        problems=problems,
+        notes=result.notes,
+    )
+
+
+def chaos_repository(directory: Path) -> Path:
+    """`mlp` with its version files copied (hot reload touches them) and two instances (a
+    killed or stopped worker leaves one serving)."""
+    repository = directory / "models"
+    shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
+    (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
+    return repository
+
+
+@contextlib.contextmanager
+def chaos_server(directory: Path) -> Iterator[tuple[ServerProcess, Target]]:
+    """The server every attack runs against: explicit model control (for hot reload), the
+    testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only."""
+    repository = chaos_repository(directory)
+    metrics_port = free_port()
+    certs = directory / "certs"
+    args = [
+        *("--model-control-mode", "explicit", "--load-model", "*", "--testing-service"),
+        *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
+        *("--log-sample-ratio", "0"),
+    ]
+    with running_server(repository, directory / "server.log", args) as server:
+        yield (
+            server,
+            Target(
+                address=server.address,
+                port=server.port,
+                pid=server.process.pid,
+                ca_file=certs / "ca.pem",
+                metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                repository=repository,
+            ),
+        )

@@ -1,0 +1,74 @@
+"""Every attack of the suite, in the order it runs, with the outcomes that count as answered."""
+
+from __future__ import annotations
+
+from tests.chaos import floods, messages, streams, workers
+from tests.chaos.harness import AttackSpec
+
+
+def _both(*outcomes: str) -> frozenset[str]:
+    return frozenset(f"{t} {o}" for t in ("h2", "h3") for o in outcomes)
+
+
+REFUSED = "refused at transport"
+# A stream may take every request (the server answered them; its memory is bounded by the RSS
+# goal) or hold the writer back.
+STREAM_HELD = (
+    "wrote all, never read",
+    "writes held back by flow control",
+    "RESOURCE_EXHAUSTED",
+    "CANCELLED",
+)
+REPLIES = frozenset(
+    f"server replied {kind}" for kind in (*floods.LONG_HEADER_TYPES, "short header")
+)
+
+ATTACKS = (
+    AttackSpec(
+        "random model names",
+        floods.random_names,
+        frozenset({"NOT_FOUND"}),
+    ),
+    AttackSpec("never-reading streams", streams.never_reading_streams, _both(*STREAM_HELD)),
+    AttackSpec(
+        "oversized messages",
+        messages.oversized_messages,
+        _both("RESOURCE_EXHAUSTED", REFUSED),
+    ),
+    AttackSpec(
+        "metadata bombs",
+        messages.metadata_bombs,
+        _both("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", REFUSED),
+    ),
+    AttackSpec(
+        "HTTP/3 Initial flood",
+        floods.initial_flood,
+        REPLIES | {REFUSED},
+    ),
+    AttackSpec(
+        "idle connections",
+        floods.idle_connections,
+        _both("connected", REFUSED, "UNAVAILABLE", "no answer"),
+    ),
+    AttackSpec(
+        "slow-reading HTTP/3 client",
+        streams.slow_reader,
+        frozenset({"read slowly, then cancelled", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}),
+    ),
+    AttackSpec(
+        "worker SIGKILL under load",
+        workers.worker_sigkill,
+        frozenset({"killed", "replaced"}),
+    ),
+    AttackSpec(
+        "worker SIGSTOP under load",
+        workers.worker_sigstop,
+        frozenset({"stopped", "replaced"}),
+    ),
+    AttackSpec(
+        "poison input",
+        workers.poison_input,
+        frozenset({"UNAVAILABLE", "INTERNAL", "INVALID_ARGUMENT"}),
+    ),
+    AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
+)

@@ -1,0 +1,157 @@
+"""Attacks on the worker processes behind the front-end: SIGKILL and SIGSTOP under load, an
+input that crashes the predictor, hot reload under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+from tests.chaos.harness import (
+    EXECUTION_TIMEOUT_MS,
+    GOOD_MODEL,
+    POISON_VALUE,
+    AttackResult,
+    Scale,
+    Target,
+    outcome_of,
+)
+
+RESTART_LIMIT_S = 60.0
+RELOAD_TIMEOUT_S = 120.0
+STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in seconds
+POLL_S = 0.05
+
+
+async def _instances(target: Target) -> list[control_pb2.Instance]:
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        response = await control_pb2_grpc.ControlStub(channel).ListInstances(
+            control_pb2.ListInstancesRequest(model_name=GOOD_MODEL), timeout=10
+        )
+    return list(response.instances)
+
+
+def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
+    """Signal `pid` only while it is still a child of the server (never a reused pid)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
+    if parent != str(target.pid):
+        return False
+    os.kill(pid, sig)
+    return True
+
+
+async def _victim(target: Target) -> control_pb2.Instance:
+    """A READY instance of the good clients' model, while they keep it busy."""
+    deadline = time.monotonic() + RESTART_LIMIT_S
+    while time.monotonic() < deadline:
+        ready = [i for i in await _instances(target) if i.state == "READY" and i.pid > 0]
+        if ready:
+            return max(ready, key=lambda i: i.outstanding)
+        await asyncio.sleep(POLL_S)
+    raise TimeoutError(f"no READY {GOOD_MODEL} instance within {RESTART_LIMIT_S} s")
+
+
+async def _replaced(target: Target, victim: control_pb2.Instance, limit_s: float) -> bool:
+    """Until the victim's instance serves again from a new process (bounded)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for instance in await _instances(target):
+            if (
+                instance.name == victim.name
+                and instance.state == "READY"
+                and instance.pid not in (0, victim.pid)
+            ):
+                return True
+        await asyncio.sleep(POLL_S)
+    return False
+
+
+async def worker_sigkill(target: Target, scale: Scale) -> AttackResult:
+    """SIGKILL a busy `mlp` worker, wait for its replacement, repeat."""
+    result = AttackResult()
+    for _ in range(scale.kills):
+        victim = await _victim(target)
+        if not _signal_worker(target, victim.pid, signal.SIGKILL):
+            result.problems.append(f"worker {victim.pid} vanished before the kill")
+            continue
+        result.outcomes["killed"] += 1
+        if await _replaced(target, victim, RESTART_LIMIT_S):
+            result.outcomes["replaced"] += 1
+        else:
+            result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
+    return result
+
+
+async def worker_sigstop(target: Target, scale: Scale) -> AttackResult:
+    """SIGSTOP a busy `mlp` worker: the execution watchdog must replace it. A worker that
+    is still stopped after the wait is continued, so nothing is left hanging."""
+    result = AttackResult()
+    limit_s = EXECUTION_TIMEOUT_MS / 1000 + STOP_RESTART_S
+    for _ in range(scale.stops):
+        victim = await _victim(target)
+        if not _signal_worker(target, victim.pid, signal.SIGSTOP):
+            result.problems.append(f"worker {victim.pid} vanished before the stop")
+            continue
+        result.outcomes["stopped"] += 1
+        try:
+            if await _replaced(target, victim, limit_s):
+                result.outcomes["replaced"] += 1
+            else:
+                result.problems.append(f"stopped worker not replaced within {limit_s:.0f} s")
+        finally:
+            _signal_worker(target, victim.pid, signal.SIGCONT)
+    return result
+
+
+async def poison_input(target: Target, scale: Scale) -> AttackResult:
+    """Requests for the good clients' own model carrying its crash trigger: each must fail
+    with a clear status (the worker dies and is replaced), and the good clients, whose
+    requests may share the crashed batch, must not notice."""
+    result = AttackResult()
+    values = np.zeros((1, 256), np.float32)
+    values[0, 0] = POISON_VALUE
+    request = build_request(GOOD_MODEL, {"input": values})
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(scale.poison):
+            call = stub.ModelInfer(request, timeout=RESTART_LIMIT_S)
+            result.outcomes[await outcome_of(call, RESTART_LIMIT_S)] += 1
+    return result
+
+
+def _touch_version(target: Target) -> None:
+    """New modification times: the server sees a changed version and reloads it."""
+    now = time.time_ns()
+    for path in (target.repository / GOOD_MODEL / "1").iterdir():
+        os.utime(path, ns=(now, now))
+
+
+async def hot_reload(target: Target, scale: Scale) -> AttackResult:
+    """RepositoryModelLoad of `mlp` after touching its files, repeatedly, under load."""
+    result = AttackResult()
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(scale.reloads):
+            before = {i.pid for i in await _instances(target)}
+            _touch_version(target)
+            load = pb.RepositoryModelLoadRequest(model_name=GOOD_MODEL)
+            call = stub.RepositoryModelLoad(load, timeout=RELOAD_TIMEOUT_S)
+            outcome = await outcome_of(call, RELOAD_TIMEOUT_S)
+            result.outcomes[outcome] += 1
+            after = {i.pid for i in await _instances(target)}
+            if outcome == "OK" and not after - before:
+                result.problems.append("the reload started no new worker process")
+    return result
