@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from clients import __version__
+from clients.perf.command import add_arguments as add_perf_arguments
 
 DEFAULT_URL = os.environ.get("PADDLEQUIC_URL", "grpc://localhost:8001")
 DEFAULT_CA_FILE = os.environ.get("PADDLEQUIC_CA_FILE") or (
@@ -162,7 +163,7 @@ def random_inputs(
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Random tensors matching the model's metadata: the first -1 is the batch, other -1s a
     sequence length; integers stay small so embedding ids are in range."""
-    from clients.inference_client import _NUMPY
+    from clients.inference_client import random_array
 
     arrays = {}
     for tensor in metadata.inputs:
@@ -170,13 +171,7 @@ def random_inputs(
             (batch if axis == 0 else seq_len) if d == -1 else d
             for axis, d in enumerate(tensor.shape)
         ]
-        dtype = _NUMPY[tensor.datatype]
-        if dtype.kind == "f":
-            arrays[tensor.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "b":
-            arrays[tensor.name] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            arrays[tensor.name] = rng.integers(0, 100, shape).astype(dtype)
+        arrays[tensor.name] = random_array(tensor.datatype, shape, rng)
     return arrays
 
 
@@ -214,6 +209,12 @@ def _infer(args: argparse.Namespace) -> int:
         with np.printoptions(precision=4, suppress=True, threshold=40, edgeitems=3):
             print(array)
     return 0
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from clients.perf.command import run
+
+    return run(args, [_header(h) for h in args.header or DEFAULT_HEADERS])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="h3: keep TLS session tickets in this file (mode 0600, secret) so a later run "
         "resumes with 0-RTT",
     )
+    perf = client_command(
+        "perf", "load-test a model: throughput and latency per concurrency (like perf_analyzer)"
+    )
+    add_perf_arguments(perf)
     return parser
 
 
@@ -316,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": _models,
         "health": _health,
         "infer": _infer,
+        "perf": _perf,
         "certs": _certs,
         "keygen": _keygen,
         "sign": _sign,

@@ -109,6 +109,51 @@ def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any,
     return arrays
 
 
+def open_channel(
+    target: Target,
+    ca_file: str | None = None,
+    ticket_cache: SessionTicketCache | None = None,
+    client_cert: str | None = None,
+    client_key: str | None = None,
+) -> Any:
+    """A grpc.aio channel (`grpc://`, `grpcs://`) or a QuicChannel (`h3://`): both take the
+    generated stubs and `unary_unary(method)` with raw bytes. Call it inside the event loop
+    that uses the channel."""
+    if target.scheme == "h3":
+        from clients.quic_channel import QuicChannel
+
+        return QuicChannel(
+            target.address,
+            ca_file=ca_file,
+            ticket_cache=ticket_cache,
+            client_cert=client_cert,
+            client_key=client_key,
+        )
+    if target.scheme == "grpcs":
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=Path(ca_file).read_bytes() if ca_file else None,
+            private_key=Path(client_key or client_cert).read_bytes() if client_cert else None,
+            certificate_chain=Path(client_cert).read_bytes() if client_cert else None,
+        )
+        return grpc.aio.secure_channel(target.address, credentials, options=_OPTIONS)
+    if client_cert:
+        raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
+    return grpc.aio.insecure_channel(target.address, options=_OPTIONS)
+
+
+def random_array(
+    datatype: str, shape: Sequence[int], rng: np.random.Generator
+) -> np.ndarray[Any, Any]:
+    """Random values of a protocol datatype: normal floats, booleans, or small integers (so
+    embedding ids stay in range)."""
+    dtype = _NUMPY[datatype]
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.integers(0, 100, shape).astype(dtype)
+
+
 class AsyncInferenceClient:
     """Async client; `grpc://` and `grpcs://` use grpc.aio over HTTP/2, `h3://` the QUIC
     channel. All drive the same generated stub. Create it inside the event loop that uses it."""
@@ -127,30 +172,7 @@ class AsyncInferenceClient:
         with every call, e.g. the header of a restricted protocol."""
         self.target = parse_url(url)
         self._metadata: Metadata = tuple(metadata)
-        self._channel: Any
-        if self.target.scheme == "h3":
-            from clients.quic_channel import QuicChannel
-
-            self._channel = QuicChannel(
-                self.target.address,
-                ca_file=ca_file,
-                ticket_cache=ticket_cache,
-                client_cert=client_cert,
-                client_key=client_key,
-            )
-        elif self.target.scheme == "grpcs":
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=Path(ca_file).read_bytes() if ca_file else None,
-                private_key=Path(client_key or client_cert).read_bytes() if client_cert else None,
-                certificate_chain=Path(client_cert).read_bytes() if client_cert else None,
-            )
-            self._channel = grpc.aio.secure_channel(
-                self.target.address, credentials, options=_OPTIONS
-            )
-        elif client_cert:
-            raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
-        else:
-            self._channel = grpc.aio.insecure_channel(self.target.address, options=_OPTIONS)
+        self._channel = open_channel(self.target, ca_file, ticket_cache, client_cert, client_key)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -57,7 +57,9 @@ class ModelSpec:
     name: str
     factory: Callable[[], nn.Layer]
     inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]  # names must be fetch_name_0, fetch_name_1, ... in order
+    # The names callers see, in the program's output order: Paddle names the outputs
+    # fetch_name_0, fetch_name_1, ... and config.pbtxt maps these names onto them in order.
+    outputs: tuple[TensorSpec, ...]
     max_batch_size: int
     default: bool = True
     legacy: bool = True  # exports as a legacy program (--legacy)
@@ -120,21 +122,21 @@ MODELS: tuple[ModelSpec, ...] = (
         "mlp",
         lambda: MLP(256, 128, 10, softmax=True),
         (f32("input", -1, 256),),
-        (f32("fetch_name_0", -1, 10),),
+        (f32("probabilities", -1, 10),),
         64,
     ),
     ModelSpec(
         "resnet18",
         lambda: paddle.vision.models.resnet18(pretrained=False),
         (f32("image", -1, 3, 224, 224),),
-        (f32("fetch_name_0", -1, 1000),),
+        (f32("logits", -1, 1000),),
         16,
     ),
     ModelSpec(
         "text_classifier",
         TextClassifier,
         (TensorSpec("token_ids", "int64", (-1, -1)),),
-        (f32("fetch_name_0", -1, 4),),
+        (f32("logits", -1, 4),),
         32,
         legacy=False,  # the Transformer encoder's attention does not translate to legacy ops
     ),
@@ -142,7 +144,7 @@ MODELS: tuple[ModelSpec, ...] = (
         "two_tower",
         TwoTower,
         (f32("user", -1, 32), f32("item", -1, 48)),
-        (f32("fetch_name_0", -1, 16), f32("fetch_name_1", -1, 1)),
+        (f32("user_embedding", -1, 16), f32("score", -1, 1)),
         64,
         legacy=False,  # Tensor.sum has no legacy translation
     ),
@@ -151,7 +153,7 @@ MODELS: tuple[ModelSpec, ...] = (
         "mlp_wide",
         lambda: MLP(2048, 4096, 4096, 10),
         (f32("input", -1, 2048),),
-        (f32("fetch_name_0", -1, 10),),
+        (f32("logits", -1, 10),),
         128,
         default=False,
     ),

@@ -25,6 +25,7 @@ from service.repository import (
     RepositoryError,
     check_model_name,
     complete_config,
+    fetch_names,
     read_config,
 )
 from service.scheduling.instances import (
@@ -260,6 +261,9 @@ class Lifecycle:
             loaded = results[0]
             assert not isinstance(loaded, BaseException)
             served.config = complete_config(config, loaded.inputs, loaded.outputs)
+            renamed = fetch_names(config, loaded.outputs)
+            for instance in served.instances:
+                instance.name_outputs(renamed)
             served.validator = RequestValidator(served.config)
             served.batcher = DynamicBatcher(
                 policy_from_config(served.config, len(served.instances)),

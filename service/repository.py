@@ -175,6 +175,12 @@ def complete_config(
     done = mc.ModelConfig()
     done.CopyFrom(config)
     batched = config.max_batch_size > 0
+    if _renames_outputs(config, outputs):
+        _check_renamed_outputs(config, outputs)
+        outputs = tuple(
+            TensorSpec(entry.name, spec.datatype, spec.shape)
+            for entry, spec in zip(config.output, outputs, strict=True)
+        )
     for kind, declared, listed in (
         ("input", inputs, done.input),
         ("output", outputs, done.output),
@@ -216,6 +222,61 @@ def complete_config(
                 f"{config_type_name(entry.data_type)}"
             )
     return done
+
+
+def fetch_names(config: mc.ModelConfig, outputs: Sequence[TensorSpec]) -> dict[str, str]:
+    """Configured output name -> the program's fetch name, for the outputs config.pbtxt
+    renames (empty when it renames none)."""
+    if not _renames_outputs(config, outputs):
+        return {}
+    return {
+        entry.name: spec.name
+        for entry, spec in zip(config.output, outputs, strict=True)
+        if entry.name != spec.name
+    }
+
+
+def _renames_outputs(config: mc.ModelConfig, outputs: Sequence[TensorSpec]) -> bool:
+    """Paddle 3 names every program output fetch_name_N; a config.pbtxt that lists names the
+    program lacks gives its outputs, in order, the names callers see."""
+    program = {spec.name for spec in outputs}
+    return any(entry.name not in program for entry in config.output)
+
+
+def _check_renamed_outputs(config: mc.ModelConfig, outputs: Sequence[TensorSpec]) -> None:
+    """Renamed outputs map by position, so the count, each datatype and rank must match."""
+    model = f"model {config.name!r}"
+    program = [spec.name for spec in outputs]
+    listed = [entry.name for entry in config.output]
+    if len(listed) != len(program):
+        raise RepositoryError(
+            f"{model}: config.pbtxt lists {len(listed)} output(s) {listed} but the model has "
+            f"{len(program)} {program}; outputs named differently from the model's map to its "
+            "outputs in order, so list all of them"
+        )
+    duplicated = sorted({name for name in listed if listed.count(name) > 1})
+    if duplicated:
+        raise RepositoryError(f"{model}: config.pbtxt lists output(s) {duplicated} twice")
+    batched = config.max_batch_size > 0
+    for position, (entry, spec) in enumerate(zip(config.output, outputs, strict=True)):
+        if entry.name in program and entry.name != spec.name:
+            raise RepositoryError(
+                f"{model}: config.pbtxt lists output {entry.name!r} at position {position} but "
+                f"the model's output {position} is {spec.name!r} (renamed outputs map in order)"
+            )
+        mapped = f"output {entry.name!r} (the model's output {position}, {spec.name!r})"
+        want = BY_NAME[spec.datatype].config_type
+        if entry.data_type != want:
+            raise RepositoryError(
+                f"{model}: {mapped} is {config_type_name(entry.data_type)} in config.pbtxt but "
+                f"{config_type_name(want)} in the model"
+            )
+        if spec.shape and len(entry.dims) + batched != len(spec.shape):
+            raise RepositoryError(
+                f"{model}: {mapped} has dims {list(entry.dims)} in config.pbtxt but shape "
+                f"{list(spec.shape)} in the model"
+                + (" (the batch dimension is implied by max_batch_size)" if batched else "")
+            )
 
 
 def _config_dims(spec: TensorSpec, batched: bool) -> tuple[int, ...]:

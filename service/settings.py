@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from service.observability.logs import LOG_FORMATS
 from service.restricted import RESTRICTABLE
 
 ENV_PREFIX = "PADDLEQUIC_"
@@ -53,7 +54,7 @@ class ServerSettings:
     metrics: bool = True
     metrics_port: int = 8002
     metrics_host: str = "127.0.0.1"
-    log_format: str = "json"
+    log_format: str = "auto"
     slow_request_ms: float = 1000.0
     log_sample_ratio: float = 0.01
     log_sample_seed: int = -1
@@ -111,7 +112,8 @@ _HELP = {
     "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
     "metrics_port": "TCP port for /metrics (0: any free port, logged)",
     "metrics_host": "address /metrics listens on (0.0.0.0: every interface)",
-    "log_format": "json (one object per line) or text",
+    "log_format": "auto (text on a terminal, JSON lines otherwise), json or text; text is "
+    "coloured on a terminal unless NO_COLOR is set",
     "slow_request_ms": "requests at least this slow are always logged",
     "log_sample_ratio": "fraction of successful, fast requests logged (errors always are)",
     "log_sample_seed": "seed of the request log sampling (-1: unseeded)",
@@ -129,7 +131,7 @@ _HELP = {
 
 
 # Options that take one of a few words: anything else is refused at parse time.
-_CHOICES = {"h3_retry": ("auto", "always", "never")}
+_CHOICES = {"h3_retry": ("auto", "always", "never"), "log_format": LOG_FORMATS}
 
 
 def env_name(field_name: str) -> str:

@@ -30,9 +30,24 @@ def _predictor(model: str, version: int) -> Any:
     return inference.create_predictor(config)
 
 
+@functools.cache
+def output_names(model: str) -> tuple[str, ...]:
+    """The names the server gives an example model's outputs, in the program's order: those
+    its config.pbtxt lists (the exporter writes them)."""
+    from google.protobuf import text_format
+
+    from protos.inference import model_config_pb2 as mc
+
+    config = text_format.Parse(
+        (Path(EXAMPLE_MODELS) / model / "config.pbtxt").read_text(), mc.ModelConfig()
+    )
+    return tuple(o.name for o in config.output)
+
+
 def run_reference(
     model: str, inputs: dict[str, np.ndarray[Any, Any]], version: int = 1
 ) -> dict[str, np.ndarray[Any, Any]]:
+    """The program's outputs, under the names the server gives them."""
     predictor = _predictor(model, version)
     for name, array in inputs.items():
         handle = predictor.get_input_handle(name)
@@ -40,8 +55,8 @@ def run_reference(
         handle.copy_from_cpu(np.ascontiguousarray(array))
     predictor.run()
     return {
-        name: predictor.get_output_handle(name).copy_to_cpu()
-        for name in predictor.get_output_names()
+        served: predictor.get_output_handle(name).copy_to_cpu()
+        for served, name in zip(output_names(model), predictor.get_output_names(), strict=True)
     }
 
 

@@ -1,19 +1,34 @@
-"""Logging set-up (JSON lines or text on stderr) and the sampled per-request log."""
+"""Logging set-up (JSON lines or readable text on stderr) and the sampled per-request log."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import logging
+import os
 import random
 import sys
 import zlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 import grpc
 
 REQUEST_LOG = logging.getLogger("paddlequic.requests")
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_FORMATS = ("auto", "json", "text")
+
+# ANSI SGR colours per level; text lines are coloured only on a terminal without NO_COLOR.
+_LEVEL_COLOURS = {
+    logging.DEBUG: "\x1b[2m",
+    logging.INFO: "\x1b[32m",
+    logging.WARNING: "\x1b[33m",
+    logging.ERROR: "\x1b[31m",
+    logging.CRITICAL: "\x1b[1;31m",
+}
+_DIM = "\x1b[2m"
+_RESET = "\x1b[0m"
+# Continuation lines of a multi-line message are indented under the message.
+_CONTINUATION = "\n    "
 
 
 class JsonFormatter(logging.Formatter):
@@ -35,13 +50,55 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """One line a person reads: local time, level, logger, message, then the record's
+    `fields` as key=value. A multi-line message keeps its lines, indented, instead of being
+    escaped into one string."""
+
+    def __init__(self, colour: bool) -> None:
+        super().__init__()
+        self.colour = colour
+
+    def format(self, record: logging.LogRecord) -> str:
+        clock = datetime.datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
+        stamp = f"{clock}.{int(record.msecs):03d}"
+        level = f"{record.levelname:<7}"
+        if self.colour:
+            stamp = f"{_DIM}{stamp}{_RESET}"
+            level = f"{_LEVEL_COLOURS.get(record.levelno, '')}{level}{_RESET}"
+        parts = [stamp, level, f"{record.name}:", record.getMessage()]
+        fields = getattr(record, "fields", {})
+        extras = " ".join(f"{k}={v}" for k, v in fields.items() if k != "event" and v != "")
+        if extras:
+            parts.append(f"{_DIM}{extras}{_RESET}" if self.colour else extras)
+        text = " ".join(parts)
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text.replace("\n", _CONTINUATION)
+
+
+def wants_colour(stream: TextIO, environ: Mapping[str, str]) -> bool:
+    """https://no-color.org: a non-empty NO_COLOR turns colours off."""
+    return stream.isatty() and not environ.get("NO_COLOR")
+
+
+def make_formatter(
+    log_format: str, stream: TextIO, environ: Mapping[str, str]
+) -> logging.Formatter:
+    """`auto` is text on a terminal (a person reads it) and JSON otherwise (a pipeline
+    does), so JSON consumers see what they always saw."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be auto, json or text, not {log_format!r}")
+    if log_format == "auto":
+        log_format = "text" if stream.isatty() else "json"
+    if log_format == "json":
+        return JsonFormatter()
+    return TextFormatter(colour=wants_colour(stream, environ))
+
+
 def configure_logging(log_format: str, level: str) -> None:
-    if log_format not in ("json", "text"):
-        raise ValueError(f"--log-format must be json or text, not {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
-    )
+    handler.setFormatter(make_formatter(log_format, sys.stderr, os.environ))
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 

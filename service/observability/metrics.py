@@ -160,34 +160,31 @@ class _StateCollector(Collector):
         gpus = [g.index for g in topology.gpus] if not topology.simulated else []
         self._gpus = _NvmlMemory(gpus) if gpus else None
 
+    def describe(self) -> Iterator[Metric]:
+        """Every family collect() may yield, including those only a server with HTTP/3 or
+        GPUs has (what dashboards and alerts may name)."""
+        yield _queue_depth()
+        yield _worker_restarts()
+        yield _h3_connections(0)
+        yield _h3_handshakes()
+        yield _gpu_memory()
+
     def collect(self) -> Iterator[Metric]:
         versions = list(self.models.all_versions())
-        depth = GaugeMetricFamily(
-            "paddlequic_queue_depth",
-            "requests waiting in the batch queue",
-            labels=["model", "version"],
-        )
+        depth = _queue_depth()
         restarts: dict[str, int] = {}
         for v in versions:
             depth.add_metric([v.name, str(v.version)], v.batcher.queued if v.batcher else 0)
             restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
         yield depth
-        worker_restarts = CounterMetricFamily(
-            "paddlequic_worker_restarts", "worker processes restarted after dying", labels=["model"]
-        )
+        worker_restarts = _worker_restarts()
         for name, count in sorted(restarts.items()):
             worker_restarts.add_metric([name], count)
         yield worker_restarts
         if self.h3 is not None:
             stats = self.h3.stats
-            yield CounterMetricFamily(
-                "paddlequic_h3_connections", "HTTP/3 connections accepted", value=stats.connections
-            )
-            handshakes = CounterMetricFamily(
-                "paddlequic_h3_handshakes",
-                "HTTP/3 handshakes by kind (full, resumed, 0rtt_accepted) and early requests held",
-                labels=["kind"],
-            )
+            yield _h3_connections(stats.connections)
+            handshakes = _h3_handshakes()
             for kind, count in sorted(dict(stats.handshakes).items()):
                 handshakes.add_metric([kind], count)
             yield handshakes
@@ -204,9 +201,39 @@ class _NvmlMemory:
         self._handles = {i: self._nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
 
     def collect(self) -> Metric:
-        family = GaugeMetricFamily(
-            "paddlequic_gpu_memory_used_bytes", "GPU memory in use (all processes)", labels=["gpu"]
-        )
+        family = _gpu_memory()
         for index, handle in self._handles.items():
             family.add_metric([str(index)], self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
         return family
+
+
+def _queue_depth() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        "paddlequic_queue_depth", "requests waiting in the batch queue", labels=["model", "version"]
+    )
+
+
+def _worker_restarts() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_worker_restarts", "worker processes restarted after dying", labels=["model"]
+    )
+
+
+def _h3_connections(count: int) -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_h3_connections", "HTTP/3 connections accepted", value=count
+    )
+
+
+def _h3_handshakes() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_h3_handshakes",
+        "HTTP/3 handshakes by kind (full, resumed, 0rtt_accepted) and early requests held",
+        labels=["kind"],
+    )
+
+
+def _gpu_memory() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        "paddlequic_gpu_memory_used_bytes", "GPU memory in use (all processes)", labels=["gpu"]
+    )

@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import grpc
@@ -180,6 +180,10 @@ class WorkerInstance:
         self._watchdog: asyncio.TimerHandle | None = None
         self._killed_hung = False
         self._answered = 0  # results since the worker (re)started
+        # Outputs config.pbtxt renames: callers use the configured names, the worker's
+        # program its fetch names (fetch_name_N).
+        self._fetch_names: dict[str, str] = {}
+        self._served_names: dict[str, str] = {}
 
     @property
     def outstanding(self) -> int:
@@ -188,6 +192,11 @@ class WorkerInstance:
     @property
     def numa_node(self) -> int:
         return self.spec.numa_node
+
+    def name_outputs(self, fetch_names: Mapping[str, str]) -> None:
+        """Configured output name -> the program's fetch name, for renamed outputs."""
+        self._fetch_names = dict(fetch_names)
+        self._served_names = {fetch: served for served, fetch in fetch_names.items()}
 
     async def start(self) -> protocol.Loaded:
         """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
@@ -203,8 +212,9 @@ class WorkerInstance:
             assert self._writer is not None
             refs = slot.write(job)
             request_id = next(self._ids)
+            outputs = tuple(self._fetch_names.get(n, n) for n in job.outputs)
             message = protocol.Infer(
-                request_id, slot.input.name, slot.output.name, slot.output.size, refs, job.outputs
+                request_id, slot.input.name, slot.output.name, slot.output.size, refs, outputs
             )
             future: asyncio.Future[InferResult] = loop.create_future()
             self._pending[request_id] = _Pending(future, slot, time.perf_counter_ns() - started)
@@ -355,7 +365,12 @@ class WorkerInstance:
                     errors.invalid if bad_input else errors.internal
                 )(f"model '{self.spec.model_name}' failed: {message.message}")
             else:
-                outcome = InferResult(pending.slot.read(message), message.timings, pending.queue_ns)
+                tensors = pending.slot.read(message)
+                if self._served_names:
+                    tensors = tuple(
+                        replace(t, name=self._served_names.get(t.name, t.name)) for t in tensors
+                    )
+                outcome = InferResult(tensors, message.timings, pending.queue_ns)
         finally:
             self._free.put_nowait(pending.slot)
         if pending.future.done():

@@ -24,7 +24,7 @@ from clients.inference_client import build_request, parse_response
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.reference import example_inputs, run_reference
+from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
 from transport.h3_protocol import StreamClosed
 
@@ -49,12 +49,14 @@ EXECUTION_TIMEOUT_MS = 3000
 # input element equals this number. Exact in float32.
 CRASH_ON_PARAMETER = "testing_crash_on"
 POISON_VALUE = 1234.5
+# The example's output name (the exporter's config.pbtxt), so answers compare with run_reference.
+MLP_OUTPUT = output_names(GOOD_MODEL)[0]
 MLP_CONFIG = f"""\
 name: "mlp"
 platform: "paddle_inference"
 max_batch_size: 64
 input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 256 ] }} ]
-output [ {{ name: "fetch_name_0", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+output [ {{ name: "{MLP_OUTPUT}", data_type: TYPE_FP32, dims: [ 10 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 2 }} ]
 dynamic_batching {{ }}
 parameters {{

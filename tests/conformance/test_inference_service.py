@@ -18,7 +18,7 @@ from protos.grpc.reflection.v1 import reflection_pb2_grpc as v1_grpc
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, MODELS, ChannelFactory
-from tests.reference import example_inputs, run_reference
+from tests.reference import example_inputs, output_names, run_reference
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -50,8 +50,8 @@ def test_model_metadata_config_and_index(make_channel: ChannelFactory) -> None:
                 ("item", "FP32", [-1, 48]),
             ]
             assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
-                ("fetch_name_0", "FP32", [-1, 16]),
-                ("fetch_name_1", "FP32", [-1, 1]),
+                (output_names("two_tower")[0], "FP32", [-1, 16]),
+                (output_names("two_tower")[1], "FP32", [-1, 1]),
             ]
             config = (await stub.ModelConfig(pb.ModelConfigRequest(name="mlp"))).config
             assert (config.name, config.max_batch_size) == ("mlp", 64)
@@ -128,8 +128,8 @@ def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFact
             for i, inputs in enumerate(good):
                 response = by_id[f"ok-{i}"]
                 assert response.error_message == ""
-                served = parse_response(response.infer_response)["fetch_name_0"]
-                expected = run_reference("mlp", inputs)["fetch_name_0"]
+                served = parse_response(response.infer_response)[output_names("mlp")[0]]
+                expected = run_reference("mlp", inputs)[output_names("mlp")[0]]
                 np.testing.assert_allclose(served, expected, rtol=RTOL, atol=ATOL)
 
     asyncio.run(main())

@@ -19,7 +19,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
-from tests.reference import EXAMPLES, example_inputs, run_reference
+from tests.reference import EXAMPLES, example_inputs, output_names, run_reference
 from tests.servers import ServerProcess
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -248,13 +248,13 @@ CASES: tuple[Case, ...] = (
         "unknown output",
         request("mlp", MLP, outputs=["nope"]),
         INVALID,
-        ("no output(s) ['nope']", "fetch_name_0"),
+        ("no output(s) ['nope']", output_names("mlp")[0]),
     ),
     Case(
         "duplicate output",
-        request("two_tower", USER, ITEM, outputs=["fetch_name_0", "fetch_name_0"]),
+        request("two_tower", USER, ITEM, outputs=[output_names("two_tower")[0]] * 2),
         INVALID,
-        ("fetch_name_0", "more than once"),
+        (output_names("two_tower")[0], "more than once"),
     ),
     # Several inputs.
     Case(

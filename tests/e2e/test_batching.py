@@ -17,7 +17,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
-from tests.reference import run_reference
+from tests.reference import output_names, run_reference
 from tests.servers import ServerProcess
 
 CLIENTS = 64
@@ -80,10 +80,10 @@ def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerPro
     assert max(size for size, count in grown.items() if count) > 1, grown
     assert sum(size * count for size, count in grown.items()) == sum(len(x) for x in inputs)
     for x, response in zip(inputs, responses, strict=True):
-        served = parse_response(response)["fetch_name_0"]
+        served = parse_response(response)[output_names("mlp")[0]]
         assert served.shape == (len(x), 10)
         for row in range(len(x)):
-            expected = run_reference("mlp", {"input": x[row : row + 1]})["fetch_name_0"]
+            expected = run_reference("mlp", {"input": x[row : row + 1]})[output_names("mlp")[0]]
             np.testing.assert_array_equal(served[row : row + 1], expected)
 
 
@@ -120,7 +120,6 @@ def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerPro
     assert "text_classifier" in (error.details() or "")
     for x, response in zip(good, results, strict=True):
         assert isinstance(response, pb.ModelInferResponse)
-        expected = run_reference("text_classifier", {"token_ids": x})["fetch_name_0"]
-        np.testing.assert_allclose(
-            parse_response(response)["fetch_name_0"], expected, rtol=1e-4, atol=1e-5
-        )
+        logits = output_names("text_classifier")[0]
+        expected = run_reference("text_classifier", {"token_ids": x})[logits]
+        np.testing.assert_allclose(parse_response(response)[logits], expected, rtol=1e-4, atol=1e-5)

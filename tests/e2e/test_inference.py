@@ -7,7 +7,13 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
-from tests.reference import EXAMPLES, assert_matches_reference, example_inputs, run_reference
+from tests.reference import (
+    EXAMPLES,
+    assert_matches_reference,
+    example_inputs,
+    output_names,
+    run_reference,
+)
 from tests.servers import ServerProcess
 
 
@@ -21,11 +27,12 @@ def test_model_infer_matches_in_process_paddle(server: ServerProcess, model: str
 
 def test_requested_output_subset(server: ServerProcess) -> None:
     inputs = example_inputs("two_tower")
-    request = build_request("two_tower", inputs, outputs=["fetch_name_1"])
+    score = output_names("two_tower")[1]
+    request = build_request("two_tower", inputs, outputs=[score])
     served = parse_response(server.stub.ModelInfer(request, timeout=30))
-    assert list(served) == ["fetch_name_1"]
-    expected = run_reference("two_tower", inputs)["fetch_name_1"]
-    np.testing.assert_allclose(served["fetch_name_1"], expected, rtol=1e-4, atol=1e-5)
+    assert list(served) == [score]
+    expected = run_reference("two_tower", inputs)[score]
+    np.testing.assert_allclose(served[score], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_typed_contents_equal_raw(server: ServerProcess) -> None:
@@ -34,8 +41,9 @@ def test_typed_contents_equal_raw(server: ServerProcess) -> None:
     tensor = typed.inputs.add(name="input", datatype="FP32", shape=array.shape)
     tensor.contents.fp32_contents.extend(array.ravel().tolist())
     raw = build_request("mlp", {"input": array})
-    assert parse_response(server.stub.ModelInfer(typed, timeout=30))["fetch_name_0"].tobytes() == (
-        parse_response(server.stub.ModelInfer(raw, timeout=30))["fetch_name_0"].tobytes()
+    output = output_names("mlp")[0]
+    assert parse_response(server.stub.ModelInfer(typed, timeout=30))[output].tobytes() == (
+        parse_response(server.stub.ModelInfer(raw, timeout=30))[output].tobytes()
     )
 
 
@@ -46,7 +54,7 @@ def test_metadata_config_statistics_and_index(server: ServerProcess) -> None:
         ("token_ids", "INT64", [-1, -1])
     ]
     assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
-        ("fetch_name_0", "FP32", [-1, 4])
+        (output_names("text_classifier")[0], "FP32", [-1, 4])
     ]
     config = server.stub.ModelConfig(pb.ModelConfigRequest(name="mlp")).config
     assert (config.name, config.max_batch_size) == ("mlp", 64)

@@ -19,6 +19,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
+from tests.reference import output_names
 from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, running_server
 
 REQUEST = build_request("mlp", {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]})
@@ -71,7 +72,7 @@ class Load:
             except grpc.RpcError as exc:
                 self.failures.append(f"{exc.code()}: {exc.details()}")
                 continue
-            output = parse_response(response)["fetch_name_0"].tobytes()
+            output = parse_response(response)[output_names("mlp")[0]].tobytes()
             self.answers.append((response.model_version, output))
 
     def __enter__(self) -> Load:

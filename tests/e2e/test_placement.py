@@ -13,7 +13,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from service.scheduling.cpulist import parse_cpulist
 from service.scheduling.topology import load_topology_file
-from tests.reference import example_inputs, run_reference
+from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, REPO_ROOT, running_server
 
 FIXTURE = REPO_ROOT / "tests/fixtures/topology/a100_pcie_nvlink_pairs.json"
@@ -60,9 +60,8 @@ def test_gpu_instances_go_where_placement_says(tmp_path: Path) -> None:
         assert "SIMULATED" in server.log_text()
         inputs = example_inputs("mlp")
         served = parse_response(server.stub.ModelInfer(build_request("mlp", inputs), timeout=30))
-        np.testing.assert_allclose(
-            served["fetch_name_0"], run_reference("mlp", inputs)["fetch_name_0"], rtol=1e-5
-        )
+        output = output_names("mlp")[0]
+        np.testing.assert_allclose(served[output], run_reference("mlp", inputs)[output], rtol=1e-5)
 
 
 @pytest.mark.parametrize("fixture", ["dgx_h100.json", "pcie8_switched.json"])

@@ -23,6 +23,7 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+from tests.reference import output_names
 from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 from transport.certs import issue_client_certificate
 
@@ -135,7 +136,7 @@ def test_the_client_and_cli_send_headers(restricted: Restricted) -> None:
     ca = str(restricted.certs / "ca.pem")
     with InferenceClient(url, ca_file=ca, metadata=[INFER_HEADER]) as client:
         outputs = client.infer("mlp", {"input": np.ones((1, 256), np.float32)})
-    assert outputs["fetch_name_0"].shape == (1, 10)
+    assert outputs[output_names("mlp")[0]].shape == (1, 10)
     refused = _cli("models", "--url", url, "--ca-file", ca)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     allowed = _cli("models", "--url", url, "--ca-file", ca, "--header", "=".join(ADMIN_HEADER))

@@ -23,7 +23,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from tests.e2e.test_worker_restart import only_instance, wait_for
-from tests.reference import assert_matches_reference, example_inputs, run_reference
+from tests.reference import assert_matches_reference, example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, running_server
 
 RPC_TIMEOUT_S = 120.0
@@ -136,7 +136,7 @@ class _Load:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         inputs = [example_inputs("mlp", seed=100 + i) for i in range(CLIENTS)]
-        expected = [run_reference("mlp", x)["fetch_name_0"] for x in inputs]
+        expected = [run_reference("mlp", x)[output_names("mlp")[0]] for x in inputs]
         self._threads = [
             threading.Thread(target=self._client, args=(x, e), daemon=True)
             for x, e in zip(inputs, expected, strict=True)
@@ -157,7 +157,7 @@ class _Load:
         while not self._stop.is_set():
             try:
                 response = self.server.stub.ModelInfer(request, timeout=RPC_TIMEOUT_S)
-                served = parse_response(response)["fetch_name_0"]
+                served = parse_response(response)[output_names("mlp")[0]]
                 problem = None if np.allclose(served, expected, 1e-4, 1e-5) else "wrong outputs"
             except grpc.RpcError as exc:
                 problem = f"{exc.code()}: {exc.details()}"

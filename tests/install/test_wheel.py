@@ -19,6 +19,7 @@ import pytest
 
 from clients import __version__
 from protos.inference import grpc_service_pb2 as pb
+from tests.reference import output_names
 from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 
 pytestmark = pytest.mark.install
@@ -144,6 +145,12 @@ def test_the_installed_cli_calls_the_server_over_both_transports(
             "paddlequic", "infer", "mlp", "--random", "--url", url, "--ca-file", ca_file
         )
         assert done.returncode == 0, done.stderr
-        assert "fetch_name_0: float32 [1, 10]" in done.stdout
+        assert f"{output_names('mlp')[0]}: float32 [1, 10]" in done.stdout
         outputs.append(done.stdout)
+        perf = client_install.run(
+            "paddlequic", "perf", "mlp", "--url", url, "--ca-file", ca_file,
+            "--duration", "0.3", "--warmup", "0.1",
+        )  # fmt: skip
+        assert perf.returncode == 0, perf.stderr
+        assert perf.stdout.split()[:3] == ["concurrency", "connect", "req/s"]
     assert outputs[0] == outputs[1]  # the same seeded inputs, the same answer on both

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.reference import example_inputs, run_reference
+from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import ServerProcess
 
 GRPCURL_TIMEOUT_S = 60
@@ -133,8 +133,8 @@ def test_model_metadata_call(server: ServerProcess) -> None:
         ("item", "FP32", ["-1", "48"]),
     ]
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
-        ("fetch_name_0", "FP32", ["-1", "16"]),
-        ("fetch_name_1", "FP32", ["-1", "1"]),
+        (output_names("two_tower")[0], "FP32", ["-1", "16"]),
+        (output_names("two_tower")[1], "FP32", ["-1", "1"]),
     ]
 
 
@@ -165,14 +165,14 @@ def test_model_infer_with_typed_json_contents(server: ServerProcess) -> None:
     )
     (output,) = response["outputs"]
     assert (output["name"], output["datatype"], output["shape"]) == (
-        "fetch_name_0",
+        output_names("mlp")[0],
         "FP32",
         ["1", "10"],
     )
     (raw,) = response["raw_output_contents"]
     served = np.frombuffer(base64.b64decode(raw), dtype="<f4").reshape(1, 10)
     assert float(served.sum()) == pytest.approx(1.0, abs=1e-5)  # softmax
-    expected = run_reference("mlp", {"input": array})["fetch_name_0"]
+    expected = run_reference("mlp", {"input": array})[output_names("mlp")[0]]
     np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-5)
 
 

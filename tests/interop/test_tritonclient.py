@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.reference import EXAMPLES, example_inputs, run_reference
+from tests.reference import EXAMPLES, example_inputs, output_names, run_reference
 from tests.servers import REPO_ROOT, ServerProcess
 
 Array = np.ndarray[Any, Any]
@@ -78,15 +78,24 @@ def test_server_live_ready_and_metadata(triton: CheckRun) -> None:
     assert triton.summary["server_metadata"]["name"]
 
 
-EXPECTED_METADATA = {
-    "mlp": ([("input", "FP32", [-1, 256])], [("fetch_name_0", "FP32", [-1, 10])]),
-    "resnet18": ([("image", "FP32", [-1, 3, 224, 224])], [("fetch_name_0", "FP32", [-1, 1000])]),
-    "text_classifier": ([("token_ids", "INT64", [-1, -1])], [("fetch_name_0", "FP32", [-1, 4])]),
+# Outputs by position: their names are the example configs' (output_names).
+EXPECTED_SHAPES = {
+    "mlp": ([("input", "FP32", [-1, 256])], [("FP32", [-1, 10])]),
+    "resnet18": ([("image", "FP32", [-1, 3, 224, 224])], [("FP32", [-1, 1000])]),
+    "text_classifier": ([("token_ids", "INT64", [-1, -1])], [("FP32", [-1, 4])]),
     "two_tower": (
         [("user", "FP32", [-1, 32]), ("item", "FP32", [-1, 48])],
-        [("fetch_name_0", "FP32", [-1, 16]), ("fetch_name_1", "FP32", [-1, 1])],
+        [("FP32", [-1, 16]), ("FP32", [-1, 1])],
     ),
 }
+
+
+def expected_metadata(
+    model: str,
+) -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
+    inputs, outputs = EXPECTED_SHAPES[model]
+    names = output_names(model)
+    return inputs, [(n, d, s) for n, (d, s) in zip(names, outputs, strict=True)]
 
 
 # Triton's model_config.proto DataType numbers, as tritonclient's own message decodes them.
@@ -106,7 +115,7 @@ def test_model_metadata(triton: CheckRun, model: str) -> None:
         "paddle_inference",
     )
     assert metadata["ready"] is True
-    inputs, outputs = EXPECTED_METADATA[model]
+    inputs, outputs = expected_metadata(model)
     assert _triples(metadata["inputs"]) == inputs
     assert _triples(metadata["outputs"]) == outputs
 
@@ -117,7 +126,7 @@ def test_model_config_parses_in_tritonclient(triton: CheckRun, model: str) -> No
     config = triton.summary[f"config.{model}"]
     assert (config["name"], config["platform"]) == (model, "paddle_inference")
     assert config["max_batch_size"] > 0
-    inputs, outputs = EXPECTED_METADATA[model]
+    inputs, outputs = expected_metadata(model)
     assert [name for name, _, _ in config["inputs"]] == [name for name, _, _ in inputs]
     assert [name for name, _, _ in config["outputs"]] == [name for name, _, _ in outputs]
     # dims exclude the batch dimension when max_batch_size > 0.
@@ -172,7 +181,7 @@ def test_stream_bad_request_gets_an_error_and_the_stream_goes_on(triton: CheckRu
 
 @pytest.mark.parametrize("request_id", STREAM_GOOD)
 def test_stream_good_requests_match_in_process_paddle(triton: CheckRun, request_id: str) -> None:
-    expected = run_reference("mlp", _stream_inputs(request_id))["fetch_name_0"]
-    served = triton.outputs[f"stream.{request_id}.fetch_name_0"]
+    expected = run_reference("mlp", _stream_inputs(request_id))[output_names("mlp")[0]]
+    served = triton.outputs[f"stream.{request_id}.output0"]
     assert served.shape == expected.shape
     np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-5)

@@ -174,6 +174,7 @@ def stream(
     tritonclient's callback gets no request id with an error (error_message carries none), so
     errors are recorded in arrival order next to the ids of the successful responses."""
     received: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    output = client.get_model_metadata(STREAM_MODEL, client_timeout=TIMEOUT_S).outputs[0].name
     client.start_stream(
         callback=lambda result, error: received.put((result, error)), stream_timeout=TIMEOUT_S
     )
@@ -182,7 +183,7 @@ def stream(
             client.async_stream_infer(
                 STREAM_MODEL,
                 _infer_inputs(arrays),
-                outputs=[grpcclient.InferRequestedOutput("fetch_name_0")],
+                outputs=[grpcclient.InferRequestedOutput(output)],
                 request_id=request_id,
             )
     finally:
@@ -195,7 +196,7 @@ def stream(
             arrivals.append({"error": _error_dict(error)})
             continue
         response = result.get_response()
-        outputs[f"stream.{response.id}.fetch_name_0"] = result.as_numpy("fetch_name_0")
+        outputs[f"stream.{response.id}.output0"] = result.as_numpy(output)
         arrivals.append({"id": response.id, "model_name": response.model_name})
     return {"sent": list(requests), "arrivals": arrivals}
 

@@ -17,6 +17,7 @@ from service.repository import (
     RepositoryError,
     check_model_name,
     complete_config,
+    fetch_names,
     parse_version,
     select_versions,
 )
@@ -324,12 +325,78 @@ def test_config_input_the_model_lacks_is_refused() -> None:
     assert "['ids', 'user']" in message
 
 
-def test_config_output_the_model_lacks_is_refused() -> None:
-    given = config('name: "m" output [{ name: "logits" data_type: TYPE_FP32 dims: [ 16 ] }]')
+TWO_OUTPUTS = (
+    TensorSpec("fetch_name_0", "FP32", (-1, 16)),
+    TensorSpec("fetch_name_1", "INT64", (-1, 1)),
+)
+
+
+def test_named_outputs_map_to_the_program_outputs_in_order() -> None:
+    given = config(
+        'name: "m" max_batch_size: 4 output ['
+        '{ name: "embedding" data_type: TYPE_FP32 dims: [ 16 ] },'
+        '{ name: "label" data_type: TYPE_INT64 dims: [ 1 ] }]'
+    )
+    done = complete_config(given, MODEL_INPUTS, TWO_OUTPUTS)
+    assert described(done.output) == [
+        ("embedding", "TYPE_FP32", [16]),
+        ("label", "TYPE_INT64", [1]),
+    ]
+    assert fetch_names(given, TWO_OUTPUTS) == {"embedding": "fetch_name_0", "label": "fetch_name_1"}
+
+
+def test_outputs_named_as_the_program_names_them_need_no_mapping() -> None:
+    given = config(
+        'name: "m" output [{ name: "fetch_name_1" data_type: TYPE_INT64 dims: [-1, 1] }]'
+    )
+    done = complete_config(given, MODEL_INPUTS, TWO_OUTPUTS)
+    assert described(done.output) == [("fetch_name_1", "TYPE_INT64", [-1, 1])]
+    assert fetch_names(given, TWO_OUTPUTS) == {}
+    assert fetch_names(config('name: "m"'), TWO_OUTPUTS) == {}
+
+
+def test_a_name_kept_at_its_position_maps_too() -> None:
+    given = config(
+        'name: "m" output [{ name: "fetch_name_0" data_type: TYPE_FP32 dims: [ -1, 16 ] },'
+        '{ name: "label" data_type: TYPE_INT64 dims: [ -1, 1 ] }]'
+    )
+    complete_config(given, MODEL_INPUTS, TWO_OUTPUTS)
+    assert fetch_names(given, TWO_OUTPUTS) == {"label": "fetch_name_1"}
+
+
+@pytest.mark.parametrize(
+    ("outputs", "words"),
+    [
+        ('{ name: "logits" data_type: TYPE_FP32 dims: [ 16 ] }', "lists 1 output(s) ['logits']"),
+        (
+            '{ name: "a" data_type: TYPE_FP32 dims: [ 16 ] },'
+            '{ name: "b" data_type: TYPE_FP32 dims: [ 1 ] }',
+            "output 'b' (the model's output 1, 'fetch_name_1') is TYPE_FP32 in config.pbtxt "
+            "but TYPE_INT64",
+        ),
+        (
+            '{ name: "a" data_type: TYPE_FP32 dims: [ 4, 4 ] },'
+            '{ name: "b" data_type: TYPE_INT64 dims: [ 1 ] }',
+            "output 'a' (the model's output 0, 'fetch_name_0') has dims [4, 4]",
+        ),
+        (
+            '{ name: "fetch_name_1" data_type: TYPE_FP32 dims: [ 16 ] },'
+            '{ name: "b" data_type: TYPE_INT64 dims: [ 1 ] }',
+            "output 'fetch_name_1' at position 0 but the model's output 0 is 'fetch_name_0'",
+        ),
+        (
+            '{ name: "a" data_type: TYPE_FP32 dims: [ 16 ] },'
+            '{ name: "a" data_type: TYPE_INT64 dims: [ 1 ] }',
+            "output(s) ['a'] twice",
+        ),
+    ],
+)
+def test_named_outputs_are_checked_at_load(outputs: str, words: str) -> None:
+    given = config(f'name: "m" max_batch_size: 4 output [{outputs}]')
     with pytest.raises(RepositoryError) as info:
-        complete_config(given, MODEL_INPUTS, MODEL_OUTPUTS)
-    assert "output 'logits'" in str(info.value)
-    assert "['fetch_name_0']" in str(info.value)
+        complete_config(given, MODEL_INPUTS, TWO_OUTPUTS)
+    assert words in str(info.value)
+    assert "model 'm'" in str(info.value)
 
 
 @pytest.mark.parametrize(

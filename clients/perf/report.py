@@ -1,0 +1,121 @@
+"""perf's results: one row per step, printed as a table and written as CSV or JSON."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clients.perf.load import Step
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Row:
+    concurrency: int
+    connect: str
+    requests: int  # successful requests in the window
+    throughput: float  # successful requests per second
+    inferences: float  # rows per second (requests x batch size)
+    latency_ms: dict[str, float | None]  # avg and pNN of successful requests (None: none)
+    errors: dict[str, int]  # failed requests by status code
+    connect_modes: dict[str, int]  # new connections by how they started
+    client_cpu_us: float | None  # this process's CPU per request
+    server_cpu_us: float | None  # the server front-end's CPU per request (--server-metrics)
+
+
+def summarize(step: Step, batch_size: int, percentiles: Sequence[int]) -> Row:
+    latencies = np.asarray(step.latencies_ns, dtype=np.float64) / 1e6
+    latency: dict[str, float | None] = {"avg": None}
+    latency.update({f"p{p}": None for p in percentiles})
+    if latencies.size:
+        latency["avg"] = float(latencies.mean())
+        for p in percentiles:
+            latency[f"p{p}"] = float(np.percentile(latencies, p))
+    answered = len(step.latencies_ns) + sum(step.errors.values())
+    per_request = 1e6 / answered if answered else None
+    return Row(
+        concurrency=step.concurrency,
+        connect=step.connect,
+        requests=len(step.latencies_ns),
+        throughput=len(step.latencies_ns) / step.window_s,
+        inferences=len(step.latencies_ns) * batch_size / step.window_s,
+        latency_ms=latency,
+        errors=dict(sorted(step.errors.items())),
+        connect_modes=dict(sorted(step.modes.items())),
+        client_cpu_us=step.client_cpu_s * per_request if per_request else None,
+        server_cpu_us=(
+            step.server_cpu_s * per_request
+            if per_request and step.server_cpu_s is not None
+            else None
+        ),
+    )
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return " ".join(f"{k}:{v}" for k, v in counts.items()) or "-"
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(rows: Sequence[Row]) -> str:
+    """Aligned columns, one line per row, for a terminal."""
+    if not rows:
+        return ""
+    names = [k for k in rows[0].latency_ms if k != "avg"]
+    header = ["concurrency", "connect", "req/s", "infer/s", "avg ms"]
+    header += [f"{n} ms" for n in names] + ["errors", "client CPU us/req", "server CPU us/req"]
+    with_modes = any(r.connect_modes for r in rows)
+    if with_modes:
+        header.append("connections")
+    lines = [header]
+    for r in rows:
+        line = [str(r.concurrency), r.connect, f"{r.throughput:.1f}", f"{r.inferences:.1f}"]
+        line += [_number(r.latency_ms[k], 2) for k in ("avg", *names)]
+        line += [_counts(r.errors), _number(r.client_cpu_us, 0), _number(r.server_cpu_us, 0)]
+        if with_modes:
+            line.append(_counts(r.connect_modes))
+        lines.append(line)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.rjust(w) if i != 1 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in lines
+    )
+
+
+def write(path: Path, rows: Sequence[Row], run: dict[str, Any]) -> None:
+    """`.json`: the run's settings and every row; anything else: CSV, one line per row."""
+    if path.suffix == ".json":
+        document = {**run, "rows": [asdict(r) for r in rows]}
+        path.write_text(json.dumps(document, indent=2) + "\n")
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        names = list(rows[0].latency_ms) if rows else []
+        writer.writerow(
+            ["concurrency", "connect", "requests", "throughput_rps", "inferences_per_s"]
+            + [f"latency_{n}_ms" for n in names]
+            + ["errors", "client_cpu_us", "server_cpu_us", "connect_modes"]
+        )
+        for r in rows:
+            writer.writerow(
+                [r.concurrency, r.connect, r.requests, f"{r.throughput:.3f}", f"{r.inferences:.3f}"]
+                + [_number(r.latency_ms[n], 4) for n in names]
+                + [
+                    _counts(r.errors),
+                    _number(r.client_cpu_us, 1),
+                    _number(r.server_cpu_us, 1),
+                    _counts(r.connect_modes),
+                ]
+            )

@@ -1,0 +1,94 @@
+"""Log formats: JSON lines for pipelines, readable (coloured) text on a terminal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+import pytest
+
+from service.observability.logs import JsonFormatter, TextFormatter, make_formatter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HINT = "using development certificates in certs\nTLS: development certificates\n  names: a, b"
+
+
+@pytest.fixture
+def terminal() -> Iterator[TextIO]:
+    """The writing end of a real pseudo-terminal, which isatty() reports as one."""
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as stream:
+        yield stream
+    os.close(leader)
+
+
+def record(message: str, fields: dict[str, object] | None = None) -> logging.LogRecord:
+    rec = logging.LogRecord("paddlequic.server", logging.WARNING, __file__, 1, message, (), None)
+    if fields is not None:
+        rec.fields = fields
+    return rec
+
+
+def test_auto_is_text_on_a_terminal_and_json_otherwise(terminal: TextIO, tmp_path: Path) -> None:
+    assert isinstance(make_formatter("auto", terminal, {}), TextFormatter)
+    with (tmp_path / "log").open("w") as file:
+        assert isinstance(make_formatter("auto", file, {}), JsonFormatter)
+        assert isinstance(make_formatter("text", file, {}), TextFormatter)
+    assert isinstance(make_formatter("json", terminal, {}), JsonFormatter)
+    with pytest.raises(ValueError, match="auto, json or text"):
+        make_formatter("yaml", terminal, {})
+
+
+def test_colour_on_a_terminal_unless_no_color(terminal: TextIO, tmp_path: Path) -> None:
+    coloured = make_formatter("auto", terminal, {}).format(record("hello"))
+    assert "\x1b[33mWARNING" in coloured
+    plain = make_formatter("auto", terminal, {"NO_COLOR": "1"}).format(record("hello"))
+    assert "\x1b" not in plain
+    with (tmp_path / "log").open("w") as file:
+        assert "\x1b" not in make_formatter("text", file, {}).format(record("hello"))
+
+
+def test_text_keeps_multi_line_messages_readable_and_shows_fields() -> None:
+    line = TextFormatter(colour=False).format(
+        record(HINT, {"event": "request", "model": "mlp", "version": "", "status": "OK"})
+    )
+    first, *rest = line.split("\n")
+    assert first.endswith("WARNING paddlequic.server: using development certificates in certs")
+    assert rest == ["    TLS: development certificates", "      names: a, b model=mlp status=OK"]
+
+
+def test_json_is_unchanged_one_object_per_line() -> None:
+    line = JsonFormatter().format(record(HINT, {"model": "mlp"}))
+    assert "\n" not in line
+    obj = json.loads(line)
+    assert obj["message"] == HINT
+    assert (obj["level"], obj["logger"], obj["model"]) == ("warning", "paddlequic.server", "mlp")
+
+
+def test_a_process_logs_text_to_a_terminal_and_json_to_a_pipe() -> None:
+    """configure_logging picks the format from the real stderr the process was given."""
+    code = (
+        "import logging, sys; from service.observability.logs import configure_logging;"
+        "configure_logging('auto', 'info'); logging.getLogger('paddlequic.x').info('a\\nb')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NO_COLOR": ""}
+    piped = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(piped.stderr)["message"] == "a\nb"
+    leader, follower = os.openpty()
+    try:
+        subprocess.run([sys.executable, "-c", code], env=env, stderr=follower, check=True)
+        written = os.read(leader, 4096).decode().replace("\r\n", "\n")
+    finally:
+        os.close(follower)
+        os.close(leader)
+    lines = written.splitlines()
+    assert "\x1b[32mINFO" in lines[0] and lines[0].endswith("paddlequic.x: a")
+    assert lines[1:] == ["    b"]
