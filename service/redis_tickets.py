@@ -20,11 +20,10 @@ from collections.abc import Callable
 
 import redis
 from aioquic.tls import SessionTicket
-from cryptography.exceptions import InvalidTag
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from transport.ticket_seal import TicketSealer
+from transport.ticket_seal import TicketSealer, redeem
 from transport.tickets import DEFAULT_TTL_S, TicketCounters
 
 log = logging.getLogger(__name__)
@@ -105,18 +104,9 @@ class RedisTicketStore:
             self.counters.refused += 1
             return None
         self._recovered()
-        if not isinstance(sealed, bytes):
-            self.counters.refused += 1
-            return None
-        try:
-            ticket = self.sealer.open(label, sealed)
-        except InvalidTag:
-            # Another key names entries differently, so this entry was altered in the store.
-            log.warning("a sealed session ticket in the shared store did not open: altered")
-            self.counters.refused += 1
-            return None
-        self.counters.redeemed += 1
-        return ticket
+        return redeem(
+            self.sealer, label, sealed if isinstance(sealed, bytes) else None, self.counters
+        )
 
     def _failed(self, exc: Exception) -> None:
         if self._down_until is None:

@@ -12,13 +12,19 @@ import datetime
 import hashlib
 import hmac
 import json
+import logging
 import os
 from pathlib import Path
 
 from aioquic.tls import CipherSuite, SessionTicket
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from transport.tickets import TicketCounters
+
+log = logging.getLogger(__name__)
 
 MIN_KEY_BYTES = 32
 _NONCE_BYTES = 12
@@ -64,6 +70,25 @@ class TicketSealer:
         name = self.name(label)
         plain = self._aead.decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], name)
         return _decode(plain)
+
+
+def redeem(
+    sealer: TicketSealer, label: bytes, sealed: bytes | None, counters: TicketCounters
+) -> SessionTicket | None:
+    """A shared store's answer to a ticket label: the ticket, or None (counted as refused) when
+    the entry was missing, expired or altered. Another key names entries differently, so an
+    entry that does not open was altered in the store."""
+    ticket = None
+    if sealed is not None:
+        try:
+            ticket = sealer.open(label, sealed)
+        except InvalidTag:
+            log.warning("a sealed session ticket in the shared store did not open: altered")
+    if ticket is None:
+        counters.refused += 1
+    else:
+        counters.redeemed += 1
+    return ticket
 
 
 def _encode(ticket: SessionTicket) -> bytes:
