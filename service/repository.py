@@ -15,6 +15,7 @@ from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
+from service.batching.shapes import shape_buckets
 from service.model_parameters import ParameterError, check_parameters
 from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_name
 
@@ -124,6 +125,7 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
         raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
     try:
         check_parameters(config)
+        shape_buckets(config)
     except ParameterError as exc:
         raise RepositoryError(f"{config_file}: {exc}") from None
     return config

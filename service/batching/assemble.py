@@ -1,39 +1,69 @@
-"""Join the requests of a batch into one job (one tensor per input, rows concatenated) and
-split the batch's outputs back into each request's rows."""
+"""Join the requests of a batch into one job (one tensor per input, rows concatenated), padded
+to the model's shape buckets, and split the batch's outputs back into each request's rows:
+padded rows never reach a response."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from service import errors
+from service.batching.shapes import ShapeBuckets
 from service.validation import InferJob, InputTensor
 from service.workers.instance import InferResult, OutputTensor
 
+_NO_BUCKETS = ShapeBuckets()
 
-def join(jobs: Sequence[InferJob]) -> InferJob:
-    if len(jobs) == 1:
-        return jobs[0]
+
+def join(jobs: Sequence[InferJob], shapes: ShapeBuckets = _NO_BUCKETS) -> InferJob:
     first = jobs[0]
-    rows = sum(j.batch_size for j in jobs)
+    real_rows = sum(j.batch_size for j in jobs)
+    rows = shapes.batch_rows(real_rows) if first.batch_size else 0
     inputs = []
     for index, tensor in enumerate(first.inputs):
         parts = [j.inputs[index] for j in jobs]
-        inputs.append(
-            InputTensor(
-                tensor.name,
-                tensor.datatype,
-                (rows, *tensor.shape[1:]),
-                b"".join(p.data for p in parts),
-            )
-        )
+        shape = shapes.padded_shape(tensor.name, tensor.shape)
+        if rows:
+            shape = (rows, *shape[1:])
+        if len(parts) == 1 and shape == tensor.shape:
+            inputs.append(tensor)
+        elif rows and all(p.shape[1:] == shape[1:] for p in parts):
+            pad = bytes(len(tensor.data) // tensor.shape[0] * (rows - real_rows))
+            data = b"".join(p.data for p in parts) + pad
+            inputs.append(InputTensor(tensor.name, tensor.datatype, shape, data))
+        else:
+            inputs.append(_padded(parts, shape, shapes.pad_value, bool(rows)))
     return InferJob(tuple(inputs), first.outputs, rows)
 
 
-def split(result: InferResult, row_counts: Sequence[int]) -> list[tuple[OutputTensor, ...]]:
-    """Each request's outputs: consecutive row ranges of every batched output."""
-    if len(row_counts) == 1:
+def _padded(
+    parts: Sequence[InputTensor], shape: tuple[int, ...], value: float, batched: bool
+) -> InputTensor:
+    """The parts stacked on the batch dimension, each one's variable dimensions padded."""
+    first = parts[0]
+    dtype = first.datatype.numpy
+    out = np.full(shape, value, dtype)
+    start = 0
+    for part in parts:
+        array = np.frombuffer(part.data, dtype).reshape(part.shape)
+        if batched:
+            region = (slice(start, start + part.shape[0]), *(slice(0, d) for d in part.shape[1:]))
+            start += part.shape[0]
+        else:
+            region = tuple(slice(0, d) for d in part.shape)
+        out[region] = array
+    return InputTensor(first.name, first.datatype, shape, out.tobytes())
+
+
+def split(
+    result: InferResult, row_counts: Sequence[int], rows: int | None = None
+) -> list[tuple[OutputTensor, ...]]:
+    """Each request's outputs: consecutive row ranges of every batched output. `rows`: the
+    rows the batch ran with, padding included (default: the requests' rows)."""
+    total = sum(row_counts) if rows is None else rows
+    if len(row_counts) == 1 and total == row_counts[0]:
         return [result.outputs]
-    total = sum(row_counts)
     per_request: list[list[OutputTensor]] = [[] for _ in row_counts]
     for tensor in result.outputs:
         if not tensor.shape or tensor.shape[0] != total:
@@ -43,11 +73,11 @@ def split(result: InferResult, row_counts: Sequence[int]) -> list[tuple[OutputTe
             )
         row_bytes = len(tensor.data) // total
         start = 0
-        for index, rows in enumerate(row_counts):
-            end = start + rows * row_bytes
+        for index, count in enumerate(row_counts):
+            end = start + count * row_bytes
             per_request[index].append(
                 OutputTensor(
-                    tensor.name, tensor.dtype, (rows, *tensor.shape[1:]), tensor.data[start:end]
+                    tensor.name, tensor.dtype, (count, *tensor.shape[1:]), tensor.data[start:end]
                 )
             )
             start = end

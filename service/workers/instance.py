@@ -28,6 +28,7 @@ from typing import TypeVar
 import grpc
 
 from service import errors
+from service.batching.shapes import ShapeBuckets
 from service.repository import ModelFiles
 from service.validation import InferJob
 from service.workers import protocol
@@ -151,6 +152,7 @@ class WorkerSpec:
     numa_node: int = -1
     label: str = "cpu"  # where placement put it, for people
     execution_timeout_s: float | None = None  # the watchdog's limit per batch; None: none
+    shapes: ShapeBuckets = field(default_factory=ShapeBuckets)
 
 
 class WorkerInstance:
@@ -309,6 +311,7 @@ class WorkerInstance:
                     str(files.params_file),
                     dict(self.spec.parameters),
                     self.spec.device,
+                    self.spec.shapes,
                 )
             )
         )
