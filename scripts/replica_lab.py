@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import contextlib
 import copy
 import json
@@ -27,7 +26,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from scripts.rtt_lab import (
@@ -35,11 +33,10 @@ from scripts.rtt_lab import (
     REPO_ROOT,
     SERVER_NAME,
     START_TIMEOUT_S,
-    _delete_namespace,
+    Namespaces,
     _ip,
     _request,
     _stop,
-    remove_stale_namespaces,
     run_in_namespace,
 )
 
@@ -55,37 +52,14 @@ EXPECTED = {
 }
 
 
-class Lan:
+class Lan(Namespaces):
     """One namespace per host in ADDRESSES, each with `eth0` on a bridge in the `lan` namespace."""
 
     def __init__(self, prefix: str = "pqrep") -> None:
-        self.prefix = prefix
-        self.namespaces = {role: f"{prefix}-{os.getpid()}-{role}" for role in (*ADDRESSES, "lan")}
-        self._created: list[str] = []
+        super().__init__(prefix, (*ADDRESSES, "lan"))
 
-    def __enter__(self) -> Lan:
-        atexit.register(self.close)
-        try:
-            self._open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _open(self) -> None:
-        for name in remove_stale_namespaces(self.prefix):
-            print(f"removed namespace {name} left by a run that is gone", file=sys.stderr)
+    def _connect(self) -> None:
         for namespace in self.namespaces.values():
-            _ip("netns", "add", namespace)
-            self._created.append(namespace)
             _ip("-n", namespace, "link", "set", "lo", "up")
         lan = self.namespaces["lan"]
         _ip("-n", lan, "link", "add", "br0", "type", "bridge")
@@ -113,12 +87,6 @@ class Lan:
 
     def exec_prefix(self, role: str) -> list[str]:
         return ["ip", "netns", "exec", self.namespaces[role]]
-
-    def close(self) -> None:
-        """Idempotent; deleting a namespace removes its end of the veth pair, and so the pair."""
-        atexit.unregister(self.close)
-        while self._created:
-            _delete_namespace(self._created.pop())
 
 
 # --- the client (runs in the clients' namespace) --------------------------------------------

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 if TYPE_CHECKING:
     from protos.inference import grpc_service_pb2 as pb
@@ -166,31 +166,25 @@ def _checksum(data: bytes) -> int:
     return ~total & 0xFFFF
 
 
-class Link:
-    """Two namespaces joined by a delayed point-to-point link, server 198.18.0.1 and client
-    198.18.0.2 (each on a TUN device, MTU 1500, plus `lo`), and the forwarder between them:
-    every packet, either way, arrives `one_way_delay_ms` after it was sent, in order, none lost.
+class Namespaces:
+    """Network namespaces made for one run (named PREFIX-PID-ROLE): created on entry, after the
+    ones a dead run left behind are removed, and deleted on exit, on an error and at interpreter
+    exit (atexit). Subclasses connect them in `_connect` and undo it in `_disconnect`."""
 
-    Cleans up on exit, on an exception, and at interpreter exit (atexit): the forwarder is
-    stopped, which removes the TUN devices, and both namespaces are deleted. Should the owner die
-    by SIGKILL, the forwarder exits when its control pipe closes, and the next Link with the same
-    prefix deletes the namespaces left behind.
-    """
-
-    def __init__(self, one_way_delay_ms: float, prefix: str = "pqlab") -> None:
-        self.delay_ms = one_way_delay_ms
+    def __init__(self, prefix: str, roles: Sequence[str]) -> None:
         self.prefix = prefix
-        self.namespaces: dict[Side, str] = {
-            "server": f"{prefix}-{os.getpid()}-srv",
-            "client": f"{prefix}-{os.getpid()}-cli",
-        }
+        self.namespaces = {role: f"{prefix}-{os.getpid()}-{role}" for role in roles}
         self._created: list[str] = []
-        self._forwarder: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> Link:
+    def __enter__(self) -> Self:
         atexit.register(self.close)
         try:
-            self._open()
+            for name in remove_stale_namespaces(self.prefix):
+                print(f"removed namespace {name} left by a run that is gone", file=sys.stderr)
+            for namespace in self.namespaces.values():
+                _ip("netns", "add", namespace)
+                self._created.append(namespace)
+            self._connect()
         except BaseException:
             self.close()
             raise
@@ -204,16 +198,42 @@ class Link:
     ) -> None:
         self.close()
 
-    def _open(self) -> None:
-        for name in remove_stale_namespaces(self.prefix):
-            print(f"removed namespace {name} left by a run that is gone", file=sys.stderr)
-        for namespace in self.namespaces.values():
-            _ip("netns", "add", namespace)
-            self._created.append(namespace)
+    def _connect(self) -> None:
+        """Join the namespaces (they exist)."""
+
+    def _disconnect(self) -> None:
+        """Undo what `_connect` started outside the namespaces."""
+
+    def close(self) -> None:
+        """Idempotent: the context manager, an error path and atexit may all call it."""
+        atexit.unregister(self.close)
+        self._disconnect()
+        while self._created:
+            _delete_namespace(self._created.pop())
+
+
+class Link(Namespaces):
+    """Two namespaces joined by a delayed point-to-point link, server 198.18.0.1 and client
+    198.18.0.2 (each on a TUN device, MTU 1500, plus `lo`), and the forwarder between them:
+    every packet, either way, arrives `one_way_delay_ms` after it was sent, in order, none lost.
+
+    Cleans up on exit, on an exception, and at interpreter exit (atexit): the forwarder is
+    stopped, which removes the TUN devices, and both namespaces are deleted. Should the owner die
+    by SIGKILL, the forwarder exits when its control pipe closes, and the next Link with the same
+    prefix deletes the namespaces left behind.
+    """
+
+    def __init__(self, one_way_delay_ms: float, prefix: str = "pqlab") -> None:
+        super().__init__(prefix, ("server", "client"))
+        self.delay_ms = one_way_delay_ms
+        self._forwarder: subprocess.Popen[bytes] | None = None
+
+    def _connect(self) -> None:
         fds: dict[Side, int] = {}
         try:
             addresses: dict[Side, str] = {"server": SERVER_IP, "client": CLIENT_IP}
-            for side, namespace in self.namespaces.items():
+            for side in addresses:
+                namespace = self.namespaces[side]
                 fds[side] = run_in_namespace(namespace, _open_tun)
                 address = f"{addresses[side]}/{PREFIX_LENGTH}"
                 _ip("-n", namespace, "link", "set", "lo", "up")
@@ -293,14 +313,10 @@ class Link:
                 rtts.append((time.perf_counter() - start) * 1e3)
         return rtts
 
-    def close(self) -> None:
-        """Idempotent: the context manager, an error path and atexit may all call it."""
-        atexit.unregister(self.close)
+    def _disconnect(self) -> None:
         if self._forwarder is not None:
             _stop(self._forwarder)
             self._forwarder = None
-        while self._created:
-            _delete_namespace(self._created.pop())
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

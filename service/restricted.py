@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 
-from service.observability.handlers import (
+from service.handler_wrapping import (
     HANDLER_BUILDERS,
     Behavior,
     Handler,
-    WrappedGeneric,
+    WrappingServer,
     behavior_of,
 )
 
@@ -135,26 +135,13 @@ def parse_restrictions(specs: Sequence[str]) -> dict[str, Restriction]:
     return restrictions
 
 
-class RestrictedServer:
-    """Stands in for a server (or an `ObservedServer`) during registration only: handlers of
-    restricted methods come out checking the call's metadata before anything else."""
+class RestrictedServer(WrappingServer):
+    """Registers the handlers of restricted methods checking the call's metadata before
+    anything else (wrapped around an `ObservedServer`, refusals are observed too)."""
 
     def __init__(self, server: Any, restrictions: Mapping[str, Restriction]) -> None:
-        self._server = server
+        super().__init__(server)
         self._restrictions = dict(restrictions)
-
-    def add_generic_rpc_handlers(
-        self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
-    ) -> None:
-        self._server.add_generic_rpc_handlers([WrappedGeneric(h, self.wrap) for h in handlers])
-
-    def add_registered_method_handlers(
-        self, service_name: str, method_handlers: Mapping[str, Handler]
-    ) -> None:
-        self._server.add_registered_method_handlers(
-            service_name,
-            {m: self.wrap(f"/{service_name}/{m}", h) for m, h in method_handlers.items()},
-        )
 
     def wrap(self, method_path: str, handler: Handler) -> Handler:
         category = category_of(method_path)

@@ -9,9 +9,9 @@ import contextlib
 import inspect
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextvars import Token
-from typing import Any, TypeAlias
+from typing import Any
 
 import grpc
 from grpc.aio import AbortError
@@ -21,19 +21,18 @@ from opentelemetry.context import Context as OtelContext
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, Tracer
 
 from service.batching.batcher import Answer
+from service.handler_wrapping import (
+    HANDLER_BUILDERS,
+    Behavior,
+    Handler,
+    WrappingServer,
+    behavior_of,
+)
 from service.observability.logs import RequestLog
 from service.observability.metrics import Metrics
 from service.workers.protocol import Timings
 from transport.h3_protocol import StreamClosed
 
-Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
-Behavior = Callable[..., Any]
-HANDLER_BUILDERS: dict[tuple[bool, bool], Callable[..., Handler]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -104,38 +103,13 @@ class Observer:
             self.metrics.load_failures.labels(model, reason).inc()
 
 
-def behavior_of(handler: Handler) -> Behavior:
-    """The one behavior a handler of its kind has."""
-    behavior: Behavior | None = {
-        (False, False): handler.unary_unary,
-        (False, True): handler.unary_stream,
-        (True, False): handler.stream_unary,
-        (True, True): handler.stream_stream,
-    }[handler.request_streaming, handler.response_streaming]
-    assert behavior is not None
-    return behavior
-
-
-class ObservedServer:
-    """Stands in for a server (grpc.aio or H3Server) during registration only."""
+class ObservedServer(WrappingServer):
+    """Registers every handler observed (metrics, traces, request logs)."""
 
     def __init__(self, server: Any, transport: str, observer: Observer) -> None:
-        self._server = server
+        super().__init__(server)
         self._transport = transport
         self._observer = observer
-
-    def add_generic_rpc_handlers(
-        self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
-    ) -> None:
-        self._server.add_generic_rpc_handlers([WrappedGeneric(h, self.wrap) for h in handlers])
-
-    def add_registered_method_handlers(
-        self, service_name: str, method_handlers: Mapping[str, Handler]
-    ) -> None:
-        self._server.add_registered_method_handlers(
-            service_name,
-            {m: self.wrap(f"/{service_name}/{m}", h) for m, h in method_handlers.items()},
-        )
 
     def wrap(self, method_path: str, handler: Handler) -> Handler:
         """The same handler kind with an observed behavior; a synchronous behavior (none of
@@ -184,28 +158,6 @@ class ObservedServer:
             call.finish(None)
 
         return observed
-
-
-class WrappedGeneric(grpc.GenericRpcHandler):  # type: ignore[type-arg]
-    """A generic handler whose handlers come back wrapped (once per method)."""
-
-    def __init__(
-        self, inner: grpc.GenericRpcHandler[Any, Any], wrap: Callable[[str, Handler], Handler]
-    ) -> None:
-        self._inner = inner
-        self._wrap = wrap
-        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
-        found = self._inner.service(handler_call_details)
-        if found is None:
-            return None
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is None or cached[0] is not found:
-            cached = (found, self._wrap(method, found))
-            self._wrapped[method] = cached
-        return cached[1]
 
 
 class _Call:
