@@ -520,7 +520,7 @@ def warm_up_request(config: mc.ModelConfig) -> pb.ModelInferRequest:
         datatype = BY_CONFIG_TYPE[tensor.data_type]
         shape = batch + [1 if d < 0 else d for d in tensor.dims]
         request.inputs.add(name=tensor.name, datatype=datatype.name, shape=shape)
-        size = datatype.numpy.itemsize
+        size = 4 if datatype.name == "BYTES" else datatype.numpy.itemsize  # BYTES: empty elements
         for dim in shape:
             size *= dim
         request.raw_input_contents.append(bytes(size))

@@ -3,11 +3,15 @@ split the batch's outputs back into each request's rows."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 from service import errors
+from service.tensors import is_bytes
 from service.validation import InferJob, InputTensor
 from service.workers.instance import InferResult, OutputTensor
+from transport.bytes_tensor import split_bytes
 
 
 def join(jobs: Sequence[InferJob]) -> InferJob:
@@ -41,14 +45,19 @@ def split(result: InferResult, row_counts: Sequence[int]) -> list[tuple[OutputTe
                 f"output '{tensor.name}' has shape {list(tensor.shape)}, which does not start "
                 f"with the batch's {total} rows; the model cannot be batched"
             )
-        row_bytes = len(tensor.data) // total
-        start = 0
-        for index, rows in enumerate(row_counts):
-            end = start + rows * row_bytes
+        for index, (rows, data) in enumerate(
+            zip(row_counts, _row_parts(tensor, row_counts, total), strict=True)
+        ):
             per_request[index].append(
-                OutputTensor(
-                    tensor.name, tensor.dtype, (rows, *tensor.shape[1:]), tensor.data[start:end]
-                )
+                OutputTensor(tensor.name, tensor.dtype, (rows, *tensor.shape[1:]), data)
             )
-            start = end
     return [tuple(outputs) for outputs in per_request]
+
+
+def _row_parts(tensor: OutputTensor, row_counts: Sequence[int], total: int) -> list[bytes]:
+    if is_bytes(tensor.dtype):
+        per_row = math.prod(tensor.shape[1:])
+        return split_bytes(tensor.data, [rows * per_row for rows in row_counts])
+    row_bytes = len(tensor.data) // total
+    bounds = list(itertools.accumulate((rows * row_bytes for rows in row_counts), initial=0))
+    return [tensor.data[a:b] for a, b in itertools.pairwise(bounds)]
