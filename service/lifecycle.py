@@ -189,6 +189,7 @@ class Lifecycle:
                 loads.append(self._load_and_warm_up(served, files, placements[key]))
         self.models.changed()
         await asyncio.gather(*loads)
+        self.models.check_fallbacks()
         self.models.loading_done = True
         self.models.changed()
 
@@ -380,6 +381,7 @@ class Lifecycle:
                         result[version.version] = version
             retired = [v for v in current.values() if result.get(v.version) is not v]
             self.models.publish(name, result)
+            self.models.check_fallbacks()
             for version in retired:
                 self._retire_soon(version, "replaced")
             if failures:

@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 from opentelemetry.trace import SpanContext
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import errors
 from service.batching.batcher import Answer, DynamicBatcher
+from service.breaker import BreakerState, CircuitBreaker
+from service.fallback import incompatibility
+from service.model_parameters import check_parameters
 from service.repository import check_model_name, parse_version
 from service.scheduling import routing
 from service.statistics import ModelStats
@@ -50,7 +54,12 @@ class ServedVersion:
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # the files it was loaded from
     copy: Path | None = None  # the verified private copy its workers load (signed models)
     active: int = 0  # requests that resolved to this version and are not answered yet
+    breaker: CircuitBreaker = field(init=False)
     _random: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def __post_init__(self) -> None:
+        # The config was checked when it was read, so its parameters parse.
+        self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
 
     @property
     def ready(self) -> bool:
@@ -61,6 +70,13 @@ class ServedVersion:
     def pick_instance(self) -> WorkerInstance:
         ready = [i for i in self.instances if i.state is State.READY] or self.instances
         return routing.choose(ready, self.local_numa, self._random)
+
+    def start_failure(self) -> str | None:
+        """Why no instance can start, when none can (their restarts keep failing)."""
+        failures = [i.start_failure for i in self.instances]
+        if not failures or None in failures:
+            return None
+        return failures[0]
 
     def capacity(self) -> int:
         """Batches the ready instances can hold at once (one running, one queued each)."""
@@ -81,6 +97,8 @@ class ManagerObserver(Protocol):
     def encode_span(self) -> AbstractContextManager[Any]: ...
 
     def on_load_failure(self, model: str, reason: str) -> None: ...
+
+    def on_fallback(self, model: str, fallback: str) -> None: ...
 
 
 class ModelManager:
@@ -191,6 +209,83 @@ class ModelManager:
 
     async def infer(
         self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
+    ) -> tuple[ServedVersion, Answer]:
+        """Run the request on `served`, or on its fallback model while its breaker is open:
+        the version that answered, and its answer."""
+        breaker = served.breaker
+        failure = served.start_failure()
+        if failure is not None and breaker.state is BreakerState.CLOSED:
+            breaker.trip()
+        admission = breaker.admit()
+        if admission is None:
+            fallback = self._fallback(served, failure)
+            if self.observer is not None:
+                self.observer.on_fallback(served.name, fallback.name)
+            return fallback, await self._run_guarded(fallback, request, deadline)
+        code: grpc.StatusCode | None = None
+        try:
+            return served, await self._run(served, request, deadline)
+        except errors.ServiceError as exc:
+            code = exc.code
+            raise
+        except BaseException:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            breaker.record(admission, code)
+
+    async def _run_guarded(
+        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
+    ) -> Answer:
+        """A fallback's own breaker guards it too; a fallback has no fallback of its own."""
+        admission = served.breaker.admit()
+        if admission is None:
+            raise _open_circuit(served, served.start_failure())
+        code: grpc.StatusCode | None = None
+        try:
+            return await self._run(served, request, deadline)
+        except errors.ServiceError as exc:
+            code = exc.code
+            raise
+        except BaseException:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            served.breaker.record(admission, code)
+
+    def _fallback(self, served: ServedVersion, failure: str | None) -> ServedVersion:
+        """The ready version of the fallback model, or UNAVAILABLE saying the circuit is open."""
+        name = check_parameters(served.config).fallback_model
+        if name is None:
+            raise _open_circuit(served, failure)
+        try:
+            fallback = self.resolve(name, "")
+        except errors.ServiceError as exc:
+            raise _open_circuit(served, failure, f"its fallback model: {exc.message}") from None
+        reason = incompatibility(served.config, fallback.config)
+        if reason is not None:
+            raise _open_circuit(served, failure, f"its fallback model '{name}' {reason}")
+        return fallback
+
+    def check_fallbacks(self) -> None:
+        """Fail every ready version whose fallback model is served but does not take its
+        inputs or give its outputs (checked once both are loaded, whichever came first)."""
+        for served in self.all_versions():
+            name = check_parameters(served.config).fallback_model
+            if name is None or served.state is not VersionState.READY:
+                continue
+            ready = [v for v in self.serving(name).values() if v.state is VersionState.READY]
+            reason = next(
+                (r for v in ready if (r := incompatibility(served.config, v.config))), None
+            )
+            if reason is not None:
+                served.state = VersionState.UNAVAILABLE
+                served.reason = f"fallback_model '{name}' {reason}"
+                self.load_failed(served.name, "fallback")
+        self._on_change()
+
+    async def _run(
+        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
     ) -> Answer:
         started = time.perf_counter_ns()
         served.active += 1  # before any await: a swap cannot retire it under this request
@@ -258,6 +353,17 @@ def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float
         values.append(value)
     priority, timeout_us = values
     return priority, None if timeout_us is None else timeout_us / 1e6
+
+
+def _open_circuit(
+    served: ServedVersion, failure: str | None, detail: str = ""
+) -> errors.ServiceError:
+    why = f"no instance can start ({failure})" if failure else "too many recent requests failed"
+    message = (
+        f"model '{served.name}' version {served.version} is open-circuited: {why}; it will be "
+        f"retried in {served.breaker.retry_in_s():.1f} s"
+    )
+    return errors.unavailable(f"{message}; {detail}" if detail else message)
 
 
 def _not_ready(served: ServedVersion) -> errors.ServiceError:

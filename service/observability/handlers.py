@@ -103,6 +103,10 @@ class Observer:
         if self.metrics is not None:
             self.metrics.load_failures.labels(model, reason).inc()
 
+    def on_fallback(self, model: str, fallback: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.fallbacks, model, fallback).inc()
+
 
 def behavior_of(handler: Handler) -> Behavior:
     """The one behavior a handler of its kind has."""

@@ -161,6 +161,8 @@ class WorkerInstance:
         self.restarts = 0
         self.loaded: protocol.Loaded | None = None
         self._ready = asyncio.Event()
+        # Set once the current (re)start attempt ended, ready or not: what waiters wake on.
+        self._attempted = asyncio.Event()
         self._slots = [_Slot() for _ in range(SLOTS_PER_WORKER)]
         self._free: asyncio.Queue[_Slot] = asyncio.Queue()
         for slot in self._slots:
@@ -178,6 +180,9 @@ class WorkerInstance:
         self._watchdog: asyncio.TimerHandle | None = None
         self._killed_hung = False
         self._answered = 0  # results since the worker (re)started
+        # Why the last restart failed (e.g. its files are gone); None once one succeeds.
+        # Requests then fail at once instead of waiting for a restart that may never come.
+        self.start_failure: str | None = None
         # Outputs config.pbtxt renames: callers use the configured names, the worker's
         # program its fetch names (fetch_name_N).
         self._fetch_names: dict[str, str] = {}
@@ -236,10 +241,16 @@ class WorkerInstance:
             if self.state is State.STOPPED:
                 raise errors.unavailable(self._not_ready_message())
             if not self._ready.is_set():
+                if self.start_failure is not None:
+                    raise errors.unavailable(
+                        f"{self._not_ready_message()}; its last restart failed: "
+                        f"{self.start_failure}"
+                    )
                 try:
-                    await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+                    await asyncio.wait_for(self._attempted.wait(), READY_WAIT_S)
                 except TimeoutError:
                     raise errors.unavailable(self._not_ready_message()) from None
+                continue
             slot = await _until(
                 self._free.get(), deadline, "deadline exceeded waiting for a worker"
             )
@@ -250,6 +261,7 @@ class WorkerInstance:
     async def stop(self) -> None:
         self.state = State.STOPPED
         self._ready.clear()
+        self._attempted.set()
         if self._restart_task:
             self._restart_task.cancel()
         if self._writer is not None:
@@ -329,6 +341,7 @@ class WorkerInstance:
             raise RuntimeError(reason)
         self.state = State.READY
         self._ready.set()
+        self._attempted.set()
         self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
         return first
 
@@ -409,6 +422,7 @@ class WorkerInstance:
     async def _on_death(self) -> None:
         self.state = State.RESTARTING
         self._ready.clear()
+        self._attempted.clear()
         self._writer = None
         code = await self._process.wait() if self._process else None
         if self._killed_hung:
@@ -446,8 +460,11 @@ class WorkerInstance:
                 await self._launch()
             except (RuntimeError, OSError, TimeoutError) as exc:
                 self._restart_delay = min(max(1.0, self._restart_delay * 2), MAX_RESTART_DELAY_S)
+                self.start_failure = str(exc)
+                self._attempted.set()
                 log.error("restarting worker %s failed: %s", self.spec.instance_name, exc)
                 continue
+            self.start_failure = None
             self.restarts += 1
             log.info("worker %s restarted (pid %d)", self.spec.instance_name, self.pid)
 
