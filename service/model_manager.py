@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanContext
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service import errors
+from service import ensemble, errors
 from service.batching.batcher import Answer, DynamicBatcher
 from service.breaker import BreakerState, CircuitBreaker
 from service.fallback import incompatibility
@@ -27,7 +27,13 @@ from service.repository import check_model_name, parse_version
 from service.scheduling import routing
 from service.statistics import ModelStats
 from service.validation import InferJob, RequestValidator
-from service.workers.instance import SLOTS_PER_WORKER, InferResult, State, WorkerInstance
+from service.workers.instance import (
+    SLOTS_PER_WORKER,
+    InferResult,
+    OutputTensor,
+    State,
+    WorkerInstance,
+)
 from service.workers.protocol import Timings
 
 
@@ -55,6 +61,8 @@ class ServedVersion:
     copy: Path | None = None  # the verified private copy its workers load (signed models)
     active: int = 0  # requests that resolved to this version and are not answered yet
     breaker: CircuitBreaker = field(init=False)
+    steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
+    steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
     _random: random.Random = field(default_factory=lambda: random.Random(0))
 
     def __post_init__(self) -> None:
@@ -63,9 +71,11 @@ class ServedVersion:
 
     @property
     def ready(self) -> bool:
-        return self.state is VersionState.READY and any(
-            i.state is State.READY for i in self.instances
-        )
+        if self.state is not VersionState.READY:
+            return False
+        if self.steps_ready is not None:
+            return self.steps_ready()
+        return any(i.state is State.READY for i in self.instances)
 
     def pick_instance(self) -> WorkerInstance:
         ready = [i for i in self.instances if i.state is State.READY] or self.instances
@@ -290,10 +300,14 @@ class ModelManager:
         started = time.perf_counter_ns()
         served.active += 1  # before any await: a swap cannot retire it under this request
         try:
-            assert served.validator is not None and served.batcher is not None
+            assert served.validator is not None
             job = served.validator.validate(request)
             priority, timeout_s = request_scheduling(request)
-            answer = await served.batcher.submit(job, deadline, priority, timeout_s)
+            if served.steps:
+                answer = await self._run_ensemble(served, job, deadline)
+            else:
+                assert served.batcher is not None
+                answer = await served.batcher.submit(job, deadline, priority, timeout_s)
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
@@ -306,6 +320,54 @@ class ModelManager:
         if self.observer is not None:
             self.observer.on_request(served.name, elapsed_ns, answer)
         return answer
+
+    async def _run_ensemble(
+        self, served: ServedVersion, job: InferJob, deadline: float | None
+    ) -> Answer:
+        queue_ns = 0
+
+        async def run_step(
+            step: ensemble.Step, request: pb.ModelInferRequest
+        ) -> tuple[OutputTensor, ...]:
+            nonlocal queue_ns
+            _, answer = await self.infer(self.resolve(step.model, step.version), request, deadline)
+            queue_ns += answer.queue_ns
+            return answer.outputs
+
+        outputs = await ensemble.run(served.name, served.steps, job, run_step)
+        return Answer(outputs, Timings(0, 0, 0), queue_ns, max(job.batch_size, 1))
+
+    def ensemble_ready(self, served: ServedVersion) -> bool:
+        """Every step's model has a ready version (the one it names, if it names one)."""
+        for step in served.steps:
+            try:
+                if not self.resolve(step.model, step.version).ready:
+                    return False
+            except errors.ServiceError:
+                return False
+        return True
+
+    def check_ensembles(self) -> None:
+        """Fail every ensemble a served step model cannot run (a step model not loaded yet
+        only keeps the ensemble not ready)."""
+        for served in self.all_versions():
+            if not served.steps or served.state is not VersionState.READY:
+                continue
+            for step in served.steps:
+                try:
+                    model = self.resolve(step.model, step.version)
+                except errors.ServiceError:
+                    continue
+                reason = (
+                    f"{step.describe()} is an ensemble itself; ensembles do not nest"
+                    if model.steps
+                    else ensemble.check_step(step, served.config, model.config)
+                )
+                if reason is not None:
+                    served.state, served.reason = VersionState.UNAVAILABLE, reason
+                    self.load_failed(served.name, "ensemble")
+                    break
+        self._on_change()
 
     async def run_batch(
         self,

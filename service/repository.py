@@ -19,6 +19,7 @@ from service.model_parameters import ParameterError, check_parameters
 from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_name
 
 PLATFORM = "paddle_inference"
+ENSEMBLE = "ensemble"  # steps of other models; no files of its own
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MAX_VERSION = 2**63 - 1
 
@@ -48,7 +49,8 @@ def parse_version(version: str) -> int | None:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """One numeric version directory and the Paddle files in it."""
+    """One numeric version directory and the Paddle files in it (for an ensemble, which has
+    none, all three are the model's directory)."""
 
     version: int
     path: Path
@@ -85,6 +87,14 @@ class ModelRepository:
             raise RepositoryError(f"model {name!r} not found in repository {self.root}")
         config = read_config(path, name)
         available = _version_dirs(path)
+        if config.platform == ENSEMBLE:
+            # An ensemble has no files: version 1 (or its version directories, as Triton
+            # wants them) stand for its config.
+            versions = sorted(available) or [1]
+            chosen = select_versions(config.version_policy, versions)
+            return RepositoryModel(
+                name, path, config, tuple(ModelFiles(v, path, path, path) for v in chosen)
+            )
         if not available:
             raise RepositoryError(
                 f"model {name!r} has no version directories under {path}; "
@@ -114,12 +124,16 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
             f"{config_file}: name {config.name!r} differs from the directory name {name!r}"
         )
     config.name = name
-    if config.platform and config.platform != PLATFORM:
+    if config.platform not in ("", PLATFORM, ENSEMBLE):
         raise RepositoryError(
             f"{config_file}: platform {config.platform!r} is not served here; "
-            f"use platform: {PLATFORM!r}"
+            f"use platform: {PLATFORM!r} or {ENSEMBLE!r}"
         )
-    config.platform = PLATFORM
+    config.platform = config.platform or PLATFORM
+    if (config.platform == ENSEMBLE) != config.HasField("ensemble_scheduling"):
+        raise RepositoryError(
+            f"{config_file}: ensemble_scheduling goes with platform {ENSEMBLE!r}, and only there"
+        )
     if config.max_batch_size < 0:
         raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
     try:
