@@ -251,6 +251,8 @@ class Lifecycle:
                     numa_node=p.numa_node,
                     label=_device_label(p, self.topology.simulated),
                     execution_timeout_s=limits.execution_timeout_s,
+                    backend=config.backend,
+                    config=config.SerializeToString(),
                 )
             )
             for p in placements

@@ -20,6 +20,8 @@ _INTEGERS = {
     "execution_timeout_ms": 1,
     "max_input_elements": 1,
     "breaker_min_requests": 1,
+    "python_memory_mb": 256,
+    "python_open_files": 32,
 }
 # name -> (smallest, largest) accepted value, both included
 _FLOATS = {

@@ -20,6 +20,7 @@ from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_nam
 
 PLATFORM = "paddle_inference"
 ENSEMBLE = "ensemble"  # steps of other models; no files of its own
+PYTHON_BACKEND = "python"  # a model.py implementing Triton's TritonPythonModel
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MAX_VERSION = 2**63 - 1
 
@@ -49,8 +50,8 @@ def parse_version(version: str) -> int | None:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """One numeric version directory and the Paddle files in it (for an ensemble, which has
-    none, all three are the model's directory)."""
+    """One numeric version directory and the Paddle files in it (a Python model: both are
+    its model.py; an ensemble, which has no files, all three are the model's directory)."""
 
     version: int
     path: Path
@@ -101,14 +102,13 @@ class ModelRepository:
                 "export one with `make models`"
             )
         chosen = select_versions(config.version_policy, sorted(available))
+        files = _python_files if config.backend == PYTHON_BACKEND else _model_files
         if not chosen:
             raise RepositoryError(
                 f"model {name!r}: version_policy selects none of the versions "
                 f"{sorted(available)} under {path}"
             )
-        return RepositoryModel(
-            name, path, config, tuple(_model_files(available[v], v) for v in chosen)
-        )
+        return RepositoryModel(name, path, config, tuple(files(available[v], v) for v in chosen))
 
 
 def read_config(path: Path, name: str) -> mc.ModelConfig:
@@ -130,6 +130,16 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
             f"use platform: {PLATFORM!r} or {ENSEMBLE!r}"
         )
     config.platform = config.platform or PLATFORM
+    if config.backend not in ("", PYTHON_BACKEND):
+        raise RepositoryError(
+            f"{config_file}: backend {config.backend!r} is not served here; leave it out for "
+            f"Paddle models, or use backend: {PYTHON_BACKEND!r} with a model.py"
+        )
+    if config.backend == PYTHON_BACKEND:
+        if config.platform == ENSEMBLE:
+            raise RepositoryError(f"{config_file}: an ensemble has no backend")
+        if not config.input or not config.output:
+            raise RepositoryError(f"{config_file}: a Python model must list its inputs and outputs")
     if (config.platform == ENSEMBLE) != config.HasField("ensemble_scheduling"):
         raise RepositoryError(
             f"{config_file}: ensemble_scheduling goes with platform {ENSEMBLE!r}, and only there"
@@ -161,6 +171,13 @@ def _version_dirs(path: Path) -> dict[int, Path]:
         for p in path.iterdir()
         if p.is_dir() and p.name.isdigit() and p.name.isascii() and int(p.name) <= _MAX_VERSION
     }
+
+
+def _python_files(path: Path, version: int) -> ModelFiles:
+    model = path / "model.py"
+    if not model.is_file():
+        raise RepositoryError(f"{path} holds no model.py for this Python model")
+    return ModelFiles(version, path, model, model)
 
 
 def _model_files(path: Path, version: int) -> ModelFiles:

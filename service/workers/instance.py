@@ -28,14 +28,19 @@ from typing import TypeVar
 import grpc
 
 from service import errors
-from service.repository import ModelFiles
+from service.repository import PYTHON_BACKEND, ModelFiles
 from service.validation import InferJob
 from service.workers import protocol
 from service.workers.shm import Segment, layout
 
 log = logging.getLogger("paddlequic.worker")
+model_log = logging.getLogger("paddlequic.model")
 _T = TypeVar("_T")
 
+# All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
+# tokens, ticket keys) can reach model.py through it.
+PYTHON_ENV_ALLOWED = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+MAX_LOG_LINE = 4096  # characters of one line a Python model prints, in the server's log
 SLOTS_PER_WORKER = 2
 LOAD_TIMEOUT_S = 600.0
 READY_WAIT_S = 60.0
@@ -151,6 +156,12 @@ class WorkerSpec:
     numa_node: int = -1
     label: str = "cpu"  # where placement put it, for people
     execution_timeout_s: float | None = None  # the watchdog's limit per batch; None: none
+    backend: str = ""  # "python" for a model.py; otherwise Paddle
+    config: bytes = b""  # the serialized ModelConfig, for Python models
+
+    @property
+    def python(self) -> bool:
+        return self.backend == PYTHON_BACKEND
 
 
 class WorkerInstance:
@@ -172,6 +183,7 @@ class WorkerInstance:
         self._writer: asyncio.StreamWriter | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._output_tasks: set[asyncio.Task[None]] = set()
         self._restart_task: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._restart_delay = 0.0
@@ -279,6 +291,8 @@ class WorkerInstance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
         self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
+        for task in list(self._output_tasks):
+            task.cancel()
         for slot in self._slots:
             slot.release()
 
@@ -290,7 +304,15 @@ class WorkerInstance:
 
     async def _launch(self) -> protocol.Loaded:
         parent, child = socket.socketpair()
-        env = {**os.environ, "GLOG_minloglevel": "2", **self.spec.env}
+        python = self.spec.python
+        inherited = (
+            {k: v for k, v in os.environ.items() if k in PYTHON_ENV_ALLOWED}
+            if python
+            else os.environ
+        )
+        env = {**inherited, "GLOG_minloglevel": "2", **self.spec.env}
+        # A Python model's prints go to the server's log, tagged with the model's name.
+        output = asyncio.subprocess.PIPE if python else asyncio.subprocess.DEVNULL
         try:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -300,11 +322,17 @@ class WorkerInstance:
                 str(child.fileno()),
                 pass_fds=(child.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
+                stdout=output,
+                stderr=output if python else None,
                 env=env,
             )
         finally:
             child.close()
+        for stream in (self._process.stdout, self._process.stderr):
+            if stream is not None:
+                task = asyncio.create_task(_forward_output(stream, self.spec.model_name))
+                self._output_tasks.add(task)
+                task.add_done_callback(self._output_tasks.discard)
         self.pid = self._process.pid
         self._started_at = time.monotonic()
         self._answered = 0
@@ -321,6 +349,8 @@ class WorkerInstance:
                     str(files.params_file),
                     dict(self.spec.parameters),
                     self.spec.device,
+                    self.spec.backend,
+                    self.spec.config,
                 )
             )
         )
@@ -477,6 +507,21 @@ class WorkerInstance:
             self._free.put_nowait(entry.slot)
             if not entry.future.done():
                 entry.future.set_exception(error(index))
+
+
+async def _forward_output(stream: asyncio.StreamReader, model: str) -> None:
+    """Each line a Python model's worker prints, into the server's log (bounded per line)."""
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > MAX_LOG_LINE:
+            lines.append(pending)
+            pending = b""
+        for line in lines:
+            model_log.info("model %s: %s", model, line.decode(errors="replace")[:MAX_LOG_LINE])
+    if pending:
+        model_log.info("model %s: %s", model, pending.decode(errors="replace")[:MAX_LOG_LINE])
 
 
 async def _read_message(reader: asyncio.StreamReader) -> protocol.Message | None:

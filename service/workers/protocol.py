@@ -39,6 +39,8 @@ class Load:
     params_file: str
     parameters: dict[str, str]
     device: str
+    backend: str = ""  # "python": model_file is a model.py; otherwise a Paddle program
+    config: bytes = b""  # the serialized ModelConfig (Python models are told it)
 
 
 @dataclass(frozen=True)
