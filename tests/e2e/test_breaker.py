@@ -11,18 +11,20 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_worker_restart import only_instance, wait_for
-from tests.servers import EXAMPLE_MODELS, ServerProcess, running_server
+from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
 
 Inputs = dict[str, np.ndarray[Any, Any]]
 RPC_TIMEOUT_S = 60.0
@@ -65,7 +67,9 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path) -> None:
     copy_mlp(repository, "lonely", BREAKER)
     copy_mlp(repository, "backup")
     inputs = {"input": np.random.default_rng(3).standard_normal((2, 256), dtype=np.float32)}
-    with running_server(repository, tmp_path / "server.log") as server:
+    metrics_port = free_port()
+    args = ["--metrics-port", str(metrics_port)]
+    with running_server(repository, tmp_path / "server.log", args) as server:
         expected = parse_response(infer(server, "backup", inputs))["probabilities"]
         healthy = infer(server, "primary", inputs)
         assert (healthy.model_name, by_fallback(healthy)) == ("primary", False)
@@ -83,6 +87,9 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path) -> None:
         assert (answered.model_name, answered.model_version) == ("backup", "1")
         np.testing.assert_allclose(parse_response(answered)["probabilities"], expected, rtol=1e-5)
         assert breaker_of(server, "primary") in ("OPEN", "HALF_OPEN")
+        samples = scrape(metrics_port)
+        assert samples[("paddlequic_fallbacks_total", "primary", "backup")] >= 1
+        assert samples[("paddlequic_breaker_state", "primary", "CLOSED")] == 0
 
         # Without a fallback: UNAVAILABLE at once, not a wait for the deadline.
         with pytest.raises(grpc.RpcError) as caught:
@@ -106,6 +113,19 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path) -> None:
         assert again.model_name == "primary"
         np.testing.assert_allclose(parse_response(again)["probabilities"], expected, rtol=1e-5)
         assert breaker_of(server, "primary") == "CLOSED"
+        assert scrape(metrics_port)[("paddlequic_breaker_state", "primary", "CLOSED")] == 1
+
+
+def scrape(port: int) -> dict[tuple[str, ...], float]:
+    """Breaker and fallback samples by (name, model, state or fallback)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, s.labels["model"], s.labels.get("state") or s.labels.get("fallback", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in ("paddlequic_breaker_state", "paddlequic_fallbacks_total")
+    }
 
 
 def answer_of(

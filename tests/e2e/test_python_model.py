@@ -1,6 +1,6 @@
 """A Triton-style Python model (backend: "python") on a real server: BYTES in and out through
 dynamic batching, its prints in the server's log, its restrictions (scrubbed environment,
-open-files limit), and a model.py that raises or crashes failing only what it must."""
+open-files limit), and a model.py that raises, crashes or hangs failing only what it must."""
 
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ def test_python_model_serves_bytes_restricted_and_logged(
             lambda: True if only_instance(server, "upper").state == "READY" else None,
         )
         assert only_instance(server, "upper").pid != pid
+
+        # A hang is the watchdog's (execution_timeout_ms 2000 in the fixture's config).
+        with pytest.raises(grpc.RpcError) as hung:
+            infer(server, "hang")
+        assert hung.value.code() is grpc.StatusCode.INTERNAL
+        assert "suspected poison input" in (hung.value.details() or "")
+        wait_for(
+            "the hung worker to be restarted",
+            lambda: True if only_instance(server, "upper").state == "READY" else None,
+        )
         assert infer(server, "back")["upper"].tolist() == [[b"BACK"]]
         log = server.log_text()
         assert "model upper: initialized upper version 1" in log
