@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 GPU    ?= 0
 EXTRA  := $(if $(filter 1,$(GPU)),gpu,cpu)
+# paddlepaddle-gpu 2.6 reads only legacy programs (inference.pdmodel)
+EXPORT_FLAGS := $(if $(filter 1,$(GPU)),--legacy)
 MODELS ?= models
 CERTS  ?= certs
 ARGS   ?=
@@ -20,7 +22,7 @@ help:
 	@echo "make test    run the test suite (no GPU needed)"
 	@echo "make lint    ruff + mypy"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
-	@echo "make bench   batching off/on vs the raw predictor (resnet18, mlp_wide; writes bench-results/)"
+	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
@@ -51,7 +53,7 @@ proto: $(STAMP_PROTO)
 
 $(STAMP_MODELS): scripts/export_models.py $(shell find examples -type f) $(STAMP_INSTALL)
 	@echo "==> exporting example models into $(MODELS)/ (random weights, real architectures)"
-	$(BIN)/python scripts/export_models.py --out $(MODELS)
+	$(BIN)/python scripts/export_models.py --out $(MODELS) $(EXPORT_FLAGS)
 	@touch $@
 
 models: $(STAMP_MODELS)
@@ -69,7 +71,7 @@ test: setup models
 	$(BIN)/python -m pytest $(ARGS)
 
 models-bench: models
-	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide
+	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide $(EXPORT_FLAGS)
 
 bench: setup models-bench
 	$(BIN)/python -m scripts.bench_batching $(ARGS)

@@ -4,6 +4,9 @@ The server and its tests need real Paddle inference models without downloading a
 builds real architectures with seeded random weights, saves them with `paddle.jit.save` and writes
 a Triton-style `config.pbtxt` beside each. Every model is exported into a temp dir and renamed into
 place, so a half-written model never appears in the repository.
+
+`--legacy` writes legacy programs (`inference.pdmodel`), the only format the GPU build on PyPI
+(paddlepaddle-gpu 2.6) reads, for the models whose layers export that way.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from typing import Literal
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 os.environ.setdefault("GLOG_v", "0")
+# Paddle reads FLAGS_enable_pir_api once, when it is imported: --legacy must set it first.
+if "--legacy" in sys.argv[1:]:
+    os.environ["FLAGS_enable_pir_api"] = "0"  # noqa: SIM112 (Paddle's spelling)
 warnings.filterwarnings("ignore", message="No ccache found")
 
 import numpy as np  # noqa: E402
@@ -36,7 +42,7 @@ TRITON_TYPES: dict[DType, str] = {
     "int64": "TYPE_INT64",
     "int32": "TYPE_INT32",
 }
-MODEL_FILES = ("inference.json", "inference.pdiparams")
+PROGRAM_FILES = ("inference.json", "inference.pdmodel")  # Paddle 3 / legacy
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Python models and ensembles: their files are copied from examples/ as they are. The
 # sentiment ensemble runs tokenizer -> text_classifier -> label_postprocess.
@@ -64,6 +70,7 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
     default: bool = True
+    legacy: bool = True  # exports as a legacy program (--legacy)
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -139,6 +146,7 @@ MODELS: tuple[ModelSpec, ...] = (
         (TensorSpec("token_ids", "int64", (-1, -1)),),
         (f32("logits", -1, 4),),
         32,
+        legacy=False,  # the Transformer encoder's attention does not translate to legacy ops
     ),
     ModelSpec(
         "two_tower",
@@ -146,6 +154,7 @@ MODELS: tuple[ModelSpec, ...] = (
         (f32("user", -1, 32), f32("item", -1, 48)),
         (f32("user_embedding", -1, 16), f32("score", -1, 1)),
         64,
+        legacy=False,  # Tensor.sum has no legacy translation
     ),
     # One call is dominated by its ~100 MB of weights: used by the batching benchmark.
     ModelSpec(
@@ -179,10 +188,12 @@ def config_pbtxt(spec: ModelSpec) -> str:
     )
 
 
-def is_exported(model_dir: Path) -> bool:
+def is_exported(model_dir: Path, legacy: bool) -> bool:
+    """Exported already, in the program format asked for."""
     version = model_dir / "1"
+    program = PROGRAM_FILES[1] if legacy else PROGRAM_FILES[0]
     return (model_dir / "config.pbtxt").is_file() and all(
-        (version / f).is_file() for f in MODEL_FILES
+        (version / f).is_file() for f in (program, "inference.pdiparams")
     )
 
 
@@ -249,6 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="also export non-default models")
     parser.add_argument("--force", action="store_true", help="re-export models already present")
     parser.add_argument(
+        "--legacy",
+        action="store_true",
+        help="legacy programs (inference.pdmodel) for paddlepaddle-gpu 2.6; models whose "
+        "layers cannot export that way are skipped",
+    )
+    parser.add_argument(
         "--add-version",
         type=int,
         metavar="N",
@@ -260,16 +277,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         selected = [m for m in MODELS if m.name in args.only]
     else:
         selected = [m for m in MODELS if m.default or args.all]
+    if args.legacy != (os.environ.get("FLAGS_enable_pir_api") == "0"):  # noqa: SIM112
+        raise SystemExit(
+            "--legacy and FLAGS_enable_pir_api=0 go together; pass --legacy on the command "
+            "line (Paddle reads the flag when it is imported)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     paddle.device.set_device("cpu")
     for spec in selected:
+        if args.legacy and not spec.legacy:
+            print(f"exporting {spec.name} ... skipped (no legacy export)", flush=True)
+            continue
         if args.add_version:
-            if not is_exported(args.out / spec.name):
+            if not is_exported(args.out / spec.name, args.legacy):
                 raise SystemExit(f"{spec.name} is not exported in {args.out}; export it first")
             size = export(spec, args.out, args.add_version)
             print(f"added {spec.name} version {args.add_version}, {size / 1e6:.1f} MB", flush=True)
             continue
-        if not args.force and is_exported(args.out / spec.name):
+        if not args.force and is_exported(args.out / spec.name, args.legacy):
             config = args.out / spec.name / "config.pbtxt"
             if config.read_text() != config_pbtxt(spec):
                 config.write_text(config_pbtxt(spec))

@@ -13,10 +13,10 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import ensemble, errors
 from service.batching.batcher import DynamicBatcher, policy_from_config
+from service.batching.shapes import shape_buckets
 from service.model_manager import ModelManager, ServedVersion, VersionState
 from service.model_parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.repository import (
@@ -40,8 +40,9 @@ from service.scheduling.topology import Topology
 from service.settings import ServerSettings
 from service.signing import CONFIG_FILE, SIGNATURE_FILE, SignatureError, SigningPolicy
 from service.statistics import ModelStats
-from service.tensors import BY_CONFIG_TYPE, config_type_name
+from service.tensors import config_type_name
 from service.validation import RequestValidator
+from service.warmup import WarmUpError, warm_ups
 from service.workers.instance import WorkerInstance, WorkerSpec
 
 log = logging.getLogger("paddlequic.models")
@@ -205,7 +206,7 @@ class Lifecycle:
         """Load and warm up one version; any failure leaves it UNAVAILABLE with the reason."""
         try:
             await self._load_version(served, files, placements)
-            if served.state is VersionState.READY:
+            if served.state is VersionState.LOADING:  # loaded: READY once warmed up
                 await self._warm_up(served)
         except Exception as exc:
             log.exception("model %s version %d failed to load", served.name, served.version)
@@ -251,6 +252,7 @@ class Lifecycle:
                     numa_node=p.numa_node,
                     label=_device_label(p, self.topology.simulated),
                     execution_timeout_s=limits.execution_timeout_s,
+                    shapes=shape_buckets(config),
                     backend=config.backend,
                     config=config.SerializeToString(),
                 )
@@ -274,8 +276,8 @@ class Lifecycle:
             served.validator = RequestValidator(served.config)
             served.batcher = DynamicBatcher(
                 policy_from_config(served.config, len(served.instances)),
-                lambda job, requests, deadline: self.models.run_batch(
-                    served, job, requests, deadline
+                lambda job, rows, requests, deadline: self.models.run_batch(
+                    served, job, rows, requests, deadline
                 ),
                 served.capacity,
                 f"model '{served.name}' version {served.version}",
@@ -288,7 +290,6 @@ class Lifecycle:
             _drop_copy(served)
             self.models.changed()
             return
-        served.state = VersionState.READY
         log.info(
             "loaded model %s version %d on %s in %.1f s: inputs %s -> outputs %s",
             served.name,
@@ -480,24 +481,44 @@ class Lifecycle:
         )
 
     async def _warm_up(self, served: ServedVersion) -> None:
-        """One inference per declared input shape before the version takes traffic; its time
-        sets the watchdog's limit where config.pbtxt sets none."""
+        """Every shape bucket, then the model_warmup samples, before the version takes
+        traffic (service/warmup.py); the slowest bucket (the largest) sets the watchdog's limit
+        where config.pbtxt sets none."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        assert served.batcher is not None
+        slowest = 0.0
         try:
-            await self.models.infer(
-                served, warm_up_request(served.config), started + WARM_UP_TIMEOUT_S
-            )
-        except errors.ServiceError as exc:
-            served.state, served.reason = VersionState.UNAVAILABLE, f"warm-up failed: {exc.message}"
+            plan = warm_ups(served.config, served.batcher.policy.shapes)
+            for warm_up in plan:
+                for _ in range(warm_up.count):
+                    started = loop.time()
+                    await self.models.infer(served, warm_up.request, started + WARM_UP_TIMEOUT_S)
+                    if warm_up.bucket:
+                        slowest = max(slowest, loop.time() - started)
+        except (errors.ServiceError, WarmUpError) as exc:
+            reason = exc.message if isinstance(exc, errors.ServiceError) else str(exc)
+            served.state, served.reason = VersionState.UNAVAILABLE, f"warm-up failed: {reason}"
             await self._retire(served, served.reason)
             served.state = VersionState.UNAVAILABLE
             return
-        timeout_s = max(MIN_EXECUTION_TIMEOUT_S, WARM_UP_MULTIPLE * (loop.time() - started))
+        timeout_s = max(MIN_EXECUTION_TIMEOUT_S, WARM_UP_MULTIPLE * slowest)
+        buckets = [w for w in plan if w.bucket]
+        samples = "".join(f", model_warmup {w.name!r} x{w.count}" for w in plan if not w.bucket)
+        log.info(
+            "model %s version %d warmed up: %d inferences (%d buckets%s), slowest bucket %.1f ms",
+            served.name,
+            served.version,
+            sum(w.count for w in plan),
+            len(buckets),
+            samples,
+            slowest * 1e3,
+        )
         for instance in served.instances:
             if instance.execution_timeout_s is None:
                 instance.execution_timeout_s = timeout_s
         served.stats = ModelStats()
+        served.state = VersionState.READY
+        self.models.changed()
 
     def _retire_soon(self, served: ServedVersion, why: str) -> None:
         task = asyncio.get_running_loop().create_task(self._retire(served, why))
@@ -543,21 +564,6 @@ def _drop_copy(served: ServedVersion) -> None:
     if served.copy is not None:
         shutil.rmtree(served.copy, ignore_errors=True)
         served.copy = None
-
-
-def warm_up_request(config: mc.ModelConfig) -> pb.ModelInferRequest:
-    """Zeros for every input, batch 1, every variable dimension 1."""
-    request = pb.ModelInferRequest(model_name=config.name, id="warm-up")
-    batch = [1] if config.max_batch_size > 0 else []
-    for tensor in config.input:
-        datatype = BY_CONFIG_TYPE[tensor.data_type]
-        shape = batch + [1 if d < 0 else d for d in tensor.dims]
-        request.inputs.add(name=tensor.name, datatype=datatype.name, shape=shape)
-        size = 4 if datatype.name == "BYTES" else datatype.numpy.itemsize  # BYTES: empty elements
-        for dim in shape:
-            size *= dim
-        request.raw_input_contents.append(bytes(size))
-    return request
 
 
 def _key(name: str, version: int) -> str:

@@ -373,19 +373,21 @@ class ModelManager:
         self,
         served: ServedVersion,
         job: InferJob,
+        rows: int,
         requests: Sequence[SpanContext],
         deadline: float | None,
     ) -> InferResult:
-        rows = max(job.batch_size, 1)
+        """Statistics and metrics count `rows`, the rows requests brought (the batch sizes
+        formed); the engine ran `job`, padded to its bucket."""
         with (
             self.observer.batch_span(served.name, served.version, rows, requests)
             if self.observer is not None
             else contextlib.nullcontext()
         ):
             result = await served.pick_instance().infer(job, deadline)
-        served.stats.record_batch(max(job.batch_size, 1), result.timings)
+        served.stats.record_batch(rows, result.timings)
         if self.observer is not None:
-            self.observer.on_batch(served.name, max(job.batch_size, 1), result.timings)
+            self.observer.on_batch(served.name, rows, result.timings)
         return result
 
     def encode_span(self) -> AbstractContextManager[Any]:

@@ -1,12 +1,13 @@
-"""The numeric `parameters` of a model's config.pbtxt, checked when the model is read.
+"""The `parameters` of a model's config.pbtxt, checked when the model is read.
 
-A value that is not a number in range fails the model at load time with a reason in
-RepositoryIndex (the other models keep serving), instead of failing later in placement, in a
-worker, or per request.
+A value that is not a number in range, not a boolean, or not one of the listed choices fails the
+model at load time with a reason in RepositoryIndex (the other models keep serving), instead of
+failing later in placement, in a worker, or per request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from protos.inference import model_config_pb2 as mc
@@ -19,6 +20,9 @@ _INTEGERS = {
     "gpus_per_instance": 1,
     "execution_timeout_ms": 1,
     "max_input_elements": 1,
+    "onednn_cache_capacity": 1,
+    "tensorrt_workspace_mb": 1,
+    "tensorrt_min_subgraph_size": 1,
     "breaker_min_requests": 1,
     "python_memory_mb": 256,
     "python_open_files": 32,
@@ -31,6 +35,9 @@ _FLOATS = {
 }
 # Another model that answers this one's requests while its circuit breaker is open.
 FALLBACK_MODEL = "fallback_model"
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+PRECISIONS = ("fp32", "fp16", "bf16")
 # Test-only: a worker aborts when any input element equals this number. Honoured only
 # when the server runs with --testing-service; otherwise it never reaches the worker.
 TESTING_CRASH_ON = "testing_crash_on"
@@ -48,6 +55,22 @@ class ModelLimits:
     fallback_model: str | None
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a worker configures its Paddle predictor (the README's engine options table)."""
+
+    onednn: bool = True
+    onednn_cache_capacity: int | None = None  # None: one entry per shape bucket
+    cpu_math_threads: int = 1
+    ir_optim: bool = True
+    memory_optim: bool = False
+    precision: str = "fp32"
+    gpu_memory_mb: int = 1024
+    tensorrt: bool = False
+    tensorrt_workspace_mb: int = 1024
+    tensorrt_min_subgraph_size: int = 3
+
+
 def string_parameters(config: mc.ModelConfig) -> dict[str, str]:
     return {key: value.string_value for key, value in config.parameters.items()}
 
@@ -55,10 +78,8 @@ def string_parameters(config: mc.ModelConfig) -> dict[str, str]:
 def check_parameters(config: mc.ModelConfig) -> ModelLimits:
     """Raises ParameterError naming the first bad value."""
     params = string_parameters(config)
-    numbers: dict[str, int] = {}
-    for name, minimum in _INTEGERS.items():
-        if name in params:
-            numbers[name] = _integer(name, params[name], minimum)
+    numbers = _integers(params)
+    engine_options(params)
     if TESTING_CRASH_ON in params:
         try:
             float(params[TESTING_CRASH_ON])
@@ -90,7 +111,44 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
     )
 
 
-def _integer(name: str, text: str, minimum: int) -> int:
+def engine_options(params: Mapping[str, str]) -> EngineOptions:
+    """The predictor options the parameters ask for; what needs the machine or the program to
+    judge (bf16 support, a GPU build, the program format) is checked by the worker at load."""
+    numbers = _integers(params)
+    default = EngineOptions()
+    precision = params.get("precision", default.precision).strip().lower()
+    if precision not in PRECISIONS:
+        raise ParameterError(
+            f"parameter precision must be one of {', '.join(PRECISIONS)}, not {precision!r}"
+        )
+    return EngineOptions(
+        onednn=boolean(params, "onednn", default.onednn),
+        onednn_cache_capacity=numbers.get("onednn_cache_capacity"),
+        cpu_math_threads=numbers.get("cpu_math_threads", default.cpu_math_threads),
+        ir_optim=boolean(params, "ir_optim", default.ir_optim),
+        memory_optim=boolean(params, "memory_optim", default.memory_optim),
+        precision=precision,
+        gpu_memory_mb=numbers.get("gpu_memory_mb", default.gpu_memory_mb),
+        tensorrt=boolean(params, "tensorrt", default.tensorrt),
+        tensorrt_workspace_mb=numbers.get("tensorrt_workspace_mb", default.tensorrt_workspace_mb),
+        tensorrt_min_subgraph_size=numbers.get(
+            "tensorrt_min_subgraph_size", default.tensorrt_min_subgraph_size
+        ),
+    )
+
+
+def boolean(params: Mapping[str, str], name: str, default: bool) -> bool:
+    if name not in params:
+        return default
+    text = params[name].strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ParameterError(f"parameter {name} must be true or false, not {params[name]!r}")
+
+
+def integer(name: str, text: str, minimum: int) -> int:
     try:
         value = int(text.strip())
     except ValueError:
@@ -98,6 +156,14 @@ def _integer(name: str, text: str, minimum: int) -> int:
     if value < minimum:
         raise ParameterError(f"parameter {name} must be >= {minimum}, not {value}")
     return value
+
+
+def _integers(params: Mapping[str, str]) -> dict[str, int]:
+    return {
+        name: integer(name, params[name], minimum)
+        for name, minimum in _INTEGERS.items()
+        if name in params
+    }
 
 
 def _real(name: str, text: str, low: float, high: float) -> float:

@@ -15,12 +15,13 @@ from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
+from service.backend import PYTHON_BACKEND
+from service.batching.shapes import shape_buckets
 from service.model_parameters import ParameterError, check_parameters
 from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_name
 
 PLATFORM = "paddle_inference"
 ENSEMBLE = "ensemble"  # steps of other models; no files of its own
-PYTHON_BACKEND = "python"  # a model.py implementing Triton's TritonPythonModel
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MAX_VERSION = 2**63 - 1
 
@@ -148,6 +149,7 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
         raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
     try:
         check_parameters(config)
+        shape_buckets(config)
     except ParameterError as exc:
         raise RepositoryError(f"{config_file}: {exc}") from None
     return config

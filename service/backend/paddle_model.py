@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from service.backend.engine import Call, config_calls
+from service.model_parameters import engine_options
 from service.tensors import PADDLE_NAMES, TensorSpec
 from service.workers.protocol import Load, Timings
 
@@ -21,8 +23,6 @@ import warnings
 warnings.filterwarnings("ignore", message="No ccache found")
 import paddle  # noqa: E402
 from paddle import inference  # noqa: E402
-
-_TRUE = {"1", "true", "yes", "on"}
 
 
 class PaddleModel:
@@ -37,16 +37,15 @@ class PaddleModel:
         self.inputs, self.outputs = introspect(model_file)
         config = inference.Config(str(model_file), str(params_file))
         config.disable_glog_info()
-        params = load.parameters
-        if load.device.startswith("gpu"):
-            config.enable_use_gpu(int(params.get("gpu_memory_mb", "1024")), 0)
-        else:
-            config.disable_gpu()
-            if params.get("onednn", "true").lower() in _TRUE:
-                config.enable_mkldnn()
-            else:
-                config.disable_mkldnn()
-            config.set_cpu_math_library_num_threads(int(params.get("cpu_math_threads", "1")))
+        calls = config_calls(
+            engine_options(load.parameters),
+            "gpu" if load.device.startswith("gpu") else "cpu",
+            model_file.suffix,
+            self.inputs,
+            load.shapes,
+            bool(paddle.base.core.supports_bfloat16()),
+        )
+        apply(config, calls)
         self.device = "gpu" if config.use_gpu() else "cpu"
         self.predictor = inference.create_predictor(config)
         names = list(self.predictor.get_output_names())
@@ -71,6 +70,14 @@ class PaddleModel:
         result = {name: self.predictor.get_output_handle(name).copy_to_cpu() for name in outputs}
         t3 = time.perf_counter_ns()
         return result, Timings(t1 - t0, t2 - t1, t3 - t2)
+
+
+def apply(config: inference.Config, calls: list[Call]) -> None:
+    for call in calls:
+        args = list(call.args)
+        if call.precision_arg is not None:
+            args[call.precision_arg] = getattr(inference.PrecisionType, args[call.precision_arg])
+        getattr(config, call.method)(*args)
 
 
 def introspect(model_file: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:

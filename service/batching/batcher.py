@@ -23,14 +23,16 @@ from service import errors
 from service.batching.assemble import join, split
 from service.batching.poison import PoisonList
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
+from service.batching.shapes import shape_buckets
 from service.validation import InferJob
 from service.workers.instance import InferResult, OutputTensor, WorkerDied
 from service.workers.protocol import Timings
 
 CRASHES_TO_POISON = 2
-# A batch runs until its last request's deadline (or without one if any has none); each request
-# is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
-RunBatch = Callable[[InferJob, list[SpanContext], float | None], Awaitable[InferResult]]
+# Runs a job padded to its shape bucket; the int is the rows its requests brought, without the
+# padding. A batch runs until its last request's deadline (or without one if any has none); each
+# request is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
+RunBatch = Callable[[InferJob, int, list[SpanContext], float | None], Awaitable[InferResult]]
 
 
 @dataclass(frozen=True)
@@ -147,13 +149,15 @@ class DynamicBatcher:
         """Run one batch and answer its requests; on failure raise, answering none."""
         started = asyncio.get_running_loop().time()
         deadlines = [item.deadline for item in batch]
+        job = join([item.job for item in batch], self.policy.shapes)
+        rows = sum(item.rows for item in batch)
         result = await self._run_batch(
-            join([item.job for item in batch]),
+            job,
+            rows,
             [item.trace for item in batch],
             None if None in deadlines else max(d for d in deadlines if d is not None),
         )
-        parts = split(result, [item.rows for item in batch])
-        rows = sum(item.rows for item in batch)
+        parts = split(result, [item.rows for item in batch], max(job.batch_size, 1))
         for item, outputs in zip(batch, parts, strict=True):
             waited = int((started - item.arrival) * 1e9) + result.queue_ns
             if not item.ticket.done():
@@ -226,8 +230,11 @@ def policy_from_config(config: mc.ModelConfig, instances: int) -> BatchPolicy:
     """Triton's config: dynamic_batching present -> batch up to max_batch_size; absent -> every
     request runs alone (still queued here, so the instances are never oversubscribed). The
     queue is always bounded: default_queue_policy.max_queue_size, else default_queue_size."""
+    shapes = shape_buckets(config)
     if not config.HasField("dynamic_batching") or config.max_batch_size == 0:
-        return BatchPolicy(max_batch_size=0, max_queue_size=default_queue_size(1, instances))
+        return BatchPolicy(
+            max_batch_size=0, max_queue_size=default_queue_size(1, instances), shapes=shapes
+        )
     batching = config.dynamic_batching
     queue = batching.default_queue_policy
     return BatchPolicy(
@@ -241,4 +248,5 @@ def policy_from_config(config: mc.ModelConfig, instances: int) -> BatchPolicy:
             queue.default_timeout_microseconds / 1e6 if queue.default_timeout_microseconds else None
         ),
         allow_timeout_override=queue.allow_timeout_override,
+        shapes=shapes,
     )

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.batching.shapes import ShapeBuckets
 from service.validation import InferJob
 
 DEFAULT_MIN_QUEUE_SIZE = 64
@@ -46,6 +47,7 @@ class BatchPolicy:
     default_priority: int = 0
     default_timeout_s: float | None = None
     allow_timeout_override: bool = False
+    shapes: ShapeBuckets = field(default_factory=ShapeBuckets)  # what batches are padded to
 
     def priority_of(self, requested: int | None) -> int:
         """1 is the highest level; out-of-range or absent means the default level."""
@@ -61,9 +63,13 @@ class BatchPolicy:
         return self.default_timeout_s
 
 
-def bucket_of(job: InferJob) -> Hashable:
-    """Requests batch together only with the same non-batch shapes and requested outputs."""
-    return (tuple((t.name, t.shape[1:]) for t in job.inputs), job.outputs)
+def bucket_of(job: InferJob, shapes: ShapeBuckets) -> Hashable:
+    """Requests batch together only with the same non-batch shapes (after padding to the
+    sequence buckets) and requested outputs."""
+    return (
+        tuple((t.name, shapes.padded_shape(t.name, t.shape)[1:]) for t in job.inputs),
+        job.outputs,
+    )
 
 
 @dataclass(eq=False)
@@ -100,7 +106,7 @@ class BatchQueue:
             raise QueueFull(f"the queue holds its maximum of {limit} requests")
         item.order = next(self._order)
         if item.bucket is None:
-            item.bucket = bucket_of(item.job)
+            item.bucket = bucket_of(item.job, self.policy.shapes)
         self._pending.append(item)
         self._pending.sort(key=lambda p: (p.priority, p.order))
 

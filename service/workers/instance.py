@@ -28,7 +28,9 @@ from typing import TypeVar
 import grpc
 
 from service import errors
-from service.repository import PYTHON_BACKEND, ModelFiles
+from service.backend import PYTHON_BACKEND
+from service.batching.shapes import ShapeBuckets
+from service.repository import ModelFiles
 from service.validation import InferJob
 from service.workers import protocol
 from service.workers.shm import Segment, layout
@@ -156,6 +158,7 @@ class WorkerSpec:
     numa_node: int = -1
     label: str = "cpu"  # where placement put it, for people
     execution_timeout_s: float | None = None  # the watchdog's limit per batch; None: none
+    shapes: ShapeBuckets = field(default_factory=ShapeBuckets)
     backend: str = ""  # "python" for a model.py; otherwise Paddle
     config: bytes = b""  # the serialized ModelConfig, for Python models
 
@@ -349,6 +352,7 @@ class WorkerInstance:
                     str(files.params_file),
                     dict(self.spec.parameters),
                     self.spec.device,
+                    self.spec.shapes,
                     self.spec.backend,
                     self.spec.config,
                 )

@@ -10,6 +10,7 @@ import pickle
 import struct
 from dataclasses import dataclass, field
 
+from service.batching.shapes import ShapeBuckets
 from service.tensors import TensorSpec
 
 _HEADER = struct.Struct("<I")
@@ -39,6 +40,7 @@ class Load:
     params_file: str
     parameters: dict[str, str]
     device: str
+    shapes: ShapeBuckets  # the engine's shape cache and TensorRT's shape range follow them
     backend: str = ""  # "python": model_file is a model.py; otherwise a Paddle program
     config: bytes = b""  # the serialized ModelConfig (Python models are told it)
 

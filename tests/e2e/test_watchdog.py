@@ -33,6 +33,7 @@ POISON = 13.0
 MLP_CONFIG = """
 max_batch_size: 64
 input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [ {{ name: "{output}", data_type: TYPE_FP32, dims: [ 10 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 dynamic_batching {{ }}
 {parameters}
@@ -47,7 +48,9 @@ def add_mlp_copy(root: Path, name: str, parameters: str) -> None:
     model = root / name
     model.mkdir(parents=True)
     (model / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
-    (model / "config.pbtxt").write_text(MLP_CONFIG.format(parameters=parameters))
+    (model / "config.pbtxt").write_text(
+        MLP_CONFIG.format(parameters=parameters, output=output_names("mlp")[0])
+    )
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,11 @@ class _Executor:
         self.deadlines: list[float | None] = []
 
     async def __call__(
-        self, batch: InferJob, requests: object = (), deadline: float | None = None
+        self,
+        batch: InferJob,
+        formed: int = 0,
+        requests: object = (),
+        deadline: float | None = None,
     ) -> InferResult:
         self.batches.append(batch)
         self.deadlines.append(deadline)
