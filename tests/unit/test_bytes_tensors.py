@@ -11,9 +11,11 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.batching.assemble import join, split
+from service.batching.shapes import ShapeBuckets
 from service.errors import ServiceError
 from service.tensors import BY_NAME
 from service.validation import RequestValidator
+from service.warmup import warm_ups
 from service.workers.instance import InferResult, OutputTensor
 from service.workers.protocol import Timings
 from transport.bytes_tensor import deserialize_bytes, serialize_bytes, to_numpy_bytes
@@ -107,3 +109,22 @@ def test_the_numpy_client_sends_and_reads_bytes_tensors() -> None:
     response.outputs.add(name="label", datatype="BYTES", shape=[1, 1])
     response.raw_output_contents.append(serialize_bytes([b"positive"]))
     assert parse_response(response)["label"].tolist() == [[b"positive"]]
+
+
+def test_padded_batches_get_empty_elements_that_never_reach_a_response() -> None:
+    validator = RequestValidator(TEXT)
+    first = validator.validate(request_with(typed=[b"a", b"bb"]))
+    second = validator.validate(request_with(typed=[b"c", b"d", b"e", b"f"], rows=2))
+    joined = join([first, second], ShapeBuckets(batch=(4, 8)))
+    assert joined.batch_size == 4 and joined.inputs[0].shape == (4, 2)
+    elements = [b"a", b"bb", b"c", b"d", b"e", b"f", b"", b""]
+    assert deserialize_bytes(joined.inputs[0].data) == elements
+    labels = OutputTensor("label", "|O", (4, 1), serialize_bytes([b"x", b"y", b"z", b"pad"]))
+    parts = split(InferResult((labels,), Timings(0, 0, 0), 0), [1, 2], rows=4)
+    assert [deserialize_bytes(p[0].data) for p in parts] == [[b"x"], [b"y", b"z"]]
+
+
+def test_warm_up_requests_carry_valid_empty_elements() -> None:
+    for warm_up in warm_ups(TEXT, ShapeBuckets(batch=(1, 4))):
+        job = RequestValidator(TEXT).validate(warm_up.request)
+        assert set(deserialize_bytes(job.inputs[0].data)) == {b""}
