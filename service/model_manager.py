@@ -20,7 +20,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import ensemble, errors
 from service.batching.batcher import Answer, DynamicBatcher
-from service.breaker import BreakerState, CircuitBreaker
+from service.breaker import Admission, BreakerState, CircuitBreaker
 from service.fallback import incompatibility
 from service.model_parameters import check_parameters
 from service.repository import check_model_name, parse_version
@@ -229,28 +229,23 @@ class ModelManager:
         admission = breaker.admit()
         if admission is None:
             fallback = self._fallback(served, failure)
+            # A fallback's own breaker guards it too; a fallback has no fallback of its own.
+            fallback_admission = fallback.breaker.admit()
+            if fallback_admission is None:
+                raise _open_circuit(fallback, fallback.start_failure())
             if self.observer is not None:
                 self.observer.on_fallback(served.name, fallback.name)
-            return fallback, await self._run_guarded(fallback, request, deadline)
-        code: grpc.StatusCode | None = None
-        try:
-            return served, await self._run(served, request, deadline)
-        except errors.ServiceError as exc:
-            code = exc.code
-            raise
-        except BaseException:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            breaker.record(admission, code)
+            return fallback, await self._recorded(fallback, fallback_admission, request, deadline)
+        return served, await self._recorded(served, admission, request, deadline)
 
-    async def _run_guarded(
-        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
+    async def _recorded(
+        self,
+        served: ServedVersion,
+        admission: Admission,
+        request: pb.ModelInferRequest,
+        deadline: float | None,
     ) -> Answer:
-        """A fallback's own breaker guards it too; a fallback has no fallback of its own."""
-        admission = served.breaker.admit()
-        if admission is None:
-            raise _open_circuit(served, served.start_failure())
+        """Run the request, telling the version's breaker how it ended for the caller."""
         code: grpc.StatusCode | None = None
         try:
             return await self._run(served, request, deadline)
