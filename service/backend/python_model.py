@@ -43,6 +43,9 @@ class PythonModel:
         self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in config.output}
         self.device = "cpu"
         sys.modules["triton_python_backend_utils"] = pb_utils
+        # No __pycache__ beside model.py: the repository's files (and their fingerprint,
+        # which decides reloads) stay as they were deployed.
+        sys.dont_write_bytecode = True
         model_file = Path(load.model_file)
         spec = importlib.util.spec_from_file_location(f"model_{load.model_name}", model_file)
         if spec is None or spec.loader is None:
