@@ -15,7 +15,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt bench-observability chaos clean
+.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt bench-observability lab-replicas chaos clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
+	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
 	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
@@ -84,6 +85,9 @@ bench-observability: setup models
 
 bench-rtt: setup models
 	$(BIN)/python -m scripts.rtt_lab $(ARGS)
+
+lab-replicas: setup models
+	$(BIN)/python -m scripts.replica_lab
 
 chaos: setup models
 	$(BIN)/python -m tests.chaos $(ARGS)

@@ -146,7 +146,7 @@ def _alive(pid: int) -> bool:
 def remove_stale_namespaces(prefix: str) -> list[str]:
     """Deletes `prefix` namespaces whose owning process (its pid is in the name) is gone: what a
     crashed or killed run left. A live owner's namespaces are another run's, and are kept."""
-    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-(srv|cli)$")
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-[a-z]+$")
     removed = []
     for entry in sorted(NETNS_DIR.iterdir()) if NETNS_DIR.is_dir() else []:
         match = pattern.match(entry.name)

@@ -9,7 +9,6 @@ from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
 from service.errors import ServicerContext, reports_errors
 from service.model_manager import ModelManager
 from transport.h3_server import H3Server
-from transport.tickets import MemoryTicketStore
 
 
 class ControlServicer(pb_grpc.ControlServicer):
@@ -33,7 +32,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             h3_handshakes=stats.handshakes,
             h3_refusals=stats.refusals,
             h3_tickets=dataclasses.asdict(self.h3.tickets.counters)
-            if isinstance(self.h3.tickets, MemoryTicketStore)
+            if self.h3.tickets is not None
             else {},
         )
 

@@ -40,12 +40,13 @@ from service.scheduling.host import load_topology
 from service.settings import ServerSettings
 from service.signing import SigningPolicy, TrustError, load_trust
 from service.testing_servicer import TestingServicer
+from service.ticket_store import TicketStoreError, open_ticket_store
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
 from transport.early_data import parse_allowlist
 from transport.h3_protocol import H3Settings
 from transport.h3_server import H3Limits, H3Server, RetryMode
-from transport.tickets import MemoryTicketStore
+from transport.tickets import TicketStore
 
 log = logging.getLogger("paddlequic.server")
 
@@ -83,6 +84,11 @@ async def serve(settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
     restrictions = parse_restrictions(settings.restricted_protocol)
     client_auth = _client_auth(settings)
+    tickets = (
+        open_ticket_store(settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl)
+        if settings.h3
+        else None
+    )
     health: Health | None = None
     tracing = tracer_provider(
         settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
@@ -162,7 +168,9 @@ async def serve(settings: ServerSettings) -> None:
         settings.model_repository,
     )
     h3_server = (
-        await _start_h3(settings, port, servicers, tls, observer, restrictions, client_auth)
+        await _start_h3(
+            settings, port, servicers, tls, observer, restrictions, client_auth, tickets
+        )
         if tls and settings.h3
         else None
     )
@@ -240,13 +248,14 @@ async def _start_h3(
     observer: Observer,
     restrictions: Mapping[str, Restriction],
     client_auth: ClientAuth | None,
+    tickets: TicketStore | None,
 ) -> H3Server:
     cert, key = tls
     h3_server = H3Server(
         H3Settings(
             max_message=settings.max_message_bytes, max_metadata=settings.max_metadata_bytes
         ),
-        tickets=MemoryTicketStore(ttl_s=settings.ticket_ttl),
+        tickets=tickets,
         zero_rtt=settings.zero_rtt,
         early_data_methods=parse_allowlist(settings.early_data_methods),
         idle_timeout_s=settings.idle_timeout,
@@ -318,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         RestrictionError,
         ClientAuthError,
         TrustError,
+        TicketStoreError,
     ) as exc:
         log.error("%s", exc)
         return 1

@@ -28,6 +28,8 @@ class ServerSettings:
     h2_tls: bool = False
     zero_rtt: bool = True
     ticket_ttl: float = 3600.0
+    ticket_store: str = "memory"
+    ticket_key_file: str = ""
     early_data_methods: str = "default"
     h3_port: int = 0
     tls_cert: str = ""
@@ -75,6 +77,11 @@ _HELP = {
     "h2_tls": "serve HTTP/2 with TLS too, with the HTTP/3 certificate",
     "zero_rtt": "let resumed HTTP/3 clients send their first requests as 0-RTT early data",
     "ticket_ttl": "seconds a session ticket stays valid (each is single use)",
+    "ticket_store": "where HTTP/3 session tickets live: memory (this process), sqlite://PATH "
+    "(a file shared by the server processes of one host) or redis://[:PASSWORD@]HOST:PORT/DB "
+    "(rediss:// with TLS; shared by every replica), so a ticket is single use across them",
+    "ticket_key_file": "file of at least 32 secret bytes that seals tickets in a shared "
+    "--ticket-store (the same file on every server); required with sqlite:// and redis://",
     "early_data_methods": "RPCs served from early data: /pkg.Service/Method or /pkg.Service/*, "
     "comma-separated; `default` = health, readiness, metadata, config, statistics, inference",
     "h3_port": "UDP port for HTTP/3 (0: the same number as the HTTP/2 port)",

@@ -77,6 +77,8 @@ class TestingServicer(pb_grpc.TestingServicer):
         if request.status_code:
             code = _CODES.get(request.status_code, grpc.StatusCode.UNKNOWN)
             await context.abort(code, request.status_message)
+        if request.raise_error:
+            raise RuntimeError(request.status_message or "raised by the handler")
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -3,8 +3,8 @@
 Tickets are single use: fetching one removes it, so replayed early data finds no ticket and gets
 a full handshake with its early data rejected. aioquic never checks a ticket's age, so the store
 does (TTL), and it is bounded (oldest evicted). One process's memory is enough for one server;
-several server processes behind one address need a shared store with an atomic get-and-delete,
-which is what the `TicketStore` protocol asks for.
+several server processes or replicas behind one address need a shared store with an atomic
+get-and-delete, which is what the `TicketStore` protocol asks for (the server has one on Redis).
 """
 
 from __future__ import annotations
@@ -22,19 +22,21 @@ DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_TICKETS = 100_000
 
 
-class TicketStore(Protocol):
-    def add(self, ticket: SessionTicket) -> None: ...
-
-    def pop(self, label: bytes) -> SessionTicket | None:
-        """Remove and return the ticket, or None if unknown, expired or already used."""
-
-
 @dataclass
 class TicketCounters:
     issued: int = 0
     redeemed: int = 0
     refused: int = 0  # unknown, expired or replayed: that client gets a full handshake
     evicted: int = 0
+
+
+class TicketStore(Protocol):
+    counters: TicketCounters
+
+    def add(self, ticket: SessionTicket) -> None: ...
+
+    def pop(self, label: bytes) -> SessionTicket | None:
+        """Remove and return the ticket, or None if unknown, expired or already used."""
 
 
 @dataclass

@@ -28,6 +28,10 @@ CALL_TIMEOUT_S = 20.0
 METRICS_GROWTH_LIMIT = 64 << 10  # /metrics may grow by known models, never per unknown name
 # Long header packet types of QUIC v1 (RFC 9000, 17.2), by bits 4-5 of the first byte.
 LONG_HEADER_TYPES = ("Initial", "0-RTT", "Handshake", "Retry")
+# Floods and idle connections come from another loopback address than the good clients: a host
+# of its own, as on the internet, so the per-address limit is what holds it back (on one
+# address the attacker would lock the good clients out with it).
+ATTACKER_HOST = "127.0.0.2"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
 
 
@@ -77,7 +81,7 @@ async def initial_flood(target: Target, scale: Scale) -> AttackResult:
     loop = asyncio.get_running_loop()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((ATTACKER_HOST, 0))
         sock.setblocking(False)
 
         def drain() -> None:
@@ -103,11 +107,6 @@ async def initial_flood(target: Target, scale: Scale) -> AttackResult:
     return result
 
 
-# The idle connections come from another loopback address than the good clients: a host of
-# its own, as on the internet, so the per-address limit is what holds it back.
-ATTACKER_HOST = "127.0.0.2"
-
-
 class _IdleConnection(QuicConnectionProtocol):
     """A QUIC connection that only completes its handshake, then notes whether it stays open."""
 
@@ -116,6 +115,12 @@ class _IdleConnection(QuicConnectionProtocol):
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.ConnectionTerminated):
             self.open = False
+
+    def abandon(self) -> None:
+        """Close the connection and its socket (aioquic's connect() would do both)."""
+        self.close()
+        if self._transport is not None:
+            self._transport.close()
 
 
 async def _h3_handshake(target: Target) -> tuple[str, _IdleConnection | None]:
@@ -132,7 +137,7 @@ async def _h3_handshake(target: Target) -> tuple[str, _IdleConnection | None]:
         protocol.connect(("127.0.0.1", target.port))
         await asyncio.wait_for(protocol.wait_connected(), CALL_TIMEOUT_S)
     except Exception as exc:
-        protocol.close()
+        protocol.abandon()
         return status_name(exc), None
     return "connected", protocol
 
@@ -181,5 +186,5 @@ async def idle_connections(target: Target, scale: Scale) -> AttackResult:
         for writer in h2:
             writer.close()
         for protocol in h3:
-            protocol.close()
+            protocol.abandon()
     return result

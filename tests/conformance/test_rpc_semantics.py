@@ -179,6 +179,28 @@ def test_every_status_code_and_message_round_trip(make_channel: ChannelFactory) 
     asyncio.run(main())
 
 
+def test_a_handler_that_raises_still_ends_its_call(make_channel: ChannelFactory) -> None:
+    """A bug in a handler (an exception, not an abort), before or after a response: the call
+    ends with UNKNOWN naming the exception, and the connection goes on serving."""
+
+    async def main() -> None:
+        async with make_channel() as channel:
+            stub = pb_grpc.TestingStub(channel)
+            failing = pb.EchoRequest(raise_error=True, status_message="bug")
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.Unary(failing, timeout=10)
+            assert unary.value.code() == grpc.StatusCode.UNKNOWN
+            assert "RuntimeError" in (unary.value.details() or "")
+            stream = stub.BidiStream(iter([pb.EchoRequest(payload=b"a"), failing]), timeout=10)
+            assert (await stream.read()).payload == b"a"
+            with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                await stream.read()
+            assert streamed.value.code() == grpc.StatusCode.UNKNOWN
+            assert (await stub.Unary(pb.EchoRequest(payload=b"ok"), timeout=10)).payload == b"ok"
+
+    asyncio.run(main())
+
+
 def test_trailers_only_error(make_channel: ChannelFactory) -> None:
     """An abort before any response: no initial metadata, no message, the status."""
 

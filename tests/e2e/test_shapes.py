@@ -14,7 +14,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from tests.e2e.test_watchdog import parameter
-from tests.reference import assert_matches_reference, run_reference
+from tests.reference import assert_matches_reference, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, running_server
 
 pytestmark = pytest.mark.e2e
@@ -50,7 +50,11 @@ def add_model(root: Path, name: str, source: str, config: str) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("shapes")
     models = root / "models"
-    add_model(models, "mlp", "mlp", MLP + SAMPLE.replace("BATCH", "5"))
+    # The example's output name, so that responses compare with the reference's.
+    named = (
+        f'output [ {{ name: "{output_names("mlp")[0]}", data_type: TYPE_FP32, dims: [ 10 ] }} ]\n'
+    )
+    add_model(models, "mlp", "mlp", MLP + named + SAMPLE.replace("BATCH", "5"))
     text = TEXT + parameter("sequence_buckets", "8,16") + parameter("sequence_pad_value", "3")
     add_model(models, "text", "text_classifier", text)
     add_model(models, "bad_warmup", "mlp", MLP + SAMPLE.replace("BATCH", "65"))

@@ -32,6 +32,7 @@ SERVER_ONLY_MODULES = (
     "pynvml",
     "grpc_reflection",
     "grpc_tools",
+    "redis",
 )
 PIP = (sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q")
 STEP_TIMEOUT_S = 600

@@ -1,0 +1,87 @@
+"""Two servers sharing one Redis ticket store, as two replicas behind one address: a ticket one
+issued is redeemed once by the other and refused everywhere after; with Redis unreachable the
+server still serves, with full handshakes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aioquic.tls import SessionTicket
+
+from clients.tickets import SessionTicketCache
+from tests.e2e.test_zero_rtt import infer_once, stats
+from tests.redis_server import running_redis
+from tests.servers import ServerProcess, free_port, model_repository, running_server
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
+    root = tmp_path_factory.mktemp("shared-tickets")
+    (root / "ticket.key").write_bytes(bytes(range(32)))
+    with running_redis(root / "redis") as url:
+        yield root, ["--ticket-store", url, "--ticket-key-file", str(root / "ticket.key")]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("certs")
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    shared: tuple[Path, list[str]], certs: Path
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    root, args = shared
+    args = [*args, "--certs-dir", str(certs)]
+    repo = model_repository(root / "models", ["mlp"])
+    with (
+        running_server(repo, root / "a.log", args) as a,
+        running_server(repo, root / "b.log", args) as b,
+    ):
+        yield a, b
+
+
+def ticket_from(server: ServerProcess, certs: Path) -> SessionTicket:
+    cache = SessionTicketCache()
+    assert asyncio.run(infer_once(server, certs, cache)) == "full"
+    ticket = cache.take(SessionTicketCache.key("localhost", "localhost", server.port))
+    assert ticket is not None
+    return ticket
+
+
+def aimed_at(ticket: SessionTicket, server: ServerProcess) -> SessionTicketCache:
+    """A client cache holding a copy of `ticket` for `server`."""
+    cache = SessionTicketCache()
+    cache.add(SessionTicketCache.key("localhost", "localhost", server.port), copy.deepcopy(ticket))
+    return cache
+
+
+def test_a_ticket_from_replica_a_is_accepted_once_by_b_then_refused_everywhere(
+    replicas: tuple[ServerProcess, ServerProcess], certs: Path
+) -> None:
+    a, b = replicas
+    issued = ticket_from(a, certs)
+    assert asyncio.run(infer_once(b, certs, aimed_at(issued, b))) == "0rtt-accepted"
+    assert asyncio.run(infer_once(a, certs, aimed_at(issued, a))) == "0rtt-rejected"
+    assert asyncio.run(infer_once(b, certs, aimed_at(issued, b))) == "0rtt-rejected"
+    assert stats(b).h3_tickets["redeemed"] >= 1
+
+
+def test_unreachable_redis_leaves_full_handshakes_working(
+    shared: tuple[Path, list[str]], certs: Path
+) -> None:
+    root, _ = shared
+    args = ["--certs-dir", str(certs), "--ticket-key-file", str(root / "ticket.key")]
+    args += ["--ticket-store", f"redis://127.0.0.1:{free_port()}/0"]
+    repo = model_repository(root / "models-down", ["mlp"])
+    with running_server(repo, root / "down.log", args) as server:
+        cache = SessionTicketCache()
+        assert asyncio.run(infer_once(server, certs, cache)) == "full"
+        assert asyncio.run(infer_once(server, certs, cache)) == "0rtt-rejected"
+    assert "ticket store unreachable" in (root / "down.log").read_text()

@@ -1,0 +1,146 @@
+"""The shared ticket store against a real redis-server: single use and TTL across stores
+(processes or replicas), sealing at rest, and an unreachable Redis turning 0-RTT off."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography.exceptions import InvalidTag
+
+from service.redis_tickets import RedisTicketStore
+from service.ticket_store import TicketStoreError, open_ticket_store
+from tests.redis_server import running_redis
+from tests.servers import free_port
+from tests.unit.test_tickets import FakeClock, ticket
+from transport.ticket_seal import TicketKeyError, TicketSealer
+
+KEY = bytes(range(32))
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "ticket.key"
+    path.write_bytes(KEY)
+    return path
+
+
+def replica(redis_url: str, key: bytes = KEY, ttl_s: float = 60.0) -> RedisTicketStore:
+    return RedisTicketStore.from_url(redis_url, TicketSealer(key), ttl_s)
+
+
+def test_sealed_ticket_opens_only_with_its_key_and_label() -> None:
+    sealer = TicketSealer(KEY)
+    original = ticket(b"label")
+    name, sealed = sealer.seal(original)
+    assert sealer.open(b"label", sealed) == original
+    assert name == sealer.name(b"label") != sealer.name(b"other")
+    with pytest.raises(InvalidTag):
+        TicketSealer(b"k" * 32).open(b"label", sealed)
+    with pytest.raises(InvalidTag):
+        sealer.open(b"other", sealed)  # moved under another entry's name
+
+
+def test_short_or_missing_keys_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TicketKeyError, match="at least 32 bytes"):
+        TicketSealer(b"short")
+    with pytest.raises(TicketKeyError, match="cannot read"):
+        TicketSealer.from_file(tmp_path / "missing")
+
+
+def test_a_ticket_is_redeemed_once_across_replicas(redis_url: str) -> None:
+    a, b = replica(redis_url), replica(redis_url)
+    shared = ticket(b"shared")
+    a.add(shared)
+    assert b.pop(b"shared") == shared
+    assert a.pop(b"shared") is None
+    assert b.pop(b"shared") is None
+    assert (a.counters.issued, b.counters.redeemed, a.counters.refused, b.counters.refused) == (
+        1,
+        1,
+        1,
+        1,
+    )
+
+
+def test_redis_holds_neither_labels_nor_secrets_and_expires_them(redis_url: str) -> None:
+    store = replica(redis_url, ttl_s=30)
+    stored = ticket(b"visible-label")
+    store.add(stored)
+    name = store.sealer.name(b"visible-label")
+    raw = store.client.get(name)
+    assert isinstance(raw, bytes)
+    for secret in (stored.resumption_secret, b"visible-label", stored.ticket.hex().encode()):
+        assert secret not in raw
+    assert all(b"visible-label" not in key for key in store.client.scan_iter())
+    assert 0 < store.client.pttl(name) <= 30_000  # Redis expires it: the TTL holds everywhere
+
+
+def test_tickets_of_another_key_or_altered_in_redis_are_refused(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    replica(redis_url, key=b"x" * 32).add(ticket(b"foreign"))
+    store = replica(redis_url)
+    assert store.pop(b"foreign") is None  # another deployment's key names it elsewhere
+    store.add(ticket(b"altered"))
+    name = store.sealer.name(b"altered")
+    sealed = store.client.get(name)
+    assert isinstance(sealed, bytes)
+    store.client.set(name, sealed[:-1] + bytes([sealed[-1] ^ 1]))
+    with caplog.at_level(logging.WARNING):
+        assert store.pop(b"altered") is None
+    assert "did not open: altered" in caplog.text
+    assert store.counters.refused == 2
+
+
+def test_unreachable_redis_turns_0rtt_off_until_it_answers_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    clock = FakeClock()
+    url = f"redis://127.0.0.1:{port}/0"
+    store = RedisTicketStore(
+        RedisTicketStore.from_url(url, TicketSealer(KEY)).client, TicketSealer(KEY), clock=clock
+    )
+    with caplog.at_level(logging.WARNING):
+        assert not store.check()
+        store.add(ticket(b"lost"))  # nothing stored: that client will do a full handshake
+        assert store.pop(b"lost") is None
+    assert caplog.text.count("ticket store unreachable") == 1  # warned once per outage
+    assert not store.available
+    with running_redis(tmp_path / "redis", port):
+        assert store.pop(b"any") is None  # still inside the back-off: no network round trip
+        clock.now += store.retry_after_s
+        back = ticket(b"back")
+        store.add(back)
+        assert store.pop(b"back") == back
+    assert store.counters.issued == 1
+
+
+def test_ticket_store_configuration(tmp_path: Path, key_file: Path, redis_url: str) -> None:
+    assert len(open_ticket_store("memory", "", 60)) == 0  # type: ignore[arg-type]
+    with pytest.raises(TicketStoreError, match="needs --ticket-key-file"):
+        open_ticket_store(redis_url, "", 60)
+    with pytest.raises(TicketStoreError, match="expected memory"):
+        open_ticket_store("memcached://localhost", str(key_file), 60)
+    (tmp_path / "short.key").write_bytes(b"short")
+    with pytest.raises(TicketStoreError, match="at least 32 bytes"):
+        open_ticket_store(redis_url, str(tmp_path / "short.key"), 60)
+    store = open_ticket_store(redis_url, str(key_file), 60)
+    assert isinstance(store, RedisTicketStore) and store.available
+
+
+def test_redis_is_only_reached_through_its_short_timeout(redis_url: str) -> None:
+    """redis-py's retries would multiply the event loop's blocking: the store turns them off."""
+    kwargs = replica(redis_url).client.get_connection_kwargs()
+    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.05
+    retry = replica(redis_url).client.get_retry()
+    assert retry is not None and retry.get_retries() == 0
