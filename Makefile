@@ -52,7 +52,7 @@ $(STAMP_PROTO): $(PROTO_SRC) setup.py $(STAMP_INSTALL)
 
 proto: $(STAMP_PROTO)
 
-$(STAMP_MODELS): scripts/export_models.py $(STAMP_INSTALL)
+$(STAMP_MODELS): scripts/export_models.py $(shell find examples -type f) $(STAMP_INSTALL)
 	@echo "==> exporting example models into $(MODELS)/ (random weights, real architectures)"
 	$(BIN)/python scripts/export_models.py --out $(MODELS) $(EXPORT_FLAGS)
 	@touch $@

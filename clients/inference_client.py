@@ -24,6 +24,7 @@ from clients.tickets import SessionTicketCache
 from clients.trace_context import Metadata, with_trace_context
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from transport.bytes_tensor import serialize_bytes, to_numpy_bytes
 
 DEFAULT_PORT = 8001
 MAX_MESSAGE_BYTES = 64 << 20
@@ -78,6 +79,9 @@ def parse_url(url: str) -> Target:
 
 
 def datatype_of(array: np.ndarray[Any, Any]) -> str:
+    """Object arrays (of bytes or str) and numpy bytes arrays are BYTES tensors."""
+    if array.dtype.kind in "OS":
+        return "BYTES"
     try:
         return _DATATYPES[array.dtype.name]
     except KeyError:
@@ -94,6 +98,11 @@ def build_request(
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, array in inputs.items():
         request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
+        if array.dtype.kind in "OS":
+            request.raw_input_contents.append(
+                serialize_bytes(v.encode() if isinstance(v, str) else bytes(v) for v in array.flat)
+            )
+            continue
         little_endian = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
         request.raw_input_contents.append(little_endian.tobytes())
     for name in outputs:
@@ -104,6 +113,9 @@ def build_request(
 def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any, Any]]:
     arrays = {}
     for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        if tensor.datatype == "BYTES":
+            arrays[tensor.name] = to_numpy_bytes(raw, tensor.shape)
+            continue
         dtype = _NUMPY[tensor.datatype].newbyteorder("<")
         arrays[tensor.name] = np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.shape))
     return arrays

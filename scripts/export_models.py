@@ -43,6 +43,14 @@ TRITON_TYPES: dict[DType, str] = {
     "int32": "TYPE_INT32",
 }
 PROGRAM_FILES = ("inference.json", "inference.pdmodel")  # Paddle 3 / legacy
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# Python models and ensembles: their files are copied from examples/ as they are. The
+# sentiment ensemble runs tokenizer -> text_classifier -> label_postprocess.
+PIPELINES = {
+    "tokenizer": "sentiment/tokenizer",
+    "label_postprocess": "sentiment/label_postprocess",
+    "sentiment": "sentiment/sentiment",
+}
 
 
 @dataclass(frozen=True)
@@ -208,21 +216,44 @@ def export(spec: ModelSpec, out: Path, version: int = 1) -> int:
             return sum(p.stat().st_size for p in (out / spec.name / str(version)).rglob("*"))
         (tmp / "config.pbtxt").write_text(config_pbtxt(spec))
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-        target = out / spec.name
-        if target.exists():  # os.replace cannot replace a non-empty directory: move it aside
-            old = Path(tempfile.mkdtemp(prefix=f".old-{spec.name}-", dir=out))
-            os.replace(target, old / spec.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
+        _install(tmp, out / spec.name)
         return size
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _install(tmp: Path, target: Path) -> None:
+    """Move a finished model directory into place in one step."""
+    if target.exists():  # os.replace cannot replace a non-empty directory: move it aside
+        old = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
+        os.replace(target, old / target.name)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+
+
+def copy_example(name: str, out: Path) -> bool:
+    """Copy a Python model or ensemble from examples/ into out/NAME atomically, unless it is
+    there already with the same files; whether it copied."""
+    source, target = EXAMPLES / PIPELINES[name], out / name
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    if target.is_dir() and all(
+        (target / f).is_file() and (target / f).read_bytes() == (source / f).read_bytes()
+        for f in files
+    ):
+        return False
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out))
+    try:
+        shutil.copytree(source, tmp / name, ignore=shutil.ignore_patterns("__pycache__"))
+        _install(tmp / name, target)
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    names = [m.name for m in MODELS]
+    names = [m.name for m in MODELS] + list(PIPELINES)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True, help="model repository directory")
     parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=", ".join(names))
@@ -275,6 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         size = export(spec, args.out)
         print(f"done in {time.perf_counter() - start:.1f} s, {size / 1e6:.1f} MB", flush=True)
+    if args.add_version:
+        return 0
+    for name in PIPELINES:
+        if args.only and name not in args.only:
+            continue
+        copied = copy_example(name, args.out)
+        print(f"copying {name} ... {'done' if copied else 'skipped (up to date)'}", flush=True)
     return 0
 
 

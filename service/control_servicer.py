@@ -66,6 +66,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                     model_version=str(v.version),
                     queued=v.batcher.queued if v.batcher else 0,
                     in_flight=v.batcher.in_flight_requests if v.batcher else 0,
+                    breaker=v.breaker.state.value,
+                    breaker_retry_in_s=v.breaker.retry_in_s(),
                 )
                 for v in versions
             ],

@@ -222,9 +222,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, deadline: float | None
     ) -> pb.ModelInferResponse:
         served = self.models.resolve(request.model_name, request.model_version)
-        result = await self.models.infer(served, request, deadline)
+        answered, result = await self.models.infer(served, request, deadline)
         with self.models.encode_span():
-            return _response(served, request, result)
+            response = _response(answered, request, result)
+        if answered is not served:
+            # Answered by the fallback model while `served` is open-circuited.
+            response.parameters["fallback"].bool_param = True
+        return response
 
 
 def _response(

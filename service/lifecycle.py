@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from protos.inference import model_config_pb2 as mc
-from service import errors
+from service import ensemble, errors
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.shapes import shape_buckets
 from service.model_manager import ModelManager, ServedVersion, VersionState
 from service.model_parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.repository import (
+    ENSEMBLE,
     ModelFiles,
     ModelRepository,
     RepositoryError,
@@ -152,6 +153,7 @@ class Lifecycle:
                         _key(name, f.version), model.config, self.topology
                     )
                     for f in model.versions
+                    if model.config.platform != ENSEMBLE  # runs on its steps' instances
                 }
                 prints[name] = {f.version: fingerprint(f.path) for f in model.versions}
             except (RepositoryError, OSError, ValueError) as exc:
@@ -177,6 +179,9 @@ class Lifecycle:
             self.models.publish(model.name, versions)
             for files in model.versions:
                 served, key = versions[files.version], _key(model.name, files.version)
+                if model.config.platform == ENSEMBLE:
+                    self._start_ensemble(served)
+                    continue
                 if key in unplaced:
                     served.state, served.reason = VersionState.UNAVAILABLE, unplaced[key]
                     log.error(
@@ -190,6 +195,8 @@ class Lifecycle:
                 loads.append(self._load_and_warm_up(served, files, placements[key]))
         self.models.changed()
         await asyncio.gather(*loads)
+        self.models.check_ensembles()
+        self.models.check_fallbacks()
         self.models.loading_done = True
         self.models.changed()
 
@@ -246,6 +253,8 @@ class Lifecycle:
                     label=_device_label(p, self.topology.simulated),
                     execution_timeout_s=limits.execution_timeout_s,
                     shapes=shape_buckets(config),
+                    backend=config.backend,
+                    config=config.SerializeToString(),
                 )
             )
             for p in placements
@@ -381,6 +390,8 @@ class Lifecycle:
                         result[version.version] = version
             retired = [v for v in current.values() if result.get(v.version) is not v]
             self.models.publish(name, result)
+            self.models.check_ensembles()
+            self.models.check_fallbacks()
             for version in retired:
                 self._retire_soon(version, "replaced")
             if failures:
@@ -434,6 +445,9 @@ class Lifecycle:
                 await self.unload_model(name)
 
     async def _start_version(self, served: ServedVersion, files: ModelFiles) -> None:
+        if served.config.platform == ENSEMBLE:
+            self._start_ensemble(served)
+            return
         key = _key(served.name, served.version)
         try:
             placements, unplaced = place_all(
@@ -446,6 +460,25 @@ class Lifecycle:
             served.state, served.reason = VersionState.UNAVAILABLE, unplaced[key]
             return
         await self._load_and_warm_up(served, files, placements[key])
+
+    def _start_ensemble(self, served: ServedVersion) -> None:
+        """An ensemble is ready to take requests once its graph checks out; whether its steps
+        can run is asked of their models at each request (and by its readiness)."""
+        try:
+            served.steps = ensemble.plan(served.config)
+        except ensemble.EnsembleError as exc:
+            served.state, served.reason = VersionState.UNAVAILABLE, f"ensemble: {exc}"
+            log.error("ensemble %s not loaded: %s", served.name, exc)
+            self.models.load_failed(served.name, "ensemble")
+            return
+        served.validator = RequestValidator(served.config)
+        served.steps_ready = lambda: self.models.ensemble_ready(served)
+        served.state = VersionState.READY
+        log.info(
+            "loaded ensemble %s: %s",
+            served.name,
+            " -> ".join(f"{s.model}" for s in served.steps),
+        )
 
     async def _warm_up(self, served: ServedVersion) -> None:
         """Every shape bucket, then the model_warmup samples, before the version takes

@@ -13,17 +13,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 from opentelemetry.trace import SpanContext
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service import errors
+from service import ensemble, errors
 from service.batching.batcher import Answer, DynamicBatcher
+from service.breaker import Admission, BreakerState, CircuitBreaker
+from service.fallback import incompatibility
+from service.model_parameters import check_parameters
 from service.repository import check_model_name, parse_version
 from service.scheduling import routing
 from service.statistics import ModelStats
 from service.validation import InferJob, RequestValidator
-from service.workers.instance import SLOTS_PER_WORKER, InferResult, State, WorkerInstance
+from service.workers.instance import (
+    SLOTS_PER_WORKER,
+    InferResult,
+    OutputTensor,
+    State,
+    WorkerInstance,
+)
 from service.workers.protocol import Timings
 
 
@@ -50,17 +60,33 @@ class ServedVersion:
     fingerprint: tuple[tuple[str, int, int], ...] = ()  # the files it was loaded from
     copy: Path | None = None  # the verified private copy its workers load (signed models)
     active: int = 0  # requests that resolved to this version and are not answered yet
+    breaker: CircuitBreaker = field(init=False)
+    steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
+    steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
     _random: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def __post_init__(self) -> None:
+        # The config was checked when it was read, so its parameters parse.
+        self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
 
     @property
     def ready(self) -> bool:
-        return self.state is VersionState.READY and any(
-            i.state is State.READY for i in self.instances
-        )
+        if self.state is not VersionState.READY:
+            return False
+        if self.steps_ready is not None:
+            return self.steps_ready()
+        return any(i.state is State.READY for i in self.instances)
 
     def pick_instance(self) -> WorkerInstance:
         ready = [i for i in self.instances if i.state is State.READY] or self.instances
         return routing.choose(ready, self.local_numa, self._random)
+
+    def start_failure(self) -> str | None:
+        """Why no instance can start, when none can (their restarts keep failing)."""
+        failures = [i.start_failure for i in self.instances]
+        if not failures or None in failures:
+            return None
+        return failures[0]
 
     def capacity(self) -> int:
         """Batches the ready instances can hold at once (one running, one queued each)."""
@@ -81,6 +107,8 @@ class ManagerObserver(Protocol):
     def encode_span(self) -> AbstractContextManager[Any]: ...
 
     def on_load_failure(self, model: str, reason: str) -> None: ...
+
+    def on_fallback(self, model: str, fallback: str) -> None: ...
 
 
 class ModelManager:
@@ -191,14 +219,90 @@ class ModelManager:
 
     async def infer(
         self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
+    ) -> tuple[ServedVersion, Answer]:
+        """Run the request on `served`, or on its fallback model while its breaker is open:
+        the version that answered, and its answer."""
+        breaker = served.breaker
+        failure = served.start_failure()
+        if failure is not None and breaker.state is BreakerState.CLOSED:
+            breaker.trip()
+        admission = breaker.admit()
+        if admission is None:
+            fallback = self._fallback(served, failure)
+            # A fallback's own breaker guards it too; a fallback has no fallback of its own.
+            fallback_admission = fallback.breaker.admit()
+            if fallback_admission is None:
+                raise _open_circuit(fallback, fallback.start_failure())
+            if self.observer is not None:
+                self.observer.on_fallback(served.name, fallback.name)
+            return fallback, await self._recorded(fallback, fallback_admission, request, deadline)
+        return served, await self._recorded(served, admission, request, deadline)
+
+    async def _recorded(
+        self,
+        served: ServedVersion,
+        admission: Admission,
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+    ) -> Answer:
+        """Run the request, telling the version's breaker how it ended for the caller."""
+        code: grpc.StatusCode | None = None
+        try:
+            return await self._run(served, request, deadline)
+        except errors.ServiceError as exc:
+            code = exc.code
+            raise
+        except BaseException:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            served.breaker.record(admission, code)
+
+    def _fallback(self, served: ServedVersion, failure: str | None) -> ServedVersion:
+        """The ready version of the fallback model, or UNAVAILABLE saying the circuit is open."""
+        name = check_parameters(served.config).fallback_model
+        if name is None:
+            raise _open_circuit(served, failure)
+        try:
+            fallback = self.resolve(name, "")
+        except errors.ServiceError as exc:
+            raise _open_circuit(served, failure, f"its fallback model: {exc.message}") from None
+        reason = incompatibility(served.config, fallback.config)
+        if reason is not None:
+            raise _open_circuit(served, failure, f"its fallback model '{name}' {reason}")
+        return fallback
+
+    def check_fallbacks(self) -> None:
+        """Fail every ready version whose fallback model is served but does not take its
+        inputs or give its outputs (checked once both are loaded, whichever came first)."""
+        for served in self.all_versions():
+            name = check_parameters(served.config).fallback_model
+            if name is None or served.state is not VersionState.READY:
+                continue
+            ready = [v for v in self.serving(name).values() if v.state is VersionState.READY]
+            reason = next(
+                (r for v in ready if (r := incompatibility(served.config, v.config))), None
+            )
+            if reason is not None:
+                served.state = VersionState.UNAVAILABLE
+                served.reason = f"fallback_model '{name}' {reason}"
+                self.load_failed(served.name, "fallback")
+        self._on_change()
+
+    async def _run(
+        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
     ) -> Answer:
         started = time.perf_counter_ns()
         served.active += 1  # before any await: a swap cannot retire it under this request
         try:
-            assert served.validator is not None and served.batcher is not None
+            assert served.validator is not None
             job = served.validator.validate(request)
             priority, timeout_s = request_scheduling(request)
-            answer = await served.batcher.submit(job, deadline, priority, timeout_s)
+            if served.steps:
+                answer = await self._run_ensemble(served, job, deadline)
+            else:
+                assert served.batcher is not None
+                answer = await served.batcher.submit(job, deadline, priority, timeout_s)
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
@@ -211,6 +315,54 @@ class ModelManager:
         if self.observer is not None:
             self.observer.on_request(served.name, elapsed_ns, answer)
         return answer
+
+    async def _run_ensemble(
+        self, served: ServedVersion, job: InferJob, deadline: float | None
+    ) -> Answer:
+        queue_ns = 0
+
+        async def run_step(
+            step: ensemble.Step, request: pb.ModelInferRequest
+        ) -> tuple[OutputTensor, ...]:
+            nonlocal queue_ns
+            _, answer = await self.infer(self.resolve(step.model, step.version), request, deadline)
+            queue_ns += answer.queue_ns
+            return answer.outputs
+
+        outputs = await ensemble.run(served.name, served.steps, job, run_step)
+        return Answer(outputs, Timings(0, 0, 0), queue_ns, max(job.batch_size, 1))
+
+    def ensemble_ready(self, served: ServedVersion) -> bool:
+        """Every step's model has a ready version (the one it names, if it names one)."""
+        for step in served.steps:
+            try:
+                if not self.resolve(step.model, step.version).ready:
+                    return False
+            except errors.ServiceError:
+                return False
+        return True
+
+    def check_ensembles(self) -> None:
+        """Fail every ensemble a served step model cannot run (a step model not loaded yet
+        only keeps the ensemble not ready)."""
+        for served in self.all_versions():
+            if not served.steps or served.state is not VersionState.READY:
+                continue
+            for step in served.steps:
+                try:
+                    model = self.resolve(step.model, step.version)
+                except errors.ServiceError:
+                    continue
+                reason = (
+                    f"{step.describe()} is an ensemble itself; ensembles do not nest"
+                    if model.steps
+                    else ensemble.check_step(step, served.config, model.config)
+                )
+                if reason is not None:
+                    served.state, served.reason = VersionState.UNAVAILABLE, reason
+                    self.load_failed(served.name, "ensemble")
+                    break
+        self._on_change()
 
     async def run_batch(
         self,
@@ -260,6 +412,17 @@ def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float
         values.append(value)
     priority, timeout_us = values
     return priority, None if timeout_us is None else timeout_us / 1e6
+
+
+def _open_circuit(
+    served: ServedVersion, failure: str | None, detail: str = ""
+) -> errors.ServiceError:
+    why = f"no instance can start ({failure})" if failure else "too many recent requests failed"
+    message = (
+        f"model '{served.name}' version {served.version} is open-circuited: {why}; it will be "
+        f"retried in {served.breaker.retry_in_s():.1f} s"
+    )
+    return errors.unavailable(f"{message}; {detail}" if detail else message)
 
 
 def _not_ready(served: ServedVersion) -> errors.ServiceError:

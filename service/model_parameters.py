@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from protos.inference import model_config_pb2 as mc
+from service.breaker import BreakerPolicy
 
 # name -> smallest accepted value
 _INTEGERS = {
@@ -22,7 +23,18 @@ _INTEGERS = {
     "onednn_cache_capacity": 1,
     "tensorrt_workspace_mb": 1,
     "tensorrt_min_subgraph_size": 1,
+    "breaker_min_requests": 1,
+    "python_memory_mb": 256,
+    "python_open_files": 32,
 }
+# name -> (smallest, largest) accepted value, both included
+_FLOATS = {
+    "breaker_failure_ratio": (0.01, 1.0),
+    "breaker_window_s": (0.1, 3600.0),
+    "breaker_open_s": (0.1, 3600.0),
+}
+# Another model that answers this one's requests while its circuit breaker is open.
+FALLBACK_MODEL = "fallback_model"
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -39,6 +51,8 @@ class ParameterError(ValueError):
 class ModelLimits:
     execution_timeout_s: float | None  # None: derived from the warm-up batch time
     max_input_elements: int | None  # None: derived from the model's dims (validation.py)
+    breaker: BreakerPolicy
+    fallback_model: str | None
 
 
 @dataclass(frozen=True)
@@ -73,9 +87,27 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
             raise ParameterError(
                 f"parameter {TESTING_CRASH_ON} must be a number, not {params[TESTING_CRASH_ON]!r}"
             ) from None
+    reals = {
+        name: _real(name, params[name], *bounds)
+        for name, bounds in _FLOATS.items()
+        if name in params
+    }
+    default = BreakerPolicy()
+    breaker = BreakerPolicy(
+        failure_ratio=reals.get("breaker_failure_ratio", default.failure_ratio),
+        min_requests=numbers.get("breaker_min_requests", default.min_requests),
+        window_s=reals.get("breaker_window_s", default.window_s),
+        open_s=reals.get("breaker_open_s", default.open_s),
+    )
+    fallback = params.get(FALLBACK_MODEL, "").strip() or None
+    if fallback == config.name:
+        raise ParameterError(f"parameter {FALLBACK_MODEL} must name another model")
     timeout_ms = numbers.get("execution_timeout_ms")
     return ModelLimits(
-        None if timeout_ms is None else timeout_ms / 1000, numbers.get("max_input_elements")
+        None if timeout_ms is None else timeout_ms / 1000,
+        numbers.get("max_input_elements"),
+        breaker,
+        fallback,
     )
 
 
@@ -132,3 +164,13 @@ def _integers(params: Mapping[str, str]) -> dict[str, int]:
         for name, minimum in _INTEGERS.items()
         if name in params
     }
+
+
+def _real(name: str, text: str, low: float, high: float) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ParameterError(f"parameter {name} must be a number, not {text!r}") from None
+    if not low <= value <= high:  # also refuses nan
+        raise ParameterError(f"parameter {name} must be within [{low}, {high}], not {text!r}")
+    return value

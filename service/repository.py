@@ -15,11 +15,13 @@ from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
+from service.backend import PYTHON_BACKEND
 from service.batching.shapes import shape_buckets
 from service.model_parameters import ParameterError, check_parameters
 from service.tensors import BY_CONFIG_TYPE, BY_NAME, TensorSpec, config_type_name
 
 PLATFORM = "paddle_inference"
+ENSEMBLE = "ensemble"  # steps of other models; no files of its own
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MAX_VERSION = 2**63 - 1
 
@@ -49,7 +51,8 @@ def parse_version(version: str) -> int | None:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """One numeric version directory and the Paddle files in it."""
+    """One numeric version directory and the Paddle files in it (a Python model: both are
+    its model.py; an ensemble, which has no files, all three are the model's directory)."""
 
     version: int
     path: Path
@@ -86,20 +89,27 @@ class ModelRepository:
             raise RepositoryError(f"model {name!r} not found in repository {self.root}")
         config = read_config(path, name)
         available = _version_dirs(path)
+        if config.platform == ENSEMBLE:
+            # An ensemble has no files: version 1 (or its version directories, as Triton
+            # wants them) stand for its config.
+            versions = sorted(available) or [1]
+            chosen = select_versions(config.version_policy, versions)
+            return RepositoryModel(
+                name, path, config, tuple(ModelFiles(v, path, path, path) for v in chosen)
+            )
         if not available:
             raise RepositoryError(
                 f"model {name!r} has no version directories under {path}; "
                 "export one with `make models`"
             )
         chosen = select_versions(config.version_policy, sorted(available))
+        files = _python_files if config.backend == PYTHON_BACKEND else _model_files
         if not chosen:
             raise RepositoryError(
                 f"model {name!r}: version_policy selects none of the versions "
                 f"{sorted(available)} under {path}"
             )
-        return RepositoryModel(
-            name, path, config, tuple(_model_files(available[v], v) for v in chosen)
-        )
+        return RepositoryModel(name, path, config, tuple(files(available[v], v) for v in chosen))
 
 
 def read_config(path: Path, name: str) -> mc.ModelConfig:
@@ -115,12 +125,26 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
             f"{config_file}: name {config.name!r} differs from the directory name {name!r}"
         )
     config.name = name
-    if config.platform and config.platform != PLATFORM:
+    if config.platform not in ("", PLATFORM, ENSEMBLE):
         raise RepositoryError(
             f"{config_file}: platform {config.platform!r} is not served here; "
-            f"use platform: {PLATFORM!r}"
+            f"use platform: {PLATFORM!r} or {ENSEMBLE!r}"
         )
-    config.platform = PLATFORM
+    config.platform = config.platform or PLATFORM
+    if config.backend not in ("", PYTHON_BACKEND):
+        raise RepositoryError(
+            f"{config_file}: backend {config.backend!r} is not served here; leave it out for "
+            f"Paddle models, or use backend: {PYTHON_BACKEND!r} with a model.py"
+        )
+    if config.backend == PYTHON_BACKEND:
+        if config.platform == ENSEMBLE:
+            raise RepositoryError(f"{config_file}: an ensemble has no backend")
+        if not config.input or not config.output:
+            raise RepositoryError(f"{config_file}: a Python model must list its inputs and outputs")
+    if (config.platform == ENSEMBLE) != config.HasField("ensemble_scheduling"):
+        raise RepositoryError(
+            f"{config_file}: ensemble_scheduling goes with platform {ENSEMBLE!r}, and only there"
+        )
     if config.max_batch_size < 0:
         raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
     try:
@@ -149,6 +173,13 @@ def _version_dirs(path: Path) -> dict[int, Path]:
         for p in path.iterdir()
         if p.is_dir() and p.name.isdigit() and p.name.isascii() and int(p.name) <= _MAX_VERSION
     }
+
+
+def _python_files(path: Path, version: int) -> ModelFiles:
+    model = path / "model.py"
+    if not model.is_file():
+        raise RepositoryError(f"{path} holds no model.py for this Python model")
+    return ModelFiles(version, path, model, model)
 
 
 def _model_files(path: Path, version: int) -> ModelFiles:

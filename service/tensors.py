@@ -40,6 +40,9 @@ DATATYPES: tuple[Datatype, ...] = (
     _dt("BF16", mc.TYPE_BF16, "<u2", None),
     _dt("FP32", mc.TYPE_FP32, "<f4", "fp32_contents"),
     _dt("FP64", mc.TYPE_FP64, "<f8", "fp64_contents"),
+    # Variable-length elements: numpy holds them as objects (bytes), and on the wire and in
+    # shared memory each is a 4-byte little-endian length followed by its contents.
+    _dt("BYTES", mc.TYPE_STRING, "O", "bytes_contents"),
 )
 
 BY_NAME = {d.name: d for d in DATATYPES}
@@ -65,6 +68,10 @@ def from_numpy(dtype: np.dtype[Any]) -> Datatype:
         if d.numpy == dtype and d.name != "BF16":
             return d
     raise ValueError(f"numpy dtype {dtype} has no Open Inference Protocol datatype")
+
+
+def is_bytes(dtype: np.dtype[Any] | str) -> bool:
+    return np.dtype(dtype).kind == "O"
 
 
 def config_type_name(config_type: mc.DataType) -> str:

@@ -17,6 +17,7 @@ from protos.inference import model_config_pb2 as mc
 from service.errors import invalid
 from service.model_parameters import check_parameters
 from service.tensors import BY_CONFIG_TYPE, Datatype
+from transport.bytes_tensor import deserialize_bytes, serialize_bytes
 
 # Where config.pbtxt sets no max_input_elements: an input with variable non-batch dimensions
 # may hold this many elements per batch row (a fixed-shape input is bounded by its shape).
@@ -28,7 +29,9 @@ class InputTensor:
     name: str
     datatype: Datatype
     shape: tuple[int, ...]
-    data: bytes  # little-endian, row-major, exactly prod(shape) * itemsize bytes
+    # Little-endian, row-major, exactly prod(shape) * itemsize bytes; BYTES: prod(shape)
+    # elements, each a 4-byte little-endian length and its contents.
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,17 @@ class RequestValidator:
             raise invalid(
                 f"input '{tensor.name}': both raw_input_contents and contents are set; use one"
             )
+        if declared.datatype.name == "BYTES":
+            try:
+                count = len(deserialize_bytes(data))
+            except ValueError as exc:
+                raise invalid(f"input '{tensor.name}': malformed BYTES contents: {exc}") from None
+            if count != math.prod(shape):
+                raise invalid(
+                    f"input '{tensor.name}': shape {list(shape)} needs {math.prod(shape)} BYTES "
+                    f"elements, raw_input_contents holds {count}"
+                )
+            return data
         expected = math.prod(shape) * declared.datatype.numpy.itemsize
         if len(data) != expected:
             raise invalid(
@@ -176,6 +190,8 @@ class RequestValidator:
                 f"input '{tensor.name}': shape {list(shape)} needs {count} values in "
                 f"contents.{field}, got {len(values)}"
             )
+        if declared.datatype.name == "BYTES":
+            return serialize_bytes(values)
         try:
             return np.asarray(values, dtype=declared.datatype.numpy).tobytes()
         except OverflowError as exc:

@@ -5,6 +5,7 @@ the samples of config.pbtxt's `model_warmup` (Triton's: zero or random data, `co
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.batching.shapes import ShapeBuckets
 from service.tensors import BY_CONFIG_TYPE, config_type_name
+from transport.bytes_tensor import serialize_bytes
 
 MAX_WARMUP_COUNT = 1000  # per sample: a typo must not keep a version loading for hours
 
@@ -84,18 +86,21 @@ def _request(
     config: mc.ModelConfig, rows: int | None, dims: dict[str, list[int]], zero: bool
 ) -> pb.ModelInferRequest:
     """Zeros, or seeded random data: floats from a normal distribution, integers 0 or 1 (so
-    ids stay in range of any embedding)."""
+    ids stay in range of any embedding); BYTES elements are empty either way."""
     request = pb.ModelInferRequest(model_name=config.name, id="warm-up")
     random = np.random.default_rng(0)
     for tensor in config.input:
         datatype = BY_CONFIG_TYPE[tensor.data_type]
         shape = ([] if rows is None else [rows]) + dims[tensor.name]
-        if zero:
+        if zero or datatype.name == "BYTES":
             data = np.zeros(shape, datatype.numpy)
         elif datatype.numpy.kind == "f" and datatype.name != "BF16":
             data = random.standard_normal(shape).astype(datatype.numpy)
         else:
             data = random.integers(0, 2, shape).astype(datatype.numpy)
         request.inputs.add(name=tensor.name, datatype=datatype.name, shape=shape)
+        if datatype.name == "BYTES":
+            request.raw_input_contents.append(serialize_bytes([b""] * math.prod(shape)))
+            continue
         request.raw_input_contents.append(data.tobytes())
     return request

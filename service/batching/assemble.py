@@ -4,14 +4,18 @@ padded rows never reach a response."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from service import errors
 from service.batching.shapes import ShapeBuckets
+from service.tensors import is_bytes
 from service.validation import InferJob, InputTensor
 from service.workers.instance import InferResult, OutputTensor
+from transport.bytes_tensor import serialize_bytes, split_bytes
 
 _NO_BUCKETS = ShapeBuckets()
 
@@ -23,6 +27,9 @@ def join(jobs: Sequence[InferJob], shapes: ShapeBuckets = _NO_BUCKETS) -> InferJ
     inputs = []
     for index, tensor in enumerate(first.inputs):
         parts = [j.inputs[index] for j in jobs]
+        if is_bytes(tensor.datatype.numpy):
+            inputs.append(_joined_bytes(parts, rows - real_rows))
+            continue
         shape = shapes.padded_shape(tensor.name, tensor.shape)
         if rows:
             shape = (rows, *shape[1:])
@@ -35,6 +42,18 @@ def join(jobs: Sequence[InferJob], shapes: ShapeBuckets = _NO_BUCKETS) -> InferJ
         else:
             inputs.append(_padded(parts, shape, shapes.pad_value, bool(rows)))
     return InferJob(tuple(inputs), first.outputs, rows)
+
+
+def _joined_bytes(parts: Sequence[InputTensor], pad_rows: int) -> InputTensor:
+    """BYTES rows concatenated; padding rows are empty elements (sequence buckets do not
+    apply: elements have no fixed size to pad)."""
+    first = parts[0]
+    if len(parts) == 1 and pad_rows == 0:
+        return first
+    per_row = math.prod(first.shape[1:])
+    rows = sum(p.shape[0] for p in parts) + pad_rows
+    data = b"".join(p.data for p in parts) + serialize_bytes([b""] * (per_row * pad_rows))
+    return InputTensor(first.name, first.datatype, (rows, *first.shape[1:]), data)
 
 
 def _padded(
@@ -71,14 +90,20 @@ def split(
                 f"output '{tensor.name}' has shape {list(tensor.shape)}, which does not start "
                 f"with the batch's {total} rows; the model cannot be batched"
             )
-        row_bytes = len(tensor.data) // total
-        start = 0
-        for index, count in enumerate(row_counts):
-            end = start + count * row_bytes
+        for index, (count, data) in enumerate(
+            zip(row_counts, _row_parts(tensor, row_counts, total), strict=True)
+        ):
             per_request[index].append(
-                OutputTensor(
-                    tensor.name, tensor.dtype, (count, *tensor.shape[1:]), tensor.data[start:end]
-                )
+                OutputTensor(tensor.name, tensor.dtype, (count, *tensor.shape[1:]), data)
             )
-            start = end
     return [tuple(outputs) for outputs in per_request]
+
+
+def _row_parts(tensor: OutputTensor, row_counts: Sequence[int], total: int) -> list[bytes]:
+    """Each request's consecutive rows of one output (rows past theirs are padding)."""
+    if is_bytes(tensor.dtype):
+        per_row = math.prod(tensor.shape[1:])
+        return split_bytes(tensor.data, [count * per_row for count in row_counts])
+    row_bytes = len(tensor.data) // total
+    bounds = list(itertools.accumulate((count * row_bytes for count in row_counts), initial=0))
+    return [tensor.data[a:b] for a, b in itertools.pairwise(bounds)]

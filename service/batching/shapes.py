@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from protos.inference import model_config_pb2 as mc
+from service.backend import PYTHON_BACKEND
 from service.model_parameters import ParameterError, integer, string_parameters
 
 
@@ -54,6 +55,8 @@ def shape_buckets(config: mc.ModelConfig) -> ShapeBuckets:
     batch_buckets: unset means powers of two up to max_batch_size, the preferred batch sizes
     and max_batch_size itself; "none" turns padding off; else a comma-separated list (to which
     max_batch_size is added, so every batch has a bucket)."""
+    if config.backend == PYTHON_BACKEND:
+        return ShapeBuckets()  # a model.py gains nothing from padded, fixed shapes
     params = string_parameters(config)
     top = config.max_batch_size
     text = params.get("batch_buckets", "").strip().lower()

@@ -102,6 +102,10 @@ class Observer:
         if self.metrics is not None:
             self.metrics.load_failures.labels(model, reason).inc()
 
+    def on_fallback(self, model: str, fallback: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.fallbacks, model, fallback).inc()
+
 
 class ObservedServer(WrappingServer):
     """Registers every handler observed (metrics, traces, request logs)."""

@@ -20,6 +20,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.breaker import BreakerState
 from service.model_manager import ModelManager
 from service.scheduling.topology import Topology
 from service.workers.protocol import Timings
@@ -90,6 +91,13 @@ class Metrics:
             "paddlequic_model_load_failures",
             "models or versions that failed to load, by stage",
             ["model", "reason"],
+            registry=r,
+        )
+        # Both labels are served model names (the manager only falls back to a served model).
+        self.fallbacks = Counter(
+            "paddlequic_fallbacks",
+            "requests answered by the fallback model while their model's breaker was open",
+            ["model", "fallback"],
             registry=r,
         )
         self.state = _StateCollector(models, topology)
@@ -164,6 +172,7 @@ class _StateCollector(Collector):
         """Every family collect() may yield, including those only a server with HTTP/3 or
         GPUs has (what dashboards and alerts may name)."""
         yield _queue_depth()
+        yield _breaker_state()
         yield _worker_restarts()
         yield _h3_connections(0)
         yield _h3_handshakes()
@@ -177,6 +186,12 @@ class _StateCollector(Collector):
             depth.add_metric([v.name, str(v.version)], v.batcher.queued if v.batcher else 0)
             restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
         yield depth
+        breakers = _breaker_state()
+        for v in versions:
+            current = v.breaker.state
+            for state in BreakerState:
+                breakers.add_metric([v.name, str(v.version), state.value], state is current)
+        yield breakers
         worker_restarts = _worker_restarts()
         for name, count in sorted(restarts.items()):
             worker_restarts.add_metric([name], count)
@@ -210,6 +225,14 @@ class _NvmlMemory:
 def _queue_depth() -> GaugeMetricFamily:
     return GaugeMetricFamily(
         "paddlequic_queue_depth", "requests waiting in the batch queue", labels=["model", "version"]
+    )
+
+
+def _breaker_state() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        "paddlequic_breaker_state",
+        "circuit breaker of each model version: 1 for its current state (CLOSED, OPEN, HALF_OPEN)",
+        labels=["model", "version", "state"],
     )
 
 

@@ -28,6 +28,7 @@ from typing import TypeVar
 import grpc
 
 from service import errors
+from service.backend import PYTHON_BACKEND
 from service.batching.shapes import ShapeBuckets
 from service.repository import ModelFiles
 from service.validation import InferJob
@@ -35,8 +36,13 @@ from service.workers import protocol
 from service.workers.shm import Segment, layout
 
 log = logging.getLogger("paddlequic.worker")
+model_log = logging.getLogger("paddlequic.model")
 _T = TypeVar("_T")
 
+# All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
+# tokens, ticket keys) can reach model.py through it.
+PYTHON_ENV_ALLOWED = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+MAX_LOG_LINE = 4096  # characters of one line a Python model prints, in the server's log
 SLOTS_PER_WORKER = 2
 LOAD_TIMEOUT_S = 600.0
 READY_WAIT_S = 60.0
@@ -153,6 +159,12 @@ class WorkerSpec:
     label: str = "cpu"  # where placement put it, for people
     execution_timeout_s: float | None = None  # the watchdog's limit per batch; None: none
     shapes: ShapeBuckets = field(default_factory=ShapeBuckets)
+    backend: str = ""  # "python" for a model.py; otherwise Paddle
+    config: bytes = b""  # the serialized ModelConfig, for Python models
+
+    @property
+    def python(self) -> bool:
+        return self.backend == PYTHON_BACKEND
 
 
 class WorkerInstance:
@@ -163,6 +175,8 @@ class WorkerInstance:
         self.restarts = 0
         self.loaded: protocol.Loaded | None = None
         self._ready = asyncio.Event()
+        # Set once the current (re)start attempt ended, ready or not: what waiters wake on.
+        self._attempted = asyncio.Event()
         self._slots = [_Slot() for _ in range(SLOTS_PER_WORKER)]
         self._free: asyncio.Queue[_Slot] = asyncio.Queue()
         for slot in self._slots:
@@ -172,6 +186,7 @@ class WorkerInstance:
         self._writer: asyncio.StreamWriter | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._output_tasks: set[asyncio.Task[None]] = set()
         self._restart_task: asyncio.Task[None] | None = None
         self._started_at = 0.0
         self._restart_delay = 0.0
@@ -180,6 +195,9 @@ class WorkerInstance:
         self._watchdog: asyncio.TimerHandle | None = None
         self._killed_hung = False
         self._answered = 0  # results since the worker (re)started
+        # Why the last restart failed (e.g. its files are gone); None once one succeeds.
+        # Requests then fail at once instead of waiting for a restart that may never come.
+        self.start_failure: str | None = None
         # Outputs config.pbtxt renames: callers use the configured names, the worker's
         # program its fetch names (fetch_name_N).
         self._fetch_names: dict[str, str] = {}
@@ -238,10 +256,16 @@ class WorkerInstance:
             if self.state is State.STOPPED:
                 raise errors.unavailable(self._not_ready_message())
             if not self._ready.is_set():
+                if self.start_failure is not None:
+                    raise errors.unavailable(
+                        f"{self._not_ready_message()}; its last restart failed: "
+                        f"{self.start_failure}"
+                    )
                 try:
-                    await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+                    await asyncio.wait_for(self._attempted.wait(), READY_WAIT_S)
                 except TimeoutError:
                     raise errors.unavailable(self._not_ready_message()) from None
+                continue
             slot = await _until(
                 self._free.get(), deadline, "deadline exceeded waiting for a worker"
             )
@@ -252,6 +276,7 @@ class WorkerInstance:
     async def stop(self) -> None:
         self.state = State.STOPPED
         self._ready.clear()
+        self._attempted.set()
         if self._restart_task:
             self._restart_task.cancel()
         if self._writer is not None:
@@ -269,6 +294,8 @@ class WorkerInstance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
         self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
+        for task in list(self._output_tasks):
+            task.cancel()
         for slot in self._slots:
             slot.release()
 
@@ -280,7 +307,15 @@ class WorkerInstance:
 
     async def _launch(self) -> protocol.Loaded:
         parent, child = socket.socketpair()
-        env = {**os.environ, "GLOG_minloglevel": "2", **self.spec.env}
+        python = self.spec.python
+        inherited = (
+            {k: v for k, v in os.environ.items() if k in PYTHON_ENV_ALLOWED}
+            if python
+            else os.environ
+        )
+        env = {**inherited, "GLOG_minloglevel": "2", **self.spec.env}
+        # A Python model's prints go to the server's log, tagged with the model's name.
+        output = asyncio.subprocess.PIPE if python else asyncio.subprocess.DEVNULL
         try:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -290,11 +325,17 @@ class WorkerInstance:
                 str(child.fileno()),
                 pass_fds=(child.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
+                stdout=output,
+                stderr=output if python else None,
                 env=env,
             )
         finally:
             child.close()
+        for stream in (self._process.stdout, self._process.stderr):
+            if stream is not None:
+                task = asyncio.create_task(_forward_output(stream, self.spec.model_name))
+                self._output_tasks.add(task)
+                task.add_done_callback(self._output_tasks.discard)
         self.pid = self._process.pid
         self._started_at = time.monotonic()
         self._answered = 0
@@ -312,6 +353,8 @@ class WorkerInstance:
                     dict(self.spec.parameters),
                     self.spec.device,
                     self.spec.shapes,
+                    self.spec.backend,
+                    self.spec.config,
                 )
             )
         )
@@ -332,6 +375,7 @@ class WorkerInstance:
             raise RuntimeError(reason)
         self.state = State.READY
         self._ready.set()
+        self._attempted.set()
         self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
         return first
 
@@ -412,6 +456,7 @@ class WorkerInstance:
     async def _on_death(self) -> None:
         self.state = State.RESTARTING
         self._ready.clear()
+        self._attempted.clear()
         self._writer = None
         code = await self._process.wait() if self._process else None
         if self._killed_hung:
@@ -449,8 +494,11 @@ class WorkerInstance:
                 await self._launch()
             except (RuntimeError, OSError, TimeoutError) as exc:
                 self._restart_delay = min(max(1.0, self._restart_delay * 2), MAX_RESTART_DELAY_S)
+                self.start_failure = str(exc)
+                self._attempted.set()
                 log.error("restarting worker %s failed: %s", self.spec.instance_name, exc)
                 continue
+            self.start_failure = None
             self.restarts += 1
             log.info("worker %s restarted (pid %d)", self.spec.instance_name, self.pid)
 
@@ -463,6 +511,21 @@ class WorkerInstance:
             self._free.put_nowait(entry.slot)
             if not entry.future.done():
                 entry.future.set_exception(error(index))
+
+
+async def _forward_output(stream: asyncio.StreamReader, model: str) -> None:
+    """Each line a Python model's worker prints, into the server's log (bounded per line)."""
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > MAX_LOG_LINE:
+            lines.append(pending)
+            pending = b""
+        for line in lines:
+            model_log.info("model %s: %s", model, line.decode(errors="replace")[:MAX_LOG_LINE])
+    if pending:
+        model_log.info("model %s: %s", model, pending.decode(errors="replace")[:MAX_LOG_LINE])
 
 
 async def _read_message(reader: asyncio.StreamReader) -> protocol.Message | None:

@@ -21,6 +21,7 @@ from service.scheduling.cpulist import parse_cpulist
 from service.workers import protocol
 from service.workers.protocol import CPU_AFFINITY_ENV
 from service.workers.shm import MappingCache, layout
+from service.workers.tensor_io import input_array, wire_form
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
@@ -46,28 +47,24 @@ def _infer(
     model: Any, maps: MappingCache, msg: protocol.Infer, crash_on: float | None
 ) -> protocol.Result:
     in_map = maps.get(msg.input_segment)
-    inputs = {
-        ref.name: np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=in_map, offset=ref.offset)
-        for ref in msg.inputs
-    }
+    inputs = {ref.name: input_array(in_map, ref) for ref in msg.inputs}
     if crash_on is not None and any((a == crash_on).any() for a in inputs.values()):
         os.abort()  # test-only (--testing-service): stands in for a crash inside Paddle
     arrays, timings = model.run(inputs, msg.outputs)
-    offsets, total = layout(a.nbytes for a in arrays.values())
+    encoded = {name: wire_form(a) for name, a in arrays.items()}
+    offsets, total = layout(data.nbytes for _, data in encoded.values())
     if total > msg.output_capacity:
-        inline = {name: np.ascontiguousarray(a).tobytes() for name, a in arrays.items()}
+        inline = {name: data.tobytes() for name, (_, data) in encoded.items()}
         refs = tuple(
-            protocol.TensorRef(n, a.dtype.str, a.shape, 0, a.nbytes) for n, a in arrays.items()
+            protocol.TensorRef(n, dtype, arrays[n].shape, 0, data.nbytes)
+            for n, (dtype, data) in encoded.items()
         )
         return protocol.Result(msg.request_id, timings, refs, inline)
     out_map = maps.get(msg.output_segment)
     refs_list = []
-    for (name, array), offset in zip(arrays.items(), offsets, strict=True):
-        view = np.ndarray(array.shape, array.dtype, buffer=out_map, offset=offset)
-        view[...] = array
-        refs_list.append(
-            protocol.TensorRef(name, array.dtype.str, array.shape, offset, array.nbytes)
-        )
+    for (name, (dtype, data)), offset in zip(encoded.items(), offsets, strict=True):
+        np.ndarray((data.nbytes,), np.uint8, buffer=out_map, offset=offset)[...] = data
+        refs_list.append(protocol.TensorRef(name, dtype, arrays[name].shape, offset, data.nbytes))
     return protocol.Result(msg.request_id, timings, tuple(refs_list))
 
 
@@ -76,9 +73,7 @@ def serve(sock: socket.socket) -> int:
     if not isinstance(load, protocol.Load):
         return 2
     try:
-        from service.backend.paddle_model import PaddleModel
-
-        model = PaddleModel(load)
+        model = _load(load)
     except Exception as exc:
         sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc))))
         return 1
@@ -90,6 +85,8 @@ def serve(sock: socket.socket) -> int:
     while True:
         msg = _recv(sock)
         if msg is None or isinstance(msg, protocol.Shutdown):
+            if isinstance(msg, protocol.Shutdown) and hasattr(model, "finalize"):
+                model.finalize()
             return 0
         if not isinstance(msg, protocol.Infer):
             continue
@@ -99,6 +96,16 @@ def serve(sock: socket.socket) -> int:
         except Exception as exc:
             reply = protocol.Failed(msg.request_id, _reason(exc))
         sock.sendall(protocol.encode(reply))
+
+
+def _load(load: protocol.Load) -> Any:
+    if load.backend == "python":
+        from service.backend.python_model import PythonModel
+
+        return PythonModel(load)
+    from service.backend.paddle_model import PaddleModel
+
+    return PaddleModel(load)
 
 
 def _reason(exc: BaseException) -> str:

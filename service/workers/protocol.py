@@ -41,6 +41,8 @@ class Load:
     parameters: dict[str, str]
     device: str
     shapes: ShapeBuckets  # the engine's shape cache and TensorRT's shape range follow them
+    backend: str = ""  # "python": model_file is a model.py; otherwise a Paddle program
+    config: bytes = b""  # the serialized ModelConfig (Python models are told it)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""A Triton-style Python model (`backend: "python"`, model.py in the version directory) in a
+worker process, restricted before model.py is imported: address space and open files are
+capped (CPU time is the watchdog's), and the front-end started this process with a scrubbed
+environment and collects its stdout/stderr into the server's log."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from protos.inference import model_config_pb2 as mc
+from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+from service.tensors import BY_CONFIG_TYPE, TensorSpec
+from service.workers.protocol import Load, Timings
+
+DEFAULT_MEMORY_MB = 4096
+DEFAULT_OPEN_FILES = 256
+
+
+class PythonModel:
+    def __init__(self, load: Load) -> None:
+        config = mc.ModelConfig()
+        config.ParseFromString(load.config)
+        _limit(load.parameters)
+        batch = (-1,) if config.max_batch_size > 0 else ()
+        self.inputs = tuple(
+            TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
+            for t in config.input
+        )
+        self.outputs = tuple(
+            TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
+            for t in config.output
+        )
+        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in config.output}
+        self.device = "cpu"
+        sys.modules["triton_python_backend_utils"] = pb_utils
+        # No __pycache__ beside model.py: the repository's files (and their fingerprint,
+        # which decides reloads) stay as they were deployed.
+        sys.dont_write_bytecode = True
+        model_file = Path(load.model_file)
+        spec = importlib.util.spec_from_file_location(f"model_{load.model_name}", model_file)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"{model_file} cannot be imported")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model_class = getattr(module, "TritonPythonModel", None)
+        if model_class is None:
+            raise RuntimeError(f"{model_file} defines no class TritonPythonModel")
+        self._model = model_class()
+        if hasattr(self._model, "initialize"):
+            self._model.initialize(
+                {
+                    "model_config": json.dumps(_config_json(config)),
+                    "model_instance_kind": "CPU",
+                    "model_instance_name": f"{load.model_name}_0",
+                    "model_instance_device_id": "0",
+                    "model_repository": str(model_file.parent.parent),
+                    "model_version": str(load.version),
+                    "model_name": load.model_name,
+                }
+            )
+
+    def run(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: tuple[str, ...]
+    ) -> tuple[dict[str, np.ndarray[Any, Any]], Timings]:
+        """The batch is one request to execute(); what it answers is checked against the
+        config (a wrong answer fails the batch with a message, never reaches callers)."""
+        t0 = time.perf_counter_ns()
+        request = pb_utils.InferenceRequest(
+            [pb_utils.Tensor(name, array) for name, array in inputs.items()], outputs
+        )
+        t1 = time.perf_counter_ns()
+        responses = self._model.execute([request])
+        t2 = time.perf_counter_ns()
+        if not isinstance(responses, list | tuple) or len(responses) != 1:
+            raise RuntimeError("execute() must return one InferenceResponse per request")
+        (response,) = responses
+        if not isinstance(response, pb_utils.InferenceResponse):
+            raise RuntimeError(
+                f"execute() returned {type(response).__name__}, not InferenceResponse"
+            )
+        error = response.error()
+        if error is not None:
+            raise RuntimeError(error.message())
+        given = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        result = {name: self._checked(name, given.get(name)) for name in outputs}
+        return result, Timings(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+
+    def finalize(self) -> None:
+        if hasattr(self._model, "finalize"):
+            self._model.finalize()
+
+    def _checked(self, name: str, array: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
+        if array is None:
+            raise RuntimeError(f"execute() returned no output '{name}'")
+        datatype = self._output_types[name]
+        if datatype.name == "BYTES":
+            if array.dtype.kind not in "OSU":
+                raise RuntimeError(f"output '{name}' must hold bytes or str, not {array.dtype}")
+            values = [v.encode() if isinstance(v, str) else bytes(v) for v in array.flat]
+            encoded = np.empty(len(values), dtype=object)
+            encoded[:] = values
+            return encoded.reshape(array.shape)
+        if array.dtype != datatype.numpy:
+            raise RuntimeError(f"output '{name}' is {array.dtype}, its config says {datatype.name}")
+        return array
+
+
+def _limit(parameters: Mapping[str, str]) -> None:
+    """Soft and hard limits both, so model.py cannot raise them again."""
+    memory = int(parameters.get("python_memory_mb", DEFAULT_MEMORY_MB)) << 20
+    files = int(parameters.get("python_open_files", DEFAULT_OPEN_FILES))
+    for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_NOFILE, files)):
+        _, hard = resource.getrlimit(limit)
+        bounded = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (bounded, bounded))
+
+
+def _config_json(config: mc.ModelConfig) -> dict[str, Any]:
+    """As Triton passes it: proto field names, enum names, int64 dims as strings."""
+    return json_format.MessageToDict(config, preserving_proto_field_name=True)

@@ -1,0 +1,27 @@
+"""Tensors in a worker's shared memory: fixed-size datatypes as their bytes, BYTES tensors
+(numpy object arrays in the worker) in the protocol's length-prefixed form."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+
+from service.tensors import is_bytes
+from service.workers.protocol import TensorRef
+from transport.bytes_tensor import serialize_bytes, to_numpy_bytes
+
+
+def input_array(buffer: mmap.mmap, ref: TensorRef) -> np.ndarray[Any, Any]:
+    if is_bytes(ref.dtype):
+        return to_numpy_bytes(buffer[ref.offset : ref.offset + ref.nbytes], ref.shape)
+    return np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=buffer, offset=ref.offset)
+
+
+def wire_form(array: np.ndarray[Any, Any]) -> tuple[str, np.ndarray[Any, Any]]:
+    """The dtype string the front-end is told, and the bytes to write (flat uint8)."""
+    if is_bytes(array.dtype):
+        data = serialize_bytes(bytes(v) for v in array.flat)
+        return array.dtype.str, np.frombuffer(data, np.uint8)
+    return array.dtype.str, np.ascontiguousarray(array).reshape(-1).view(np.uint8)

@@ -1,0 +1,107 @@
+"""An ensemble's graph, checked when it is loaded, and its steps run in dependency order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from google.protobuf import text_format
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
+from service.ensemble import EnsembleError, Step, check_step, order, plan, run
+from service.tensors import BY_NAME
+from service.validation import InferJob, InputTensor
+from service.workers.instance import OutputTensor
+
+
+def ensemble(steps: str) -> mc.ModelConfig:
+    return text_format.Parse(
+        f"""name: "e" platform: "ensemble" max_batch_size: 4
+        input [ {{ name: "a" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        output [ {{ name: "z" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        ensemble_scheduling {{ step [ {steps} ] }}""",
+        mc.ModelConfig(),
+    )
+
+
+def step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
+    ins = " ".join(f'input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items())
+    outs = " ".join(f'output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items())
+    return f'{{ model_name: "{model}" model_version: -1 {ins} {outs} }}'
+
+
+DIAMOND = ensemble(
+    ",".join(
+        [
+            step("last", {"x": "b", "y": "c"}, {"out": "z"}),
+            step("left", {"x": "a"}, {"out": "b"}),
+            step("right", {"x": "a"}, {"out": "c"}),
+        ]
+    )
+)
+
+
+def test_independent_steps_share_a_wave_and_dependents_follow() -> None:
+    steps = plan(DIAMOND)
+    waves = order(steps, {"a"})
+    assert [[s.model for s in wave] for wave in waves] == [["left", "right"], ["last"]]
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        (step("m", {"x": "nowhere"}, {"out": "z"}), "reads tensor 'nowhere'"),
+        (step("m", {"x": "a"}, {"out": "other"}), "no step writes the ensemble output 'z'"),
+        (
+            ",".join([step("m", {"x": "a"}, {"out": "z"}), step("n", {"x": "a"}, {"o": "z"})]),
+            "tensor 'z' is written twice",
+        ),
+        (
+            ",".join([step("m", {"x": "b"}, {"out": "z"}), step("n", {"x": "z"}, {"o": "b"})]),
+            "cycle",
+        ),
+        (step("e", {"x": "a"}, {"out": "z"}), "is the ensemble itself"),
+    ],
+)
+def test_broken_graphs_are_refused(steps: str, message: str) -> None:
+    with pytest.raises(EnsembleError, match=message):
+        plan(ensemble(steps))
+
+
+def test_a_step_model_must_have_the_mapped_names_and_types() -> None:
+    model = text_format.Parse(
+        """name: "last" max_batch_size: 4
+        input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] },
+                { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "out" data_type: TYPE_INT64 dims: [ 1 ] } ]""",
+        mc.ModelConfig(),
+    )
+    last = plan(DIAMOND)[0]
+    assert "output 'out' is TYPE_INT64, the ensemble's tensor 'z' TYPE_FP32" in (
+        check_step(last, DIAMOND, model) or ""
+    )
+    model.output[0].data_type = mc.TYPE_FP32
+    assert check_step(last, DIAMOND, model) is None
+    model.input.add(name="w", data_type=mc.TYPE_FP32, dims=[1])
+    assert "leaves the model's input(s) ['w'] unset" in (check_step(last, DIAMOND, model) or "")
+
+
+def test_run_passes_tensors_between_steps_and_starts_independent_ones_together() -> None:
+    started: list[str] = []
+    both_started = asyncio.Event()
+
+    async def run_step(s: Step, request: pb.ModelInferRequest) -> tuple[OutputTensor, ...]:
+        started.append(s.model)
+        if s.model in ("left", "right"):
+            if {"left", "right"} <= set(started):
+                both_started.set()
+            await both_started.wait()  # neither finishes before the other started
+        total = sum(raw[0] for raw in request.raw_input_contents)
+        return (OutputTensor("out", "<f4", (1, 1), bytes([total + len(s.model)]) + bytes(3)),)
+
+    job = InferJob((InputTensor("a", BY_NAME["FP32"], (1, 1), bytes([1, 0, 0, 0])),), ("z",), 1)
+    (z,) = asyncio.run(run("e", plan(DIAMOND), job, run_step))
+    # left: 1 + 4, right: 1 + 5, last: 5 + 6 + 4
+    assert (z.name, z.shape, z.data[0]) == ("z", (1, 1), 15)
+    assert started[2] == "last"

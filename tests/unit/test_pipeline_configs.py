@@ -1,0 +1,74 @@
+"""config.pbtxt of Python models and ensembles, read from a repository on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+from service.repository import ModelRepository, RepositoryError
+
+PYTHON = """backend: "python" max_batch_size: 4
+input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "ids" data_type: TYPE_INT64 dims: [ 8 ] } ]"""
+
+
+def write(root: Path, name: str, config: str, files: dict[str, str] | None = None) -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(config)
+    for path, text in (files or {}).items():
+        (root / name / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / name / path).write_text(text)
+
+
+def test_a_python_model_is_its_model_py(tmp_path: Path) -> None:
+    write(tmp_path, "tok", PYTHON, {"1/model.py": "class TritonPythonModel: ...\n"})
+    (files,) = ModelRepository(tmp_path).load("tok").versions
+    assert files.model_file == tmp_path / "tok" / "1" / "model.py"
+
+
+@pytest.mark.parametrize(
+    ("config", "files", "message"),
+    [
+        (PYTHON, {"1/other.py": ""}, "holds no model.py"),
+        ('backend: "python" max_batch_size: 4', {"1/model.py": ""}, "must list its inputs"),
+        ('backend: "onnxruntime"', {}, "backend 'onnxruntime' is not served here"),
+        ('platform: "ensemble"', {}, "ensemble_scheduling goes with platform 'ensemble'"),
+        (
+            'ensemble_scheduling { step [ { model_name: "m" } ] }',
+            {},
+            "ensemble_scheduling goes with platform 'ensemble'",
+        ),
+    ],
+)
+def test_bad_configs_are_refused_with_the_reason(
+    tmp_path: Path, config: str, files: dict[str, str], message: str
+) -> None:
+    write(tmp_path, "m", config, files)
+    with pytest.raises(RepositoryError, match=message):
+        ModelRepository(tmp_path).load("m")
+
+
+def test_an_ensemble_needs_no_version_directory(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "e",
+        'platform: "ensemble" ensemble_scheduling { step [ { model_name: "m" } ] }',
+    )
+    (files,) = ModelRepository(tmp_path).load("e").versions
+    assert files.version == 1
+
+
+def test_triton_utils_read_the_config_as_triton_passes_it() -> None:
+    config = '{"output": [{"name": "ids", "data_type": "TYPE_INT64", "dims": ["8"]}]}'
+    entry = pb_utils.get_output_config_by_name(config, "ids")
+    assert entry is not None and pb_utils.triton_string_to_numpy(entry["data_type"]) is np.int64
+    assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
+    request = pb_utils.InferenceRequest([pb_utils.Tensor("text", np.array([b"x"]))], ["ids"])
+    tensor = pb_utils.get_input_tensor_by_name(request, "text")
+    assert tensor is not None and tensor.as_numpy().tolist() == [b"x"]
+    assert pb_utils.get_input_tensor_by_name(request, "nope") is None
+    failed = pb_utils.InferenceResponse(error=pb_utils.TritonError("no"))
+    assert failed.has_error() and failed.error() is not None
