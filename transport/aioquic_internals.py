@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import socket
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.stream import QuicStream
 from cryptography import x509
 
+from transport import udp
 from transport.h3_goaway import GoawayReader
 from transport.headers import field_section_size
 
@@ -411,12 +413,25 @@ class AdmittingQuicServer(QuicServer):
     token handler and the handler is set aside for the Initials that `admit` lets through
     without Retry. Tokens that arrive are always validated."""
 
-    def __init__(self, *, admit: Callable[[NetworkAddress, bool], Admission], **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        admit: Callable[[NetworkAddress, bool], Admission],
+        sock: socket.socket | None = None,
+        **kwargs: Any,
+    ):
+        """`sock`: the endpoint's socket, from `transport.udp.bind`, read in bursts."""
         super().__init__(retry=True, **kwargs)
         self._admit = admit
+        self._sock = sock
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
-        data = cast(bytes, data)
+        self._receive(cast(bytes, data), addr)
+        if self._sock is not None:
+            for more, more_addr in udp.queued(self._sock, udp.MAX_BURST - 1):
+                self._receive(more, more_addr)
+
+    def _receive(self, data: bytes, addr: NetworkAddress) -> None:
         if len(data) < SMALLEST_MAX_DATAGRAM_SIZE or not data[0] & 0x80:
             super().datagram_received(data, addr)  # not a long-header Initial: most traffic
             return
