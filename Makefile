@@ -20,7 +20,7 @@ help:
 	@echo "make test    run the test suite (no GPU needed)"
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   batching off/on vs the raw predictor (resnet18, mlp_wide; writes bench-results/)"
-	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
+	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
