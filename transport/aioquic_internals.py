@@ -210,38 +210,6 @@ def send_buffered(quic: QuicConnection, stream_id: int) -> int:
     return 0 if stream is None else len(stream.sender._buffer)
 
 
-ACK_DELAY_S = 0.010  # below the max_ack_delay aioquic announces (25 ms)
-_ACK_EVERY = 2  # ack-eliciting packets acknowledged at once (RFC 9000 section 13.2.2)
-
-
-def delay_acks(quic: QuicConnection) -> None:
-    """ACK after ACK_DELAY_S or at every second ack-eliciting packet, whichever comes first,
-    as RFC 9000 recommends; aioquic ACKs every packet 1 ms after it arrived. An answer sent
-    within the delay then carries the ACK of its request (`ack_with_next_packet`) instead of
-    an ACK-only packet going out before it, and a sender of many packets still gets an ACK for
-    every second one."""
-    quic._ack_delay = ACK_DELAY_S
-    payload_received = quic._payload_received
-    unacknowledged = 0
-
-    def count_ack_eliciting(
-        context: Any, plain: bytes, crypto_frame_required: bool = False
-    ) -> tuple[bool, bool]:
-        nonlocal unacknowledged
-        ack_eliciting, probing = payload_received(context, plain, crypto_frame_required)
-        if ack_eliciting and context.epoch in (tls.Epoch.ZERO_RTT, tls.Epoch.ONE_RTT):
-            space = quic._spaces[tls.Epoch.ONE_RTT]
-            if space.ack_at is None:  # the first since the last ACK: aioquic delays it
-                unacknowledged = 1
-            else:
-                unacknowledged += 1
-                if unacknowledged >= _ACK_EVERY:
-                    space.ack_at = min(space.ack_at, context.time)
-        return ack_eliciting, probing
-
-    quic._payload_received = count_ack_eliciting  # type: ignore[method-assign]
-
-
 def ack_with_next_packet(quic: QuicConnection, now: float) -> None:
     """Let a pending ACK ride in the next packet. aioquic holds an ACK back until its delay
     (1 ms) expired even when it sends stream data before then, and then sends it in a packet

@@ -25,7 +25,6 @@ from transport.aioquic_internals import (
     GrpcH3Connection,
     ReceiveCredit,
     ack_with_next_packet,
-    delay_acks,
     send_buffered,
     set_max_concurrent_streams,
 )
@@ -196,7 +195,6 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         super().__init__(quic)
         self.settings = settings
         set_max_concurrent_streams(quic, self.settings.max_concurrent_streams)
-        delay_acks(quic)
         self.credit = ReceiveCredit(
             quic, self.settings.stream_window, self.settings.connection_window
         )
