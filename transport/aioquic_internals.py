@@ -3,8 +3,8 @@
 aioquic offers no hooks for what gRPC over HTTP/3 needs on an untrusted network: receive
 credit that follows what the application consumed, GOAWAY, a bound on header blocks,
 connection admission (limits, Retry on demand), refusing early data per connection; nor for
-what keeps a small call to one packet each way: ACK timing, QPACK without a dynamic table. So
-this module replaces or reads private methods and attributes, read from aioquic 1.7.2, and
+what saves packets on small calls: ACKs riding with stream data, QPACK without a dynamic table.
+So this module replaces or reads private methods and attributes, read from aioquic 1.7.2, and
 refuses to load with any other version: a silent mismatch would corrupt flow control.
 
 Besides these, subclasses of aioquic's `QuicConnectionProtocol` use its `_quic`, `_loop`,
