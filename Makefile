@@ -23,7 +23,7 @@ help:
 	@echo "make lint    ruff + mypy"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
-	@echo "make bench-transport  HTTP/3 vs HTTP/2 requests/s and CPU per call (writes bench-results/)"
+	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"

@@ -2,9 +2,10 @@
 
 aioquic offers no hooks for what gRPC over HTTP/3 needs on an untrusted network: receive
 credit that follows what the application consumed, GOAWAY, a bound on header blocks,
-connection admission (limits, Retry on demand), refusing early data per connection. So this
-module replaces or reads private methods and attributes, read from aioquic 1.7.2, and refuses
-to load with any other version: a silent mismatch would corrupt flow control.
+connection admission (limits, Retry on demand), refusing early data per connection; nor for
+what saves packets on small calls: ACKs riding with stream data, QPACK without a dynamic table.
+So this module replaces or reads private methods and attributes, read from aioquic 1.7.2, and
+refuses to load with any other version: a silent mismatch would corrupt flow control.
 
 Besides these, subclasses of aioquic's `QuicConnectionProtocol` use its `_quic`, `_loop`,
 `_process_events` and `_transmit_soon` members, as aioquic's own examples do.
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import socket
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any, cast
 
+import pylsqpack
 from aioquic import tls
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer, encode_uint_var  # type: ignore[attr-defined]
@@ -45,6 +48,7 @@ from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.stream import QuicStream
 from cryptography import x509
 
+from transport import udp
 from transport.h3_goaway import GoawayReader
 from transport.headers import field_section_size
 
@@ -206,6 +210,16 @@ def send_buffered(quic: QuicConnection, stream_id: int) -> int:
     return 0 if stream is None else len(stream.sender._buffer)
 
 
+def ack_with_next_packet(quic: QuicConnection, now: float) -> None:
+    """Let a pending ACK ride in the next packet. aioquic holds an ACK back until its delay
+    (1 ms) expired even when it sends stream data before then, and then sends it in a packet
+    of its own: a client that sends its next call right after an answer sent an ACK-only
+    packet after each, one more packet for the server to receive per call."""
+    space = quic._spaces.get(tls.Epoch.ONE_RTT)
+    if space is not None and space.ack_at is not None and space.ack_at > now:
+        space.ack_at = now
+
+
 def set_max_concurrent_streams(quic: QuicConnection, limit: int) -> None:
     """aioquic hard-codes 128; must be called before the transport parameters are sent."""
     quic._local_max_streams_bidi.value = limit
@@ -289,6 +303,28 @@ class FieldSectionTooLarge(Exception):
         self.size = size
 
 
+class StaticTableEncoder:
+    """pylsqpack's QPACK encoder kept to the static table, whatever the peer's SETTINGS allow.
+
+    With a dynamic table, every header block that uses it makes the peer's decoder send a
+    Section Acknowledgment on its decoder stream, which goes out in a packet of its own: for
+    a unary call, one more packet each way (and the receive, ACK and transmit work for it).
+    gRPC header blocks are small and the message dominates the bytes, so dropping the
+    dynamic table costs a few bytes per call and saves those packets."""
+
+    def __init__(self) -> None:
+        self._encoder = pylsqpack.Encoder()
+
+    def apply_settings(self, max_table_capacity: int, blocked_streams: int) -> bytes:
+        return self._encoder.apply_settings(max_table_capacity=0, blocked_streams=0)
+
+    def encode(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
+        return self._encoder.encode(stream_id, headers)
+
+    def feed_decoder(self, data: bytes) -> None:
+        self._encoder.feed_decoder(data)
+
+
 class GrpcH3Connection(H3Connection):
     """H3Connection that sends and reports GOAWAY, advertises and enforces a maximum header
     block size, and reports the bytes it buffers in partial frames.
@@ -315,7 +351,10 @@ class GrpcH3Connection(H3Connection):
         on_buffered: Callable[[int, int], None],
     ) -> None:
         self._max_field_section = max_field_section
-        super().__init__(quic)
+        super().__init__(quic)  # sends our SETTINGS: QPACK without a dynamic table
+        self._max_table_capacity = self._blocked_streams = 0
+        self._decoder = pylsqpack.Decoder(0, 0)  # nothing was decoded yet
+        self._encoder = StaticTableEncoder()  # type: ignore[assignment]  # the same methods
         self._on_goaway = on_goaway
         self._on_too_large = on_too_large
         self._on_buffered = on_buffered
@@ -364,6 +403,8 @@ class GrpcH3Connection(H3Connection):
     def _get_local_settings(self) -> dict[int, int]:
         settings = super()._get_local_settings()
         settings[Setting.MAX_FIELD_SECTION_SIZE] = self._max_field_section
+        settings[Setting.QPACK_MAX_TABLE_CAPACITY] = 0
+        settings[Setting.QPACK_BLOCKED_STREAMS] = 0
         return settings
 
     def _receive_request_or_push_data(
@@ -411,12 +452,25 @@ class AdmittingQuicServer(QuicServer):
     token handler and the handler is set aside for the Initials that `admit` lets through
     without Retry. Tokens that arrive are always validated."""
 
-    def __init__(self, *, admit: Callable[[NetworkAddress, bool], Admission], **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        admit: Callable[[NetworkAddress, bool], Admission],
+        sock: socket.socket | None = None,
+        **kwargs: Any,
+    ):
+        """`sock`: the endpoint's socket, from `transport.udp.bind`, read in bursts."""
         super().__init__(retry=True, **kwargs)
         self._admit = admit
+        self._sock = sock
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
-        data = cast(bytes, data)
+        self._receive(cast(bytes, data), addr)
+        if self._sock is not None:
+            for more, more_addr in udp.queued(self._sock, udp.MAX_BURST - 1):
+                self._receive(more, more_addr)
+
+    def _receive(self, data: bytes, addr: NetworkAddress) -> None:
         if len(data) < SMALLEST_MAX_DATAGRAM_SIZE or not data[0] & 0x80:
             super().datagram_received(data, addr)  # not a long-header Initial: most traffic
             return

@@ -16,6 +16,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
+from transport import udp
 from transport.aioquic_internals import resend_early_data_after_retry
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 
@@ -29,6 +30,10 @@ class _ClientProtocol(GrpcH3Protocol):
         self.handshake: asyncio.Future[events.HandshakeCompleted] = (
             asyncio.get_running_loop().create_future()
         )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        udp.enlarge_receive_buffer(transport.get_extra_info("socket"))
 
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
         if not self.handshake.done():

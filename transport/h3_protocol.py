@@ -24,6 +24,7 @@ from aioquic.quic.connection import QuicConnection
 from transport.aioquic_internals import (
     GrpcH3Connection,
     ReceiveCredit,
+    ack_with_next_packet,
     send_buffered,
     set_max_concurrent_streams,
 )
@@ -310,12 +311,17 @@ class GrpcH3Protocol(QuicConnectionProtocol):
 
     def h3_send_headers(self, stream_id: int, headers: Headers, end: bool) -> None:
         self.ensure_h3().send_headers(stream_id, headers, end_stream=end)
-        self.transmit_soon()
+        self._send_soon()
 
     def h3_send_data(self, stream_id: int, data: bytes, end: bool) -> None:
         self.ensure_h3().send_data(stream_id, data, end_stream=end)
         buffered = send_buffered(self._quic, stream_id)
         self.peak_send_buffered = max(self.peak_send_buffered, buffered)
+        self._send_soon()
+
+    def _send_soon(self) -> None:
+        """Stream data goes out this turn: a pending ACK goes with it."""
+        ack_with_next_packet(self._quic, self._loop.time())
         self.transmit_soon()
 
     async def wait_send_window(self, stream: H3Stream) -> None:

@@ -22,7 +22,7 @@ from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 from grpc.aio import AbortError
 
-from transport import early_data
+from transport import early_data, udp
 from transport import headers as wire
 from transport.aioquic_internals import (
     Admission,
@@ -246,15 +246,17 @@ class H3Server:
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
             return _ServerProtocol(quic, settings=self.settings, server=self)
 
+        sock = udp.bind(host, port)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: AdmittingQuicServer(
                 admit=self._admit,
+                sock=sock,
                 configuration=configuration,
                 create_protocol=create_protocol,
                 session_ticket_fetcher=self.tickets.pop if self.tickets is not None else None,
                 session_ticket_handler=self.tickets.add if self.tickets is not None else None,
             ),
-            local_addr=(host, port),
+            sock=sock,
         )
         return self._quic_server.port
 

@@ -34,6 +34,7 @@ from service.workers.protocol import Timings
 from transport.h3_protocol import StreamClosed
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+DEADLINE_MARGIN_S = 0.1
 
 
 class Observer:
@@ -261,8 +262,10 @@ def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
     if isinstance(error, StreamClosed):
         return error.status
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        # A client cancels at its own deadline, which passes a little before the server's (the
+        # request took time to arrive): a cancel that close to the deadline is the deadline.
         remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0.001
+        expired = remaining is not None and remaining <= DEADLINE_MARGIN_S
         return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
