@@ -1,7 +1,7 @@
 """Check an inference request against the model's declared inputs before it reaches a worker.
 
 Paddle silently reuses the previous caller's data for an input that is not set, accepts wrong
-ranks and some wrong dtypes, and can crash on others (notes/paddle-inference.md), so nothing
+ranks and some wrong dtypes, and can crash on others (measured with Paddle 3.3), so nothing
 that fails here may ever reach a predictor.
 """
 

@@ -117,7 +117,7 @@ class H3ClientConnection:
         )
         assert isinstance(protocol, _ClientProtocol)
         # After connect(): the H3 control streams must use the transport parameters that a
-        # session ticket restored (notes/aioquic.md).
+        # session ticket restored (aioquic reads them when the H3 connection is created).
         protocol.ensure_h3()
         protocol.transmit()
         ticket = configuration.session_ticket

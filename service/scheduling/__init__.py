@@ -1,4 +1,4 @@
-"""Topology-aware placement of model instances (DESIGN.md section 6).
+"""Topology-aware placement of model instances.
 
 - `topology`: the host's GPUs, their pairwise links and the CPU NUMA nodes; loaded from a
   recorded file (`--topology FILE`) or built for a CPU-only host.

@@ -1,6 +1,6 @@
 """The host as the scheduler sees it: GPUs, the link between every pair, the CPUs of each NUMA
 node. Built by NVML discovery (`service.scheduling.nvml`), loaded from a recorded file
-(`load_topology_file`, the format of ../shared/fixtures/topology) or made for a CPU-only host."""
+(`load_topology_file`, the format of tests/fixtures/topology) or made for a CPU-only host."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every request the server must refuse, against the real server.
 
 Paddle silently accepts some bad inputs (int32 ids, extra ranks, a missing input reuses the
-previous caller's data; notes/paddle-inference.md), so each rule is checked end to end: the
+previous caller's data), so each rule is checked end to end: the
 exact status code, a message that says what was wrong, and a server that still answers
 correctly afterwards.
 """

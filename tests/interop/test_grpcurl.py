@@ -1,6 +1,6 @@
 """The real grpcurl binary against the real server: a tool that knows nothing about our protos and
 learns everything through server reflection, so this is what an operator poking at a deployment
-sees (DESIGN.md section 2: reflection v1/v1alpha and health on every transport)."""
+sees (reflection v1/v1alpha and health are served on every transport)."""
 
 from __future__ import annotations
 

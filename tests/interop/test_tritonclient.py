@@ -1,8 +1,8 @@
 """Triton's own Python client (tritonclient[grpc]) against the real server, unmodified.
 
-tritonclient cannot be imported beside our generated protos (duplicate descriptor pool symbols,
-notes/protobuf-interop.md), so tritonclient_check.py runs it in one subprocess for the whole
-module; the tests here only check what it recorded.
+tritonclient cannot be imported beside our generated protos (duplicate descriptor pool symbols
+such as inference.ServerLiveRequest), so tritonclient_check.py runs it in one subprocess for
+the whole module; the tests here only check what it recorded.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run as a separate process (``python tests/interop/tritonclient_check.py --url ...``): tritonclient's
 generated protos and ours both define ``inference.ServerLiveRequest``, so they cannot share one
-descriptor pool (notes/protobuf-interop.md). This file therefore imports nothing from ``protos``,
+descriptor pool. This file therefore imports nothing from ``protos``,
 ``service``, ``clients`` or ``tests``; it only needs numpy and tritonclient.
 
 Input file (npz), keys:

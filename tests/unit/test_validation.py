@@ -3,7 +3,7 @@
 Whatever a client sends, validate() must either return a job a worker can run as is (every
 declared input exactly once, exactly prod(shape) * itemsize bytes each) or refuse it with
 INVALID_ARGUMENT; anything else would reach Paddle, which crashes or silently computes garbage
-on bad input (notes/paddle-inference.md).
+on bad input.
 """
 
 from __future__ import annotations
