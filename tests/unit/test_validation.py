@@ -388,7 +388,7 @@ _INT_RANGES = {
     "uint_contents": (0, 2**32 - 1),
     "uint64_contents": (0, 2**64 - 1),
 }
-_FIELDS = ["bool_contents", "fp32_contents", "fp64_contents", *_INT_RANGES]
+_FIELDS = ["bool_contents", "bytes_contents", "fp32_contents", "fp64_contents", *_INT_RANGES]
 # What a fuzzed request may get wrong; each example breaks none, one or a few of these.
 RULES = (
     "names",
@@ -407,6 +407,8 @@ ODD_DIMS = st.one_of(st.integers(-3, 9), st.integers(2**31, 2**62))
 
 def _in_range(datatype: Datatype) -> st.SearchStrategy[Any]:
     """Values a typed contents field may carry for this datatype."""
+    if datatype.contents_field == "bytes_contents":
+        return st.binary(max_size=8)
     kind = datatype.numpy.kind
     if kind == "b":
         return st.booleans()
@@ -422,6 +424,8 @@ def _field_values(field: str) -> st.SearchStrategy[Any]:
     """Anything the protobuf field itself can hold, which may not fit the tensor's dtype."""
     if field == "bool_contents":
         return st.booleans()
+    if field == "bytes_contents":
+        return st.binary(max_size=8)
     if field in _INT_RANGES:
         low, high = _INT_RANGES[field]
         return st.one_of(st.integers(max(low, -300), 300), st.integers(low, high))
