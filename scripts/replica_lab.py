@@ -38,6 +38,7 @@ from scripts.rtt_lab import (
     _request,
     _stop,
     run_in_namespace,
+    wait_until_ready,
 )
 
 ADDRESSES = {"a": "198.18.1.1", "b": "198.18.1.2", "redis": "198.18.1.3", "cli": "198.18.1.4"}
@@ -187,14 +188,7 @@ def _wait_replica(lan: Lan, role: str, server: subprocess.Popen[bytes], tmp: Pat
         f"--ca={tmp / 'certs' / 'ca.pem'}",
         f"--timeout={START_TIMEOUT_S}",
     ]
-    with subprocess.Popen(command, cwd=REPO_ROOT) as ready:
-        while ready.poll() is None:
-            if server.poll() is not None:
-                ready.kill()
-                raise RuntimeError(f"replica {role} exited ({server.returncode})")
-            time.sleep(0.2)
-    if ready.returncode != 0:
-        raise RuntimeError(f"replica {role} did not get ready")
+    wait_until_ready(command, server, f"replica {role}")
 
 
 def run_lab(models: Path) -> dict[str, str | None]:

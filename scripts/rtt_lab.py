@@ -631,14 +631,25 @@ def _client_command(link: Link, subcommand: str, ca_file: Path, *args: str) -> l
 
 def _wait_server(link: Link, server: subprocess.Popen[bytes], ca_file: Path, log: Path) -> None:
     command = _client_command(link, "ready", ca_file, f"--timeout={START_TIMEOUT_S}")
+    wait_until_ready(command, server, "the server", lambda: f":\n{log.read_text()}")
+
+
+def wait_until_ready(
+    command: list[str],
+    server: subprocess.Popen[bytes],
+    name: str,
+    detail: Callable[[], str] = lambda: "",
+) -> None:
+    """Run `command` (a client that exits 0 once the server answers) while watching the server
+    process: a server that exits meanwhile ends the wait at once."""
     with subprocess.Popen(command, cwd=REPO_ROOT) as ready:
         while ready.poll() is None:
             if server.poll() is not None:
                 ready.kill()
-                raise RuntimeError(f"the server exited ({server.returncode}):\n{log.read_text()}")
+                raise RuntimeError(f"{name} exited ({server.returncode}){detail()}")
             time.sleep(0.2)
     if ready.returncode != 0:
-        raise RuntimeError(f"the server did not get ready:\n{log.read_text()}")
+        raise RuntimeError(f"{name} did not get ready{detail()}")
 
 
 def run_lab(
