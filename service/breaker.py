@@ -47,7 +47,10 @@ class CircuitBreaker:
     def __init__(self, policy: BreakerPolicy, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
         self._clock = clock
-        self._outcomes: collections.deque[tuple[float, bool]] = collections.deque()
+        # Per second of the window: [second, requests, failures]. Memory stays bounded by the
+        # window's length, whatever the request rate.
+        self._seconds: collections.deque[list[int]] = collections.deque()
+        self._requests = 0
         self._failures = 0
         self._open_until: float | None = None
         self._probes = 0
@@ -91,23 +94,31 @@ class CircuitBreaker:
         if self._open_until is not None:  # a request admitted before the breaker opened
             return
         now = self._clock()
-        self._outcomes.append((now, failed))
+        second = int(now)
+        if not self._seconds or self._seconds[-1][0] != second:
+            self._seconds.append([second, 0, 0])
+        self._seconds[-1][1] += 1
+        self._seconds[-1][2] += failed
+        self._requests += 1
         self._failures += failed
-        while self._outcomes and self._outcomes[0][0] <= now - self.policy.window_s:
-            _, old = self._outcomes.popleft()
-            self._failures -= old
-        count = len(self._outcomes)
-        enough = count >= self.policy.min_requests
-        if enough and self._failures >= self.policy.failure_ratio * count:
+        while self._seconds and self._seconds[0][0] <= now - self.policy.window_s:
+            _, requests, failures = self._seconds.popleft()
+            self._requests -= requests
+            self._failures -= failures
+        enough = self._requests >= self.policy.min_requests
+        if enough and self._failures >= self.policy.failure_ratio * self._requests:
             self.trip()
 
     def trip(self) -> None:
         """Open now (again): nothing gets through until the cool-down has passed."""
         self._open_until = self._clock() + self.policy.open_s
-        self._outcomes.clear()
-        self._failures = 0
+        self._forget()
 
     def _close(self) -> None:
         self._open_until = None
-        self._outcomes.clear()
+        self._forget()
+
+    def _forget(self) -> None:
+        self._seconds.clear()
+        self._requests = 0
         self._failures = 0
