@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +17,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     repository = model_repository(root / "models", EXAMPLES)
     with running_server(repository, root / "server.log") as process:
         yield process
+
+
+@pytest.fixture(scope="session")
+def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Development certificates shared by every server of the session (created by the first)."""
+    return tmp_path_factory.mktemp("certs")

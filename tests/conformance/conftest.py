@@ -59,12 +59,6 @@ def conformance_server_process(
 
 
 @pytest.fixture(scope="session")
-def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Development certificates shared by every server of the session (created by the first)."""
-    return tmp_path_factory.mktemp("certs")
-
-
-@pytest.fixture(scope="session")
 def ca_file(certs_dir: Path) -> Path:
     return certs_dir / "ca.pem"
 

@@ -33,15 +33,10 @@ from protos.paddlequic.v1 import control_pb2
 from tests.servers import ServerProcess, model_repository, running_server
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("certs")
-
-
 @contextlib.contextmanager
-def h3_server(root: Path, certs: Path, args: Sequence[str]) -> Iterator[ServerProcess]:
+def h3_server(root: Path, certs_dir: Path, args: Sequence[str]) -> Iterator[ServerProcess]:
     repository = model_repository(root / "models", [])
-    with running_server(repository, root / "log", ["--certs-dir", str(certs), *args]) as server:
+    with running_server(repository, root / "log", ["--certs-dir", str(certs_dir), *args]) as server:
         yield server
 
 
@@ -97,23 +92,25 @@ class HalfOpen:
         self.sock.close()
 
 
-async def server_live(server: ServerProcess, certs: Path, **kw: object) -> QuicChannel:
+async def server_live(server: ServerProcess, certs_dir: Path, **kw: object) -> QuicChannel:
     """A new channel that made one call (kept open, so its connection stays)."""
-    channel = QuicChannel(f"localhost:{server.port}", ca_file=str(certs / "ca.pem"), **kw)  # type: ignore[arg-type]
+    channel = QuicChannel(f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"), **kw)  # type: ignore[arg-type]
     stub = inference_grpc.GRPCInferenceServiceStub(channel)
     await stub.ServerLive(inference_pb2.ServerLiveRequest(), timeout=20)
     return channel
 
 
-def test_the_connection_over_the_per_address_limit_is_refused(tmp_path: Path, certs: Path) -> None:
+def test_the_connection_over_the_per_address_limit_is_refused(
+    tmp_path: Path, certs_dir: Path
+) -> None:
     args = ["--h3-max-connections-per-address", "2", "--h3-retry", "never"]
-    with h3_server(tmp_path, certs, args) as server:
+    with h3_server(tmp_path, certs_dir, args) as server:
 
         async def main() -> None:
-            first = await server_live(server, certs)
-            second = await server_live(server, certs)
+            first = await server_live(server, certs_dir)
+            second = await server_live(server, certs_dir)
             with pytest.raises(AioRpcError) as refused:
-                await server_live(server, certs)
+                await server_live(server, certs_dir)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "too many connections" in (refused.value.details() or "")
             for channel in (first, second):  # the first two are unaffected
@@ -126,7 +123,7 @@ def test_the_connection_over_the_per_address_limit_is_refused(tmp_path: Path, ce
         assert refusals(server)["connections_per_address"] >= 1
 
 
-def test_total_limit_and_handshake_timeout(tmp_path: Path, certs: Path) -> None:
+def test_total_limit_and_handshake_timeout(tmp_path: Path, certs_dir: Path) -> None:
     args = [
         "--h3-max-connections",
         "3",
@@ -135,7 +132,7 @@ def test_total_limit_and_handshake_timeout(tmp_path: Path, certs: Path) -> None:
         "--h3-retry",
         "never",
     ]
-    with h3_server(tmp_path, certs, args) as server:
+    with h3_server(tmp_path, certs_dir, args) as server:
         half_open = [HalfOpen(server.port, f"127.0.0.{n}") for n in (2, 3, 4)]
         for attempt in half_open:
             packet_type, closed = attempt.answer()
@@ -150,7 +147,7 @@ def test_total_limit_and_handshake_timeout(tmp_path: Path, certs: Path) -> None:
         )
 
         async def call() -> None:
-            channel = await server_live(server, certs)
+            channel = await server_live(server, certs_dir)
             await channel.close()
 
         def admitted() -> bool:
@@ -165,12 +162,12 @@ def test_total_limit_and_handshake_timeout(tmp_path: Path, certs: Path) -> None:
             attempt.close()
 
 
-def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs: Path) -> None:
-    with h3_server(tmp_path, certs, ["--h3-retry", "always"]) as server:
+def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs_dir: Path) -> None:
+    with h3_server(tmp_path, certs_dir, ["--h3-retry", "always"]) as server:
         cache = SessionTicketCache()
 
         async def connect_once() -> str | None:
-            channel = await server_live(server, certs, ticket_cache=cache)
+            channel = await server_live(server, certs_dir, ticket_cache=cache)
             await channel.close()
             return channel.last_connect_mode
 
@@ -180,10 +177,10 @@ def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs: Path) -> None:
 
 
 def test_retry_auto_starts_under_a_flood_of_half_open_connections(
-    tmp_path: Path, certs: Path
+    tmp_path: Path, certs_dir: Path
 ) -> None:
     """The server's threshold: Retry once 64 handshakes are unfinished."""
-    with h3_server(tmp_path, certs, ["--h3-max-connections-per-address", "100"]) as server:
+    with h3_server(tmp_path, certs_dir, ["--h3-max-connections-per-address", "100"]) as server:
         flood = [HalfOpen(server.port, "127.0.0.2") for _ in range(64)]
         for attempt in flood:
             assert attempt.answer()[0] == QuicPacketType.INITIAL  # no Retry below the threshold
@@ -191,7 +188,7 @@ def test_retry_auto_starts_under_a_flood_of_half_open_connections(
         assert probe.answer()[0] == QuicPacketType.RETRY
 
         async def call() -> None:  # a real client follows the Retry and is served
-            channel = await server_live(server, certs)
+            channel = await server_live(server, certs_dir)
             await channel.close()
 
         asyncio.run(call())

@@ -21,15 +21,10 @@ QUICK = ["--duration", "0.4", "--warmup", "0.2"]
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("certs")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, certs: Path) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("perf")
     repository = model_repository(root / "models", ["mlp", "text_classifier"])
-    with running_server(repository, root / "log", ["--certs-dir", str(certs)]) as process:
+    with running_server(repository, root / "log", ["--certs-dir", str(certs_dir)]) as process:
         yield process
 
 
@@ -37,8 +32,8 @@ def url(server: ServerProcess, transport: str) -> str:
     return f"h3://localhost:{server.port}" if transport == "h3" else server.url
 
 
-def perf(certs: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "clients.cli", "perf", "--ca-file", str(certs / "ca.pem")]
+def perf(certs_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "clients.cli", "perf", "--ca-file", str(certs_dir / "ca.pem")]
     return subprocess.run(
         [*command, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
@@ -52,11 +47,11 @@ def table(stdout: str) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
 def test_a_concurrency_range_gives_a_row_per_level(
-    server: ServerProcess, certs: Path, tmp_path: Path, transport: str
+    server: ServerProcess, certs_dir: Path, tmp_path: Path, transport: str
 ) -> None:
     out = tmp_path / "perf.json"
     done = perf(
-        certs, "mlp", "--url", url(server, transport), "--concurrency-range", "1:4:x2",
+        certs_dir, "mlp", "--url", url(server, transport), "--concurrency-range", "1:4:x2",
         "--percentile", "95", "-f", str(out), *QUICK,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -79,13 +74,14 @@ def test_a_concurrency_range_gives_a_row_per_level(
 
 
 def test_streaming_with_variable_dims_batches_and_csv(
-    server: ServerProcess, certs: Path, tmp_path: Path
+    server: ServerProcess, certs_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "perf.csv"
     metrics = re.search(r"metrics on (http://\S+/metrics)", server.log_text())
     assert metrics is not None
     done = perf(
-        certs, "text_classifier", "--url", server.url, "--streaming", "--concurrency-range", "2",
+        certs_dir, "text_classifier", "--url", server.url, "--streaming",
+        "--concurrency-range", "2",
         "--shape", "token_ids:12", "-b", "3", "--input-data", "zero", "-f", str(out),
         "--server-metrics", metrics.group(1), *QUICK,
     )  # fmt: skip
@@ -100,11 +96,11 @@ def test_streaming_with_variable_dims_batches_and_csv(
 
 
 def test_connect_each_shows_full_handshakes_and_0rtt(
-    server: ServerProcess, certs: Path, tmp_path: Path
+    server: ServerProcess, certs_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "perf.json"
     done = perf(
-        certs, "mlp", "--url", url(server, "h3"), "--connect-each", "both",
+        certs_dir, "mlp", "--url", url(server, "h3"), "--connect-each", "both",
         "--concurrency-range", "1", "-f", str(out), *QUICK,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -116,12 +112,12 @@ def test_connect_each_shows_full_handshakes_and_0rtt(
 
 
 def test_failed_requests_are_counted_by_code(
-    server: ServerProcess, certs: Path, tmp_path: Path
+    server: ServerProcess, certs_dir: Path, tmp_path: Path
 ) -> None:
     np.save(tmp_path / "input.npy", np.zeros((1, 255), np.float32))
     out = tmp_path / "perf.json"
     done = perf(
-        certs, "mlp", "--url", server.url, "--input-data", str(tmp_path), "-f", str(out), *QUICK
+        certs_dir, "mlp", "--url", server.url, "--input-data", str(tmp_path), "-f", str(out), *QUICK
     )
     assert done.returncode == 1  # no request succeeded
     (row,) = json.loads(out.read_text())["rows"]
@@ -139,7 +135,7 @@ def test_failed_requests_are_counted_by_code(
     ],
 )
 def test_bad_options_are_refused_with_a_reason(
-    server: ServerProcess, certs: Path, args: list[str], message: str
+    server: ServerProcess, certs_dir: Path, args: list[str], message: str
 ) -> None:
-    done = perf(certs, "mlp", "--url", server.url, *args, *QUICK)
+    done = perf(certs_dir, "mlp", "--url", server.url, *args, *QUICK)
     assert done.returncode == 2 and message in done.stderr, done.stderr

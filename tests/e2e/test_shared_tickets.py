@@ -29,16 +29,11 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, lis
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("certs")
-
-
-@pytest.fixture(scope="module")
 def replicas(
-    shared: tuple[Path, list[str]], certs: Path
+    shared: tuple[Path, list[str]], certs_dir: Path
 ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     root, args = shared
-    args = [*args, "--certs-dir", str(certs)]
+    args = [*args, "--certs-dir", str(certs_dir)]
     repo = model_repository(root / "models", ["mlp"])
     with (
         running_server(repo, root / "a.log", args) as a,
@@ -47,9 +42,9 @@ def replicas(
         yield a, b
 
 
-def ticket_from(server: ServerProcess, certs: Path) -> SessionTicket:
+def ticket_from(server: ServerProcess, certs_dir: Path) -> SessionTicket:
     cache = SessionTicketCache()
-    assert asyncio.run(infer_once(server, certs, cache)) == "full"
+    assert asyncio.run(infer_once(server, certs_dir, cache)) == "full"
     ticket = cache.take(SessionTicketCache.key("localhost", "localhost", server.port))
     assert ticket is not None
     return ticket
@@ -63,25 +58,25 @@ def aimed_at(ticket: SessionTicket, server: ServerProcess) -> SessionTicketCache
 
 
 def test_a_ticket_from_replica_a_is_accepted_once_by_b_then_refused_everywhere(
-    replicas: tuple[ServerProcess, ServerProcess], certs: Path
+    replicas: tuple[ServerProcess, ServerProcess], certs_dir: Path
 ) -> None:
     a, b = replicas
-    issued = ticket_from(a, certs)
-    assert asyncio.run(infer_once(b, certs, aimed_at(issued, b))) == "0rtt-accepted"
-    assert asyncio.run(infer_once(a, certs, aimed_at(issued, a))) == "0rtt-rejected"
-    assert asyncio.run(infer_once(b, certs, aimed_at(issued, b))) == "0rtt-rejected"
+    issued = ticket_from(a, certs_dir)
+    assert asyncio.run(infer_once(b, certs_dir, aimed_at(issued, b))) == "0rtt-accepted"
+    assert asyncio.run(infer_once(a, certs_dir, aimed_at(issued, a))) == "0rtt-rejected"
+    assert asyncio.run(infer_once(b, certs_dir, aimed_at(issued, b))) == "0rtt-rejected"
     assert stats(b).h3_tickets["redeemed"] >= 1
 
 
 def test_unreachable_redis_leaves_full_handshakes_working(
-    shared: tuple[Path, list[str]], certs: Path
+    shared: tuple[Path, list[str]], certs_dir: Path
 ) -> None:
     root, _ = shared
-    args = ["--certs-dir", str(certs), "--ticket-key-file", str(root / "ticket.key")]
+    args = ["--certs-dir", str(certs_dir), "--ticket-key-file", str(root / "ticket.key")]
     args += ["--ticket-store", f"redis://127.0.0.1:{free_port()}/0"]
     repo = model_repository(root / "models-down", ["mlp"])
     with running_server(repo, root / "down.log", args) as server:
         cache = SessionTicketCache()
-        assert asyncio.run(infer_once(server, certs, cache)) == "full"
-        assert asyncio.run(infer_once(server, certs, cache)) == "0rtt-rejected"
+        assert asyncio.run(infer_once(server, certs_dir, cache)) == "full"
+        assert asyncio.run(infer_once(server, certs_dir, cache)) == "0rtt-rejected"
     assert "ticket store unreachable" in (root / "down.log").read_text()

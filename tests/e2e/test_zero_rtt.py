@@ -25,32 +25,29 @@ REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("certs")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, certs: Path) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("zero-rtt")
-    args = ["--testing-service", "--certs-dir", str(certs)]
+    args = ["--testing-service", "--certs-dir", str(certs_dir)]
     with running_server(model_repository(root / "models", ["mlp"]), root / "log", args) as s:
         yield s
 
 
 def channel(
-    server: ServerProcess, certs: Path, cache: SessionTicketCache, **kw: object
+    server: ServerProcess, certs_dir: Path, cache: SessionTicketCache, **kw: object
 ) -> QuicChannel:
     return QuicChannel(
         f"localhost:{server.port}",
-        ca_file=str(certs / "ca.pem"),
+        ca_file=str(certs_dir / "ca.pem"),
         ticket_cache=cache,
         **kw,  # type: ignore[arg-type]
     )
 
 
-async def infer_once(server: ServerProcess, certs: Path, cache: SessionTicketCache) -> str | None:
+async def infer_once(
+    server: ServerProcess, certs_dir: Path, cache: SessionTicketCache
+) -> str | None:
     """One new connection, one ModelInfer; the connect mode the client saw."""
-    async with channel(server, certs, cache) as ch:
+    async with channel(server, certs_dir, cache) as ch:
         await pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(REQUEST, timeout=30)
     return ch.last_connect_mode
 
@@ -63,11 +60,11 @@ def stats(server: ServerProcess) -> control_pb2.TransportStatsResponse:
 
 
 def test_resumed_connection_sends_its_first_request_as_early_data(
-    server: ServerProcess, certs: Path
+    server: ServerProcess, certs_dir: Path
 ) -> None:
     before = stats(server)
     cache = SessionTicketCache()
-    modes = [asyncio.run(infer_once(server, certs, cache)) for _ in range(3)]
+    modes = [asyncio.run(infer_once(server, certs_dir, cache)) for _ in range(3)]
     assert modes == ["full", "0rtt-accepted", "0rtt-accepted"]
     after = stats(server)
     accepted = after.h3_handshakes["0rtt_accepted"] - before.h3_handshakes["0rtt_accepted"]
@@ -75,10 +72,10 @@ def test_resumed_connection_sends_its_first_request_as_early_data(
 
 
 def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(
-    server: ServerProcess, certs: Path
+    server: ServerProcess, certs_dir: Path
 ) -> None:
     cache = SessionTicketCache()
-    asyncio.run(infer_once(server, certs, cache))
+    asyncio.run(infer_once(server, certs_dir, cache))
     key = SessionTicketCache.key("localhost", "localhost", server.port)
     ticket = cache.take(key)
     assert ticket is not None
@@ -86,35 +83,35 @@ def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(
     first.add(key, ticket)
     replay.add(key, copy.deepcopy(ticket))
     refused_before = stats(server).h3_tickets["refused"]
-    assert asyncio.run(infer_once(server, certs, first)) == "0rtt-accepted"
+    assert asyncio.run(infer_once(server, certs_dir, first)) == "0rtt-accepted"
     # The same ticket again: the server already consumed it, so early data is refused and
     # the request still completes after a full handshake.
-    assert asyncio.run(infer_once(server, certs, replay)) == "0rtt-rejected"
+    assert asyncio.run(infer_once(server, certs_dir, replay)) == "0rtt-rejected"
     assert stats(server).h3_tickets["refused"] == refused_before + 1
 
 
-def test_expired_tickets_are_refused(tmp_path: Path, certs: Path) -> None:
-    args = ["--certs-dir", str(certs), "--ticket-ttl", "0"]
+def test_expired_tickets_are_refused(tmp_path: Path, certs_dir: Path) -> None:
+    args = ["--certs-dir", str(certs_dir), "--ticket-ttl", "0"]
     repo = model_repository(tmp_path / "models", ["mlp"])
     with running_server(repo, tmp_path / "log", args) as short_lived:
         cache = SessionTicketCache()
-        assert asyncio.run(infer_once(short_lived, certs, cache)) == "full"
-        assert asyncio.run(infer_once(short_lived, certs, cache)) == "0rtt-rejected"
+        assert asyncio.run(infer_once(short_lived, certs_dir, cache)) == "full"
+        assert asyncio.run(infer_once(short_lived, certs_dir, cache)) == "0rtt-rejected"
         assert stats(short_lived).h3_tickets["refused"] == 1
 
 
 def test_a_request_outside_the_policy_runs_once_after_the_handshake(
-    server: ServerProcess, certs: Path
+    server: ServerProcess, certs_dir: Path
 ) -> None:
     """The client is told Testing/Unary may go early; the server's allowlist says no: the
     request is held until the handshake completes and runs exactly once."""
     held_before = stats(server).h3_handshakes["early_requests_held"]
     cache = SessionTicketCache()
-    asyncio.run(infer_once(server, certs, cache))
+    asyncio.run(infer_once(server, certs_dir, cache))
 
     async def unsafe_early_call() -> str | None:
         async with channel(
-            server, certs, cache, early_data_methods=frozenset({"/paddlequic.v1.Testing/*"})
+            server, certs_dir, cache, early_data_methods=frozenset({"/paddlequic.v1.Testing/*"})
         ) as ch:
             stub = testing_pb2_grpc.TestingStub(ch)
             await stub.Unary(testing_pb2.EchoRequest(token="load-once"), timeout=30)
@@ -145,12 +142,12 @@ asyncio.run(main())
 
 
 def test_tickets_persist_across_client_processes(
-    server: ServerProcess, certs: Path, tmp_path: Path
+    server: ServerProcess, certs_dir: Path, tmp_path: Path
 ) -> None:
     tickets = tmp_path / "edge-tickets.json"
 
     def run_client() -> str:
-        args = [f"localhost:{server.port}", str(certs / "ca.pem"), str(tickets)]
+        args = [f"localhost:{server.port}", str(certs_dir / "ca.pem"), str(tickets)]
         result = subprocess.run(
             [sys.executable, "-c", CLIENT, *args],
             capture_output=True,
@@ -166,10 +163,10 @@ def test_tickets_persist_across_client_processes(
     assert run_client() == "0rtt-accepted"
 
 
-def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs: Path) -> None:
+def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs_dir: Path) -> None:
     port = free_port()
     repo = model_repository(tmp_path / "models", ["mlp"])
-    args = ["--certs-dir", str(certs)]
+    args = ["--certs-dir", str(certs_dir)]
 
     async def calls(ch: QuicChannel, count: int) -> None:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
@@ -178,15 +175,15 @@ def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs: Pat
 
     cache = SessionTicketCache()
     with running_server(repo, tmp_path / "first.log", args, port=port) as first:
-        assert asyncio.run(infer_once(first, certs, cache)) == "full"
+        assert asyncio.run(infer_once(first, certs_dir, cache)) == "full"
     with running_server(repo, tmp_path / "second.log", args, port=port) as second:
         # The restarted server forgot its tickets: early data is refused, the call completes.
-        assert asyncio.run(infer_once(second, certs, cache)) == "0rtt-rejected"
-        assert asyncio.run(infer_once(second, certs, cache)) == "0rtt-accepted"
+        assert asyncio.run(infer_once(second, certs_dir, cache)) == "0rtt-rejected"
+        assert asyncio.run(infer_once(second, certs_dir, cache)) == "0rtt-accepted"
 
         async def one_channel_across_idle() -> list[str | None]:
             modes = []
-            async with channel(second, certs, cache, idle_timeout_s=0.5) as ch:
+            async with channel(second, certs_dir, cache, idle_timeout_s=0.5) as ch:
                 await calls(ch, 1)
                 modes.append(ch.last_connect_mode)
                 await asyncio.wait_for(ch._connection.protocol.wait_closed(), 10)  # type: ignore[union-attr]
@@ -197,13 +194,13 @@ def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs: Pat
         assert asyncio.run(one_channel_across_idle()) == ["0rtt-accepted", "0rtt-accepted"]
 
 
-def test_no_zero_rtt_keeps_resumption_without_early_data(tmp_path: Path, certs: Path) -> None:
-    args = ["--certs-dir", str(certs), "--no-zero-rtt"]
+def test_no_zero_rtt_keeps_resumption_without_early_data(tmp_path: Path, certs_dir: Path) -> None:
+    args = ["--certs-dir", str(certs_dir), "--no-zero-rtt"]
     repo = model_repository(tmp_path / "models", ["mlp"])
     with running_server(repo, tmp_path / "log", args) as plain:
         cache = SessionTicketCache()
-        assert asyncio.run(infer_once(plain, certs, cache)) == "full"
-        assert asyncio.run(infer_once(plain, certs, cache)) == "resumed"
+        assert asyncio.run(infer_once(plain, certs_dir, cache)) == "full"
+        assert asyncio.run(infer_once(plain, certs_dir, cache)) == "resumed"
         assert stats(plain).h3_handshakes["0rtt_accepted"] == 0
 
 

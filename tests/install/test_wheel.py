@@ -82,15 +82,10 @@ def client_install(tmp_path_factory: pytest.TempPathFactory) -> ClientInstall:
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("certs")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, certs: Path) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("install-server")
     repository = model_repository(root / "models", ["mlp"])
-    with running_server(repository, root / "server.log", ["--certs-dir", str(certs)]) as s:
+    with running_server(repository, root / "server.log", ["--certs-dir", str(certs_dir)]) as s:
         yield s
 
 
@@ -132,14 +127,14 @@ def test_server_commands_on_a_client_install_name_the_extra(
 
 
 def test_the_installed_cli_calls_the_server_over_both_transports(
-    client_install: ClientInstall, server: ServerProcess, certs: Path
+    client_install: ClientInstall, server: ServerProcess, certs_dir: Path
 ) -> None:
     version = client_install.run("paddlequic", "--version")
     assert version.stdout.split() == ["paddlequic", __version__]
     metadata = server.stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)
     assert metadata.version == __version__
 
-    ca_file = str(certs / "ca.pem")
+    ca_file = str(certs_dir / "ca.pem")
     outputs = []
     for url in (f"grpc://127.0.0.1:{server.port}", f"h3://localhost:{server.port}"):
         done = client_install.run(
