@@ -207,97 +207,85 @@ class _Executor:
         )
 
 
-def test_requests_accumulate_while_the_instance_is_busy() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-        first = asyncio.create_task(batcher.submit(job(fill=1), None))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in range(2, 6)]
-        await asyncio.sleep(0)
-        assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
-        executor.release.set()
-        answers = await asyncio.gather(first, *rest)
-        assert [b.batch_size for b in executor.batches] == [1, 4]
-        assert [np.frombuffer(a.outputs[0].data, np.float32)[0] for a in answers] == [
-            4,
-            8,
-            12,
-            16,
-            20,
-        ]
-        assert [a.batch_rows for a in answers] == [1, 4, 4, 4, 4]
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_requests_accumulate_while_the_instance_is_busy() -> None:
+    executor = _Executor()
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    first = asyncio.create_task(batcher.submit(job(fill=1), None))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in range(2, 6)]
+    await asyncio.sleep(0)
+    assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
+    executor.release.set()
+    answers = await asyncio.gather(first, *rest)
+    assert [b.batch_size for b in executor.batches] == [1, 4]
+    assert [np.frombuffer(a.outputs[0].data, np.float32)[0] for a in answers] == [
+        4,
+        8,
+        12,
+        16,
+        20,
+    ]
+    assert [a.batch_rows for a in answers] == [1, 4, 4, 4, 4]
+    await batcher.stop()
 
 
-def test_worker_failure_fails_every_request_of_the_batch_and_nothing_hangs() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        executor.fail_with = errors.unavailable("worker died")
-        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-        busy = asyncio.create_task(batcher.submit(job(), None))
-        await asyncio.sleep(0)
-        batch = [asyncio.create_task(batcher.submit(job(), None)) for _ in range(3)]
-        executor.release.set()
-        results = await asyncio.gather(busy, *batch, return_exceptions=True)
-        assert all(isinstance(r, errors.ServiceError) for r in results)
-        assert {r.code for r in results if isinstance(r, errors.ServiceError)} == {
-            grpc.StatusCode.UNAVAILABLE
-        }
-        executor.fail_with = None
-        assert (await batcher.submit(job(fill=2), None)).outputs[0].shape == (1, 1)
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_worker_failure_fails_every_request_of_the_batch_and_nothing_hangs() -> None:
+    executor = _Executor()
+    executor.fail_with = errors.unavailable("worker died")
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    busy = asyncio.create_task(batcher.submit(job(), None))
+    await asyncio.sleep(0)
+    batch = [asyncio.create_task(batcher.submit(job(), None)) for _ in range(3)]
+    executor.release.set()
+    results = await asyncio.gather(busy, *batch, return_exceptions=True)
+    assert all(isinstance(r, errors.ServiceError) for r in results)
+    assert {r.code for r in results if isinstance(r, errors.ServiceError)} == {
+        grpc.StatusCode.UNAVAILABLE
+    }
+    executor.fail_with = None
+    assert (await batcher.submit(job(fill=2), None)).outputs[0].shape == (1, 1)
+    await batcher.stop()
 
 
-def test_queue_full_and_deadline_statuses() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        policy = BatchPolicy(max_batch_size=8, max_queue_size=1)
-        batcher = DynamicBatcher(policy, executor, lambda: 1)
-        running = asyncio.create_task(batcher.submit(job(), None))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        loop = asyncio.get_running_loop()
-        queued = asyncio.create_task(batcher.submit(job(), loop.time() + 0.01))
-        await asyncio.sleep(0)
-        with pytest.raises(errors.ServiceError) as full:
-            await batcher.submit(job(), None)
-        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with pytest.raises(errors.ServiceError) as expired:
-            await queued  # its deadline passes while the instance is busy
-        assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        executor.release.set()
-        await running
-        assert len(executor.batches) == 1  # the expired request never reached the executor
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_queue_full_and_deadline_statuses() -> None:
+    executor = _Executor()
+    policy = BatchPolicy(max_batch_size=8, max_queue_size=1)
+    batcher = DynamicBatcher(policy, executor, lambda: 1)
+    running = asyncio.create_task(batcher.submit(job(), None))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    queued = asyncio.create_task(batcher.submit(job(), loop.time() + 0.01))
+    await asyncio.sleep(0)
+    with pytest.raises(errors.ServiceError) as full:
+        await batcher.submit(job(), None)
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(errors.ServiceError) as expired:
+        await queued  # its deadline passes while the instance is busy
+    assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    executor.release.set()
+    await running
+    assert len(executor.batches) == 1  # the expired request never reached the executor
+    await batcher.stop()
 
 
-def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-        busy = asyncio.create_task(batcher.submit(job(fill=1), None))
-        await asyncio.sleep(0)
-        fills = [2, -1, 3]
-        batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in fills]
-        executor.release.set()
-        await busy
-        results = await asyncio.gather(*batch, return_exceptions=True)
-        assert isinstance(results[1], errors.ServiceError)
-        assert results[1].code == grpc.StatusCode.INVALID_ARGUMENT
-        good = [r for i, r in enumerate(results) if i != 1]
-        assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
-        assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> None:
+    executor = _Executor()
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    busy = asyncio.create_task(batcher.submit(job(fill=1), None))
+    await asyncio.sleep(0)
+    fills = [2, -1, 3]
+    batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in fills]
+    executor.release.set()
+    await busy
+    results = await asyncio.gather(*batch, return_exceptions=True)
+    assert isinstance(results[1], errors.ServiceError)
+    assert results[1].code == grpc.StatusCode.INVALID_ARGUMENT
+    good = [r for i, r in enumerate(results) if i != 1]
+    assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
+    assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
+    await batcher.stop()
 
 
 def test_requests_queued_again_keep_their_place_and_run_alone() -> None:
@@ -339,73 +327,64 @@ def test_queues_are_bounded_by_default() -> None:
     assert policy_from_config(unbatched, 1).max_queue_size == 64
 
 
-def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        executor.crash_on = 13.0
-        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1, "model 'm'")
-        busy = asyncio.create_task(batcher.submit(job(fill=1), None))
-        await asyncio.sleep(0)
-        batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in (2, 13, 3)]
-        executor.release.set()
-        await busy
-        results = await asyncio.gather(*batch, return_exceptions=True)
-        poison = results[1]
-        assert isinstance(poison, errors.ServiceError), poison
-        assert poison.code == grpc.StatusCode.INTERNAL
-        assert "suspected poison input" in poison.message and "model 'm'" in poison.message
-        good = [results[0], results[2]]
-        assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
-        # The batch of three crashed once; alone, only the poison input crashed again.
-        assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
-        with pytest.raises(errors.ServiceError) as again:
-            await batcher.submit(job(fill=13), None)
-        assert again.value.code == grpc.StatusCode.INTERNAL
-        assert again.value.message == poison.message
-        assert len(executor.batches) == 5  # refused without reaching a worker
-        other = await batcher.submit(job(fill=5), None)  # everyone else is still served
-        assert np.frombuffer(other.outputs[0].data, np.float32)[0] == 20
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> None:
+    executor = _Executor()
+    executor.crash_on = 13.0
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1, "model 'm'")
+    busy = asyncio.create_task(batcher.submit(job(fill=1), None))
+    await asyncio.sleep(0)
+    batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in (2, 13, 3)]
+    executor.release.set()
+    await busy
+    results = await asyncio.gather(*batch, return_exceptions=True)
+    poison = results[1]
+    assert isinstance(poison, errors.ServiceError), poison
+    assert poison.code == grpc.StatusCode.INTERNAL
+    assert "suspected poison input" in poison.message and "model 'm'" in poison.message
+    good = [results[0], results[2]]
+    assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
+    # The batch of three crashed once; alone, only the poison input crashed again.
+    assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
+    with pytest.raises(errors.ServiceError) as again:
+        await batcher.submit(job(fill=13), None)
+    assert again.value.code == grpc.StatusCode.INTERNAL
+    assert again.value.message == poison.message
+    assert len(executor.batches) == 5  # refused without reaching a worker
+    other = await batcher.submit(job(fill=5), None)  # everyone else is still served
+    assert np.frombuffer(other.outputs[0].data, np.float32)[0] == 20
+    await batcher.stop()
 
 
-def test_requests_waiting_behind_a_crash_run_again_without_a_strike() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-        executor.fail_once = [
-            WorkerDied("died", running=False),
-            WorkerDied("died", running=False),
-        ]
-        executor.release.set()
-        answer = await batcher.submit(job(fill=4), None)
-        assert np.frombuffer(answer.outputs[0].data, np.float32)[0] == 16
-        assert len(executor.batches) == 3
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_requests_waiting_behind_a_crash_run_again_without_a_strike() -> None:
+    executor = _Executor()
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    executor.fail_once = [
+        WorkerDied("died", running=False),
+        WorkerDied("died", running=False),
+    ]
+    executor.release.set()
+    answer = await batcher.submit(job(fill=4), None)
+    assert np.frombuffer(answer.outputs[0].data, np.float32)[0] == 16
+    assert len(executor.batches) == 3
+    await batcher.stop()
 
 
-def test_a_deadline_ends_its_request_not_its_batch() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-        loop = asyncio.get_running_loop()
-        short = asyncio.create_task(batcher.submit(job(fill=1), loop.time() + 0.01))
-        far = loop.time() + 60
-        long = asyncio.create_task(batcher.submit(job(fill=2), far))
-        with pytest.raises(errors.ServiceError) as expired:
-            await short
-        assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        executor.release.set()
-        assert np.frombuffer((await long).outputs[0].data, np.float32)[0] == 8
-        # One batch held both; it ran until its last deadline.
-        assert [b.batch_size for b in executor.batches] == [2]
-        assert executor.deadlines == [far]
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_a_deadline_ends_its_request_not_its_batch() -> None:
+    executor = _Executor()
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    loop = asyncio.get_running_loop()
+    short = asyncio.create_task(batcher.submit(job(fill=1), loop.time() + 0.01))
+    far = loop.time() + 60
+    long = asyncio.create_task(batcher.submit(job(fill=2), far))
+    with pytest.raises(errors.ServiceError) as expired:
+        await short
+    assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    executor.release.set()
+    assert np.frombuffer((await long).outputs[0].data, np.float32)[0] == 8
+    # One batch held both; it ran until its last deadline.
+    assert [b.batch_size for b in executor.batches] == [2]
+    assert executor.deadlines == [far]
+    await batcher.stop()
 
 
 def test_poison_list_matches_identical_inputs_only_and_forgets() -> None:

@@ -267,52 +267,46 @@ async def _quic_connect(port: int, configuration: QuicConfiguration) -> None:
         await protocol.ping()
 
 
-def test_quic_handshake_trusts_only_the_dev_ca(certs: DevCertificates) -> None:
-    async def scenario() -> None:
-        configuration = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
-        configuration.load_cert_chain(certs.server_cert, certs.server_key)
-        server = await serve("127.0.0.1", 0, configuration=configuration)
-        try:
-            # serve() has no public way to report the port the OS chose.
-            assert server._transport is not None
-            port = server._transport.get_extra_info("sockname")[1]
-            for server_name in ("localhost", "127.0.0.1", "::1"):
-                client = _quic_client(server_name, certs.ca_cert)
+async def test_quic_handshake_trusts_only_the_dev_ca(certs: DevCertificates) -> None:
+    configuration = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
+    configuration.load_cert_chain(certs.server_cert, certs.server_key)
+    server = await serve("127.0.0.1", 0, configuration=configuration)
+    try:
+        # serve() has no public way to report the port the OS chose.
+        assert server._transport is not None
+        port = server._transport.get_extra_info("sockname")[1]
+        for server_name in ("localhost", "127.0.0.1", "::1"):
+            client = _quic_client(server_name, certs.ca_cert)
+            await asyncio.wait_for(_quic_connect(port, client), FAILURE_TIMEOUT_S)
+        # Default roots (certifi) do not include the development CA; a name that is not in
+        # the certificate fails even with the CA. aioquic reports both as ConnectionError.
+        for server_name, cafile in (("localhost", None), ("example.com", certs.ca_cert)):
+            with pytest.raises(ConnectionError):
+                client = _quic_client(server_name, cafile)
                 await asyncio.wait_for(_quic_connect(port, client), FAILURE_TIMEOUT_S)
-            # Default roots (certifi) do not include the development CA; a name that is not in
-            # the certificate fails even with the CA. aioquic reports both as ConnectionError.
-            for server_name, cafile in (("localhost", None), ("example.com", certs.ca_cert)):
-                with pytest.raises(ConnectionError):
-                    client = _quic_client(server_name, cafile)
-                    await asyncio.wait_for(_quic_connect(port, client), FAILURE_TIMEOUT_S)
-        finally:
-            server.close()
-
-    asyncio.run(scenario())
+    finally:
+        server.close()
 
 
-def test_grpc_tls_handshake_trusts_only_the_dev_ca(certs: DevCertificates) -> None:
+async def test_grpc_tls_handshake_trusts_only_the_dev_ca(certs: DevCertificates) -> None:
     async def check(port: int, credentials: grpc.ChannelCredentials) -> None:
         async with grpc.aio.secure_channel(f"localhost:{port}", credentials) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=FAILURE_TIMEOUT_S)
             assert response.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def scenario() -> None:
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health_async.HealthServicer(), server)
-        server_credentials = grpc.ssl_server_credentials(
-            [(certs.server_key.read_bytes(), certs.server_cert.read_bytes())]
-        )
-        port = server.add_secure_port("127.0.0.1:0", server_credentials)
-        await server.start()
-        try:
-            trusted = grpc.ssl_channel_credentials(root_certificates=certs.ca_cert.read_bytes())
-            await check(port, trusted)
-            with pytest.raises(grpc.aio.AioRpcError) as failure:
-                await check(port, grpc.ssl_channel_credentials())
-            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
-        finally:
-            await server.stop(grace=None)
-
-    asyncio.run(scenario())
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_async.HealthServicer(), server)
+    server_credentials = grpc.ssl_server_credentials(
+        [(certs.server_key.read_bytes(), certs.server_cert.read_bytes())]
+    )
+    port = server.add_secure_port("127.0.0.1:0", server_credentials)
+    await server.start()
+    try:
+        trusted = grpc.ssl_channel_credentials(root_certificates=certs.ca_cert.read_bytes())
+        await check(port, trusted)
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await check(port, grpc.ssl_channel_credentials())
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(grace=None)

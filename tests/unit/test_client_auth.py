@@ -87,39 +87,33 @@ async def _connect(port: int, certs: DevCertificates, cert: Path | None, key: Pa
         await asyncio.wait_for(protocol.ping(), FAILURE_TIMEOUT_S)
 
 
-def test_required_client_certificate(certs: DevCertificates, tmp_path: Path) -> None:
+async def test_required_client_certificate(certs: DevCertificates, tmp_path: Path) -> None:
     client_cert, client_key = issue_client_certificate(certs.directory, "edge")
     other = ensure_dev_certificates(tmp_path / "other")[0]
     stranger_cert, stranger_key = issue_client_certificate(other.directory, "stranger")
 
-    async def scenario() -> None:
-        async with _server(certs, ClientAuth(certs.ca_cert, required=True)) as port:
-            await _connect(port, certs, client_cert, client_key)
-            refused = [
-                (None, None),  # no certificate
-                (stranger_cert, stranger_key),  # from another CA
-                (certs.server_cert, certs.server_key),  # the CA's, but for servers only
-            ]
-            for cert, key in refused:
-                with pytest.raises(ConnectionError):
-                    await asyncio.wait_for(_connect(port, certs, cert, key), FAILURE_TIMEOUT_S)
-
-    asyncio.run(scenario())
-
-
-def test_optional_client_certificate(certs: DevCertificates, tmp_path: Path) -> None:
-    client_cert, client_key = issue_client_certificate(certs.directory, "edge")
-    other = ensure_dev_certificates(tmp_path / "other")[0]
-    stranger_cert, stranger_key = issue_client_certificate(other.directory, "stranger")
-
-    async def scenario() -> None:
-        async with _server(certs, ClientAuth(certs.ca_cert, required=False)) as port:
-            await _connect(port, certs, None, None)
-            await _connect(port, certs, client_cert, client_key)
-            # A certificate that is sent is still checked.
+    async with _server(certs, ClientAuth(certs.ca_cert, required=True)) as port:
+        await _connect(port, certs, client_cert, client_key)
+        refused = [
+            (None, None),  # no certificate
+            (stranger_cert, stranger_key),  # from another CA
+            (certs.server_cert, certs.server_key),  # the CA's, but for servers only
+        ]
+        for cert, key in refused:
             with pytest.raises(ConnectionError):
-                await asyncio.wait_for(
-                    _connect(port, certs, stranger_cert, stranger_key), FAILURE_TIMEOUT_S
-                )
+                await asyncio.wait_for(_connect(port, certs, cert, key), FAILURE_TIMEOUT_S)
 
-    asyncio.run(scenario())
+
+async def test_optional_client_certificate(certs: DevCertificates, tmp_path: Path) -> None:
+    client_cert, client_key = issue_client_certificate(certs.directory, "edge")
+    other = ensure_dev_certificates(tmp_path / "other")[0]
+    stranger_cert, stranger_key = issue_client_certificate(other.directory, "stranger")
+
+    async with _server(certs, ClientAuth(certs.ca_cert, required=False)) as port:
+        await _connect(port, certs, None, None)
+        await _connect(port, certs, client_cert, client_key)
+        # A certificate that is sent is still checked.
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(
+                _connect(port, certs, stranger_cert, stranger_key), FAILURE_TIMEOUT_S
+            )

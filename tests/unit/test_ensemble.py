@@ -87,7 +87,7 @@ def test_a_step_model_must_have_the_mapped_names_and_types() -> None:
     assert "leaves the model's input(s) ['w'] unset" in (check_step(last, DIAMOND, model) or "")
 
 
-def test_run_passes_tensors_between_steps_and_starts_independent_ones_together() -> None:
+async def test_run_passes_tensors_between_steps_and_starts_independent_ones_together() -> None:
     started: list[str] = []
     both_started = asyncio.Event()
 
@@ -101,7 +101,7 @@ def test_run_passes_tensors_between_steps_and_starts_independent_ones_together()
         return (OutputTensor("out", "<f4", (1, 1), bytes([total + len(s.model)]) + bytes(3)),)
 
     job = InferJob((InputTensor("a", BY_NAME["FP32"], (1, 1), bytes([1, 0, 0, 0])),), ("z",), 1)
-    (z,) = asyncio.run(run("e", plan(DIAMOND), job, run_step))
+    (z,) = await run("e", plan(DIAMOND), job, run_step)
     # left: 1 + 4, right: 1 + 5, last: 5 + 6 + 4
     assert (z.name, z.shape, z.data[0]) == ("z", (1, 1), 15)
     assert started[2] == "last"

@@ -121,33 +121,30 @@ def test_a_model_without_batching_pads_its_variable_dimensions() -> None:
     assert np.frombuffer(joined.inputs[0].data, np.int64).tolist() == [7] * 6 + [0, 0]
 
 
-def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows() -> None:
-    async def scenario() -> None:
-        executor = _Executor()
-        text = "max_batch_size: 8 dynamic_batching { }"
-        policy = policy_from_config(config(text), 1)
-        assert policy.shapes.batch == (1, 2, 4, 8)
-        batcher = DynamicBatcher(policy, executor, lambda: 1)
-        first = asyncio.create_task(batcher.submit(job(fill=1), None))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in (2, 3, 4, 5, 6)]
-        await asyncio.sleep(0)
-        executor.release.set()
-        answers = await asyncio.gather(first, *rest)
-        assert [b.batch_size for b in executor.batches] == [1, 8]  # 5 requests padded to 8
-        assert [np.frombuffer(a.outputs[0].data, np.float32).tolist() for a in answers] == [
-            [4],
-            [8],
-            [12],
-            [16],
-            [20],
-            [24],
-        ]
-        assert all(a.outputs[0].shape == (1, 1) for a in answers)
-        await batcher.stop()
-
-    asyncio.run(scenario())
+async def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows() -> None:
+    executor = _Executor()
+    text = "max_batch_size: 8 dynamic_batching { }"
+    policy = policy_from_config(config(text), 1)
+    assert policy.shapes.batch == (1, 2, 4, 8)
+    batcher = DynamicBatcher(policy, executor, lambda: 1)
+    first = asyncio.create_task(batcher.submit(job(fill=1), None))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in (2, 3, 4, 5, 6)]
+    await asyncio.sleep(0)
+    executor.release.set()
+    answers = await asyncio.gather(first, *rest)
+    assert [b.batch_size for b in executor.batches] == [1, 8]  # 5 requests padded to 8
+    assert [np.frombuffer(a.outputs[0].data, np.float32).tolist() for a in answers] == [
+        [4],
+        [8],
+        [12],
+        [16],
+        [20],
+        [24],
+    ]
+    assert all(a.outputs[0].shape == (1, 1) for a in answers)
+    await batcher.stop()
 
 
 def test_policy_without_buckets_keeps_batches_as_formed() -> None:
