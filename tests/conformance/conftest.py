@@ -2,8 +2,9 @@
 HTTP/3 (QuicChannel) through the real server, with the generated stubs, and must pass
 identically on both.
 
-pytest-asyncio is not installed: tests are sync functions that `asyncio.run()` a coroutine,
-and create their channels inside it (channels belong to the event loop that made them).
+Tests are async functions that pytest-asyncio runs on an event loop of their own (loop scope
+function), and create their channels inside the test: channels belong to the event loop that
+made them, so no channel outlives its test.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ transports, and the server takes calls again once running ones finish."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,36 +35,33 @@ def capped_server(
         yield server
 
 
-def test_calls_past_the_cap_are_refused(
+async def test_calls_past_the_cap_are_refused(
     capped_server: ServerProcess, transport: str, ca_file: Path
 ) -> None:
-    async def main() -> None:
-        async with new_channel(transport, capped_server, ca_file) as channel:
-            stub = pb_grpc.TestingStub(channel)
-            # Bidirectional streams the server keeps running until the client finishes them:
-            # once each has answered a message, its handler runs.
-            running = [stub.BidiStream(timeout=60) for _ in range(CAP)]
-            for call in running:
-                await call.write(pb.EchoRequest(payload=b"hold"))
-                assert (await call.read()).payload == b"hold"
+    async with new_channel(transport, capped_server, ca_file) as channel:
+        stub = pb_grpc.TestingStub(channel)
+        # Bidirectional streams the server keeps running until the client finishes them:
+        # once each has answered a message, its handler runs.
+        running = [stub.BidiStream(timeout=60) for _ in range(CAP)]
+        for call in running:
+            await call.write(pb.EchoRequest(payload=b"hold"))
+            assert (await call.read()).payload == b"hold"
 
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.Unary(pb.EchoRequest(payload=b"one too many"), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Unary(pb.EchoRequest(payload=b"one too many"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
-            for call in running:
-                await call.done_writing()
-                assert await call.code() == grpc.StatusCode.OK
+        for call in running:
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
 
-            async def served_again() -> bool:
-                try:
-                    response = await stub.Unary(pb.EchoRequest(payload=b"again"), timeout=10)
-                except grpc.aio.AioRpcError as exc:
-                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    return False
-                served: bool = response.payload == b"again"
-                return served
+        async def served_again() -> bool:
+            try:
+                response = await stub.Unary(pb.EchoRequest(payload=b"again"), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                return False
+            served: bool = response.payload == b"again"
+            return served
 
-            await eventually(served_again, "a call is served once the running ones finished")
-
-    asyncio.run(main())
+        await eventually(served_again, "a call is served once the running ones finished")

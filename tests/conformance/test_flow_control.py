@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def quiet_server(
         yield server
 
 
-def test_slow_reader_blocks_the_writer_and_bounds_its_buffer(
+async def test_slow_reader_blocks_the_writer_and_bounds_its_buffer(
     quiet_server: ServerProcess, ca_file: Path
 ) -> None:
     """HTTP/3 only: what this checks is the transport's own send buffer, visible through
@@ -43,33 +42,30 @@ def test_slow_reader_blocks_the_writer_and_bounds_its_buffer(
     mark (one message past it at most) instead of queueing the whole stream in memory, and
     everything must still arrive, in order, once the client reads again."""
 
-    async def main() -> None:
-        async with QuicChannel(f"localhost:{quiet_server.port}", ca_file=str(ca_file)) as channel:
-            stub = pb_grpc.TestingStub(channel)
-            call = stub.ServerStream(
-                pb.EchoRequest(response_count=COUNT, response_size=SIZE), timeout=60
-            )
-            first = await call.read()
-            assert (first.index, len(first.payload)) == (0, SIZE)
+    async with QuicChannel(f"localhost:{quiet_server.port}", ca_file=str(ca_file)) as channel:
+        stub = pb_grpc.TestingStub(channel)
+        call = stub.ServerStream(
+            pb.EchoRequest(response_count=COUNT, response_size=SIZE), timeout=60
+        )
+        first = await call.read()
+        assert (first.index, len(first.payload)) == (0, SIZE)
 
-            async def writer_blocked() -> bool:
-                stats = await transport_stats(quiet_server)
-                blocked: bool = stats.h3_blocked_writers >= 1
-                return blocked
-
-            await eventually(writer_blocked, "the server's writer waits for the reader")
+        async def writer_blocked() -> bool:
             stats = await transport_stats(quiet_server)
-            assert stats.h3_peak_send_buffered >= SEND_HIGH_WATER
-            assert stats.h3_peak_send_buffered <= SEND_HIGH_WATER + MESSAGE_ON_WIRE + SLACK
+            blocked: bool = stats.h3_blocked_writers >= 1
+            return blocked
 
-            indexes = [first.index]
-            async for response in call:
-                assert len(response.payload) == SIZE
-                indexes.append(response.index)
-            assert indexes == list(range(COUNT))
+        await eventually(writer_blocked, "the server's writer waits for the reader")
+        stats = await transport_stats(quiet_server)
+        assert stats.h3_peak_send_buffered >= SEND_HIGH_WATER
+        assert stats.h3_peak_send_buffered <= SEND_HIGH_WATER + MESSAGE_ON_WIRE + SLACK
 
-            stats = await transport_stats(quiet_server)
-            assert stats.h3_blocked_writers == 0
-            assert stats.h3_peak_send_buffered <= SEND_HIGH_WATER + MESSAGE_ON_WIRE + SLACK
+        indexes = [first.index]
+        async for response in call:
+            assert len(response.payload) == SIZE
+            indexes.append(response.index)
+        assert indexes == list(range(COUNT))
 
-    asyncio.run(main())
+        stats = await transport_stats(quiet_server)
+        assert stats.h3_blocked_writers == 0
+        assert stats.h3_peak_send_buffered <= SEND_HIGH_WATER + MESSAGE_ON_WIRE + SLACK

@@ -40,45 +40,42 @@ async def saw_goaway(channel: Channel) -> bool:
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
-def test_graceful_stop_finishes_in_flight_calls_and_refuses_new_ones(
+async def test_graceful_stop_finishes_in_flight_calls_and_refuses_new_ones(
     transport: str, stoppable_server: ServerProcess, tmp_path: Path, certs_dir: Path
 ) -> None:
-    async def main() -> None:
-        channel = new_channel(transport, stoppable_server, certs_dir / "ca.pem")
-        async with channel:
-            stub = pb_grpc.TestingStub(channel)
-            call = stub.BidiStream(timeout=30)
-            for i in range(2):
-                await call.write(pb.EchoRequest(payload=b"before %d" % i))
-                assert (await call.read()).index == i
+    channel = new_channel(transport, stoppable_server, certs_dir / "ca.pem")
+    async with channel:
+        stub = pb_grpc.TestingStub(channel)
+        call = stub.BidiStream(timeout=30)
+        for i in range(2):
+            await call.write(pb.EchoRequest(payload=b"before %d" % i))
+            assert (await call.read()).index == i
 
-            stoppable_server.process.send_signal(15)  # SIGTERM
-            await eventually(lambda: saw_goaway(channel), "the client saw GOAWAY", attempts=1000)
+        stoppable_server.process.send_signal(15)  # SIGTERM
+        await eventually(lambda: saw_goaway(channel), "the client saw GOAWAY", attempts=1000)
 
-            # A new call after the stop began is refused.
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.Unary(pb.EchoRequest(payload=b"new"), timeout=10)
-            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        # A new call after the stop began is refused.
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Unary(pb.EchoRequest(payload=b"new"), timeout=10)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
 
-            # The call in flight goes on and completes normally.
-            for i in range(2, 4):
-                await call.write(pb.EchoRequest(payload=b"after %d" % i))
-                response = await call.read()
-                assert (response.index, response.payload) == (i, b"after %d" % i)
-            await call.done_writing()
-            assert await call.read() == EOF
-            assert await call.code() == grpc.StatusCode.OK
+        # The call in flight goes on and completes normally.
+        for i in range(2, 4):
+            await call.write(pb.EchoRequest(payload=b"after %d" % i))
+            response = await call.read()
+            assert (response.index, response.payload) == (i, b"after %d" % i)
+        await call.done_writing()
+        assert await call.read() == EOF
+        assert await call.code() == grpc.StatusCode.OK
 
-            # The server exits once nothing is in flight.
-            assert await asyncio.to_thread(stoppable_server.process.wait, 30) == 0
+        # The server exits once nothing is in flight.
+        assert await asyncio.to_thread(stoppable_server.process.wait, 30) == 0
 
-            # Started again on the same port, the same channel object gets through.
-            with conformance_server_process(
-                tmp_path / "second", certs_dir, (), port=stoppable_server.port
-            ):
-                response = await stub.Unary(
-                    pb.EchoRequest(payload=b"again"), timeout=30, wait_for_ready=True
-                )
-                assert response.payload == b"again"
-
-    asyncio.run(main())
+        # Started again on the same port, the same channel object gets through.
+        with conformance_server_process(
+            tmp_path / "second", certs_dir, (), port=stoppable_server.port
+        ):
+            response = await stub.Unary(
+                pb.EchoRequest(payload=b"again"), timeout=30, wait_for_ready=True
+            )
+            assert response.payload == b"again"

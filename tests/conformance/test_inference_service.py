@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,90 +22,80 @@ from tests.reference import example_inputs, output_names, run_reference
 RTOL, ATOL = 1e-4, 1e-5
 
 
-def test_liveness_readiness_and_server_metadata(make_channel: ChannelFactory) -> None:
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            assert (await stub.ServerLive(pb.ServerLiveRequest())).live
-            assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
-            for model in MODELS:
-                assert (await stub.ModelReady(pb.ModelReadyRequest(name=model))).ready
-            assert not (await stub.ModelReady(pb.ModelReadyRequest(name="nope"))).ready
-            metadata = await stub.ServerMetadata(pb.ServerMetadataRequest())
-            assert metadata.name == "paddlequic"
-            assert "binary_tensor_data" in metadata.extensions
-
-    asyncio.run(main())
+async def test_liveness_readiness_and_server_metadata(make_channel: ChannelFactory) -> None:
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+        assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+        for model in MODELS:
+            assert (await stub.ModelReady(pb.ModelReadyRequest(name=model))).ready
+        assert not (await stub.ModelReady(pb.ModelReadyRequest(name="nope"))).ready
+        metadata = await stub.ServerMetadata(pb.ServerMetadataRequest())
+        assert metadata.name == "paddlequic"
+        assert "binary_tensor_data" in metadata.extensions
 
 
-def test_model_metadata_config_and_index(make_channel: ChannelFactory) -> None:
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="two_tower"))
-            assert (metadata.name, list(metadata.versions)) == ("two_tower", ["1"])
-            assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
-                ("user", "FP32", [-1, 32]),
-                ("item", "FP32", [-1, 48]),
-            ]
-            assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
-                (output_names("two_tower")[0], "FP32", [-1, 16]),
-                (output_names("two_tower")[1], "FP32", [-1, 1]),
-            ]
-            config = (await stub.ModelConfig(pb.ModelConfigRequest(name="mlp"))).config
-            assert (config.name, config.max_batch_size) == ("mlp", 64)
-            index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
-            assert {(m.name, m.version, m.state) for m in index.models} == {
-                (name, "1", "READY") for name in MODELS
-            }
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.ModelMetadata(pb.ModelMetadataRequest(name="nope"))
-            assert error.value.code() == grpc.StatusCode.NOT_FOUND
-            assert "unknown model 'nope'" in (error.value.details() or "")
-
-    asyncio.run(main())
+async def test_model_metadata_config_and_index(make_channel: ChannelFactory) -> None:
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="two_tower"))
+        assert (metadata.name, list(metadata.versions)) == ("two_tower", ["1"])
+        assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
+            ("user", "FP32", [-1, 32]),
+            ("item", "FP32", [-1, 48]),
+        ]
+        assert [(t.name, t.datatype, list(t.shape)) for t in metadata.outputs] == [
+            (output_names("two_tower")[0], "FP32", [-1, 16]),
+            (output_names("two_tower")[1], "FP32", [-1, 1]),
+        ]
+        config = (await stub.ModelConfig(pb.ModelConfigRequest(name="mlp"))).config
+        assert (config.name, config.max_batch_size) == ("mlp", 64)
+        index = await stub.RepositoryIndex(pb.RepositoryIndexRequest())
+        assert {(m.name, m.version, m.state) for m in index.models} == {
+            (name, "1", "READY") for name in MODELS
+        }
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.ModelMetadata(pb.ModelMetadataRequest(name="nope"))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "unknown model 'nope'" in (error.value.details() or "")
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_model_infer_matches_in_process_paddle(make_channel: ChannelFactory, model: str) -> None:
+async def test_model_infer_matches_in_process_paddle(
+    make_channel: ChannelFactory, model: str
+) -> None:
     inputs = example_inputs(model)
     expected = run_reference(model, inputs)
 
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            request = build_request(model, inputs, request_id="conformance")
-            response = await stub.ModelInfer(request, timeout=60)
-            assert (response.model_name, response.model_version, response.id) == (
-                model,
-                "1",
-                "conformance",
-            )
-            served = parse_response(response)
-            assert list(served) == list(expected)
-            for name, array in expected.items():
-                assert served[name].shape == array.shape
-                np.testing.assert_allclose(served[name], array, rtol=RTOL, atol=ATOL)
-
-    asyncio.run(main())
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = build_request(model, inputs, request_id="conformance")
+        response = await stub.ModelInfer(request, timeout=60)
+        assert (response.model_name, response.model_version, response.id) == (
+            model,
+            "1",
+            "conformance",
+        )
+        served = parse_response(response)
+        assert list(served) == list(expected)
+        for name, array in expected.items():
+            assert served[name].shape == array.shape
+            np.testing.assert_allclose(served[name], array, rtol=RTOL, atol=ATOL)
 
 
-def test_model_statistics_count_an_inference(make_channel: ChannelFactory) -> None:
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            request = pb.ModelStatisticsRequest(name="two_tower")
-            (before,) = (await stub.ModelStatistics(request)).model_stats
-            inputs = example_inputs("two_tower")
-            await stub.ModelInfer(build_request("two_tower", inputs), timeout=60)
-            (after,) = (await stub.ModelStatistics(request)).model_stats
-            assert after.inference_stats.success.count == before.inference_stats.success.count + 1
-            assert after.inference_count == before.inference_count + 3
-
-    asyncio.run(main())
+async def test_model_statistics_count_an_inference(make_channel: ChannelFactory) -> None:
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelStatisticsRequest(name="two_tower")
+        (before,) = (await stub.ModelStatistics(request)).model_stats
+        inputs = example_inputs("two_tower")
+        await stub.ModelInfer(build_request("two_tower", inputs), timeout=60)
+        (after,) = (await stub.ModelStatistics(request)).model_stats
+        assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+        assert after.inference_count == before.inference_count + 3
 
 
-def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFactory) -> None:
+async def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFactory) -> None:
     good = [example_inputs("mlp", seed) for seed in range(5)]
     requests = [build_request("mlp", x, request_id=f"ok-{i}") for i, x in enumerate(good)]
     bad = build_request("mlp", {"input": np.zeros((2, 255), np.float32)}, request_id="bad")
@@ -116,53 +105,46 @@ def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFact
         for request in requests:
             yield request
 
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            call = stub.ModelStreamInfer(generate(), timeout=60)
-            responses = [response async for response in call]
-            assert await call.code() == grpc.StatusCode.OK
-            assert len(responses) == len(requests)
-            by_id = {r.infer_response.id: r for r in responses}
-            assert "dimension 1 must be 256" in by_id["bad"].error_message
-            for i, inputs in enumerate(good):
-                response = by_id[f"ok-{i}"]
-                assert response.error_message == ""
-                served = parse_response(response.infer_response)[output_names("mlp")[0]]
-                expected = run_reference("mlp", inputs)[output_names("mlp")[0]]
-                np.testing.assert_allclose(served, expected, rtol=RTOL, atol=ATOL)
-
-    asyncio.run(main())
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        call = stub.ModelStreamInfer(generate(), timeout=60)
+        responses = [response async for response in call]
+        assert await call.code() == grpc.StatusCode.OK
+        assert len(responses) == len(requests)
+        by_id = {r.infer_response.id: r for r in responses}
+        assert "dimension 1 must be 256" in by_id["bad"].error_message
+        for i, inputs in enumerate(good):
+            response = by_id[f"ok-{i}"]
+            assert response.error_message == ""
+            served = parse_response(response.infer_response)[output_names("mlp")[0]]
+            expected = run_reference("mlp", inputs)[output_names("mlp")[0]]
+            np.testing.assert_allclose(served, expected, rtol=RTOL, atol=ATOL)
 
 
-def test_repository_model_load_needs_explicit_control_mode(make_channel: ChannelFactory) -> None:
+async def test_repository_model_load_needs_explicit_control_mode(
+    make_channel: ChannelFactory,
+) -> None:
     """The conformance server runs in control mode none, as Triton's default: explicit loads
     are refused with the reason, identically on both transports."""
 
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
-            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "--model-control-mode explicit" in (error.value.details() or "")
-
-    asyncio.run(main())
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--model-control-mode explicit" in (error.value.details() or "")
 
 
-def test_health_check(make_channel: ChannelFactory) -> None:
-    async def main() -> None:
-        async with make_channel() as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            serving = health_pb2.HealthCheckResponse.SERVING
-            for service in ("", "inference.GRPCInferenceService", *MODELS):
-                request = health_pb2.HealthCheckRequest(service=service)
-                assert (await stub.Check(request)).status == serving
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
-            assert error.value.code() == grpc.StatusCode.NOT_FOUND
-
-    asyncio.run(main())
+async def test_health_check(make_channel: ChannelFactory) -> None:
+    async with make_channel() as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for service in ("", "inference.GRPCInferenceService", *MODELS):
+            request = health_pb2.HealthCheckRequest(service=service)
+            assert (await stub.Check(request)).status == serving
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 EXPECTED_SERVICES = {
@@ -175,33 +157,30 @@ EXPECTED_SERVICES = {
 }
 
 
-def test_reflection_lists_services(make_channel: ChannelFactory) -> None:
-    async def main() -> None:
-        async with make_channel() as channel:
-            v1 = v1_grpc.ServerReflectionStub(channel)
-            responses = [
-                response
-                async for response in v1.ServerReflectionInfo(
-                    iter([v1_pb2.ServerReflectionRequest(list_services="")]), timeout=10
-                )
-            ]
-            assert len(responses) == 1
-            names = {s.name for s in responses[0].list_services_response.service}
-            assert names >= EXPECTED_SERVICES
-
-            alpha = alpha_grpc.ServerReflectionStub(channel)
-            call = alpha.ServerReflectionInfo(timeout=10)
-            await call.write(alpha_pb2.ServerReflectionRequest(list_services=""))
-            response = await call.read()
-            names = {s.name for s in response.list_services_response.service}
-            assert names >= EXPECTED_SERVICES
-            await call.write(
-                alpha_pb2.ServerReflectionRequest(file_containing_symbol="paddlequic.v1.Testing")
+async def test_reflection_lists_services(make_channel: ChannelFactory) -> None:
+    async with make_channel() as channel:
+        v1 = v1_grpc.ServerReflectionStub(channel)
+        responses = [
+            response
+            async for response in v1.ServerReflectionInfo(
+                iter([v1_pb2.ServerReflectionRequest(list_services="")]), timeout=10
             )
-            response = await call.read()
-            assert response.file_descriptor_response.file_descriptor_proto
-            await call.done_writing()
-            assert await call.read() == EOF
-            assert await call.code() == grpc.StatusCode.OK
+        ]
+        assert len(responses) == 1
+        names = {s.name for s in responses[0].list_services_response.service}
+        assert names >= EXPECTED_SERVICES
 
-    asyncio.run(main())
+        alpha = alpha_grpc.ServerReflectionStub(channel)
+        call = alpha.ServerReflectionInfo(timeout=10)
+        await call.write(alpha_pb2.ServerReflectionRequest(list_services=""))
+        response = await call.read()
+        names = {s.name for s in response.list_services_response.service}
+        assert names >= EXPECTED_SERVICES
+        await call.write(
+            alpha_pb2.ServerReflectionRequest(file_containing_symbol="paddlequic.v1.Testing")
+        )
+        response = await call.read()
+        assert response.file_descriptor_response.file_descriptor_proto
+        await call.done_writing()
+        assert await call.read() == EOF
+        assert await call.code() == grpc.StatusCode.OK

@@ -39,46 +39,43 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_stream_client_that_does_not_read_stops_being_read(
+async def test_stream_client_that_does_not_read_stops_being_read(
     make_channel: ChannelFactory, conformance_server: ServerProcess
 ) -> None:
     inputs = {"input": np.random.default_rng(0).random((ROWS, 256), np.float32)}
     requests = [build_request("mlp", inputs, request_id=str(i)) for i in range(SENT)]
     pid = conformance_server.process.pid
 
-    async def main() -> None:
-        before = await _answered(conformance_server)
-        rss_before = _rss(pid)
-        async with make_channel() as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            call = stub.ModelStreamInfer(timeout=120)
-            written = 0
+    before = await _answered(conformance_server)
+    rss_before = _rss(pid)
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        call = stub.ModelStreamInfer(timeout=120)
+        written = 0
 
-            async def write_all() -> None:
-                nonlocal written
-                for request in requests:
-                    await call.write(request)
-                    written += 1
-                await call.done_writing()
+        async def write_all() -> None:
+            nonlocal written
+            for request in requests:
+                await call.write(request)
+                written += 1
+            await call.done_writing()
 
-            writer = asyncio.create_task(write_all())
-            # Until neither the client's writes nor the server's reads move for a while.
-            samples: list[tuple[int, int]] = []
-            while len(samples) < STILL_SAMPLES or len(set(samples[-STILL_SAMPLES:])) > 1:
-                assert not writer.done(), "the server read every request"
-                await asyncio.sleep(0.05)
-                samples.append((written, await _answered(conformance_server) - before))
-            answered = samples[-1][1]
-            assert 0 < answered < STALLED_BELOW
-            assert written < SENT and not writer.done()
-            assert _rss(pid) - rss_before < RSS_GROWTH_LIMIT
+        writer = asyncio.create_task(write_all())
+        # Until neither the client's writes nor the server's reads move for a while.
+        samples: list[tuple[int, int]] = []
+        while len(samples) < STILL_SAMPLES or len(set(samples[-STILL_SAMPLES:])) > 1:
+            assert not writer.done(), "the server read every request"
+            await asyncio.sleep(0.05)
+            samples.append((written, await _answered(conformance_server) - before))
+        answered = samples[-1][1]
+        assert 0 < answered < STALLED_BELOW
+        assert written < SENT and not writer.done()
+        assert _rss(pid) - rss_before < RSS_GROWTH_LIMIT
 
-            ids = set()
-            async for response in call:
-                assert response.error_message == ""
-                ids.add(response.infer_response.id)
-            await writer
-            assert ids == {str(i) for i in range(SENT)}
-            assert await call.code() == grpc.StatusCode.OK
-
-    asyncio.run(main())
+        ids = set()
+        async for response in call:
+            assert response.error_message == ""
+            ids.add(response.infer_response.id)
+        await writer
+        assert ids == {str(i) for i in range(SENT)}
+        assert await call.code() == grpc.StatusCode.OK

@@ -28,50 +28,44 @@ async def executions(stub: pb_grpc.TestingStub, token: str) -> int:
     return int(response.messages)
 
 
-def test_oversized_message_is_refused_with_resource_exhausted(
+async def test_oversized_message_is_refused_with_resource_exhausted(
     conformance_server: ServerProcess, transport: str, make_channel: ChannelFactory
 ) -> None:
     """HTTP/3 answers as soon as the 5-byte prefix announces too much (the deadline is far
     away: a transport that waits for it fails the code check)."""
 
-    async def main() -> None:
-        token = uuid.uuid4().hex
-        channel = (
-            grpc.aio.insecure_channel(conformance_server.address, options=BIG_SENDER)
-            if transport == "h2"
-            else make_channel()
-        )
-        async with channel:
-            stub = pb_grpc.TestingStub(channel)
-            request = pb.EchoRequest(token=token, payload=b"x" * (MAX_MESSAGE + 1))
-            with pytest.raises(AioRpcError) as refused:
-                await stub.Unary(request, timeout=120)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert await executions(stub, token) == 0
-            reply = await stub.Unary(pb.EchoRequest(payload=b"after"), timeout=30)
-            assert reply.payload == b"after"
-
-    asyncio.run(main())
+    token = uuid.uuid4().hex
+    channel = (
+        grpc.aio.insecure_channel(conformance_server.address, options=BIG_SENDER)
+        if transport == "h2"
+        else make_channel()
+    )
+    async with channel:
+        stub = pb_grpc.TestingStub(channel)
+        request = pb.EchoRequest(token=token, payload=b"x" * (MAX_MESSAGE + 1))
+        with pytest.raises(AioRpcError) as refused:
+            await stub.Unary(request, timeout=120)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await executions(stub, token) == 0
+        reply = await stub.Unary(pb.EchoRequest(payload=b"after"), timeout=30)
+        assert reply.payload == b"after"
 
 
-def test_metadata_bomb_is_refused_and_the_call_does_not_run(
+async def test_metadata_bomb_is_refused_and_the_call_does_not_run(
     conformance_server: ServerProcess, transport: str, make_channel: ChannelFactory
 ) -> None:
-    async def main() -> None:
-        token = uuid.uuid4().hex
-        bomb = [(f"x-bomb-{i}", "b" * 4096) for i in range(8)]  # 32 KiB
-        async with make_channel() as channel:
-            stub = pb_grpc.TestingStub(channel)
-            with pytest.raises(AioRpcError) as refused:
-                await stub.Unary(pb.EchoRequest(token=token), metadata=bomb, timeout=30)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert await executions(stub, token) == 0
-            # Just under the limit still works, on the same connection.
-            fits = [("x-fits", "f" * (MAX_METADATA // 2))]
-            reply = await stub.Unary(pb.EchoRequest(payload=b"ok"), metadata=fits, timeout=30)
-            assert reply.payload == b"ok"
-
-    asyncio.run(main())
+    token = uuid.uuid4().hex
+    bomb = [(f"x-bomb-{i}", "b" * 4096) for i in range(8)]  # 32 KiB
+    async with make_channel() as channel:
+        stub = pb_grpc.TestingStub(channel)
+        with pytest.raises(AioRpcError) as refused:
+            await stub.Unary(pb.EchoRequest(token=token), metadata=bomb, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await executions(stub, token) == 0
+        # Just under the limit still works, on the same connection.
+        fits = [("x-fits", "f" * (MAX_METADATA // 2))]
+        reply = await stub.Unary(pb.EchoRequest(payload=b"ok"), metadata=fits, timeout=30)
+        assert reply.payload == b"ok"
 
 
 def request_block(authority: str, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
@@ -96,7 +90,7 @@ def request_block(authority: str, *extra: tuple[bytes, bytes]) -> list[tuple[byt
     ],
     ids=["oversized-prefix", "compressed", "truncated"],
 )
-def test_h3_decode_errors_are_answered_with_their_status(
+async def test_h3_decode_errors_are_answered_with_their_status(
     conformance_server: ServerProcess,
     ca_file: Path,
     data: bytes,
@@ -107,37 +101,31 @@ def test_h3_decode_errors_are_answered_with_their_status(
     """HTTP/3 only, written by hand: the server answers a malformed request stream with the
     status that names the problem, while the client's side of the stream may still be open."""
 
-    async def main() -> None:
-        channel = QuicChannel(f"localhost:{conformance_server.port}", ca_file=str(ca_file))
-        async with channel:
-            stream = (await channel.connection()).open_stream()
-            stream.send_headers(request_block(channel.authority))
-            await stream.send_data(data, end=end)
-            block = await asyncio.wait_for(stream.wait_headers(), 30)
-            assert dict(block)[b"grpc-status"] == status
-            assert words in dict(block)[b"grpc-message"]
-
-    asyncio.run(main())
+    channel = QuicChannel(f"localhost:{conformance_server.port}", ca_file=str(ca_file))
+    async with channel:
+        stream = (await channel.connection()).open_stream()
+        stream.send_headers(request_block(channel.authority))
+        await stream.send_data(data, end=end)
+        block = await asyncio.wait_for(stream.wait_headers(), 30)
+        assert dict(block)[b"grpc-status"] == status
+        assert words in dict(block)[b"grpc-message"]
 
 
-def test_h3_server_refuses_a_metadata_bomb_from_a_client_that_ignores_its_settings(
+async def test_h3_server_refuses_a_metadata_bomb_from_a_client_that_ignores_its_settings(
     conformance_server: ServerProcess, ca_file: Path
 ) -> None:
     """HTTP/3 only: QuicChannel itself refuses to send metadata over the server's
     SETTINGS_MAX_FIELD_SECTION_SIZE, so the stream is written by hand here. The server
     answers with a status that names the limit."""
 
-    async def main() -> None:
-        before = (await transport_stats(conformance_server)).h3_refusals["metadata"]
-        channel = QuicChannel(f"localhost:{conformance_server.port}", ca_file=str(ca_file))
-        async with channel:
-            stream = (await channel.connection()).open_stream()
-            bomb = [(b"x-bomb-%d" % i, b"b" * 4096) for i in range(8)]
-            stream.send_headers(request_block(channel.authority, *bomb), end=True)
-            block = await asyncio.wait_for(stream.wait_headers(), 30)
-            assert (b"grpc-status", b"8") in block
-            assert b"SETTINGS_MAX_FIELD_SECTION_SIZE" in dict(block)[b"grpc-message"]
-        after = (await transport_stats(conformance_server)).h3_refusals["metadata"]
-        assert after == before + 1
-
-    asyncio.run(main())
+    before = (await transport_stats(conformance_server)).h3_refusals["metadata"]
+    channel = QuicChannel(f"localhost:{conformance_server.port}", ca_file=str(ca_file))
+    async with channel:
+        stream = (await channel.connection()).open_stream()
+        bomb = [(b"x-bomb-%d" % i, b"b" * 4096) for i in range(8)]
+        stream.send_headers(request_block(channel.authority, *bomb), end=True)
+        block = await asyncio.wait_for(stream.wait_headers(), 30)
+        assert (b"grpc-status", b"8") in block
+        assert b"SETTINGS_MAX_FIELD_SECTION_SIZE" in dict(block)[b"grpc-message"]
+    after = (await transport_stats(conformance_server)).h3_refusals["metadata"]
+    assert after == before + 1
