@@ -51,7 +51,7 @@ def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
     return {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
 
 
-def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerProcess) -> None:
+async def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerProcess) -> None:
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(CLIENTS)]
     before = batch_counts(server, "mlp")
@@ -73,7 +73,7 @@ def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerPro
             return list(await asyncio.gather(*calls))
 
     with paused(instance.pid):
-        responses = asyncio.run(send_all())
+        responses = await send_all()
 
     after = batch_counts(server, "mlp")
     grown = {size: after.get(size, 0) - before.get(size, 0) for size in after}
@@ -87,7 +87,7 @@ def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerPro
             np.testing.assert_array_equal(served[row : row + 1], expected)
 
 
-def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerProcess) -> None:
+async def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerProcess) -> None:
     """Embedding ids out of range pass validation (values are not checked) and make Paddle
     fail; batched with good requests, only the bad one may fail, with INVALID_ARGUMENT."""
     rng = np.random.default_rng(3)
@@ -112,7 +112,7 @@ def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerPro
             return list(await asyncio.gather(*calls, return_exceptions=True))
 
     with paused(instance.pid):
-        results = asyncio.run(send_all())
+        results = await send_all()
 
     error = results.pop(3)
     assert isinstance(error, grpc.aio.AioRpcError)

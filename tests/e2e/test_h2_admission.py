@@ -3,7 +3,6 @@ arrive while the ones held keep working, and --idle-timeout closes a connection 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import grpc
@@ -31,53 +30,45 @@ async def _live(channel: grpc.aio.Channel) -> bool:
     return response.live
 
 
-def test_connections_past_the_limit_are_closed(tmp_path: Path) -> None:
+async def test_connections_past_the_limit_are_closed(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     args = ["--no-h3", "--h2-max-connections", str(LIMIT)]
     with running_server(tmp_path / "models", tmp_path / "server.log", args) as server:
+        # The fixture's own channel holds one of the connections.
+        held = [_channel(server.address) for _ in range(LIMIT - 1)]
+        for channel in held:
+            assert await _live(channel)
+        extra = _channel(server.address)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _live(extra)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        await extra.close(None)
+        for channel in held:  # the connections held are unaffected
+            assert await _live(channel)
+        server.channel.close()
 
-        async def scenario() -> None:
-            # The fixture's own channel holds one of the connections.
-            held = [_channel(server.address) for _ in range(LIMIT - 1)]
-            for channel in held:
-                assert await _live(channel)
-            extra = _channel(server.address)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await _live(extra)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            await extra.close(None)
-            for channel in held:  # the connections held are unaffected
-                assert await _live(channel)
-            server.channel.close()
+        async def admitted() -> bool:
+            async with _channel(server.address) as channel:
+                try:
+                    return await _live(channel)
+                except grpc.aio.AioRpcError:
+                    return False
 
-            async def admitted() -> bool:
-                async with _channel(server.address) as channel:
-                    try:
-                        return await _live(channel)
-                    except grpc.aio.AioRpcError:
-                        return False
-
-            await eventually(admitted, "a connection admitted once one closed", attempts=100)
-            for channel in held:
-                await channel.close(None)
-
-        asyncio.run(scenario())
+        await eventually(admitted, "a connection admitted once one closed", attempts=100)
+        for channel in held:
+            await channel.close(None)
 
 
-def test_an_idle_connection_is_closed(tmp_path: Path) -> None:
+async def test_an_idle_connection_is_closed(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     args = ["--no-h3", "--idle-timeout", "0.5"]
     with running_server(tmp_path / "models", tmp_path / "server.log", args) as server:
+        async with _channel(server.address) as channel:
+            assert await _live(channel)
+            assert channel.get_state() == grpc.ChannelConnectivity.READY
 
-        async def scenario() -> None:
-            async with _channel(server.address) as channel:
-                assert await _live(channel)
-                assert channel.get_state() == grpc.ChannelConnectivity.READY
+            async def closed_by_server() -> bool:
+                return channel.get_state() != grpc.ChannelConnectivity.READY
 
-                async def closed_by_server() -> bool:
-                    return channel.get_state() != grpc.ChannelConnectivity.READY
-
-                await eventually(closed_by_server, "the idle connection closed", interval=0.05)
-                assert await _live(channel)  # the client reconnects transparently
-
-        asyncio.run(scenario())
+            await eventually(closed_by_server, "the idle connection closed", interval=0.05)
+            assert await _live(channel)  # the client reconnects transparently

@@ -7,7 +7,6 @@ sent from a UDP socket bound to a chosen loopback address, and never continued."
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import ssl
@@ -30,6 +29,7 @@ from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as inference_pb2
 from protos.inference import grpc_service_pb2_grpc as inference_grpc
 from protos.paddlequic.v1 import control_pb2
+from tests.conformance.conftest import eventually
 from tests.servers import ServerProcess, model_repository, running_server
 
 
@@ -45,15 +45,6 @@ def refusals(server: ServerProcess) -> dict[str, int]:
         control_pb2.TransportStatsRequest(), timeout=5
     )
     return dict(response.h3_refusals)
-
-
-def eventually(check: object, what: str, attempts: int = 300) -> None:
-    assert callable(check)
-    for _ in range(attempts):
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 class HalfOpen:
@@ -100,30 +91,26 @@ async def server_live(server: ServerProcess, certs_dir: Path, **kw: object) -> Q
     return channel
 
 
-def test_the_connection_over_the_per_address_limit_is_refused(
+async def test_the_connection_over_the_per_address_limit_is_refused(
     tmp_path: Path, certs_dir: Path
 ) -> None:
     args = ["--h3-max-connections-per-address", "2", "--h3-retry", "never"]
     with h3_server(tmp_path, certs_dir, args) as server:
-
-        async def main() -> None:
-            first = await server_live(server, certs_dir)
-            second = await server_live(server, certs_dir)
-            with pytest.raises(AioRpcError) as refused:
-                await server_live(server, certs_dir)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "too many connections" in (refused.value.details() or "")
-            for channel in (first, second):  # the first two are unaffected
-                stub = inference_grpc.GRPCInferenceServiceStub(channel)
-                live = await stub.ServerLive(inference_pb2.ServerLiveRequest(), timeout=20)
-                assert live.live
-                await channel.close()
-
-        asyncio.run(main())
+        first = await server_live(server, certs_dir)
+        second = await server_live(server, certs_dir)
+        with pytest.raises(AioRpcError) as refused:
+            await server_live(server, certs_dir)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "too many connections" in (refused.value.details() or "")
+        for channel in (first, second):  # the first two are unaffected
+            stub = inference_grpc.GRPCInferenceServiceStub(channel)
+            live = await stub.ServerLive(inference_pb2.ServerLiveRequest(), timeout=20)
+            assert live.live
+            await channel.close()
         assert refusals(server)["connections_per_address"] >= 1
 
 
-def test_total_limit_and_handshake_timeout(tmp_path: Path, certs_dir: Path) -> None:
+async def test_total_limit_and_handshake_timeout(tmp_path: Path, certs_dir: Path) -> None:
     args = [
         "--h3-max-connections",
         "3",
@@ -141,28 +128,27 @@ def test_total_limit_and_handshake_timeout(tmp_path: Path, certs_dir: Path) -> N
         _, closed = extra.answer()
         assert closed is not None and closed.error_code == QuicErrorCode.CONNECTION_REFUSED
         assert refusals(server)["connections"] == 1
+
         # Never completed: dropped after the handshake timeout, which makes room again.
-        eventually(
-            lambda: refusals(server).get("handshake_timeout") == 3, "half-open connections dropped"
-        )
+        async def dropped() -> bool:
+            return refusals(server).get("handshake_timeout") == 3
 
-        async def call() -> None:
-            channel = await server_live(server, certs_dir)
-            await channel.close()
+        await eventually(dropped, "half-open connections dropped", attempts=300, interval=0.05)
 
-        def admitted() -> bool:
+        async def admitted() -> bool:
             try:
-                asyncio.run(call())
+                channel = await server_live(server, certs_dir)
             except AioRpcError:
                 return False
+            await channel.close()
             return True
 
-        eventually(admitted, "a new connection is admitted", attempts=20)
+        await eventually(admitted, "a new connection is admitted", attempts=20, interval=0.05)
         for attempt in [*half_open, extra]:
             attempt.close()
 
 
-def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs_dir: Path) -> None:
+async def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs_dir: Path) -> None:
     with h3_server(tmp_path, certs_dir, ["--h3-retry", "always"]) as server:
         cache = SessionTicketCache()
 
@@ -171,12 +157,12 @@ def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs_dir: Path) -> None:
             await channel.close()
             return channel.last_connect_mode
 
-        modes = [asyncio.run(connect_once()) for _ in range(3)]
+        modes = [await connect_once() for _ in range(3)]
         assert modes == ["full", "0rtt-accepted", "0rtt-accepted"]
         assert refusals(server)["retry"] >= 3
 
 
-def test_retry_auto_starts_under_a_flood_of_half_open_connections(
+async def test_retry_auto_starts_under_a_flood_of_half_open_connections(
     tmp_path: Path, certs_dir: Path
 ) -> None:
     """The server's threshold: Retry once 64 handshakes are unfinished."""
@@ -187,11 +173,9 @@ def test_retry_auto_starts_under_a_flood_of_half_open_connections(
         probe = HalfOpen(server.port, "127.0.0.3")
         assert probe.answer()[0] == QuicPacketType.RETRY
 
-        async def call() -> None:  # a real client follows the Retry and is served
-            channel = await server_live(server, certs_dir)
-            await channel.close()
-
-        asyncio.run(call())
+        # A real client follows the Retry and is served.
+        channel = await server_live(server, certs_dir)
+        await channel.close()
         assert refusals(server)["retry"] >= 2
         for attempt in [*flood, probe]:
             attempt.close()

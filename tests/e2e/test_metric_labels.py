@@ -89,15 +89,15 @@ async def _calls(labelled: Labelled, transport: str, rng: random.Random, rounds:
         assert (await stub.ModelInfer(build_request("mlp", good), timeout=30)).model_version == "1"
 
 
-def test_names_from_requests_add_no_series(labelled: Labelled) -> None:
+async def test_names_from_requests_add_no_series(labelled: Labelled) -> None:
     rng = random.Random(7)
 
     async def main(rounds: int) -> None:
         await asyncio.gather(*(_calls(labelled, t, rng, rounds) for t in ("h2", "h3")))
 
-    asyncio.run(main(1))  # every series these calls can make exists now
+    await main(1)  # every series these calls can make exists now
     before = labelled.series()
-    asyncio.run(main(ROUNDS))
+    await main(ROUNDS)
     after = labelled.series()
     assert after == before
     infer = {"rpc": "ModelInfer", "code": "NOT_FOUND", "transport": "h3"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.request
@@ -59,21 +58,17 @@ def channel(observed: Observed, transport: str) -> grpc.aio.Channel | QuicChanne
     return QuicChannel(f"localhost:{observed.server.port}", ca_file=ca_file)
 
 
-def infer(
+async def infer(
     observed: Observed, transport: str, inputs: dict[str, Any], request_id: str, **kw: Any
 ) -> grpc.StatusCode:
     """One ModelInfer over `transport`; its status code."""
     request = build_request("mlp", inputs, request_id=request_id)
-
-    async def call() -> grpc.StatusCode:
-        async with channel(observed, transport) as ch:
-            try:
-                await pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(request, timeout=30, **kw)
-            except grpc.aio.AioRpcError as exc:
-                return exc.code()
-        return grpc.StatusCode.OK
-
-    return asyncio.run(call())
+    async with channel(observed, transport) as ch:
+        try:
+            await pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(request, timeout=30, **kw)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
 
 
 def scrape(observed: Observed) -> Samples:
@@ -105,13 +100,13 @@ def log_objects(observed: Observed, wanted: int, match: Any) -> list[dict[str, A
         time.sleep(0.1)
 
 
-def test_requests_are_counted_per_transport_and_code(observed: Observed) -> None:
+async def test_requests_are_counted_per_transport_and_code(observed: Observed) -> None:
     before = scrape(observed)
     for transport in ("h2", "h3"):
         for i in range(3):
-            assert infer(observed, transport, GOOD, f"count-ok-{i}") == grpc.StatusCode.OK
+            assert await infer(observed, transport, GOOD, f"count-ok-{i}") == grpc.StatusCode.OK
         for i in range(2):
-            code = infer(observed, transport, BAD, f"count-bad-{i}")
+            code = await infer(observed, transport, BAD, f"count-bad-{i}")
             assert code == grpc.StatusCode.INVALID_ARGUMENT
     after = scrape(observed)
 
@@ -140,24 +135,21 @@ def test_requests_are_counted_per_transport_and_code(observed: Observed) -> None
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
-def test_streams_and_deadlines_are_counted(observed: Observed, transport: str) -> None:
+async def test_streams_and_deadlines_are_counted(observed: Observed, transport: str) -> None:
     """A stream takes its model from its first request; a handler stopped by the deadline
     counts as DEADLINE_EXCEEDED (streaming and unary behaviors are wrapped differently)."""
     before = scrape(observed)
 
-    async def calls() -> None:
-        async with channel(observed, transport) as ch:
-            requests = [build_request("mlp", GOOD), build_request("mlp", BAD)]
-            stream = pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(iter(requests))
-            assert len([r async for r in stream]) == 2
-            testing = testing_pb2_grpc.TestingStub(ch)
-            slow = testing_pb2.EchoRequest(sleep_seconds=60, response_count=1)
-            with pytest.raises(grpc.aio.AioRpcError):
-                await testing.Unary(slow, timeout=0.3)
-            with pytest.raises(grpc.aio.AioRpcError):
-                await testing.ServerStream(slow, timeout=0.3).read()
-
-    asyncio.run(calls())
+    async with channel(observed, transport) as ch:
+        requests = [build_request("mlp", GOOD), build_request("mlp", BAD)]
+        stream = pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(iter(requests))
+        assert len([r async for r in stream]) == 2
+        testing = testing_pb2_grpc.TestingStub(ch)
+        slow = testing_pb2.EchoRequest(sleep_seconds=60, response_count=1)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await testing.Unary(slow, timeout=0.3)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await testing.ServerStream(slow, timeout=0.3).read()
     expected = {
         ("ModelStreamInfer", "mlp", "OK"): 1,
         ("Unary", "", "DEADLINE_EXCEEDED"): 1,
@@ -178,11 +170,11 @@ def test_streams_and_deadlines_are_counted(observed: Observed, transport: str) -
     assert counted == expected
 
 
-def test_spans_continue_the_callers_trace_on_both_transports(observed: Observed) -> None:
+async def test_spans_continue_the_callers_trace_on_both_transports(observed: Observed) -> None:
     for transport in ("h2", "h3"):
         traceparent = f"00-{TRACE_ID}-{PARENT_ID}-01"
         metadata = (("traceparent", traceparent),)
-        code = infer(observed, transport, GOOD, f"trace-{transport}", metadata=metadata)
+        code = await infer(observed, transport, GOOD, f"trace-{transport}", metadata=metadata)
         assert code == grpc.StatusCode.OK
 
     def ours(span: dict[str, Any]) -> bool:
@@ -216,10 +208,10 @@ def test_spans_continue_the_callers_trace_on_both_transports(observed: Observed)
         assert batch["attributes"]["paddlequic.batch_size"] >= 1
 
 
-def test_errors_are_logged_and_unsampled_successes_are_not(observed: Observed) -> None:
+async def test_errors_are_logged_and_unsampled_successes_are_not(observed: Observed) -> None:
     for transport in ("h2", "h3"):
-        assert infer(observed, transport, GOOD, f"log-ok-{transport}") == grpc.StatusCode.OK
-        code = infer(observed, transport, BAD, f"log-bad-{transport}")
+        assert await infer(observed, transport, GOOD, f"log-ok-{transport}") == grpc.StatusCode.OK
+        code = await infer(observed, transport, BAD, f"log-bad-{transport}")
         assert code == grpc.StatusCode.INVALID_ARGUMENT
     observed.server.stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
 

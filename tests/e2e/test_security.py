@@ -4,7 +4,6 @@ with the numpy client and the CLI."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time
@@ -78,48 +77,45 @@ async def _code(call: Any) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
-def test_restricted_categories_need_their_header(restricted: Restricted, transport: str) -> None:
-    async def scenario() -> None:
-        async with channel(restricted, transport) as ch:
-            stub = pb_grpc.GRPCInferenceServiceStub(ch)
-            control = control_pb2_grpc.ControlStub(ch)
-            index = pb.RepositoryIndexRequest()
-            unauthenticated = grpc.StatusCode.UNAUTHENTICATED
-            assert await _code(stub.RepositoryIndex(index, timeout=TIMEOUT_S)) == unauthenticated
-            wrong = [(ADMIN_HEADER[0], ADMIN + "x")]
-            assert await _code(stub.RepositoryIndex(index, metadata=wrong)) == unauthenticated
-            # One group's header does not open another group's categories.
-            assert await _code(stub.RepositoryIndex(index, metadata=[INFER_HEADER])) == (
-                unauthenticated
-            )
-            listing = control_pb2.ListInstancesRequest(model_name="mlp")
-            assert await _code(control.ListInstances(listing)) == unauthenticated
-            assert await _code(stub.ModelInfer(REQUEST, timeout=TIMEOUT_S)) == unauthenticated
-            stream = stub.ModelStreamInfer(iter([REQUEST]), timeout=TIMEOUT_S)
-            with pytest.raises(grpc.RpcError) as refused:
-                async for _ in stream:
-                    pass
-            assert refused.value.code() == unauthenticated
-            assert "expecting header 'triton-grpc-protocol-infer-key'" in str(
-                refused.value.details()
-            )
+async def test_restricted_categories_need_their_header(
+    restricted: Restricted, transport: str
+) -> None:
+    async with channel(restricted, transport) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        control = control_pb2_grpc.ControlStub(ch)
+        index = pb.RepositoryIndexRequest()
+        unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+        assert await _code(stub.RepositoryIndex(index, timeout=TIMEOUT_S)) == unauthenticated
+        wrong = [(ADMIN_HEADER[0], ADMIN + "x")]
+        assert await _code(stub.RepositoryIndex(index, metadata=wrong)) == unauthenticated
+        # One group's header does not open another group's categories.
+        assert await _code(stub.RepositoryIndex(index, metadata=[INFER_HEADER])) == (
+            unauthenticated
+        )
+        listing = control_pb2.ListInstancesRequest(model_name="mlp")
+        assert await _code(control.ListInstances(listing)) == unauthenticated
+        assert await _code(stub.ModelInfer(REQUEST, timeout=TIMEOUT_S)) == unauthenticated
+        stream = stub.ModelStreamInfer(iter([REQUEST]), timeout=TIMEOUT_S)
+        with pytest.raises(grpc.RpcError) as refused:
+            async for _ in stream:
+                pass
+        assert refused.value.code() == unauthenticated
+        assert "expecting header 'triton-grpc-protocol-infer-key'" in str(refused.value.details())
 
-            models = await stub.RepositoryIndex(index, metadata=[ADMIN_HEADER])
-            assert [m.name for m in models.models] == ["mlp"]
-            instances = await control.ListInstances(listing, metadata=[ADMIN_HEADER])
-            assert instances.instances
-            response = await stub.ModelInfer(REQUEST, metadata=[INFER_HEADER], timeout=TIMEOUT_S)
-            assert response.model_name == "mlp"
-            streamed = stub.ModelStreamInfer(
-                iter([REQUEST]), metadata=[INFER_HEADER], timeout=TIMEOUT_S
-            )
-            assert [r.error_message async for r in streamed] == [""]
-            # Categories left unrestricted need nothing.
-            metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"))
-            assert metadata.name == "mlp"
-            assert (await stub.ServerLive(pb.ServerLiveRequest())).live
-
-    asyncio.run(scenario())
+        models = await stub.RepositoryIndex(index, metadata=[ADMIN_HEADER])
+        assert [m.name for m in models.models] == ["mlp"]
+        instances = await control.ListInstances(listing, metadata=[ADMIN_HEADER])
+        assert instances.instances
+        response = await stub.ModelInfer(REQUEST, metadata=[INFER_HEADER], timeout=TIMEOUT_S)
+        assert response.model_name == "mlp"
+        streamed = stub.ModelStreamInfer(
+            iter([REQUEST]), metadata=[INFER_HEADER], timeout=TIMEOUT_S
+        )
+        assert [r.error_message async for r in streamed] == [""]
+        # Categories left unrestricted need nothing.
+        metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"))
+        assert metadata.name == "mlp"
+        assert (await stub.ServerLive(pb.ServerLiveRequest())).live
 
 
 def test_refusals_are_counted_and_secrets_never_logged(restricted: Restricted) -> None:

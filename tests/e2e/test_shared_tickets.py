@@ -4,7 +4,6 @@ server still serves, with full handshakes."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,9 +41,9 @@ def replicas(
         yield a, b
 
 
-def ticket_from(server: ServerProcess, certs_dir: Path) -> SessionTicket:
+async def ticket_from(server: ServerProcess, certs_dir: Path) -> SessionTicket:
     cache = SessionTicketCache()
-    assert asyncio.run(infer_once(server, certs_dir, cache)) == "full"
+    assert await infer_once(server, certs_dir, cache) == "full"
     ticket = cache.take(SessionTicketCache.key("localhost", "localhost", server.port))
     assert ticket is not None
     return ticket
@@ -57,18 +56,18 @@ def aimed_at(ticket: SessionTicket, server: ServerProcess) -> SessionTicketCache
     return cache
 
 
-def test_a_ticket_from_replica_a_is_accepted_once_by_b_then_refused_everywhere(
+async def test_a_ticket_from_replica_a_is_accepted_once_by_b_then_refused_everywhere(
     replicas: tuple[ServerProcess, ServerProcess], certs_dir: Path
 ) -> None:
     a, b = replicas
-    issued = ticket_from(a, certs_dir)
-    assert asyncio.run(infer_once(b, certs_dir, aimed_at(issued, b))) == "0rtt-accepted"
-    assert asyncio.run(infer_once(a, certs_dir, aimed_at(issued, a))) == "0rtt-rejected"
-    assert asyncio.run(infer_once(b, certs_dir, aimed_at(issued, b))) == "0rtt-rejected"
+    issued = await ticket_from(a, certs_dir)
+    assert await infer_once(b, certs_dir, aimed_at(issued, b)) == "0rtt-accepted"
+    assert await infer_once(a, certs_dir, aimed_at(issued, a)) == "0rtt-rejected"
+    assert await infer_once(b, certs_dir, aimed_at(issued, b)) == "0rtt-rejected"
     assert stats(b).h3_tickets["redeemed"] >= 1
 
 
-def test_unreachable_redis_leaves_full_handshakes_working(
+async def test_unreachable_redis_leaves_full_handshakes_working(
     shared: tuple[Path, list[str]], certs_dir: Path
 ) -> None:
     root, _ = shared
@@ -77,6 +76,6 @@ def test_unreachable_redis_leaves_full_handshakes_working(
     repo = model_repository(root / "models-down", ["mlp"])
     with running_server(repo, root / "down.log", args) as server:
         cache = SessionTicketCache()
-        assert asyncio.run(infer_once(server, certs_dir, cache)) == "full"
-        assert asyncio.run(infer_once(server, certs_dir, cache)) == "0rtt-rejected"
+        assert await infer_once(server, certs_dir, cache) == "full"
+        assert await infer_once(server, certs_dir, cache) == "0rtt-rejected"
     assert "ticket store unreachable" in (root / "down.log").read_text()

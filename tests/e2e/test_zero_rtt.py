@@ -59,23 +59,23 @@ def stats(server: ServerProcess) -> control_pb2.TransportStatsResponse:
     return response
 
 
-def test_resumed_connection_sends_its_first_request_as_early_data(
+async def test_resumed_connection_sends_its_first_request_as_early_data(
     server: ServerProcess, certs_dir: Path
 ) -> None:
     before = stats(server)
     cache = SessionTicketCache()
-    modes = [asyncio.run(infer_once(server, certs_dir, cache)) for _ in range(3)]
+    modes = [await infer_once(server, certs_dir, cache) for _ in range(3)]
     assert modes == ["full", "0rtt-accepted", "0rtt-accepted"]
     after = stats(server)
     accepted = after.h3_handshakes["0rtt_accepted"] - before.h3_handshakes["0rtt_accepted"]
     assert accepted == 2  # the server saw early data accepted on the wire, twice
 
 
-def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(
+async def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(
     server: ServerProcess, certs_dir: Path
 ) -> None:
     cache = SessionTicketCache()
-    asyncio.run(infer_once(server, certs_dir, cache))
+    await infer_once(server, certs_dir, cache)
     key = SessionTicketCache.key("localhost", "localhost", server.port)
     ticket = cache.take(key)
     assert ticket is not None
@@ -83,31 +83,31 @@ def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(
     first.add(key, ticket)
     replay.add(key, copy.deepcopy(ticket))
     refused_before = stats(server).h3_tickets["refused"]
-    assert asyncio.run(infer_once(server, certs_dir, first)) == "0rtt-accepted"
+    assert await infer_once(server, certs_dir, first) == "0rtt-accepted"
     # The same ticket again: the server already consumed it, so early data is refused and
     # the request still completes after a full handshake.
-    assert asyncio.run(infer_once(server, certs_dir, replay)) == "0rtt-rejected"
+    assert await infer_once(server, certs_dir, replay) == "0rtt-rejected"
     assert stats(server).h3_tickets["refused"] == refused_before + 1
 
 
-def test_expired_tickets_are_refused(tmp_path: Path, certs_dir: Path) -> None:
+async def test_expired_tickets_are_refused(tmp_path: Path, certs_dir: Path) -> None:
     args = ["--certs-dir", str(certs_dir), "--ticket-ttl", "0"]
     repo = model_repository(tmp_path / "models", ["mlp"])
     with running_server(repo, tmp_path / "log", args) as short_lived:
         cache = SessionTicketCache()
-        assert asyncio.run(infer_once(short_lived, certs_dir, cache)) == "full"
-        assert asyncio.run(infer_once(short_lived, certs_dir, cache)) == "0rtt-rejected"
+        assert await infer_once(short_lived, certs_dir, cache) == "full"
+        assert await infer_once(short_lived, certs_dir, cache) == "0rtt-rejected"
         assert stats(short_lived).h3_tickets["refused"] == 1
 
 
-def test_a_request_outside_the_policy_runs_once_after_the_handshake(
+async def test_a_request_outside_the_policy_runs_once_after_the_handshake(
     server: ServerProcess, certs_dir: Path
 ) -> None:
     """The client is told Testing/Unary may go early; the server's allowlist says no: the
     request is held until the handshake completes and runs exactly once."""
     held_before = stats(server).h3_handshakes["early_requests_held"]
     cache = SessionTicketCache()
-    asyncio.run(infer_once(server, certs_dir, cache))
+    await infer_once(server, certs_dir, cache)
 
     async def unsafe_early_call() -> str | None:
         async with channel(
@@ -119,7 +119,7 @@ def test_a_request_outside_the_policy_runs_once_after_the_handshake(
             assert count.messages == 1
         return ch.last_connect_mode
 
-    assert asyncio.run(unsafe_early_call()) == "0rtt-accepted"
+    assert await unsafe_early_call() == "0rtt-accepted"
     assert stats(server).h3_handshakes["early_requests_held"] == held_before + 1
 
 
@@ -163,7 +163,9 @@ def test_tickets_persist_across_client_processes(
     assert run_client() == "0rtt-accepted"
 
 
-def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs_dir: Path) -> None:
+async def test_reconnect_after_a_server_restart_then_resume(
+    tmp_path: Path, certs_dir: Path
+) -> None:
     port = free_port()
     repo = model_repository(tmp_path / "models", ["mlp"])
     args = ["--certs-dir", str(certs_dir)]
@@ -175,11 +177,11 @@ def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs_dir:
 
     cache = SessionTicketCache()
     with running_server(repo, tmp_path / "first.log", args, port=port) as first:
-        assert asyncio.run(infer_once(first, certs_dir, cache)) == "full"
+        assert await infer_once(first, certs_dir, cache) == "full"
     with running_server(repo, tmp_path / "second.log", args, port=port) as second:
         # The restarted server forgot its tickets: early data is refused, the call completes.
-        assert asyncio.run(infer_once(second, certs_dir, cache)) == "0rtt-rejected"
-        assert asyncio.run(infer_once(second, certs_dir, cache)) == "0rtt-accepted"
+        assert await infer_once(second, certs_dir, cache) == "0rtt-rejected"
+        assert await infer_once(second, certs_dir, cache) == "0rtt-accepted"
 
         async def one_channel_across_idle() -> list[str | None]:
             modes = []
@@ -191,16 +193,18 @@ def test_reconnect_after_a_server_restart_then_resume(tmp_path: Path, certs_dir:
                 modes.append(ch.last_connect_mode)
             return modes
 
-        assert asyncio.run(one_channel_across_idle()) == ["0rtt-accepted", "0rtt-accepted"]
+        assert await one_channel_across_idle() == ["0rtt-accepted", "0rtt-accepted"]
 
 
-def test_no_zero_rtt_keeps_resumption_without_early_data(tmp_path: Path, certs_dir: Path) -> None:
+async def test_no_zero_rtt_keeps_resumption_without_early_data(
+    tmp_path: Path, certs_dir: Path
+) -> None:
     args = ["--certs-dir", str(certs_dir), "--no-zero-rtt"]
     repo = model_repository(tmp_path / "models", ["mlp"])
     with running_server(repo, tmp_path / "log", args) as plain:
         cache = SessionTicketCache()
-        assert asyncio.run(infer_once(plain, certs_dir, cache)) == "full"
-        assert asyncio.run(infer_once(plain, certs_dir, cache)) == "resumed"
+        assert await infer_once(plain, certs_dir, cache) == "full"
+        assert await infer_once(plain, certs_dir, cache) == "resumed"
         assert stats(plain).h3_handshakes["0rtt_accepted"] == 0
 
 
