@@ -3,7 +3,6 @@ clients call on both transports; each row must meet the goal."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Iterator
 from concurrent.futures import Executor
@@ -39,6 +38,6 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     "spec",
     [pytest.param(spec, id=re.sub(r"[^A-Za-z0-9]+", "-", spec.name)) for spec in ATTACKS],
 )
-def test_attack_meets_the_goal(chaos: Chaos, spec: AttackSpec) -> None:
-    row = asyncio.run(run_row(chaos.server, chaos.target, spec, SHORT, chaos.attacker))
+async def test_attack_meets_the_goal(chaos: Chaos, spec: AttackSpec) -> None:
+    row = await run_row(chaos.server, chaos.target, spec, SHORT, chaos.attacker)
     assert row.passed, row.explain()
