@@ -39,6 +39,7 @@ from service.testing_servicer import TestingServicer
 from service.ticket_store import TicketStoreError, open_ticket_store
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
+from transport.datagram_routing import DatagramRouter
 from transport.early_data import parse_allowlist
 from transport.h3_protocol import H3Settings
 from transport.h3_server import H3Limits, H3Server, RetryMode
@@ -312,6 +313,7 @@ async def start_h3(
     client_auth: ClientAuth | None,
     tickets: TicketStore | None,
     reuse_port: bool = False,
+    router: DatagramRouter | None = None,
 ) -> H3Server:
     cert, key = tls
     h3_server = H3Server(
@@ -330,6 +332,7 @@ async def start_h3(
             handshake_timeout_s=settings.h3_handshake_timeout,
             retry=RetryMode(settings.h3_retry),
         ),
+        router=router,
     )
     register(h3_server)
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key, reuse_port)

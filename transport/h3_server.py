@@ -28,8 +28,10 @@ from transport.aioquic_internals import (
     AdmittingQuicServer,
     peer_address,
     refuse_early_data,
+    tag_connection_ids,
 )
 from transport.client_auth import ClientAuth, request_client_certificates
+from transport.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
@@ -171,12 +173,14 @@ class H3Server:
         client_auth: ClientAuth | None = None,
         max_concurrent_rpcs: int | None = None,
         limits: H3Limits | None = None,
+        router: DatagramRouter | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
         `client_auth`: ask clients for certificates (mutual TLS). Past `max_concurrent_rpcs`
         handlers running at once (None: no limit), calls are refused with RESOURCE_EXHAUSTED,
-        as grpc.aio's `maximum_concurrent_rpcs` does."""
+        as grpc.aio's `maximum_concurrent_rpcs` does. `router`: this server shares its port
+        with other processes and passes them the datagrams of their connections."""
         self.settings = settings or H3Settings()
         self.tickets = tickets
         self.zero_rtt = zero_rtt
@@ -186,6 +190,7 @@ class H3Server:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._active_rpcs = 0
         self.limits = limits or H3Limits()
+        self.router = router
         self._per_address: Counter[str] = Counter()
         self._admitted: str = ""  # the address of the connection being created
         self.handlers = HandlerTable()
@@ -222,6 +227,9 @@ class H3Server:
             max_stream_data=self.settings.stream_window,
         )
         configuration.load_cert_chain(certfile, keyfile)
+        if self.router is not None:
+            configuration.connection_id_length = ROUTED_CID_LENGTH
+            tag_connection_ids(self.router.index, ROUTED_CID_LENGTH)
 
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
             return _ServerProtocol(quic, settings=self.settings, server=self)
@@ -231,6 +239,7 @@ class H3Server:
             lambda: AdmittingQuicServer(
                 admit=self._admit,
                 sock=sock,
+                steer=self.router.steer if self.router is not None else None,
                 configuration=configuration,
                 create_protocol=create_protocol,
                 session_ticket_fetcher=self.tickets.pop if self.tickets is not None else None,
@@ -238,6 +247,8 @@ class H3Server:
             ),
             sock=sock,
         )
+        if self.router is not None:
+            self.router.start(self._quic_server.receive_forwarded)
         return self._quic_server.port
 
     def _admit(self, address: NetworkAddress, has_token: bool) -> Admission:
@@ -280,6 +291,8 @@ class H3Server:
         if self._quic_server is not None:
             self._quic_server.close()
             self._quic_server = None
+        if self.router is not None:
+            self.router.close()
 
     def connection_opened(self, connection: _ServerProtocol) -> str:
         """Count the connection; returns the address it was admitted for."""

@@ -37,6 +37,7 @@ from service.observability.logs import configure_logging
 from service.server import check_client_auth, start_grpc, start_h3
 from service.settings import ServerSettings
 from service.ticket_store import open_ticket_store
+from transport.datagram_routing import DatagramRouter
 from transport.h3_server import H3Server
 from transport.tickets import TicketCounters
 
@@ -156,6 +157,7 @@ class ParentLink(FrameConnection):
             h3.tickets.counters if h3.tickets is not None else TicketCounters(),
             h3.peak_send_buffered(),
             h3.blocked_writers(),
+            h3.router.forwarded if h3.router is not None else 0,
         )
         self.send(Kind.STATS, 0, json.dumps(report.to_json()).encode())
 
@@ -217,6 +219,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             client_auth,
             tickets,
             reuse_port=True,
+            router=DatagramRouter(index, runtime_dir),
         )
     reporter = asyncio.create_task(_report(link))
     closed = asyncio.create_task(link.closed.wait())

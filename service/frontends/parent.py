@@ -71,7 +71,7 @@ async def start_frontends(
         dispatch = DispatchServer(
             settings.max_message_bytes,
             stats,
-            FrontendMetrics(metrics.registry) if metrics is not None else None,
+            FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter as Tally
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from transport.h3_server import H3ServerStats
 from transport.tickets import TicketCounters
@@ -22,6 +25,9 @@ class Report:
     tickets: TicketCounters
     peak_send_buffered: int = 0
     blocked_writers: int = 0
+    # QUIC datagrams passed to the front-end owning their connection (the client's address
+    # changed and the kernel chose another front-end for it)
+    forwarded: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Report:
@@ -30,6 +36,7 @@ class Report:
             TicketCounters(**data["tickets"]),
             int(data["peak_send_buffered"]),
             int(data["blocked_writers"]),
+            int(data["forwarded"]),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +86,9 @@ class FrontendStats:
     def blocked_writers(self) -> int:
         return self._total().blocked_writers
 
+    def forwarded(self) -> int:
+        return self._total().forwarded
+
 
 def _sum(reports: list[Report], keep_gauges: bool) -> Report:
     """Counters add up; the peak is the largest; blocked writers (a gauge) count only for
@@ -103,11 +113,12 @@ def _sum(reports: list[Report], keep_gauges: bool) -> Report:
         TicketCounters(**tickets),
         max(r.peak_send_buffered for r in reports),
         sum(r.blocked_writers for r in reports) if keep_gauges else 0,
+        sum(r.forwarded for r in reports),
     )
 
 
 class FrontendMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, stats: FrontendStats) -> None:
         self.calls = Counter(
             "paddlequic_frontend_calls",
             "calls each front-end process passed on, by the transport it got them on",
@@ -120,6 +131,7 @@ class FrontendMetrics:
             registry=registry,
         )
         self._children: dict[tuple[str, str], Any] = {}
+        registry.register(_Forwarded(stats))
 
     def call(self, frontend: str, transport: str) -> None:
         key = (frontend, transport)
@@ -127,3 +139,17 @@ class FrontendMetrics:
         if child is None:
             child = self._children[key] = self.calls.labels(frontend, transport)
         child.inc()
+
+
+class _Forwarded(Collector):
+    """Read on scrape from the front-ends' latest reports."""
+
+    def __init__(self, stats: FrontendStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "paddlequic_frontend_datagrams_forwarded",
+            "QUIC datagrams a front-end passed to the one owning their connection",
+            value=self._stats.forwarded(),
+        )

@@ -8,10 +8,12 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -33,6 +35,7 @@ FRONTEND = "service.frontends.frontend"
 WORKER = "service.workers.main"
 WAIT_S = 60.0
 MAX_CONNECTIONS = 200  # new connections tried until both front-ends got one
+REBINDS = 20  # new client ports: the chance that none reaches the other front-end is 2^-20
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +147,42 @@ def test_one_set_of_workers_under_the_parent(server: ServerProcess) -> None:
     assert len(frontends(server)) == 2
     for frontend in frontends(server):
         assert not children(frontend)  # front-ends start no workers
+
+
+async def rebind(channel: QuicChannel) -> None:
+    """The client's address changes (a NAT rebinding): its connection goes on from a new
+    UDP socket, so a new port, which the kernel may hash to the other front-end."""
+    protocol: Any = (await channel.connection()).protocol
+    old = protocol._transport
+    family = old.get_extra_info("socket").family  # aioquic's client binds "::" (dual stack)
+    await asyncio.get_running_loop().create_datagram_endpoint(
+        lambda: protocol, local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0)
+    )
+    old.set_protocol(asyncio.DatagramProtocol())  # closing it must not end the connection
+    old.close()
+
+
+def forwarded(server: ServerProcess) -> float:
+    found = re.search(
+        r"^paddlequic_frontend_datagrams_forwarded_total (\S+)$", metrics(server), re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_a_client_whose_address_changes_keeps_its_connection(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    async with quic(server, certs_dir) as h3:
+        stub = pb_grpc.GRPCInferenceServiceStub(h3)
+        await stub.ModelInfer(REQUEST, timeout=10)
+        connection = await h3.connection()
+        before = forwarded(server)
+        for _ in range(REBINDS):
+            await rebind(h3)
+            await stub.ModelInfer(REQUEST, timeout=10)
+        assert await h3.connection() is connection  # never reconnected
+    # Each new port lands on either front-end: some of the rebinds reached the other one.
+    wait_for(lambda: forwarded(server) > before, "datagrams passed to their owner")
 
 
 def test_a_ticket_is_single_use_across_frontends(server: ServerProcess, certs_dir: Path) -> None:
