@@ -53,6 +53,8 @@ class FrameConnection:
                     self.received(received)
         except (ConnectionError, ProtocolViolation) as exc:
             log.error("dispatch connection closed: %s", exc)
+        except Exception:
+            log.exception("dispatch connection closed on a bad frame")
         finally:
             self.closed.set()
             self._writer.close()
