@@ -26,6 +26,7 @@ from service.observability.metrics import Metrics
 from service.server import tls_files
 from service.settings import ServerSettings
 from service.ticket_store import open_ticket_store
+from transport import udp
 
 log = logging.getLogger("paddlequic.frontends")
 
@@ -59,12 +60,12 @@ async def start_frontends(
     metrics: Metrics | None,
 ) -> Frontends:
     runtime_dir = make_runtime_dir()
+    reserved: socket.socket | None = None
     try:
         reserved, port = _reserve_port(settings.host, settings.grpc_port)
-    except OSError:
-        shutil.rmtree(runtime_dir, ignore_errors=True)
-        raise
-    try:
+        if settings.h3:
+            # Checked here: front-ends that cannot bind would only be restarted, again and again.
+            udp.bind(settings.host, settings.h3_port or port, reuse_port=True).close()
         shared = _frontend_settings(settings, runtime_dir, port)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
@@ -77,7 +78,8 @@ async def start_frontends(
             register(dispatch.tables[transport], transport)
         await dispatch.start(runtime_dir / DISPATCH_SOCKET)
     except BaseException:
-        reserved.close()
+        if reserved is not None:
+            reserved.close()
         shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
     restarts = dispatch.metrics.restarts.inc if dispatch.metrics is not None else _nothing
