@@ -198,10 +198,18 @@ class Listeners(Protocol):
 
 @dataclass
 class _Listeners:
+    """This process's own: one front-end, the default."""
+
     grpc_server: grpc.aio.Server
-    h3: H3State | None
     h3_server: H3Server | None
-    refresh_h3: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def h3(self) -> H3State | None:
+        return self.h3_server
+
+    @property
+    def refresh_h3(self) -> None:
+        return None
 
     async def stop(self, grace: float) -> None:
         await asyncio.gather(
@@ -223,7 +231,7 @@ async def _listen(
         if tls and settings.h3
         else None
     )
-    return _Listeners(server, h3_server, h3_server)
+    return _Listeners(server, h3_server)
 
 
 async def start_grpc(

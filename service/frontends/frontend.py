@@ -44,7 +44,8 @@ from transport.tickets import TicketCounters
 log = logging.getLogger("paddlequic.frontend")
 
 REPORT_EVERY_S = 1.0
-_GONE = Status(grpc.StatusCode.UNAVAILABLE, "the server is restarting this front-end", ())
+# The call's end when the parent never sent one: the parent is gone, or the client left first.
+_GONE = Status(grpc.StatusCode.UNAVAILABLE, "this front-end lost its server process", ())
 
 
 class _Forwarded:
@@ -53,7 +54,6 @@ class _Forwarded:
     def __init__(self) -> None:
         self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
         self.window = Window()
-        self.ended = False
 
 
 class ParentLink(FrameConnection):
@@ -106,7 +106,6 @@ class ParentLink(FrameConnection):
                 else:  # CANCEL: the client's request stream failed; the transport ends the call
                     raise value
         finally:
-            call.ended = True
             pump.cancel()
             self._calls.pop(call_id, None)
             if status is _GONE:
@@ -205,7 +204,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         lambda s: s.add_generic_rpc_handlers([link.handlers("h2")]),
         client_auth,
         tls,
-        True,
+        reuse_port=True,
     )
     if tls is not None and settings.h3:
         tickets = open_ticket_store(

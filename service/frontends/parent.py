@@ -8,10 +8,8 @@ import dataclasses
 import logging
 import shutil
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
 from service.frontends.runtime import (
@@ -23,7 +21,7 @@ from service.frontends.runtime import (
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.frontends.supervisor import Supervisor
 from service.observability.metrics import Metrics
-from service.server import tls_files
+from service.server import Register, tls_files
 from service.settings import ServerSettings
 from service.ticket_store import open_ticket_store
 from transport import udp
@@ -56,7 +54,7 @@ class Frontends:
 async def start_frontends(
     settings: ServerSettings,
     count: int,
-    register: Callable[[Any, str], None],
+    register: Register,
     metrics: Metrics | None,
 ) -> Frontends:
     runtime_dir = make_runtime_dir()
