@@ -149,6 +149,22 @@ def test_one_set_of_workers_under_the_parent(server: ServerProcess) -> None:
         assert not children(frontend)  # front-ends start no workers
 
 
+def test_sighup_to_every_process_reloads_once(server: ServerProcess) -> None:
+    """What a terminal's hangup does to the process group: front-ends ignore it, the parent
+    rescans the repository."""
+    before = frontends(server)
+    for pid in (*before, server.process.pid):
+        os.kill(pid, signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: rescanning" in server.log_text(), "the rescan")
+    assert server.log_text().count("SIGHUP: rescanning") == 1
+    assert frontends(server) == before
+    assert (
+        pb_grpc.GRPCInferenceServiceStub(server.channel)
+        .ServerReady(pb.ServerReadyRequest(), timeout=10)
+        .ready
+    )
+
+
 async def rebind(channel: QuicChannel) -> None:
     """The client's address changes (a NAT rebinding): its connection goes on from a new
     UDP socket, so a new port, which the kernel may hash to the other front-end."""
