@@ -49,11 +49,13 @@ class Supervisor:
                 str(self._runtime_dir),
             )
             self._processes[index] = process
+            if self._stopping:  # stop() began while this one was starting
+                process.send_signal(signal.SIGTERM)
             code = await process.wait()
             if self._stopping:
                 return
-            young = time.monotonic() - started < YOUNG_S
-            delay = min(delay * 2, MAX_DELAY_S) if young else FIRST_DELAY_S
+            if time.monotonic() - started >= YOUNG_S:
+                delay = FIRST_DELAY_S
             log.warning(
                 "front-end %d (pid %d) exited with %s; restarting in %.1f s",
                 index,
@@ -63,6 +65,7 @@ class Supervisor:
             )
             self._on_restart()
             await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_DELAY_S)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM to every front-end (each lets its calls finish within `grace`), then
