@@ -15,7 +15,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-rtt bench-observability lab-replicas chaos clean
+.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-scale bench-rtt bench-observability lab-replicas chaos clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -24,6 +24,7 @@ help:
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
+	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
@@ -79,6 +80,9 @@ bench: setup models-bench
 
 bench-transport: setup models
 	$(BIN)/python -m scripts.bench_transport $(ARGS)
+
+bench-scale: setup models
+	$(BIN)/python -m scripts.bench_scale $(ARGS)
 
 bench-observability: setup models
 	$(BIN)/python -m scripts.bench_observability $(ARGS)

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 
 from protos.paddlequic.v1 import control_pb2 as pb
 from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
 from service.errors import ServicerContext, reports_errors
+from service.h3_state import H3State
 from service.model_manager import ModelManager
-from transport.h3_server import H3Server
 
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, models: ModelManager) -> None:
         self.models = models
-        self.h3: H3Server | None = None  # set once HTTP/3 listens
+        self.h3: H3State | None = None  # set once HTTP/3 listens
+        # Set with front-end processes: asks each for its counters before they are read.
+        self.refresh_h3: Callable[[], Awaitable[None]] | None = None
 
     async def TransportStats(
         self, request: pb.TransportStatsRequest, context: ServicerContext
     ) -> pb.TransportStatsResponse:
         if self.h3 is None:
             return pb.TransportStatsResponse(h3_enabled=False)
+        if self.refresh_h3 is not None:
+            await self.refresh_h3()
         stats = self.h3.stats
         return pb.TransportStatsResponse(
             h3_enabled=True,

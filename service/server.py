@@ -6,10 +6,10 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from cryptography import x509
@@ -21,6 +21,7 @@ from protos.inference import grpc_service_pb2_grpc as inference_grpc
 from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from service import settings as settings_module
 from service.control_servicer import ControlServicer
+from service.h3_state import H3State
 from service.inference_servicer import InferenceServicer
 from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager
@@ -30,12 +31,7 @@ from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
-from service.restricted import (
-    RestrictedServer,
-    Restriction,
-    RestrictionError,
-    parse_restrictions,
-)
+from service.restricted import RestrictedServer, RestrictionError, parse_restrictions
 from service.scheduling.host import load_topology
 from service.settings import ServerSettings
 from service.signing import SigningPolicy, TrustError, load_trust
@@ -43,6 +39,7 @@ from service.testing_servicer import TestingServicer
 from service.ticket_store import TicketStoreError, open_ticket_store
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
+from transport.datagram_routing import DatagramRouter
 from transport.early_data import parse_allowlist
 from transport.h3_protocol import H3Settings
 from transport.h3_server import H3Limits, H3Server, RetryMode
@@ -83,10 +80,12 @@ class Health:
 async def serve(settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
     restrictions = parse_restrictions(settings.restricted_protocol)
-    client_auth = _client_auth(settings)
+    client_auth = check_client_auth(settings)
+    frontends = settings_module.frontend_count(settings.frontends)
+    # With front-end processes, each opens the store they share (service/frontends).
     tickets = (
         open_ticket_store(settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl)
-        if settings.h3
+        if settings.h3 and frontends == 1
         else None
     )
     health: Health | None = None
@@ -129,7 +128,122 @@ async def serve(settings: ServerSettings) -> None:
             _bracket(settings.metrics_host),
             metrics_server.server_port,
         )
-    options = [
+    servicers = _Servicers(
+        InferenceServicer(models, lifecycle, settings.model_control_mode),
+        ControlServicer(models),
+        health.servicer,
+        TestingServicer() if settings.testing_service else None,
+    )
+
+    def register(server: Any, transport: str) -> None:
+        """Every servicer, observed and access-checked, on `server` for `transport`."""
+        servicers.register(
+            RestrictedServer(ObservedServer(server, transport, observer), restrictions)
+        )
+
+    public: Listeners
+    if frontends > 1:
+        # Imported here: a single process never loads the front-end machinery.
+        from service.frontends.parent import start_frontends
+
+        public = await start_frontends(settings, frontends, register, metrics)
+    else:
+        public = await _listen(settings, register, client_auth, tickets)
+    servicers.control.h3 = public.h3
+    servicers.control.refresh_h3 = public.refresh_h3
+    if metrics is not None:
+        metrics.state.h3 = public.h3
+    health.changed()
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lifecycle.rescan_soon)
+    loader = asyncio.create_task(lifecycle.start())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({loader, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and loader.exception() is not None:
+        stop.set()
+        log.error("%s", loader.exception())
+    elif loader.done():
+        log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
+    await stopped
+    lifecycle.stop_watching()
+    log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
+    await public.stop(settings.grace_period)
+    loader.cancel()
+    await lifecycle.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    if tracing is not None:
+        tracing.shutdown()
+    log.info("stopped")
+
+
+Register = Callable[[Any, str], None]
+
+
+class Listeners(Protocol):
+    """What accepts the public connections: this process, or front-end processes."""
+
+    @property
+    def h3(self) -> H3State | None: ...
+
+    @property
+    def refresh_h3(self) -> Callable[[], Awaitable[None]] | None:
+        """Brings `h3` up to date (None: it always is)."""
+
+    async def stop(self, grace: float) -> None: ...
+
+
+@dataclass
+class _Listeners:
+    """This process's own: one front-end, the default."""
+
+    grpc_server: grpc.aio.Server
+    h3_server: H3Server | None
+
+    @property
+    def h3(self) -> H3State | None:
+        return self.h3_server
+
+    @property
+    def refresh_h3(self) -> None:
+        return None
+
+    async def stop(self, grace: float) -> None:
+        await asyncio.gather(
+            self.grpc_server.stop(grace),
+            *([self.h3_server.stop(grace)] if self.h3_server else []),
+        )
+
+
+async def _listen(
+    settings: ServerSettings,
+    register: Register,
+    client_auth: ClientAuth | None,
+    tickets: TicketStore | None,
+) -> _Listeners:
+    tls = tls_files(settings) if settings.h3 or settings.h2_tls else None
+    server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
+    h3_server = (
+        await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
+        if tls and settings.h3
+        else None
+    )
+    return _Listeners(server, h3_server)
+
+
+async def start_grpc(
+    settings: ServerSettings,
+    register: Callable[[Any], None],
+    client_auth: ClientAuth | None,
+    tls: tuple[Path, Path] | None,
+    reuse_port: bool = False,
+) -> tuple[grpc.aio.Server, int]:
+    """The HTTP/2 server, started; returns it and its port. `reuse_port`: share the port with
+    other processes (SO_REUSEPORT)."""
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_metadata_size", settings.max_metadata_bytes),
@@ -137,15 +251,10 @@ async def serve(settings: ServerSettings) -> None:
         ("grpc.max_allowed_incoming_connections", settings.h2_max_connections),
         ("grpc.max_connection_idle_ms", int(settings.idle_timeout * 1000)),
     ]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    servicers = _Servicers(
-        InferenceServicer(models, lifecycle, settings.model_control_mode),
-        ControlServicer(models),
-        health.servicer,
-        TestingServicer() if settings.testing_service else None,
-    )
-    servicers.register(RestrictedServer(ObservedServer(server, "h2", observer), restrictions))
-    tls = _tls_files(settings) if settings.h3 or settings.h2_tls else None
+    register(server)
     address = f"{_bracket(settings.host)}:{settings.grpc_port}"
     if settings.h2_tls:
         assert tls is not None
@@ -167,43 +276,7 @@ async def serve(settings: ServerSettings) -> None:
         port,
         settings.model_repository,
     )
-    h3_server = (
-        await _start_h3(
-            settings, port, servicers, tls, observer, restrictions, client_auth, tickets
-        )
-        if tls and settings.h3
-        else None
-    )
-    if metrics is not None:
-        metrics.state.h3 = h3_server
-    health.changed()
-
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lifecycle.rescan_soon)
-    loader = asyncio.create_task(lifecycle.start())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({loader, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if loader.done() and loader.exception() is not None:
-        stop.set()
-        log.error("%s", loader.exception())
-    elif loader.done():
-        log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
-    await stopped
-    lifecycle.stop_watching()
-    log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
-    await asyncio.gather(
-        server.stop(settings.grace_period),
-        *([h3_server.stop(settings.grace_period)] if h3_server else []),
-    )
-    loader.cancel()
-    await lifecycle.stop()
-    if metrics_server is not None:
-        metrics_server.shutdown()
-    if tracing is not None:
-        tracing.shutdown()
-    log.info("stopped")
+    return server, port
 
 
 @dataclass(frozen=True)
@@ -226,7 +299,7 @@ class _Servicers:
         add_reflection(server, names)
 
 
-def _tls_files(settings: ServerSettings) -> tuple[Path, Path]:
+def tls_files(settings: ServerSettings) -> tuple[Path, Path]:
     """Certificate chain and key: --tls-cert/--tls-key, or the development certificates."""
     if settings.tls_cert:
         return Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)
@@ -240,15 +313,15 @@ def _tls_files(settings: ServerSettings) -> tuple[Path, Path]:
     return certs.server_cert, certs.server_key
 
 
-async def _start_h3(
+async def start_h3(
     settings: ServerSettings,
     tcp_port: int,
-    servicers: _Servicers,
+    register: Callable[[Any], None],
     tls: tuple[Path, Path],
-    observer: Observer,
-    restrictions: Mapping[str, Restriction],
     client_auth: ClientAuth | None,
     tickets: TicketStore | None,
+    reuse_port: bool = False,
+    router: DatagramRouter | None = None,
 ) -> H3Server:
     cert, key = tls
     h3_server = H3Server(
@@ -267,10 +340,10 @@ async def _start_h3(
             handshake_timeout_s=settings.h3_handshake_timeout,
             retry=RetryMode(settings.h3_retry),
         ),
+        router=router,
     )
-    servicers.register(RestrictedServer(ObservedServer(h3_server, "h3", observer), restrictions))
-    port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key)
-    servicers.control.h3 = h3_server
+    register(h3_server)
+    port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key, reuse_port)
     log.info(
         "listening: gRPC over HTTP/3 (QUIC, TLS 1.3, 0-RTT %s) on %s:%d/udp",
         "on" if settings.zero_rtt else "off",
@@ -280,7 +353,7 @@ async def _start_h3(
     return h3_server
 
 
-def _client_auth(settings: ServerSettings) -> ClientAuth | None:
+def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
     """Mutual TLS from --tls-client-ca / --require-client-cert, checked before serving."""
     if not settings.tls_client_ca:
         if settings.require_client_cert:

@@ -16,6 +16,8 @@ from service.restricted import RESTRICTABLE
 ENV_PREFIX = "PADDLEQUIC_"
 # Environment variables of repeatable options hold their values separated by this.
 ENV_SEPARATOR = ";"
+MAX_FRONTENDS = 64
+MAX_AUTO_FRONTENDS = 8
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class ServerSettings:
     restricted_protocol: tuple[str, ...] = ()
     tls_client_ca: str = ""
     require_client_cert: bool = False
+    frontends: str = "1"
 
 
 _HELP = {
@@ -134,6 +137,9 @@ _HELP = {
     "tls_client_ca": "PEM CA certificates that client certificates must chain to (HTTP/3, "
     "HTTP/2 with --h2-tls)",
     "require_client_cert": "refuse TLS clients without a certificate from --tls-client-ca",
+    "frontends": "front-end processes accepting on the same TCP and UDP port (SO_REUSEPORT) "
+    f"and feeding one set of model workers, 1 to {MAX_FRONTENDS}; auto: one per two usable "
+    f"cores, at most {MAX_AUTO_FRONTENDS}",
 }
 
 
@@ -205,4 +211,23 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
     settings = ServerSettings(**vars(parser.parse_args(argv)))
     if settings.max_concurrent_rpcs < 1:
         parser.error("--max-concurrent-rpcs must be at least 1")
+    try:
+        frontend_count(settings.frontends)
+    except ValueError as exc:
+        parser.error(str(exc))
     return settings
+
+
+def frontend_count(value: str, usable_cores: int | None = None) -> int:
+    """--frontends as a number: `auto` is one per two usable cores (this process's CPU
+    affinity, which containers and taskset narrow), from 1 to MAX_AUTO_FRONTENDS."""
+    if value == "auto":
+        cores = len(os.sched_getaffinity(0)) if usable_cores is None else usable_cores
+        return max(1, min(MAX_AUTO_FRONTENDS, cores // 2))
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"--frontends takes a number or auto, got {value!r}") from None
+    if not 1 <= count <= MAX_FRONTENDS:
+        raise ValueError(f"--frontends must be from 1 to {MAX_FRONTENDS}, got {count}")
+    return count

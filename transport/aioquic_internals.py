@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import socket
 import types
 from collections import defaultdict
@@ -28,6 +29,7 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer, encode_uint_var  # type: ignore[attr-defined]
 from aioquic.h3.connection import FrameType, H3Connection, Setting, encode_frame
 from aioquic.h3.events import H3Event, HeadersReceived
+from aioquic.quic import connection as connection_module
 from aioquic.quic import events
 from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
 from aioquic.quic.connection import (
@@ -457,12 +459,16 @@ class AdmittingQuicServer(QuicServer):
         *,
         admit: Callable[[NetworkAddress, bool], Admission],
         sock: socket.socket | None = None,
+        steer: Callable[[bytes, NetworkAddress], bool] | None = None,
         **kwargs: Any,
     ):
-        """`sock`: the endpoint's socket, from `transport.udp.bind`, read in bursts."""
+        """`sock`: the endpoint's socket, from `transport.udp.bind`, read in bursts.
+        `steer(datagram, address)`: True when it took a short-header datagram away (one for a
+        connection another process owns, transport/datagram_routing.py)."""
         super().__init__(retry=True, **kwargs)
         self._admit = admit
         self._sock = sock
+        self._steer = steer
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         self._receive(cast(bytes, data), addr)
@@ -470,7 +476,13 @@ class AdmittingQuicServer(QuicServer):
             for more, more_addr in udp.queued(self._sock, udp.MAX_BURST - 1):
                 self._receive(more, more_addr)
 
+    def receive_forwarded(self, data: bytes, addr: NetworkAddress) -> None:
+        """A datagram another process received for a connection of this one."""
+        super().datagram_received(data, addr)
+
     def _receive(self, data: bytes, addr: NetworkAddress) -> None:
+        if self._steer is not None and self._steer(data, addr):
+            return
         if len(data) < SMALLEST_MAX_DATAGRAM_SIZE or not data[0] & 0x80:
             super().datagram_received(data, addr)  # not a long-header Initial: most traffic
             return
@@ -512,6 +524,32 @@ class AdmittingQuicServer(QuicServer):
     def port(self) -> int:
         assert self._transport is not None
         return int(self._transport.get_extra_info("sockname")[1])
+
+
+class _TaggingOs(types.ModuleType):
+    """The `os` aioquic's connection module sees: `urandom(length)` for connection IDs of
+    `length` bytes starts with `tag`; everything else is the real `os`."""
+
+    def __init__(self, tag: int, length: int) -> None:
+        super().__init__("os")
+        self._tag = bytes((tag,))
+        self._length = length
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def urandom(self, size: int) -> bytes:
+        if size == self._length:
+            return self._tag + os.urandom(size - 1)
+        return os.urandom(size)
+
+
+def tag_connection_ids(tag: int, length: int) -> None:
+    """Every connection ID of `length` bytes this process's QUIC connections issue starts with
+    the byte `tag` (aioquic draws them with `os.urandom(configuration.connection_id_length)`
+    in `aioquic.quic.connection`, for the first ID and for NEW_CONNECTION_ID frames). Use a
+    length no other random value of that module has (aioquic draws 8 and 16 bytes)."""
+    connection_module.os = _TaggingOs(tag, length)  # type: ignore[attr-defined]
 
 
 def encode_refusal(version: int, source_cid: bytes, destination_cid: bytes) -> bytes:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 from aioquic.h3.connection import H3_ALPN
@@ -29,24 +28,19 @@ from transport.aioquic_internals import (
     AdmittingQuicServer,
     peer_address,
     refuse_early_data,
+    tag_connection_ids,
 )
 from transport.client_auth import ClientAuth, request_client_certificates
+from transport.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
+from transport.handler_table import HandlerTable, run_behavior
 from transport.status import H3_NO_ERROR, H3_REQUEST_REJECTED
 from transport.tickets import TicketStore
 
 log = logging.getLogger("paddlequic.h3.server")
-
-
-@dataclass(frozen=True)
-class _CallDetails:
-    """grpc.HandlerCallDetails for generic handlers."""
-
-    method: str
-    invocation_metadata: tuple[tuple[str, str | bytes], ...]
 
 
 @dataclass
@@ -179,12 +173,14 @@ class H3Server:
         client_auth: ClientAuth | None = None,
         max_concurrent_rpcs: int | None = None,
         limits: H3Limits | None = None,
+        router: DatagramRouter | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
         `client_auth`: ask clients for certificates (mutual TLS). Past `max_concurrent_rpcs`
         handlers running at once (None: no limit), calls are refused with RESOURCE_EXHAUSTED,
-        as grpc.aio's `maximum_concurrent_rpcs` does."""
+        as grpc.aio's `maximum_concurrent_rpcs` does. `router`: this server shares its port
+        with other processes and passes them the datagrams of their connections."""
         self.settings = settings or H3Settings()
         self.tickets = tickets
         self.zero_rtt = zero_rtt
@@ -194,10 +190,10 @@ class H3Server:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._active_rpcs = 0
         self.limits = limits or H3Limits()
+        self.router = router
         self._per_address: Counter[str] = Counter()
         self._admitted: str = ""  # the address of the connection being created
-        self._registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-        self._generic: list[grpc.GenericRpcHandler[Any, Any]] = []
+        self.handlers = HandlerTable()
         self._connections: set[_ServerProtocol] = set()
         self._calls: set[asyncio.Task[None]] = set()
         self._quic_server: AdmittingQuicServer | None = None
@@ -209,31 +205,20 @@ class H3Server:
     def add_generic_rpc_handlers(
         self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]
     ) -> None:
-        self._generic.extend(handlers)
+        self.handlers.add_generic_rpc_handlers(handlers)
 
     def add_registered_method_handlers(
         self, service_name: str, method_handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
     ) -> None:
-        for method, handler in method_handlers.items():
-            self._registered[f"/{service_name}/{method}"] = handler
-
-    def lookup(
-        self, method: str, metadata: tuple[tuple[str, str | bytes], ...]
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = self._registered.get(method)
-        if handler is not None:
-            return handler
-        details = _CallDetails(method, metadata)
-        for generic in self._generic:
-            found = generic.service(details)  # type: ignore[arg-type]
-            if found is not None:
-                return found
-        return None
+        self.handlers.add_registered_method_handlers(service_name, method_handlers)
 
     # life cycle
 
-    async def start(self, host: str, port: int, certfile: Path, keyfile: Path) -> int:
-        """Listen on UDP; returns the bound port."""
+    async def start(
+        self, host: str, port: int, certfile: Path, keyfile: Path, reuse_port: bool = False
+    ) -> int:
+        """Listen on UDP; returns the bound port. `reuse_port`: share it with other processes
+        (SO_REUSEPORT)."""
         configuration = QuicConfiguration(
             is_client=False,
             alpn_protocols=H3_ALPN,
@@ -242,15 +227,19 @@ class H3Server:
             max_stream_data=self.settings.stream_window,
         )
         configuration.load_cert_chain(certfile, keyfile)
+        if self.router is not None:
+            configuration.connection_id_length = ROUTED_CID_LENGTH
+            tag_connection_ids(self.router.index, ROUTED_CID_LENGTH)
 
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
             return _ServerProtocol(quic, settings=self.settings, server=self)
 
-        sock = udp.bind(host, port)
+        sock = udp.bind(host, port, reuse_port)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: AdmittingQuicServer(
                 admit=self._admit,
                 sock=sock,
+                steer=self.router.steer if self.router is not None else None,
                 configuration=configuration,
                 create_protocol=create_protocol,
                 session_ticket_fetcher=self.tickets.pop if self.tickets is not None else None,
@@ -258,6 +247,8 @@ class H3Server:
             ),
             sock=sock,
         )
+        if self.router is not None:
+            self.router.start(self._quic_server.receive_forwarded)
         return self._quic_server.port
 
     def _admit(self, address: NetworkAddress, has_token: bool) -> Admission:
@@ -300,6 +291,8 @@ class H3Server:
         if self._quic_server is not None:
             self._quic_server.close()
             self._quic_server = None
+        if self.router is not None:
+            self.router.close()
 
     def connection_opened(self, connection: _ServerProtocol) -> str:
         """Count the connection; returns the address it was admitted for."""
@@ -363,7 +356,7 @@ class H3Server:
                 await connection.handshake_done.wait()
                 if connection.terminated is not None:
                     return
-            handler = self.lookup(head.method_path, head.metadata)
+            handler = self.handlers.lookup(head.method_path, head.metadata)
             if handler is None:
                 stream.send_headers(
                     wire.trailers_only(
@@ -495,26 +488,7 @@ async def _invoke(
                 grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
             )
         request = _deserialize(handler, data)
-    if handler.response_streaming:
-        method = handler.stream_stream if handler.request_streaming else handler.unary_stream
-        assert method is not None
-        result = method(request, cast(Any, context))
-        if hasattr(result, "__aiter__"):
-            async for response in result:
-                await context.write(response)
-        elif inspect.isawaitable(result):
-            await result
-        elif result is not None:
-            for response in result:
-                await context.write(response)
-        return
-    method = handler.stream_unary if handler.request_streaming else handler.unary_unary
-    assert method is not None
-    response = method(request, cast(Any, context))
-    if inspect.isawaitable(response):
-        response = await response
-    if response is not None:
-        await context.write(response)
+    await run_behavior(handler, request, context)
 
 
 def _deserialize(handler: grpc.RpcMethodHandler[Any, Any], data: bytes) -> Any:

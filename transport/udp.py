@@ -26,8 +26,10 @@ def enlarge_receive_buffer(sock: Any) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A non-blocking UDP socket bound to the first address `host` resolves to that binds."""
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A non-blocking UDP socket bound to the first address `host` resolves to that binds.
+    `reuse_port`: SO_REUSEPORT, so several processes share the port (the kernel spreads
+    datagrams among them by their addresses)."""
     error: OSError | None = None
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
     for family, kind, proto, _, address in infos:
@@ -35,6 +37,8 @@ def bind(host: str, port: int) -> socket.socket:
         try:
             sock.setblocking(False)
             enlarge_receive_buffer(sock)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(address)
         except OSError as exc:
             sock.close()

@@ -21,10 +21,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from service.breaker import BreakerState
+from service.h3_state import H3State
 from service.model_manager import ModelManager
 from service.scheduling.topology import Topology
 from service.workers.protocol import Timings
-from transport.h3_server import H3Server
 
 log = logging.getLogger("paddlequic.metrics")
 
@@ -164,7 +164,7 @@ class _StateCollector(Collector):
 
     def __init__(self, models: ModelManager, topology: Topology) -> None:
         self.models = models
-        self.h3: H3Server | None = None
+        self.h3: H3State | None = None
         gpus = [g.index for g in topology.gpus] if not topology.simulated else []
         self._gpus = _NvmlMemory(gpus) if gpus else None
 

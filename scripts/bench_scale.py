@@ -1,0 +1,222 @@
+"""`make bench-scale`: what `--frontends N` buys, in one run: ModelInfer requests/s and new
+connections/s (handshake, one ModelInfer, close) on HTTP/2 and HTTP/3 against servers with
+1, 2 and 4 front-end processes, each figure also as a ratio to one front-end.
+
+The load comes from several client processes (one Python process saturates long before a
+server with several front-ends does), each with its own connections, so the kernel spreads
+them over the front-ends. On a machine with few cores the clients and the server compete for
+them: no gain is expected there; the table is for bigger hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from scripts.bench_common import closed_loop, process_cpu_seconds, write_json
+from tests.servers import ServerProcess, model_repository
+
+TRANSPORTS = ("h2", "h3")
+WORKLOADS = ("ModelInfer", "new connections")
+# Each client process: this many connections for ModelInfer, this many calls in flight on
+# each; this many connections being opened at once for `new connections`.
+CONNECTIONS_PER_CLIENT = 4
+CALLS_PER_CONNECTION = 8
+OPENERS_PER_CLIENT = 4
+WARM_UP_S = 1.0
+
+
+@dataclass
+class Measurement:
+    frontends: int
+    transport: str
+    workload: str
+    count: int
+    seconds: float
+    per_second: float
+    # CPU time of the server's main process (with front-ends: the parent, which deserializes,
+    # runs the servicers and the scheduler) per call or connection: what bounds the gain.
+    main_cpu_us: float
+
+
+def open_channel(transport: str, port: int, ca_file: str) -> Any:
+    if transport == "h2":
+        # grpc shares connections between a process's channels unless told not to.
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+    return QuicChannel(f"localhost:{port}", ca_file=ca_file)
+
+
+async def _requests(transport: str, port: int, ca_file: str, duration: float) -> int:
+    request = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+    channels = [open_channel(transport, port, ca_file) for _ in range(CONNECTIONS_PER_CLIENT)]
+    try:
+        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        await asyncio.gather(*(closed_loop(s, request, 1, WARM_UP_S) for s in stubs))
+        done = await asyncio.gather(
+            *(closed_loop(s, request, CALLS_PER_CONNECTION, duration) for s in stubs)
+        )
+        return sum(len(latencies) for latencies in done)
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def _connections(transport: str, port: int, ca_file: str, duration: float) -> int:
+    request = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+    end = time.perf_counter() + duration
+    count = 0
+
+    async def opener() -> None:
+        nonlocal count
+        while time.perf_counter() < end:
+            channel = open_channel(transport, port, ca_file)
+            try:
+                await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+            finally:
+                await channel.close()
+            count += 1
+
+    await asyncio.gather(*(opener() for _ in range(OPENERS_PER_CLIENT)))
+    return count
+
+
+def client(workload: str, transport: str, port: int, ca_file: str, duration: float) -> int:
+    """One client process's share of a measurement: calls or connections completed."""
+    load = _requests if workload == "ModelInfer" else _connections
+    return asyncio.run(load(transport, port, ca_file, duration))
+
+
+def measure(
+    pool: ProcessPoolExecutor,
+    clients: int,
+    frontends: int,
+    transport: str,
+    workload: str,
+    server: ServerProcess,
+    ca_file: Path,
+    duration: float,
+) -> Measurement:
+    jobs = [
+        pool.submit(client, workload, transport, server.port, str(ca_file), duration)
+        for _ in range(clients)
+    ]
+    # The clients warm up for a moment before their measured run; the CPU is read around it.
+    time.sleep(WARM_UP_S if workload == "ModelInfer" else 0.0)
+    cpu0 = process_cpu_seconds(server.process.pid)
+    count = sum(job.result() for job in jobs)
+    cpu = process_cpu_seconds(server.process.pid) - cpu0
+    result = Measurement(
+        frontends,
+        transport,
+        workload,
+        count,
+        duration,
+        round(count / duration, 1),
+        round(cpu / max(count, 1) * 1e6, 1),
+    )
+    print(
+        f"  --frontends {frontends} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
+        f"main process {result.main_cpu_us:>6.0f} us CPU each",
+        flush=True,
+    )
+    return result
+
+
+def table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
+    """Each figure per second, as a ratio to one front-end, and the main process's CPU time
+    per call or connection."""
+    by_key = {(m.frontends, m.transport, m.workload): m for m in results}
+    header = f"{'workload':<16} {'transport':<9}" + "".join(
+        f" {f'--frontends {n}':>26}" for n in counts
+    )
+    rows = ["per second (ratio to the first), then the main process's CPU per item", header]
+    for workload in WORKLOADS:
+        for transport in TRANSPORTS:
+            base = by_key[counts[0], transport, workload].per_second
+            cells = []
+            for n in counts:
+                measured = by_key[n, transport, workload]
+                ratio = measured.per_second / base if base else 0.0
+                text = f"{measured.per_second:.0f} (x{ratio:.2f}) {measured.main_cpu_us:.0f}us"
+                cells.append(f" {text:>26}")
+            rows.append(f"{workload:<16} {transport:<9}" + "".join(cells))
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--frontends", default="1,2,4", help="front-end counts, the first is 1")
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=max(2, len(os.sched_getaffinity(0)) // 2),
+        help="client processes generating the load",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
+    args = parser.parse_args()
+    counts = [int(n) for n in args.frontends.split(",")]
+    if counts[0] != 1 or args.clients < 1:
+        parser.error("--frontends must start with 1 (the base of the ratios); --clients >= 1")
+    results: list[Measurement] = []
+    spawn = multiprocessing.get_context("spawn")  # grpc does not survive a fork
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ProcessPoolExecutor(args.clients, mp_context=spawn) as pool,
+    ):
+        repository = model_repository(Path(tmp) / "models", ["mlp"])
+        certs = Path(tmp) / "certs"
+        print(
+            f"{args.clients} client processes, {args.duration:g} s per measurement, "
+            f"{len(os.sched_getaffinity(0))} usable cores",
+            flush=True,
+        )
+        for n in counts:
+            server = ServerProcess(
+                repository,
+                Path(tmp) / f"server-{n}.log",
+                ["--certs-dir", str(certs), "--frontends", str(n)],
+            )
+            try:
+                server.wait_ready()
+                for workload in WORKLOADS:
+                    for transport in TRANSPORTS:
+                        results.append(
+                            measure(
+                                pool,
+                                args.clients,
+                                n,
+                                transport,
+                                workload,
+                                server,
+                                certs / "ca.pem",
+                                args.duration,
+                            )
+                        )
+            finally:
+                server.stop()
+    print()
+    print(table(results, counts))
+    write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Several front-end processes on one port feeding one scheduler (`--frontends N`)."""

@@ -1,0 +1,259 @@
+"""The parent's dispatch endpoint: front-ends pass it each call (method, metadata, deadline,
+message bytes as received); it runs the servicers registered on it, per transport, as the
+transports do, so observation, access checks and tracing run once, here, labelled with the
+transport the front-end got the call on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc.aio import EOF, AbortError  # type: ignore[attr-defined]
+
+from service.errors import ServiceError
+from service.frontends.link import FrameConnection, Inbox, Window
+from service.frontends.protocol import (
+    Frame,
+    Kind,
+    Open,
+    ProtocolViolation,
+    Status,
+    decode_count,
+    decode_open,
+    encode_metadata,
+    encode_status,
+)
+from service.frontends.stats import FrontendMetrics, FrontendStats
+from transport.handler_table import HandlerTable, run_behavior
+from transport.servicer_context import CallContext
+
+log = logging.getLogger("paddlequic.frontends")
+
+TRANSPORTS = ("h2", "h3")
+STATS_QUERY_TIMEOUT_S = 1.0
+
+
+class DispatchServer:
+    def __init__(
+        self, max_message: int, stats: FrontendStats, metrics: FrontendMetrics | None
+    ) -> None:
+        self.max_message = max_message
+        self.stats = stats
+        self.metrics = metrics
+        self.tables = {transport: HandlerTable() for transport in TRANSPORTS}
+        self._links: set[_FrontendLink] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, path: Path) -> None:
+        self._server = await asyncio.start_unix_server(self._connected, path)
+        path.chmod(0o600)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = _FrontendLink(self, reader, writer)
+        self._links.add(link)
+        try:
+            await link.run()
+        finally:
+            self._links.discard(link)
+
+    async def refresh_stats(self) -> None:
+        """Ask every front-end for its counters now; wait a moment for the answers."""
+        waits = [link.query_stats() for link in list(self._links)]
+        if waits:
+            await asyncio.wait(waits, timeout=STATS_QUERY_TIMEOUT_S)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            link.abort_calls()
+
+
+class _FrontendLink(FrameConnection):
+    """The parent's end of one front-end's connection."""
+
+    def __init__(
+        self, server: DispatchServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        super().__init__(reader, writer, server.max_message)
+        self.server = server
+        self.index = "?"
+        self._calls: dict[int, _Call] = {}
+        self._stats_wanted: list[asyncio.Future[None]] = []
+
+    def received(self, received: Frame) -> None:
+        kind, call_id, payload = received
+        if kind is Kind.OPEN:
+            if call_id in self._calls:
+                raise ProtocolViolation(f"call {call_id} opened twice")
+            self._open(call_id, decode_open(payload))
+        elif kind is Kind.HELLO:
+            self.index = str(decode_count(payload))
+        elif kind is Kind.STATS:
+            self.server.stats.report(self, json.loads(payload))
+            for wanted in self._stats_wanted:
+                if not wanted.done():
+                    wanted.set_result(None)
+            self._stats_wanted.clear()
+        elif (call := self._calls.get(call_id)) is not None:
+            # Frames for a call that already ended cross its STATUS on the way: dropped.
+            call.received(kind, payload)
+
+    def _open(self, call_id: int, opened: Open) -> None:
+        if self.server.metrics is not None:
+            self.server.metrics.call(self.index, opened.transport)
+        call = _Call(self, call_id, opened)
+        self._calls[call_id] = call
+        call.task = asyncio.get_running_loop().create_task(self._serve(call))
+
+    async def _serve(self, call: _Call) -> None:
+        try:
+            status = await call.run()
+            if not call.cancelled:
+                self.send(Kind.STATUS, call.call_id, encode_status(status))
+        finally:
+            self._calls.pop(call.call_id, None)
+
+    def query_stats(self) -> asyncio.Future[None]:
+        wanted = asyncio.get_running_loop().create_future()
+        self._stats_wanted.append(wanted)
+        self.send(Kind.STATS_QUERY, 0)
+        return wanted
+
+    def abort_calls(self) -> None:
+        for call in list(self._calls.values()):
+            call.cancel()
+
+    def lost(self) -> None:
+        self.abort_calls()
+        self.server.stats.retire(self)
+
+
+class _Call:
+    def __init__(self, link: _FrontendLink, call_id: int, opened: Open) -> None:
+        self.link = link
+        self.call_id = call_id
+        self.opened = opened
+        self.inbox = Inbox(link, call_id)
+        self.window = Window()
+        self.cancelled = False
+        self.context: DispatchContext | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def received(self, kind: Kind, payload: bytes) -> None:
+        if kind is Kind.MESSAGE:
+            self.inbox.put(payload)
+        elif kind is Kind.HALF_CLOSE:
+            self.inbox.put(None)
+        elif kind is Kind.CREDIT:
+            self.window.give(decode_count(payload))
+        elif kind is Kind.CANCEL:
+            self.cancel()
+        else:
+            raise ProtocolViolation(f"{kind.name} frame from a front-end")
+
+    def cancel(self) -> None:
+        """The client is gone (or its front-end): the handler stops, nobody reads an answer."""
+        self.cancelled = True
+        if self.context is not None:
+            self.context.mark_cancelled()
+        if self.task is not None:
+            self.task.cancel()
+
+    async def run(self) -> Status:
+        opened = self.opened
+        table = self.link.server.tables.get(opened.transport)
+        handler = table.lookup(opened.method, opened.metadata) if table is not None else None
+        if handler is None:
+            return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
+        context = self.context = DispatchContext(self, handler)
+        try:
+            async with asyncio.timeout(opened.timeout):
+                await run_behavior(handler, await _request(handler, context), context)
+        except TimeoutError:
+            context.mark_cancelled()
+            return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
+        except AbortError:
+            pass
+        except ServiceError as exc:
+            return Status(exc.code, exc.message, ())
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self.cancelled or current is None:
+                raise
+            current.uncancel()
+            return Status(grpc.StatusCode.CANCELLED, "Cancelled", ())
+        except Exception as exc:
+            log.exception("unexpected error in %s", opened.method)
+            return Status(grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ())
+        finally:
+            context.finish()
+        return Status(*context.final_status())
+
+
+async def _request(handler: grpc.RpcMethodHandler[Any, Any], context: DispatchContext) -> Any:
+    """The request iterator of a streaming method; the one message of a unary one."""
+    if handler.request_streaming:
+        return context.request_iterator()
+    data = await context.call.inbox.get()
+    if data is None:
+        raise ServiceError(grpc.StatusCode.INTERNAL, "request ended without a message")
+    if await context.call.inbox.get() is not None:
+        raise ServiceError(
+            grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
+        )
+    return _deserialize(handler.request_deserializer, data)
+
+
+def _deserialize(deserializer: Callable[[bytes], Any] | None, data: bytes) -> Any:
+    if deserializer is None:
+        return data
+    try:
+        return deserializer(data)
+    except Exception as exc:
+        raise ServiceError(
+            grpc.StatusCode.INTERNAL, f"failed to parse the request message: {exc}"
+        ) from exc
+
+
+class DispatchContext(CallContext):
+    """A call passed on by a front-end, for the servicer as grpc.aio's context is."""
+
+    def __init__(self, call: _Call, handler: grpc.RpcMethodHandler[Any, Any]) -> None:
+        opened = call.opened
+        super().__init__(
+            opened.method,
+            opened.metadata,
+            opened.timeout,
+            opened.peer,
+            handler.response_serializer,
+            handler.request_deserializer,
+        )
+        self.call = call
+
+    async def read(self) -> Any:
+        data = await self.call.inbox.get()
+        return EOF if data is None else _deserialize(self._deserialize, data)
+
+    async def write(self, message: Any) -> None:
+        data = self._serialize(message)
+        limit = self.call.link.server.max_message
+        if len(data) > limit:
+            await self.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"response message of {len(data)} bytes exceeds the limit of {limit} bytes",
+            )
+        if not self.headers_sent:
+            self._send_headers(())
+        await self.call.window.take()
+        self.call.link.send(Kind.MESSAGE, self.call.call_id, data)
+        await self.call.link.drain()
+
+    def _send_headers(self, metadata: Sequence[tuple[str, Any]]) -> None:
+        self.headers_sent = True
+        self.call.link.send(Kind.HEADERS, self.call.call_id, encode_metadata(metadata))

@@ -1,0 +1,258 @@
+"""A front-end process (`python -m service.frontends.frontend`): terminates HTTP/2 and
+HTTP/3 (TLS, QUIC, 0-RTT) on the shared port and passes every call, message bytes as received,
+to the parent over the dispatch connection. It never parses a message nor imports Paddle."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from service.frontends.link import FrameConnection, Window
+from service.frontends.protocol import (
+    WINDOW,
+    Frame,
+    Kind,
+    Open,
+    ProtocolViolation,
+    Status,
+    decode_count,
+    decode_metadata,
+    decode_status,
+    encode_count,
+    encode_open,
+)
+from service.frontends.runtime import DISPATCH_SOCKET, read_settings
+from service.frontends.stats import Report
+from service.observability.logs import configure_logging
+from service.server import check_client_auth, start_grpc, start_h3
+from service.settings import ServerSettings
+from service.ticket_store import open_ticket_store
+from transport.datagram_routing import DatagramRouter
+from transport.h3_server import H3Server
+from transport.tickets import TicketCounters
+
+log = logging.getLogger("paddlequic.frontend")
+
+REPORT_EVERY_S = 1.0
+# The call's end when the parent never sent one: the parent is gone, or the client left first.
+_GONE = Status(grpc.StatusCode.UNAVAILABLE, "this front-end lost its server process", ())
+
+
+class _Forwarded:
+    """One call passed on: what the parent sent back for it, in order."""
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
+        self.window = Window()
+
+
+class ParentLink(FrameConnection):
+    """The front-end's end of its dispatch connection."""
+
+    def __init__(
+        self,
+        index: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_message: int,
+    ) -> None:
+        super().__init__(reader, writer, max_message)
+        self.index = index
+        self.h3: H3Server | None = None
+        self._calls: dict[int, _Forwarded] = {}
+        self._next_id = 1
+        self.send(Kind.HELLO, 0, encode_count(index))
+
+    def handlers(self, transport: str) -> grpc.GenericRpcHandler[Any, Any]:
+        return _Forwarder(self, transport)
+
+    async def forward(
+        self, method: str, transport: str, requests: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """The behavior of every method: the call's messages to the parent and back."""
+        call_id, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF or 1
+        call = self._calls[call_id] = _Forwarded()
+        opened = Open(
+            method,
+            transport,
+            context.peer(),
+            context.time_remaining(),
+            tuple(context.invocation_metadata() or ()),
+        )
+        self.send(Kind.OPEN, call_id, encode_open(opened))
+        pump = asyncio.create_task(self._pump(call_id, call, requests))
+        status = _GONE
+        try:
+            while True:
+                kind, value = await call.events.get()
+                if kind is Kind.MESSAGE:
+                    yield value
+                    self.give_credit(call_id)
+                elif kind is Kind.HEADERS:
+                    await context.send_initial_metadata(value)
+                elif kind is Kind.STATUS:
+                    status = value
+                    break
+                else:  # CANCEL: the client's request stream failed; the transport ends the call
+                    raise value
+        finally:
+            pump.cancel()
+            self._calls.pop(call_id, None)
+            if status is _GONE:
+                self.send(Kind.CANCEL, call_id)
+        if status.code is grpc.StatusCode.OK:
+            if status.trailing:
+                context.set_trailing_metadata(status.trailing)
+            return
+        await context.abort(status.code, status.details, status.trailing)
+
+    async def _pump(self, call_id: int, call: _Forwarded, requests: AsyncIterator[bytes]) -> None:
+        try:
+            async for message in requests:
+                await call.window.take()
+                self.send(Kind.MESSAGE, call_id, message)
+                await self.drain()
+            self.send(Kind.HALF_CLOSE, call_id)
+        except Exception as exc:
+            call.events.put_nowait((Kind.CANCEL, exc))
+
+    def received(self, received: Frame) -> None:
+        kind, call_id, payload = received
+        if kind is Kind.STATS_QUERY:
+            self.report()
+            return
+        call = self._calls.get(call_id)
+        if call is None:
+            return  # the call ended here first (the client left)
+        if kind is Kind.MESSAGE:
+            if call.events.qsize() > WINDOW + 2:  # the window, headers, a status
+                raise ProtocolViolation(f"call {call_id}: messages past the credit window")
+            call.events.put_nowait((kind, payload))
+        elif kind is Kind.HEADERS:
+            call.events.put_nowait((kind, decode_metadata(payload)))
+        elif kind is Kind.STATUS:
+            call.events.put_nowait((kind, decode_status(payload)))
+        elif kind is Kind.CREDIT:
+            call.window.give(decode_count(payload))
+        else:
+            raise ProtocolViolation(f"{kind.name} frame from the parent")
+
+    def report(self) -> None:
+        h3 = self.h3
+        if h3 is None:
+            return
+        report = Report(
+            h3.stats,
+            h3.tickets.counters if h3.tickets is not None else TicketCounters(),
+            h3.peak_send_buffered(),
+            h3.blocked_writers(),
+            h3.router.forwarded if h3.router is not None else 0,
+        )
+        self.send(Kind.STATS, 0, json.dumps(report.to_json()).encode())
+
+    def lost(self) -> None:
+        for call in self._calls.values():
+            call.events.put_nowait((Kind.STATUS, _GONE))
+
+
+class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Every method, whatever its kind, as a bidirectional stream of raw bytes: the wire
+    format is the same, and the parent enforces what a unary method may receive."""
+
+    def __init__(self, link: ParentLink, transport: str) -> None:
+        self._link = link
+        self._transport = transport
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        method = handler_call_details.method
+        link, transport = self._link, self._transport
+
+        async def forward(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+            async for message in link.forward(method, transport, requests, context):
+                yield message
+
+        return grpc.stream_stream_rpc_method_handler(forward)
+
+
+async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # The parent stops every front-end and reloads models once: the terminal's signals to
+    # the whole process group are its business.
+    for ignored in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(ignored, signal.SIG_IGN)
+    reader, writer = await asyncio.open_unix_connection(runtime_dir / DISPATCH_SOCKET)
+    link = ParentLink(index, reader, writer, settings.max_message_bytes)
+    reading = asyncio.create_task(link.run())
+    client_auth = check_client_auth(settings)
+    tls = (Path(settings.tls_cert), Path(settings.tls_key)) if settings.tls_cert else None
+    grpc_server, port = await start_grpc(
+        settings,
+        lambda s: s.add_generic_rpc_handlers([link.handlers("h2")]),
+        client_auth,
+        tls,
+        reuse_port=True,
+    )
+    if tls is not None and settings.h3:
+        tickets = open_ticket_store(
+            settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl
+        )
+        link.h3 = await start_h3(
+            settings,
+            port,
+            lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
+            tls,
+            client_auth,
+            tickets,
+            reuse_port=True,
+            router=DatagramRouter(index, runtime_dir),
+        )
+    reporter = asyncio.create_task(_report(link))
+    closed = asyncio.create_task(link.closed.wait())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if link.closed.is_set() and not stop.is_set():
+        log.error("front-end %d: the parent is gone; stopping", index)
+    await asyncio.gather(
+        grpc_server.stop(settings.grace_period),
+        *([link.h3.stop(settings.grace_period)] if link.h3 else []),
+    )
+    link.report()
+    for task in (reporter, closed, stopping, reading):
+        task.cancel()
+
+
+async def _report(link: ParentLink) -> None:
+    while True:
+        link.report()
+        await asyncio.sleep(REPORT_EVERY_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service.frontends.frontend")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--runtime-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    settings = read_settings(args.runtime_dir)
+    configure_logging(settings.log_format, settings.log_level)
+    logging.getLogger("quic").setLevel(logging.WARNING)
+    log.debug("front-end %d (pid %d) starting", args.index, os.getpid())
+    asyncio.run(run(args.index, args.runtime_dir, settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

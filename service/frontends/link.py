@@ -1,0 +1,108 @@
+"""One end of a dispatch connection (a unix socket between a front-end and the parent):
+frames in, routed by the subclass; frames out, buffered by asyncio and drained by senders."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from service.frontends.protocol import (
+    WINDOW,
+    Frame,
+    FrameDecoder,
+    Kind,
+    ProtocolViolation,
+    encode_count,
+    frame,
+)
+
+log = logging.getLogger("paddlequic.frontends")
+
+READ_SIZE = 256 << 10
+# Headroom over the largest message for a frame's other fields (metadata is bounded too).
+FRAME_OVERHEAD = 1 << 20
+
+
+class FrameConnection:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_message: int
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._decoder = FrameDecoder(max_message + FRAME_OVERHEAD)
+        self.closed = asyncio.Event()
+
+    def send(self, kind: Kind, call_id: int, payload: bytes = b"") -> None:
+        if not self.closed.is_set():
+            self._writer.write(frame(kind, call_id, payload))
+
+    def give_credit(self, call_id: int, count: int = 1) -> None:
+        self.send(Kind.CREDIT, call_id, encode_count(count))
+
+    async def drain(self) -> None:
+        """Wait while the socket's buffer is full (the other process is behind)."""
+        with contextlib.suppress(ConnectionError):
+            await self._writer.drain()
+
+    async def run(self) -> None:
+        """Read until the other end closes or breaks the protocol; then `lost()`."""
+        try:
+            while data := await self._reader.read(READ_SIZE):
+                for received in self._decoder.feed(data):
+                    self.received(received)
+        except (ConnectionError, ProtocolViolation) as exc:
+            log.error("dispatch connection closed: %s", exc)
+        except Exception:
+            log.exception("dispatch connection closed on a bad frame")
+        finally:
+            self.closed.set()
+            self._writer.close()
+            self.lost()
+
+    def received(self, received: Frame) -> None:
+        raise NotImplementedError
+
+    def lost(self) -> None:
+        raise NotImplementedError
+
+
+class Window:
+    """Messages this end may still send on one call before the receiver gives credit."""
+
+    def __init__(self, size: int = WINDOW) -> None:
+        self._available = size
+        self._opened = asyncio.Event()
+
+    async def take(self) -> None:
+        while self._available <= 0:
+            self._opened.clear()
+            await self._opened.wait()
+        self._available -= 1
+
+    def give(self, count: int) -> None:
+        self._available += count
+        self._opened.set()
+
+
+class Inbox:
+    """Messages of one call from the other end, then None (the sender is done). Taking a
+    message gives its credit back; a sender past its window breaks the protocol."""
+
+    def __init__(self, connection: FrameConnection, call_id: int) -> None:
+        self._connection = connection
+        self._call_id = call_id
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def put(self, message: bytes | None) -> None:
+        if self._queue.qsize() >= WINDOW + 1:
+            raise ProtocolViolation(f"call {self._call_id}: messages past the credit window")
+        self._queue.put_nowait(message)
+
+    async def get(self) -> bytes | None:
+        message = await self._queue.get()
+        if message is None:
+            self._queue.put_nowait(None)  # every later read sees the end too
+        else:
+            self._connection.give_credit(self._call_id)
+        return message

@@ -1,0 +1,126 @@
+"""The parent of a server with front-end processes: it keeps everything but the public
+listeners (model manager, lifecycle, batchers, workers, metrics, health) and serves the
+servicers on a local dispatch endpoint that the front-ends pass every call to."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.frontends.dispatch import TRANSPORTS, DispatchServer
+from service.frontends.runtime import (
+    DISPATCH_SOCKET,
+    make_runtime_dir,
+    shared_tickets,
+    write_settings,
+)
+from service.frontends.stats import FrontendMetrics, FrontendStats
+from service.frontends.supervisor import Supervisor
+from service.observability.metrics import Metrics
+from service.server import Register, tls_files
+from service.settings import ServerSettings
+from service.ticket_store import open_ticket_store
+from transport import udp
+
+log = logging.getLogger("paddlequic.frontends")
+
+
+@dataclass
+class Frontends:
+    """The Listeners of server.py, for front-end processes."""
+
+    h3: FrontendStats | None
+    dispatch: DispatchServer
+    supervisor: Supervisor
+    runtime_dir: Path
+    reserved: socket.socket
+
+    async def refresh_h3(self) -> None:
+        await self.dispatch.refresh_stats()
+
+    async def stop(self, grace: float) -> None:
+        try:
+            await self.supervisor.stop(grace)
+            await self.dispatch.stop()
+        finally:
+            self.reserved.close()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+async def start_frontends(
+    settings: ServerSettings,
+    count: int,
+    register: Register,
+    metrics: Metrics | None,
+) -> Frontends:
+    runtime_dir = make_runtime_dir()
+    reserved: socket.socket | None = None
+    try:
+        reserved, port = _reserve_port(settings.host, settings.grpc_port)
+        if settings.h3:
+            # Checked here: front-ends that cannot bind would only be restarted, again and again.
+            udp.bind(settings.host, settings.h3_port or port, reuse_port=True).close()
+        shared = _frontend_settings(settings, runtime_dir, port)
+        write_settings(shared, runtime_dir)
+        stats = FrontendStats()
+        dispatch = DispatchServer(
+            settings.max_message_bytes,
+            stats,
+            FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
+        )
+        for transport in TRANSPORTS:
+            register(dispatch.tables[transport], transport)
+        await dispatch.start(runtime_dir / DISPATCH_SOCKET)
+    except BaseException:
+        if reserved is not None:
+            reserved.close()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise
+    restarts = dispatch.metrics.restarts.inc if dispatch.metrics is not None else _nothing
+    supervisor = Supervisor(count, runtime_dir, restarts)
+    supervisor.start()
+    log.info(
+        "%d front-end processes on port %d (HTTP/2%s), one scheduler and one set of workers "
+        "in this process",
+        count,
+        port,
+        " and HTTP/3" if settings.h3 else "",
+    )
+    return Frontends(stats if settings.h3 else None, dispatch, supervisor, runtime_dir, reserved)
+
+
+def _frontend_settings(settings: ServerSettings, runtime_dir: Path, port: int) -> ServerSettings:
+    """What every front-end runs with: the port resolved, certificates made once, tickets in a
+    store they share (checked here, so a bad one fails the start and not each front-end)."""
+    shared = dataclasses.replace(settings, grpc_port=port, h3_port=settings.h3_port or port)
+    if settings.h3 or settings.h2_tls:
+        cert, key = tls_files(settings)
+        shared = dataclasses.replace(shared, tls_cert=str(cert), tls_key=str(key))
+    if settings.h3:
+        shared = shared_tickets(shared, runtime_dir)
+        open_ticket_store(shared.ticket_store, shared.ticket_key_file, shared.ticket_ttl)
+    return shared
+
+
+def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
+    """A TCP socket bound (not listening) to the port with SO_REUSEPORT: it picks the number
+    for port 0 and holds it while front-ends come and go; connections only reach listeners."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock, int(sock.getsockname()[1])
+
+
+def _nothing() -> None:
+    return None

@@ -1,0 +1,218 @@
+"""The dispatch protocol between front-end processes and the parent, sans I/O.
+
+Every frame is a 9-byte header (payload length, kind, call id; big-endian) and a payload. A
+front-end passes each call's messages as the bytes it received, never parsed: the parent
+deserializes them for the servicer, so protobuf runs once per message, in one process. Both
+directions grant credit per call (CREDIT frames), so a peer that stops reading holds at most
+`WINDOW` messages of a call in the other process."""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import grpc
+
+WINDOW = 8  # messages of one call, per direction, sent before the receiver gives credit
+HEADER = struct.Struct(">IBI")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_OPEN = struct.Struct(">dH")  # timeout (negative: none), metadata entries
+_STATUS = struct.Struct(">HI")  # code, details length
+_NO_TIMEOUT = -1.0
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1  # front-end -> parent, call 0: its index (u16)
+    OPEN = 2  # front-end -> parent: a call starts (Open)
+    MESSAGE = 3  # both ways: one message, its bytes as received
+    HALF_CLOSE = 4  # front-end -> parent: the client sends no more messages
+    CANCEL = 5  # front-end -> parent: the client is gone
+    CREDIT = 6  # both ways: the receiver consumed this many messages (u32)
+    HEADERS = 7  # parent -> front-end: initial metadata
+    STATUS = 8  # parent -> front-end: the call's end (Status)
+    STATS = 9  # front-end -> parent, call 0: its transport counters (JSON)
+    STATS_QUERY = 10  # parent -> front-end, call 0: send STATS now
+
+
+class ProtocolViolation(ValueError):
+    """Bytes that are not this protocol: the link is closed."""
+
+
+class Frame(NamedTuple):
+    kind: Kind
+    call_id: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Open:
+    method: str
+    transport: str  # h2 or h3: the label metrics, logs and traces carry
+    peer: str
+    timeout: float | None
+    metadata: Metadata
+
+
+@dataclass(frozen=True)
+class Status:
+    code: grpc.StatusCode
+    details: str
+    trailing: Metadata
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def frame(kind: Kind, call_id: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(len(payload), kind, call_id) + payload
+
+
+def encode_open(call: Open) -> bytes:
+    timeout = _NO_TIMEOUT if call.timeout is None else max(call.timeout, 0.0)
+    return b"".join(
+        (
+            _text(call.method),
+            _text(call.transport),
+            _text(call.peer),
+            _OPEN.pack(timeout, len(call.metadata)),
+            encode_metadata_entries(call.metadata),
+        )
+    )
+
+
+def decode_open(payload: bytes) -> Open:
+    reader = _Reader(payload)
+    method, transport, peer = reader.text(), reader.text(), reader.text()
+    timeout, count = reader.unpack(_OPEN)
+    metadata = reader.metadata(count)
+    reader.end()
+    return Open(method, transport, peer, None if timeout < 0 else timeout, metadata)
+
+
+def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
+    return _U16.pack(len(metadata)) + encode_metadata_entries(metadata)
+
+
+def decode_metadata(payload: bytes) -> Metadata:
+    reader = _Reader(payload)
+    (count,) = reader.unpack(_U16)
+    metadata = reader.metadata(count)
+    reader.end()
+    return metadata
+
+
+def encode_status(status: Status) -> bytes:
+    details = status.details.encode()
+    return (
+        _STATUS.pack(status.code.value[0], len(details))
+        + details
+        + encode_metadata(status.trailing)
+    )
+
+
+def decode_status(payload: bytes) -> Status:
+    reader = _Reader(payload)
+    value, size = reader.unpack(_STATUS)
+    code = _CODES.get(value)
+    if code is None:
+        raise ProtocolViolation(f"unknown status code {value}")
+    details = reader.take(size).decode(errors="replace")
+    (count,) = reader.unpack(_U16)
+    trailing = reader.metadata(count)
+    reader.end()
+    return Status(code, details, trailing)
+
+
+def encode_count(count: int) -> bytes:
+    return _U32.pack(count)
+
+
+def decode_count(payload: bytes) -> int:
+    if len(payload) != _U32.size:
+        raise ProtocolViolation("a count is 4 bytes")
+    return int(_U32.unpack(payload)[0])
+
+
+def encode_metadata_entries(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
+    """Each entry: key, a flag (1: the value is bytes, as `-bin` keys carry), the value."""
+    parts: list[bytes] = []
+    for key, value in metadata:
+        raw = value if isinstance(value, bytes) else str(value).encode()
+        parts += (_text(key), bytes((isinstance(value, bytes),)), _U32.pack(len(raw)), raw)
+    return b"".join(parts)
+
+
+class FrameDecoder:
+    """Incremental: reads split frames anywhere; a frame over `max_payload` is a violation."""
+
+    def __init__(self, max_payload: int) -> None:
+        self._max_payload = max_payload
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buffer += data
+        frames: list[Frame] = []
+        offset = 0
+        while len(self._buffer) - offset >= HEADER.size:
+            size, kind, call_id = HEADER.unpack_from(self._buffer, offset)
+            if size > self._max_payload:
+                raise ProtocolViolation(f"frame of {size} bytes over {self._max_payload}")
+            end = offset + HEADER.size + size
+            if len(self._buffer) < end:
+                break
+            try:
+                known = Kind(kind)
+            except ValueError:
+                raise ProtocolViolation(f"unknown frame kind {kind}") from None
+            frames.append(Frame(known, call_id, bytes(self._buffer[offset + HEADER.size : end])))
+            offset = end
+        del self._buffer[:offset]
+        return frames
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode()
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"text of {len(raw)} bytes does not fit a 2-byte length")
+    return _U16.pack(len(raw)) + raw
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._offset = 0
+
+    def take(self, size: int) -> bytes:
+        end = self._offset + size
+        if end > len(self._data):
+            raise ProtocolViolation("payload ends early")
+        chunk = self._data[self._offset : end]
+        self._offset = end
+        return chunk
+
+    def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
+        return tuple(layout.unpack(self.take(layout.size)))
+
+    def text(self) -> str:
+        (size,) = self.unpack(_U16)
+        return self.take(size).decode(errors="replace")
+
+    def metadata(self, count: int) -> Metadata:
+        entries: list[tuple[str, str | bytes]] = []
+        for _ in range(count):
+            key = self.text()
+            is_bytes = self.take(1) == b"\x01"
+            (size,) = self.unpack(_U32)
+            raw = self.take(size)
+            entries.append((key, raw if is_bytes else raw.decode(errors="replace")))
+        return tuple(entries)
+
+    def end(self) -> None:
+        if self._offset != len(self._data):
+            raise ProtocolViolation(f"{len(self._data) - self._offset} bytes after the payload")

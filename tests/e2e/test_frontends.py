@@ -1,0 +1,229 @@
+"""`--frontends 2`: two front-end processes on one port feeding one set of workers. Both
+transports serve every kind of call, new connections reach both front-ends, 0-RTT tickets are
+single use across them, a killed front-end is restarted, SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.inference_client import build_request
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e.test_shared_tickets import aimed_at, ticket_from
+from tests.e2e.test_zero_rtt import infer_once
+from tests.servers import ServerProcess, model_repository, running_server
+
+pytestmark = pytest.mark.e2e
+
+REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+FRONTEND = "service.frontends.frontend"
+WORKER = "service.workers.main"
+WAIT_S = 60.0
+MAX_CONNECTIONS = 200  # new connections tried until both front-ends got one
+REBINDS = 20  # new client ports: the chance that none reaches the other front-end is 2^-20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("frontends")
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    with running_server(model_repository(root / "models", ["mlp"]), root / "log", args) as s:
+        yield s
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes `pid` started, with their command lines."""
+    found: dict[int, str] = {}
+    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in map(int, listed):
+        try:
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            continue  # it just exited
+    return found
+
+
+def frontends(server: ServerProcess) -> set[int]:
+    return {pid for pid, cmd in children(server.process.pid).items() if FRONTEND in cmd}
+
+
+def metrics(server: ServerProcess) -> str:
+    url = re.search(r"metrics on (http://\S+/metrics)", server.log_text())
+    assert url is not None
+    with urllib.request.urlopen(url.group(1), timeout=5) as response:
+        return str(response.read().decode())
+
+
+def calls_by_frontend(server: ServerProcess, transport: str) -> dict[str, float]:
+    pattern = rf'paddlequic_frontend_calls_total{{frontend="(\d+)",transport="{transport}"}} (\S+)'
+    return {index: float(count) for index, count in re.findall(pattern, metrics(server))}
+
+
+def quic(server: ServerProcess, certs_dir: Path) -> QuicChannel:
+    return QuicChannel(f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"))
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.1)
+
+
+async def every_kind_of_call(channel: grpc.aio.Channel | QuicChannel) -> None:
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    response = await stub.ModelInfer(REQUEST, timeout=30)
+    assert response.outputs[0].shape == [1, 10]
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        for i in range(5):
+            yield pb.ModelInferRequest(
+                id=str(i),
+                model_name="mlp",
+                inputs=REQUEST.inputs,
+                raw_input_contents=REQUEST.raw_input_contents,
+            )
+
+    answers = [r async for r in stub.ModelStreamInfer(requests(), timeout=30)]
+    assert sorted(a.infer_response.id for a in answers) == [str(i) for i in range(5)]
+    assert not any(a.error_message for a in answers)
+    assert (await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)).name
+    assert (await stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"), timeout=10)).inputs
+    health = health_pb2_grpc.HealthStub(channel)
+    check = await health.Check(health_pb2.HealthCheckRequest(service="mlp"), timeout=10)
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.ModelInfer(pb.ModelInferRequest(model_name="nope"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_every_kind_of_call_on_both_transports(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    async with grpc.aio.insecure_channel(server.address) as h2:
+        await every_kind_of_call(h2)
+    async with quic(server, certs_dir) as h3:
+        await every_kind_of_call(h3)
+
+
+async def test_new_connections_reach_both_frontends(server: ServerProcess, certs_dir: Path) -> None:
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    for transport in ("h2", "h3"):
+        for _ in range(MAX_CONNECTIONS):
+            if transport == "h2":
+                async with grpc.aio.insecure_channel(server.address, options=own_connection) as ch:
+                    await pb_grpc.GRPCInferenceServiceStub(ch).ServerLive(
+                        pb.ServerLiveRequest(), timeout=10
+                    )
+            else:
+                async with quic(server, certs_dir) as h3:
+                    await pb_grpc.GRPCInferenceServiceStub(h3).ServerLive(
+                        pb.ServerLiveRequest(), timeout=10
+                    )
+            if set(calls_by_frontend(server, transport)) == {"0", "1"}:
+                break
+        assert set(calls_by_frontend(server, transport)) == {"0", "1"}, transport
+
+
+def test_one_set_of_workers_under_the_parent(server: ServerProcess) -> None:
+    processes = children(server.process.pid)
+    workers = {pid for pid, cmd in processes.items() if WORKER in cmd}
+    assert workers == {i.pid for i in server.instances("mlp")}
+    assert len(frontends(server)) == 2
+    for frontend in frontends(server):
+        assert not children(frontend)  # front-ends start no workers
+
+
+def test_sighup_to_every_process_reloads_once(server: ServerProcess) -> None:
+    """What a terminal's hangup does to the process group: front-ends ignore it, the parent
+    rescans the repository."""
+    before = frontends(server)
+    for pid in (*before, server.process.pid):
+        os.kill(pid, signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: rescanning" in server.log_text(), "the rescan")
+    assert server.log_text().count("SIGHUP: rescanning") == 1
+    assert frontends(server) == before
+    assert (
+        pb_grpc.GRPCInferenceServiceStub(server.channel)
+        .ServerReady(pb.ServerReadyRequest(), timeout=10)
+        .ready
+    )
+
+
+async def rebind(channel: QuicChannel) -> None:
+    """The client's address changes (a NAT rebinding): its connection goes on from a new
+    UDP socket, so a new port, which the kernel may hash to the other front-end."""
+    protocol: Any = (await channel.connection()).protocol
+    old = protocol._transport
+    family = old.get_extra_info("socket").family  # aioquic's client binds "::" (dual stack)
+    await asyncio.get_running_loop().create_datagram_endpoint(
+        lambda: protocol, local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0)
+    )
+    old.set_protocol(asyncio.DatagramProtocol())  # closing it must not end the connection
+    old.close()
+
+
+def forwarded(server: ServerProcess) -> float:
+    found = re.search(
+        r"^paddlequic_frontend_datagrams_forwarded_total (\S+)$", metrics(server), re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_a_client_whose_address_changes_keeps_its_connection(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    async with quic(server, certs_dir) as h3:
+        stub = pb_grpc.GRPCInferenceServiceStub(h3)
+        await stub.ModelInfer(REQUEST, timeout=10)
+        connection = await h3.connection()
+        before = forwarded(server)
+        for _ in range(REBINDS):
+            await rebind(h3)
+            await stub.ModelInfer(REQUEST, timeout=10)
+        assert await h3.connection() is connection  # never reconnected
+    # Each new port lands on either front-end: some of the rebinds reached the other one.
+    wait_for(lambda: forwarded(server) > before, "datagrams passed to their owner")
+
+
+def test_a_ticket_is_single_use_across_frontends(server: ServerProcess, certs_dir: Path) -> None:
+    issued = ticket_from(server, certs_dir)
+    modes = [asyncio.run(infer_once(server, certs_dir, aimed_at(issued, server))) for _ in range(6)]
+    assert modes == ["0rtt-accepted"] + ["0rtt-rejected"] * 5
+
+
+def test_a_killed_frontend_is_restarted_and_sigterm_stops_every_process(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    with running_server(
+        model_repository(tmp_path / "models", ["mlp"]), tmp_path / "log", args
+    ) as s:
+        before = frontends(s)
+        assert len(before) == 2
+        killed = min(before)
+        os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: len(frontends(s)) == 2 and killed not in frontends(s), "a new front-end")
+        wait_for(lambda: "paddlequic_frontend_restarts_total 1.0" in metrics(s), "the count")
+        for _ in range(10):  # new connections, whichever front-end they reach
+            with grpc.insecure_channel(s.address, [("grpc.use_local_subchannel_pool", 1)]) as ch:
+                pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(REQUEST, timeout=30)
+        everything = set(children(s.process.pid))
+        assert s.stop() == 0
+    # multiprocessing's resource tracker exits once the parent is gone: wait, do not race it.
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in everything), "no process")
