@@ -201,9 +201,11 @@ async def test_a_client_whose_address_changes_keeps_its_connection(
     wait_for(lambda: forwarded(server) > before, "datagrams passed to their owner")
 
 
-def test_a_ticket_is_single_use_across_frontends(server: ServerProcess, certs_dir: Path) -> None:
-    issued = ticket_from(server, certs_dir)
-    modes = [asyncio.run(infer_once(server, certs_dir, aimed_at(issued, server))) for _ in range(6)]
+async def test_a_ticket_is_single_use_across_frontends(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    issued = await ticket_from(server, certs_dir)
+    modes = [await infer_once(server, certs_dir, aimed_at(issued, server)) for _ in range(6)]
     assert modes == ["0rtt-accepted"] + ["0rtt-rejected"] * 5
 
 
