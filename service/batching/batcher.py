@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -20,27 +19,18 @@ from opentelemetry.trace import SpanContext
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
-from service.batching.assemble import join, split
+from service.batching.assemble import Batch, plan
 from service.batching.poison import PoisonList
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.batching.shapes import shape_buckets
-from service.validation import InferJob
-from service.workers.instance import InferResult, OutputTensor, WorkerDied
-from service.workers.protocol import Timings
+from service.inference import Answer, InferJob, InferResult
+from service.workers.instance import WorkerDied
 
 CRASHES_TO_POISON = 2
-# Runs a job padded to its shape bucket; the int is the rows its requests brought, without the
-# padding. A batch runs until its last request's deadline (or without one if any has none); each
-# request is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
-RunBatch = Callable[[InferJob, int, list[SpanContext], float | None], Awaitable[InferResult]]
-
-
-@dataclass(frozen=True)
-class Answer:
-    outputs: tuple[OutputTensor, ...]
-    timings: Timings  # of the whole batch
-    queue_ns: int  # this request's wait: in the batcher's queue and for a worker slot
-    batch_rows: int
+# Runs a batch padded to its shape bucket, with the spans of its requests. A batch runs until
+# its last request's deadline (or without one if any has none); each request is answered
+# DEADLINE_EXCEEDED at its own deadline meanwhile.
+RunBatch = Callable[[Batch, list[SpanContext], float | None], Awaitable[InferResult]]
 
 
 class DynamicBatcher:
@@ -67,22 +57,18 @@ class DynamicBatcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def submit(
-        self,
-        job: InferJob,
-        deadline: float | None,
-        priority: int | None = None,
-        timeout_s: float | None = None,
-    ) -> Answer:
+    async def submit(self, job: InferJob, deadline: float | None) -> Answer:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        queue_timeout = self.policy.timeout_of(timeout_s)
+        queue_timeout = self.policy.timeout_of(job.timeout_s)
         timeout_at = None if queue_timeout is None else now + queue_timeout
         limits = [t for t in (deadline, timeout_at) if t is not None]
         if self.poison and self.poison.holds(job, now):
             raise errors.internal(self._poison_message())
         future: asyncio.Future[Answer] = loop.create_future()
-        pending = Pending(job, now, min(limits, default=None), self.policy.priority_of(priority))
+        pending = Pending(
+            job, now, min(limits, default=None), self.policy.priority_of(job.priority)
+        )
         pending.deadline = deadline
         pending.ticket = future
         pending.trace = trace.get_current_span().get_span_context()
@@ -149,16 +135,14 @@ class DynamicBatcher:
         """Run one batch and answer its requests; on failure raise, answering none."""
         started = asyncio.get_running_loop().time()
         deadlines = [item.deadline for item in batch]
-        job = join([item.job for item in batch], self.policy.shapes)
-        rows = sum(item.rows for item in batch)
+        planned = plan([item.job for item in batch], self.policy.shapes)
         result = await self._run_batch(
-            job,
-            rows,
+            planned,
             [item.trace for item in batch],
             None if None in deadlines else max(d for d in deadlines if d is not None),
         )
-        parts = split(result, [item.rows for item in batch], max(job.batch_size, 1))
-        for item, outputs in zip(batch, parts, strict=True):
+        rows = planned.formed
+        for item, outputs in zip(batch, result.outputs, strict=True):
             waited = int((started - item.arrival) * 1e9) + result.queue_ns
             if not item.ticket.done():
                 item.ticket.set_result(Answer(outputs, result.timings, waited, rows))

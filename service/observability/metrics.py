@@ -21,9 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from service.breaker import BreakerState
+from service.inference import Timings
 from service.model_manager import ModelManager
 from service.scheduling.topology import Topology
-from service.workers.protocol import Timings
 from transport.h3_server import H3Server
 
 log = logging.getLogger("paddlequic.metrics")
