@@ -24,6 +24,7 @@ from service.batching.poison import PoisonList
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.batching.shapes import shape_buckets
 from service.inference import Answer, InferJob, InferResult
+from service.timers import fail_at, wake_at
 from service.workers.instance import WorkerDied
 
 CRASHES_TO_POISON = 2
@@ -47,7 +48,7 @@ class DynamicBatcher:
         self._run_batch = run_batch
         self._capacity = capacity
         self._queue = BatchQueue(policy)
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the scheduler's, while it sleeps
         self._in_flight = 0
         self.in_flight_requests = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -78,11 +79,10 @@ class DynamicBatcher:
             raise errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._schedule())
-        self._wake.set()
+        self._wake()
+        timer = fail_at(future, deadline, TimeoutError)
         try:
-            if deadline is None:
-                return await future
-            return await asyncio.wait_for(future, max(deadline - now, 0.0))
+            return await future
         except TimeoutError:
             self._queue.remove(pending)
             raise errors.deadline_exceeded(
@@ -92,6 +92,9 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             self._queue.remove(pending)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -126,10 +129,21 @@ class DynamicBatcher:
             task.add_done_callback(self._tasks.discard)
 
     async def _sleep(self, until: float | None) -> None:
-        self._wake.clear()
-        timeout = None if until is None else max(until - asyncio.get_running_loop().time(), 0.0)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+        """Until `until` (event-loop time; None: no limit) or the next _wake()."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        timer = wake_at(waiter, until)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _wake(self) -> None:
+        """Something changed (a request came, a batch ended): the scheduler looks again."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def _run(self, batch: list[Pending]) -> None:
         """Run one batch and answer its requests; on failure raise, answering none."""
@@ -164,7 +178,7 @@ class DynamicBatcher:
         finally:
             self._in_flight -= 1
             self.in_flight_requests -= len(batch)
-            self._wake.set()
+            self._wake()
 
     async def _attempt(self, batch: list[Pending]) -> None:
         try:

@@ -34,6 +34,7 @@ from service.batching.shapes import ShapeBuckets
 from service.inference import InferResult
 from service.repository import ModelFiles
 from service.tensors import Datatype
+from service.timers import fail_at
 from service.workers import protocol
 from service.workers.shm import Segment, layout
 
@@ -243,9 +244,14 @@ class WorkerInstance:
             raise
         # From here the slot belongs to the pending entry: the worker may still write into it,
         # so only its answer (or its death) gives the slot back.
+        timer = fail_at(
+            future, deadline, lambda: errors.deadline_exceeded("deadline exceeded in the worker")
+        )
         try:
-            return await _until(asyncio.shield(future), deadline, "deadline exceeded in the worker")
+            return await future
         finally:
+            if timer is not None:
+                timer.cancel()
             if not future.done():
                 future.cancel()
 
@@ -253,6 +259,8 @@ class WorkerInstance:
         """A free slot of a ready worker; a worker that dies meanwhile is waited for again
         (bounded), so a request never fails just for arriving during a restart."""
         while True:
+            if self.state is State.READY and self._writer is not None and not self._free.empty():
+                return self._free.get_nowait()
             if self.state is State.STOPPED:
                 raise errors.unavailable(self._not_ready_message())
             if not self._ready.is_set():
