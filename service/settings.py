@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from service.event_loop import EVENT_LOOPS
 from service.observability.logs import LOG_FORMATS
 from service.restricted import RESTRICTABLE
 
@@ -66,6 +67,7 @@ class ServerSettings:
     restricted_protocol: tuple[str, ...] = ()
     tls_client_ca: str = ""
     require_client_cert: bool = False
+    event_loop: str = "auto"
 
 
 _HELP = {
@@ -134,11 +136,16 @@ _HELP = {
     "tls_client_ca": "PEM CA certificates that client certificates must chain to (HTTP/3, "
     "HTTP/2 with --h2-tls)",
     "require_client_cert": "refuse TLS clients without a certificate from --tls-client-ca",
+    "event_loop": "auto (uvloop where installed, else asyncio's), asyncio or uvloop",
 }
 
 
 # Options that take one of a few words: anything else is refused at parse time.
-_CHOICES = {"h3_retry": ("auto", "always", "never"), "log_format": LOG_FORMATS}
+_CHOICES = {
+    "h3_retry": ("auto", "always", "never"),
+    "log_format": LOG_FORMATS,
+    "event_loop": EVENT_LOOPS,
+}
 
 
 def env_name(field_name: str) -> str:
