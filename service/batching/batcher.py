@@ -49,6 +49,7 @@ class DynamicBatcher:
         self._capacity = capacity
         self._queue = BatchQueue(policy)
         self._waiter: asyncio.Future[None] | None = None  # the scheduler's, while it sleeps
+        self._sleep_until: float | None = None  # when the sleeping scheduler looks again anyway
         self._in_flight = 0
         self.in_flight_requests = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -79,7 +80,13 @@ class DynamicBatcher:
             raise errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._schedule())
-        self._wake()
+        if self._in_flight < max(self._capacity(), 1) or _sooner(
+            pending.expires, self._sleep_until
+        ):
+            # Otherwise nothing can be sent before a batch ends (which wakes the scheduler) and
+            # the scheduler's next look comes before this request's queue time runs out: under
+            # load that spares one scheduler turn per request.
+            self._wake()
         timer = fail_at(future, deadline, TimeoutError)
         try:
             return await future
@@ -131,12 +138,12 @@ class DynamicBatcher:
     async def _sleep(self, until: float | None) -> None:
         """Until `until` (event-loop time; None: no limit) or the next _wake()."""
         waiter = asyncio.get_running_loop().create_future()
-        self._waiter = waiter
+        self._waiter, self._sleep_until = waiter, until
         timer = wake_at(waiter, until)
         try:
             await waiter
         finally:
-            self._waiter = None
+            self._waiter = self._sleep_until = None
             if timer is not None:
                 timer.cancel()
 
@@ -217,6 +224,11 @@ class DynamicBatcher:
             f"while computing this input; identical inputs are refused for "
             f"{self.poison.ttl_s:.0f} s"
         )
+
+
+def _sooner(when: float | None, than: float | None) -> bool:
+    """Whether `when` comes before `than` (None: never)."""
+    return when is not None and (than is None or when < than)
 
 
 def _fail(item: Pending, error: errors.ServiceError) -> None:

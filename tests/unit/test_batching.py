@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -281,6 +282,32 @@ def test_queue_full_and_deadline_statuses() -> None:
         executor.release.set()
         await running
         assert len(executor.batches) == 1  # the expired request never reached the executor
+        await batcher.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_queue_timeout_ends_on_time_while_the_instance_is_busy() -> None:
+    """A request arriving while no batch can be sent does not wake the scheduler, unless its
+    queue time runs out before the scheduler's next look."""
+
+    async def scenario() -> None:
+        executor = _Executor()
+        policy = BatchPolicy(max_batch_size=8, allow_timeout_override=True)
+        batcher = DynamicBatcher(policy, executor, lambda: 1)
+        running = asyncio.create_task(batcher.submit(job(), None))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        patient = asyncio.create_task(batcher.submit(replace(job(), timeout_s=600.0), None))
+        await asyncio.sleep(0)
+        with pytest.raises(errors.ServiceError) as expired:
+            # The bound only keeps a broken scheduler from hanging the test.
+            await asyncio.wait_for(batcher.submit(replace(job(), timeout_s=0.01), None), 60)
+        assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "in the queue" in expired.value.message
+        executor.release.set()
+        await asyncio.gather(running, patient)
+        assert [b.rows for b in executor.batches] == [1, 1]
         await batcher.stop()
 
     asyncio.run(scenario())
