@@ -78,7 +78,7 @@ def test_typed_element_count_must_match_the_shape() -> None:
     )
 
 
-def test_join_and_split_keep_each_requests_elements() -> None:
+def test_each_requests_elements_are_written_in_order_and_split_back() -> None:
     validator = RequestValidator(TEXT)
     first = validator.validate(request_with(typed=[b"a", b"bb"]))
     second = validator.validate(request_with(typed=[b"ccc", b"", b"dd", b"e"], rows=2))
