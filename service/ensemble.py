@@ -9,14 +9,10 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
-from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import errors
-from service.tensors import BY_NAME, config_type_name, from_numpy
-from service.validation import InferJob
-from service.workers.instance import OutputTensor
+from service.inference import InferJob, InputTensor, OutputTensor
+from service.tensors import Datatype, config_type_name
 
 
 class EnsembleError(ValueError):
@@ -25,7 +21,7 @@ class EnsembleError(ValueError):
 
 @dataclass(frozen=True)
 class Tensor:
-    datatype: str  # protocol name: "FP32", "BYTES"
+    datatype: Datatype
     shape: tuple[int, ...]
     data: bytes
 
@@ -42,8 +38,10 @@ class Step:
         return f"step {self.number} (model '{self.model}')"
 
 
-# Runs one step's request on its model: the outputs it answered with.
-RunStep = Callable[[Step, pb.ModelInferRequest], Awaitable[tuple[OutputTensor, ...]]]
+# Runs one step on its model (its inputs, the outputs it asks for): the outputs it answered with.
+RunStep = Callable[
+    [Step, tuple[InputTensor, ...], tuple[str, ...]], Awaitable[tuple[OutputTensor, ...]]
+]
 
 
 def plan(config: mc.ModelConfig) -> tuple[Step, ...]:
@@ -135,15 +133,18 @@ async def run(
 ) -> tuple[OutputTensor, ...]:
     """Run the graph for one validated request; a failing step fails it with the step named
     (and the other steps still running are cancelled)."""
-    tensors = {t.name: Tensor(t.datatype.name, t.shape, t.data) for t in job.inputs}
+    tensors = {t.name: Tensor(t.datatype, t.shape, t.data) for t in job.inputs}
     waiting = list(steps)
     running: dict[asyncio.Task[tuple[OutputTensor, ...]], Step] = {}
     try:
         while waiting or running:
             for step in [s for s in waiting if set(s.inputs.values()) <= tensors.keys()]:
                 waiting.remove(step)
-                request = _step_request(step, tensors)
-                running[asyncio.ensure_future(run_step(step, request))] = step
+                inputs = tuple(
+                    InputTensor(name, tensors[t].datatype, tensors[t].shape, tensors[t].data)
+                    for name, t in step.inputs.items()
+                )
+                running[asyncio.ensure_future(run_step(step, inputs, tuple(step.outputs)))] = step
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 step = running.pop(task)
@@ -156,23 +157,11 @@ async def run(
                 for output in outputs:
                     if output.name in step.outputs:
                         tensors[step.outputs[output.name]] = Tensor(
-                            from_numpy(np.dtype(output.dtype)).name, output.shape, output.data
+                            output.datatype, output.shape, output.data
                         )
     finally:
         for task in running:
             task.cancel()
     return tuple(
-        OutputTensor(n, BY_NAME[tensors[n].datatype].numpy.str, tensors[n].shape, tensors[n].data)
-        for n in job.outputs
+        OutputTensor(n, tensors[n].datatype, tensors[n].shape, tensors[n].data) for n in job.outputs
     )
-
-
-def _step_request(step: Step, tensors: Mapping[str, Tensor]) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name=step.model, model_version=step.version)
-    for model_input, tensor_name in step.inputs.items():
-        tensor = tensors[tensor_name]
-        request.inputs.add(name=model_input, datatype=tensor.datatype, shape=tensor.shape)
-        request.raw_input_contents.append(tensor.data)
-    for model_output in step.outputs:
-        request.outputs.add(name=model_output)
-    return request

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from importlib import metadata
 
 import grpc
-import numpy as np
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service import errors
-from service.batching.batcher import Answer
 from service.errors import ServicerContext
+from service.inference import Answer, InferJob
 from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager, ServedVersion
-from service.tensors import BY_CONFIG_TYPE, from_numpy
+from service.tensors import BY_CONFIG_TYPE
 
 log = logging.getLogger("paddlequic.api")
 
@@ -222,27 +222,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, deadline: float | None
     ) -> pb.ModelInferResponse:
         served = self.models.resolve(request.model_name, request.model_version)
-        answered, result = await self.models.infer(served, request, deadline)
+        answered, result = await self.models.infer(served, _decode(served, request), deadline)
         with self.models.encode_span():
-            response = _response(answered, request, result)
+            response = _response(answered, request.id, result)
         if answered is not served:
             # Answered by the fallback model while `served` is open-circuited.
             response.parameters["fallback"].bool_param = True
         return response
 
 
-def _response(
-    served: ServedVersion, request: pb.ModelInferRequest, answer: Answer
-) -> pb.ModelInferResponse:
+def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> InferJob:
+    """The request as a job for `served`; a refused request counts as one of its failures."""
+    started = time.perf_counter_ns()
+    try:
+        assert served.validator is not None
+        return served.validator.validate(request)
+    except errors.ServiceError:
+        served.stats.record_failure(time.perf_counter_ns() - started)
+        raise
+
+
+def _response(served: ServedVersion, request_id: str, answer: Answer) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(
-        model_name=served.name, model_version=str(served.version), id=request.id
+        model_name=served.name, model_version=str(served.version), id=request_id
     )
     for tensor in answer.outputs:
-        response.outputs.add(
-            name=tensor.name,
-            datatype=from_numpy(np.dtype(tensor.dtype)).name,
-            shape=tensor.shape,
-        )
+        response.outputs.add(name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape)
         response.raw_output_contents.append(tensor.data)
     return response
 

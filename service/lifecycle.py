@@ -40,7 +40,7 @@ from service.scheduling.topology import Topology
 from service.settings import ServerSettings
 from service.signing import CONFIG_FILE, SIGNATURE_FILE, SignatureError, SigningPolicy
 from service.statistics import ModelStats
-from service.tensors import config_type_name
+from service.tensors import BY_CONFIG_TYPE, config_type_name
 from service.validation import RequestValidator
 from service.warmup import WarmUpError, warm_ups
 from service.workers.instance import WorkerInstance, WorkerSpec
@@ -271,13 +271,14 @@ class Lifecycle:
             assert not isinstance(loaded, BaseException)
             served.config = complete_config(config, loaded.inputs, loaded.outputs)
             renamed = fetch_names(config, loaded.outputs)
+            datatypes = {o.name: BY_CONFIG_TYPE[o.data_type] for o in served.config.output}
             for instance in served.instances:
-                instance.name_outputs(renamed)
+                instance.declare_outputs(datatypes, renamed)
             served.validator = RequestValidator(served.config)
             served.batcher = DynamicBatcher(
                 policy_from_config(served.config, len(served.instances)),
-                lambda job, rows, requests, deadline: self.models.run_batch(
-                    served, job, rows, requests, deadline
+                lambda batch, requests, deadline: self.models.run_batch(
+                    served, batch, requests, deadline
                 ),
                 served.capacity,
                 f"model '{served.name}' version {served.version}",
@@ -492,7 +493,7 @@ class Lifecycle:
             for warm_up in plan:
                 for _ in range(warm_up.count):
                     started = loop.time()
-                    await self.models.infer(served, warm_up.request, started + WARM_UP_TIMEOUT_S)
+                    await self.models.infer(served, warm_up.job, started + WARM_UP_TIMEOUT_S)
                     if warm_up.bucket:
                         slowest = max(slowest, loop.time() - started)
         except (errors.ServiceError, WarmUpError) as exc:

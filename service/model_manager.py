@@ -19,22 +19,17 @@ from opentelemetry.trace import SpanContext
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service import ensemble, errors
-from service.batching.batcher import Answer, DynamicBatcher
+from service.batching.assemble import Batch
+from service.batching.batcher import DynamicBatcher
 from service.breaker import Admission, BreakerState, CircuitBreaker
 from service.fallback import incompatibility
+from service.inference import Answer, InferJob, InferResult, InputTensor, OutputTensor, Timings
 from service.model_parameters import check_parameters
 from service.repository import check_model_name, parse_version
 from service.scheduling import routing
 from service.statistics import ModelStats
-from service.validation import InferJob, RequestValidator
-from service.workers.instance import (
-    SLOTS_PER_WORKER,
-    InferResult,
-    OutputTensor,
-    State,
-    WorkerInstance,
-)
-from service.workers.protocol import Timings
+from service.validation import RequestValidator
+from service.workers.instance import SLOTS_PER_WORKER, State, WorkerInstance
 
 
 class VersionState(enum.Enum):
@@ -218,7 +213,7 @@ class ModelManager:
         return entries
 
     async def infer(
-        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
+        self, served: ServedVersion, job: InferJob, deadline: float | None
     ) -> tuple[ServedVersion, Answer]:
         """Run the request on `served`, or on its fallback model while its breaker is open:
         the version that answered, and its answer."""
@@ -235,20 +230,20 @@ class ModelManager:
                 raise _open_circuit(fallback, fallback.start_failure())
             if self.observer is not None:
                 self.observer.on_fallback(served.name, fallback.name)
-            return fallback, await self._recorded(fallback, fallback_admission, request, deadline)
-        return served, await self._recorded(served, admission, request, deadline)
+            return fallback, await self._recorded(fallback, fallback_admission, job, deadline)
+        return served, await self._recorded(served, admission, job, deadline)
 
     async def _recorded(
         self,
         served: ServedVersion,
         admission: Admission,
-        request: pb.ModelInferRequest,
+        job: InferJob,
         deadline: float | None,
     ) -> Answer:
         """Run the request, telling the version's breaker how it ended for the caller."""
         code: grpc.StatusCode | None = None
         try:
-            return await self._run(served, request, deadline)
+            return await self._run(served, job, deadline)
         except errors.ServiceError as exc:
             code = exc.code
             raise
@@ -289,29 +284,22 @@ class ModelManager:
                 self.load_failed(served.name, "fallback")
         self._on_change()
 
-    async def _run(
-        self, served: ServedVersion, request: pb.ModelInferRequest, deadline: float | None
-    ) -> Answer:
+    async def _run(self, served: ServedVersion, job: InferJob, deadline: float | None) -> Answer:
         started = time.perf_counter_ns()
         served.active += 1  # before any await: a swap cannot retire it under this request
         try:
-            assert served.validator is not None
-            job = served.validator.validate(request)
-            priority, timeout_s = request_scheduling(request)
             if served.steps:
                 answer = await self._run_ensemble(served, job, deadline)
             else:
                 assert served.batcher is not None
-                answer = await served.batcher.submit(job, deadline, priority, timeout_s)
+                answer = await served.batcher.submit(job, deadline)
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
         finally:
             served.active -= 1
         elapsed_ns = time.perf_counter_ns() - started
-        served.stats.record_success(
-            max(job.batch_size, 1), elapsed_ns, answer.queue_ns, answer.timings
-        )
+        served.stats.record_success(job.rows, elapsed_ns, answer.queue_ns, answer.timings)
         if self.observer is not None:
             self.observer.on_request(served.name, elapsed_ns, answer)
         return answer
@@ -322,15 +310,22 @@ class ModelManager:
         queue_ns = 0
 
         async def run_step(
-            step: ensemble.Step, request: pb.ModelInferRequest
+            step: ensemble.Step, inputs: tuple[InputTensor, ...], outputs: tuple[str, ...]
         ) -> tuple[OutputTensor, ...]:
             nonlocal queue_ns
-            _, answer = await self.infer(self.resolve(step.model, step.version), request, deadline)
+            model = self.resolve(step.model, step.version)
+            try:
+                assert model.validator is not None
+                step_job = model.validator.check(inputs, outputs)
+            except errors.ServiceError:
+                model.stats.record_failure(0)
+                raise
+            _, answer = await self.infer(model, step_job, deadline)
             queue_ns += answer.queue_ns
             return answer.outputs
 
         outputs = await ensemble.run(served.name, served.steps, job, run_step)
-        return Answer(outputs, Timings(0, 0, 0), queue_ns, max(job.batch_size, 1))
+        return Answer(outputs, Timings(0, 0, 0), queue_ns, job.rows)
 
     def ensemble_ready(self, served: ServedVersion) -> bool:
         """Every step's model has a ready version (the one it names, if it names one)."""
@@ -367,19 +362,19 @@ class ModelManager:
     async def run_batch(
         self,
         served: ServedVersion,
-        job: InferJob,
-        rows: int,
+        batch: Batch,
         requests: Sequence[SpanContext],
         deadline: float | None,
     ) -> InferResult:
-        """Statistics and metrics count `rows`, the rows requests brought (the batch sizes
-        formed); the engine ran `job`, padded to its bucket."""
+        """Statistics and metrics count the rows requests brought (the batch sizes formed);
+        the engine runs `batch` padded to its bucket."""
+        rows = batch.formed
         with (
             self.observer.batch_span(served.name, served.version, rows, requests)
             if self.observer is not None
             else contextlib.nullcontext()
         ):
-            result = await served.pick_instance().infer(job, deadline)
+            result = await served.pick_instance().infer(batch, deadline)
         served.stats.record_batch(rows, result.timings)
         if self.observer is not None:
             self.observer.on_batch(served.name, rows, result.timings)
@@ -393,25 +388,6 @@ class ModelManager:
     def load_failed(self, name: str, reason: str) -> None:
         if self.observer is not None:
             self.observer.on_load_failure(name, reason)
-
-
-def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float | None]:
-    """Triton's request parameters: `priority` (1 = highest) and `timeout` (microseconds)."""
-    values: list[int | None] = []
-    for key in ("priority", "timeout"):
-        parameter = request.parameters.get(key)
-        kind = parameter.WhichOneof("parameter_choice") if parameter is not None else None
-        if kind not in ("int64_param", "uint64_param"):
-            if kind is not None:
-                raise errors.invalid(f"request parameter '{key}' must be an integer")
-            values.append(None)
-            continue
-        value = int(getattr(parameter, kind))
-        if value < 0:
-            raise errors.invalid(f"request parameter '{key}' must not be negative")
-        values.append(value)
-    priority, timeout_us = values
-    return priority, None if timeout_us is None else timeout_us / 1e6
 
 
 def _open_circuit(

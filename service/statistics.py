@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.inference import grpc_service_pb2 as pb
-from service.workers.protocol import Timings
+from service.inference import Timings
 
 
 @dataclass

@@ -8,6 +8,7 @@ that fails here may ever reach a predictor.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.errors import invalid
+from service.inference import InferJob, InputTensor
 from service.model_parameters import check_parameters
 from service.tensors import BY_CONFIG_TYPE, Datatype
 from transport.bytes_tensor import deserialize_bytes, serialize_bytes
@@ -22,25 +24,6 @@ from transport.bytes_tensor import deserialize_bytes, serialize_bytes
 # Where config.pbtxt sets no max_input_elements: an input with variable non-batch dimensions
 # may hold this many elements per batch row (a fixed-shape input is bounded by its shape).
 DEFAULT_ELEMENTS_PER_ROW = 1 << 20
-
-
-@dataclass(frozen=True)
-class InputTensor:
-    name: str
-    datatype: Datatype
-    shape: tuple[int, ...]
-    # Little-endian, row-major, exactly prod(shape) * itemsize bytes; BYTES: prod(shape)
-    # elements, each a 4-byte little-endian length and its contents.
-    data: bytes
-
-
-@dataclass(frozen=True)
-class InferJob:
-    """A validated request: every declared input exactly once, and the outputs to return."""
-
-    inputs: tuple[InputTensor, ...]
-    outputs: tuple[str, ...]
-    batch_size: int  # 0 when the model does not batch
 
 
 @dataclass(frozen=True)
@@ -75,6 +58,7 @@ class RequestValidator:
         self.outputs = tuple(o.name for o in config.output)
 
     def validate(self, request: pb.ModelInferRequest) -> InferJob:
+        """The request as a job, or INVALID_ARGUMENT saying what is wrong."""
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise invalid(
@@ -83,39 +67,61 @@ class RequestValidator:
             )
         seen: dict[str, InputTensor] = {}
         for index, tensor in enumerate(request.inputs):
-            if tensor.name in seen:
-                raise invalid(f"input '{tensor.name}' appears more than once")
-            declared = self.inputs.get(tensor.name)
-            if declared is None:
-                raise invalid(
-                    f"model '{self.model}' has no input '{tensor.name}'; "
-                    f"its inputs are {sorted(self.inputs)}"
-                )
-            shape = self._check_shape(tensor, declared)
-            data = (
-                self._raw_data(tensor, raw[index], declared, shape)
-                if raw
-                else self._typed_data(tensor, declared, shape)
-            )
+            declared = self._declared(tensor.name, seen)
+            shape = self._check_shape(tensor.name, tensor.datatype, tuple(tensor.shape), declared)
+            if raw:
+                if tensor.HasField("contents"):
+                    raise invalid(
+                        f"input '{tensor.name}': both raw_input_contents and contents are set; "
+                        "use one"
+                    )
+                data = self._check_raw(tensor.name, raw[index], declared, shape)
+            else:
+                data = self._typed_data(tensor, declared, shape)
             seen[tensor.name] = InputTensor(tensor.name, declared.datatype, shape, data)
-        missing = sorted(set(self.inputs) - set(seen))
-        if missing:
+        inputs = self._complete(seen)
+        outputs = self._outputs(tuple(o.name for o in request.outputs))
+        batch_size = self._batch(seen)
+        return InferJob(inputs, outputs, batch_size, *request_scheduling(request))
+
+    def check(self, inputs: Iterable[InputTensor], outputs: tuple[str, ...]) -> InferJob:
+        """A job the server put together itself (an ensemble's step), checked as strictly as
+        a caller's request."""
+        seen: dict[str, InputTensor] = {}
+        for tensor in inputs:
+            declared = self._declared(tensor.name, seen)
+            shape = self._check_shape(tensor.name, tensor.datatype.name, tensor.shape, declared)
+            self._check_raw(tensor.name, tensor.data, declared, shape)
+            seen[tensor.name] = tensor
+        return InferJob(self._complete(seen), self._outputs(outputs), self._batch(seen))
+
+    def _declared(self, name: str, seen: dict[str, InputTensor]) -> _Declared:
+        if name in seen:
+            raise invalid(f"input '{name}' appears more than once")
+        declared = self.inputs.get(name)
+        if declared is None:
+            raise invalid(
+                f"model '{self.model}' has no input '{name}'; its inputs are {sorted(self.inputs)}"
+            )
+        return declared
+
+    def _complete(self, seen: dict[str, InputTensor]) -> tuple[InputTensor, ...]:
+        if len(seen) != len(self.inputs):
+            missing = sorted(set(self.inputs) - set(seen))
             raise invalid(
                 f"model '{self.model}': missing input(s) {missing}; every input must be sent "
                 "with every request"
             )
-        return InferJob(tuple(seen.values()), self._outputs(request), self._batch(seen))
+        return tuple(seen.values())
 
     def _check_shape(
-        self, tensor: pb.ModelInferRequest.InferInputTensor, declared: _Declared
+        self, name: str, datatype: str, shape: tuple[int, ...], declared: _Declared
     ) -> tuple[int, ...]:
-        name = tensor.name
-        if tensor.datatype != declared.datatype.name:
+        if datatype != declared.datatype.name:
             raise invalid(
                 f"input '{name}': expected datatype {declared.datatype.name}, "
-                f"got {tensor.datatype or 'none'}"
+                f"got {datatype or 'none'}"
             )
-        shape = tuple(tensor.shape)
         expected = ((-1,) if self.max_batch_size > 0 else ()) + declared.dims
         if len(shape) != len(expected):
             raise invalid(
@@ -144,31 +150,22 @@ class RequestValidator:
         return shape
 
     @staticmethod
-    def _raw_data(
-        tensor: pb.ModelInferRequest.InferInputTensor,
-        data: bytes,
-        declared: _Declared,
-        shape: tuple[int, ...],
-    ) -> bytes:
-        if tensor.HasField("contents"):
-            raise invalid(
-                f"input '{tensor.name}': both raw_input_contents and contents are set; use one"
-            )
+    def _check_raw(name: str, data: bytes, declared: _Declared, shape: tuple[int, ...]) -> bytes:
         if declared.datatype.name == "BYTES":
             try:
                 count = len(deserialize_bytes(data))
             except ValueError as exc:
-                raise invalid(f"input '{tensor.name}': malformed BYTES contents: {exc}") from None
+                raise invalid(f"input '{name}': malformed BYTES contents: {exc}") from None
             if count != math.prod(shape):
                 raise invalid(
-                    f"input '{tensor.name}': shape {list(shape)} needs {math.prod(shape)} BYTES "
+                    f"input '{name}': shape {list(shape)} needs {math.prod(shape)} BYTES "
                     f"elements, raw_input_contents holds {count}"
                 )
             return data
         expected = math.prod(shape) * declared.datatype.numpy.itemsize
         if len(data) != expected:
             raise invalid(
-                f"input '{tensor.name}': shape {list(shape)} of {declared.datatype.name} needs "
+                f"input '{name}': shape {list(shape)} of {declared.datatype.name} needs "
                 f"{expected} bytes of raw_input_contents, got {len(data)}"
             )
         return data
@@ -199,8 +196,7 @@ class RequestValidator:
                 f"input '{tensor.name}': a value does not fit {declared.datatype.name}"
             ) from exc
 
-    def _outputs(self, request: pb.ModelInferRequest) -> tuple[str, ...]:
-        names = tuple(o.name for o in request.outputs)
+    def _outputs(self, names: tuple[str, ...]) -> tuple[str, ...]:
         if not names:
             return self.outputs
         if len(set(names)) != len(names):
@@ -220,3 +216,22 @@ class RequestValidator:
         if len(sizes) != 1:
             raise invalid(f"inputs disagree on the batch size: {sorted(sizes)}")
         return sizes.pop()
+
+
+def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float | None]:
+    """Triton's request parameters: `priority` (1 = highest) and `timeout` (microseconds)."""
+    values: list[int | None] = []
+    for key in ("priority", "timeout"):
+        parameter = request.parameters.get(key)
+        kind = parameter.WhichOneof("parameter_choice") if parameter is not None else None
+        if kind not in ("int64_param", "uint64_param"):
+            if kind is not None:
+                raise invalid(f"request parameter '{key}' must be an integer")
+            values.append(None)
+            continue
+        value = int(getattr(parameter, kind))
+        if value < 0:
+            raise invalid(f"request parameter '{key}' must not be negative")
+        values.append(value)
+    priority, timeout_us = values
+    return priority, None if timeout_us is None else timeout_us / 1e6

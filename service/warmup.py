@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.batching.shapes import ShapeBuckets
+from service.inference import InferJob, InputTensor
 from service.tensors import BY_CONFIG_TYPE, config_type_name
 from transport.bytes_tensor import serialize_bytes
 
@@ -27,7 +27,7 @@ class WarmUpError(ValueError):
 @dataclass(frozen=True)
 class WarmUp:
     name: str
-    request: pb.ModelInferRequest
+    job: InferJob
     count: int = 1
     bucket: bool = False  # one of the shape buckets (else a model_warmup sample)
 
@@ -42,7 +42,7 @@ def warm_ups(config: mc.ModelConfig, shapes: ShapeBuckets) -> list[WarmUp]:
     for rows, length in itertools.product(batches, lengths):
         dims = {t.name: [length if d < 0 else d for d in t.dims] for t in config.input}
         label = f"bucket {rows or 'unbatched'}" + (f" x {length}" if variable else "")
-        plan.append(WarmUp(label, _request(config, rows, dims, zero=True), bucket=True))
+        plan.append(WarmUp(label, _job(config, rows, dims, zero=True), bucket=True))
     for sample in config.model_warmup:
         plan.append(_sample(config, sample))
     return plan
@@ -79,28 +79,27 @@ def _sample(config: mc.ModelConfig, sample: mc.ModelWarmup) -> WarmUp:
             )
         dims[name] = list(given.dims)
     rows = sample.batch_size if config.max_batch_size > 0 else None
-    return WarmUp(sample.name, _request(config, rows, dims, zero), max(sample.count, 1))
+    return WarmUp(sample.name, _job(config, rows, dims, zero), max(sample.count, 1))
 
 
-def _request(
+def _job(
     config: mc.ModelConfig, rows: int | None, dims: dict[str, list[int]], zero: bool
-) -> pb.ModelInferRequest:
+) -> InferJob:
     """Zeros, or seeded random data: floats from a normal distribution, integers 0 or 1 (so
     ids stay in range of any embedding); BYTES elements are empty either way."""
-    request = pb.ModelInferRequest(model_name=config.name, id="warm-up")
     random = np.random.default_rng(0)
+    inputs = []
     for tensor in config.input:
         datatype = BY_CONFIG_TYPE[tensor.data_type]
         shape = ([] if rows is None else [rows]) + dims[tensor.name]
-        if zero or datatype.name == "BYTES":
-            data = np.zeros(shape, datatype.numpy)
-        elif datatype.numpy.kind == "f" and datatype.name != "BF16":
-            data = random.standard_normal(shape).astype(datatype.numpy)
-        else:
-            data = random.integers(0, 2, shape).astype(datatype.numpy)
-        request.inputs.add(name=tensor.name, datatype=datatype.name, shape=shape)
         if datatype.name == "BYTES":
-            request.raw_input_contents.append(serialize_bytes([b""] * math.prod(shape)))
-            continue
-        request.raw_input_contents.append(data.tobytes())
-    return request
+            data = serialize_bytes([b""] * math.prod(shape))
+        elif zero:
+            data = bytes(math.prod(shape) * datatype.numpy.itemsize)
+        elif datatype.numpy.kind == "f" and datatype.name != "BF16":
+            data = random.standard_normal(shape).astype(datatype.numpy).tobytes()
+        else:
+            data = random.integers(0, 2, shape).astype(datatype.numpy).tobytes()
+        inputs.append(InputTensor(tensor.name, datatype, tuple(shape), data))
+    outputs = tuple(o.name for o in config.output)
+    return InferJob(tuple(inputs), outputs, rows or 0)

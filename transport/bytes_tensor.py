@@ -38,7 +38,7 @@ def deserialize_bytes(data: bytes | memoryview) -> list[bytes]:
     return elements
 
 
-def split_bytes(data: bytes, counts: Sequence[int]) -> list[bytes]:
+def split_bytes(data: bytes | memoryview, counts: Sequence[int]) -> list[bytes]:
     """A serialized BYTES tensor cut into consecutive parts of `counts` elements each."""
     view = memoryview(data)
     parts, offset = [], 0

@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from service.backend.engine import Call, config_calls
+from service.inference import Timings
 from service.model_parameters import engine_options
 from service.tensors import PADDLE_NAMES, TensorSpec
-from service.workers.protocol import Load, Timings
+from service.workers.protocol import Load
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 os.environ.setdefault("GLOG_v", "0")

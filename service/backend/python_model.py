@@ -19,8 +19,9 @@ from google.protobuf import json_format
 
 from protos.inference import model_config_pb2 as mc
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+from service.inference import Timings
 from service.tensors import BY_CONFIG_TYPE, TensorSpec
-from service.workers.protocol import Load, Timings
+from service.workers.protocol import Load
 
 DEFAULT_MEMORY_MB = 4096
 DEFAULT_OPEN_FILES = 256

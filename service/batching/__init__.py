@@ -1,2 +1,3 @@
 """Dynamic batching with Triton's semantics: a pure queue (queue.py) driven by asyncio
-(batcher.py), and joining requests into one batch and splitting the result (assemble.py)."""
+(batcher.py), and the batch's layout (assemble.py): where each request's rows go in the
+worker's shared memory and which output rows come back to it."""

@@ -1,109 +1,167 @@
-"""Join the requests of a batch into one job (one tensor per input, rows concatenated), padded
-to the model's shape buckets, and split the batch's outputs back into each request's rows:
-padded rows never reach a response."""
+"""A batch as the worker runs it, without joining its requests: each input's shape padded to
+the model's shape buckets, each request's rows written straight to their offset in the batch's
+shared-memory input (the padding too), and each request's output rows sliced straight out of
+the shared-memory output into its own tensors. One copy each way; padded rows never reach a
+response."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from service import errors
 from service.batching.shapes import ShapeBuckets
-from service.tensors import is_bytes
-from service.validation import InferJob, InputTensor
-from service.workers.instance import InferResult, OutputTensor
-from transport.bytes_tensor import serialize_bytes, split_bytes
+from service.inference import InferJob, InputTensor, OutputTensor
+from service.tensors import Datatype
+from transport.bytes_tensor import split_bytes
 
 _NO_BUCKETS = ShapeBuckets()
+_LENGTH_BYTES = 4  # an empty BYTES element: its length, zero
 
 
-def join(jobs: Sequence[InferJob], shapes: ShapeBuckets = _NO_BUCKETS) -> InferJob:
+@dataclass(frozen=True)
+class BatchInput:
+    """One input of the batch: the requests' tensors in order, padded to `shape`."""
+
+    name: str
+    dtype: str  # numpy's spelling, as the worker reads it
+    shape: tuple[int, ...]
+    nbytes: int
+    parts: tuple[InputTensor, ...]
+    pad_value: float
+    batched: bool  # the parts stack on the batch dimension (else there is one part)
+    # Every part's rows go one after the other, then zero bytes: no variable dimension is
+    # padded (BYTES: padding rows are empty elements, whose lengths are zero bytes too).
+    consecutive: bool
+
+    def write(self, buf: memoryview) -> None:
+        """Fill `buf` (at least `nbytes` long) with the parts' rows and the padding."""
+        if self.consecutive:
+            offset = 0
+            for part in self.parts:
+                end = offset + len(part.data)
+                buf[offset:end] = part.data
+                offset = end
+            if offset < self.nbytes:
+                np.ndarray((self.nbytes - offset,), np.uint8, buf, offset).fill(0)
+            return
+        out = np.ndarray(self.shape, np.dtype(self.dtype), buf)
+        out.fill(self.pad_value)
+        start = 0
+        for part in self.parts:
+            array = np.frombuffer(part.data, out.dtype).reshape(part.shape)
+            if self.batched:
+                rows = part.shape[0]
+                region = (slice(start, start + rows), *(slice(0, d) for d in part.shape[1:]))
+                start += rows
+            else:
+                region = tuple(slice(0, d) for d in part.shape)
+            out[region] = array
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """One output of the whole batch as the worker left it: a view of shared memory, valid
+    only until the instance hands its slot on."""
+
+    name: str  # the name callers see
+    datatype: Datatype
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Requests that run together, as one execution of the engine."""
+
+    inputs: tuple[BatchInput, ...]
+    outputs: tuple[str, ...]
+    rows: int  # the rows the engine runs, padding included; 0: the model does not batch
+    row_counts: tuple[int, ...]  # each request's rows, in order
+
+    @property
+    def formed(self) -> int:
+        """The rows the requests brought (the batch size formed, before padding)."""
+        return sum(self.row_counts)
+
+    def split(self, outputs: Sequence[BatchOutput]) -> tuple[tuple[OutputTensor, ...], ...]:
+        """Each request's outputs, copied out of the batch's (which may be views of shared
+        memory): consecutive row ranges of every output; rows past the last request's are
+        padding and stay behind."""
+        if not self.rows:
+            return (tuple(_copied(t, t.shape, t.data) for t in outputs),)
+        for tensor in outputs:  # before any view is taken, so none outlives an error
+            if not tensor.shape or tensor.shape[0] != self.rows:
+                raise errors.internal(
+                    f"output '{tensor.name}' has shape {list(tensor.shape)}, which does not "
+                    f"start with the batch's {self.rows} rows; the model cannot be batched"
+                )
+        per_request: list[list[OutputTensor]] = [[] for _ in self.row_counts]
+        for tensor in outputs:
+            for index, (count, data) in enumerate(
+                zip(self.row_counts, self._row_parts(tensor), strict=True)
+            ):
+                per_request[index].append(_copied(tensor, (count, *tensor.shape[1:]), data))
+        return tuple(tuple(outputs) for outputs in per_request)
+
+    def _row_parts(self, tensor: BatchOutput) -> list[bytes | memoryview]:
+        """Each request's consecutive rows of one output, uncopied where they can be."""
+        if tensor.datatype.name == "BYTES":
+            per_row = math.prod(tensor.shape[1:])
+            return list(split_bytes(tensor.data, [n * per_row for n in self.row_counts]))
+        view = memoryview(tensor.data)
+        row_bytes = len(view) // self.rows
+        bounds = itertools.accumulate((n * row_bytes for n in self.row_counts), initial=0)
+        return [view[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _copied(tensor: BatchOutput, shape: tuple[int, ...], data: bytes | memoryview) -> OutputTensor:
+    return OutputTensor(tensor.name, tensor.datatype, shape, bytes(data))
+
+
+def plan(jobs: Sequence[InferJob], shapes: ShapeBuckets = _NO_BUCKETS) -> Batch:
+    """The batch the jobs make (they share a queue bucket: same non-batch shapes after
+    padding, same outputs), padded to the buckets."""
     first = jobs[0]
-    real_rows = sum(j.batch_size for j in jobs)
-    rows = shapes.batch_rows(real_rows) if first.batch_size else 0
-    inputs = []
-    for index, tensor in enumerate(first.inputs):
-        parts = [j.inputs[index] for j in jobs]
-        if is_bytes(tensor.datatype.numpy):
-            inputs.append(_joined_bytes(parts, rows - real_rows))
-            continue
-        shape = shapes.padded_shape(tensor.name, tensor.shape)
-        if rows:
-            shape = (rows, *shape[1:])
-        if len(parts) == 1 and shape == tensor.shape:
-            inputs.append(tensor)
-        elif rows and all(p.shape[1:] == shape[1:] for p in parts):
-            pad = bytes(len(tensor.data) // tensor.shape[0] * (rows - real_rows))
-            data = b"".join(p.data for p in parts) + pad
-            inputs.append(InputTensor(tensor.name, tensor.datatype, shape, data))
-        else:
-            inputs.append(_padded(parts, shape, shapes.pad_value, bool(rows)))
-    return InferJob(tuple(inputs), first.outputs, rows)
+    formed = sum(j.batch_size for j in jobs)
+    rows = shapes.batch_rows(formed) if first.batch_size else 0
+    inputs = tuple(
+        _input([j.inputs[index] for j in jobs], rows, formed, shapes)
+        for index in range(len(first.inputs))
+    )
+    return Batch(inputs, first.outputs, rows, tuple(j.rows for j in jobs))
 
 
-def _joined_bytes(parts: Sequence[InputTensor], pad_rows: int) -> InputTensor:
-    """BYTES rows concatenated; padding rows are empty elements (sequence buckets do not
-    apply: elements have no fixed size to pad)."""
+def _input(
+    parts: Sequence[InputTensor], rows: int, formed: int, shapes: ShapeBuckets
+) -> BatchInput:
     first = parts[0]
-    if len(parts) == 1 and pad_rows == 0:
-        return first
-    per_row = math.prod(first.shape[1:])
-    rows = sum(p.shape[0] for p in parts) + pad_rows
-    data = b"".join(p.data for p in parts) + serialize_bytes([b""] * (per_row * pad_rows))
-    return InputTensor(first.name, first.datatype, (rows, *first.shape[1:]), data)
-
-
-def _padded(
-    parts: Sequence[InputTensor], shape: tuple[int, ...], value: float, batched: bool
-) -> InputTensor:
-    """The parts stacked on the batch dimension, each one's variable dimensions padded."""
-    first = parts[0]
-    dtype = first.datatype.numpy
-    out = np.full(shape, value, dtype)
-    start = 0
-    for part in parts:
-        array = np.frombuffer(part.data, dtype).reshape(part.shape)
-        if batched:
-            region = (slice(start, start + part.shape[0]), *(slice(0, d) for d in part.shape[1:]))
-            start += part.shape[0]
-        else:
-            region = tuple(slice(0, d) for d in part.shape)
-        out[region] = array
-    return InputTensor(first.name, first.datatype, shape, out.tobytes())
-
-
-def split(
-    result: InferResult, row_counts: Sequence[int], rows: int | None = None
-) -> list[tuple[OutputTensor, ...]]:
-    """Each request's outputs: consecutive row ranges of every batched output. `rows`: the
-    rows the batch ran with, padding included (default: the requests' rows)."""
-    total = sum(row_counts) if rows is None else rows
-    if len(row_counts) == 1 and total == row_counts[0]:
-        return [result.outputs]
-    per_request: list[list[OutputTensor]] = [[] for _ in row_counts]
-    for tensor in result.outputs:
-        if not tensor.shape or tensor.shape[0] != total:
-            raise errors.internal(
-                f"output '{tensor.name}' has shape {list(tensor.shape)}, which does not start "
-                f"with the batch's {total} rows; the model cannot be batched"
-            )
-        for index, (count, data) in enumerate(
-            zip(row_counts, _row_parts(tensor, row_counts, total), strict=True)
-        ):
-            per_request[index].append(
-                OutputTensor(tensor.name, tensor.dtype, (count, *tensor.shape[1:]), data)
-            )
-    return [tuple(outputs) for outputs in per_request]
-
-
-def _row_parts(tensor: OutputTensor, row_counts: Sequence[int], total: int) -> list[bytes]:
-    """Each request's consecutive rows of one output (rows past theirs are padding)."""
-    if is_bytes(tensor.dtype):
-        per_row = math.prod(tensor.shape[1:])
-        return split_bytes(tensor.data, [count * per_row for count in row_counts])
-    row_bytes = len(tensor.data) // total
-    bounds = list(itertools.accumulate((count * row_bytes for count in row_counts), initial=0))
-    return [tensor.data[a:b] for a, b in itertools.pairwise(bounds)]
+    datatype = first.datatype
+    tail = first.shape[1:]
+    if datatype.name == "BYTES":
+        # Sequence buckets do not apply: elements have no fixed size to pad.
+        padding = math.prod(tail) * (rows - formed) * _LENGTH_BYTES
+        nbytes = sum(len(p.data) for p in parts) + padding
+        shape = (rows, *tail) if rows else first.shape
+        return BatchInput(
+            first.name, datatype.numpy.str, shape, nbytes, tuple(parts), 0, bool(rows), True
+        )
+    shape = shapes.padded_shape(first.name, first.shape)
+    if rows:
+        shape = (rows, *shape[1:])
+    consecutive = all(p.shape[1:] == shape[1:] for p in parts) if rows else shape == first.shape
+    nbytes = math.prod(shape) * datatype.numpy.itemsize
+    return BatchInput(
+        first.name,
+        datatype.numpy.str,
+        shape,
+        nbytes,
+        tuple(parts),
+        shapes.pad_value,
+        bool(rows),
+        consecutive,
+    )

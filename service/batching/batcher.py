@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -20,27 +19,19 @@ from opentelemetry.trace import SpanContext
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
-from service.batching.assemble import join, split
+from service.batching.assemble import Batch, plan
 from service.batching.poison import PoisonList
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.batching.shapes import shape_buckets
-from service.validation import InferJob
-from service.workers.instance import InferResult, OutputTensor, WorkerDied
-from service.workers.protocol import Timings
+from service.inference import Answer, InferJob, InferResult
+from service.timers import fail_at, wake_at
+from service.workers.instance import WorkerDied
 
 CRASHES_TO_POISON = 2
-# Runs a job padded to its shape bucket; the int is the rows its requests brought, without the
-# padding. A batch runs until its last request's deadline (or without one if any has none); each
-# request is answered DEADLINE_EXCEEDED at its own deadline meanwhile.
-RunBatch = Callable[[InferJob, int, list[SpanContext], float | None], Awaitable[InferResult]]
-
-
-@dataclass(frozen=True)
-class Answer:
-    outputs: tuple[OutputTensor, ...]
-    timings: Timings  # of the whole batch
-    queue_ns: int  # this request's wait: in the batcher's queue and for a worker slot
-    batch_rows: int
+# Runs a batch padded to its shape bucket, with the spans of its requests. A batch runs until
+# its last request's deadline (or without one if any has none); each request is answered
+# DEADLINE_EXCEEDED at its own deadline meanwhile.
+RunBatch = Callable[[Batch, list[SpanContext], float | None], Awaitable[InferResult]]
 
 
 class DynamicBatcher:
@@ -57,7 +48,8 @@ class DynamicBatcher:
         self._run_batch = run_batch
         self._capacity = capacity
         self._queue = BatchQueue(policy)
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the scheduler's, while it sleeps
+        self._sleep_until: float | None = None  # when the sleeping scheduler looks again anyway
         self._in_flight = 0
         self.in_flight_requests = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -67,22 +59,18 @@ class DynamicBatcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def submit(
-        self,
-        job: InferJob,
-        deadline: float | None,
-        priority: int | None = None,
-        timeout_s: float | None = None,
-    ) -> Answer:
+    async def submit(self, job: InferJob, deadline: float | None) -> Answer:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        queue_timeout = self.policy.timeout_of(timeout_s)
+        queue_timeout = self.policy.timeout_of(job.timeout_s)
         timeout_at = None if queue_timeout is None else now + queue_timeout
         limits = [t for t in (deadline, timeout_at) if t is not None]
         if self.poison and self.poison.holds(job, now):
             raise errors.internal(self._poison_message())
         future: asyncio.Future[Answer] = loop.create_future()
-        pending = Pending(job, now, min(limits, default=None), self.policy.priority_of(priority))
+        pending = Pending(
+            job, now, min(limits, default=None), self.policy.priority_of(job.priority)
+        )
         pending.deadline = deadline
         pending.ticket = future
         pending.trace = trace.get_current_span().get_span_context()
@@ -92,11 +80,16 @@ class DynamicBatcher:
             raise errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = loop.create_task(self._schedule())
-        self._wake.set()
+        if self._in_flight < max(self._capacity(), 1) or _sooner(
+            pending.expires, self._sleep_until
+        ):
+            # Otherwise nothing can be sent before a batch ends (which wakes the scheduler) and
+            # the scheduler's next look comes before this request's queue time runs out: under
+            # load that spares one scheduler turn per request.
+            self._wake()
+        timer = fail_at(future, deadline, TimeoutError)
         try:
-            if deadline is None:
-                return await future
-            return await asyncio.wait_for(future, max(deadline - now, 0.0))
+            return await future
         except TimeoutError:
             self._queue.remove(pending)
             raise errors.deadline_exceeded(
@@ -106,6 +99,9 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             self._queue.remove(pending)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -140,25 +136,34 @@ class DynamicBatcher:
             task.add_done_callback(self._tasks.discard)
 
     async def _sleep(self, until: float | None) -> None:
-        self._wake.clear()
-        timeout = None if until is None else max(until - asyncio.get_running_loop().time(), 0.0)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+        """Until `until` (event-loop time; None: no limit) or the next _wake()."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter, self._sleep_until = waiter, until
+        timer = wake_at(waiter, until)
+        try:
+            await waiter
+        finally:
+            self._waiter = self._sleep_until = None
+            if timer is not None:
+                timer.cancel()
+
+    def _wake(self) -> None:
+        """Something changed (a request came, a batch ended): the scheduler looks again."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def _run(self, batch: list[Pending]) -> None:
         """Run one batch and answer its requests; on failure raise, answering none."""
         started = asyncio.get_running_loop().time()
         deadlines = [item.deadline for item in batch]
-        job = join([item.job for item in batch], self.policy.shapes)
-        rows = sum(item.rows for item in batch)
+        planned = plan([item.job for item in batch], self.policy.shapes)
         result = await self._run_batch(
-            job,
-            rows,
+            planned,
             [item.trace for item in batch],
             None if None in deadlines else max(d for d in deadlines if d is not None),
         )
-        parts = split(result, [item.rows for item in batch], max(job.batch_size, 1))
-        for item, outputs in zip(batch, parts, strict=True):
+        rows = planned.formed
+        for item, outputs in zip(batch, result.outputs, strict=True):
             waited = int((started - item.arrival) * 1e9) + result.queue_ns
             if not item.ticket.done():
                 item.ticket.set_result(Answer(outputs, result.timings, waited, rows))
@@ -180,7 +185,7 @@ class DynamicBatcher:
         finally:
             self._in_flight -= 1
             self.in_flight_requests -= len(batch)
-            self._wake.set()
+            self._wake()
 
     async def _attempt(self, batch: list[Pending]) -> None:
         try:
@@ -219,6 +224,11 @@ class DynamicBatcher:
             f"while computing this input; identical inputs are refused for "
             f"{self.poison.ttl_s:.0f} s"
         )
+
+
+def _sooner(when: float | None, than: float | None) -> bool:
+    """Whether `when` comes before `than` (None: never)."""
+    return when is not None and (than is None or when < than)
 
 
 def _fail(item: Pending, error: errors.ServiceError) -> None:

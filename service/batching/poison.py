@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from service.validation import InferJob
+from service.inference import InferJob
 
 POISON_TTL_S = 600.0
 MAX_POISON_ENTRIES = 1024

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.batching.shapes import ShapeBuckets
-from service.validation import InferJob
+from service.inference import InferJob
 
 DEFAULT_MIN_QUEUE_SIZE = 64
 QUEUED_BATCHES_PER_INSTANCE = 8
@@ -88,7 +88,7 @@ class Pending:
 
     @property
     def rows(self) -> int:
-        return max(self.job.batch_size, 1)
+        return self.job.rows
 
 
 @dataclass

@@ -20,7 +20,6 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context as OtelContext
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, Tracer
 
-from service.batching.batcher import Answer
 from service.handler_wrapping import (
     HANDLER_BUILDERS,
     Behavior,
@@ -28,9 +27,9 @@ from service.handler_wrapping import (
     WrappingServer,
     behavior_of,
 )
+from service.inference import Answer, Timings
 from service.observability.logs import RequestLog
 from service.observability.metrics import Metrics
-from service.workers.protocol import Timings
 from transport.h3_protocol import StreamClosed
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

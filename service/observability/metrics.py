@@ -22,9 +22,9 @@ from prometheus_client.registry import Collector
 
 from service.breaker import BreakerState
 from service.h3_state import H3State
+from service.inference import Timings
 from service.model_manager import ModelManager
 from service.scheduling.topology import Topology
-from service.workers.protocol import Timings
 
 log = logging.getLogger("paddlequic.metrics")
 

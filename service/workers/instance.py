@@ -22,16 +22,19 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 
 from service import errors
 from service.backend import PYTHON_BACKEND
+from service.batching.assemble import Batch, BatchOutput
 from service.batching.shapes import ShapeBuckets
+from service.inference import InferResult
 from service.repository import ModelFiles
-from service.validation import InferJob
+from service.tensors import Datatype
+from service.timers import fail_at
 from service.workers import protocol
 from service.workers.shm import Segment, layout
 
@@ -66,55 +69,43 @@ class State(enum.Enum):
     STOPPED = "STOPPED"
 
 
-@dataclass(frozen=True)
-class OutputTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-
-@dataclass(frozen=True)
-class InferResult:
-    outputs: tuple[OutputTensor, ...]
-    timings: protocol.Timings
-    queue_ns: int  # from infer() to the request being handed to the worker
-
-
 class _Slot:
     def __init__(self) -> None:
         self.input = Segment(0)
         self.output = Segment(0)
 
-    def write(self, job: InferJob) -> tuple[protocol.TensorRef, ...]:
-        offsets, total = layout(len(t.data) for t in job.inputs)
+    def write(self, batch: Batch) -> tuple[protocol.TensorRef, ...]:
+        """Each request's rows straight to their offset in the input segment."""
+        offsets, total = layout(t.nbytes for t in batch.inputs)
         self.input = grown(self.input, total)
         buf = self.input.buf
         refs = []
-        for tensor, offset in zip(job.inputs, offsets, strict=True):
-            buf[offset : offset + len(tensor.data)] = tensor.data
+        for tensor, offset in zip(batch.inputs, offsets, strict=True):
+            tensor.write(buf[offset : offset + tensor.nbytes])
             refs.append(
-                protocol.TensorRef(
-                    tensor.name, tensor.datatype.numpy.str, tensor.shape, offset, len(tensor.data)
-                )
+                protocol.TensorRef(tensor.name, tensor.dtype, tensor.shape, offset, tensor.nbytes)
             )
         return tuple(refs)
 
-    def read(self, result: protocol.Result) -> tuple[OutputTensor, ...]:
+    def read(
+        self, result: protocol.Result, names: Mapping[str, str], datatypes: Mapping[str, Datatype]
+    ) -> list[BatchOutput]:
+        """The outputs under the names callers see, as views of the output segment: valid
+        until the slot is used again."""
         if result.inline:
             # Grown for next time; while shared memory is short, big results stay inline.
             _, needed = layout(ref.nbytes for ref in result.outputs)
             with contextlib.suppress(errors.ServiceError):
                 self.output = grown(self.output, needed)
-            return tuple(
-                OutputTensor(r.name, r.dtype, r.shape, result.inline[r.name])
-                for r in result.outputs
-            )
-        buf = self.output.buf
-        return tuple(
-            OutputTensor(r.name, r.dtype, r.shape, bytes(buf[r.offset : r.offset + r.nbytes]))
-            for r in result.outputs
-        )
+            sources: Mapping[str, bytes | memoryview] = result.inline
+        else:
+            buf = self.output.buf
+            sources = {r.name: buf[r.offset : r.offset + r.nbytes] for r in result.outputs}
+        outputs = []
+        for ref in result.outputs:
+            name = names.get(ref.name, ref.name)
+            outputs.append(BatchOutput(name, datatypes[name], ref.shape, sources[ref.name]))
+        return outputs
 
     def release(self) -> None:
         self.input.release()
@@ -142,6 +133,7 @@ def grown(segment: Segment, size: int) -> Segment:
 class _Pending:
     future: asyncio.Future[InferResult]
     slot: _Slot
+    batch: Batch
     queue_ns: int
 
 
@@ -202,6 +194,7 @@ class WorkerInstance:
         # program its fetch names (fetch_name_N).
         self._fetch_names: dict[str, str] = {}
         self._served_names: dict[str, str] = {}
+        self._datatypes: dict[str, Datatype] = {}
 
     @property
     def outstanding(self) -> int:
@@ -211,8 +204,13 @@ class WorkerInstance:
     def numa_node(self) -> int:
         return self.spec.numa_node
 
-    def name_outputs(self, fetch_names: Mapping[str, str]) -> None:
-        """Configured output name -> the program's fetch name, for renamed outputs."""
+    def declare_outputs(
+        self, datatypes: Mapping[str, Datatype], fetch_names: Mapping[str, str]
+    ) -> None:
+        """The outputs as the model's config declares them (response datatypes come from here,
+        not from numpy, which has no BF16), and configured output name -> the program's fetch
+        name, for renamed outputs."""
+        self._datatypes = dict(datatypes)
         self._fetch_names = dict(fetch_names)
         self._served_names = {fetch: served for served, fetch in fetch_names.items()}
 
@@ -222,20 +220,23 @@ class WorkerInstance:
         self.loaded = loaded
         return loaded
 
-    async def infer(self, job: InferJob, deadline: float | None) -> InferResult:
+    async def infer(self, batch: Batch, deadline: float | None) -> InferResult:
+        """Run the batch; its result holds each request's outputs, already copied out of the
+        slot."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         slot = await self._ready_slot(deadline)
         try:
             assert self._writer is not None
-            refs = slot.write(job)
+            refs = slot.write(batch)
             request_id = next(self._ids)
-            outputs = tuple(self._fetch_names.get(n, n) for n in job.outputs)
+            outputs = tuple(self._fetch_names.get(n, n) for n in batch.outputs)
             message = protocol.Infer(
                 request_id, slot.input.name, slot.output.name, slot.output.size, refs, outputs
             )
             future: asyncio.Future[InferResult] = loop.create_future()
-            self._pending[request_id] = _Pending(future, slot, time.perf_counter_ns() - started)
+            queue_ns = time.perf_counter_ns() - started
+            self._pending[request_id] = _Pending(future, slot, batch, queue_ns)
             self._writer.write(protocol.encode(message))
             self._watch_oldest()
         except BaseException:
@@ -243,9 +244,14 @@ class WorkerInstance:
             raise
         # From here the slot belongs to the pending entry: the worker may still write into it,
         # so only its answer (or its death) gives the slot back.
+        timer = fail_at(
+            future, deadline, lambda: errors.deadline_exceeded("deadline exceeded in the worker")
+        )
         try:
-            return await _until(asyncio.shield(future), deadline, "deadline exceeded in the worker")
+            return await future
         finally:
+            if timer is not None:
+                timer.cancel()
             if not future.done():
                 future.cancel()
 
@@ -253,6 +259,8 @@ class WorkerInstance:
         """A free slot of a ready worker; a worker that dies meanwhile is waited for again
         (bounded), so a request never fails just for arriving during a restart."""
         while True:
+            if self.state is State.READY and self._writer is not None and not self._free.empty():
+                return self._free.get_nowait()
             if self.state is State.STOPPED:
                 raise errors.unavailable(self._not_ready_message())
             if not self._ready.is_set():
@@ -409,12 +417,7 @@ class WorkerInstance:
                     errors.invalid if bad_input else errors.internal
                 )(f"model '{self.spec.model_name}' failed: {message.message}")
             else:
-                tensors = pending.slot.read(message)
-                if self._served_names:
-                    tensors = tuple(
-                        replace(t, name=self._served_names.get(t.name, t.name)) for t in tensors
-                    )
-                outcome = InferResult(tensors, message.timings, pending.queue_ns)
+                outcome = self._split(pending, message)
         finally:
             self._free.put_nowait(pending.slot)
         if pending.future.done():
@@ -423,6 +426,20 @@ class WorkerInstance:
             pending.future.set_exception(outcome)
         else:
             pending.future.set_result(outcome)
+
+    def _split(
+        self, pending: _Pending, message: protocol.Result
+    ) -> InferResult | errors.ServiceError:
+        """Each request's outputs, copied out of the slot before it is handed on."""
+        views = pending.slot.read(message, self._served_names, self._datatypes)
+        try:
+            return InferResult(pending.batch.split(views), message.timings, pending.queue_ns)
+        except errors.ServiceError as exc:
+            return exc
+        finally:
+            for view in views:
+                if isinstance(view.data, memoryview):
+                    view.data.release()
 
     def _watch_oldest(self) -> None:
         """Time the request the worker is running now: the oldest it holds."""

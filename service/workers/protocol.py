@@ -11,6 +11,7 @@ import struct
 from dataclasses import dataclass, field
 
 from service.batching.shapes import ShapeBuckets
+from service.inference import Timings
 from service.tensors import TensorSpec
 
 _HEADER = struct.Struct("<I")
@@ -65,13 +66,6 @@ class Infer:
     output_capacity: int
     inputs: tuple[TensorRef, ...]
     outputs: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Timings:
-    input_ns: int
-    infer_ns: int
-    output_ns: int
 
 
 @dataclass(frozen=True)

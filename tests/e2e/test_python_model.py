@@ -81,3 +81,54 @@ def test_python_model_serves_bytes_restricted_and_logged(
         assert "model upper: initialized upper version 1" in log
         assert "model upper: batch of 3" in log
         assert "do-not-leak" not in log
+
+
+HALVES_CONFIG = """
+name: "halves"
+backend: "python"
+max_batch_size: 4
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 2 ] } ]
+output [
+  { name: "half", data_type: TYPE_FP16, dims: [ 2 ] },
+  { name: "brain", data_type: TYPE_BF16, dims: [ 2 ] }
+]
+dynamic_batching { }
+"""
+
+HALVES_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            brain = (x.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16: the high half
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("half", x.astype(np.float16)),
+                pb_utils.Tensor("brain", brain),
+            ]))
+        return responses
+"""
+
+
+def test_response_datatypes_are_the_declared_ones(tmp_path: Path) -> None:
+    """numpy has no bfloat16 (BF16 travels as uint16), so response datatypes come from the
+    model's declared outputs: FP16 and BF16 stay labelled as declared."""
+    repository = tmp_path / "models"
+    (repository / "halves" / "1").mkdir(parents=True)
+    (repository / "halves" / "config.pbtxt").write_text(HALVES_CONFIG)
+    (repository / "halves" / "1" / "model.py").write_text(HALVES_MODEL)
+    x = np.array([[1.5, -2.0], [0.25, 3.0]], np.float32)
+    with running_server(repository, tmp_path / "server.log") as server:
+        response = server.stub.ModelInfer(build_request("halves", {"x": x}), timeout=TIMEOUT_S)
+    assert [(t.name, t.datatype, list(t.shape)) for t in response.outputs] == [
+        ("half", "FP16", [2, 2]),
+        ("brain", "BF16", [2, 2]),
+    ]
+    half, brain = response.raw_output_contents
+    assert np.frombuffer(half, np.float16).tolist() == x.ravel().tolist()
+    restored = (np.frombuffer(brain, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    assert restored.tolist() == x.ravel().tolist()

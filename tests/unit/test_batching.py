@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -11,21 +12,30 @@ from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
 from service import errors
-from service.batching.assemble import join, split
+from service.batching.assemble import Batch, BatchOutput, plan
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.poison import PoisonList, fingerprint
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
+from service.inference import InferJob, InferResult, InputTensor, Timings
 from service.tensors import BY_NAME
-from service.validation import InferJob, InputTensor
-from service.workers.instance import InferResult, OutputTensor, WorkerDied
-from service.workers.protocol import Timings
+from service.workers.instance import WorkerDied
+
+FP32 = BY_NAME["FP32"]
 
 
 def job(
     rows: int = 1, width: int = 4, outputs: tuple[str, ...] = ("y",), fill: float = 0
 ) -> InferJob:
     data = np.full((rows, width), fill, np.float32).tobytes()
-    return InferJob((InputTensor("x", BY_NAME["FP32"], (rows, width), data),), outputs, rows)
+    return InferJob((InputTensor("x", FP32, (rows, width), data),), outputs, rows)
+
+
+def written(batch: Batch) -> list[bytes]:
+    """Each input as the batch writes it into a worker's shared memory."""
+    buffers = [bytearray(tensor.nbytes) for tensor in batch.inputs]
+    for tensor, buffer in zip(batch.inputs, buffers, strict=True):
+        tensor.write(memoryview(buffer))
+    return [bytes(buffer) for buffer in buffers]
 
 
 def pending(at: float, rows: int = 1, expires: float | None = None, **kwargs: object) -> Pending:
@@ -148,14 +158,14 @@ def test_timeout_override_only_when_allowed() -> None:
     assert allowed.timeout_of(None) == 1.0
 
 
-def test_join_and_split_keep_each_requests_rows() -> None:
+def test_each_requests_rows_go_to_their_offset_and_come_back_as_its_own() -> None:
     jobs = [job(rows, fill=rows) for rows in (1, 3, 2)]
-    joined = join(jobs)
-    assert joined.batch_size == 6 and joined.inputs[0].shape == (6, 4)
-    rows = np.frombuffer(joined.inputs[0].data, np.float32).reshape(6, 4)[:, 0]
+    batch = plan(jobs)
+    assert batch.rows == 6 and batch.inputs[0].shape == (6, 4)
+    rows = np.frombuffer(written(batch)[0], np.float32).reshape(6, 4)[:, 0]
     assert rows.tolist() == [1, 3, 3, 3, 2, 2]
-    out = OutputTensor("y", "<f4", (6, 1), rows.astype(np.float32).reshape(6, 1).tobytes())
-    parts = split(InferResult((out,), Timings(1, 2, 3), 0), [1, 3, 2])
+    out = BatchOutput("y", FP32, (6, 1), memoryview(rows.astype(np.float32).tobytes()))
+    parts = batch.split([out])
     assert [np.frombuffer(p[0].data, np.float32).tolist() for p in parts] == [
         [1],
         [3, 3, 3],
@@ -165,9 +175,9 @@ def test_join_and_split_keep_each_requests_rows() -> None:
 
 
 def test_split_refuses_outputs_without_the_batch_dimension() -> None:
-    out = OutputTensor("y", "<f4", (1,), b"\0\0\0\0")
+    out = BatchOutput("y", FP32, (1,), b"\0\0\0\0")
     with pytest.raises(errors.ServiceError) as raised:
-        split(InferResult((out,), Timings(0, 0, 0), 0), [1, 1])
+        plan([job(), job()]).split([out])
     assert raised.value.code == grpc.StatusCode.INTERNAL
 
 
@@ -175,7 +185,7 @@ class _Executor:
     """Stands in for the worker pool: records batches, answers when the test says so."""
 
     def __init__(self) -> None:
-        self.batches: list[InferJob] = []
+        self.batches: list[Batch] = []
         self.release = asyncio.Event()
         self.fail_with: errors.ServiceError | None = None
         self.fail_once: list[errors.ServiceError] = []
@@ -184,8 +194,7 @@ class _Executor:
 
     async def __call__(
         self,
-        batch: InferJob,
-        formed: int = 0,
+        batch: Batch,
         requests: object = (),
         deadline: float | None = None,
     ) -> InferResult:
@@ -196,15 +205,14 @@ class _Executor:
             raise self.fail_with
         if self.fail_once:
             raise self.fail_once.pop()
-        rows = np.frombuffer(batch.inputs[0].data, np.float32).reshape(batch.batch_size, -1)
+        rows = np.frombuffer(written(batch)[0], np.float32).reshape(batch.rows, -1)
         if self.crash_on is not None and (rows == self.crash_on).any():
             raise WorkerDied("the worker process was killed by signal 6", running=True)
         if (rows < 0).any():  # like Paddle on an out-of-range embedding id
             raise errors.invalid("InvalidArgumentError: value out of range")
         data = rows.sum(axis=1, keepdims=True).astype(np.float32)
-        return InferResult(
-            (OutputTensor("y", "<f4", data.shape, data.tobytes()),), Timings(1, 2, 3), 0
-        )
+        output = BatchOutput("y", FP32, data.shape, data.tobytes())
+        return InferResult(batch.split([output]), Timings(1, 2, 3), 0)
 
 
 async def test_requests_accumulate_while_the_instance_is_busy() -> None:
@@ -218,7 +226,7 @@ async def test_requests_accumulate_while_the_instance_is_busy() -> None:
     assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
     executor.release.set()
     answers = await asyncio.gather(first, *rest)
-    assert [b.batch_size for b in executor.batches] == [1, 4]
+    assert [b.rows for b in executor.batches] == [1, 4]
     assert [np.frombuffer(a.outputs[0].data, np.float32)[0] for a in answers] == [
         4,
         8,
@@ -270,6 +278,28 @@ async def test_queue_full_and_deadline_statuses() -> None:
     await batcher.stop()
 
 
+async def test_a_queue_timeout_ends_on_time_while_the_instance_is_busy() -> None:
+    """A request arriving while no batch can be sent does not wake the scheduler, unless its
+    queue time runs out before the scheduler's next look."""
+    executor = _Executor()
+    policy = BatchPolicy(max_batch_size=8, allow_timeout_override=True)
+    batcher = DynamicBatcher(policy, executor, lambda: 1)
+    running = asyncio.create_task(batcher.submit(job(), None))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    patient = asyncio.create_task(batcher.submit(replace(job(), timeout_s=600.0), None))
+    await asyncio.sleep(0)
+    with pytest.raises(errors.ServiceError) as expired:
+        # The bound only keeps a broken scheduler from hanging the test.
+        await asyncio.wait_for(batcher.submit(replace(job(), timeout_s=0.01), None), 60)
+    assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "in the queue" in expired.value.message
+    executor.release.set()
+    await asyncio.gather(running, patient)
+    assert [b.rows for b in executor.batches] == [1, 1]
+    await batcher.stop()
+
+
 async def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> None:
     executor = _Executor()
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
@@ -284,7 +314,7 @@ async def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> No
     assert results[1].code == grpc.StatusCode.INVALID_ARGUMENT
     good = [r for i, r in enumerate(results) if i != 1]
     assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
-    assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
+    assert [b.rows for b in executor.batches] == [1, 3, 1, 1, 1]
     await batcher.stop()
 
 
@@ -344,7 +374,7 @@ async def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> N
     good = [results[0], results[2]]
     assert [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in good] == [8, 12]  # type: ignore[union-attr]
     # The batch of three crashed once; alone, only the poison input crashed again.
-    assert [b.batch_size for b in executor.batches] == [1, 3, 1, 1, 1]
+    assert [b.rows for b in executor.batches] == [1, 3, 1, 1, 1]
     with pytest.raises(errors.ServiceError) as again:
         await batcher.submit(job(fill=13), None)
     assert again.value.code == grpc.StatusCode.INTERNAL
@@ -382,7 +412,7 @@ async def test_a_deadline_ends_its_request_not_its_batch() -> None:
     executor.release.set()
     assert np.frombuffer((await long).outputs[0].data, np.float32)[0] == 8
     # One batch held both; it ran until its last deadline.
-    assert [b.batch_size for b in executor.batches] == [2]
+    assert [b.rows for b in executor.batches] == [2]
     assert executor.deadlines == [far]
     await batcher.stop()
 

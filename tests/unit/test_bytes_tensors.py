@@ -10,14 +10,13 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service.batching.assemble import join, split
+from service.batching.assemble import BatchOutput, plan
 from service.batching.shapes import ShapeBuckets
 from service.errors import ServiceError
 from service.tensors import BY_NAME
 from service.validation import RequestValidator
 from service.warmup import warm_ups
-from service.workers.instance import InferResult, OutputTensor
-from service.workers.protocol import Timings
+from tests.unit.test_batching import written
 from transport.bytes_tensor import deserialize_bytes, serialize_bytes, to_numpy_bytes
 
 TEXT = mc.ModelConfig(name="text", max_batch_size=4)
@@ -79,16 +78,17 @@ def test_typed_element_count_must_match_the_shape() -> None:
     )
 
 
-def test_join_and_split_keep_each_requests_elements() -> None:
+def test_each_requests_elements_are_written_in_order_and_split_back() -> None:
     validator = RequestValidator(TEXT)
     first = validator.validate(request_with(typed=[b"a", b"bb"]))
     second = validator.validate(request_with(typed=[b"ccc", b"", b"dd", b"e"], rows=2))
-    joined = join([first, second])
-    assert joined.batch_size == 3
-    assert deserialize_bytes(joined.inputs[0].data) == [b"a", b"bb", b"ccc", b"", b"dd", b"e"]
-    labels = OutputTensor("label", "|O", (3, 1), serialize_bytes([b"pos", b"negative", b""]))
-    result = InferResult((labels,), Timings(0, 0, 0), 0)
-    parts = split(result, [1, 2])
+    batch = plan([first, second])
+    assert batch.rows == 3
+    assert deserialize_bytes(written(batch)[0]) == [b"a", b"bb", b"ccc", b"", b"dd", b"e"]
+    labels = BatchOutput(
+        "label", BY_NAME["BYTES"], (3, 1), serialize_bytes([b"pos", b"negative", b""])
+    )
+    parts = batch.split([labels])
     assert [deserialize_bytes(p[0].data) for p in parts] == [[b"pos"], [b"negative", b""]]
     assert [p[0].shape for p in parts] == [(1, 1), (2, 1)]
 
@@ -115,16 +115,19 @@ def test_padded_batches_get_empty_elements_that_never_reach_a_response() -> None
     validator = RequestValidator(TEXT)
     first = validator.validate(request_with(typed=[b"a", b"bb"]))
     second = validator.validate(request_with(typed=[b"c", b"d", b"e", b"f"], rows=2))
-    joined = join([first, second], ShapeBuckets(batch=(4, 8)))
-    assert joined.batch_size == 4 and joined.inputs[0].shape == (4, 2)
+    batch = plan([first, second], ShapeBuckets(batch=(4, 8)))
+    assert batch.rows == 4 and batch.inputs[0].shape == (4, 2)
     elements = [b"a", b"bb", b"c", b"d", b"e", b"f", b"", b""]
-    assert deserialize_bytes(joined.inputs[0].data) == elements
-    labels = OutputTensor("label", "|O", (4, 1), serialize_bytes([b"x", b"y", b"z", b"pad"]))
-    parts = split(InferResult((labels,), Timings(0, 0, 0), 0), [1, 2], rows=4)
+    assert deserialize_bytes(written(batch)[0]) == elements
+    labels = BatchOutput(
+        "label", BY_NAME["BYTES"], (4, 1), serialize_bytes([b"x", b"y", b"z", b"pad"])
+    )
+    parts = batch.split([labels])
     assert [deserialize_bytes(p[0].data) for p in parts] == [[b"x"], [b"y", b"z"]]
 
 
-def test_warm_up_requests_carry_valid_empty_elements() -> None:
+def test_warm_up_jobs_carry_valid_empty_elements() -> None:
     for warm_up in warm_ups(TEXT, ShapeBuckets(batch=(1, 4))):
-        job = RequestValidator(TEXT).validate(warm_up.request)
+        job = RequestValidator(TEXT).check(warm_up.job.inputs, warm_up.job.outputs)
+        assert job == warm_up.job
         assert set(deserialize_bytes(job.inputs[0].data)) == {b""}

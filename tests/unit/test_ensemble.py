@@ -7,12 +7,10 @@ import asyncio
 import pytest
 from google.protobuf import text_format
 
-from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.ensemble import EnsembleError, Step, check_step, order, plan, run
+from service.inference import InferJob, InputTensor, OutputTensor
 from service.tensors import BY_NAME
-from service.validation import InferJob, InputTensor
-from service.workers.instance import OutputTensor
 
 
 def ensemble(steps: str) -> mc.ModelConfig:
@@ -91,14 +89,17 @@ async def test_run_passes_tensors_between_steps_and_starts_independent_ones_toge
     started: list[str] = []
     both_started = asyncio.Event()
 
-    async def run_step(s: Step, request: pb.ModelInferRequest) -> tuple[OutputTensor, ...]:
+    async def run_step(
+        s: Step, inputs: tuple[InputTensor, ...], outputs: tuple[str, ...]
+    ) -> tuple[OutputTensor, ...]:
         started.append(s.model)
         if s.model in ("left", "right"):
             if {"left", "right"} <= set(started):
                 both_started.set()
             await both_started.wait()  # neither finishes before the other started
-        total = sum(raw[0] for raw in request.raw_input_contents)
-        return (OutputTensor("out", "<f4", (1, 1), bytes([total + len(s.model)]) + bytes(3)),)
+        total = sum(tensor.data[0] for tensor in inputs)
+        data = bytes([total + len(s.model)]) + bytes(3)
+        return (OutputTensor("out", BY_NAME["FP32"], (1, 1), data),)
 
     job = InferJob((InputTensor("a", BY_NAME["FP32"], (1, 1), bytes([1, 0, 0, 0])),), ("z",), 1)
     (z,) = await run("e", plan(DIAMOND), job, run_step)

@@ -10,16 +10,14 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.batching.assemble import join, split
+from service.batching.assemble import BatchOutput, plan
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.queue import BatchPolicy, bucket_of
 from service.batching.shapes import ShapeBuckets, shape_buckets
+from service.inference import InferJob, InputTensor
 from service.model_parameters import ParameterError
 from service.tensors import BY_NAME
-from service.validation import InferJob, InputTensor
-from service.workers.instance import InferResult, OutputTensor
-from service.workers.protocol import Timings
-from tests.unit.test_batching import _Executor, job
+from tests.unit.test_batching import FP32, _Executor, job, written
 
 TOKENS = """
 name: "text"
@@ -84,19 +82,22 @@ def test_sequence_buckets_pad_only_the_declared_variable_dimensions() -> None:
 
 def test_padded_rows_are_zeros_and_never_reach_a_response() -> None:
     shapes = ShapeBuckets(batch=(1, 2, 4, 8))
-    joined = join([job(1, fill=1), job(2, fill=2)], shapes)
-    assert joined.batch_size == 4 and joined.inputs[0].shape == (4, 4)
-    rows = np.frombuffer(joined.inputs[0].data, np.float32).reshape(4, 4)[:, 0]
+    batch = plan([job(1, fill=1), job(2, fill=2)], shapes)
+    assert batch.rows == 4 and batch.inputs[0].shape == (4, 4)
+    # The padding row is written as zeros over whatever the shared memory held before.
+    buffer = bytearray(b"\xff" * batch.inputs[0].nbytes)
+    batch.inputs[0].write(memoryview(buffer))
+    rows = np.frombuffer(buffer, np.float32).reshape(4, 4)[:, 0]
     assert rows.tolist() == [1, 2, 2, 0]
-    out = OutputTensor("y", "<f4", (4, 1), rows.reshape(4, 1).tobytes())
-    first, second = split(InferResult((out,), Timings(0, 0, 0), 0), [1, 2], 4)
+    out = BatchOutput("y", FP32, (4, 1), rows.reshape(4, 1).tobytes())
+    first, second = batch.split([out])
     assert first[0].shape == (1, 1) and np.frombuffer(first[0].data, np.float32).tolist() == [1]
     assert np.frombuffer(second[0].data, np.float32).tolist() == [2, 2]
     # One request alone is padded too, and gets only its own rows back.
-    alone = join([job(3, fill=5)], shapes)
-    assert alone.batch_size == 4
-    out = OutputTensor("y", "<f4", (4, 1), np.arange(4, dtype=np.float32).tobytes())
-    (only,) = split(InferResult((out,), Timings(0, 0, 0), 0), [3], 4)
+    alone = plan([job(3, fill=5)], shapes)
+    assert alone.rows == 4
+    out = BatchOutput("y", FP32, (4, 1), np.arange(4, dtype=np.float32).tobytes())
+    (only,) = alone.split([out])
     assert only[0].shape == (3, 1) and np.frombuffer(only[0].data, np.float32).tolist() == [0, 1, 2]
 
 
@@ -104,9 +105,9 @@ def test_different_lengths_share_a_batch_padded_with_the_pad_value() -> None:
     shapes = shape_buckets(config(TOKENS, sequence_buckets="8,16", sequence_pad_value="-1"))
     short, long, shorter = tokens(9, 13, 3)
     assert bucket_of(short, shapes) == bucket_of(long, shapes) != bucket_of(shorter, shapes)
-    joined = join([short, long], shapes)
-    assert joined.inputs[0].shape == (2, 16) and joined.batch_size == 2
-    ids = np.frombuffer(joined.inputs[0].data, np.int64).reshape(2, 16)
+    batch = plan([short, long], shapes)
+    assert batch.inputs[0].shape == (2, 16) and batch.rows == 2
+    ids = np.frombuffer(written(batch)[0], np.int64).reshape(2, 16)
     assert ids[0].tolist() == [7] * 9 + [-1] * 7
     assert ids[1].tolist() == [7] * 13 + [-1] * 3
 
@@ -116,9 +117,9 @@ def test_a_model_without_batching_pads_its_variable_dimensions() -> None:
     shapes = shape_buckets(config(text, sequence_buckets="8"))
     (request,) = tokens(6)
     request = InferJob(request.inputs, request.outputs, 0)
-    joined = join([request], shapes)
-    assert joined.batch_size == 0 and joined.inputs[0].shape == (1, 8)
-    assert np.frombuffer(joined.inputs[0].data, np.int64).tolist() == [7] * 6 + [0, 0]
+    batch = plan([request], shapes)
+    assert batch.rows == 0 and batch.inputs[0].shape == (1, 8)
+    assert np.frombuffer(written(batch)[0], np.int64).tolist() == [7] * 6 + [0, 0]
 
 
 async def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows() -> None:
@@ -134,7 +135,7 @@ async def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows()
     await asyncio.sleep(0)
     executor.release.set()
     answers = await asyncio.gather(first, *rest)
-    assert [b.batch_size for b in executor.batches] == [1, 8]  # 5 requests padded to 8
+    assert [b.rows for b in executor.batches] == [1, 8]  # 5 requests padded to 8
     assert [np.frombuffer(a.outputs[0].data, np.float32).tolist() for a in answers] == [
         [4],
         [8],
@@ -149,4 +150,4 @@ async def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows()
 
 def test_policy_without_buckets_keeps_batches_as_formed() -> None:
     assert BatchPolicy(8).shapes == ShapeBuckets()
-    assert join([job(3)]).batch_size == 3
+    assert plan([job(3)]).rows == 3

@@ -1,5 +1,5 @@
 """What a version runs before READY: every shape bucket, then config.pbtxt's model_warmup
-samples; each is a request the model's own validator accepts."""
+samples; each is a job the model's own validator accepts."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def shapes_of(config: mc.ModelConfig) -> list[tuple[str, list[int], int]]:
     validator = RequestValidator(config)
     plan = []
     for warm_up in warm_ups(config, shape_buckets(config)):
-        job = validator.validate(warm_up.request)
+        job = validator.check(warm_up.job.inputs, warm_up.job.outputs)
+        assert job == warm_up.job
         plan.append((warm_up.name, list(job.inputs[0].shape), warm_up.count))
     return plan
 
@@ -55,7 +56,7 @@ def test_every_batch_bucket_is_warmed_with_zeros() -> None:
         ("bucket 8", [8, 16], 1),
     ]
     (first, *_) = warm_ups(config, shape_buckets(config))
-    assert first.request.raw_input_contents[0] == bytes(16 * 4)
+    assert first.job.inputs[0].data == bytes(16 * 4)
 
 
 def test_sequence_buckets_are_warmed_at_every_length() -> None:
@@ -78,8 +79,8 @@ def test_model_warmup_samples_run_after_the_buckets_with_seeded_random_data() ->
     config = parse(MLP + SAMPLE)
     assert shapes_of(config)[-1] == ("noise", [3, 16], 2)
     first, second = (warm_ups(config, shape_buckets(config))[-1] for _ in range(2))
-    data = np.frombuffer(first.request.raw_input_contents[0], np.float32)
-    assert data.std() > 0.5 and first.request == second.request
+    data = np.frombuffer(first.job.inputs[0].data, np.float32)
+    assert data.std() > 0.5 and first.job == second.job
 
 
 @pytest.mark.parametrize(
