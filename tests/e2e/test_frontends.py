@@ -26,7 +26,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, children, model_repository, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -44,18 +44,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
     with running_server(model_repository(root / "models", ["mlp"]), root / "log", args) as s:
         yield s
-
-
-def children(pid: int) -> dict[int, str]:
-    """The processes `pid` started, with their command lines."""
-    found: dict[int, str] = {}
-    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    for child in map(int, listed):
-        try:
-            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except FileNotFoundError:
-            continue  # it just exited
-    return found
 
 
 def frontends(server: ServerProcess) -> set[int]:
