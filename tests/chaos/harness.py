@@ -27,6 +27,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from transport.h3_client import DEFAULT_UNRESPONSIVE_S
 from transport.h3_protocol import StreamClosed
 
 TRANSPORTS = ("h2", "h3")
@@ -134,7 +135,8 @@ FULL = Scale(
     poison=10,
     reloads=5,
     frontend_kills=6,
-    frontend_kill_gap_s=12.0,  # longer than an HTTP/3 client takes to give up a dead connection
+    # longer than an HTTP/3 client takes to give a dead connection up
+    frontend_kill_gap_s=DEFAULT_UNRESPONSIVE_S + 2.0,
     attack_limit_s=240.0,
 )
 
