@@ -21,7 +21,7 @@ from transport import early_data
 from transport import headers as wire
 from transport.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.framing import encode_message
-from transport.h3_client import H3ClientConnection, client_configuration
+from transport.h3_client import DEFAULT_UNRESPONSIVE_S, H3ClientConnection, client_configuration
 from transport.h3_protocol import H3Settings, H3Stream, StreamClosed
 
 Serializer = Callable[[Any], bytes] | None
@@ -42,7 +42,10 @@ def _split_target(target: str) -> tuple[str, int]:
 
 class QuicChannel:
     """Connects lazily, reuses one connection for every call, and opens a new one after the
-    old one died, idled out or the server sent GOAWAY.
+    old one died, idled out or the server sent GOAWAY. A server process killed mid-call sends
+    nothing more: with calls in flight, `unresponsive_timeout_s` of silence (despite a PING)
+    ends the connection, its calls fail with UNAVAILABLE and the next call reconnects (None:
+    wait for the idle timeout).
 
     With a `ticket_cache` the channel resumes TLS sessions: a new connection that has a ticket
     sends its first calls (those in `early_data_methods`) as 0-RTT early data, with the
@@ -69,6 +72,7 @@ class QuicChannel:
         ticket_wait_s: float = 1.0,
         client_cert: str | None = None,
         client_key: str | None = None,
+        unresponsive_timeout_s: float | None = DEFAULT_UNRESPONSIVE_S,
     ) -> None:
         self.host, self.port = _split_target(target)
         self.authority = f"{self.host}:{self.port}" if ":" not in self.host else target
@@ -84,6 +88,7 @@ class QuicChannel:
         self.early_data_methods = early_data_methods
         self._connect_timeout_s = connect_timeout_s
         self._ticket_wait_s = ticket_wait_s
+        self._unresponsive_s = unresponsive_timeout_s
         self._connection: H3ClientConnection | None = None
         self._old: list[H3ClientConnection] = []
         self._lock = asyncio.Lock()
@@ -146,6 +151,7 @@ class QuicChannel:
                 session_ticket_handler=(lambda t: tickets.add(key, t))
                 if tickets is not None
                 else None,
+                unresponsive_s=self._unresponsive_s,
             )
         except OSError as exc:
             raise self._unavailable(exc) from exc

@@ -38,6 +38,18 @@ def free_port() -> int:
     raise RuntimeError("no port free on both TCP and UDP")
 
 
+def children(pid: int) -> dict[int, str]:
+    """The processes `pid` started, with their command lines."""
+    found: dict[int, str] = {}
+    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in map(int, listed):
+        try:
+            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            continue  # it just exited
+    return found
+
+
 def model_repository(target: Path, names: Sequence[str]) -> Path:
     """A repository holding some of the example models (symlinked, nothing copied)."""
     target.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The client end of a gRPC-over-HTTP/3 connection: connect, open request streams, learn of
-GOAWAY and connection loss."""
+GOAWAY and connection loss, including a server that went silent."""
 
 from __future__ import annotations
 
@@ -20,26 +20,86 @@ from transport import udp
 from transport.aioquic_internals import resend_early_data_after_retry
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 
+DEFAULT_UNRESPONSIVE_S = 10.0
+PROBE_AFTER_S = 1.0  # silence, with calls in flight, after which a PING asks for an answer
+
 
 class _ClientProtocol(GrpcH3Protocol):
+    """A server process that died (SIGKILL, OOM) sends nothing more over UDP, and the process
+    that may take its port over cannot tell the client either (aioquic clients ignore
+    stateless resets). Without a check, calls on the connection would wait for their deadline
+    and later ones join them until the idle timeout. So while calls are in flight, silence
+    gets a PING, which a live server's QUIC stack acknowledges whatever its calls are doing;
+    `unresponsive_s` of silence closes the connection: its calls fail UNAVAILABLE and the
+    channel's next call connects anew."""
+
     def __init__(
-        self, quic: QuicConnection, stream_handler: object = None, *, settings: H3Settings
+        self,
+        quic: QuicConnection,
+        stream_handler: object = None,
+        *,
+        settings: H3Settings,
+        unresponsive_s: float | None = DEFAULT_UNRESPONSIVE_S,
     ) -> None:
         super().__init__(quic, settings=settings)
         resend_early_data_after_retry(quic)
         self.handshake: asyncio.Future[events.HandshakeCompleted] = (
             asyncio.get_running_loop().create_future()
         )
+        self._unresponsive_s = unresponsive_s
+        self._heard_at = self._loop.time()
+        self._busy_since: float | None = None
+        self._liveness: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         udp.enlarge_receive_buffer(transport.get_extra_info("socket"))
+        if self._unresponsive_s:
+            self._liveness = self._loop.call_later(self._probe_s, self._check_liveness)
+
+    @property
+    def _probe_s(self) -> float:
+        assert self._unresponsive_s
+        return min(PROBE_AFTER_S, self._unresponsive_s / 4)
+
+    def datagram_received(self, data: bytes | str, addr: object) -> None:
+        self._heard_at = self._loop.time()
+        super().datagram_received(data, addr)
+
+    def _check_liveness(self) -> None:
+        if self.terminated is not None:
+            return
+        assert self._unresponsive_s
+        now = self._loop.time()
+        if not self.streams:
+            self._busy_since = None
+        else:
+            if self._busy_since is None:
+                self._busy_since = now
+            silent = now - max(self._heard_at, self._busy_since)
+            if silent >= self._unresponsive_s:
+                self._give_up(f"no answer from the server for {silent:.1f} s")
+                return
+            if silent >= self._probe_s:
+                self._quic.send_ping(0)
+                self.transmit()
+        self._liveness = self._loop.call_later(self._probe_s, self._check_liveness)
+
+    def _give_up(self, reason: str) -> None:
+        """Fail the calls now (aioquic reports its own close only after a closing period)."""
+        self._quic.close(reason_phrase=reason)
+        self.transmit()
+        self._terminated(
+            events.ConnectionTerminated(error_code=0, frame_type=None, reason_phrase=reason)
+        )
 
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
         if not self.handshake.done():
             self.handshake.set_result(event)
 
     def connection_lost_hook(self) -> None:
+        if self._liveness is not None:
+            self._liveness.cancel()
         if not self.handshake.done():
             assert self.terminated is not None
             self.handshake.set_exception(ConnectionError(self.terminated.message))
@@ -88,13 +148,16 @@ class H3ClientConnection:
         configuration: QuicConfiguration,
         settings: H3Settings | None = None,
         session_ticket_handler: Callable[[SessionTicket], None] | None = None,
+        unresponsive_s: float | None = DEFAULT_UNRESPONSIVE_S,
     ) -> H3ClientConnection:
         """Start the handshake without waiting for it, so the first request can ride along
-        as 0-RTT early data when the configuration carries a session ticket."""
+        as 0-RTT early data when the configuration carries a session ticket. With calls in
+        flight, `unresponsive_s` of silence from the server closes the connection (None: only
+        the idle timeout does)."""
         chosen = settings or H3Settings()
 
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
-            return _ClientProtocol(quic, settings=chosen)
+            return _ClientProtocol(quic, settings=chosen, unresponsive_s=unresponsive_s)
 
         holder: list[H3ClientConnection] = []
 

@@ -1,6 +1,7 @@
 """Runs one attack against a live server while good clients call on both transports, and turns
 what happened into a row: good requests, their failures, front-end RSS growth, what the attacker
-got, and whether the row meets the goal."""
+got, and whether the row meets the goal. The server runs as one process, or with front-end
+processes (`--frontends`) for the rows that attack those."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from transport.h3_client import DEFAULT_UNRESPONSIVE_S
 from transport.h3_protocol import StreamClosed
 
 TRANSPORTS = ("h2", "h3")
@@ -36,6 +38,8 @@ H2_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
 GOOD_MODEL = "mlp"
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
+RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
 SETTLE_S = 0.5
 RSS_SAMPLE_S = 0.1
@@ -87,6 +91,8 @@ class Scale:
     stops: int
     poison: int
     reloads: int
+    frontend_kills: int
+    frontend_kill_gap_s: float  # after a killed front-end's replacement serves, before the next
     attack_limit_s: float
 
 
@@ -107,6 +113,8 @@ SHORT = Scale(
     stops=1,
     poison=2,
     reloads=1,
+    frontend_kills=2,  # the two first front-ends: every good client's first connection dies
+    frontend_kill_gap_s=0.0,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -126,6 +134,9 @@ FULL = Scale(
     stops=2,
     poison=10,
     reloads=5,
+    frontend_kills=6,
+    # longer than an HTTP/3 client takes to give a dead connection up
+    frontend_kill_gap_s=DEFAULT_UNRESPONSIVE_S + 2.0,
     attack_limit_s=240.0,
 )
 
@@ -137,7 +148,7 @@ class Target:
 
     address: str
     port: int
-    pid: int  # the front-end process
+    pid: int  # the server's main process (with --frontends, the parent that runs the servicers)
     ca_file: Path
     metrics_url: str
     repository: Path
@@ -172,6 +183,10 @@ class AttackSpec:
     run: Attack
     # Outcomes that count as "answered with a clear status or refused at the transport".
     answered: frozenset[str]
+    frontends: int = 1  # the server's --frontends
+    # Good calls failing UNAVAILABLE are expected (their connection's process was killed):
+    # each is retried once, as a client would, and only a failed retry counts as a failure.
+    retry_unavailable: bool = False
 
 
 @dataclass
@@ -184,6 +199,8 @@ class Row:
     problems: list[str]
     notes: dict[str, float]
     seconds: float
+    # transport -> good calls that failed UNAVAILABLE and were retried (retry_unavailable)
+    good_retried: dict[str, int] = field(default_factory=dict)
 
     def misses(self) -> list[str]:
         """How the row misses the goal; empty when it meets it."""
@@ -244,11 +261,15 @@ async def outcome_of(call: Awaitable[Any], timeout_s: float) -> str:
 
 class GoodClients:
     """Loops of ModelInfer on `mlp` over both transports, each response checked against
-    in-process Paddle."""
+    in-process Paddle. With `retry_unavailable`, a call that fails UNAVAILABLE is made once
+    more on the same channel (which reconnects) after a short backoff, and only that retry's
+    failure counts."""
 
-    def __init__(self, target: Target, loops: int) -> None:
+    def __init__(self, target: Target, loops: int, retry_unavailable: bool = False) -> None:
         self._target = target
         self._loops = loops
+        self._retry_unavailable = retry_unavailable
+        self.retried: Counter[str] = Counter()  # transport -> calls retried
         self._inputs = example_inputs(GOOD_MODEL, seed=7)
         self._expected = run_reference(GOOD_MODEL, self._inputs)
         self._request = build_request(GOOD_MODEL, self._inputs)
@@ -281,17 +302,25 @@ class GoodClients:
     async def _loop(self, transport: str, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
         while not self._stop.is_set():
             self.requests += 1
-            try:
-                response = await stub.ModelInfer(self._request, timeout=GOOD_TIMEOUT_S)
-                problem = self._check(response)
-            except grpc.aio.AioRpcError as exc:
-                problem = f"{exc.code().name}: {exc.details()}"
-            except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+            problem = await self._call(stub)
+            if problem.startswith(UNAVAILABLE) and self._retry_unavailable:
+                self.retried[transport] += 1
+                await asyncio.sleep(RETRY_BACKOFF_S)
+                problem = await self._call(stub)
             if problem:
                 self.failures[f"{transport} {problem[:200]}"] += 1
             self._first[transport].set()
             await asyncio.sleep(0)
+
+    async def _call(self, stub: pb_grpc.GRPCInferenceServiceStub) -> str:
+        """What went wrong with one call; empty when nothing did."""
+        try:
+            response = await stub.ModelInfer(self._request, timeout=GOOD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return self._check(response)
 
     def _check(self, response: pb.ModelInferResponse) -> str:
         served = parse_response(response)
@@ -355,6 +384,7 @@ def _row(spec: AttackSpec, started: float, good: GoodClients, **fields: Any) -> 
         attack=spec.name,
         good_requests=good.requests,
         good_failures=dict(good.failures),
+        good_retried=dict(good.retried),
         seconds=round(time.monotonic() - started, 1),
         **fields,
     )
@@ -368,7 +398,7 @@ async def run_row(
     before it (the peak catches memory held only while the attack lasts, such as idle
     connections; the level after catches what stays)."""
     started = time.monotonic()
-    good = GoodClients(target, scale.good_loops)
+    good = GoodClients(target, scale.good_loops, spec.retry_unavailable)
     try:
         await _wait_responsive(target)
         await good.start()
@@ -419,16 +449,19 @@ def chaos_repository(directory: Path) -> Path:
 
 
 @contextlib.contextmanager
-def chaos_server(directory: Path) -> Iterator[tuple[ServerProcess, Target]]:
+def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerProcess, Target]]:
     """The server every attack runs against: explicit model control (for hot reload), the
-    testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only."""
+    testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only;
+    `frontends` front-end processes (1: a single process)."""
+    directory = directory / f"frontends-{frontends}"
+    directory.mkdir(parents=True, exist_ok=True)
     repository = chaos_repository(directory)
     metrics_port = free_port()
     certs = directory / "certs"
     args = [
         *("--model-control-mode", "explicit", "--load-model", "*", "--testing-service"),
         *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
-        *("--log-sample-ratio", "0"),
+        *("--log-sample-ratio", "0", "--frontends", str(frontends)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (

@@ -1,8 +1,9 @@
-"""Every attack of the suite, in the order it runs, with the outcomes that count as answered."""
+"""Every attack of the suite, in the order it runs, with the outcomes that count as answered;
+the last rows run against a second server with two front-end processes (`--frontends 2`)."""
 
 from __future__ import annotations
 
-from tests.chaos import floods, messages, streams, workers
+from tests.chaos import floods, frontends, messages, streams, workers
 from tests.chaos.harness import AttackSpec
 
 
@@ -71,4 +72,23 @@ ATTACKS = (
         frozenset({"UNAVAILABLE", "INTERNAL", "INVALID_ARGUMENT"}),
     ),
     AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
+    AttackSpec(
+        "front-end SIGKILL under load (--frontends 2)",
+        frontends.frontend_sigkill,
+        frozenset({"killed", "replaced"}),
+        frontends=2,
+        retry_unavailable=True,
+    ),
+    AttackSpec(
+        "random model names (--frontends 2)",
+        floods.random_names,
+        frozenset({"NOT_FOUND"}),
+        frontends=2,
+    ),
+    AttackSpec(
+        "oversized messages (--frontends 2)",
+        messages.oversized_messages,
+        _both("RESOURCE_EXHAUSTED", REFUSED),
+        frontends=2,
+    ),
 )

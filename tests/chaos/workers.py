@@ -32,7 +32,7 @@ STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in se
 POLL_S = 0.05
 
 
-async def _instances(target: Target) -> list[control_pb2.Instance]:
+async def instances(target: Target) -> list[control_pb2.Instance]:
     async with grpc.aio.insecure_channel(target.address) as channel:
         response = await control_pb2_grpc.ControlStub(channel).ListInstances(
             control_pb2.ListInstancesRequest(model_name=GOOD_MODEL), timeout=10
@@ -57,7 +57,7 @@ async def _victim(target: Target) -> control_pb2.Instance:
     """A READY instance of the good clients' model, while they keep it busy."""
     deadline = time.monotonic() + RESTART_LIMIT_S
     while time.monotonic() < deadline:
-        ready = [i for i in await _instances(target) if i.state == "READY" and i.pid > 0]
+        ready = [i for i in await instances(target) if i.state == "READY" and i.pid > 0]
         if ready:
             return max(ready, key=lambda i: i.outstanding)
         await asyncio.sleep(POLL_S)
@@ -68,7 +68,7 @@ async def _replaced(target: Target, victim: control_pb2.Instance, limit_s: float
     """Until the victim's instance serves again from a new process (bounded)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        for instance in await _instances(target):
+        for instance in await instances(target):
             if (
                 instance.name == victim.name
                 and instance.state == "READY"
@@ -145,13 +145,13 @@ async def hot_reload(target: Target, scale: Scale) -> AttackResult:
     async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.reloads):
-            before = {i.pid for i in await _instances(target)}
+            before = {i.pid for i in await instances(target)}
             _touch_version(target)
             load = pb.RepositoryModelLoadRequest(model_name=GOOD_MODEL)
             call = stub.RepositoryModelLoad(load, timeout=RELOAD_TIMEOUT_S)
             outcome = await outcome_of(call, RELOAD_TIMEOUT_S)
             result.outcomes[outcome] += 1
-            after = {i.pid for i in await _instances(target)}
+            after = {i.pid for i in await instances(target)}
             if outcome == "OK" and not after - before:
                 result.problems.append("the reload started no new worker process")
     return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ from clients.quic_channel import QuicChannel
 from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, ChannelFactory, eventually, x_entries
+from tests.servers import ServerProcess
 from transport import headers as wire
 
 # Non-ASCII, '%' and things that look like percent-escapes: must arrive exactly as sent.
@@ -330,6 +332,22 @@ async def test_deadline_exceeded_on_both_ends(make_channel: ChannelFactory) -> N
         await eventually(
             lambda: handler_cancelled(stub, token), "the stream handler saw the deadline"
         )
+
+
+async def test_h3_a_call_longer_than_the_unresponsive_timeout_succeeds(
+    conformance_server: ServerProcess, ca_file: Path
+) -> None:
+    """HTTP/3 only: the server sends nothing while the call sleeps, yet its QUIC stack
+    acknowledges the channel's PINGs, so the connection is not taken for dead."""
+    async with QuicChannel(
+        f"localhost:{conformance_server.port}", ca_file=str(ca_file), unresponsive_timeout_s=0.5
+    ) as channel:
+        stub = pb_grpc.TestingStub(channel)
+        await stub.Unary(pb.EchoRequest(payload=b"first"), timeout=10)
+        connection = await channel.connection()
+        slow = pb.EchoRequest(payload=b"late", sleep_seconds=2.0)
+        assert (await stub.Unary(slow, timeout=30)).payload == b"late"
+        assert await channel.connection() is connection
 
 
 async def test_cancelling_a_unary_call(make_channel: ChannelFactory) -> None:

@@ -1,6 +1,7 @@
 """`--frontends 2`: two front-end processes on one port feeding one set of workers. Both
 transports serve every kind of call, new connections reach both front-ends, 0-RTT tickets are
-single use across them, a killed front-end is restarted, SIGTERM leaves no process behind."""
+single use across them, an HTTP/3 client leaves a silent front-end's connection, a killed
+front-end is restarted, SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, children, model_repository, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -44,18 +45,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
     with running_server(model_repository(root / "models", ["mlp"]), root / "log", args) as s:
         yield s
-
-
-def children(pid: int) -> dict[int, str]:
-    """The processes `pid` started, with their command lines."""
-    found: dict[int, str] = {}
-    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    for child in map(int, listed):
-        try:
-            found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except FileNotFoundError:
-            continue  # it just exited
-    return found
 
 
 def frontends(server: ServerProcess) -> set[int]:
@@ -199,6 +188,33 @@ async def test_a_client_whose_address_changes_keeps_its_connection(
         assert await h3.connection() is connection  # never reconnected
     # Each new port lands on either front-end: some of the rebinds reached the other one.
     wait_for(lambda: forwarded(server) > before, "datagrams passed to their owner")
+
+
+async def test_an_http3_client_gives_up_a_silent_frontend_and_reconnects(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """A front-end that stops answering (stopped here; killed, it would be as silent): the
+    call in flight fails UNAVAILABLE once the channel heard nothing for its
+    unresponsive_timeout_s, and the same channel's next call connects anew."""
+    async with QuicChannel(
+        f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"), unresponsive_timeout_s=1.0
+    ) as h3:
+        stub = pb_grpc.GRPCInferenceServiceStub(h3)
+        await stub.ModelInfer(REQUEST, timeout=10)
+        first = await h3.connection()
+        stopped = frontends(server)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await stub.ModelInfer(REQUEST, timeout=WAIT_S)
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no answer from the server" in (lost.value.details() or "")
+        await stub.ModelInfer(REQUEST, timeout=10)
+        assert await h3.connection() is not first
 
 
 async def test_a_ticket_is_single_use_across_frontends(
