@@ -21,7 +21,6 @@ from protos.inference import grpc_service_pb2_grpc as inference_grpc
 from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from service import settings as settings_module
 from service.control_servicer import ControlServicer
-from service.event_loop import EventLoopUnavailable, loop_factory
 from service.h3_state import H3State
 from service.inference_servicer import InferenceServicer
 from service.lifecycle import Lifecycle
@@ -393,12 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection
     try:
-        name, factory = loop_factory(settings.event_loop)
-        log.info("event loop: %s", name)
-        with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(serve(settings))
+        asyncio.run(serve(settings))
     except (
-        EventLoopUnavailable,
         RepositoryError,
         TracingUnavailable,
         MetricsUnavailable,

@@ -10,7 +10,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from service.event_loop import EVENT_LOOPS
 from service.observability.logs import LOG_FORMATS
 from service.restricted import RESTRICTABLE
 
@@ -70,7 +69,6 @@ class ServerSettings:
     tls_client_ca: str = ""
     require_client_cert: bool = False
     frontends: str = "1"
-    event_loop: str = "auto"
 
 
 _HELP = {
@@ -142,7 +140,6 @@ _HELP = {
     "frontends": "front-end processes accepting on the same TCP and UDP port (SO_REUSEPORT) "
     f"and feeding one set of model workers, 1 to {MAX_FRONTENDS}; auto: one per two usable "
     f"cores, at most {MAX_AUTO_FRONTENDS}",
-    "event_loop": "auto (uvloop where installed, else asyncio's), asyncio or uvloop",
 }
 
 
@@ -150,7 +147,6 @@ _HELP = {
 _CHOICES = {
     "h3_retry": ("auto", "always", "never"),
     "log_format": LOG_FORMATS,
-    "event_loop": EVENT_LOOPS,
 }
 
 

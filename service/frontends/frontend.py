@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 
-from service.event_loop import loop_factory
 from service.frontends.link import FrameConnection, Window
 from service.frontends.protocol import (
     WINDOW,
@@ -251,10 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)
     log.debug("front-end %d (pid %d) starting", args.index, os.getpid())
-    # The parent checked the choice before starting any front-end.
-    _, factory = loop_factory(settings.event_loop)
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(run(args.index, args.runtime_dir, settings))
+    asyncio.run(run(args.index, args.runtime_dir, settings))
     return 0
 
 

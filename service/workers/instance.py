@@ -399,10 +399,6 @@ class WorkerInstance:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
         finally:
             writer.close()
-            # uvloop closes the descriptor later, in a callback: a worker launched before then
-            # may get the same descriptor number for its socket, and lose it to that close.
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
         if self.state is not State.STOPPED:
             await self._on_death()
 
