@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -167,6 +168,10 @@ async def serve(settings: ServerSettings) -> None:
         log.error("%s", loader.exception())
     elif loader.done():
         log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
+        # What start-up built (modules, protobuf descriptors, loaded models: some 100,000
+        # objects) lives as long as the process: the collector's full passes stop walking it.
+        # Each pass took some 60 ms of the event loop, about 0.3 ms per new HTTP/3 connection.
+        gc.freeze()
     await stopped
     lifecycle.stop_watching()
     log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)

@@ -222,6 +222,58 @@ def ack_with_next_packet(quic: QuicConnection, now: float) -> None:
         space.ack_at = now
 
 
+# How long an ACK may wait for data to ride with, below the max_ack_delay aioquic announces
+# (25 ms), so the peer's loss detection already allows for it.
+ACK_DELAY_S = 0.01
+
+
+def delay_acks(quic: QuicConnection) -> None:
+    """Hold ACKs back up to `ACK_DELAY_S` instead of aioquic's 1 ms. A unary call's answer
+    takes a few milliseconds: with 1 ms the request's ACK left alone first (a timer, a
+    transmit, one more datagram for each end to handle per call); now it rides with the
+    answer. `receive_datagram` keeps bulk transfers acknowledged at once."""
+    quic._ack_delay = ACK_DELAY_S
+
+
+def receive_datagram(quic: QuicConnection, data: bytes, addr: NetworkAddress, now: float) -> None:
+    """aioquic's receive, acknowledging at once an ack-eliciting packet that arrives while an
+    ACK is already held back: every second one, as RFC 9000 section 13.2.2 advises, so a
+    sender of many packets is never kept waiting by `delay_acks`.
+
+    aioquic sets `ack_at` only when an ack-eliciting packet arrives and none is set: clearing
+    it for the receive tells whether this datagram held one (ACK-only packets and the
+    handshake's Initial and Handshake packets, in other spaces, do not count)."""
+    space = quic._spaces.get(tls.Epoch.ONE_RTT)
+    held = None if space is None else space.ack_at
+    if space is not None:
+        space.ack_at = None
+    quic.receive_datagram(data, addr, now=now)
+    if space is not None and held is not None:
+        space.ack_at = held if space.ack_at is None else now
+
+
+# Connection IDs each end holds for the other: RFC 9000's minimum. aioquic issues 7 spare IDs
+# per connection (a NEW_CONNECTION_ID frame, 24 random bytes and a routing entry each) to
+# peers that allow 8 as it does itself; a gRPC client rarely migrates, and a retired ID is
+# replaced.
+ACTIVE_CONNECTION_IDS = 2
+
+
+def limit_connection_ids(quic: QuicConnection) -> None:
+    """Ask the peer for `ACTIVE_CONNECTION_IDS` connection IDs and issue it no more than that
+    (aioquic has no setting for either)."""
+    quic._local_active_connection_id_limit = ACTIVE_CONNECTION_IDS
+    replenish = quic._replenish_connection_ids
+
+    def replenish_up_to_limit() -> None:
+        quic._remote_active_connection_id_limit = min(
+            quic._remote_active_connection_id_limit, ACTIVE_CONNECTION_IDS
+        )
+        replenish()
+
+    quic._replenish_connection_ids = replenish_up_to_limit  # type: ignore[method-assign]
+
+
 def set_max_concurrent_streams(quic: QuicConnection, limit: int) -> None:
     """aioquic hard-codes 128; must be called before the transport parameters are sent."""
     quic._local_max_streams_bidi.value = limit

@@ -233,6 +233,7 @@ def client_configuration(
         idle_timeout=idle_timeout_s,
         max_data=chosen.connection_window,
         max_stream_data=chosen.stream_window,
+        max_datagram_size=chosen.max_datagram_size,
     )
     if ca_file:
         configuration.load_verify_locations(cafile=ca_file)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -25,6 +25,9 @@ from transport.aioquic_internals import (
     GrpcH3Connection,
     ReceiveCredit,
     ack_with_next_packet,
+    delay_acks,
+    limit_connection_ids,
+    receive_datagram,
     send_buffered,
     set_max_concurrent_streams,
 )
@@ -37,6 +40,11 @@ log = logging.getLogger("paddlequic.h3")
 
 SEND_HIGH_WATER = 1 << 20  # a writer waits while this much is unacknowledged on its stream
 DEFAULT_MAX_METADATA = 16 << 10
+# UDP payload of the datagrams sent: QUIC guarantees only 1200; 1350 is what Chromium's QUIC
+# stack sends by default without path MTU discovery (with IPv6 and UDP headers it fits a tunnel
+# MTU of 1400). A unary call with a 1 KiB tensor then fits one datagram instead of two: one
+# datagram less to receive, decrypt and acknowledge per call.
+DEFAULT_MAX_DATAGRAM = 1350
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class H3Settings:
     stream_window: int = 1 << 20
     connection_window: int = 16 << 20
     keepalive_s: float | None = None  # PING this often while the connection is open
+    max_datagram_size: int = DEFAULT_MAX_DATAGRAM
 
 
 class H3Stream:
@@ -195,6 +204,8 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         super().__init__(quic)
         self.settings = settings
         set_max_concurrent_streams(quic, self.settings.max_concurrent_streams)
+        delay_acks(quic)
+        limit_connection_ids(quic)
         self.credit = ReceiveCredit(
             quic, self.settings.stream_window, self.settings.connection_window
         )
@@ -227,7 +238,7 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         """As aioquic's, but transmitting once per event-loop turn rather than once per
         datagram: under load many datagrams arrive together, and every transmit walks all
         streams."""
-        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        receive_datagram(self._quic, cast(bytes, data), cast(Any, addr), self._loop.time())
         self._process_events()
         self._transmit_soon()
         self.wake_senders()

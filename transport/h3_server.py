@@ -225,6 +225,7 @@ class H3Server:
             idle_timeout=self._idle_timeout_s,
             max_data=self.settings.connection_window,
             max_stream_data=self.settings.stream_window,
+            max_datagram_size=self.settings.max_datagram_size,
         )
         configuration.load_cert_chain(certfile, keyfile)
         if self.router is not None:

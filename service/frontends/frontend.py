@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -220,6 +221,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             reuse_port=True,
             router=DatagramRouter(index, runtime_dir),
         )
+    gc.freeze()  # as the single server does once ready: full collections skip start-up's objects
     reporter = asyncio.create_task(_report(link))
     closed = asyncio.create_task(link.closed.wait())
     stopping = asyncio.create_task(stop.wait())

@@ -1,0 +1,113 @@
+"""Packets per call: when ACKs go out, how many connection IDs are issued, between two
+in-memory aioquic connections driven as GrpcH3Protocol drives them."""
+
+from __future__ import annotations
+
+import ssl
+
+import pytest
+from aioquic import tls
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+
+from tests.unit.test_h3_limits import (
+    CLIENT_ADDRESS,
+    SERVER_ADDRESS,
+    Peer,
+    exchange,
+    server_configuration,  # noqa: F401  # the fixture
+)
+from transport.aioquic_internals import (
+    ACK_DELAY_S,
+    ACTIVE_CONNECTION_IDS,
+    ack_with_next_packet,
+    delay_acks,
+    limit_connection_ids,
+    receive_datagram,
+)
+
+
+@pytest.fixture
+def peers(server_configuration: QuicConfiguration) -> tuple[Peer, Peer]:  # noqa: F811
+    client = Peer(
+        QuicConnection(
+            configuration=QuicConfiguration(
+                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
+            )
+        )
+    )
+    server = Peer(
+        QuicConnection(
+            configuration=server_configuration,
+            original_destination_connection_id=client.quic.original_destination_connection_id,
+        )
+    )
+    for peer in (client, server):
+        delay_acks(peer.quic)
+        limit_connection_ids(peer.quic)
+    client.quic.connect(SERVER_ADDRESS, now=1.0)
+    exchange(client, server)
+    return client, server
+
+
+def send(sender: Peer, receiver: Peer, stream_id: int, size: int) -> int:
+    """Stream data from sender to receiver, received as the protocol does; the datagrams.
+    The clock moves on a millisecond first, or aioquic's pacing could hold them back."""
+    sender.now = receiver.now = max(sender.now, receiver.now) + 0.001
+    sender.quic.send_stream_data(stream_id, b"x" * size)
+    datagrams = sender.quic.datagrams_to_send(now=sender.now)
+    source = CLIENT_ADDRESS if sender.quic.configuration.is_client else SERVER_ADDRESS
+    for data, _ in datagrams:
+        receive_datagram(receiver.quic, data, source, receiver.now)
+    receiver.pump()
+    return len(datagrams)
+
+
+def test_the_ack_of_a_request_rides_with_its_answer(peers: tuple[Peer, Peer]) -> None:
+    client, server = peers
+    stream_id = client.quic.get_next_available_stream_id()
+    assert send(client, server, stream_id, 1000) == 1
+    server.now += ACK_DELAY_S / 2  # the call runs
+    assert server.quic.datagrams_to_send(now=server.now) == []  # no ACK alone
+    server.quic.send_stream_data(stream_id, b"answer", end_stream=True)
+    ack_with_next_packet(server.quic, server.now)  # as GrpcH3Protocol does when it sends
+    assert len(server.quic.datagrams_to_send(now=server.now)) == 1
+    assert server.quic._spaces[tls.Epoch.ONE_RTT].ack_at is None  # the ACK went with it
+
+
+def test_an_ack_held_back_leaves_at_its_delay(peers: tuple[Peer, Peer]) -> None:
+    client, server = peers
+    send(client, server, client.quic.get_next_available_stream_id(), 1000)
+    assert server.quic.get_timer() == pytest.approx(server.now + ACK_DELAY_S)
+    server.now += ACK_DELAY_S
+    server.quic.handle_timer(now=server.now)
+    assert len(server.quic.datagrams_to_send(now=server.now)) == 1
+
+
+def test_every_second_datagram_is_acknowledged_at_once(peers: tuple[Peer, Peer]) -> None:
+    """A large message: its sender is not kept waiting for ACKs."""
+    client, server = peers
+    assert send(client, server, client.quic.get_next_available_stream_id(), 2000) == 2
+    assert len(server.quic.datagrams_to_send(now=server.now)) == 1
+
+
+def test_an_ack_only_datagram_does_not_hurry_a_held_ack(peers: tuple[Peer, Peer]) -> None:
+    client, server = peers
+    send(server, client, 3, 10)  # the client now owes the server an ACK
+    send(client, server, client.quic.get_next_available_stream_id(), 1000)
+    held = server.quic._spaces[tls.Epoch.ONE_RTT].ack_at
+    assert held is not None
+    client.now += ACK_DELAY_S
+    client.quic.handle_timer(now=client.now)
+    datagrams = client.quic.datagrams_to_send(now=client.now)
+    assert len(datagrams) == 1
+    receive_datagram(server.quic, datagrams[0][0], CLIENT_ADDRESS, server.now)
+    assert server.quic._spaces[tls.Epoch.ONE_RTT].ack_at == held
+
+
+def test_connection_ids_are_limited_both_ways(peers: tuple[Peer, Peer]) -> None:
+    client, server = peers
+    for peer in (client, server):
+        assert len(peer.quic._host_cids) == ACTIVE_CONNECTION_IDS
+        assert len(peer.quic._peer_cid_available) + 1 == ACTIVE_CONNECTION_IDS
