@@ -62,6 +62,18 @@ class TestingServicer(pb_grpc.TestingServicer):
     ) -> pb.EchoResponse:
         return pb.EchoResponse(messages=self._executions[request.token])
 
+    async def PeerAuth(
+        self, request: pb.EchoRequest, context: ServicerContext
+    ) -> pb.PeerAuthResponse:
+        return pb.PeerAuthResponse(
+            identity_key=context.peer_identity_key() or "",
+            identities=context.peer_identities() or (),
+            properties=[
+                pb.AuthProperty(name=name, values=values)
+                for name, values in sorted(context.auth_context().items())
+            ],
+        )
+
     async def _prepare(self, request: pb.EchoRequest, context: ServicerContext) -> None:
         if request.echo_metadata:
             echoed = [(k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-")]

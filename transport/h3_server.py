@@ -27,6 +27,7 @@ from transport.aioquic_internals import (
     Admission,
     AdmittingQuicServer,
     peer_address,
+    peer_certificate,
     refuse_early_data,
     tag_connection_ids,
 )
@@ -37,6 +38,7 @@ from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 from transport.handler_table import HandlerTable, run_behavior
+from transport.peer_auth import PeerAuth
 from transport.status import H3_NO_ERROR, H3_REQUEST_REJECTED
 from transport.tickets import TicketStore
 
@@ -153,6 +155,9 @@ class _ServerProtocol(GrpcH3Protocol):
         self.handshake_done.set()  # wakes calls held for it; their streams have failed
         self._handshake_timer.cancel()
         self.server.connection_closed(self)
+
+    def peer_auth(self) -> PeerAuth:
+        return PeerAuth(peer_certificate(self._quic), self._quic.tls.session_resumed)
 
     def peer(self) -> str:
         address = peer_address(self._quic)
@@ -385,6 +390,7 @@ class H3Server:
                 connection.peer(),
                 handler.response_serializer,
                 handler.request_deserializer,
+                connection.peer_auth(),
             )
             self._active_rpcs += 1
             code, details, trailing = await self._drive(handler, context, stream, head.timeout)
