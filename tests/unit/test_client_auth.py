@@ -5,6 +5,7 @@ resumed."""
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,9 +22,11 @@ from aioquic.tls import SessionTicket
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from service.sqlite_tickets import SqliteTicketStore
 from transport.certs import DevCertificates, ensure_dev_certificates, issue_client_certificate
 from transport.client_auth import ClientAuth, request_client_certificates
-from transport.tickets import MemoryTicketStore
+from transport.ticket_seal import TicketSealer
+from transport.tickets import MemoryTicketStore, TicketStore
 
 # Bounds the cases expected to fail, so a regression shows up as a failure rather than a hang.
 FAILURE_TIMEOUT_S = 5.0
@@ -60,7 +63,7 @@ def test_client_names_must_be_plain(certs: DevCertificates, name: str) -> None:
 
 @asynccontextmanager
 async def _server(
-    certs: DevCertificates, auth: ClientAuth, tickets: MemoryTicketStore | None = None
+    certs: DevCertificates, auth: ClientAuth, tickets: TicketStore | None = None
 ) -> AsyncIterator[int]:
     configuration = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
     configuration.load_cert_chain(certs.server_cert, certs.server_key)
@@ -146,15 +149,20 @@ async def test_optional_client_certificate(certs: DevCertificates, tmp_path: Pat
             )
 
 
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
 async def test_a_resumed_connection_keeps_its_certificate_and_is_checked_again(
-    certs: DevCertificates, tmp_path: Path
+    certs: DevCertificates, tmp_path: Path, store: str
 ) -> None:
     """Resumption works with a required certificate, and the certificate the ticket carries
-    passes the check again: a server trusting another CA refuses it (a full handshake follows,
-    where the client's certificate is refused)."""
+    (in memory, or sealed in a shared store) passes the check again: a server trusting another
+    CA refuses it (a full handshake follows, where the client's certificate is refused)."""
     client_cert, client_key = issue_client_certificate(certs.directory, "edge")
     other = ensure_dev_certificates(tmp_path / "other")[0]
-    tickets = MemoryTicketStore()
+    tickets: TicketStore = (
+        MemoryTicketStore()
+        if store == "memory"
+        else SqliteTicketStore(tmp_path / "tickets.db", TicketSealer(os.urandom(32)), 3600.0)
+    )
     async with _server(certs, ClientAuth(certs.ca_cert, required=True), tickets) as port:
         resumed, ticket = await _connect(port, certs, client_cert, client_key, want_ticket=True)
         assert not resumed
