@@ -259,19 +259,87 @@ def test_we_accept_what_the_upstream_cli_signs(model: Path, key: Path) -> None:
     assert check_version(model, "mlp", 1, trusted(key), None) == "signer.pub"
 
 
-def test_cli_round_trip(model: Path, tmp_path: Path) -> None:
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "clients.cli", *args]
-        return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "clients.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
 
+
+def test_cli_round_trip(model: Path, tmp_path: Path) -> None:
     keys = tmp_path / "trusted"
     keys.mkdir()
-    assert cli("keygen", "--out", str(keys / "release")).returncode == 0
+    assert _cli("keygen", "--out", str(keys / "release")).returncode == 0
     private = keys / "release.key"
     private.rename(tmp_path / "release.key")  # the private key never sits with trusted keys
-    assert cli("sign", str(model), "--key", str(tmp_path / "release.key")).returncode == 0
-    ok = cli("verify", str(model), "--trusted-keys", str(keys))
+    assert _cli("sign", str(model), "--key", str(tmp_path / "release.key")).returncode == 0
+    ok = _cli("verify", str(model), "--trusted-keys", str(keys))
     assert ok.returncode == 0 and "OK version 1: signed by release.pub" in ok.stdout
     (model / "1" / "inference.json").write_text("{}")
-    refused = cli("verify", str(model), "--trusted-keys", str(keys))
+    refused = _cli("verify", str(model), "--trusted-keys", str(keys))
     assert refused.returncode == 1 and "mlp/1/inference.json was modified" in refused.stderr
+
+
+ENSEMBLE_CONFIG = """
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "features", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "probs", data_type: TYPE_FP32, dims: [ 10 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "mlp" model_version: -1
+      input_map { key: "input" value: "features" }
+      output_map { key: "probabilities" value: "probs" } }
+  ]
+}
+"""
+
+
+@pytest.mark.parametrize("version_dir", [False, True])
+def test_an_ensemble_is_signed_and_checked_like_a_model(
+    tmp_path: Path, key: Path, version_dir: bool
+) -> None:
+    """Its config.pbtxt (the steps) is what is signed; a version directory (Triton's empty
+    `1/`) is optional and holds nothing unsigned."""
+    pair = tmp_path / "repo" / "pair"
+    pair.mkdir(parents=True)
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    if version_dir:
+        (pair / "1").mkdir()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    policy = SigningPolicy(trusted(key), required=True)
+    with pytest.raises(SignatureError, match="model 'pair' is not signed"):
+        policy.check(pair, "pair", 1, copy, ensemble=True)
+    sign(pair, key)
+    assert policy.check(pair, "pair", 1, copy, ensemble=True)
+    assert (copy / "config.pbtxt").read_text() == ENSEMBLE_CONFIG
+    (pair / "1").mkdir(exist_ok=True)
+    (pair / "1" / "model.py").write_text("import os\n")
+    with pytest.raises(SignatureError, match="pair/1/model.py was added after signing"):
+        check_version(pair, "pair", 1, trusted(key), None, ensemble=True)
+    (pair / "1" / "model.py").unlink()
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"other"'))  # its steps
+    with pytest.raises(SignatureError, match="pair/config.pbtxt was modified after signing"):
+        check_version(pair, "pair", 1, trusted(key), None, ensemble=True)
+
+
+def test_a_model_turned_into_an_ensemble_is_refused(model: Path, key: Path) -> None:
+    """Replacing a signed model's config.pbtxt with an ensemble's changes its platform: the
+    config no longer matches the signature, whichever way it is checked."""
+    sign(model, key)
+    (model / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"resnet18"'))
+    for ensemble in (True, False):
+        with pytest.raises(SignatureError, match="mlp/config.pbtxt was modified after signing"):
+            check_version(model, "mlp", 1, trusted(key), None, ensemble=ensemble)
+
+
+def test_cli_verifies_an_ensemble(tmp_path: Path, key: Path) -> None:
+    pair = tmp_path / "repo" / "pair"
+    pair.mkdir(parents=True)
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    signed = _cli("sign", str(pair), "--key", str(key))
+    assert signed.returncode == 0, signed.stderr
+    ok = _cli("verify", str(pair), "--trusted-keys", str(key.parent / "trusted"))
+    assert ok.returncode == 0 and "OK version 1: signed by signer.pub" in ok.stdout
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"other"'))
+    refused = _cli("verify", str(pair), "--trusted-keys", str(key.parent / "trusted"))
+    assert refused.returncode == 1 and "pair/config.pbtxt was modified" in refused.stderr
