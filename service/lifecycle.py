@@ -85,7 +85,8 @@ class Lifecycle:
         self.signing: SigningPolicy | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._tried: dict[tuple[str, int], Fingerprint] = {}
+        # The files a version last failed to load from, and that failed version.
+        self._tried: dict[tuple[str, int], tuple[Fingerprint, ServedVersion]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._copies: Path | None = None  # the private copies of verified versions (0700)
 
@@ -373,11 +374,12 @@ class Lifecycle:
                 if unchanged and old is not None and old.state is VersionState.READY:
                     result[files.version] = old
                     continue
-                if self._tried.get((name, files.version)) == prints and old is not None:
-                    # Failed before with these very files: not loaded again, still failing.
+                tried = self._tried.get((name, files.version))
+                if tried is not None and tried[0] == prints and old is not None:
+                    # Failed before with these very files: not loaded again, and the load
+                    # answers with the same failure (whatever serves goes on serving).
                     result[files.version] = old
-                    if old.state is not VersionState.READY:
-                        failures.append(old)
+                    failures.append(tried[1])
                     continue
                 candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
                 await self._start_version(candidate, files)
@@ -385,7 +387,7 @@ class Lifecycle:
                     self._tried.pop((name, files.version), None)
                     result[files.version] = candidate
                     continue
-                self._tried[(name, files.version)] = prints
+                self._tried[(name, files.version)] = (prints, candidate)
                 failures.append(candidate)
                 if old is not None and old.state is VersionState.READY:
                     old.reason = (

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
     root = tmp_path_factory.mktemp("shared-tickets")
     (root / "ticket.key").write_bytes(bytes(range(32)))
+    (root / "ticket.key").chmod(0o600)
     with running_redis(root / "redis") as url:
         yield root, ["--ticket-store", url, "--ticket-key-file", str(root / "ticket.key")]
 

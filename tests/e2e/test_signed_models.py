@@ -159,3 +159,76 @@ def test_restarts_and_reloads_load_only_verified_bytes(tmp_path: Path) -> None:
         )
         assert index(server)["good", "1"].state == "READY"
         assert infer(server, "good") == answer
+
+
+def ensemble_config(step_model: str, version: int = -1) -> str:
+    """One step on `step_model` (an mlp): features -> probs."""
+    return f"""
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [ {{ name: "probabilities", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+ensemble_scheduling {{
+  step [
+    {{ model_name: "{step_model}" model_version: {version}
+      input_map {{ key: "input" value: "input" }}
+      output_map {{ key: "probabilities" value: "probabilities" }} }}
+  ]
+}}
+"""
+
+
+def test_ensembles_are_signed_like_models(tmp_path: Path) -> None:
+    """An ensemble's config.pbtxt (its steps) is signed and checked at start, on SIGHUP and on
+    RepositoryModelLoad: an unsigned one is refused under --require-signed, and a model whose
+    config.pbtxt was changed since signing (its platform, to an ensemble; an ensemble's steps)
+    is refused with that reason while what was verified goes on serving."""
+    key, trusted = keys(tmp_path)
+    root = tmp_path / "models"
+    sign(add_model(root, "good"), key)
+    sign(add_model(root, "victim"), key)
+    pair = root / "pair"
+    pair.mkdir()
+    (pair / "config.pbtxt").write_text(ensemble_config("good"))
+    sign(pair, key)
+    (root / "loose").mkdir()
+    (root / "loose" / "config.pbtxt").write_text(ensemble_config("good"))
+    swapped = add_model(root, "swapped")
+    sign(swapped, key)
+    (swapped / "config.pbtxt").write_text(ensemble_config("good"))  # now answered by "good"
+    args = ["--trusted-keys", str(trusted), "--require-signed", "--no-h3"]
+    args += ["--model-control-mode", "explicit", "--load-model", "*"]
+    with running_server(root, tmp_path / "server.log", args, wait=False) as server:
+        server.wait_loaded()
+        models = index(server)
+        assert models["pair", "1"].state == "READY"
+        answer = infer(server, "good")
+        assert infer(server, "pair") == answer
+        for name, reason in (
+            ("loose", "model 'loose' is not signed"),
+            ("swapped", "swapped/config.pbtxt was modified after signing"),
+        ):
+            assert models[name, "1"].state == "UNAVAILABLE"
+            assert reason in models[name, "1"].reason
+            assert refused(server, name) == grpc.StatusCode.FAILED_PRECONDITION
+
+        # After the start: a signed model turned into an ensemble, an ensemble's steps changed.
+        (root / "victim" / "config.pbtxt").write_text(ensemble_config("good"))
+        (pair / "config.pbtxt").write_text(ensemble_config("good", 1))
+        server.process.send_signal(signal.SIGHUP)
+        for name in ("victim", "pair"):
+            reason = f"{name}/config.pbtxt was modified after signing"
+            eventually(
+                f"the reload to refuse {name}'s config.pbtxt",
+                lambda: reason in index(server)[name, "1"].reason,  # noqa: B023
+            )
+            with pytest.raises(grpc.RpcError) as error:
+                server.stub.RepositoryModelLoad(
+                    pb.RepositoryModelLoadRequest(model_name=name), timeout=60
+                )
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert reason in str(error.value.details())
+            assert index(server)[name, "1"].state == "READY"
+            assert infer(server, name) == answer
+        metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="victim"), timeout=10)
+        assert metadata.platform == "paddle_inference"  # the verified model, not the ensemble
