@@ -160,6 +160,7 @@ def test_redis_is_only_reached_through_its_short_timeout(redis_url: str) -> None
         (0o620, False),
         (0o660, False),
     ],
+    ids=lambda value: f"{value:04o}" if type(value) is int else str(value),
 )
 def test_a_ticket_key_other_users_can_read_or_replace_is_refused(
     key_file: Path, mode: int, private: bool

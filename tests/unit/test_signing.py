@@ -7,6 +7,7 @@ import base64
 import datetime
 import hashlib
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -90,6 +91,12 @@ def test_checked_bytes_are_the_copied_bytes(model: Path, key: Path, tmp_path: Pa
     assert (copy / "1" / "inference.pdiparams").read_bytes() == original
 
 
+def _replace(path: Path, make: Callable[[Path], object]) -> None:
+    """Move `path` aside (to "moved" next to it) and make something else in its place."""
+    path.rename(path.with_name("moved"))
+    make(path)
+
+
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
@@ -113,6 +120,15 @@ def test_checked_bytes_are_the_copied_bytes(model: Path, key: Path, tmp_path: Pa
                 or (m / "1" / "extra" / "vocab.txt").symlink_to("/etc/hostname")
             ),
             "1/extra/vocab.txt is a symlink",
+        ),
+        (
+            lambda m: _replace(m / "1" / "extra" / "vocab.txt", os.mkfifo),
+            "vocab.txt is not a regular",
+        ),
+        (lambda m: _replace(m / "1", lambda p: p.symlink_to("moved")), "1 is a symlink"),
+        (
+            lambda m: _replace(m / "config.pbtxt", lambda p: p.symlink_to("moved")),
+            "config.pbtxt is a symlink",
         ),
     ],
 )
@@ -173,7 +189,11 @@ def test_a_trusted_keys_file_that_is_not_a_key_stops_the_server(tmp_path: Path) 
 
 
 def _certificate(
-    subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None, signer: object
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Certificate | None,
+    signer: object,
+    signs: bool = True,
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
@@ -188,7 +208,7 @@ def _certificate(
         .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=issuer is not None,
+                digital_signature=issuer is not None and signs,
                 content_commitment=False,
                 key_encipherment=False,
                 data_encipherment=False,
@@ -232,6 +252,42 @@ def test_certificates_chaining_to_the_trusted_ca(model: Path, tmp_path: Path) ->
     assert check_version(model, "mlp", 1, load_trust(None, ca_file), None) == "ca.pem"
     with pytest.raises(SignatureError, match="not signed by a trusted key"):
         check_version(model, "mlp", 1, load_trust(None, other_ca), None)
+    # A leaf the CA did not give the digital-signature key usage cannot sign models.
+    no_signing = _pem(
+        tmp_path / "no-signing.pem", _certificate("release", leaf_key, ca, ca_key, signs=False)
+    )
+    model_signing.signing.Config().use_certificate_signer(
+        private_key=private, signing_certificate=no_signing, certificate_chain=[ca_file]
+    ).set_hashing_config(
+        model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE])
+    ).sign(model, model / SIGNATURE_FILE)
+    with pytest.raises(SignatureError, match="not signed by a trusted key"):
+        check_version(model, "mlp", 1, load_trust(None, ca_file), None)
+
+
+@pytest.mark.parametrize("curve", [ec.SECP384R1(), ec.SECP521R1()], ids=lambda c: c.name)
+def test_p384_and_p521_keys_are_trusted_and_other_files_ignored(
+    model: Path, tmp_path: Path, curve: ec.EllipticCurve
+) -> None:
+    key = ec.generate_private_key(curve)
+    private = tmp_path / "release.key"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "release.pem").write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    (keys / "README.txt").write_text("only *.pem and *.pub files are keys")
+    sign(model, private)
+    assert check_version(model, "mlp", 1, load_trust(keys, None), None) == "release.pem"
 
 
 def test_the_upstream_cli_verifies_our_signatures(model: Path, key: Path) -> None:
