@@ -4,7 +4,8 @@ version directory, its subject name the model's name.
 
 The server checks one version at a time: the signature verifies with a trusted key (or a
 certificate chaining to the trusted CA), the subject is the model, and config.pbtxt plus every
-file of the version match the signed manifest exactly. The files are read once, through
+file of the version match the signed manifest exactly. An ensemble is checked the same way: its
+config.pbtxt (the steps) is what it has to sign. The files are read once, through
 descriptors opened without following symlinks, and the bytes hashed are the bytes written to a
 private copy that the workers load, so nothing changed on disk after the check is ever run.
 

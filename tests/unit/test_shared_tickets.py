@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,8 @@ from service.ticket_store import TicketStoreError, open_ticket_store
 from tests.redis_server import running_redis
 from tests.servers import free_port
 from tests.unit.test_tickets import FakeClock, ticket
-from transport.ticket_seal import TicketKeyError, TicketSealer
+from transport.ticket_seal import TicketKeyError, TicketSealer, redeem
+from transport.tickets import TicketCounters
 
 KEY = bytes(range(32))
 
@@ -194,3 +198,16 @@ def test_the_expiry_is_sealed_so_a_raised_ttl_or_a_ticket_put_back_ends_with_it(
         assert store.pop(b"put-back") is None
     assert "outlived its sealed expiry" in caplog.text
     assert (store.counters.redeemed, store.counters.refused) == (2, 1)
+
+
+def test_an_entry_sealed_without_an_expiry_is_refused() -> None:
+    """What an earlier version sealed (the same fields, no expiry) is refused, not raised."""
+    sealer = TicketSealer(KEY)
+    name, sealed = sealer.seal(ticket(b"old"), time.time() + 3600)
+    fields = json.loads(sealer._aead.decrypt(sealed[:12], sealed[12:], name))
+    del fields["expires"]
+    nonce = os.urandom(12)
+    old = nonce + sealer._aead.encrypt(nonce, json.dumps(fields).encode(), name)
+    counters = TicketCounters()
+    assert redeem(sealer, b"old", old, time.time(), counters) is None
+    assert counters.refused == 1

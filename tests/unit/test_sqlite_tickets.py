@@ -150,12 +150,22 @@ def test_a_store_other_users_can_write_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
-@pytest.mark.parametrize("suffix", ["", "-wal", "-shm"])
-def test_a_store_file_of_another_user_is_refused(tmp_path: Path, suffix: str) -> None:
-    path = tmp_path / "tickets.db"
+@pytest.mark.parametrize(
+    ("owned", "message"),
+    [
+        ("tickets.db", "not a file of this server's user"),
+        ("tickets.db-wal", "not a file of this server's user"),
+        ("tickets.db-shm", "not a file of this server's user"),
+        (".", "uid 65534.*lets other users replace the ticket store"),
+    ],
+)
+def test_a_store_another_user_owns_is_refused(tmp_path: Path, owned: str, message: str) -> None:
+    """The file, a side file, or the directory holding them."""
+    path = tmp_path / "store" / "tickets.db"
+    path.parent.mkdir(mode=0o700)
     store(path).add(ticket(b"a"))
-    os.chown(path.with_name(path.name + suffix), 65534, 65534)
-    with pytest.raises(PermissionError, match="not a file of this server's user"):
+    os.chown(path.parent / owned, 65534, 65534)
+    with pytest.raises(PermissionError, match=message):
         store(path)
 
 
