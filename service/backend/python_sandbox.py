@@ -1,8 +1,10 @@
 """The sandbox a Python model's worker enters after its limits are set and before model.py is
 imported (model parameter `python_sandbox`, `on` unless a trusted model says `off`).
 
-- Capabilities: a worker of a root server drops all of them (uid 0 without capabilities cannot
-  ptrace, read another process's /proc files, override file permissions or raise limits).
+- User and capabilities: a worker of a root server becomes `nobody` when that user can read
+  what the model needs, and drops every capability either way (uid 0 without capabilities
+  cannot ptrace, read another process's /proc files, override file permissions or raise
+  limits).
 - no_new_privs: nothing it executes gains privileges; required for the two below.
 - Landlock: files only beneath the interpreter, its packages, this project's packages, the
   model's own directory (read-only), /usr and a few device and /etc files; no TCP connect or
@@ -21,9 +23,10 @@ another reason fails the load (closed, not open).
 from __future__ import annotations
 
 import os
+import pwd
 import site
 import sysconfig
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import service
@@ -31,6 +34,9 @@ from protos import __file__ as protos_init
 from service.model_parameters import PYTHON_SANDBOX
 from service.sandbox import landlock, privileges, seccomp
 
+# Whom a root server's Python workers run as, when it can read the interpreter, the packages
+# and the model (else uid 0 without capabilities, and a warning).
+SANDBOX_USER = "nobody"
 # Read-only beyond the Python installation and the model: shared libraries and data under /usr,
 # what the dynamic linker and time functions read, and the entropy devices.
 _SYSTEM_READ = ("/usr", "/etc/ld.so.cache", "/etc/localtime", "/dev/urandom", "/dev/random")
@@ -49,8 +55,9 @@ def enter(model_dir: Path) -> list[str]:
         # Landlock and capabilities hold for the calling thread only.
         raise RuntimeError(f"the Python sandbox needs a single-threaded worker, it has {threads}")
     missing = []
+    allowed = list(_allowed(model_dir))
     if privileges.is_root():
-        privileges.drop_capabilities()
+        missing.extend(_leave_root(p for p, _ in allowed))
     privileges.no_new_privileges()
     privileges.undumpable()
     version = landlock.abi()
@@ -60,7 +67,7 @@ def enter(model_dir: Path) -> list[str]:
             "every file its user may, and signal the server's processes"
         )
     else:
-        landlock.restrict(_allowed(model_dir), version)
+        landlock.restrict(allowed, version)
         if version < 6:
             missing.append(
                 f"Landlock ABI 6 (Linux 6.12+; this kernel has ABI {version}): model.py can "
@@ -74,6 +81,26 @@ def enter(model_dir: Path) -> list[str]:
             "open network sockets"
         )
     return missing
+
+
+def _leave_root(needed: Iterable[Path]) -> list[str]:
+    """To SANDBOX_USER if it can read what the model needs; capabilities go either way."""
+    privileges.drop_bounding_set()
+    try:
+        user = pwd.getpwnam(SANDBOX_USER)
+    except KeyError:
+        unreadable: Path | str | None = f"no user {SANDBOX_USER} on this host"
+    else:
+        unreadable = privileges.unreadable_as(user.pw_uid, user.pw_gid, needed)
+        if unreadable is None:
+            privileges.become(user.pw_uid, user.pw_gid)
+    privileges.drop_capabilities()
+    if unreadable is None:
+        return []
+    return [
+        f"a user of its own ({SANDBOX_USER} cannot read {unreadable}): model.py runs as uid 0 "
+        "without capabilities, so only Landlock keeps it from files root owns"
+    ]
 
 
 def _allowed(model_dir: Path) -> Iterator[tuple[Path, int]]:
