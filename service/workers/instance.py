@@ -377,6 +377,10 @@ class WorkerInstance:
             else os.environ
         )
         env = {**inherited, "GLOG_minloglevel": "2", **self.spec.env}
+        if python:
+            # numpy's OpenBLAS would start its threads at import, before the sandbox, which
+            # holds only for the thread that enters it (python_sandbox.py).
+            env["OPENBLAS_NUM_THREADS"] = "1"
         # A Python model's prints go to the server's log, tagged with the model's name.
         output = asyncio.subprocess.PIPE if python else asyncio.subprocess.DEVNULL
         try:
