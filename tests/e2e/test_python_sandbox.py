@@ -55,6 +55,7 @@ def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
     python_model(repository, "attack", "python_attack", None)
     python_model(repository, "trusted", "python_attack", "off")
     python_model(repository, "typo", "python_attack", "no")
+    python_model(repository, "pickler", "python_attack", None)
     shutil.copytree(FIXTURES / "python_model", repository / "upper" / "1")
     shutil.move(repository / "upper" / "1" / "config.pbtxt", repository / "upper")
     args = ["--certs-dir", str(root / "certs")]
@@ -65,9 +66,9 @@ def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
             yield Sandboxed(server, root)
 
 
-def attack(sandboxed: Sandboxed, model: str) -> dict[str, str]:
-    probe = {
-        "port": sandboxed.server.port,
+def attack(sandboxed: Sandboxed, model: str, probe: dict[str, str] | None = None) -> dict[str, str]:
+    probe = probe or {
+        "port": str(sandboxed.server.port),
         "tls_key": str(sandboxed.root / "certs" / "server-key.pem"),
         "write": str(sandboxed.root / f"written-by-{model}"),
         "secret": SECRET,
@@ -137,3 +138,18 @@ def test_only_an_explicit_off_lifts_the_sandbox(sandboxed: Sandboxed) -> None:
     assert "parameter python_sandbox must be on or off, not 'no'" in typo.reason
     with pytest.raises(grpc.RpcError):
         attack(sandboxed, "typo")
+
+
+def test_a_message_from_a_model_runs_no_code_in_the_front_end(sandboxed: Sandboxed) -> None:
+    """The worker's socket is model.py's too: what it writes there is read with an allowlist
+    of classes, and a worker that breaks the protocol is killed (its batch retried, then
+    refused as poison); the server serves on."""
+    target = sandboxed.root / "made-by-the-front-end"
+    with pytest.raises(grpc.RpcError) as refused:
+        attack(sandboxed, "pickler", {"pickle": str(target)})
+    assert refused.value.code() is grpc.StatusCode.INTERNAL
+    assert not target.exists()
+    assert "broke the protocol (UnpicklingError('worker message refers to posix.mkdir'))" in (
+        sandboxed.server.log_text()
+    )
+    assert infer(sandboxed.server, "still")["upper"].tolist() == [[b"STILL"]]
