@@ -73,13 +73,13 @@ def enter(model_dir: Path) -> list[str]:
                 f"Landlock ABI 6 (Linux 6.12+; this kernel has ABI {version}): model.py can "
                 "signal processes of its user"
             )
-    if seccomp.supported():
-        seccomp.install()
-    else:
+    if not seccomp.supported():
         missing.append(
             f"seccomp filter (x86_64 and aarch64 only, not {os.uname().machine}): model.py can "
             "open network sockets"
         )
+    elif not seccomp.install():
+        missing.append("seccomp filter (CONFIG_SECCOMP_FILTER): model.py can open network sockets")
     return missing
 
 

@@ -46,11 +46,12 @@ class _PathBeneathAttr(ctypes.Structure):
 
 
 def abi() -> int:
-    """The Landlock ABI this kernel offers; 0: none (too old, or not enabled at boot)."""
+    """The Landlock ABI this kernel offers; 0: none (too old, not enabled at boot, or the
+    call refused by a container's seccomp profile)."""
     try:
         return syscall(_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION)
     except OSError as exc:
-        if exc.errno in (errno.ENOSYS, errno.EOPNOTSUPP):
+        if exc.errno in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
             return 0
         raise
 

@@ -9,6 +9,7 @@ calls of another ABI (x32, 32-bit) kill the process: their numbers are not the o
 from __future__ import annotations
 
 import ctypes
+import errno
 import platform
 import struct
 
@@ -70,13 +71,19 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
     return code
 
 
-def install() -> None:
-    """Every thread of this process, from now on and for good. The caller has set
-    no_new_privs."""
+def install() -> bool:
+    """Every thread of this process, from now on and for good; False: this kernel has no
+    seccomp filters. The caller has set no_new_privs."""
     machine = platform.machine()
     code = program(machine)
     packed = b"".join(struct.pack("HBBI", *instruction) for instruction in code)
     buffer = ctypes.create_string_buffer(packed, len(packed))
     prog = _Fprog(len(code), ctypes.addressof(buffer))
     number = _ARCHES[machine][1]
-    syscall(number, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog))
+    try:
+        syscall(number, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog))
+    except OSError as exc:
+        if exc.errno == errno.ENOSYS:
+            return False
+        raise
+    return True
