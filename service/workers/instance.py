@@ -45,6 +45,7 @@ _T = TypeVar("_T")
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
 # tokens, ticket keys) can reach model.py through it.
 PYTHON_ENV_ALLOWED = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+SANDBOX_OFF = ("python_sandbox: off",)
 MAX_LOG_LINE = 4096  # characters of one line a Python model prints, in the server's log
 SLOTS_PER_WORKER = 2
 LOAD_TIMEOUT_S = 600.0
@@ -231,10 +232,17 @@ class WorkerInstance:
             self._warn_unprotected(loaded.unprotected)
         return loaded
 
+    @property
+    def unprotected(self) -> tuple[str, ...]:
+        """What a Python model's sandbox lacks (ListInstances); () for Paddle models."""
+        if not self.spec.python or self.loaded is None:
+            return ()
+        return SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
+
     def _warn_unprotected(self, unprotected: tuple[str, ...] | None) -> None:
         name = self.spec.model_name
         if unprotected is None:
-            log.warning("model %s runs without the Python sandbox (python_sandbox: off)", name)
+            log.warning("model %s runs without the Python sandbox (%s)", name, *SANDBOX_OFF)
         for missing in unprotected or ():
             log.warning("model %s: this host lacks a Python sandbox protection: %s", name, missing)
 

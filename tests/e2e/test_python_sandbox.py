@@ -19,6 +19,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
+from protos.paddlequic.v1 import control_pb2
 from service.sandbox import landlock, privileges, seccomp
 from tests.e2e.test_python_model import infer
 from tests.servers import ServerProcess, model_repository, running_server
@@ -81,6 +82,12 @@ def attack(sandboxed: Sandboxed, model: str, probe: dict[str, str] | None = None
     return result
 
 
+def instances(server: ServerProcess, model: str) -> list[control_pb2.Instance]:
+    request = control_pb2.ListInstancesRequest(model_name=model)
+    admin = [("triton-grpc-protocol-admin-key", SECRET)]
+    return list(server.control.ListInstances(request, metadata=admin, timeout=5).instances)
+
+
 def test_every_attack_of_a_python_model_fails(sandboxed: Sandboxed) -> None:
     server = sandboxed.server
     # Other callers' tensors in flight: the Paddle model's and the other Python model's
@@ -100,18 +107,21 @@ def test_every_attack_of_a_python_model_fails(sandboxed: Sandboxed) -> None:
     assert not (sandboxed.root / "written-by-attack").exists()
     expected = []
     if not version:
-        expected.append(f"{lacks}: Landlock (")
+        expected.append("Landlock (")
     elif version < 6:
-        expected.append(f"{lacks}: Landlock ABI 6")
+        expected.append("Landlock ABI 6")
     if not seccomp.supported():
-        expected.append(f"{lacks}: seccomp")
+        expected.append("seccomp")
     if privileges.is_root() and report["uid"] == "0":
-        expected.append(f"{lacks}: a user of its own (nobody cannot read")
+        expected.append("a user of its own (nobody cannot read")
     elif privileges.is_root():
         assert report["uid"] == str(pwd.getpwnam("nobody").pw_uid)
     warned = [line for line in log.splitlines() if lacks in line]
     assert len(warned) == len(expected)
-    assert all(any(e in line for line in warned) for e in expected), (expected, warned)
+    assert all(any(f"{lacks}: {e}" in line for line in warned) for e in expected), warned
+    (listed,) = instances(server, "attack")
+    assert len(listed.unprotected) == len(expected)
+    assert all(any(u.startswith(e) for u in listed.unprotected) for e in expected)
     # The address-space limit holds, and no capability is left to lift it.
     assert report["memory limit mb"] == "1024"
     assert report["raise memory limit"] == "ValueError"
@@ -132,6 +142,8 @@ def test_only_an_explicit_off_lifts_the_sandbox(sandboxed: Sandboxed) -> None:
         server.log_text()
     )
     assert "model attack runs without the Python sandbox" not in server.log_text()
+    (listed,) = instances(server, "trusted")
+    assert list(listed.unprotected) == ["python_sandbox: off"]
     index = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=5).models
     (typo,) = [m for m in index if m.name == "typo"]
     assert typo.state == "UNAVAILABLE"
