@@ -44,7 +44,8 @@ _SYSTEM_READ_WRITE = ("/dev/null",)
 
 
 def wanted(parameters: Mapping[str, str]) -> bool:
-    """check_parameters accepted only "on" and "off"."""
+    """Off only where the model's parameters say so (check_parameters refuses any value but
+    "on" and "off")."""
     return parameters.get(PYTHON_SANDBOX, "on") != "off"
 
 
@@ -64,7 +65,7 @@ def enter(model_dir: Path) -> list[str]:
     if version == 0:
         missing.append(
             "Landlock (Linux 5.13+, 'landlock' in the lsm= boot list): model.py can read "
-            "every file its user may, and signal the server's processes"
+            "every file its user may, and signal processes of its user"
         )
     else:
         landlock.restrict(allowed, version)
