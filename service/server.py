@@ -33,6 +33,7 @@ from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
 from service.restricted import RestrictedServer, RestrictionError, parse_restrictions
+from service.sandbox.privileges import undumpable
 from service.scheduling.host import load_topology
 from service.settings import ServerSettings
 from service.signing import SigningPolicy, TrustError, load_trust
@@ -393,6 +394,9 @@ def _bracket(host: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Secrets live in this process's environment and memory: no process of the same user
+    # without CAP_SYS_PTRACE (a Python model's worker) reads them through /proc.
+    undumpable()
     settings = settings_module.parse(argv)
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection
