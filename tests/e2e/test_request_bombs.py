@@ -1,0 +1,142 @@
+"""Requests that declare little and send much, against the real server (one process, and with
+`--frontends 2`, where the parent decodes for every front-end), on both transports: each gets
+INVALID_ARGUMENT with a short message naming the mismatch while a concurrent good call gets
+its answer, and the server answers afterwards. What decoding them costs is counted in
+tests/unit/test_decoding_cost.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request, parse_response
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e.test_python_model import python_repository
+from tests.servers import ServerProcess, running_server
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 60.0
+MAX_MESSAGE = 64 << 20
+# Entries of each bomb: every bomb is a message of 2 MiB or more (an HTTP/3 message between
+# 1 and 1.5 MiB meets a separate flow-control fault).
+BOMB_ENTRIES = 1 << 21
+EMPTY = b"\0\0\0\0"
+LONG_NAME = "n" * BOMB_ENTRIES
+MESSAGE_LIMIT = 512  # characters: a refusal names the problem, it does not repeat the request
+
+
+def text_request(shape: tuple[int, ...] = (1, 1)) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="upper")
+    request.inputs.add(name="text", datatype="BYTES", shape=shape)
+    return request
+
+
+def raw_elements() -> pb.ModelInferRequest:
+    request = text_request()
+    request.raw_input_contents.append(EMPTY * BOMB_ENTRIES)
+    return request
+
+
+def typed_values() -> pb.ModelInferRequest:
+    request = text_request()
+    request.inputs[0].contents.bytes_contents.extend([b""] * BOMB_ENTRIES)
+    return request
+
+
+def rank() -> pb.ModelInferRequest:
+    request = text_request((1,) * BOMB_ENTRIES)
+    request.raw_input_contents.append(EMPTY)
+    return request
+
+
+def outputs() -> pb.ModelInferRequest:
+    request = text_request()
+    request.raw_input_contents.append(EMPTY)
+    for _ in range(BOMB_ENTRIES // 8):
+        request.outputs.add(name="upper")
+    return request
+
+
+def input_name() -> pb.ModelInferRequest:
+    request = text_request()
+    request.inputs[0].name = LONG_NAME
+    request.raw_input_contents.append(EMPTY)
+    return request
+
+
+BOMBS: dict[str, tuple[Callable[[], pb.ModelInferRequest], tuple[str, ...]]] = {
+    "raw BYTES elements": (
+        raw_elements,
+        ("input 'text': shape [1, 1] needs 1 BYTES elements", "holds more"),
+    ),
+    "typed BYTES values": (
+        typed_values,
+        (f"needs 1 values in contents.bytes_contents, got {BOMB_ENTRIES}",),
+    ),
+    "rank": (rank, (f"expected rank 2 (shape [-1, 1]), got rank {BOMB_ENTRIES}",)),
+    "requested outputs": (outputs, ("output 'upper' is requested more than once",)),
+    "input name": (input_name, ("has no input", f"({len(LONG_NAME)} characters)")),
+}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one process", "frontends 2"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("bombs")
+    repository = python_repository(root / "models")
+    args = ["--frontends", str(request.param), "--certs-dir", str(certs_dir)]
+    with running_server(repository, root / "server.log", args) as served:
+        yield served
+
+
+def channel(server: ServerProcess, certs_dir: Path, transport: str) -> grpc.aio.Channel:
+    if transport == "h2":
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ]
+        return grpc.aio.insecure_channel(server.address, options=options)
+    quic = QuicChannel(f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"))
+    return quic  # type: ignore[return-value]
+
+
+async def refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the bomb was accepted")
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+async def test_bomb_is_refused_while_a_good_call_completes(
+    server: ServerProcess, certs_dir: Path, transport: str, bomb: str
+) -> None:
+    make, expected = BOMBS[bomb]
+    good = build_request("upper", {"text": np.array([[b"fine"]], dtype=np.object_)})
+    async with channel(server, certs_dir, transport) as opened:
+        stub = pb_grpc.GRPCInferenceServiceStub(opened)
+        refused, answered, live = await asyncio.gather(
+            refusal(stub.ModelInfer(make(), timeout=TIMEOUT_S)),
+            stub.ModelInfer(good, timeout=TIMEOUT_S),
+            stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S),
+        )
+        assert live.live
+        assert parse_response(answered)["upper"].tolist() == [[b"FINE"]]
+        details = refused.details() or ""
+        assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT, details[:MESSAGE_LIMIT]
+        for part in expected:
+            assert part in details
+        assert len(details) < MESSAGE_LIMIT
+        after = await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
+        assert after.live
