@@ -72,6 +72,18 @@ def input_name() -> pb.ModelInferRequest:
     return request
 
 
+def model_name() -> pb.ModelInferRequest:
+    request = raw_elements()
+    request.model_name = LONG_NAME
+    return request
+
+
+def model_version() -> pb.ModelInferRequest:
+    request = raw_elements()
+    request.model_version = "9" * BOMB_ENTRIES
+    return request
+
+
 BOMBS: dict[str, tuple[Callable[[], pb.ModelInferRequest], tuple[str, ...]]] = {
     "raw BYTES elements": (
         raw_elements,
@@ -84,6 +96,8 @@ BOMBS: dict[str, tuple[Callable[[], pb.ModelInferRequest], tuple[str, ...]]] = {
     "rank": (rank, (f"expected rank 2 (shape [-1, 1]), got rank {BOMB_ENTRIES}",)),
     "requested outputs": (outputs, ("output 'upper' is requested more than once",)),
     "input name": (input_name, ("has no input", f"({len(LONG_NAME)} characters)")),
+    "model name": (model_name, ("is not a plain name", f"({len(LONG_NAME)} characters)")),
+    "model version": (model_version, ("is not a version number", f"({BOMB_ENTRIES} characters)")),
 }
 
 
