@@ -7,7 +7,7 @@ tests/unit/test_decoding_cost.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -154,3 +154,30 @@ async def test_bomb_is_refused_while_a_good_call_completes(
         assert len(details) < MESSAGE_LIMIT
         after = await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
         assert after.live
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_a_bomb_in_a_stream_gets_its_error_and_the_stream_goes_on(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    bomb = raw_elements()
+    bomb.id = "bomb"
+    good = build_request(
+        "upper", {"text": np.array([[b"next"]], dtype=np.object_)}, request_id="good"
+    )
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        yield bomb
+        yield good
+
+    async with channel(server, certs_dir, transport) as opened:
+        stub = pb_grpc.GRPCInferenceServiceStub(opened)
+        answers = {
+            r.infer_response.id: r
+            async for r in stub.ModelStreamInfer(requests(), timeout=TIMEOUT_S)
+        }
+    assert sorted(answers) == ["bomb", "good"]
+    error = answers["bomb"].error_message
+    assert error.startswith("INVALID_ARGUMENT: ") and "holds more" in error
+    assert answers["good"].error_message == ""
+    assert parse_response(answers["good"].infer_response)["upper"].tolist() == [[b"NEXT"]]

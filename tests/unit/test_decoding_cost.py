@@ -10,6 +10,7 @@ import struct
 import tracemalloc
 
 import grpc
+import numpy as np
 import pytest
 from google.protobuf import text_format
 from hypothesis import given
@@ -18,7 +19,12 @@ from hypothesis import strategies as st
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.errors import ECHO_LIMIT, ServiceError
-from service.validation import INLINE_DECODE_ELEMENTS, RequestValidator, decoded
+from service.validation import (
+    CONVERT_CHUNK,
+    INLINE_DECODE_ELEMENTS,
+    RequestValidator,
+    decoded,
+)
 from tests.unit.test_validation import property_settings
 from transport.bytes_tensor import deserialize_bytes, scan_bytes, serialize_bytes
 
@@ -243,3 +249,40 @@ def test_raw_numeric_contents_cost_no_decoding_and_are_not_copied() -> None:
     assert [c.work for c in decoding.inputs] == [4, 0]
     ids = decoding.inputs[1].decode()
     assert ids == bytes(range(16)) and ids is decoding.inputs[1].decode()
+
+
+IDS = text_format.Parse(
+    """
+    name: "ids" max_batch_size: 1
+    input [ { name: "ids" data_type: TYPE_INT16 dims: [ -1 ] } ]
+    output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+    """,
+    mc.ModelConfig(),
+)
+
+
+@property_settings(10)
+@given(
+    count=st.integers(CONVERT_CHUNK, 3 * CONVERT_CHUNK + 7),
+    bad_at=st.one_of(st.none(), st.integers(0, 3 * CONVERT_CHUNK)),
+)
+def test_typed_values_convert_a_chunk_at_a_time_as_one_array_would(
+    count: int, bad_at: int | None
+) -> None:
+    """Converted in chunks (so a thread's conversion lets the event loop run), the values come
+    out as converting them at once would, and a value that does not fit INT16 in any chunk is
+    refused."""
+    values = [(i * 7919) % 65536 - 32768 for i in range(count)]
+    if bad_at is not None and bad_at < count:
+        values[bad_at] = 1 << 15
+    request = pb.ModelInferRequest(model_name="ids")
+    request.inputs.add(name="ids", datatype="INT16", shape=[1, count])
+    request.inputs[0].contents.int_contents.extend(values)
+    decoding = RequestValidator(IDS).admit(request)
+    assert decoding.work == count
+    if bad_at is not None and bad_at < count:
+        with pytest.raises(ServiceError) as refused:
+            decoding.finish()
+        assert refused.value.message == "input 'ids': a value does not fit INT16"
+        return
+    assert decoding.finish().inputs[0].data == np.asarray(values, "<i2").tobytes()
