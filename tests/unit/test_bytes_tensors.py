@@ -139,3 +139,18 @@ def test_warm_up_jobs_carry_valid_empty_elements() -> None:
         job = RequestValidator(TEXT).check(warm_up.job.inputs, warm_up.job.outputs).finish()
         assert job == warm_up.job
         assert set(deserialize_bytes(job.inputs[0].data, math.prod(job.inputs[0].shape))) == {b""}
+
+
+@pytest.mark.parametrize("buckets", [ShapeBuckets(), ShapeBuckets(batch=(4,))])
+def test_one_requests_bytes_output_comes_back_whole_or_without_its_padding(
+    buckets: ShapeBuckets,
+) -> None:
+    """One request and no padding: the output is the request's as it is (nothing to split);
+    padded to 4 rows, the padding rows' elements stay behind."""
+    job = RequestValidator(TEXT).validate(request_with(typed=[b"a", b"b", b"c", b"d"], rows=2))
+    batch = plan([job], buckets)
+    elements = [b"x", b"yy", b"pad", b"pad"][: batch.rows]
+    labels = BatchOutput("label", BY_NAME["BYTES"], (batch.rows, 1), serialize_bytes(elements))
+    ((label,),) = batch.split([labels])
+    assert label.shape == (2, 1)
+    assert label.data == serialize_bytes([b"x", b"yy"])
