@@ -65,6 +65,23 @@ def outputs() -> pb.ModelInferRequest:
     return request
 
 
+def inputs() -> pb.ModelInferRequest:
+    """Empty entries: 2 bytes each on the wire, a message object each once parsed."""
+    request = text_request()
+    request.raw_input_contents.append(EMPTY)
+    for _ in range(BOMB_ENTRIES // 2):
+        request.inputs.add()
+    return request
+
+
+def parameters() -> pb.ModelInferRequest:
+    request = text_request()
+    request.raw_input_contents.append(EMPTY)
+    for key in range(BOMB_ENTRIES // 8):
+        request.parameters[str(key)].bool_param = True
+    return request
+
+
 def input_name() -> pb.ModelInferRequest:
     request = text_request()
     request.inputs[0].name = LONG_NAME
@@ -93,23 +110,40 @@ BOMBS: dict[str, tuple[Callable[[], pb.ModelInferRequest], tuple[str, ...]]] = {
         typed_values,
         (f"needs 1 values in contents.bytes_contents, got {BOMB_ENTRIES}",),
     ),
-    "rank": (rank, (f"expected rank 2 (shape [-1, 1]), got rank {BOMB_ENTRIES}",)),
-    "requested outputs": (outputs, ("output 'upper' is requested more than once",)),
+    "rank": (rank, ("more than 64 dimensions in an input's shape", "refused before parsing")),
+    "requested outputs": (outputs, ("more than 1024 requested outputs", "refused before")),
+    "inputs": (inputs, ("more than 1024 inputs", "refused before parsing")),
+    "parameters": (parameters, ("more than 1024 parameters", "refused before parsing")),
     "input name": (input_name, ("has no input", f"({len(LONG_NAME)} characters)")),
     "model name": (model_name, ("is not a plain name", f"({len(LONG_NAME)} characters)")),
     "model version": (model_version, ("is not a version number", f"({BOMB_ENTRIES} characters)")),
 }
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one process", "frontends 2"])
-def server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
-) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("bombs")
-    repository = python_repository(root / "models")
-    args = ["--frontends", str(request.param), "--certs-dir", str(certs_dir)]
-    with running_server(repository, root / "server.log", args) as served:
+def serving(root: Path, certs_dir: Path, frontends: int) -> Iterator[ServerProcess]:
+    args = ["--frontends", str(frontends), "--certs-dir", str(certs_dir)]
+    with running_server(python_repository(root / "models"), root / "server.log", args) as served:
         yield served
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
+    yield from serving(tmp_path_factory.mktemp("bombs"), certs_dir, 1)
+
+
+@pytest.fixture(scope="module")
+def frontends_server(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    yield from serving(tmp_path_factory.mktemp("bombs"), certs_dir, 2)
+
+
+# Every bomb against one process; with --frontends 2, one per stage that refuses (before
+# parsing, while validating), so the parent's decoding is shown to be the same.
+CASES = [
+    *(("server", bomb) for bomb in sorted(BOMBS)),
+    *(("frontends_server", bomb) for bomb in ("inputs", "raw BYTES elements")),
+]
 
 
 def channel(server: ServerProcess, certs_dir: Path, transport: str) -> grpc.aio.Channel:
@@ -132,10 +166,11 @@ async def refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
-@pytest.mark.parametrize("bomb", sorted(BOMBS))
+@pytest.mark.parametrize(("where", "bomb"), CASES, ids=[f"{w}-{b}" for w, b in CASES])
 async def test_bomb_is_refused_while_a_good_call_completes(
-    server: ServerProcess, certs_dir: Path, transport: str, bomb: str
+    request: pytest.FixtureRequest, certs_dir: Path, transport: str, where: str, bomb: str
 ) -> None:
+    server: ServerProcess = request.getfixturevalue(where)
     make, expected = BOMBS[bomb]
     good = build_request("upper", {"text": np.array([[b"fine"]], dtype=np.object_)})
     async with channel(server, certs_dir, transport) as opened:
@@ -181,3 +216,28 @@ async def test_a_bomb_in_a_stream_gets_its_error_and_the_stream_goes_on(
     assert error.startswith("INVALID_ARGUMENT: ") and "holds more" in error
     assert answers["good"].error_message == ""
     assert parse_response(answers["good"].infer_response)["upper"].tolist() == [[b"NEXT"]]
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_a_stream_message_over_the_wire_limits_ends_the_stream_invalid(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    """Refused before parsing, the message has no id to answer it under: the stream ends with
+    INVALID_ARGUMENT, and the server goes on."""
+    good = build_request(
+        "upper", {"text": np.array([[b"first"]], dtype=np.object_)}, request_id="good"
+    )
+
+    async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        yield good
+        yield inputs()
+
+    async with channel(server, certs_dir, transport) as opened:
+        stub = pb_grpc.GRPCInferenceServiceStub(opened)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for _ in stub.ModelStreamInfer(requests(), timeout=TIMEOUT_S):
+                pass
+        assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "more than 1024 inputs" in (ended.value.details() or "")
+        after = await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
+        assert after.live
