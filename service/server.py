@@ -39,6 +39,7 @@ from service.settings import ServerSettings
 from service.signing import SigningPolicy, TrustError, load_trust
 from service.testing_servicer import TestingServicer
 from service.ticket_store import TicketStoreError, open_ticket_store
+from service.wire_limits import WireLimitsServer
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
 from transport.datagram_routing import DatagramRouter
@@ -295,7 +296,10 @@ class _Servicers:
     testing: TestingServicer | None
 
     def register(self, server: Any) -> None:
-        inference_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, server)
+        # Request size limits come first: nothing else may parse a request over them.
+        inference_grpc.add_GRPCInferenceServiceServicer_to_server(
+            self.inference, WireLimitsServer(server)
+        )
         control_pb2_grpc.add_ControlServicer_to_server(self.control, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [INFERENCE_SERVICE, CONTROL_SERVICE, HEALTH_SERVICE]

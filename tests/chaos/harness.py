@@ -38,6 +38,7 @@ H2_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
 GOOD_MODEL = "mlp"
+BYTES_MODEL = "tokenizer"  # the example's Python model: one BYTES input of dims [1]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -82,6 +83,7 @@ class Scale:
     stream_s: float
     oversized: int  # per transport
     bombs: int  # per transport
+    element_bombs: int  # per transport
     initials: int
     idle_h3: int
     idle_h2: int
@@ -104,6 +106,7 @@ SHORT = Scale(
     stream_s=1.5,
     oversized=1,
     bombs=2,
+    element_bombs=2,
     initials=1000,
     idle_h3=150,
     idle_h2=200,
@@ -125,6 +128,7 @@ FULL = Scale(
     stream_s=20.0,
     oversized=3,
     bombs=20,
+    element_bombs=20,
     initials=5000,
     idle_h3=2000,
     idle_h2=2000,
@@ -441,10 +445,12 @@ async def run_row(
 
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
-    killed or stopped worker leaves one serving)."""
+    killed or stopped worker leaves one serving), and `tokenizer`, a model with a BYTES
+    input."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
+    shutil.copytree(EXAMPLE_MODELS / BYTES_MODEL, repository / BYTES_MODEL)
     return repository
 
 

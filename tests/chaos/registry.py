@@ -42,6 +42,11 @@ ATTACKS = (
         _both("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", REFUSED),
     ),
     AttackSpec(
+        "BYTES element bomb",
+        messages.bytes_element_bombs,
+        _both("INVALID_ARGUMENT"),
+    ),
+    AttackSpec(
         "HTTP/3 Initial flood",
         floods.initial_flood,
         REPLIES | {REFUSED},
@@ -89,6 +94,12 @@ ATTACKS = (
         "oversized messages (--frontends 2)",
         messages.oversized_messages,
         _both("RESOURCE_EXHAUSTED", REFUSED),
+        frontends=2,
+    ),
+    AttackSpec(
+        "BYTES element bomb (--frontends 2)",
+        messages.bytes_element_bombs,
+        _both("INVALID_ARGUMENT"),
         frontends=2,
     ),
 )
