@@ -37,7 +37,7 @@ from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 from transport.handler_table import HandlerTable, run_behavior
-from transport.status import H3_NO_ERROR, H3_REQUEST_REJECTED
+from transport.status import H3_NO_ERROR, H3_REQUEST_CANCELLED, H3_REQUEST_REJECTED
 from transport.tickets import TicketStore
 
 log = logging.getLogger("paddlequic.h3.server")
@@ -113,7 +113,7 @@ class _ServerProtocol(GrpcH3Protocol):
 
     def header_block_refused(self, stream_id: int, message: str) -> None:
         self.server.count_refusal("metadata")
-        super().header_block_refused(stream_id, message)
+        self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
         with contextlib.suppress(Exception):
             self.h3_send_headers(
                 stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
@@ -406,8 +406,12 @@ class H3Server:
                 self._active_rpcs -= 1
                 context.finish()
             if not stream.ended:
-                # The call is over while the peer still sends: nobody will read it.
-                connection.stop_receiving(stream.stream_id)
+                # The call is over while the peer still sends: nobody will read it. After a
+                # complete response that is no error (RFC 9114 4.1.2); otherwise the call was
+                # cancelled.
+                connection.stop_receiving(
+                    stream.stream_id, H3_NO_ERROR if stream.sent_end else H3_REQUEST_CANCELLED
+                )
             connection.forget(stream.stream_id)
 
     @staticmethod
