@@ -29,6 +29,7 @@ class H3ServicerContext(CallContext):
     ) -> None:
         super().__init__(method, metadata, timeout, peer, response_serializer, request_deserializer)
         self._stream = stream
+        self.invoked = False  # the handler's behavior runs: it answers for the call
 
     async def read(self) -> Any:
         data = await self._stream.read_message()

@@ -155,6 +155,11 @@ def message_encoding(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return IDENTITY if value is None else value.strip().lower()
 
 
+def request_path(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The :path of request headers, whatever else is wrong with them ("" without one)."""
+    return next((v.decode("latin-1") for k, v in headers if k == b":path"), "")
+
+
 def response_headers(metadata: Iterable[tuple[str, str | bytes]] = ()) -> Headers:
     """Response headers that open a normal (messages then trailers) response. Responses are
     not compressed; grpc-accept-encoding tells a client what it may send, as grpcio does."""
