@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -22,7 +23,10 @@ from tests.servers import ServerProcess
 from transport import headers as wire
 
 UNARY = "/paddlequic.v1.Testing/Unary"
-COMPRESSORS = {"gzip": gzip.compress, "deflate": zlib.compress}
+COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
+    "gzip": gzip.compress,
+    "deflate": zlib.compress,
+}
 H2_COMPRESSION = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
 # A client allowed to send more than the server accepts: the server's limit is under test.
 BIG_SENDER = [("grpc.max_send_message_length", 2 * MAX_MESSAGE)]

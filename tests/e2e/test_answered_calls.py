@@ -101,7 +101,7 @@ async def test_a_flood_of_unparsable_requests_is_invalid_argument_counted_and_ba
 ) -> None:
     before = served.scrape()
     async with served.channel(transport) as channel:
-        infer = channel.unary_unary(MODEL_INFER)
+        infer = channel.unary_unary(MODEL_INFER, None, None)
         for _ in range(FLOOD):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await infer(GARBAGE, timeout=30)
@@ -109,7 +109,7 @@ async def test_a_flood_of_unparsable_requests_is_invalid_argument_counted_and_ba
             assert (refused.value.details() or "").startswith(
                 "failed to parse inference.ModelInferRequest: "
             )
-        stream = channel.stream_stream(MODEL_STREAM_INFER)(iter([GARBAGE]), timeout=30)
+        stream = channel.stream_stream(MODEL_STREAM_INFER, None, None)(iter([GARBAGE]), timeout=30)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in stream:
                 pass

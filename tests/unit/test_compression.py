@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import tracemalloc
 import zlib
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from transport.headers import parse_request_headers
 
 FUZZ = settings(derandomize=True, max_examples=60, deadline=None)
 LIMIT = 3 * INFLATE_CHUNK + 17  # not a multiple of the chunk: the boundary is swept inside one
-COMPRESS = {"gzip": gzip.compress, "deflate": zlib.compress}
+COMPRESS: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress, "deflate": zlib.compress}
 
 
 def decode(wire: bytes, encoding: str, limit: int, piece: int) -> list[bytes]:
