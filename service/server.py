@@ -140,12 +140,10 @@ async def serve(settings: ServerSettings) -> None:
 
     def register(server: Any, transport: str) -> None:
         """Every servicer, observed, access-checked and refusing unparsable requests, on
-        `server` for `transport`."""
-        servicers.register(
-            ParsingServer(
-                RestrictedServer(ObservedServer(server, transport, observer), restrictions)
-            )
-        )
+        `server` for `transport`; then any other method, answered UNIMPLEMENTED, observed."""
+        observed = ObservedServer(server, transport, observer)
+        servicers.register(ParsingServer(RestrictedServer(observed, restrictions)))
+        observed.observe_unknown_methods()
 
     public: Listeners
     if frontends > 1:

@@ -155,6 +155,15 @@ class ObservedServer(WrappingServer):
         if isinstance(server, H3Server):
             server.answered = lambda answer: observer.transport_answered(transport, answer)
 
+    def observe_unknown_methods(self) -> None:
+        """grpc.aio answers a method nobody serves by itself, unseen: a generic handler, once
+        registered after every other, answers it the same (UNIMPLEMENTED), observed under
+        rpc `UNKNOWN` whatever the path (the label stays bounded)."""
+        handler = grpc.stream_stream_rpc_method_handler(_unimplemented)
+        self._server.add_generic_rpc_handlers(
+            [_AnyMethod(self.wrap(f"/{UNKNOWN}/{UNKNOWN}", handler))]
+        )
+
     def wrap(self, method_path: str, handler: Handler) -> Handler:
         """The same handler kind with an observed behavior; a synchronous behavior (none of
         ours) is left as it is."""
@@ -202,6 +211,21 @@ class ObservedServer(WrappingServer):
             call.finish(None)
 
         return observed
+
+
+async def _unimplemented(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found")
+    yield b""  # never reached: makes this an async generator, as stream_stream handlers are
+
+
+class _AnyMethod(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Serves every method with one handler."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler:
+        return self._handler
 
 
 class _Call:

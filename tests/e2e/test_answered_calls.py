@@ -209,3 +209,28 @@ async def test_a_deadline_that_races_the_answer_is_recorded_as_deadline_exceeded
         assert served.requests(after, transport, "Unary", code) == served.requests(
             before, transport, "Unary", code
         )
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_unknown_methods_are_counted_and_logged_under_one_label(
+    served: Served, transport: str
+) -> None:
+    """grpcio answers an unknown method itself, unseen; the server answers it the same and
+    counts it, under `_unknown` whatever the path."""
+    before = served.scrape()
+    async with served.channel(transport) as channel:
+        for index in range(2):
+            method = channel.unary_unary(f"/no.such.Service{index}/Method{index}", None, None)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await method(b"", timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def counted(samples: Samples) -> bool:
+        return (
+            served.requests(samples, transport, "_unknown", "UNIMPLEMENTED")
+            - served.requests(before, transport, "_unknown", "UNIMPLEMENTED")
+            == 2
+        )
+
+    assert counted(await until_counted(served, counted))
+    assert served.request_lines(transport=transport, rpc="_unknown", status="UNIMPLEMENTED")
