@@ -19,7 +19,7 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 
 from tests.servers import ServerProcess
-from transport.status import H3_NO_ERROR
+from transport.status import H3_NO_ERROR, H3_REQUEST_CANCELLED
 
 ANSWER_TIMEOUT_S = 30.0
 UNARY = b"/paddlequic.v1.Testing/Unary"
@@ -41,6 +41,14 @@ class RecordingClient(QuicConnectionProtocol):
                 self.events.append(h3_event)
         self.changed.set()
 
+    def stops(self, stream_id: int) -> list[int]:
+        """The codes of the STOP_SENDING frames received for the stream."""
+        return [
+            e.error_code
+            for e in self.events
+            if isinstance(e, events.StopSendingReceived) and e.stream_id == stream_id
+        ]
+
     async def wait_for(self, stream_id: int) -> tuple[dict[bytes, bytes], int]:
         """The answer's header block and the STOP_SENDING code, once both arrived."""
         async with asyncio.timeout(ANSWER_TIMEOUT_S):
@@ -50,13 +58,9 @@ class RecordingClient(QuicConnectionProtocol):
                     for e in self.events
                     if isinstance(e, HeadersReceived) and e.stream_id == stream_id
                 ]
-                stops = [
-                    e
-                    for e in self.events
-                    if isinstance(e, events.StopSendingReceived) and e.stream_id == stream_id
-                ]
+                stops = self.stops(stream_id)
                 if headers and stops:
-                    return dict(headers[0].headers), stops[0].error_code
+                    return dict(headers[0].headers), stops[0]
                 self.changed.clear()
                 await self.changed.wait()
 
@@ -109,3 +113,25 @@ async def test_a_complete_answer_stops_the_upload_with_h3_no_error(
     headers, code = await client.wait_for(stream_id)
     assert headers[b"grpc-status"] == status
     assert code == H3_NO_ERROR, f"STOP_SENDING carried 0x{code:x}"
+
+
+async def test_a_call_that_ends_without_an_answer_stops_the_upload_as_cancelled(
+    client: RecordingClient, conformance_server: ServerProcess
+) -> None:
+    """The client resets its request while the handler waits for more: the server answers
+    nothing and stops the upload with H3_REQUEST_CANCELLED."""
+    stream_id = client._quic.get_next_available_stream_id()
+    path = b"/paddlequic.v1.Testing/ClientStream"
+    client.h3.send_headers(stream_id, request(conformance_server.port, path))
+    client.h3.send_data(stream_id, struct.pack(">BI", 0, 0), end_stream=False)
+    client.transmit()
+    client._quic.reset_stream(stream_id, H3_REQUEST_CANCELLED)
+    client.transmit()
+    async with asyncio.timeout(ANSWER_TIMEOUT_S):
+        while not (stops := client.stops(stream_id)):
+            client.changed.clear()
+            await client.changed.wait()
+    assert stops == [H3_REQUEST_CANCELLED]
+    assert not [
+        e for e in client.events if isinstance(e, HeadersReceived) and e.stream_id == stream_id
+    ]
