@@ -66,7 +66,7 @@ class TransportAnswer:
     time): what observation would otherwise never see."""
 
     method_path: str  # "" when the headers named none
-    registered: bool  # a handler serves method_path
+    registered: bool  # method_path is a registered method (bounded, unlike any path)
     code: grpc.StatusCode
     details: str
     seconds: float
@@ -356,7 +356,7 @@ class H3Server:
     async def _run_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
         started = time.perf_counter()
         context: H3ServicerContext | None = None
-        method, registered = "", False
+        method = ""
         answer: tuple[grpc.StatusCode, str] | None = None  # what the transport answered
         try:
             headers = await stream.wait_headers()
@@ -369,7 +369,6 @@ class H3Server:
                     else wire.trailers_only(exc.status, exc.message)
                 )
                 method = wire.request_path(headers)
-                registered = self.handlers.lookup(method, ()) is not None
                 answer = exc.status, exc.message
                 stream.send_headers(block, end=True)
                 return
@@ -387,7 +386,6 @@ class H3Server:
                 answer = grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.method_path}"
                 stream.send_headers(wire.trailers_only(*answer), end=True)
                 return
-            registered = True
             if (
                 self.max_concurrent_rpcs is not None
                 and self._active_rpcs >= self.max_concurrent_rpcs
@@ -441,6 +439,7 @@ class H3Server:
                 and not (context and context.invoked)
             ):
                 seconds = time.perf_counter() - started
+                registered = self.handlers.registered(method)
                 self.answered(TransportAnswer(method, registered, *answer, seconds))
 
     @staticmethod

@@ -315,9 +315,12 @@ def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
     """The status the transport will send for a behavior that returned or raised `error`.
     Once the deadline passed, that is DEADLINE_EXCEEDED whatever the behavior did: an answer
     that races the deadline (an abort, a response) fails to go out (grpcio raises
-    ExecuteBatchError), and the client's own deadline has fired."""
+    ExecuteBatchError), and the client's own deadline has fired. A client cancels at its own
+    deadline, which passes a little before the server's (the request took time to arrive): a
+    cancel that close to the deadline is the deadline too."""
     remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    cancelled = context.cancelled() or isinstance(error, asyncio.CancelledError | GeneratorExit)
+    if remaining is not None and (remaining <= 0 or (cancelled and remaining <= DEADLINE_MARGIN_S)):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if error is None or isinstance(error, AbortError):
         code = context.code()
@@ -327,10 +330,7 @@ def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
     if isinstance(error, StreamClosed):
         return error.status
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        # A client cancels at its own deadline, which passes a little before the server's (the
-        # request took time to arrive): a cancel that close to the deadline is the deadline.
-        expired = remaining is not None and remaining <= DEADLINE_MARGIN_S
-        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 
