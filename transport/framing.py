@@ -36,19 +36,28 @@ def inflated_size(data: bytes, encoding: str, limit: int) -> int:
     a small message that would inflate to gigabytes (a decompression bomb) is refused with
     RESOURCE_EXHAUSTED once its output passes `limit`; broken data is INTERNAL."""
     inflater = zlib.decompressobj(_WBITS[encoding])
-    size, pending = 0, data
+    view = memoryview(data)
+    size, output = 0, b""
+
+    def inflate_some(piece: bytes | memoryview) -> bytes:
+        nonlocal size
+        output = inflater.decompress(piece, INFLATE_CHUNK)
+        size += len(output)
+        if size > limit:
+            raise ProtocolError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{encoding} message inflates past the limit of {limit} bytes",
+            )
+        return output
+
     try:
-        while True:
-            output = inflater.decompress(pending, INFLATE_CHUNK)
-            size += len(output)
-            if size > limit:
-                raise ProtocolError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{encoding} message inflates past the limit of {limit} bytes",
-                )
-            pending = inflater.unconsumed_tail
-            if not pending and len(output) < INFLATE_CHUNK:
-                break
+        # Input goes in slices: what zlib leaves unconsumed is copied on every call.
+        for start in range(0, len(view), INFLATE_CHUNK):
+            output = inflate_some(view[start : start + INFLATE_CHUNK])
+            while inflater.unconsumed_tail:
+                output = inflate_some(inflater.unconsumed_tail)
+        while len(output) == INFLATE_CHUNK:  # output zlib may still hold for input it took
+            output = inflate_some(b"")
     except zlib.error as exc:
         message = f"invalid {encoding} message: {exc}"
         raise ProtocolError(grpc.StatusCode.INTERNAL, message) from None
