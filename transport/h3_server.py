@@ -94,6 +94,8 @@ class H3Limits:
 
 
 class _ServerProtocol(GrpcH3Protocol):
+    answers_malformed = True
+
     def __init__(
         self,
         quic: QuicConnection,
