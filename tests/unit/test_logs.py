@@ -11,11 +11,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.observability.logs import JsonFormatter, LineBudget, TextFormatter, make_formatter
+from service.observability.logs import (
+    JsonFormatter,
+    LineBudget,
+    RequestLog,
+    TextFormatter,
+    make_formatter,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HINT = "using development certificates in certs\nTLS: development certificates\n  names: a, b"
@@ -138,3 +145,25 @@ def test_the_failure_budget_reports_the_lines_it_left_out_with_the_next_one() ->
     clock.now += 1.0
     assert budget.admit("k") == 3
     assert budget.admit("k") is None
+
+
+def test_the_request_log_leaves_failures_out_past_the_budget_and_says_how_many(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    log = RequestLog(
+        slow_ms=1000.0, sample_ratio=0.0, seed=None, failures=LineBudget(1, 1.0, clock)
+    )
+    fields = {"transport": "h3", "rpc": "ModelInfer", "model": "", "version": ""}
+    with caplog.at_level(logging.INFO, logger="paddlequic.requests"):
+        for _ in range(4):
+            log.emit(grpc.StatusCode.INVALID_ARGUMENT, 1.0, dict(fields))
+        log.emit(grpc.StatusCode.OK, 1.0, dict(fields))  # successes are not budgeted
+        clock.now += 1.0
+        log.emit(grpc.StatusCode.INVALID_ARGUMENT, 1.0, dict(fields))
+    logged = [r.fields for r in caplog.records]
+    assert [(f["status"], f.get("left_out")) for f in logged] == [
+        ("INVALID_ARGUMENT", None),
+        ("OK", None),
+        ("INVALID_ARGUMENT", 3),
+    ]
