@@ -161,7 +161,7 @@ def test_the_request_log_leaves_failures_out_past_the_budget_and_says_how_many(
         log.emit(grpc.StatusCode.OK, 1.0, dict(fields))  # successes are not budgeted
         clock.now += 1.0
         log.emit(grpc.StatusCode.INVALID_ARGUMENT, 1.0, dict(fields))
-    logged = [r.fields for r in caplog.records]
+    logged = [r.__dict__["fields"] for r in caplog.records]
     assert [(f["status"], f.get("left_out")) for f in logged] == [
         ("INVALID_ARGUMENT", None),
         ("OK", None),
