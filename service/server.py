@@ -27,11 +27,12 @@ from service.inference_servicer import InferenceServicer
 from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager
 from service.observability.handlers import ObservedServer, Observer
-from service.observability.logs import RequestLog, configure_logging
+from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
+from service.request_parsing import ParsingServer
 from service.restricted import RestrictedServer, RestrictionError, parse_restrictions
 from service.sandbox.privileges import undumpable
 from service.scheduling.host import load_topology
@@ -117,6 +118,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.slow_request_ms,
             settings.log_sample_ratio,
             settings.log_sample_seed if settings.log_sample_seed >= 0 else None,
+            LineBudget(settings.log_failure_burst, settings.log_failure_rate),
         ),
         tracing.get_tracer("paddlequic") if tracing else None,
         settings.trace_sample_ratio,
@@ -139,10 +141,11 @@ async def serve(settings: ServerSettings) -> None:
     )
 
     def register(server: Any, transport: str) -> None:
-        """Every servicer, observed and access-checked, on `server` for `transport`."""
-        servicers.register(
-            RestrictedServer(ObservedServer(server, transport, observer), restrictions)
-        )
+        """Every servicer, observed, access-checked and refusing unparsable requests, on
+        `server` for `transport`; then any other method, answered UNIMPLEMENTED, observed."""
+        observed = ObservedServer(server, transport, observer)
+        servicers.register(ParsingServer(RestrictedServer(observed, restrictions)))
+        observed.observe_unknown_methods()
 
     public: Listeners
     if frontends > 1:

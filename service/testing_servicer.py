@@ -85,7 +85,10 @@ class TestingServicer(pb_grpc.TestingServicer):
             except asyncio.CancelledError:
                 if request.token:
                     self._cancelled.add(request.token)
-                raise
+                task = asyncio.current_task()
+                if not request.outlive_cancel or task is None:
+                    raise
+                task.uncancel()
         if request.status_code:
             code = _CODES.get(request.status_code, grpc.StatusCode.UNKNOWN)
             await context.abort(code, request.status_message)

@@ -32,6 +32,7 @@ class H3ServicerContext(CallContext):
         super().__init__(method, metadata, timeout, peer, response_serializer, request_deserializer)
         self._stream = stream
         self._auth = auth
+        self.invoked = False  # the handler's behavior runs: it answers for the call
 
     def peer_identities(self) -> list[bytes] | None:  # type: ignore[override]
         return self._auth.identities()

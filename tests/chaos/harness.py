@@ -32,7 +32,10 @@ from transport.h3_protocol import StreamClosed
 
 TRANSPORTS = ("h2", "h3")
 GOAL_RSS_MB = 32.0
-MAX_MESSAGE = 64 << 20
+# The chaos server's --max-message-bytes: below the RSS goal, so that the goal tells a server
+# that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
+# refuses) from one that holds what a message inflates to.
+MAX_MESSAGE = 16 << 20
 H2_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -95,6 +98,8 @@ class Scale:
     reloads: int
     frontend_kills: int
     frontend_kill_gap_s: float  # after a killed front-end's replacement serves, before the next
+    gzip_bombs: int  # per transport
+    malformed: int  # unparsable requests per transport
     attack_limit_s: float
 
 
@@ -118,6 +123,8 @@ SHORT = Scale(
     reloads=1,
     frontend_kills=2,  # the two first front-ends: every good client's first connection dies
     frontend_kill_gap_s=0.0,
+    gzip_bombs=2,
+    malformed=500,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -141,6 +148,8 @@ FULL = Scale(
     frontend_kills=6,
     # longer than an HTTP/3 client takes to give a dead connection up
     frontend_kill_gap_s=DEFAULT_UNRESPONSIVE_S + 2.0,
+    gzip_bombs=10,
+    malformed=5000,
     attack_limit_s=240.0,
 )
 
@@ -156,6 +165,7 @@ class Target:
     ca_file: Path
     metrics_url: str
     repository: Path
+    log_path: Path  # the server's log (stdout and stderr)
 
     def channel(self, transport: str) -> grpc.aio.Channel | QuicChannel:
         """A new channel; create it inside the event loop that uses it."""
@@ -468,6 +478,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
         *("--model-control-mode", "explicit", "--load-model", "*", "--testing-service"),
         *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
         *("--log-sample-ratio", "0", "--frontends", str(frontends)),
+        *("--max-message-bytes", str(MAX_MESSAGE)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (
@@ -479,5 +490,6 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
                 ca_file=certs / "ca.pem",
                 metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
                 repository=repository,
+                log_path=server.log_path,
             ),
         )

@@ -3,7 +3,7 @@ the last rows run against a second server with two front-end processes (`--front
 
 from __future__ import annotations
 
-from tests.chaos import floods, frontends, messages, streams, workers
+from tests.chaos import floods, frontends, malformed, messages, streams, workers
 from tests.chaos.harness import AttackSpec
 
 
@@ -41,6 +41,8 @@ ATTACKS = (
         messages.metadata_bombs,
         _both("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", REFUSED),
     ),
+    AttackSpec("gzip bomb", malformed.gzip_bombs, _both("RESOURCE_EXHAUSTED")),
+    AttackSpec("malformed protobuf flood", malformed.malformed_flood, _both("INVALID_ARGUMENT")),
     AttackSpec(
         "BYTES element bomb",
         messages.bytes_element_bombs,
