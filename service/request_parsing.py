@@ -36,7 +36,8 @@ class Unparsable:
 
 def message_name(deserializer: Deserializer) -> str:
     """`inference.ModelInferRequest` for `ModelInferRequest.FromString`; the function's name
-    for other deserializers."""
+    for other deserializers. Wrappers made with functools.wraps are looked through."""
+    deserializer = inspect.unwrap(deserializer)
     descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
     name = getattr(descriptor, "full_name", None)
     return name if isinstance(name, str) else getattr(deserializer, "__qualname__", "request")

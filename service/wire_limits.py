@@ -11,17 +11,14 @@ With `--frontends N` the parent, which parses for every front-end, checks first 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import grpc
 
 from protos.inference import grpc_service_pb2 as pb
 from service.handler_wrapping import (
     HANDLER_BUILDERS,
-    Behavior,
     Handler,
     WrappingServer,
     behavior_of,
@@ -153,63 +150,35 @@ def _scan_input(scan: WireScan, fields: list[Field]) -> None:
         scan.problem = f"the request has more than {MAX_RANK} dimensions in an input's shape"
 
 
-@dataclass(frozen=True)
-class OverLimits:
-    """What the bounded deserializer returns instead of parsing a request over the limits."""
-
-    problem: str
+class OverLimits(ValueError):
+    """A request over the limits, refused unparsed (`ParsingServer` answers it)."""
 
 
 def bounded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """`deserializer`, returning OverLimits for a request over the limits, unparsed."""
+    """`deserializer`, raising OverLimits for a request over the limits, unparsed."""
 
+    @functools.wraps(deserializer)
     def parse(data: bytes) -> Any:
         problem, _ = request_problem(data)
-        return OverLimits(problem) if problem else deserializer(data)
+        if problem:
+            raise OverLimits(f"{problem}; refused before parsing")
+        return deserializer(data)
 
     return parse
 
 
-async def _refuse(request: Any, context: Any) -> None:
-    if isinstance(request, OverLimits):
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{request.problem}; refused before parsing"
-        )
-
-
-def _checking(behavior: Behavior, request_streaming: bool) -> Behavior:
-    """The behavior, refusing a request over the limits with INVALID_ARGUMENT (a stream's
-    ends the stream: the messages after it cannot be trusted to be what they say)."""
-    if request_streaming:
-
-        async def checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-            async def within_limits() -> AsyncIterator[Any]:
-                async for request in requests:
-                    await _refuse(request, context)
-                    yield request
-
-            async with contextlib.aclosing(behavior(within_limits(), context)) as responses:
-                async for response in responses:
-                    yield response
-
-        return checked_stream
-
-    async def checked(request: Any, context: Any) -> Any:
-        await _refuse(request, context)
-        return await behavior(request, context)
-
-    return checked
-
-
 class WireLimitsServer(WrappingServer):
     """Registers the handlers whose requests are ModelInferRequests (ModelInfer, one
-    message; ModelStreamInfer, a stream of them) with the limits checked before parsing."""
+    message; ModelStreamInfer, a stream of them) with the limits checked before parsing.
+    It must sit inside a `ParsingServer`, which turns the refusal into INVALID_ARGUMENT (in a
+    stream, the end of the stream: the messages after it cannot be trusted to be what they
+    say)."""
 
     def wrap(self, method_path: str, handler: Handler) -> Handler:
         if handler.request_deserializer != pb.ModelInferRequest.FromString:
             return handler
         return HANDLER_BUILDERS[handler.request_streaming, handler.response_streaming](
-            _checking(behavior_of(handler), handler.request_streaming),
+            behavior_of(handler),
             request_deserializer=bounded(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
