@@ -8,6 +8,7 @@ import asyncio
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -89,6 +90,7 @@ class Lifecycle:
         self._tried: dict[tuple[str, int], tuple[Fingerprint, ServedVersion]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._copies: Path | None = None  # the private copies of verified versions (0700)
+        self._copies_made = threading.Lock()
 
     async def start(self) -> None:
         if self.mode == "explicit" and "*" not in self.startup:
@@ -321,8 +323,9 @@ class Lifecycle:
         that is allowed. Every worker start and restart loads the copy, so nothing written to
         the repository after the check (or a swapped symlink) ever runs."""
         assert self.signing is not None
-        if self._copies is None:
-            self._copies = Path(tempfile.mkdtemp(prefix="paddlequic-verified-"))  # mode 0700
+        with self._copies_made:  # versions are verified in threads, several at once
+            if self._copies is None:
+                self._copies = Path(tempfile.mkdtemp(prefix="paddlequic-verified-"))  # mode 0700
         copy = Path(tempfile.mkdtemp(prefix=f"{served.name}-{served.version}-", dir=self._copies))
         served.copy = copy
         model_dir = self.repository.root / served.name
