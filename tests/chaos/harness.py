@@ -82,6 +82,7 @@ class Scale:
     stream_s: float
     oversized: int  # per transport
     bombs: int  # per transport
+    large_messages: int  # rounds of large HTTP/3 messages in many DATA frames
     initials: int
     idle_h3: int
     idle_h2: int
@@ -104,6 +105,7 @@ SHORT = Scale(
     stream_s=1.5,
     oversized=1,
     bombs=2,
+    large_messages=1,
     initials=1000,
     idle_h3=150,
     idle_h2=200,
@@ -125,6 +127,7 @@ FULL = Scale(
     stream_s=20.0,
     oversized=3,
     bombs=20,
+    large_messages=5,
     initials=5000,
     idle_h3=2000,
     idle_h2=2000,

@@ -3,7 +3,7 @@ the last rows run against a second server with two front-end processes (`--front
 
 from __future__ import annotations
 
-from tests.chaos import floods, frontends, messages, streams, workers
+from tests.chaos import floods, frontends, large_messages, messages, streams, workers
 from tests.chaos.harness import AttackSpec
 
 
@@ -40,6 +40,11 @@ ATTACKS = (
         "metadata bombs",
         messages.metadata_bombs,
         _both("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", REFUSED),
+    ),
+    AttackSpec(
+        "large HTTP/3 messages in many DATA frames",
+        large_messages.many_data_frames,
+        frozenset({"h3 OK"}),
     ),
     AttackSpec(
         "HTTP/3 Initial flood",

@@ -1,0 +1,124 @@
+"""A second HTTP/3 stack against the server: libcurl with ngtcp2 and nghttp3 (curl_cffi).
+
+Every other HTTP/3 client of the suite is aioquic, which frames and schedules the same way
+on both ends; libcurl sends a request body in many DATA frames, as its read callback hands
+it over, and reads trailers its own way. gRPC is spoken by hand: POST, the gRPC headers,
+length-prefixed messages, grpc-status from the trailers (curl_cffi lists trailers with the
+response headers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from curl_cffi import CurlHttpVersion, requests
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2 as inference_pb
+from protos.inference import grpc_service_pb2_grpc as inference_grpc
+from protos.paddlequic.v1 import testing_pb2 as pb
+from tests.conformance.conftest import H2_OPTIONS
+from tests.framed_h3 import ALL_BOUNDARIES, frames, near
+from tests.servers import ServerProcess
+from transport.framing import MessageDecoder, encode_message
+
+CALL_TIMEOUT_S = 60.0
+INFERENCE = "/inference.GRPCInferenceService"
+TESTING = "/paddlequic.v1.Testing"
+HTTP3 = 30  # what curl reports for a response that came over HTTP/3
+
+
+@dataclass
+class Answer:
+    status: grpc.StatusCode
+    message: str
+    messages: list[bytes]
+
+
+def curl_call(
+    server: ServerProcess, ca_file: Path, path: str, body: bytes | Iterator[bytes]
+) -> Answer:
+    """One gRPC call over HTTP/3 only; an iterator body goes out as a streamed upload."""
+    response = requests.post(
+        f"https://localhost:{server.port}{path}",
+        headers={"content-type": "application/grpc", "te": "trailers"},
+        http_version=CurlHttpVersion.V3ONLY,
+        verify=str(ca_file),  # type: ignore[arg-type]  # a CA file, as curl_cffi accepts
+        timeout=CALL_TIMEOUT_S,
+        content=body,
+    )
+    assert (response.status_code, response.http_version) == (200, HTTP3)
+    assert response.headers.get("content-type") == "application/grpc"
+    messages = MessageDecoder().feed(response.content)
+    code = int(response.headers.get("grpc-status", "-1"))
+    status = next(s for s in grpc.StatusCode if s.value[0] == code)
+    return Answer(status, response.headers.get("grpc-message", ""), messages)
+
+
+def test_server_live(conformance_server: ServerProcess, ca_file: Path) -> None:
+    body = encode_message(inference_pb.ServerLiveRequest().SerializeToString())
+    answer = curl_call(conformance_server, ca_file, f"{INFERENCE}/ServerLive", body)
+    assert answer.status is grpc.StatusCode.OK
+    [live] = [inference_pb.ServerLiveResponse.FromString(m) for m in answer.messages]
+    assert live.live
+
+
+def test_model_infer_answers_as_over_http2(
+    conformance_server: ServerProcess, ca_file: Path
+) -> None:
+    request = build_request("mlp", {"input": np.random.rand(3, 256).astype(np.float32)})
+    body = encode_message(request.SerializeToString())
+    answer = curl_call(conformance_server, ca_file, f"{INFERENCE}/ModelInfer", body)
+    assert answer.status is grpc.StatusCode.OK
+    [response] = [inference_pb.ModelInferResponse.FromString(m) for m in answer.messages]
+    with grpc.insecure_channel(conformance_server.address, options=H2_OPTIONS) as channel:
+        expected = inference_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            request, timeout=CALL_TIMEOUT_S
+        )
+    assert response.raw_output_contents == expected.raw_output_contents
+    assert [o.shape for o in response.outputs] == [o.shape for o in expected.outputs]
+
+
+def test_an_error_status_arrives_in_trailers(
+    conformance_server: ServerProcess, ca_file: Path
+) -> None:
+    request = build_request("no_such_model", {"input": np.zeros((1, 256), np.float32)})
+    body = encode_message(request.SerializeToString())
+    answer = curl_call(conformance_server, ca_file, f"{INFERENCE}/ModelInfer", body)
+    assert answer.status is grpc.StatusCode.NOT_FOUND and answer.messages == []
+    assert "no_such_model" in answer.message
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(size=near(ALL_BOUNDARIES), head=st.integers(1, 9), chunk=st.sampled_from([4096, 65536]))
+@example(size=int(1.2 * (1 << 20)), head=5, chunk=65536)
+@example(size=2 << 20, head=5, chunk=65536)
+def test_unary_echo_of_any_size_in_a_streamed_body(
+    conformance_server: ServerProcess, ca_file: Path, size: int, head: int, chunk: int
+) -> None:
+    """The body handed to libcurl piece by piece, the first piece inside the prefix."""
+    sent = os.urandom(size)
+    body = encode_message(pb.EchoRequest(payload=sent).SerializeToString())
+    answer = curl_call(conformance_server, ca_file, f"{TESTING}/Unary", frames(body, head, chunk))
+    assert (answer.status, answer.message) == (grpc.StatusCode.OK, "")
+    assert [pb.EchoResponse.FromString(m).payload for m in answer.messages] == [sent]
+
+
+def test_bidi_stream_of_large_messages(conformance_server: ServerProcess, ca_file: Path) -> None:
+    """Several messages either side of the stream window, streamed both ways."""
+    sent = [os.urandom(size) for size in (300_000, 900_000, 1_300_000, 2 << 20)]
+
+    def body() -> Iterator[bytes]:
+        for message in sent:
+            yield encode_message(pb.EchoRequest(payload=message).SerializeToString())
+
+    answer = curl_call(conformance_server, ca_file, f"{TESTING}/BidiStream", body())
+    assert (answer.status, answer.message) == (grpc.StatusCode.OK, "")
+    assert [pb.EchoResponse.FromString(m).payload for m in answer.messages] == sent
