@@ -107,15 +107,17 @@ class ReceiveCredit:
     and so frees connection credit.
 
     A message can only be consumed whole, so a message larger than a window would never
-    complete: while one is in progress (its size announced by its prefix, at most the
-    maximum message size), its stream's window grows to its size plus `FRAMING_SLACK`, and
-    the connection's window by the largest such need. Credit is granted by `credit_limit`,
-    which never leaves a peer blocked while the reader waits for the rest of a message.
-    Memory bound: a stream holds at most max(stream window, maximum message + 5 +
-    FRAMING_SLACK); a connection at most its window plus one such maximum message, however
-    many streams it opens. (A sender that spreads several messages larger than the connection
-    window over its streams at once can stall itself; aioquic, grpc and nghttp3 senders fill
-    one stream after another.)
+    complete, nor would partial messages on many streams that fill the connection window
+    (aioquic's sender serves its streams in turn). So the oldest message in progress (its
+    size announced by its prefix, at most the maximum message size) is promoted: its
+    stream's window grows to its size plus `FRAMING_SLACK`, the connection's window by as
+    much, and what the other streams hold beyond the connection window does not count
+    against it. Other streams keep their window until their message's turn. Credit is granted
+    by `credit_limit`, which never leaves a peer blocked while the reader waits for the rest
+    of a message: the promoted message always completes, then the next one is promoted.
+    Memory bound: a connection holds at most its window plus one maximum message + 5 +
+    `FRAMING_SLACK`, except while other streams hold partial messages beyond the window: then
+    what their windows allow (a stream window per open stream) plus that maximum message.
     """
 
     def __init__(
@@ -130,7 +132,9 @@ class ReceiveCredit:
         self._unconsumed: defaultdict[int, int] = defaultdict(int)
         self._total_unconsumed = 0
         self._stopped: set[int] = set()
-        self._in_progress: dict[int, int] = {}  # stream -> its message's size + FRAMING_SLACK
+        # stream -> its message's size + FRAMING_SLACK, oldest first; the first is promoted
+        self._in_progress: dict[int, int] = {}
+        self._promoted: int | None = None
         original_stream_limits = quic._write_stream_limits
         unconsumed = self._unconsumed
         stopped = self._stopped
@@ -150,13 +154,9 @@ class ReceiveCredit:
                 return
             need = in_progress.get(stream_id, 0)
             held = unconsumed.get(stream_id, 0)
+            window = need if need > stream_window and stream_id == self._promoted else stream_window
             stream.max_stream_data_local = local = credit_limit(
-                local,
-                stream.receiver.highest_offset,
-                held,
-                max(stream_window, need),
-                half_window,
-                held <= need,
+                local, stream.receiver.highest_offset, held, window, half_window, held <= need
             )
             if stream.max_stream_data_local_sent != local:
                 self._send_stream_credit(builder, stream)
@@ -186,6 +186,7 @@ class ReceiveCredit:
             self._in_progress[stream_id] = size + FRAMING_SLACK
         else:
             self._in_progress.pop(stream_id, None)
+        self._promote()
 
     def stop(self, stream_id: int) -> None:
         """Nobody reads this stream any more: no more credit for it, what it holds is freed."""
@@ -193,13 +194,18 @@ class ReceiveCredit:
             self._stopped.intersection_update(self.quic._streams)  # those aioquic still has
         self._stopped.add(stream_id)
         self._in_progress.pop(stream_id, None)
+        self._promote()
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
 
     def forget(self, stream_id: int) -> None:
         """The call is over; whatever it left unread no longer holds credit back (a stopped
         stream stays stopped while aioquic keeps it)."""
         self._in_progress.pop(stream_id, None)
+        self._promote()
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
+
+    def _promote(self) -> None:
+        self._promoted = next(iter(self._in_progress), None)
 
     @property
     def unconsumed(self) -> int:
@@ -220,12 +226,14 @@ class ReceiveCredit:
         quic = self.quic
         max_data = quic._local_max_data
         window = self.connection_window
-        if self._in_progress:
-            window += max(self._in_progress.values())
+        held = self._total_unconsumed
+        if self._promoted is not None:
+            window += self._in_progress[self._promoted]
+            held = min(held, self.connection_window + self._unconsumed.get(self._promoted, 0))
         max_data.value = credit_limit(
             max_data.value,
             max_data.used,
-            self._total_unconsumed,
+            held,
             window,
             self.connection_window // 2,
             True,  # whatever the streams hold, the peer is never kept from what it may send

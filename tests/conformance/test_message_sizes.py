@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
-from tests.conformance.conftest import new_channel
+from tests.conformance.conftest import ChannelFactory, new_channel
 from tests.framed_h3 import (
     ALL_BOUNDARIES,
     CONNECTION_WINDOW,
     STREAM_BOUNDARIES,
+    STREAM_WINDOW,
     framed_call,
     near,
 )
@@ -104,3 +105,37 @@ def test_request_in_many_data_frames(
     [response] = [pb.EchoResponse.FromString(r) for r in answer.responses]
     assert (response.messages, response.total_bytes) == (len(sizes), sum(sizes))
     assert answer.frames_sent == 1 + -(-(len(body) - head) // chunk)
+
+
+# Concurrent calls whose partial messages together fill the connection window: aioquic's
+# sender serves its streams in turn, so no message would complete without promotion.
+CROWDS = [(20, STREAM_WINDOW * 9 // 10), (16, STREAM_WINDOW * 6 // 5)]
+
+
+@pytest.mark.parametrize(("calls", "size"), CROWDS)
+async def test_concurrent_uploads_past_the_connection_window(
+    make_channel: ChannelFactory, calls: int, size: int
+) -> None:
+    assert calls * size > CONNECTION_WINDOW + size
+    async with make_channel() as channel:
+        stub = pb_grpc.TestingStub(channel)
+        request = pb.EchoRequest(payload=payload(size))
+        responses = await asyncio.gather(
+            *(stub.ClientStream(iter([request]), timeout=CALL_TIMEOUT_S) for _ in range(calls))
+        )
+        assert [(r.messages, r.total_bytes) for r in responses] == [(1, size)] * calls
+
+
+async def test_concurrent_downloads_past_the_connection_window(
+    make_channel: ChannelFactory,
+) -> None:
+    calls, size = CROWDS[1]
+    async with make_channel() as channel:
+        stub = pb_grpc.TestingStub(channel)
+        request = pb.EchoRequest(response_count=1, response_size=size)
+
+        async def download() -> list[int]:
+            call = stub.ServerStream(request, timeout=CALL_TIMEOUT_S)
+            return [len(r.payload) async for r in call]
+
+        assert await asyncio.gather(*(download() for _ in range(calls))) == [[size]] * calls
