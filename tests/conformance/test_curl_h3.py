@@ -9,6 +9,7 @@ response headers).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from curl_cffi import CurlHttpVersion, requests
+from curl_cffi import CurlHttpVersion, CurlOpt, requests
+from curl_cffi.requests import AsyncSession
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -24,8 +26,8 @@ from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as inference_pb
 from protos.inference import grpc_service_pb2_grpc as inference_grpc
 from protos.paddlequic.v1 import testing_pb2 as pb
-from tests.conformance.conftest import H2_OPTIONS
-from tests.framed_h3 import ALL_BOUNDARIES, frames, near
+from tests.conformance.conftest import H2_OPTIONS, transport_stats
+from tests.framed_h3 import ALL_BOUNDARIES, CONNECTION_WINDOW, STREAM_WINDOW, frames, near
 from tests.servers import ServerProcess
 from transport.framing import MessageDecoder, encode_message
 
@@ -122,3 +124,32 @@ def test_bidi_stream_of_large_messages(conformance_server: ServerProcess, ca_fil
     answer = curl_call(conformance_server, ca_file, f"{TESTING}/BidiStream", body())
     assert (answer.status, answer.message) == (grpc.StatusCode.OK, "")
     assert [pb.EchoResponse.FromString(m).payload for m in answer.messages] == sent
+
+
+async def test_concurrent_uploads_on_one_connection(
+    conformance_server: ServerProcess, ca_file: Path
+) -> None:
+    """20 calls of 0.9 MiB at once on one libcurl connection (PIPEWAIT: wait to multiplex
+    rather than open more), together past the connection window."""
+    calls, size = 20, STREAM_WINDOW * 9 // 10
+    assert calls * size > CONNECTION_WINDOW + size
+    body = encode_message(pb.EchoRequest(payload=os.urandom(size)).SerializeToString())
+    before = await transport_stats(conformance_server)
+    async with AsyncSession(curl_options={CurlOpt.PIPEWAIT: 1}) as session:
+
+        async def upload() -> tuple[str | None, pb.EchoResponse]:
+            response = await session.post(
+                f"https://localhost:{conformance_server.port}{TESTING}/ClientStream",
+                headers={"content-type": "application/grpc", "te": "trailers"},
+                http_version=CurlHttpVersion.V3ONLY,
+                verify=str(ca_file),
+                timeout=CALL_TIMEOUT_S,
+                content=body,
+            )
+            [message] = MessageDecoder().feed(response.content)
+            return response.headers.get("grpc-status"), pb.EchoResponse.FromString(message)
+
+        answers = await asyncio.gather(*(upload() for _ in range(calls)))
+    after = await transport_stats(conformance_server)
+    assert [(s, r.messages, r.total_bytes) for s, r in answers] == [("0", 1, size)] * calls
+    assert after.h3_connections == before.h3_connections + 1
