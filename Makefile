@@ -9,13 +9,15 @@ EXPORT_FLAGS := $(if $(filter 1,$(GPU)),--legacy)
 MODELS ?= models
 CERTS  ?= certs
 ARGS   ?=
+DOCKER ?= docker
+IMAGE  ?= paddlequic:cpu
 
 PROTO_SRC := $(shell find protos -name '*.proto')
 STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint bench bench-transport bench-scale bench-rtt bench-observability lab-replicas chaos clean
+.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability lab-replicas chaos clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -31,6 +33,8 @@ help:
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
 	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
+	@echo "make image   build the CPU image $(IMAGE) (a Docker engine with BuildKit; see README)"
+	@echo "make image-check  build it, run it on $(MODELS)/ (read-only) and check health and inference on both transports"
 
 $(BIN)/python:
 	@echo "==> creating $(VENV)"
@@ -95,6 +99,14 @@ lab-replicas: setup models
 
 chaos: setup models
 	$(BIN)/python -m tests.chaos $(ARGS)
+
+# Not part of `make test` (minutes, and a Docker engine). DOCKER_BUILD_FLAGS (e.g. --network
+# host) go to docker build; ARGS (e.g. --network host) to the check.
+image:
+	DOCKER=$(DOCKER) IMAGE=$(IMAGE) deploy/docker/build_image.sh
+
+image-check: image setup models
+	$(BIN)/python -m scripts.image_check --docker $(DOCKER) --image $(IMAGE) --models $(MODELS) $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -129,6 +129,7 @@ def _sign(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     """Each version as the server checks it at load."""
     with _server_extra("verify"):
+        from service.repository import ENSEMBLE, RepositoryError, read_config
         from service.signing import SignatureError, TrustError, check_version, load_trust
 
     model_dir = Path(args.model_dir)
@@ -143,13 +144,23 @@ def _verify(args: argparse.Namespace) -> int:
     except (TrustError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        # An ensemble has no files: version 1 stands for its config without version directories.
+        ensemble = read_config(model_dir, model_dir.name).platform == ENSEMBLE
+    except RepositoryError as exc:
+        print(f"REFUSED: {exc}", file=sys.stderr)
+        return 1
+    if ensemble:
+        versions = versions or [1]
     if not versions:
         print(f"REFUSED: {model_dir} has no version directories", file=sys.stderr)
         return 1
     refused = 0
     for version in versions:
         try:
-            signer = check_version(model_dir, model_dir.name, version, trust, None)
+            signer = check_version(
+                model_dir, model_dir.name, version, trust, None, ensemble=ensemble
+            )
         except SignatureError as exc:
             print(f"REFUSED version {version}: {exc}", file=sys.stderr)
             refused += 1

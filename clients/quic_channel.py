@@ -8,6 +8,7 @@ import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from dataclasses import replace
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -54,7 +55,7 @@ class QuicChannel:
 
     `client_cert`/`client_key` (PEM) are offered to servers that ask for a client certificate
     (mutual TLS). A session ticket resumes the identity of the connection that received it, so
-    a ticket cache belongs to one client identity.
+    the cache keeps tickets per client certificate.
     """
 
     def __init__(
@@ -84,7 +85,12 @@ class QuicChannel:
         self._settings = replace(chosen, keepalive_s=keepalive_s or chosen.keepalive_s)
         self._idle_timeout_s = idle_timeout_s
         self._tickets = ticket_cache
-        self._ticket_key = SessionTicketCache.key(self._server_name, self.host, self.port)
+        self._ticket_key = SessionTicketCache.key(
+            self._server_name,
+            self.host,
+            self.port,
+            Path(client_cert).read_bytes() if client_cert else b"",
+        )
         self.early_data_methods = early_data_methods
         self._connect_timeout_s = connect_timeout_s
         self._ticket_wait_s = ticket_wait_s

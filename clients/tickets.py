@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import hashlib
 import json
 import os
 import tempfile
@@ -29,8 +30,11 @@ class SessionTicketCache:
             self._tickets = _load(self.path)
 
     @staticmethod
-    def key(server_name: str, host: str, port: int) -> str:
-        return f"{server_name}@{host}:{port}"
+    def key(server_name: str, host: str, port: int, client_cert: bytes = b"") -> str:
+        """Per server and per client certificate: a ticket resumes the identity of the
+        connection that received it, so a channel with another certificate must not take it."""
+        key = f"{server_name}@{host}:{port}"
+        return f"{key}#{hashlib.sha256(client_cert).hexdigest()[:32]}" if client_cert else key
 
     def take(self, key: str) -> SessionTicket | None:
         """The server's ticket, removed from the cache: a ticket is used at most once."""

@@ -3,7 +3,9 @@
 The server and its tests need real Paddle inference models without downloading anything, so this
 builds real architectures with seeded random weights, saves them with `paddle.jit.save` and writes
 a Triton-style `config.pbtxt` beside each. Every model is exported into a temp dir and renamed into
-place, so a half-written model never appears in the repository.
+place, so a half-written model never appears in the repository. Models are readable by everyone
+(directories 0755, files 0644): a container runs the server as another user (the image's uid
+10001) over a read-only mount of the repository.
 
 `--legacy` writes legacy programs (`inference.pdmodel`), the only format the GPU build on PyPI
 (paddlepaddle-gpu 2.6) reads, for the models whose layers export that way.
@@ -212,6 +214,7 @@ def export(spec: ModelSpec, out: Path, version: int = 1) -> int:
         input_spec = [paddle.static.InputSpec(list(t.shape), t.dtype, t.name) for t in spec.inputs]
         paddle.jit.save(layer.eval(), str(tmp / str(version) / "inference"), input_spec=input_spec)
         if version != 1:
+            make_readable(tmp / str(version))
             os.replace(tmp / str(version), out / spec.name / str(version))
             return sum(p.stat().st_size for p in (out / spec.name / str(version)).rglob("*"))
         (tmp / "config.pbtxt").write_text(config_pbtxt(spec))
@@ -222,8 +225,16 @@ def export(spec: ModelSpec, out: Path, version: int = 1) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def make_readable(root: Path) -> None:
+    """Directories 0755, files 0644, whatever the umask and mkdtemp's 0700 made them."""
+    for path in (root, *root.rglob("*")):
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 def _install(tmp: Path, target: Path) -> None:
     """Move a finished model directory into place in one step."""
+    make_readable(tmp)
     if target.exists():  # os.replace cannot replace a non-empty directory: move it aside
         old = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
         os.replace(target, old / target.name)
@@ -295,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"added {spec.name} version {args.add_version}, {size / 1e6:.1f} MB", flush=True)
             continue
         if not args.force and is_exported(args.out / spec.name, args.legacy):
+            make_readable(args.out / spec.name)  # exported before models were made readable
             config = args.out / spec.name / "config.pbtxt"
             if config.read_text() != config_pbtxt(spec):
                 config.write_text(config_pbtxt(spec))

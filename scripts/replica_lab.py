@@ -202,6 +202,7 @@ def run_lab(models: Path) -> dict[str, str | None]:
         (tmp / "models").mkdir()
         (tmp / "models" / "mlp").symlink_to(models / "mlp")
         (tmp / "ticket.key").write_bytes(os.urandom(32))
+        (tmp / "ticket.key").chmod(0o600)  # the server refuses a key other users can read
         redis = subprocess.Popen(
             [
                 *lan.exec_prefix("redis"),

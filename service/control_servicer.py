@@ -61,6 +61,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                     state=i.state.value,
                     outstanding=i.outstanding,
                     restarts=i.restarts,
+                    unprotected=i.unprotected,
                 )
                 for v in versions
                 for i in v.instances

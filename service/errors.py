@@ -24,6 +24,18 @@ class ServiceError(Exception):
         return f"ServiceError({self.code.name}, {self.message!r})"
 
 
+# Characters of a caller's string (a name, a datatype) that an error message repeats: a
+# megabyte-long name must not make a megabyte-long status.
+ECHO_LIMIT = 64
+
+
+def echoed(text: str) -> str:
+    """A caller's string as an error message quotes it, cut to ECHO_LIMIT characters."""
+    if len(text) <= ECHO_LIMIT:
+        return text
+    return f"{text[:ECHO_LIMIT]}... ({len(text)} characters)"
+
+
 def invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 

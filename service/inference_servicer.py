@@ -19,6 +19,7 @@ from service.inference import Answer, InferJob
 from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager, ServedVersion
 from service.tensors import BY_CONFIG_TYPE
+from service.validation import decoded
 
 log = logging.getLogger("paddlequic.api")
 
@@ -222,7 +223,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, deadline: float | None
     ) -> pb.ModelInferResponse:
         served = self.models.resolve(request.model_name, request.model_version)
-        answered, result = await self.models.infer(served, _decode(served, request), deadline)
+        job = await _decode(served, request)
+        answered, result = await self.models.infer(served, job, deadline)
         with self.models.encode_span():
             response = _response(answered, request.id, result)
         if answered is not served:
@@ -231,12 +233,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> InferJob:
-    """The request as a job for `served`; a refused request counts as one of its failures."""
+async def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> InferJob:
+    """The request as a job for `served` (decoded in a thread when its shapes declare much
+    per-element work); a refused request counts as one of its failures."""
     started = time.perf_counter_ns()
     try:
         assert served.validator is not None
-        return served.validator.validate(request)
+        return await decoded(served.validator.admit(request))
     except errors.ServiceError:
         served.stats.record_failure(time.perf_counter_ns() - started)
         raise

@@ -85,7 +85,8 @@ class Lifecycle:
         self.signing: SigningPolicy | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
-        self._tried: dict[tuple[str, int], Fingerprint] = {}
+        # The files a version last failed to load from, and that failed version.
+        self._tried: dict[tuple[str, int], tuple[Fingerprint, ServedVersion]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._copies: Path | None = None  # the private copies of verified versions (0700)
 
@@ -180,7 +181,7 @@ class Lifecycle:
             for files in model.versions:
                 served, key = versions[files.version], _key(model.name, files.version)
                 if model.config.platform == ENSEMBLE:
-                    self._start_ensemble(served)
+                    loads.append(self._start_ensemble(served, files))
                     continue
                 if key in unplaced:
                     served.state, served.reason = VersionState.UNAVAILABLE, unplaced[key]
@@ -219,21 +220,10 @@ class Lifecycle:
     async def _load_version(
         self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
     ) -> None:
-        config = served.config
-        if self.signing is not None:
-            try:
-                files, config = await asyncio.to_thread(self._verified, served, files)
-            except SignatureError as exc:
-                served.state, served.reason, served.refused = (
-                    VersionState.UNAVAILABLE,
-                    f"signature refused: {exc}",
-                    True,
-                )
-                log.error("model %s version %d refused: %s", served.name, served.version, exc)
-                _drop_copy(served)
-                self.models.load_failed(served.name, "signature")
-                self.models.changed()
-                return
+        checked = await self._signed(served, files)
+        if checked is None:
+            return
+        files, config = checked
         params = string_parameters(config)
         if not self.testing:
             params.pop(TESTING_CRASH_ON, None)
@@ -302,6 +292,27 @@ class Lifecycle:
         )
         self.models.changed()
 
+    async def _signed(
+        self, served: ServedVersion, files: ModelFiles
+    ) -> tuple[ModelFiles, mc.ModelConfig] | None:
+        """The files and config to load the version from, or None when the signing policy
+        refuses it (it is then UNAVAILABLE with the reason)."""
+        if self.signing is None:
+            return files, served.config
+        try:
+            return await asyncio.to_thread(self._verified, served, files)
+        except SignatureError as exc:
+            served.state, served.reason, served.refused = (
+                VersionState.UNAVAILABLE,
+                f"signature refused: {exc}",
+                True,
+            )
+            log.error("model %s version %d refused: %s", served.name, served.version, exc)
+            _drop_copy(served)
+            self.models.load_failed(served.name, "signature")
+            self.models.changed()
+            return None
+
     def _verified(
         self, served: ServedVersion, files: ModelFiles
     ) -> tuple[ModelFiles, mc.ModelConfig]:
@@ -315,7 +326,8 @@ class Lifecycle:
         copy = Path(tempfile.mkdtemp(prefix=f"{served.name}-{served.version}-", dir=self._copies))
         served.copy = copy
         model_dir = self.repository.root / served.name
-        if not self.signing.check(model_dir, served.name, served.version, copy):
+        ensemble = served.config.platform == ENSEMBLE
+        if not self.signing.check(model_dir, served.name, served.version, copy, ensemble=ensemble):
             _drop_copy(served)
             return files, served.config
         try:
@@ -362,11 +374,12 @@ class Lifecycle:
                 if unchanged and old is not None and old.state is VersionState.READY:
                     result[files.version] = old
                     continue
-                if self._tried.get((name, files.version)) == prints and old is not None:
-                    # Failed before with these very files: not loaded again, still failing.
+                tried = self._tried.get((name, files.version))
+                if tried is not None and tried[0] == prints and old is not None:
+                    # Failed before with these very files: not loaded again, and the load
+                    # answers with the same failure (whatever serves goes on serving).
                     result[files.version] = old
-                    if old.state is not VersionState.READY:
-                        failures.append(old)
+                    failures.append(tried[1])
                     continue
                 candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
                 await self._start_version(candidate, files)
@@ -374,7 +387,7 @@ class Lifecycle:
                     self._tried.pop((name, files.version), None)
                     result[files.version] = candidate
                     continue
-                self._tried[(name, files.version)] = prints
+                self._tried[(name, files.version)] = (prints, candidate)
                 failures.append(candidate)
                 if old is not None and old.state is VersionState.READY:
                     old.reason = (
@@ -447,7 +460,7 @@ class Lifecycle:
 
     async def _start_version(self, served: ServedVersion, files: ModelFiles) -> None:
         if served.config.platform == ENSEMBLE:
-            self._start_ensemble(served)
+            await self._start_ensemble(served, files)
             return
         key = _key(served.name, served.version)
         try:
@@ -462,9 +475,12 @@ class Lifecycle:
             return
         await self._load_and_warm_up(served, files, placements[key])
 
-    def _start_ensemble(self, served: ServedVersion) -> None:
-        """An ensemble is ready to take requests once its graph checks out; whether its steps
-        can run is asked of their models at each request (and by its readiness)."""
+    async def _start_ensemble(self, served: ServedVersion, files: ModelFiles) -> None:
+        """An ensemble is ready to take requests once its signature (its config.pbtxt, under
+        the signing policy like any model's) and its graph check out; whether its steps can
+        run is asked of their models at each request (and by its readiness)."""
+        if await self._signed(served, files) is None:
+            return
         try:
             served.steps = ensemble.plan(served.config)
         except ensemble.EnsembleError as exc:

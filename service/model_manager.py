@@ -28,7 +28,7 @@ from service.model_parameters import check_parameters
 from service.repository import check_model_name, parse_version
 from service.scheduling import routing
 from service.statistics import ModelStats
-from service.validation import RequestValidator
+from service.validation import RequestValidator, decoded
 from service.workers.instance import SLOTS_PER_WORKER, State, WorkerInstance
 
 
@@ -316,7 +316,7 @@ class ModelManager:
             model = self.resolve(step.model, step.version)
             try:
                 assert model.validator is not None
-                step_job = model.validator.check(inputs, outputs)
+                step_job = await decoded(model.validator.check(inputs, outputs))
             except errors.ServiceError:
                 model.stats.record_failure(0)
                 raise

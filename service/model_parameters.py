@@ -38,6 +38,9 @@ FALLBACK_MODEL = "fallback_model"
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 PRECISIONS = ("fp32", "fp16", "bf16")
+# A Python model's sandbox; only a model whose code is trusted says "off", explicitly.
+PYTHON_SANDBOX = "python_sandbox"
+PYTHON_SANDBOX_CHOICES = ("on", "off")
 # Test-only: a worker aborts when any input element equals this number. Honoured only
 # when the server runs with --testing-service; otherwise it never reaches the worker.
 TESTING_CRASH_ON = "testing_crash_on"
@@ -87,6 +90,9 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
             raise ParameterError(
                 f"parameter {TESTING_CRASH_ON} must be a number, not {params[TESTING_CRASH_ON]!r}"
             ) from None
+    sandbox = params.get(PYTHON_SANDBOX, "on")
+    if sandbox not in PYTHON_SANDBOX_CHOICES:
+        raise ParameterError(f"parameter {PYTHON_SANDBOX} must be on or off, not {sandbox!r}")
     reals = {
         name: _real(name, params[name], *bounds)
         for name, bounds in _FLOATS.items()

@@ -2,7 +2,9 @@
 
 Single use holds everywhere because redemption is one atomic GETDEL; the TTL is Redis's own key
 expiry, so it holds across hosts too. Entries are sealed (transport/ticket_seal.py): Redis holds
-neither labels nor usable resumption secrets.
+neither labels nor usable resumption secrets, and each entry's expiry is sealed with it, so an
+entry whose TTL was raised in Redis, or one put back after it was redeemed, opens only until the
+expiry it was issued with (the servers' clocks must agree).
 
 aioquic calls `add` and `pop` synchronously from the packet path, so each Redis call blocks the
 event loop for one round trip. That is bounded: the socket timeout is short (`timeout_s`) and
@@ -40,12 +42,16 @@ class RedisTicketStore:
         ttl_s: float = DEFAULT_TTL_S,
         retry_after_s: float = DEFAULT_RETRY_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` times the back-off; `wall_clock` the sealed expiry, which every server
+        sharing the store compares."""
         self.client = client
         self.sealer = sealer
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.retry_after_s = retry_after_s
         self.clock = clock
+        self.wall_clock = wall_clock
         self.counters = TicketCounters()
         self._down_until: float | None = None
 
@@ -84,7 +90,7 @@ class RedisTicketStore:
     def add(self, ticket: SessionTicket) -> None:
         if not self.available:
             return
-        name, sealed = self.sealer.seal(ticket)
+        name, sealed = self.sealer.seal(ticket, self.wall_clock() + self.ttl_ms / 1000)
         try:
             self.client.set(name, sealed, px=self.ttl_ms)
         except redis.RedisError as exc:
@@ -104,9 +110,8 @@ class RedisTicketStore:
             self.counters.refused += 1
             return None
         self._recovered()
-        return redeem(
-            self.sealer, label, sealed if isinstance(sealed, bytes) else None, self.counters
-        )
+        found = sealed if isinstance(sealed, bytes) else None
+        return redeem(self.sealer, label, found, self.wall_clock(), self.counters)
 
     def _failed(self, exc: Exception) -> None:
         if self._down_until is None:

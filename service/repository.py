@@ -34,8 +34,8 @@ def check_model_name(name: str) -> str:
     """Refuse anything but a plain directory name (no separators, no `..`)."""
     if not _NAME_RE.fullmatch(name) or ".." in name:
         raise errors.invalid(
-            f"model name {name!r} is not a plain name (letters, digits, '_', '-', '.'; "
-            "no path separators or '..')"
+            f"model name {errors.echoed(name)!r} is not a plain name (letters, digits, '_', "
+            "'-', '.'; no path separators or '..')"
         )
     return name
 
@@ -44,9 +44,15 @@ def parse_version(version: str) -> int | None:
     """'' means "the newest ready version"; otherwise a non-negative decimal integer."""
     if version == "":
         return None
-    if not version.isdigit() or not version.isascii() or int(version) > _MAX_VERSION:
-        raise errors.invalid(f"model version {version!r} is not a version number")
-    return int(version)
+    digits = version.lstrip("0") or "0"
+    if (
+        not version.isdigit()
+        or not version.isascii()
+        or len(digits) > len(str(_MAX_VERSION))  # before int(), whose cost grows with them
+        or int(digits) > _MAX_VERSION
+    ):
+        raise errors.invalid(f"model version {errors.echoed(version)!r} is not a version number")
+    return int(digits)
 
 
 @dataclass(frozen=True)

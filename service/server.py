@@ -27,17 +27,20 @@ from service.inference_servicer import InferenceServicer
 from service.lifecycle import Lifecycle
 from service.model_manager import ModelManager
 from service.observability.handlers import ObservedServer, Observer
-from service.observability.logs import RequestLog, configure_logging
+from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.reflection import add_reflection
 from service.repository import ModelRepository, RepositoryError
+from service.request_parsing import ParsingServer
 from service.restricted import RestrictedServer, RestrictionError, parse_restrictions
+from service.sandbox.privileges import undumpable
 from service.scheduling.host import load_topology
 from service.settings import ServerSettings
 from service.signing import SigningPolicy, TrustError, load_trust
 from service.testing_servicer import TestingServicer
 from service.ticket_store import TicketStoreError, open_ticket_store
+from service.wire_limits import WireLimitsServer
 from transport.certs import describe_trust, ensure_dev_certificates
 from transport.client_auth import ClientAuth
 from transport.datagram_routing import DatagramRouter
@@ -115,6 +118,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.slow_request_ms,
             settings.log_sample_ratio,
             settings.log_sample_seed if settings.log_sample_seed >= 0 else None,
+            LineBudget(settings.log_failure_burst, settings.log_failure_rate),
         ),
         tracing.get_tracer("paddlequic") if tracing else None,
         settings.trace_sample_ratio,
@@ -137,10 +141,11 @@ async def serve(settings: ServerSettings) -> None:
     )
 
     def register(server: Any, transport: str) -> None:
-        """Every servicer, observed and access-checked, on `server` for `transport`."""
-        servicers.register(
-            RestrictedServer(ObservedServer(server, transport, observer), restrictions)
-        )
+        """Every servicer, observed, access-checked and refusing unparsable requests, on
+        `server` for `transport`; then any other method, answered UNIMPLEMENTED, observed."""
+        observed = ObservedServer(server, transport, observer)
+        servicers.register(ParsingServer(RestrictedServer(observed, restrictions)))
+        observed.observe_unknown_methods()
 
     public: Listeners
     if frontends > 1:
@@ -294,7 +299,10 @@ class _Servicers:
     testing: TestingServicer | None
 
     def register(self, server: Any) -> None:
-        inference_grpc.add_GRPCInferenceServiceServicer_to_server(self.inference, server)
+        # Request size limits come first: nothing else may parse a request over them.
+        inference_grpc.add_GRPCInferenceServiceServicer_to_server(
+            self.inference, WireLimitsServer(server)
+        )
         control_pb2_grpc.add_ControlServicer_to_server(self.control, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [INFERENCE_SERVICE, CONTROL_SERVICE, HEALTH_SERVICE]
@@ -393,6 +401,9 @@ def _bracket(host: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Secrets live in this process's environment and memory: no process of the same user
+    # without CAP_SYS_PTRACE (a Python model's worker) reads them through /proc.
+    undumpable()
     settings = settings_module.parse(argv)
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection

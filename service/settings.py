@@ -62,6 +62,8 @@ class ServerSettings:
     slow_request_ms: float = 1000.0
     log_sample_ratio: float = 0.01
     log_sample_seed: int = -1
+    log_failure_burst: int = 20
+    log_failure_rate: float = 1.0
     trace_console: bool = False
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -127,6 +129,10 @@ _HELP = {
     "slow_request_ms": "requests at least this slow are always logged",
     "log_sample_ratio": "fraction of successful, fast requests logged (errors always are)",
     "log_sample_seed": "seed of the request log sampling (-1: unseeded)",
+    "log_failure_burst": "failed requests logged at once per transport, RPC and status, before "
+    "--log-failure-rate applies (a flood of bad requests costs a few lines, not one each)",
+    "log_failure_rate": "failed-request lines per second per transport, RPC and status after "
+    "the burst; those left out are counted in the next line (`left_out`)",
     "trace_console": "write OpenTelemetry spans to stderr, one JSON object per line",
     "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
     "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "

@@ -4,7 +4,8 @@ version directory, its subject name the model's name.
 
 The server checks one version at a time: the signature verifies with a trusted key (or a
 certificate chaining to the trusted CA), the subject is the model, and config.pbtxt plus every
-file of the version match the signed manifest exactly. The files are read once, through
+file of the version match the signed manifest exactly. An ensemble is checked the same way: its
+config.pbtxt (the steps) is what it has to sign. The files are read once, through
 descriptors opened without following symlinks, and the bytes hashed are the bytes written to a
 private copy that the workers load, so nothing changed on disk after the check is ever run.
 
@@ -160,20 +161,27 @@ def _key_hint(signature: sign_sigstore_pb.Signature) -> str:
 
 
 def check_version(
-    model_dir: Path, name: str, version: int, trust: Trust, copy_to: Path | None
+    model_dir: Path,
+    name: str,
+    version: int,
+    trust: Trust,
+    copy_to: Path | None,
+    *,
+    ensemble: bool = False,
 ) -> str:
     """Verify config.pbtxt and version `version` of a signed model; with `copy_to`, the bytes
     checked are written there (config.pbtxt, VERSION/...) for the workers to load. Returns
-    who signed it."""
+    who signed it. An `ensemble` has no files of its own: its config.pbtxt (the steps) is what
+    is signed, and its version directory, which may be absent or empty, holds nothing unsigned."""
     signed, signer = signed_manifest(model_dir, name, trust)
     prefix = f"{version}/"
     wanted = {p: d for p, d in signed.items() if p == CONFIG_FILE or p.startswith(prefix)}
-    if not any(p.startswith(prefix) for p in wanted):
+    if not ensemble and not any(p.startswith(prefix) for p in wanted):
         raise SignatureError(
             f"model '{name}' version {version} is not in the signed manifest "
             f"({model_dir / SIGNATURE_FILE}); sign the model again to serve it"
         )
-    found = _read_version(model_dir, version, copy_to)
+    found = _read_version(model_dir, version, copy_to, optional=ensemble)
     for path in sorted(set(wanted) | set(found)):
         where = f"{name}/{path}"
         if path not in found:
@@ -185,15 +193,19 @@ def check_version(
     return signer
 
 
-def _read_version(model_dir: Path, version: int, copy_to: Path | None) -> dict[str, str]:
-    """SHA-256 of config.pbtxt and of every file under VERSION/, each read once; symlinks and
-    anything but regular files and directories are refused."""
+def _read_version(
+    model_dir: Path, version: int, copy_to: Path | None, optional: bool
+) -> dict[str, str]:
+    """SHA-256 of config.pbtxt and of every file under VERSION/ (which may be missing when
+    `optional`), each read once; symlinks and anything but regular files and directories are
+    refused."""
     digests: dict[str, str] = {}
     root = _open_dir(model_dir, None, model_dir.name)
     try:
         with contextlib.suppress(FileNotFoundError):
             digests[CONFIG_FILE] = _copy_file(root, CONFIG_FILE, CONFIG_FILE, copy_to)
-        _copy_tree(root, str(version), copy_to, digests)
+        if not optional or _lexists(str(version), root):
+            _copy_tree(root, str(version), copy_to, digests)
     finally:
         os.close(root)
     return digests
@@ -259,6 +271,14 @@ def _create(path: Path) -> IO[bytes]:
     )
 
 
+def _lexists(path: str, parent: int) -> bool:
+    try:
+        os.stat(path, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _is_symlink(path: Path | str, parent: int | None) -> bool:
     try:
         return stat.S_ISLNK(os.stat(path, dir_fd=parent, follow_symlinks=False).st_mode)
@@ -278,7 +298,9 @@ class SigningPolicy:
     trust: Trust
     required: bool
 
-    def check(self, model_dir: Path, name: str, version: int, copy_to: Path) -> bool:
+    def check(
+        self, model_dir: Path, name: str, version: int, copy_to: Path, *, ensemble: bool = False
+    ) -> bool:
         """True: verified, and the checked bytes are in `copy_to`. False: unsigned, allowed."""
         if not self.required and not os.path.lexists(model_dir / SIGNATURE_FILE):
             log.warning(
@@ -287,5 +309,5 @@ class SigningPolicy:
                 SIGNATURE_FILE,
             )
             return False
-        check_version(model_dir, name, version, self.trust, copy_to)
+        check_version(model_dir, name, version, self.trust, copy_to, ensemble=ensemble)
         return True

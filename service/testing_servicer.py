@@ -62,6 +62,18 @@ class TestingServicer(pb_grpc.TestingServicer):
     ) -> pb.EchoResponse:
         return pb.EchoResponse(messages=self._executions[request.token])
 
+    async def PeerAuth(
+        self, request: pb.EchoRequest, context: ServicerContext
+    ) -> pb.PeerAuthResponse:
+        return pb.PeerAuthResponse(
+            identity_key=context.peer_identity_key() or "",
+            identities=context.peer_identities() or (),
+            properties=[
+                pb.AuthProperty(name=name, values=values)
+                for name, values in sorted(context.auth_context().items())
+            ],
+        )
+
     async def _prepare(self, request: pb.EchoRequest, context: ServicerContext) -> None:
         if request.echo_metadata:
             echoed = [(k, v) for k, v in context.invocation_metadata() or () if k.startswith("x-")]
@@ -73,7 +85,10 @@ class TestingServicer(pb_grpc.TestingServicer):
             except asyncio.CancelledError:
                 if request.token:
                     self._cancelled.add(request.token)
-                raise
+                task = asyncio.current_task()
+                if not request.outlive_cancel or task is None:
+                    raise
+                task.uncancel()
         if request.status_code:
             code = _CODES.get(request.status_code, grpc.StatusCode.UNKNOWN)
             await context.abort(code, request.status_message)

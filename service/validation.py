@@ -3,27 +3,44 @@
 Paddle silently reuses the previous caller's data for an input that is not set, accepts wrong
 ranks and some wrong dtypes, and can crash on others (measured with Paddle 3.3), so nothing
 that fails here may ever reach a predictor.
+
+The work is bounded by what the request declares, never by what the peer sent: every loop runs
+over the model's inputs and outputs (one more entry refuses), a shape's rank is compared before
+the shape is read, and contents are compared with the element count the shape implies (BYTES
+elements are walked at most that far). Checks that cost no per-element work come first
+(`admit`); what is left (`Decoding`) is per-element work bounded by the declared shapes, done
+on the event loop when it is small and in a thread otherwise (`decoded`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service.errors import invalid
+from service.errors import echoed, invalid
 from service.inference import InferJob, InputTensor
 from service.model_parameters import check_parameters
 from service.tensors import BY_CONFIG_TYPE, Datatype
-from transport.bytes_tensor import deserialize_bytes, serialize_bytes
+from transport.bytes_tensor import scan_bytes, serialize_bytes
 
 # Where config.pbtxt sets no max_input_elements: an input with variable non-batch dimensions
 # may hold this many elements per batch row (a fixed-shape input is bounded by its shape).
 DEFAULT_ELEMENTS_PER_ROW = 1 << 20
+# Per-element work (BYTES elements walked, typed values converted) a request may do on the
+# event loop: a few milliseconds. A request declaring more is decoded in a thread, whose
+# Python-level loops let the event loop run in between, so other calls keep being answered.
+INLINE_DECODE_ELEMENTS = 1 << 14
+# Typed values converted per step: each step is one short call that holds the GIL.
+CONVERT_CHUNK = 1 << 14
+# Error messages repeat a wrong shape up to this rank, and only its rank beyond.
+SHOWN_RANK = 8
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,46 @@ class _Declared:
     datatype: Datatype
     dims: tuple[int, ...]  # without the batch dimension when the model batches
     max_elements: int | None  # per request; None: the fixed dims bound it
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """One input whose shape passed, and the per-element work its contents still need."""
+
+    name: str
+    datatype: Datatype
+    shape: tuple[int, ...]
+    work: int  # elements `decode` walks or converts (0: nothing left to do)
+    decode: Callable[[], bytes]  # the tensor's data, or INVALID_ARGUMENT
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A request that passed every check costing no per-element work (names, datatypes, ranks,
+    shapes and limits, byte and value counts). Decoding it walks or converts `work` elements,
+    at most the elements its shapes declare, however many bytes came with it."""
+
+    inputs: tuple[_Contents, ...]
+    outputs: tuple[str, ...]
+    batch_size: int
+    priority: int | None = None
+    timeout_s: float | None = None
+
+    @property
+    def work(self) -> int:
+        return sum(c.work for c in self.inputs)
+
+    def finish(self) -> InferJob:
+        """The job; INVALID_ARGUMENT when some contents do not hold what the shape says."""
+        inputs = tuple(InputTensor(c.name, c.datatype, c.shape, c.decode()) for c in self.inputs)
+        return InferJob(inputs, self.outputs, self.batch_size, self.priority, self.timeout_s)
+
+
+async def decoded(decoding: Decoding) -> InferJob:
+    """The job: decoded on the event loop when that is cheap, else in a thread."""
+    if decoding.work <= INLINE_DECODE_ELEMENTS:
+        return decoding.finish()
+    return await asyncio.to_thread(decoding.finish)
 
 
 def element_limit(config: mc.ModelConfig, dims: tuple[int, ...]) -> int | None:
@@ -59,53 +116,58 @@ class RequestValidator:
 
     def validate(self, request: pb.ModelInferRequest) -> InferJob:
         """The request as a job, or INVALID_ARGUMENT saying what is wrong."""
+        return self.admit(request).finish()
+
+    def admit(self, request: pb.ModelInferRequest) -> Decoding:
+        """The request's checks that cost no per-element work; INVALID_ARGUMENT on the first
+        that fails."""
         raw = request.raw_input_contents
         if raw and len(raw) != len(request.inputs):
             raise invalid(
                 f"model '{self.model}': {len(raw)} raw_input_contents for "
                 f"{len(request.inputs)} inputs; send one per input, in order"
             )
-        seen: dict[str, InputTensor] = {}
-        for index, tensor in enumerate(request.inputs):
+        seen: dict[str, _Contents] = {}
+        for index, tensor in enumerate(request.inputs):  # each entry is new, or it refuses
             declared = self._declared(tensor.name, seen)
-            shape = self._check_shape(tensor.name, tensor.datatype, tuple(tensor.shape), declared)
+            shape = self._check_shape(tensor.name, tensor.datatype, tensor.shape, declared)
             if raw:
                 if tensor.HasField("contents"):
                     raise invalid(
                         f"input '{tensor.name}': both raw_input_contents and contents are set; "
                         "use one"
                     )
-                data = self._check_raw(tensor.name, raw[index], declared, shape)
+                seen[tensor.name] = _raw(tensor.name, raw[index], declared, shape)
             else:
-                data = self._typed_data(tensor, declared, shape)
-            seen[tensor.name] = InputTensor(tensor.name, declared.datatype, shape, data)
+                seen[tensor.name] = _typed(tensor, declared, shape)
         inputs = self._complete(seen)
-        outputs = self._outputs(tuple(o.name for o in request.outputs))
-        batch_size = self._batch(seen)
-        return InferJob(inputs, outputs, batch_size, *request_scheduling(request))
+        outputs = self._outputs(o.name for o in request.outputs)
+        batch_size = self._batch(inputs)
+        return Decoding(inputs, outputs, batch_size, *request_scheduling(request))
 
-    def check(self, inputs: Iterable[InputTensor], outputs: tuple[str, ...]) -> InferJob:
+    def check(self, inputs: Iterable[InputTensor], outputs: tuple[str, ...]) -> Decoding:
         """A job the server put together itself (an ensemble's step), checked as strictly as
         a caller's request."""
-        seen: dict[str, InputTensor] = {}
+        seen: dict[str, _Contents] = {}
         for tensor in inputs:
             declared = self._declared(tensor.name, seen)
             shape = self._check_shape(tensor.name, tensor.datatype.name, tensor.shape, declared)
-            self._check_raw(tensor.name, tensor.data, declared, shape)
-            seen[tensor.name] = tensor
-        return InferJob(self._complete(seen), self._outputs(outputs), self._batch(seen))
+            seen[tensor.name] = _raw(tensor.name, tensor.data, declared, shape)
+        checked = self._complete(seen)
+        return Decoding(checked, self._outputs(outputs), self._batch(checked))
 
-    def _declared(self, name: str, seen: dict[str, InputTensor]) -> _Declared:
+    def _declared(self, name: str, seen: dict[str, _Contents]) -> _Declared:
         if name in seen:
             raise invalid(f"input '{name}' appears more than once")
         declared = self.inputs.get(name)
         if declared is None:
             raise invalid(
-                f"model '{self.model}' has no input '{name}'; its inputs are {sorted(self.inputs)}"
+                f"model '{self.model}' has no input '{echoed(name)}'; its inputs are "
+                f"{sorted(self.inputs)}"
             )
         return declared
 
-    def _complete(self, seen: dict[str, InputTensor]) -> tuple[InputTensor, ...]:
+    def _complete(self, seen: dict[str, _Contents]) -> tuple[_Contents, ...]:
         if len(seen) != len(self.inputs):
             missing = sorted(set(self.inputs) - set(seen))
             raise invalid(
@@ -115,19 +177,21 @@ class RequestValidator:
         return tuple(seen.values())
 
     def _check_shape(
-        self, name: str, datatype: str, shape: tuple[int, ...], declared: _Declared
+        self, name: str, datatype: str, sent: Sequence[int], declared: _Declared
     ) -> tuple[int, ...]:
         if datatype != declared.datatype.name:
             raise invalid(
                 f"input '{name}': expected datatype {declared.datatype.name}, "
-                f"got {datatype or 'none'}"
+                f"got {echoed(datatype) or 'none'}"
             )
         expected = ((-1,) if self.max_batch_size > 0 else ()) + declared.dims
-        if len(shape) != len(expected):
+        if len(sent) != len(expected):  # before the shape is read: its rank is the peer's
+            shown = f"shape {list(sent)}" if len(sent) <= SHOWN_RANK else f"rank {len(sent)}"
             raise invalid(
                 f"input '{name}': expected rank {len(expected)} (shape {list(expected)}), "
-                f"got shape {list(shape)}"
+                f"got {shown}"
             )
+        shape = tuple(sent)
         if any(d <= 0 for d in shape):
             raise invalid(f"input '{name}': every dimension must be >= 1, got {list(shape)}")
         for axis, (got, want) in enumerate(zip(shape, expected, strict=True)):
@@ -149,73 +213,95 @@ class RequestValidator:
             )
         return shape
 
-    @staticmethod
-    def _check_raw(name: str, data: bytes, declared: _Declared, shape: tuple[int, ...]) -> bytes:
-        if declared.datatype.name == "BYTES":
-            try:
-                count = len(deserialize_bytes(data))
-            except ValueError as exc:
-                raise invalid(f"input '{name}': malformed BYTES contents: {exc}") from None
-            if count != math.prod(shape):
+    def _outputs(self, names: Iterable[str]) -> tuple[str, ...]:
+        chosen: list[str] = []
+        for name in names:  # each entry is new and known, or it refuses
+            if name not in self.outputs:
                 raise invalid(
-                    f"input '{name}': shape {list(shape)} needs {math.prod(shape)} BYTES "
-                    f"elements, raw_input_contents holds {count}"
+                    f"model '{self.model}' has no output '{echoed(name)}'; "
+                    f"its outputs are {list(self.outputs)}"
                 )
-            return data
-        expected = math.prod(shape) * declared.datatype.numpy.itemsize
-        if len(data) != expected:
-            raise invalid(
-                f"input '{name}': shape {list(shape)} of {declared.datatype.name} needs "
-                f"{expected} bytes of raw_input_contents, got {len(data)}"
-            )
-        return data
+            if name in chosen:
+                raise invalid(f"output '{name}' is requested more than once")
+            chosen.append(name)
+        return tuple(chosen) or self.outputs
 
-    @staticmethod
-    def _typed_data(
-        tensor: pb.ModelInferRequest.InferInputTensor, declared: _Declared, shape: tuple[int, ...]
-    ) -> bytes:
-        field = declared.datatype.contents_field
-        if field is None:
-            raise invalid(
-                f"input '{tensor.name}': {declared.datatype.name} has no typed contents field; "
-                "send it in raw_input_contents"
-            )
-        values = getattr(tensor.contents, field)
-        count = math.prod(shape)
-        if len(values) != count:
-            raise invalid(
-                f"input '{tensor.name}': shape {list(shape)} needs {count} values in "
-                f"contents.{field}, got {len(values)}"
-            )
-        if declared.datatype.name == "BYTES":
-            return serialize_bytes(values)
-        try:
-            return np.asarray(values, dtype=declared.datatype.numpy).tobytes()
-        except OverflowError as exc:
-            raise invalid(
-                f"input '{tensor.name}': a value does not fit {declared.datatype.name}"
-            ) from exc
-
-    def _outputs(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        if not names:
-            return self.outputs
-        if len(set(names)) != len(names):
-            raise invalid(f"requested outputs {list(names)} name an output more than once")
-        unknown = [n for n in names if n not in self.outputs]
-        if unknown:
-            raise invalid(
-                f"model '{self.model}' has no output(s) {unknown}; "
-                f"its outputs are {list(self.outputs)}"
-            )
-        return names
-
-    def _batch(self, inputs: dict[str, InputTensor]) -> int:
+    def _batch(self, inputs: tuple[_Contents, ...]) -> int:
         if self.max_batch_size == 0:
             return 0
-        sizes = {t.shape[0] for t in inputs.values()}
+        sizes = {c.shape[0] for c in inputs}
         if len(sizes) != 1:
             raise invalid(f"inputs disagree on the batch size: {sorted(sizes)}")
         return sizes.pop()
+
+
+def _raw(name: str, data: bytes, declared: _Declared, shape: tuple[int, ...]) -> _Contents:
+    """Raw contents: a fixed-size datatype's byte count is checked now, and its bytes are used
+    as they came (no copy); a BYTES tensor's elements are walked when decoding."""
+    count = math.prod(shape)
+    datatype = declared.datatype
+    if datatype.name == "BYTES":
+        return _Contents(
+            name, datatype, shape, count, functools.partial(_walked, name, data, shape)
+        )
+    expected = count * datatype.numpy.itemsize
+    if len(data) != expected:
+        raise invalid(
+            f"input '{name}': shape {list(shape)} of {datatype.name} needs "
+            f"{expected} bytes of raw_input_contents, got {len(data)}"
+        )
+    return _Contents(name, datatype, shape, 0, lambda: data)
+
+
+def _walked(name: str, data: bytes, shape: tuple[int, ...]) -> bytes:
+    """BYTES raw contents, walked no further than the elements `shape` declares."""
+    count = math.prod(shape)
+    scan = scan_bytes(data, count)
+    if scan.problem:
+        raise invalid(f"input '{name}': malformed BYTES contents: {scan.problem}")
+    if not scan.matches(count):
+        raise invalid(
+            f"input '{name}': shape {list(shape)} needs {count} BYTES elements, "
+            f"raw_input_contents holds {scan.held()}"
+        )
+    return data
+
+
+def _typed(
+    tensor: pb.ModelInferRequest.InferInputTensor, declared: _Declared, shape: tuple[int, ...]
+) -> _Contents:
+    """Typed contents: the value count is checked now (a list's length costs nothing), the
+    values are converted when decoding."""
+    datatype = declared.datatype
+    field = datatype.contents_field
+    if field is None:
+        raise invalid(
+            f"input '{tensor.name}': {datatype.name} has no typed contents field; "
+            "send it in raw_input_contents"
+        )
+    values = getattr(tensor.contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise invalid(
+            f"input '{tensor.name}': shape {list(shape)} needs {count} values in "
+            f"contents.{field}, got {len(values)}"
+        )
+    if datatype.name == "BYTES":
+        decode = functools.partial(serialize_bytes, values)
+    else:
+        decode = functools.partial(_converted, tensor.name, values, datatype)
+    return _Contents(tensor.name, datatype, shape, count, decode)
+
+
+def _converted(name: str, values: Sequence[float], datatype: Datatype) -> bytes:
+    """Typed values as little-endian bytes, converted a chunk at a time."""
+    out = np.empty(len(values), datatype.numpy)
+    try:
+        for start in range(0, len(values), CONVERT_CHUNK):
+            out[start : start + CONVERT_CHUNK] = values[start : start + CONVERT_CHUNK]
+    except OverflowError as exc:
+        raise invalid(f"input '{name}': a value does not fit {datatype.name}") from exc
+    return out.tobytes()
 
 
 def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float | None]:

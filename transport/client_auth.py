@@ -6,8 +6,11 @@ CA only (not the system roots), with the validity dates and the client-auth purp
 the Certificate message arrives, before the handshake can finish.
 
 A resumed connection (session ticket, 0-RTT) is not asked again, as TLS 1.3 specifies: it
-carries the authentication of the full handshake that issued its ticket, and no ticket is
-issued to a client refused here, since tickets are sent only after the client's Finished.
+carries the authentication of the full handshake that issued its ticket. The server's ticket
+keeps the certificate chain the client authenticated with (sealed with the rest of the ticket
+in a shared store); resuming passes it through the same check again (a certificate expired or
+no longer trusted since gets a full handshake) and shows it to servicers as the peer's. No
+ticket is issued to a client refused here: tickets are sent only after the client's Finished.
 """
 
 from __future__ import annotations

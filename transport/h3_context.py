@@ -13,6 +13,7 @@ from transport import headers as wire
 from transport.framing import encode_message
 from transport.h3_protocol import H3Stream
 from transport.metadata import Metadata
+from transport.peer_auth import PeerAuth
 from transport.servicer_context import CallContext
 
 
@@ -26,9 +27,21 @@ class H3ServicerContext(CallContext):
         peer: str,
         response_serializer: Callable[[Any], bytes] | None,
         request_deserializer: Callable[[bytes], Any] | None,
+        auth: PeerAuth,
     ) -> None:
         super().__init__(method, metadata, timeout, peer, response_serializer, request_deserializer)
         self._stream = stream
+        self._auth = auth
+        self.invoked = False  # the handler's behavior runs: it answers for the call
+
+    def peer_identities(self) -> list[bytes] | None:  # type: ignore[override]
+        return self._auth.identities()
+
+    def peer_identity_key(self) -> str | None:  # type: ignore[override]
+        return self._auth.identity_key()
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth.auth_context()
 
     async def read(self) -> Any:
         data = await self._stream.read_message()

@@ -34,7 +34,12 @@ from transport.aioquic_internals import (
 from transport.framing import DEFAULT_MAX_MESSAGE
 from transport.h3_stream_state import Headers, StreamState
 from transport.h3_stream_state import StreamClosed as StreamClosed
-from transport.status import H3_REQUEST_CANCELLED, H3_REQUEST_REJECTED, status_from_h3_error
+from transport.status import (
+    H3_NO_ERROR,
+    H3_REQUEST_CANCELLED,
+    H3_REQUEST_REJECTED,
+    status_from_h3_error,
+)
 
 log = logging.getLogger("paddlequic.h3")
 
@@ -120,9 +125,14 @@ class H3Stream:
 
     def _failed(self) -> None:
         """Nobody will read this stream: stop the peer's sending (our side stays open to answer
-        with the status) and release the credit it held."""
+        with the status) and release the credit it held. A server answers a request failed on
+        malformed input completely, so its stop says H3_NO_ERROR (RFC 9114 4.1.2):
+        H3_REQUEST_CANCELLED would make clients such as libcurl discard that answer."""
         assert self.state.error is not None
-        self.protocol.stop_receiving(self.stream_id)
+        answered = self.state.malformed and self.protocol.answers_malformed
+        self.protocol.stop_receiving(
+            self.stream_id, H3_NO_ERROR if answered else H3_REQUEST_CANCELLED
+        )
         self._credited = 0
         if self.on_reset is not None:
             self.on_reset(self.state.error)
@@ -197,6 +207,8 @@ class H3Stream:
 
 class GrpcH3Protocol(QuicConnectionProtocol):
     """Base of the server and client protocols."""
+
+    answers_malformed = False  # a stream failed on the peer's bad input still gets an answer
 
     def __init__(
         self, quic: QuicConnection, stream_handler: object = None, *, settings: H3Settings

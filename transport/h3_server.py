@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -27,6 +28,7 @@ from transport.aioquic_internals import (
     Admission,
     AdmittingQuicServer,
     peer_address,
+    peer_certificate,
     refuse_early_data,
     tag_connection_ids,
 )
@@ -37,10 +39,13 @@ from transport.errors import ProtocolError
 from transport.h3_context import H3ServicerContext
 from transport.h3_protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
 from transport.handler_table import HandlerTable, run_behavior
-from transport.status import H3_NO_ERROR, H3_REQUEST_REJECTED
+from transport.peer_auth import PeerAuth
+from transport.status import H3_NO_ERROR, H3_REQUEST_CANCELLED, H3_REQUEST_REJECTED
 from transport.tickets import TicketStore
 
 log = logging.getLogger("paddlequic.h3.server")
+
+DEADLINE_EXCEEDED = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
 
 
 @dataclass
@@ -54,6 +59,19 @@ class H3ServerStats:
     # "handshake_timeout": dropped before completing the handshake; "metadata": streams
     # refused for a header block over the limit; "retry": Retry packets sent.
     refusals: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransportAnswer:
+    """A call the transport answered without its handler's behavior running (bad headers, an
+    unknown method, the concurrency limit, a request message that never arrived whole or in
+    time): what observation would otherwise never see."""
+
+    method_path: str  # "" when the headers named none
+    registered: bool  # method_path is a registered method (bounded, unlike any path)
+    code: grpc.StatusCode
+    details: str
+    seconds: float
 
 
 class RetryMode(Enum):
@@ -78,6 +96,8 @@ class H3Limits:
 
 
 class _ServerProtocol(GrpcH3Protocol):
+    answers_malformed = True
+
     def __init__(
         self,
         quic: QuicConnection,
@@ -113,7 +133,7 @@ class _ServerProtocol(GrpcH3Protocol):
 
     def header_block_refused(self, stream_id: int, message: str) -> None:
         self.server.count_refusal("metadata")
-        super().header_block_refused(stream_id, message)
+        self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
         with contextlib.suppress(Exception):
             self.h3_send_headers(
                 stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
@@ -153,6 +173,9 @@ class _ServerProtocol(GrpcH3Protocol):
         self.handshake_done.set()  # wakes calls held for it; their streams have failed
         self._handshake_timer.cancel()
         self.server.connection_closed(self)
+
+    def peer_auth(self) -> PeerAuth:
+        return PeerAuth(peer_certificate(self._quic), self._quic.tls.session_resumed)
 
     def peer(self) -> str:
         address = peer_address(self._quic)
@@ -199,6 +222,7 @@ class H3Server:
         self._quic_server: AdmittingQuicServer | None = None
         self.shutting_down = False
         self.stats = H3ServerStats()
+        self.answered: Callable[[TransportAnswer], None] | None = None  # see TransportAnswer
 
     # grpc.aio.Server's registration API
 
@@ -337,7 +361,10 @@ class H3Server:
         task.add_done_callback(self._calls.discard)
 
     async def _run_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
+        started = time.perf_counter()
         context: H3ServicerContext | None = None
+        method = ""
+        answer: tuple[grpc.StatusCode, str] | None = None  # what the transport answered
         try:
             headers = await stream.wait_headers()
             try:
@@ -348,34 +375,30 @@ class H3Server:
                     if exc.http_status
                     else wire.trailers_only(exc.status, exc.message)
                 )
+                method = wire.request_path(headers)
+                answer = exc.status, exc.message
                 stream.send_headers(block, end=True)
                 return
+            method = head.method_path
             if stream.early and not early_data.allowed(head.method_path, self.early_data_methods):
                 # Not idempotent: replayable early data must not run it. Hold it until the
                 # handshake completes (a replayed handshake never does); it then runs once.
                 self.count_handshake("early_requests_held")
                 await connection.handshake_done.wait()
                 if connection.terminated is not None:
+                    answer = connection.terminated.status, connection.terminated.message
                     return
             handler = self.handlers.lookup(head.method_path, head.metadata)
             if handler is None:
-                stream.send_headers(
-                    wire.trailers_only(
-                        grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.method_path}"
-                    ),
-                    end=True,
-                )
+                answer = grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.method_path}"
+                stream.send_headers(wire.trailers_only(*answer), end=True)
                 return
             if (
                 self.max_concurrent_rpcs is not None
                 and self._active_rpcs >= self.max_concurrent_rpcs
             ):
-                stream.send_headers(
-                    wire.trailers_only(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded"
-                    ),
-                    end=True,
-                )
+                answer = grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded"
+                stream.send_headers(wire.trailers_only(*answer), end=True)
                 return
             context = H3ServicerContext(
                 stream,
@@ -385,9 +408,12 @@ class H3Server:
                 connection.peer(),
                 handler.response_serializer,
                 handler.request_deserializer,
+                connection.peer_auth(),
             )
             self._active_rpcs += 1
             code, details, trailing = await self._drive(handler, context, stream, head.timeout)
+            if not context.invoked:
+                answer = code, details
             if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
                 return  # the client is gone; nobody reads an answer
             self._end(stream, context, code, details, trailing)
@@ -395,20 +421,34 @@ class H3Server:
             pass
         except asyncio.CancelledError:
             # Server stopping past its grace period: tell the client, then go.
-            self._end(stream, context, grpc.StatusCode.UNAVAILABLE, "server shutting down")
+            answer = grpc.StatusCode.UNAVAILABLE, "server shutting down"
+            self._end(stream, context, *answer)
             raise
         except Exception as exc:
             # A bug of ours, or a servicer context method that raised: the stream still ends.
             log.exception("call on stream %d failed", stream.stream_id)
-            self._end(stream, context, grpc.StatusCode.INTERNAL, f"server error: {exc}")
+            answer = grpc.StatusCode.INTERNAL, f"server error: {exc}"
+            self._end(stream, context, *answer)
         finally:
             if context is not None:
                 self._active_rpcs -= 1
                 context.finish()
             if not stream.ended:
-                # The call is over while the peer still sends: nobody will read it.
-                connection.stop_receiving(stream.stream_id)
+                # The call is over while the peer still sends: nobody will read it. After a
+                # complete response that is no error (RFC 9114 4.1.2); otherwise the call was
+                # cancelled.
+                connection.stop_receiving(
+                    stream.stream_id, H3_NO_ERROR if stream.sent_end else H3_REQUEST_CANCELLED
+                )
             connection.forget(stream.stream_id)
+            if (
+                answer is not None
+                and self.answered is not None
+                and not (context and context.invoked)
+            ):
+                seconds = time.perf_counter() - started
+                registered = self.handlers.registered(method)
+                self.answered(TransportAnswer(method, registered, *answer, seconds))
 
     @staticmethod
     def _end(
@@ -450,12 +490,13 @@ class H3Server:
             current.cancel()
 
         stream.on_reset = on_reset
+        scope = asyncio.timeout(timeout)
         try:
-            async with asyncio.timeout(timeout):
+            async with scope:
                 await _invoke(handler, context, stream)
         except TimeoutError:
             context.mark_cancelled()
-            return grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ()
+            return DEADLINE_EXCEEDED
         except AbortError:
             pass
         except StreamClosed as exc:
@@ -470,6 +511,8 @@ class H3Server:
             return grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ()
         finally:
             stream.on_reset = None
+        if scope.expired():
+            return DEADLINE_EXCEEDED  # a handler that outlived the deadline: its answer is late
         return context.final_status()
 
 
@@ -480,7 +523,7 @@ async def _invoke(
     request: Any
     if handler.request_streaming:
         request = context.request_iterator()
-    else:
+    else:  # the message first: until it is there, the transport answers for the call
         data = await stream.read_message()
         if data is None:
             raise StreamClosed(grpc.StatusCode.INTERNAL, "request ended without a message")
@@ -489,6 +532,7 @@ async def _invoke(
                 grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
             )
         request = _deserialize(handler, data)
+    context.invoked = True
     await run_behavior(handler, request, context)
 
 
@@ -499,5 +543,5 @@ def _deserialize(handler: grpc.RpcMethodHandler[Any, Any], data: bytes) -> Any:
         return handler.request_deserializer(data)
     except Exception as exc:
         raise StreamClosed(
-            grpc.StatusCode.INTERNAL, f"failed to parse the request message: {exc}"
+            grpc.StatusCode.INVALID_ARGUMENT, f"failed to parse the request message: {exc}"
         ) from exc

@@ -9,7 +9,8 @@ import collections
 import grpc
 
 from transport.errors import ProtocolError
-from transport.framing import HEADER_SIZE, MessageDecoder
+from transport.framing import MessageDecoder
+from transport.headers import message_encoding
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -29,7 +30,8 @@ class StreamState:
 
     `held` is every payload byte received and not yet taken by the application, a partial
     message included: receive credit follows it, so a peer cannot make the stream buffer more
-    than its window. A decode error (oversized, compressed, truncated message) fails the
+    than its window. A decode error (oversized, inflating past the limit, in an encoding not
+    accepted, truncated message) fails the
     stream with its status as soon as it is seen; what arrives after that is dropped.
     """
 
@@ -37,11 +39,12 @@ class StreamState:
         self.decoder = MessageDecoder(max_message)
         self.headers: Headers | None = None
         self.trailers: Headers | None = None
-        self.messages: collections.deque[bytes] = collections.deque()
+        # Each message with its size on the wire: what it holds of the window.
+        self.messages: collections.deque[tuple[bytes, int]] = collections.deque()
         self.ended = False  # the peer finished sending
         self.error: StreamClosed | None = None
         self.malformed = False  # the error is the peer's bad input: it is answered with it
-        self._queued = 0  # bytes of `messages`, their 5-byte prefixes included
+        self._queued = 0  # wire bytes of `messages`, their 5-byte prefixes included
 
     @property
     def held(self) -> int:
@@ -55,6 +58,7 @@ class StreamState:
     def headers_received(self, headers: Headers, ended: bool) -> None:
         if self.headers is None:
             self.headers = headers
+            self.decoder.encoding = message_encoding(headers)
         else:
             self.trailers = headers
         self._end(ended)
@@ -64,9 +68,9 @@ class StreamState:
         if self.error is not None:
             return False
         try:
-            for message in self.decoder.feed(data):
-                self.messages.append(message)
-                self._queued += len(message) + HEADER_SIZE
+            for message, wire_size in self.decoder.feed_sized(data):
+                self.messages.append((message, wire_size))
+                self._queued += wire_size
         except ProtocolError as exc:
             self._malformed(exc)
             return False
@@ -77,8 +81,8 @@ class StreamState:
         """The next queued message, if any."""
         if not self.messages:
             return None
-        message = self.messages.popleft()
-        self._queued -= len(message) + HEADER_SIZE
+        message, wire_size = self.messages.popleft()
+        self._queued -= wire_size
         return message
 
     def fail(self, error: StreamClosed) -> bool:

@@ -36,6 +36,11 @@ class HandlerTable:
         for method, handler in method_handlers.items():
             self._registered[f"/{service_name}/{method}"] = handler
 
+    def registered(self, method: str) -> bool:
+        """Whether `method` is one of the registered methods (a bounded set, unlike the paths
+        generic handlers may take)."""
+        return method in self._registered
+
     def lookup(
         self, method: str, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> grpc.RpcMethodHandler[Any, Any] | None:

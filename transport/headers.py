@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from transport.errors import ProtocolError
+from transport.framing import ACCEPT_ENCODING, ACCEPTED_ENCODINGS, IDENTITY
 from transport.metadata import Metadata, decode_metadata, encode_metadata
 from transport.status import (
     code_number,
@@ -130,10 +131,11 @@ def parse_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> RequestHead
             f"content-type {content_type!r} is not application/grpc",
             http_status=415,
         )
-    encoding = _field(headers, b"grpc-encoding")
-    if encoding is not None and encoding.strip().lower() != "identity":
+    encoding = message_encoding(headers)
+    if encoding not in ACCEPTED_ENCODINGS:
         raise ProtocolError(
-            grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding!r} is not supported"
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"grpc-encoding {encoding!r} is not supported (accepted: {ACCEPT_ENCODING})",
         )
     path = pseudo[b":path"]
     if _PATH_RE.fullmatch(path) is None:
@@ -147,9 +149,26 @@ def parse_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> RequestHead
     )
 
 
+def message_encoding(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The grpc-encoding of a header block's messages, lowercase (identity when absent)."""
+    value = _field(list(headers), b"grpc-encoding")
+    return IDENTITY if value is None else value.strip().lower()
+
+
+def request_path(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The :path of request headers, whatever else is wrong with them ("" without one)."""
+    return next((v.decode("latin-1") for k, v in headers if k == b":path"), "")
+
+
 def response_headers(metadata: Iterable[tuple[str, str | bytes]] = ()) -> Headers:
-    """Response headers that open a normal (messages then trailers) response."""
-    return [(b":status", b"200"), (b"content-type", _CONTENT_TYPE), *encode_metadata(metadata)]
+    """Response headers that open a normal (messages then trailers) response. Responses are
+    not compressed; grpc-accept-encoding tells a client what it may send, as grpcio does."""
+    return [
+        (b":status", b"200"),
+        (b"content-type", _CONTENT_TYPE),
+        (b"grpc-accept-encoding", ACCEPT_ENCODING.encode("ascii")),
+        *encode_metadata(metadata),
+    ]
 
 
 def trailers(

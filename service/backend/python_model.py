@@ -1,7 +1,8 @@
 """A Triton-style Python model (`backend: "python"`, model.py in the version directory) in a
 worker process, restricted before model.py is imported: address space and open files are
-capped (CPU time is the watchdog's), and the front-end started this process with a scrubbed
-environment and collects its stdout/stderr into the server's log."""
+capped (CPU time is the watchdog's), the sandbox is entered (python_sandbox.py), and the
+front-end started this process with a scrubbed environment and collects its stdout/stderr into
+the server's log."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from protos.inference import model_config_pb2 as mc
+from service.backend import python_sandbox
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.inference import Timings
 from service.tensors import BY_CONFIG_TYPE, TensorSpec
@@ -32,6 +34,13 @@ class PythonModel:
         config = mc.ModelConfig()
         config.ParseFromString(load.config)
         _limit(load.parameters)
+        model_file = Path(load.model_file)
+        # What the host could not confine, for the front-end's warning; None: sandbox off.
+        self.unprotected: tuple[str, ...] | None = (
+            tuple(python_sandbox.enter(model_file.parent.parent))
+            if python_sandbox.wanted(load.parameters)
+            else None
+        )
         batch = (-1,) if config.max_batch_size > 0 else ()
         self.inputs = tuple(
             TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
@@ -47,7 +56,6 @@ class PythonModel:
         # No __pycache__ beside model.py: the repository's files (and their fingerprint,
         # which decides reloads) stay as they were deployed.
         sys.dont_write_bytecode = True
-        model_file = Path(load.model_file)
         spec = importlib.util.spec_from_file_location(f"model_{load.model_name}", model_file)
         if spec is None or spec.loader is None:
             raise RuntimeError(f"{model_file} cannot be imported")

@@ -111,6 +111,8 @@ class Batch:
     def _row_parts(self, tensor: BatchOutput) -> list[bytes | memoryview]:
         """Each request's consecutive rows of one output, uncopied where they can be."""
         if tensor.datatype.name == "BYTES":
+            if len(self.row_counts) == 1 and self.formed == self.rows:
+                return [tensor.data]  # one request, no padding: all of it, not walked
             per_row = math.prod(tensor.shape[1:])
             return list(split_bytes(tensor.data, [n * per_row for n in self.row_counts]))
         view = memoryview(tensor.data)

@@ -35,6 +35,7 @@ from service.frontends.protocol import (
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
 from service.frontends.stats import Report
 from service.observability.logs import configure_logging
+from service.sandbox.privileges import undumpable
 from service.server import check_client_auth, start_grpc, start_h3
 from service.settings import ServerSettings
 from service.ticket_store import open_ticket_store
@@ -244,6 +245,7 @@ async def _report(link: ParentLink) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    undumpable()  # as the server's main process: its environment holds the same secrets
     parser = argparse.ArgumentParser(prog="python -m service.frontends.frontend")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--runtime-dir", type=Path, required=True)

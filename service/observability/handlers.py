@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextvars import Token
 from typing import Any
 
@@ -29,8 +29,9 @@ from service.handler_wrapping import (
 )
 from service.inference import Answer, Timings
 from service.observability.logs import RequestLog
-from service.observability.metrics import Metrics
+from service.observability.metrics import UNKNOWN, Metrics
 from transport.h3_protocol import StreamClosed
+from transport.h3_server import H3Server, TransportAnswer
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DEADLINE_MARGIN_S = 0.1
@@ -94,6 +95,41 @@ class Observer:
             return contextlib.nullcontext()
         return self.tracer.start_as_current_span("encode")
 
+    def record(
+        self,
+        transport: str,
+        rpc: str,
+        model: str,
+        version: str,
+        code: grpc.StatusCode,
+        seconds: float,
+        fields: dict[str, Any],
+        details: Callable[[], str],
+    ) -> None:
+        """One finished call in the metrics and the request log (`details`: the error, asked
+        for only when the line is logged)."""
+        metrics = self.metrics
+        if metrics is not None:
+            # The rpc label is bounded by construction: registered methods, or UNKNOWN.
+            model, version = metrics.names.labels(model, version)
+            metrics.child(metrics.requests, model, version, transport, rpc, code.name).inc()
+            metrics.child(metrics.request_duration, model, transport, rpc).observe(seconds)
+        latency_ms = round(seconds * 1e3, 3)
+        if self.request_log.wanted(code, latency_ms, fields.get("request_id", "")):
+            if code is not grpc.StatusCode.OK:
+                fields["error"] = details()
+            self.request_log.emit(code, latency_ms, fields)
+
+    def transport_answered(self, transport: str, answer: TransportAnswer) -> None:
+        """A call its transport answered before any handler ran: counted and logged as the
+        others, under its method if it has one (`UNKNOWN` otherwise: the label stays
+        bounded whatever paths peers send)."""
+        rpc = answer.method_path.rpartition("/")[2] if answer.registered else UNKNOWN
+        fields = {"model": "", "version": "", "transport": transport, "rpc": rpc}
+        self.record(
+            transport, rpc, "", "", answer.code, answer.seconds, fields, lambda: answer.details
+        )
+
     def on_batch(self, model: str, rows: int, timings: Timings) -> None:
         if self.metrics is not None:
             self.metrics.observe_batch(model, rows, timings)
@@ -111,9 +147,22 @@ class ObservedServer(WrappingServer):
     """Registers every handler observed (metrics, traces, request logs)."""
 
     def __init__(self, server: Any, transport: str, observer: Observer) -> None:
+        """Calls an HTTP/3 server answers itself are observed too (grpc.aio tells nothing of
+        those)."""
         super().__init__(server)
         self._transport = transport
         self._observer = observer
+        if isinstance(server, H3Server):
+            server.answered = lambda answer: observer.transport_answered(transport, answer)
+
+    def observe_unknown_methods(self) -> None:
+        """grpc.aio answers a method nobody serves by itself, unseen: a generic handler, once
+        registered after every other, answers it the same (UNIMPLEMENTED), observed under
+        rpc `UNKNOWN` whatever the path (the label stays bounded)."""
+        handler = grpc.stream_stream_rpc_method_handler(_unimplemented)
+        self._server.add_generic_rpc_handlers(
+            [_AnyMethod(self.wrap(f"/{UNKNOWN}/{UNKNOWN}", handler))]
+        )
 
     def wrap(self, method_path: str, handler: Handler) -> Handler:
         """The same handler kind with an observed behavior; a synchronous behavior (none of
@@ -162,6 +211,21 @@ class ObservedServer(WrappingServer):
             call.finish(None)
 
         return observed
+
+
+async def _unimplemented(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found")
+    yield b""  # never reached: makes this an async generator, as stream_stream handlers are
+
+
+class _AnyMethod(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Serves every method with one handler."""
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler:
+        return self._handler
 
 
 class _Call:
@@ -217,16 +281,7 @@ class _Call:
         self.version = _text_field(response, "model_version") or self.version
         metrics = self.observer.metrics
         if metrics is not None:
-            # The rpc label is bounded by construction: only registered methods are observed
-            # (the transports answer any other with UNIMPLEMENTED before a handler runs).
-            model, version = metrics.names.labels(self.model, self.version)
             metrics.child(metrics.inflight, self.transport).dec()
-            metrics.child(
-                metrics.requests, model, version, self.transport, self.rpc, code.name
-            ).inc()
-            metrics.child(metrics.request_duration, model, self.transport, self.rpc).observe(
-                seconds
-            )
         fields = {
             "model": self.model,
             "version": self.version,
@@ -244,15 +299,29 @@ class _Call:
             self.span.end()
             assert self._token is not None
             otel_context.detach(self._token)
-        latency_ms = round(seconds * 1e3, 3)
-        if self.observer.request_log.wanted(code, latency_ms, self.request_id):
-            if code is not grpc.StatusCode.OK:
-                fields["error"] = _details(error, self.context)
-            self.observer.request_log.emit(code, latency_ms, fields)
+        self.observer.record(
+            self.transport,
+            self.rpc,
+            self.model,
+            self.version,
+            code,
+            seconds,
+            fields,
+            lambda: _details(error, self.context),
+        )
 
 
 def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
-    """The status the transport will send for a behavior that returned or raised `error`."""
+    """The status the transport will send for a behavior that returned or raised `error`.
+    Once the deadline passed, that is DEADLINE_EXCEEDED whatever the behavior did: an answer
+    that races the deadline (an abort, a response) fails to go out (grpcio raises
+    ExecuteBatchError), and the client's own deadline has fired. A client cancels at its own
+    deadline, which passes a little before the server's (the request took time to arrive): a
+    cancel that close to the deadline is the deadline too."""
+    remaining = context.time_remaining()
+    cancelled = context.cancelled() or isinstance(error, asyncio.CancelledError | GeneratorExit)
+    if remaining is not None and (remaining <= 0 or (cancelled and remaining <= DEADLINE_MARGIN_S)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     if error is None or isinstance(error, AbortError):
         code = context.code()
         if isinstance(code, int):
@@ -261,11 +330,7 @@ def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
     if isinstance(error, StreamClosed):
         return error.status
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        # A client cancels at its own deadline, which passes a little before the server's (the
-        # request took time to arrive): a cancel that close to the deadline is the deadline.
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= DEADLINE_MARGIN_S
-        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.UNKNOWN
 
 

@@ -8,8 +8,9 @@ import logging
 import os
 import random
 import sys
+import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TextIO
 
 import grpc
@@ -102,17 +103,51 @@ def configure_logging(log_format: str, level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
+class LineBudget:
+    """A token bucket per key: `burst` lines at once, refilled at `per_second`. A flood of
+    failing requests (garbage, unauthenticated) then costs a few log lines, not one each;
+    the lines left out are counted and reported with the next line of their key."""
+
+    def __init__(
+        self, burst: int, per_second: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.burst = burst
+        self.per_second = per_second
+        self._clock = clock
+        self._buckets: dict[Hashable, tuple[float, float, int]] = {}  # tokens, at, left out
+
+    def admit(self, key: Hashable) -> int | None:
+        """None: leave this line out; otherwise log it, with how many were left out before."""
+        now = self._clock()
+        tokens, at, left_out = self._buckets.get(key, (float(self.burst), now, 0))
+        tokens = min(float(self.burst), tokens + (now - at) * self.per_second)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now, left_out + 1)
+            return None
+        self._buckets[key] = (tokens - 1.0, now, 0)
+        return left_out
+
+
 class RequestLog:
     """Logs every failed and every slow request, and `sample_ratio` of the others: enough to
     see what happens without one line per request at thousands of requests per second.
     With a `seed`, a request that carries an id is sampled by a hash of seed and id, so which
-    ones are logged is reproducible whatever else the server is doing (tests)."""
+    ones are logged is reproducible whatever else the server is doing (tests). Failures are
+    logged within a `LineBudget` per transport, RPC and status (the keys are bounded: RPCs
+    are registered methods)."""
 
-    def __init__(self, slow_ms: float, sample_ratio: float, seed: int | None) -> None:
+    def __init__(
+        self,
+        slow_ms: float,
+        sample_ratio: float,
+        seed: int | None,
+        failures: LineBudget,
+    ) -> None:
         self.slow_ms = slow_ms
         self.sample_ratio = sample_ratio
         self.seed = seed
         self._random = random.Random(seed)
+        self.failures = failures
 
     def wanted(self, code: grpc.StatusCode, latency_ms: float, request_id: str = "") -> bool:
         if code is not grpc.StatusCode.OK or latency_ms >= self.slow_ms:
@@ -125,6 +160,12 @@ class RequestLog:
 
     def emit(self, code: grpc.StatusCode, latency_ms: float, fields: dict[str, Any]) -> None:
         level = logging.WARNING if code is not grpc.StatusCode.OK else logging.INFO
+        if code is not grpc.StatusCode.OK:
+            left_out = self.failures.admit((fields["transport"], fields["rpc"], code))
+            if left_out is None:
+                return
+            if left_out:
+                fields = {**fields, "left_out": left_out}
         fields = {"event": "request", **fields, "status": code.name, "latency_ms": latency_ms}
         REQUEST_LOG.log(
             level,

@@ -45,6 +45,7 @@ _T = TypeVar("_T")
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
 # tokens, ticket keys) can reach model.py through it.
 PYTHON_ENV_ALLOWED = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+SANDBOX_OFF = ("python_sandbox: off",)
 MAX_LOG_LINE = 4096  # characters of one line a Python model prints, in the server's log
 SLOTS_PER_WORKER = 2
 LOAD_TIMEOUT_S = 600.0
@@ -73,11 +74,18 @@ class _Slot:
     def __init__(self) -> None:
         self.input = Segment(0)
         self.output = Segment(0)
+        self.retired: list[str] = []  # segments replaced since the worker last heard of it
+
+    def _replace(self, segment: Segment, size: int) -> Segment:
+        bigger = grown(segment, size)
+        if bigger is not segment:
+            self.retired.append(segment.name)
+        return bigger
 
     def write(self, batch: Batch) -> tuple[protocol.TensorRef, ...]:
         """Each request's rows straight to their offset in the input segment."""
         offsets, total = layout(t.nbytes for t in batch.inputs)
-        self.input = grown(self.input, total)
+        self.input = self._replace(self.input, total)
         buf = self.input.buf
         refs = []
         for tensor, offset in zip(batch.inputs, offsets, strict=True):
@@ -96,7 +104,7 @@ class _Slot:
             # Grown for next time; while shared memory is short, big results stay inline.
             _, needed = layout(ref.nbytes for ref in result.outputs)
             with contextlib.suppress(errors.ServiceError):
-                self.output = grown(self.output, needed)
+                self.output = self._replace(self.output, needed)
             sources: Mapping[str, bytes | memoryview] = result.inline
         else:
             buf = self.output.buf
@@ -176,6 +184,8 @@ class WorkerInstance:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
+        self._segment_channel: socket.socket | None = None
+        self._sent: set[str] = set()  # segments the running worker has been given
         self._process: asyncio.subprocess.Process | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._output_tasks: set[asyncio.Task[None]] = set()
@@ -218,7 +228,23 @@ class WorkerInstance:
         """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
         loaded = await self._launch()
         self.loaded = loaded
+        if self.spec.python:
+            self._warn_unprotected(loaded.unprotected)
         return loaded
+
+    @property
+    def unprotected(self) -> tuple[str, ...]:
+        """What a Python model's sandbox lacks (ListInstances); () for Paddle models."""
+        if not self.spec.python or self.loaded is None:
+            return ()
+        return SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
+
+    def _warn_unprotected(self, unprotected: tuple[str, ...] | None) -> None:
+        name = self.spec.model_name
+        if unprotected is None:
+            log.warning("model %s runs without the Python sandbox (%s)", name, *SANDBOX_OFF)
+        for missing in unprotected or ():
+            log.warning("model %s: this host lacks a Python sandbox protection: %s", name, missing)
 
     async def infer(self, batch: Batch, deadline: float | None) -> InferResult:
         """Run the batch; its result holds each request's outputs, already copied out of the
@@ -229,10 +255,18 @@ class WorkerInstance:
         try:
             assert self._writer is not None
             refs = slot.write(batch)
+            self._send_segments(slot)
             request_id = next(self._ids)
             outputs = tuple(self._fetch_names.get(n, n) for n in batch.outputs)
+            retired, slot.retired = tuple(slot.retired), []
             message = protocol.Infer(
-                request_id, slot.input.name, slot.output.name, slot.output.size, refs, outputs
+                request_id,
+                slot.input.name,
+                slot.output.name,
+                slot.output.size,
+                refs,
+                outputs,
+                retired,
             )
             future: asyncio.Future[InferResult] = loop.create_future()
             queue_ns = time.perf_counter_ns() - started
@@ -254,6 +288,26 @@ class WorkerInstance:
                 timer.cancel()
             if not future.done():
                 future.cancel()
+
+    def _send_segments(self, slot: _Slot) -> None:
+        """The slot's segments the worker has not been given yet, before the message naming
+        them. The channel never blocks the loop: a worker that stops taking them is killed."""
+        self._sent.difference_update(slot.retired)
+        channel = self._segment_channel
+        assert channel is not None
+        for segment in (slot.input, slot.output):
+            if segment.name in self._sent:
+                continue
+            try:
+                segment.send(channel)
+            except OSError as exc:
+                if self._process is not None and self._process.returncode is None:
+                    self._process.kill()
+                raise errors.unavailable(
+                    f"the worker for model '{self.spec.model_name}' takes no shared memory "
+                    f"({exc.strerror or exc}); it is being restarted"
+                ) from None
+            self._sent.add(segment.name)
 
     async def _ready_slot(self, deadline: float | None) -> _Slot:
         """A free slot of a ready worker; a worker that dies meanwhile is waited for again
@@ -306,6 +360,8 @@ class WorkerInstance:
             task.cancel()
         for slot in self._slots:
             slot.release()
+        if self._segment_channel is not None:
+            self._segment_channel.close()
 
     def _not_ready_message(self) -> str:
         return (
@@ -315,6 +371,13 @@ class WorkerInstance:
 
     async def _launch(self) -> protocol.Loaded:
         parent, child = socket.socketpair()
+        # Segments travel as descriptors, one per datagram (message boundaries kept).
+        segments, segments_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        segments.setblocking(False)
+        if self._segment_channel is not None:
+            self._segment_channel.close()
+        self._segment_channel = segments
+        self._sent = set()
         python = self.spec.python
         inherited = (
             {k: v for k, v in os.environ.items() if k in PYTHON_ENV_ALLOWED}
@@ -322,6 +385,10 @@ class WorkerInstance:
             else os.environ
         )
         env = {**inherited, "GLOG_minloglevel": "2", **self.spec.env}
+        if python:
+            # numpy's OpenBLAS would start its threads at import, before the sandbox, which
+            # holds only for the thread that enters it (python_sandbox.py).
+            env["OPENBLAS_NUM_THREADS"] = "1"
         # A Python model's prints go to the server's log, tagged with the model's name.
         output = asyncio.subprocess.PIPE if python else asyncio.subprocess.DEVNULL
         try:
@@ -331,7 +398,9 @@ class WorkerInstance:
                 "service.workers.main",
                 "--fd",
                 str(child.fileno()),
-                pass_fds=(child.fileno(),),
+                "--segments-fd",
+                str(segments_child.fileno()),
+                pass_fds=(child.fileno(), segments_child.fileno()),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=output,
                 stderr=output if python else None,
@@ -339,6 +408,7 @@ class WorkerInstance:
             )
         finally:
             child.close()
+            segments_child.close()
         for stream in (self._process.stdout, self._process.stderr):
             if stream is not None:
                 task = asyncio.create_task(_forward_output(stream, self.spec.model_name))
@@ -395,8 +465,17 @@ class WorkerInstance:
                     break
                 if isinstance(message, protocol.Result | protocol.Failed):
                     self._complete(message)
-        except (ConnectionError, ValueError) as exc:
+        except ConnectionError as exc:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
+        except Exception as exc:
+            # A Python model can write anything to its socket: whatever breaks the protocol
+            # (a class the unpickler refuses, a field of the wrong type) ends that worker,
+            # never the front-end.
+            log.warning(
+                "worker %s broke the protocol (%r); killing it", self.spec.instance_name, exc
+            )
+            if self._process is not None and self._process.returncode is None:
+                self._process.kill()
         finally:
             writer.close()
         if self.state is not State.STOPPED:

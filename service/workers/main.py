@@ -1,4 +1,5 @@
-"""Entry point of a worker process: `python -m service.workers.main --fd N`.
+"""Entry point of a worker process: `python -m service.workers.main --fd N --segments-fd M`
+(N: the socket for messages, M: the one shared-memory segments arrive on).
 
 The front-end sets the environment (device visibility, thread counts) before this process
 starts, so it is in force before paddle is imported.
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from service.model_parameters import TESTING_CRASH_ON
+from service.sandbox.privileges import undumpable
 from service.scheduling.cpulist import parse_cpulist
 from service.workers import protocol
 from service.workers.protocol import CPU_AFFINITY_ENV
@@ -46,6 +48,7 @@ def _recv(sock: socket.socket) -> protocol.Message | None:
 def _infer(
     model: Any, maps: MappingCache, msg: protocol.Infer, crash_on: float | None
 ) -> protocol.Result:
+    maps.retire(msg.retired)
     in_map = maps.get(msg.input_segment)
     inputs = {ref.name: input_array(in_map, ref) for ref in msg.inputs}
     if crash_on is not None and any((a == crash_on).any() for a in inputs.values()):
@@ -68,7 +71,7 @@ def _infer(
     return protocol.Result(msg.request_id, timings, tuple(refs_list))
 
 
-def serve(sock: socket.socket) -> int:
+def serve(sock: socket.socket, segments: socket.socket) -> int:
     load = _recv(sock)
     if not isinstance(load, protocol.Load):
         return 2
@@ -77,8 +80,10 @@ def serve(sock: socket.socket) -> int:
     except Exception as exc:
         sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc))))
         return 1
-    sock.sendall(protocol.encode(protocol.Loaded(model.inputs, model.outputs, model.device)))
-    maps = MappingCache()
+    unprotected = getattr(model, "unprotected", None)
+    loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
+    sock.sendall(protocol.encode(loaded))
+    maps = MappingCache(segments)
     # The front-end passes this parameter on only when it runs with --testing-service.
     crash_text = load.parameters.get(TESTING_CRASH_ON)
     crash_on = None if crash_text is None else float(crash_text)
@@ -128,17 +133,23 @@ def _pin_cpus() -> None:
 
 
 def main() -> int:
+    # The environment is the server's (a Paddle worker's) or holds placement's settings: no
+    # other process of this user reads it, or this process's memory, through /proc.
+    undumpable()
     _pin_cpus()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--segments-fd", type=int, required=True)
     args = parser.parse_args()
     # The front-end owns shutdown; Ctrl-C in the terminal must not kill workers first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
+    segments = socket.socket(fileno=args.segments_fd)
     try:
-        return serve(sock)
+        return serve(sock, segments)
     finally:
         sock.close()
+        segments.close()
         sys.stdout.flush()
 
 

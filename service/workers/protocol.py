@@ -1,11 +1,13 @@
 """Messages between the front-end and a worker process, and their framing on the socket.
 
-Only small descriptors cross the socket; tensor bytes live in shared memory (shm.py). Both ends
-are our own processes started from the same code, so pickle is safe here.
+Only small descriptors cross the socket; tensor bytes live in shared memory (shm.py). Messages
+are pickles, but a worker may run untrusted model.py code that writes to its socket, so they are
+read back with an unpickler that builds only the classes below (no callable, no import).
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -51,6 +53,8 @@ class Loaded:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     device: str
+    # A Python model's sandbox: what the host could not provide; None: not sandboxed.
+    unprotected: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Infer:
     output_capacity: int
     inputs: tuple[TensorRef, ...]
     outputs: tuple[str, ...]
+    retired: tuple[str, ...] = ()  # segments the front-end released: unmap them
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,23 @@ def body_size(header: bytes) -> int:
     return int(size)
 
 
+_MESSAGES = (Load, Loaded, LoadFailed, Infer, Result, Failed, Shutdown)
+_CLASSES = {
+    (cls.__module__, cls.__qualname__): cls
+    for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets)
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        cls = _CLASSES.get((module, name))
+        if cls is None:
+            raise pickle.UnpicklingError(f"worker message refers to {module}.{name}")
+        return cls
+
+
 def decode(body: bytes) -> Message:
-    message = pickle.loads(body)
-    if not isinstance(message, Load | Loaded | LoadFailed | Infer | Result | Failed | Shutdown):
+    message = _Unpickler(io.BytesIO(body)).load()
+    if not isinstance(message, _MESSAGES):
         raise ValueError(f"unexpected worker message {type(message).__name__}")
     return message

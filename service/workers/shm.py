@@ -1,7 +1,9 @@
 """Shared-memory segments that carry tensor bytes between the front-end and a worker.
 
-The front-end creates and owns every segment (multiprocessing's resource tracker unlinks them
-if the front-end dies); workers only map them by name, so a worker crash leaks nothing.
+The front-end creates every segment in /dev/shm (whose size the deployment sets) and unlinks it
+at once: no other process (another model's worker, another local user) can open it by name, a
+crash of either side leaks nothing, and the worker gets it as a file descriptor passed over a
+socket of its own (SCM_RIGHTS), never by a path.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import socket
 from collections.abc import Iterable
-from multiprocessing import shared_memory
 
 ALIGN = 64
 MIN_SEGMENT = 1 << 20
@@ -37,57 +39,51 @@ class Segment:
     turns a full /dev/shm into an OSError (ENOSPC) here instead."""
 
     def __init__(self, size: int) -> None:
-        size = max(MIN_SEGMENT, size)
-        self._shm = shared_memory.SharedMemory(
-            name=f"paddlequic-{os.getpid()}-{secrets.token_hex(6)}", create=True, size=size
-        )
-        self.name = self._shm.name
-        self.size = size
+        self.size = max(MIN_SEGMENT, size)
+        self.name = f"paddlequic-{os.getpid()}-{secrets.token_hex(6)}"
+        path = f"/dev/shm/{self.name}"
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.unlink(path)
         try:
-            fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
+            os.posix_fallocate(self.fd, 0, self.size)
+            self._map = mmap.mmap(self.fd, self.size)
         except OSError:
-            self.release()
+            os.close(self.fd)
             raise
+        self.buf = memoryview(self._map)
 
-    @property
-    def buf(self) -> memoryview:
-        buf = self._shm.buf
-        assert buf is not None
-        return buf
+    def send(self, channel: socket.socket) -> None:
+        """Hand the worker at the other end of `channel` this segment's descriptor."""
+        socket.send_fds(channel, [self.name.encode()], [self.fd])
 
     def release(self) -> None:
-        self._shm.close()
-        self._shm.unlink()
-
-
-class Mapping:
-    """A worker's view of a segment, mapped from /dev/shm without the resource tracker."""
-
-    def __init__(self, name: str) -> None:
-        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self.name = name
-
-    def close(self) -> None:
-        self.map.close()
+        self.buf.release()
+        self._map.close()
+        os.close(self.fd)
 
 
 class MappingCache:
-    """Maps each segment once, and drops mappings of segments the front-end has unlinked."""
+    """A worker's mappings of the segments the front-end passed it, by name."""
 
-    def __init__(self) -> None:
-        self._maps: dict[str, Mapping] = {}
+    def __init__(self, channel: socket.socket) -> None:
+        self._channel = channel
+        self._maps: dict[str, mmap.mmap] = {}
 
     def get(self, name: str) -> mmap.mmap:
-        if name not in self._maps:
-            for stale in [n for n in self._maps if not os.path.exists(f"/dev/shm/{n}")]:
-                self._maps.pop(stale).close()
-            self._maps[name] = Mapping(name)
-        return self._maps[name].map
+        """Descriptors arrive in the order the front-end sent them, each before the first
+        message that names it."""
+        while name not in self._maps:
+            data, fds, _, _ = socket.recv_fds(self._channel, 256, 1)
+            if not fds:
+                raise ConnectionError("the front-end closed the segment channel")
+            try:
+                self._maps[data.decode()] = mmap.mmap(fds[0], os.fstat(fds[0]).st_size)
+            finally:
+                os.close(fds[0])
+        return self._maps[name]
+
+    def retire(self, names: Iterable[str]) -> None:
+        for name in names:
+            mapping = self._maps.pop(name, None)
+            if mapping is not None:
+                mapping.close()

@@ -32,12 +32,16 @@ from transport.h3_protocol import StreamClosed
 
 TRANSPORTS = ("h2", "h3")
 GOAL_RSS_MB = 32.0
-MAX_MESSAGE = 64 << 20
+# The chaos server's --max-message-bytes: below the RSS goal, so that the goal tells a server
+# that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
+# refuses) from one that holds what a message inflates to.
+MAX_MESSAGE = 16 << 20
 H2_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
 GOOD_MODEL = "mlp"
+BYTES_MODEL = "tokenizer"  # the example's Python model: one BYTES input of dims [1]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -83,6 +87,7 @@ class Scale:
     oversized: int  # per transport
     bombs: int  # per transport
     large_messages: int  # rounds of large HTTP/3 messages in many DATA frames
+    element_bombs: int  # per transport
     initials: int
     idle_h3: int
     idle_h2: int
@@ -94,6 +99,8 @@ class Scale:
     reloads: int
     frontend_kills: int
     frontend_kill_gap_s: float  # after a killed front-end's replacement serves, before the next
+    gzip_bombs: int  # per transport
+    malformed: int  # unparsable requests per transport
     attack_limit_s: float
 
 
@@ -106,6 +113,7 @@ SHORT = Scale(
     oversized=1,
     bombs=2,
     large_messages=1,
+    element_bombs=2,
     initials=1000,
     idle_h3=150,
     idle_h2=200,
@@ -117,6 +125,8 @@ SHORT = Scale(
     reloads=1,
     frontend_kills=2,  # the two first front-ends: every good client's first connection dies
     frontend_kill_gap_s=0.0,
+    gzip_bombs=2,
+    malformed=500,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -128,6 +138,7 @@ FULL = Scale(
     oversized=3,
     bombs=20,
     large_messages=5,
+    element_bombs=20,
     initials=5000,
     idle_h3=2000,
     idle_h2=2000,
@@ -140,6 +151,8 @@ FULL = Scale(
     frontend_kills=6,
     # longer than an HTTP/3 client takes to give a dead connection up
     frontend_kill_gap_s=DEFAULT_UNRESPONSIVE_S + 2.0,
+    gzip_bombs=10,
+    malformed=5000,
     attack_limit_s=240.0,
 )
 
@@ -155,6 +168,7 @@ class Target:
     ca_file: Path
     metrics_url: str
     repository: Path
+    log_path: Path  # the server's log (stdout and stderr)
 
     def channel(self, transport: str) -> grpc.aio.Channel | QuicChannel:
         """A new channel; create it inside the event loop that uses it."""
@@ -444,10 +458,12 @@ async def run_row(
 
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
-    killed or stopped worker leaves one serving)."""
+    killed or stopped worker leaves one serving), and `tokenizer`, a model with a BYTES
+    input."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
+    shutil.copytree(EXAMPLE_MODELS / BYTES_MODEL, repository / BYTES_MODEL)
     return repository
 
 
@@ -465,6 +481,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
         *("--model-control-mode", "explicit", "--load-model", "*", "--testing-service"),
         *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
         *("--log-sample-ratio", "0", "--frontends", str(frontends)),
+        *("--max-message-bytes", str(MAX_MESSAGE)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (
@@ -476,5 +493,6 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
                 ca_file=certs / "ca.pem",
                 metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
                 repository=repository,
+                log_path=server.log_path,
             ),
         )

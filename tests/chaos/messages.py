@@ -1,5 +1,5 @@
-"""Attacks with one abusive request: oversized messages and metadata bombs, on both
-transports."""
+"""Attacks with one abusive request: oversized messages, metadata bombs and BYTES element
+bombs, on both transports."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.chaos.harness import (
+    BYTES_MODEL,
     MAX_MESSAGE,
     TRANSPORTS,
     AttackResult,
@@ -23,6 +24,7 @@ from tests.chaos.harness import (
     status_name,
 )
 from transport import headers as wire
+from transport.bytes_tensor import serialize_bytes
 from transport.h3_client import H3ClientConnection, client_configuration
 from transport.h3_protocol import StreamClosed
 
@@ -35,6 +37,9 @@ BOMB_ENTRIES = 1024
 POLL_S = 0.01
 ANSWER_TIMEOUT_S = 5.0  # a status for a refused message is due at once
 BOMB_VALUE_BYTES = 1024  # 1024 entries of 1 KiB: 1 MiB of metadata
+# A [1, 1] BYTES tensor carrying 3 MiB of 2-byte elements (a new object each, were they
+# listed): the shape declares one element.
+ELEMENT_BOMB_ELEMENTS = 525_000
 
 
 async def _h3_announced_oversize(target: Target) -> str:
@@ -93,5 +98,22 @@ async def metadata_bombs(target: Target, scale: Scale) -> AttackResult:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             for _ in range(scale.bombs):
                 call = stub.ModelInfer(request, metadata=bomb, timeout=CALL_TIMEOUT_S)
+                result.outcomes[f"{transport} " + await outcome_of(call, CALL_TIMEOUT_S)] += 1
+    return result
+
+
+async def bytes_element_bombs(target: Target, scale: Scale) -> AttackResult:
+    """ModelInfer on the BYTES model declaring shape [1, 1] and sending 525,000 elements:
+    INVALID_ARGUMENT expected, after reading one element's length and the bytes that follow,
+    not a list of every element."""
+    result = AttackResult()
+    request = pb.ModelInferRequest(model_name=BYTES_MODEL)
+    request.inputs.add(name="text", datatype="BYTES", shape=[1, 1])
+    request.raw_input_contents.append(serialize_bytes([b"ab"] * ELEMENT_BOMB_ELEMENTS))
+    for transport in TRANSPORTS:
+        async with target.channel(transport) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for _ in range(scale.element_bombs):
+                call = stub.ModelInfer(request, timeout=CALL_TIMEOUT_S)
                 result.outcomes[f"{transport} " + await outcome_of(call, CALL_TIMEOUT_S)] += 1
     return result

@@ -3,7 +3,7 @@ the last rows run against a second server with two front-end processes (`--front
 
 from __future__ import annotations
 
-from tests.chaos import floods, frontends, large_messages, messages, streams, workers
+from tests.chaos import floods, frontends, large_messages, malformed, messages, streams, workers
 from tests.chaos.harness import AttackSpec
 
 
@@ -40,6 +40,13 @@ ATTACKS = (
         "metadata bombs",
         messages.metadata_bombs,
         _both("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INTERNAL", REFUSED),
+    ),
+    AttackSpec("gzip bomb", malformed.gzip_bombs, _both("RESOURCE_EXHAUSTED")),
+    AttackSpec("malformed protobuf flood", malformed.malformed_flood, _both("INVALID_ARGUMENT")),
+    AttackSpec(
+        "BYTES element bomb",
+        messages.bytes_element_bombs,
+        _both("INVALID_ARGUMENT"),
     ),
     AttackSpec(
         "large HTTP/3 messages in many DATA frames",
@@ -94,6 +101,12 @@ ATTACKS = (
         "oversized messages (--frontends 2)",
         messages.oversized_messages,
         _both("RESOURCE_EXHAUSTED", REFUSED),
+        frontends=2,
+    ),
+    AttackSpec(
+        "BYTES element bomb (--frontends 2)",
+        messages.bytes_element_bombs,
+        _both("INVALID_ARGUMENT"),
         frontends=2,
     ),
 )

@@ -5,6 +5,9 @@ through hadolint, and the references between the files (selectors, ports, server
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import pytest
 from kubernetes_validate import utils as k8s
 
 from service.settings import ServerSettings, build_parser, env_name
-from tests.servers import REPO_ROOT
+from tests.servers import REPO_ROOT, free_port, running_server
 
 DEPLOY = REPO_ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -155,4 +158,52 @@ def test_dockerfile_passes_hadolint(dockerfile: str) -> None:
     text = path.read_text()
     assert "USER 10001" in text
     assert "EXPOSE 8001/tcp 8001/udp 8002/tcp" in text
-    assert 'CMD ["paddlequic", "health"' in text
+
+
+def _dockerfile_env_and_healthcheck(path: Path) -> tuple[dict[str, str], list[str]]:
+    """The image's ENV variables and its HEALTHCHECK command (exec form)."""
+    instructions = path.read_text().replace("\\\n", " ").splitlines()
+    env: dict[str, str] = {}
+    for line in instructions:
+        if line.startswith("ENV "):
+            for item in shlex.split(line[4:]):
+                name, _, value = item.partition("=")
+                env[name] = value
+    (check,) = (line for line in instructions if line.startswith("HEALTHCHECK "))
+    command: list[str] = json.loads(check.split(" CMD ", 1)[1])
+    return env, command
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
+def test_the_healthcheck_probes_the_port_the_server_listens_on(
+    dockerfile: str, tmp_path: Path
+) -> None:
+    """The HEALTHCHECK, run as Docker runs it, against a server on another port than the
+    image's default, chosen as in the image (PADDLEQUIC_GRPC_PORT): healthy there, and not
+    healthy while the variable names a port nobody listens on."""
+    env, command = _dockerfile_env_and_healthcheck(DEPLOY / "docker" / dockerfile)
+    assert env[env_name("grpc_port")] == str(ServerSettings().grpc_port)
+    port = free_port()
+    (tmp_path / "models").mkdir()
+    with running_server(tmp_path / "models", tmp_path / "log", port=port):
+        environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        for listening, expected in ((port, 0), (free_port(), 1)):
+            environment[env_name("grpc_port")] = str(listening)
+            done = subprocess.run(command, env=environment, capture_output=True, timeout=60)
+            assert done.returncode == expected, done.stdout + done.stderr
+
+
+def test_make_image_without_an_engine_says_what_to_do(tmp_path: Path) -> None:
+    missing = tmp_path / "docker"  # no engine behind it, as on a host without Docker
+    missing.write_text("#!/bin/sh\nexit 1\n")
+    missing.chmod(0o755)
+    done = subprocess.run(
+        ["make", "--no-print-directory", "image", f"DOCKER={missing}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "make image: no Docker engine answers" in done.stderr
+    assert "start one (systemctl start docker, or dockerd &)" in done.stderr

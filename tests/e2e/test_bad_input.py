@@ -248,7 +248,7 @@ CASES: tuple[Case, ...] = (
         "unknown output",
         request("mlp", MLP, outputs=["nope"]),
         INVALID,
-        ("no output(s) ['nope']", output_names("mlp")[0]),
+        ("has no output 'nope'", output_names("mlp")[0]),
     ),
     Case(
         "duplicate output",

@@ -19,9 +19,10 @@ import pytest
 
 from clients.inference_client import InferenceClient, build_request
 from clients.quic_channel import QuicChannel
+from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
+from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from tests.reference import output_names
 from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 from transport.certs import issue_client_certificate
@@ -32,6 +33,7 @@ ADMIN_HEADER = ("triton-grpc-protocol-admin-key", ADMIN)
 INFER_HEADER = ("triton-grpc-protocol-infer-key", INFER)
 REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
 TIMEOUT_S = 30.0
+PEER_AUTH = "/paddlequic.v1.Testing/PeerAuth"
 
 
 @dataclass
@@ -165,7 +167,8 @@ class Mutual:
 @pytest.fixture(scope="module")
 def mutual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mutual]:
     """HTTP/3 and HTTP/2 with TLS, both requiring a client certificate from the dev CA (an
-    empty repository: the handshake is what is tested)."""
+    empty repository: the handshake is what is tested), with 0-RTT and Testing/PeerAuth
+    allowed as early data."""
     root = tmp_path_factory.mktemp("mutual")
     certs = root / "certs"
     cert, key = issue_client_certificate(certs, "tester")
@@ -178,6 +181,9 @@ def mutual(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mutual]:
         "--tls-client-ca",
         ca,
         "--require-client-cert",
+        "--testing-service",
+        "--early-data-methods",
+        f"default,{PEER_AUTH}",
     ]
     (root / "models").mkdir()
     with running_server(root / "models", root / "log", args, wait=False) as server:
@@ -211,6 +217,98 @@ def test_a_client_certificate_is_required(mutual: Mutual, scheme: str) -> None:
         with refused, pytest.raises(grpc.RpcError) as failure:
             refused.health(timeout=10)
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def _peer_auth_twice(
+    mutual: Mutual, cache: SessionTicketCache, cert: str, key: str
+) -> tuple[str | None, list[testing_pb2.PeerAuthResponse]]:
+    """A new HTTP/3 connection: PeerAuth first (early data when resuming), then again on the
+    same connection once the handshake completed."""
+    async with QuicChannel(
+        f"localhost:{mutual.server.port}",
+        ca_file=mutual.ca,
+        ticket_cache=cache,
+        client_cert=cert,
+        client_key=key,
+        early_data_methods=frozenset({PEER_AUTH}),
+    ) as ch:
+        stub = testing_pb2_grpc.TestingStub(ch)
+        first = await stub.PeerAuth(testing_pb2.EchoRequest(), timeout=TIMEOUT_S)
+        assert ch._connection is not None
+        await ch._connection.wait_connected()
+        later = await stub.PeerAuth(testing_pb2.EchoRequest(), timeout=TIMEOUT_S)
+    return ch.last_connect_mode, [first, later]
+
+
+async def _handshake_stats(mutual: Mutual) -> dict[str, int]:
+    async with QuicChannel(
+        f"localhost:{mutual.server.port}",
+        ca_file=mutual.ca,
+        client_cert=mutual.cert,
+        client_key=mutual.key,
+    ) as ch:
+        response = await control_pb2_grpc.ControlStub(ch).TransportStats(
+            control_pb2.TransportStatsRequest(), timeout=TIMEOUT_S
+        )
+    return dict(response.h3_handshakes)
+
+
+def _identity(response: testing_pb2.PeerAuthResponse) -> tuple[str, tuple[bytes, ...], bytes]:
+    (pem,) = (p.values for p in response.properties if p.name == "x509_pem_cert")
+    return response.identity_key, tuple(response.identities), b"".join(pem)
+
+
+async def test_a_resumed_connection_keeps_its_client_certificate(mutual: Mutual) -> None:
+    """With --require-client-cert, a second connection resumes with 0-RTT: the call in its
+    early data and a later one are served, and the servicer sees the certificate of the full
+    handshake, as grpcio shows it over HTTP/2; each client's ticket resumes its own identity,
+    from one ticket cache."""
+    other_cert, other_key = (
+        str(p) for p in issue_client_certificate(Path(mutual.ca).parent, "tester-b")
+    )
+    before = await _handshake_stats(mutual)
+    clients = [(mutual.cert, mutual.key), (other_cert, other_key)]
+    cache = SessionTicketCache()  # one cache for both: it keeps tickets per certificate
+    full = [await _peer_auth_twice(mutual, cache, *client) for client in clients]
+    resumed = [await _peer_auth_twice(mutual, cache, *client) for client in clients]
+    after = await _handshake_stats(mutual)
+
+    assert [mode for mode, _ in full] == ["full", "full"]
+    assert [mode for mode, _ in resumed] == ["0rtt-accepted", "0rtt-accepted"]
+    assert after.get("0rtt_accepted", 0) - before.get("0rtt_accepted", 0) == 2
+    # Served from early data: nothing was held for the handshake.
+    assert after.get("early_requests_held", 0) == before.get("early_requests_held", 0)
+
+    async with grpc.aio.secure_channel(
+        f"localhost:{mutual.server.port}",
+        grpc.ssl_channel_credentials(
+            Path(mutual.ca).read_bytes(),
+            Path(mutual.key).read_bytes(),
+            Path(mutual.cert).read_bytes(),
+        ),
+    ) as h2:
+        over_h2 = await testing_pb2_grpc.TestingStub(h2).PeerAuth(
+            testing_pb2.EchoRequest(), timeout=TIMEOUT_S
+        )
+    for name, (_, full_calls), (_, resumed_calls) in zip(
+        (b"tester", b"tester-b"), full, resumed, strict=True
+    ):
+        identities = {_identity(r)[:2] for r in [*full_calls, *resumed_calls]}
+        assert identities == {("x509_common_name", (name,))}
+    tester = [_identity(r) for r in [*full[0][1], *resumed[0][1], over_h2]]
+    assert all(identity == tester[0] for identity in tester)
+    assert tester[0][2] == Path(mutual.cert).read_bytes()
+    reused = [
+        {p.name: list(p.values) for p in r.properties}["ssl_session_reused"]
+        for r in [*full[0][1], *resumed[0][1]]
+    ]
+    assert reused == [[b"false"], [b"false"], [b"true"], [b"true"]]
+
+    # Still nobody gets in without a certificate.
+    refused = InferenceClient(f"h3://localhost:{mutual.server.port}", mutual.ca)
+    with refused, pytest.raises(grpc.RpcError) as failure:
+        refused.health(timeout=10)
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_cli_takes_a_client_certificate(mutual: Mutual) -> None:

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
     root = tmp_path_factory.mktemp("shared-tickets")
     (root / "ticket.key").write_bytes(bytes(range(32)))
+    (root / "ticket.key").chmod(0o600)
     with running_redis(root / "redis") as url:
         yield root, ["--ticket-store", url, "--ticket-key-file", str(root / "ticket.key")]
 
@@ -79,3 +80,30 @@ async def test_unreachable_redis_leaves_full_handshakes_working(
         assert await infer_once(server, certs_dir, cache) == "full"
         assert await infer_once(server, certs_dir, cache) == "0rtt-rejected"
     assert "ticket store unreachable" in (root / "down.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("key_mode", "store_dir_mode", "message"),
+    [
+        (0o644, 0o700, "ticket.key has mode 0644: other users can read or replace it"),
+        (0o600, 0o777, "lets other users replace the ticket store"),
+    ],
+    ids=["key-0644", "store-directory-0777"],
+)
+def test_a_ticket_store_others_can_read_or_write_stops_the_server(
+    tmp_path: Path, certs_dir: Path, key_mode: int, store_dir_mode: int, message: str
+) -> None:
+    key = tmp_path / "ticket.key"
+    key.write_bytes(bytes(range(32)))
+    key.chmod(key_mode)
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    store_dir.chmod(store_dir_mode)
+    store = f"sqlite://{store_dir / 'tickets.db'}"
+    args = ["--ticket-store", store, "--ticket-key-file", str(key), "--certs-dir", str(certs_dir)]
+    server = ServerProcess(model_repository(tmp_path / "models", []), tmp_path / "log", args)
+    try:
+        assert server.process.wait(120) == 1
+    finally:
+        server.stop()
+    assert message in server.log_text()

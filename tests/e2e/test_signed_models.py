@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -21,7 +24,7 @@ import pytest
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from service.signing import generate_keys, sign
-from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, free_port, running_server
 
 REQUEST = {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]}
 ALL_VERSIONS = "version_policy: { all: {} }\n"
@@ -122,6 +125,15 @@ def test_signing_policy(tmp_path: Path, required: bool) -> None:
             assert models["unsigned", "1"].state == "READY"
             assert "is not signed (no model.sig); loading it" in server.log_text()
         assert signature_failures(metrics_port) == len(expected) + required
+        listed = subprocess.run(
+            [sys.executable, "-m", "clients.cli", "models", "--url", server.url],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+        )
+        for reason in expected.values():  # `paddlequic models` shows the reasons too
+            assert reason in listed.stdout
 
 
 def eventually(what: str, check: Callable[[], bool]) -> None:
@@ -159,3 +171,112 @@ def test_restarts_and_reloads_load_only_verified_bytes(tmp_path: Path) -> None:
         )
         assert index(server)["good", "1"].state == "READY"
         assert infer(server, "good") == answer
+
+
+def ensemble_config(step_model: str, version: int = -1) -> str:
+    """One step on `step_model` (an mlp): features -> probs."""
+    return f"""
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [ {{ name: "probabilities", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+ensemble_scheduling {{
+  step [
+    {{ model_name: "{step_model}" model_version: {version}
+      input_map {{ key: "input" value: "input" }}
+      output_map {{ key: "probabilities" value: "probabilities" }} }}
+  ]
+}}
+"""
+
+
+def copies(tmp: Path) -> list[str]:
+    """The verified copies under the server's $TMPDIR, as MODEL-VERSION."""
+    (directory,) = tmp.glob("paddlequic-verified-*")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    return sorted(p.name.rsplit("-", 1)[0] for p in directory.iterdir())
+
+
+def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ensemble's config.pbtxt (its steps) is signed and checked at start, on SIGHUP and on
+    RepositoryModelLoad: an unsigned one is refused under --require-signed, and a model whose
+    config.pbtxt was changed since signing (its platform, to an ensemble; an ensemble's steps)
+    is refused with that reason while what was verified goes on serving."""
+    key, trusted = keys(tmp_path)
+    root = tmp_path / "models"
+    sign(add_model(root, "good"), key)
+    sign(add_model(root, "victim"), key)
+    pair = root / "pair"
+    pair.mkdir()
+    (pair / "config.pbtxt").write_text(ensemble_config("good"))
+    sign(pair, key)
+    (root / "loose").mkdir()
+    (root / "loose" / "config.pbtxt").write_text(ensemble_config("good"))
+    swapped = add_model(root, "swapped")
+    sign(swapped, key)
+    (swapped / "config.pbtxt").write_text(ensemble_config("good"))  # now answered by "good"
+    args = ["--trusted-keys", str(trusted), "--require-signed", "--no-h3"]
+    args += ["--model-control-mode", "explicit", "--load-model", "*"]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the server's private copies go there
+    with running_server(root, tmp_path / "server.log", args, wait=False) as server:
+        server.wait_loaded()
+        # What serves has a verified copy (files 0400); refused versions have none.
+        assert copies(tmp) == ["good-1", "pair-1", "victim-1"]
+        (weights,) = tmp.glob("paddlequic-verified-*/good-1-*/1/inference.pdiparams")
+        assert stat.S_IMODE(weights.stat().st_mode) == 0o400
+        models = index(server)
+        assert models["pair", "1"].state == "READY"
+        answer = infer(server, "good")
+        assert infer(server, "pair") == answer
+        for name, reason in (
+            ("loose", "model 'loose' is not signed"),
+            ("swapped", "swapped/config.pbtxt was modified after signing"),
+        ):
+            assert models[name, "1"].state == "UNAVAILABLE"
+            assert reason in models[name, "1"].reason
+            assert refused(server, name) == grpc.StatusCode.FAILED_PRECONDITION
+
+        # After the start: a signed model turned into an ensemble, an ensemble's steps changed.
+        (root / "victim" / "config.pbtxt").write_text(ensemble_config("good"))
+        (pair / "config.pbtxt").write_text(ensemble_config("good", 1))
+        server.process.send_signal(signal.SIGHUP)
+        for name in ("victim", "pair"):
+            reason = f"{name}/config.pbtxt was modified after signing"
+            eventually(
+                f"the reload to refuse {name}'s config.pbtxt",
+                lambda: reason in index(server)[name, "1"].reason,  # noqa: B023
+            )
+            with pytest.raises(grpc.RpcError) as error:
+                server.stub.RepositoryModelLoad(
+                    pb.RepositoryModelLoadRequest(model_name=name), timeout=60
+                )
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert reason in str(error.value.details())
+            assert index(server)[name, "1"].state == "READY"
+            assert infer(server, name) == answer
+        metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="victim"), timeout=10)
+        assert metadata.platform == "paddle_inference"  # the verified model, not the ensemble
+        assert copies(tmp) == ["good-1", "pair-1", "victim-1"]  # refused candidates left none
+
+        server.stub.RepositoryModelUnload(
+            pb.RepositoryModelUnloadRequest(model_name="victim"), timeout=60
+        )
+        eventually("the unloaded version's copy to go", lambda: "victim-1" not in copies(tmp))
+    assert not list(tmp.iterdir())  # the server removed its copies when it stopped
+
+
+def test_a_trusted_keys_file_that_is_not_a_key_stops_the_server(tmp_path: Path) -> None:
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    (trusted / "notes.pem").write_text("not a key")
+    (tmp_path / "models").mkdir()
+    server = ServerProcess(
+        tmp_path / "models", tmp_path / "server.log", ["--trusted-keys", str(trusted)]
+    )
+    try:
+        assert server.process.wait(120) == 1
+    finally:
+        server.stop()
+    assert "notes.pem is not an ECDSA (P-256, P-384, P-521) public key" in server.log_text()

@@ -1,9 +1,11 @@
 """Client certificates: what `issue_client_certificate` writes, and real QUIC handshakes against
-a server that asks for one (transport.client_auth), with and without requiring it."""
+a server that asks for one (transport.client_auth), with and without requiring it, full and
+resumed."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,11 +18,15 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.tls import SessionTicket
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from service.sqlite_tickets import SqliteTicketStore
 from transport.certs import DevCertificates, ensure_dev_certificates, issue_client_certificate
 from transport.client_auth import ClientAuth, request_client_certificates
+from transport.ticket_seal import TicketSealer
+from transport.tickets import MemoryTicketStore, TicketStore
 
 # Bounds the cases expected to fail, so a regression shows up as a failure rather than a hang.
 FAILURE_TIMEOUT_S = 5.0
@@ -56,7 +62,9 @@ def test_client_names_must_be_plain(certs: DevCertificates, name: str) -> None:
 
 
 @asynccontextmanager
-async def _server(certs: DevCertificates, auth: ClientAuth) -> AsyncIterator[int]:
+async def _server(
+    certs: DevCertificates, auth: ClientAuth, tickets: TicketStore | None = None
+) -> AsyncIterator[int]:
     configuration = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
     configuration.load_cert_chain(certs.server_cert, certs.server_key)
 
@@ -65,7 +73,12 @@ async def _server(certs: DevCertificates, auth: ClientAuth) -> AsyncIterator[int
         return QuicConnectionProtocol(quic)
 
     server = await serve(
-        "127.0.0.1", 0, configuration=configuration, create_protocol=create_protocol
+        "127.0.0.1",
+        0,
+        configuration=configuration,
+        create_protocol=create_protocol,
+        session_ticket_fetcher=tickets.pop if tickets is not None else None,
+        session_ticket_handler=tickets.add if tickets is not None else None,
     )
     try:
         assert server._transport is not None
@@ -74,17 +87,34 @@ async def _server(certs: DevCertificates, auth: ClientAuth) -> AsyncIterator[int
         server.close()
 
 
-async def _connect(port: int, certs: DevCertificates, cert: Path | None, key: Path | None) -> None:
+async def _connect(
+    port: int,
+    certs: DevCertificates,
+    cert: Path | None,
+    key: Path | None,
+    ticket: SessionTicket | None = None,
+    want_ticket: bool = False,
+) -> tuple[bool, SessionTicket | None]:
     """A handshake, then a PING: in TLS 1.3 the client finishes first, so a refusal of its
-    certificate arrives afterwards, as the connection closing."""
+    certificate arrives afterwards, as the connection closing. Whether it resumed `ticket`;
+    with `want_ticket`, the next ticket (the server sends it after the handshake)."""
     configuration = QuicConfiguration(
         is_client=True, alpn_protocols=["h3"], server_name="localhost"
     )
     configuration.load_verify_locations(cafile=str(certs.ca_cert))
     if cert is not None:
         configuration.load_cert_chain(cert, key)
-    async with connect("127.0.0.1", port, configuration=configuration) as protocol:
+    configuration.session_ticket = ticket
+    received: asyncio.Queue[SessionTicket] = asyncio.Queue()
+    async with connect(
+        "127.0.0.1", port, configuration=configuration, session_ticket_handler=received.put_nowait
+    ) as protocol:
         await asyncio.wait_for(protocol.ping(), FAILURE_TIMEOUT_S)
+        resumed = protocol._quic.tls.session_resumed
+        new_ticket = (
+            await asyncio.wait_for(received.get(), FAILURE_TIMEOUT_S) if want_ticket else None
+        )
+    return resumed, new_ticket
 
 
 async def test_required_client_certificate(certs: DevCertificates, tmp_path: Path) -> None:
@@ -117,3 +147,30 @@ async def test_optional_client_certificate(certs: DevCertificates, tmp_path: Pat
             await asyncio.wait_for(
                 _connect(port, certs, stranger_cert, stranger_key), FAILURE_TIMEOUT_S
             )
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+async def test_a_resumed_connection_keeps_its_certificate_and_is_checked_again(
+    certs: DevCertificates, tmp_path: Path, store: str
+) -> None:
+    """Resumption works with a required certificate, and the certificate the ticket carries
+    (in memory, or sealed in a shared store) passes the check again: a server trusting another
+    CA refuses it (a full handshake follows, where the client's certificate is refused)."""
+    client_cert, client_key = issue_client_certificate(certs.directory, "edge")
+    other = ensure_dev_certificates(tmp_path / "other")[0]
+    tickets: TicketStore = (
+        MemoryTicketStore()
+        if store == "memory"
+        else SqliteTicketStore(tmp_path / "tickets.db", TicketSealer(os.urandom(32)), 3600.0)
+    )
+    async with _server(certs, ClientAuth(certs.ca_cert, required=True), tickets) as port:
+        resumed, ticket = await _connect(port, certs, client_cert, client_key, want_ticket=True)
+        assert not resumed
+        for _ in range(2):  # a resumed connection's ticket resumes the identity again
+            resumed, ticket = await _connect(port, certs, None, None, ticket, want_ticket=True)
+            assert resumed
+    assert tickets.counters.redeemed == 2
+    async with _server(certs, ClientAuth(other.ca_cert, required=True), tickets) as port:
+        with pytest.raises(ConnectionError):
+            await _connect(port, certs, client_cert, client_key, ticket)
+    assert tickets.counters.redeemed == 3  # found, then refused by the check

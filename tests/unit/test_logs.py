@@ -11,9 +11,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from service.observability.logs import JsonFormatter, TextFormatter, make_formatter
+from service.observability.logs import (
+    JsonFormatter,
+    LineBudget,
+    RequestLog,
+    TextFormatter,
+    make_formatter,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HINT = "using development certificates in certs\nTLS: development certificates\n  names: a, b"
@@ -92,3 +101,69 @@ def test_a_process_logs_text_to_a_terminal_and_json_to_a_pipe() -> None:
     lines = written.splitlines()
     assert "\x1b[32mINFO" in lines[0] and lines[0].endswith("paddlequic.x: a")
     assert lines[1:] == ["    b"]
+
+
+class FakeClock:
+    """Time that moves only when the test moves it (the budget's injected clock)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@settings(derandomize=True, max_examples=50, deadline=None)
+@given(
+    burst=st.integers(1, 10),
+    per_second=st.floats(0.1, 10.0),
+    gaps=st.lists(st.floats(0.0, 2.0), max_size=60),
+)
+def test_the_failure_budget_logs_a_burst_then_its_rate_and_counts_what_it_left_out(
+    burst: int, per_second: float, gaps: list[float]
+) -> None:
+    clock = FakeClock()
+    budget = LineBudget(burst, per_second, clock)
+    logged, reported, offered = 0, 0, 0
+    for gap in gaps:
+        clock.now += gap
+        offered += 1
+        left_out = budget.admit("key")
+        if left_out is not None:
+            logged += 1
+            reported += left_out
+    assert logged <= burst + clock.now * per_second
+    # Every line left out is reported by a later line, except those after the last one.
+    assert reported <= offered - logged
+    assert budget.admit("another key") == 0  # keys have budgets of their own
+
+
+def test_the_failure_budget_reports_the_lines_it_left_out_with_the_next_one() -> None:
+    clock = FakeClock()
+    budget = LineBudget(2, 1.0, clock)
+    assert [budget.admit("k") for _ in range(5)] == [0, 0, None, None, None]
+    clock.now += 1.0
+    assert budget.admit("k") == 3
+    assert budget.admit("k") is None
+
+
+def test_the_request_log_leaves_failures_out_past_the_budget_and_says_how_many(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    log = RequestLog(
+        slow_ms=1000.0, sample_ratio=0.0, seed=None, failures=LineBudget(1, 1.0, clock)
+    )
+    fields = {"transport": "h3", "rpc": "ModelInfer", "model": "", "version": ""}
+    with caplog.at_level(logging.INFO, logger="paddlequic.requests"):
+        for _ in range(4):
+            log.emit(grpc.StatusCode.INVALID_ARGUMENT, 1.0, dict(fields))
+        log.emit(grpc.StatusCode.OK, 1.0, dict(fields))  # successes are not budgeted
+        clock.now += 1.0
+        log.emit(grpc.StatusCode.INVALID_ARGUMENT, 1.0, dict(fields))
+    logged = [r.__dict__["fields"] for r in caplog.records]
+    assert [(f["status"], f.get("left_out")) for f in logged] == [
+        ("INVALID_ARGUMENT", None),
+        ("OK", None),
+        ("INVALID_ARGUMENT", 3),
+    ]

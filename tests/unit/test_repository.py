@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.errors import ServiceError
+from service.errors import ServiceError, echoed
 from service.repository import (
     ModelRepository,
     RepositoryError,
@@ -93,7 +93,7 @@ def test_names_that_could_escape_the_repository_are_refused(name: str) -> None:
     with pytest.raises(ServiceError) as info:
         check_model_name(name)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert repr(name) in info.value.message
+    assert repr(echoed(name)) in info.value.message
     assert "no path separators or '..'" in info.value.message
 
 
@@ -106,13 +106,22 @@ def test_versions_are_decimal_numbers(text: str, version: int | None) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["one", "-1", "+1", "1.0", " 1", "1 ", "0x1", "1e3", "\uff11", "\u00b2", str(2**63)]
+    "text",
+    [
+        *("one", "-1", "+1", "1.0", " 1", "1 ", "0x1", "1e3", "\uff11", "\u00b2", str(2**63)),
+        "9" * 5000,  # more digits than int() converts (and than any version has)
+        "1" + "0" * 19,
+    ],
 )
 def test_anything_else_is_not_a_version(text: str) -> None:
     with pytest.raises(ServiceError) as info:
         parse_version(text)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"{text!r} is not a version number" in info.value.message
+    assert f"{echoed(text)!r} is not a version number" in info.value.message
+
+
+def test_leading_zeros_do_not_count_as_digits() -> None:
+    assert parse_version("0" * 5000 + "7") == 7
 
 
 # select_versions: Triton's version_policy.

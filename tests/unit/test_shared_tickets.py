@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,8 @@ from service.ticket_store import TicketStoreError, open_ticket_store
 from tests.redis_server import running_redis
 from tests.servers import free_port
 from tests.unit.test_tickets import FakeClock, ticket
-from transport.ticket_seal import TicketKeyError, TicketSealer
+from transport.ticket_seal import TicketKeyError, TicketSealer, redeem
+from transport.tickets import TicketCounters
 
 KEY = bytes(range(32))
 
@@ -30,6 +34,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def key_file(tmp_path: Path) -> Path:
     path = tmp_path / "ticket.key"
     path.write_bytes(KEY)
+    path.chmod(0o600)
     return path
 
 
@@ -40,8 +45,8 @@ def replica(redis_url: str, key: bytes = KEY, ttl_s: float = 60.0) -> RedisTicke
 def test_sealed_ticket_opens_only_with_its_key_and_label() -> None:
     sealer = TicketSealer(KEY)
     original = ticket(b"label")
-    name, sealed = sealer.seal(original)
-    assert sealer.open(b"label", sealed) == original
+    name, sealed = sealer.seal(original, 1234.5)
+    assert sealer.open(b"label", sealed) == (original, 1234.5)
     assert name == sealer.name(b"label") != sealer.name(b"other")
     with pytest.raises(InvalidTag):
         TicketSealer(b"k" * 32).open(b"label", sealed)
@@ -132,6 +137,7 @@ def test_ticket_store_configuration(tmp_path: Path, key_file: Path, redis_url: s
     with pytest.raises(TicketStoreError, match="expected memory"):
         open_ticket_store("memcached://localhost", str(key_file), 60)
     (tmp_path / "short.key").write_bytes(b"short")
+    (tmp_path / "short.key").chmod(0o600)
     with pytest.raises(TicketStoreError, match="at least 32 bytes"):
         open_ticket_store(redis_url, str(tmp_path / "short.key"), 60)
     store = open_ticket_store(redis_url, str(key_file), 60)
@@ -144,3 +150,64 @@ def test_redis_is_only_reached_through_its_short_timeout(redis_url: str) -> None
     assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.05
     retry = replica(redis_url).client.get_retry()
     assert retry is not None and retry.get_retries() == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "private"),
+    [
+        (0o600, True),
+        (0o400, True),
+        (0o440, True),  # Kubernetes' fsGroup makes a 0400 secret this
+        (0o644, False),
+        (0o604, False),
+        (0o602, False),
+        (0o620, False),
+        (0o660, False),
+    ],
+    ids=lambda value: f"{value:04o}" if type(value) is int else str(value),
+)
+def test_a_ticket_key_other_users_can_read_or_replace_is_refused(
+    key_file: Path, mode: int, private: bool
+) -> None:
+    key_file.chmod(mode)
+    if private:
+        assert TicketSealer.from_file(key_file).name(b"x") == TicketSealer(KEY).name(b"x")
+        return
+    with pytest.raises(TicketKeyError, match=f"mode {mode:04o}.*chmod 600 {key_file}"):
+        TicketSealer.from_file(key_file)
+
+
+def test_the_expiry_is_sealed_so_a_raised_ttl_or_a_ticket_put_back_ends_with_it(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whoever can write to Redis can put a redeemed ticket back: it opens again, but only
+    until the expiry it was issued with, whatever TTL Redis gives it."""
+    wall = FakeClock()
+    store = RedisTicketStore(replica(redis_url).client, TicketSealer(KEY), 60, wall_clock=wall)
+    kept = ticket(b"put-back")
+    store.add(kept)
+    name = store.sealer.name(b"put-back")
+    sealed = store.client.get(name)
+    assert isinstance(sealed, bytes)
+    assert store.pop(b"put-back") == kept
+    store.client.set(name, sealed)  # put back, with no TTL at all
+    assert store.pop(b"put-back") == kept  # within its sealed expiry: it works again
+    store.client.set(name, sealed)
+    wall.now += 60
+    with caplog.at_level(logging.WARNING):
+        assert store.pop(b"put-back") is None
+    assert "outlived its sealed expiry" in caplog.text
+    assert (store.counters.redeemed, store.counters.refused) == (2, 1)
+
+
+def test_an_entry_sealed_without_an_expiry_is_refused() -> None:
+    """What an earlier version sealed (the same fields, no expiry) is refused, not raised."""
+    sealer = TicketSealer(KEY)
+    name, sealed = sealer.seal(ticket(b"old"), time.time() + 3600)
+    fields = json.loads(sealer._aead.decrypt(sealed[:12], sealed[12:], name))
+    del fields["expires"]
+    nonce = os.urandom(12)
+    old = nonce + sealer._aead.encrypt(nonce, json.dumps(fields).encode(), name)
+    counters = TicketCounters()
+    assert redeem(sealer, b"old", old, time.time(), counters) is None
+    assert counters.refused == 1

@@ -7,6 +7,7 @@ import base64
 import datetime
 import hashlib
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -90,6 +91,12 @@ def test_checked_bytes_are_the_copied_bytes(model: Path, key: Path, tmp_path: Pa
     assert (copy / "1" / "inference.pdiparams").read_bytes() == original
 
 
+def _replace(path: Path, make: Callable[[Path], object]) -> None:
+    """Move `path` aside (to "moved" next to it) and make something else in its place."""
+    path.rename(path.with_name("moved"))
+    make(path)
+
+
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
@@ -113,6 +120,15 @@ def test_checked_bytes_are_the_copied_bytes(model: Path, key: Path, tmp_path: Pa
                 or (m / "1" / "extra" / "vocab.txt").symlink_to("/etc/hostname")
             ),
             "1/extra/vocab.txt is a symlink",
+        ),
+        (
+            lambda m: _replace(m / "1" / "extra" / "vocab.txt", os.mkfifo),
+            "vocab.txt is not a regular",
+        ),
+        (lambda m: _replace(m / "1", lambda p: p.symlink_to("moved")), "1 is a symlink"),
+        (
+            lambda m: _replace(m / "config.pbtxt", lambda p: p.symlink_to("moved")),
+            "config.pbtxt is a symlink",
         ),
     ],
 )
@@ -173,7 +189,11 @@ def test_a_trusted_keys_file_that_is_not_a_key_stops_the_server(tmp_path: Path) 
 
 
 def _certificate(
-    subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None, signer: object
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Certificate | None,
+    signer: object,
+    signs: bool = True,
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
@@ -188,7 +208,7 @@ def _certificate(
         .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=issuer is not None,
+                digital_signature=issuer is not None and signs,
                 content_commitment=False,
                 key_encipherment=False,
                 data_encipherment=False,
@@ -232,6 +252,42 @@ def test_certificates_chaining_to_the_trusted_ca(model: Path, tmp_path: Path) ->
     assert check_version(model, "mlp", 1, load_trust(None, ca_file), None) == "ca.pem"
     with pytest.raises(SignatureError, match="not signed by a trusted key"):
         check_version(model, "mlp", 1, load_trust(None, other_ca), None)
+    # A leaf the CA did not give the digital-signature key usage cannot sign models.
+    no_signing = _pem(
+        tmp_path / "no-signing.pem", _certificate("release", leaf_key, ca, ca_key, signs=False)
+    )
+    model_signing.signing.Config().use_certificate_signer(
+        private_key=private, signing_certificate=no_signing, certificate_chain=[ca_file]
+    ).set_hashing_config(
+        model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE])
+    ).sign(model, model / SIGNATURE_FILE)
+    with pytest.raises(SignatureError, match="not signed by a trusted key"):
+        check_version(model, "mlp", 1, load_trust(None, ca_file), None)
+
+
+@pytest.mark.parametrize("curve", [ec.SECP384R1(), ec.SECP521R1()], ids=lambda c: c.name)
+def test_p384_and_p521_keys_are_trusted_and_other_files_ignored(
+    model: Path, tmp_path: Path, curve: ec.EllipticCurve
+) -> None:
+    key = ec.generate_private_key(curve)
+    private = tmp_path / "release.key"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "release.pem").write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    (keys / "README.txt").write_text("only *.pem and *.pub files are keys")
+    sign(model, private)
+    assert check_version(model, "mlp", 1, load_trust(keys, None), None) == "release.pem"
 
 
 def test_the_upstream_cli_verifies_our_signatures(model: Path, key: Path) -> None:
@@ -259,19 +315,87 @@ def test_we_accept_what_the_upstream_cli_signs(model: Path, key: Path) -> None:
     assert check_version(model, "mlp", 1, trusted(key), None) == "signer.pub"
 
 
-def test_cli_round_trip(model: Path, tmp_path: Path) -> None:
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "clients.cli", *args]
-        return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "clients.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
 
+
+def test_cli_round_trip(model: Path, tmp_path: Path) -> None:
     keys = tmp_path / "trusted"
     keys.mkdir()
-    assert cli("keygen", "--out", str(keys / "release")).returncode == 0
+    assert _cli("keygen", "--out", str(keys / "release")).returncode == 0
     private = keys / "release.key"
     private.rename(tmp_path / "release.key")  # the private key never sits with trusted keys
-    assert cli("sign", str(model), "--key", str(tmp_path / "release.key")).returncode == 0
-    ok = cli("verify", str(model), "--trusted-keys", str(keys))
+    assert _cli("sign", str(model), "--key", str(tmp_path / "release.key")).returncode == 0
+    ok = _cli("verify", str(model), "--trusted-keys", str(keys))
     assert ok.returncode == 0 and "OK version 1: signed by release.pub" in ok.stdout
     (model / "1" / "inference.json").write_text("{}")
-    refused = cli("verify", str(model), "--trusted-keys", str(keys))
+    refused = _cli("verify", str(model), "--trusted-keys", str(keys))
     assert refused.returncode == 1 and "mlp/1/inference.json was modified" in refused.stderr
+
+
+ENSEMBLE_CONFIG = """
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "features", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "probs", data_type: TYPE_FP32, dims: [ 10 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "mlp" model_version: -1
+      input_map { key: "input" value: "features" }
+      output_map { key: "probabilities" value: "probs" } }
+  ]
+}
+"""
+
+
+@pytest.mark.parametrize("version_dir", [False, True])
+def test_an_ensemble_is_signed_and_checked_like_a_model(
+    tmp_path: Path, key: Path, version_dir: bool
+) -> None:
+    """Its config.pbtxt (the steps) is what is signed; a version directory (Triton's empty
+    `1/`) is optional and holds nothing unsigned."""
+    pair = tmp_path / "repo" / "pair"
+    pair.mkdir(parents=True)
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    if version_dir:
+        (pair / "1").mkdir()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    policy = SigningPolicy(trusted(key), required=True)
+    with pytest.raises(SignatureError, match="model 'pair' is not signed"):
+        policy.check(pair, "pair", 1, copy, ensemble=True)
+    sign(pair, key)
+    assert policy.check(pair, "pair", 1, copy, ensemble=True)
+    assert (copy / "config.pbtxt").read_text() == ENSEMBLE_CONFIG
+    (pair / "1").mkdir(exist_ok=True)
+    (pair / "1" / "model.py").write_text("import os\n")
+    with pytest.raises(SignatureError, match=r"pair/1/model\.py was added after signing"):
+        check_version(pair, "pair", 1, trusted(key), None, ensemble=True)
+    (pair / "1" / "model.py").unlink()
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"other"'))  # its steps
+    with pytest.raises(SignatureError, match=r"pair/config\.pbtxt was modified after signing"):
+        check_version(pair, "pair", 1, trusted(key), None, ensemble=True)
+
+
+def test_a_model_turned_into_an_ensemble_is_refused(model: Path, key: Path) -> None:
+    """Replacing a signed model's config.pbtxt with an ensemble's changes its platform: the
+    config no longer matches the signature, whichever way it is checked."""
+    sign(model, key)
+    (model / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"resnet18"'))
+    for ensemble in (True, False):
+        with pytest.raises(SignatureError, match=r"mlp/config\.pbtxt was modified after signing"):
+            check_version(model, "mlp", 1, trusted(key), None, ensemble=ensemble)
+
+
+def test_cli_verifies_an_ensemble(tmp_path: Path, key: Path) -> None:
+    pair = tmp_path / "repo" / "pair"
+    pair.mkdir(parents=True)
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    signed = _cli("sign", str(pair), "--key", str(key))
+    assert signed.returncode == 0, signed.stderr
+    ok = _cli("verify", str(pair), "--trusted-keys", str(key.parent / "trusted"))
+    assert ok.returncode == 0 and "OK version 1: signed by signer.pub" in ok.stdout
+    (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"other"'))
+    refused = _cli("verify", str(pair), "--trusted-keys", str(key.parent / "trusted"))
+    assert refused.returncode == 1 and "pair/config.pbtxt was modified" in refused.stderr

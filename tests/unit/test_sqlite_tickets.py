@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import sqlite3
 import stat
 from concurrent.futures import ProcessPoolExecutor
@@ -102,6 +103,7 @@ def test_a_locked_database_refuses_instead_of_blocking(
 def test_sqlite_store_configuration(tmp_path: Path) -> None:
     key = tmp_path / "ticket.key"
     key.write_bytes(KEY)
+    key.chmod(0o600)
     path = tmp_path / "tickets.db"
     opened = open_ticket_store(f"sqlite://{path}", str(key), 60)
     assert isinstance(opened, SqliteTicketStore)
@@ -109,3 +111,81 @@ def test_sqlite_store_configuration(tmp_path: Path) -> None:
         open_ticket_store(f"sqlite://{path}", "", 60)
     with pytest.raises(TicketStoreError, match="sqlite://"):
         open_ticket_store(f"sqlite://{tmp_path / 'missing' / 'tickets.db'}", str(key), 60)
+
+
+def modes(*paths: Path) -> list[str]:
+    return [f"{stat.S_IMODE(p.stat().st_mode):04o}" for p in paths]
+
+
+def test_the_store_and_its_side_files_are_made_private(tmp_path: Path) -> None:
+    """Created 0600 whatever the umask, SQLite's -wal and -shm following; an existing store
+    of mode 0666 and its side files are made 0600 when a server opens it."""
+    path = tmp_path / "tickets.db"
+    sides = [path.with_name(path.name + suffix) for suffix in ("-wal", "-shm")]
+    umask = os.umask(0)
+    try:
+        first = store(path)
+        first.add(kept := ticket(b"a"))
+    finally:
+        os.umask(umask)
+    assert modes(path, *sides) == ["0600"] * 3
+    for file in (path, *sides):
+        file.chmod(0o666)
+    second = store(path)
+    assert modes(path, *sides) == ["0600"] * 3
+    assert second.pop(b"a") == kept
+
+
+def test_a_store_other_users_can_write_is_refused(tmp_path: Path) -> None:
+    key = tmp_path / "ticket.key"
+    key.write_bytes(KEY)
+    key.chmod(0o600)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode in (0o777, 0o1777, 0o770):  # sticky or not: side files could be planted there
+        shared.chmod(mode)
+        with pytest.raises(TicketStoreError, match=f"mode {mode:04o}.*chmod go-w"):
+            open_ticket_store(f"sqlite://{shared / 'tickets.db'}", str(key), 60)
+    assert not (shared / "tickets.db").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+@pytest.mark.parametrize(
+    ("owned", "message"),
+    [
+        ("tickets.db", "not a file of this server's user"),
+        ("tickets.db-wal", "not a file of this server's user"),
+        ("tickets.db-shm", "not a file of this server's user"),
+        (".", "uid 65534.*lets other users replace the ticket store"),
+    ],
+)
+def test_a_store_another_user_owns_is_refused(tmp_path: Path, owned: str, message: str) -> None:
+    """The file, a side file, or the directory holding them."""
+    path = tmp_path / "store" / "tickets.db"
+    path.parent.mkdir(mode=0o700)
+    store(path).add(ticket(b"a"))
+    os.chown(path.parent / owned, 65534, 65534)
+    with pytest.raises(PermissionError, match=message):
+        store(path)
+
+
+def test_the_expiry_is_sealed_so_an_edited_row_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row whose expiry was pushed out, or a redeemed ticket put back, opens only until the
+    expiry it was issued with."""
+    clock = FakeClock()
+    path = tmp_path / "tickets.db"
+    tickets = store(path, ttl_s=60, clock=clock)
+    tickets.add(edited := ticket(b"edited"))
+    db = sqlite3.connect(path, isolation_level=None)
+    row = db.execute("SELECT name, expires, sealed FROM tickets").fetchone()
+    assert tickets.pop(b"edited") == edited
+    db.execute("INSERT INTO tickets VALUES (?, ?, ?)", (row[0], row[1] + 1e6, row[2]))
+    assert tickets.pop(b"edited") == edited  # put back: works until its expiry
+    db.execute("INSERT INTO tickets VALUES (?, ?, ?)", (row[0], row[1] + 1e6, row[2]))
+    clock.now += 60
+    with caplog.at_level(logging.WARNING):
+        assert tickets.pop(b"edited") is None
+    assert "outlived its sealed expiry" in caplog.text
+    assert (tickets.counters.redeemed, tickets.counters.refused) == (2, 1)

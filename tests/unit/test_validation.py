@@ -362,7 +362,7 @@ def test_unknown_output() -> None:
     request = valid_mixed()
     request.outputs.add(name="nope")
     message = refusal(MIXED, request)
-    assert "no output(s) ['nope']" in message
+    assert "has no output 'nope'" in message
     assert "['out0', 'out1']" in message
 
 
@@ -370,7 +370,7 @@ def test_duplicate_output() -> None:
     request = valid_mixed()
     request.outputs.add(name="out0")
     request.outputs.add(name="out0")
-    assert "['out0', 'out0'] name an output more than once" in refusal(MIXED, request)
+    assert "output 'out0' is requested more than once" in refusal(MIXED, request)
 
 
 def test_inputs_disagree_on_batch_size() -> None:

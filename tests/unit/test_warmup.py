@@ -41,7 +41,7 @@ def shapes_of(config: mc.ModelConfig) -> list[tuple[str, list[int], int]]:
     validator = RequestValidator(config)
     plan = []
     for warm_up in warm_ups(config, shape_buckets(config)):
-        job = validator.check(warm_up.job.inputs, warm_up.job.outputs)
+        job = validator.check(warm_up.job.inputs, warm_up.job.outputs).finish()
         assert job == warm_up.job
         plan.append((warm_up.name, list(job.inputs[0].shape), warm_up.count))
     return plan

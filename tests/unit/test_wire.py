@@ -100,10 +100,13 @@ def test_decoder_counts_a_parsed_header_as_buffered() -> None:
     assert decoder.buffered == 7
 
 
-def test_decoder_rejects_compressed_messages() -> None:
-    error = protocol_error(lambda: MessageDecoder().feed(b"\x01\x00\x00\x00\x00"))
-    assert error.status is grpc.StatusCode.UNIMPLEMENTED
-    assert error.message.startswith("compressed messages are not supported")
+def test_decoder_rejects_compressed_messages_without_an_accepted_encoding() -> None:
+    for encoding in ("identity", "snappy"):
+        decoder = MessageDecoder(encoding=encoding)
+        error = protocol_error(lambda d=decoder: d.feed(b"\x01\x00\x00\x00\x00"))  # type: ignore[misc]
+        assert error.status is grpc.StatusCode.UNIMPLEMENTED
+        assert f"grpc-encoding {encoding!r}" in error.message
+        assert "accepted: identity,deflate,gzip" in error.message
     assert error.http_status is None
 
 
@@ -518,7 +521,7 @@ def test_parse_request_refuses_non_grpc_requests_with_http_status(
     [
         (request(**{":path": b"/Method"}), "UNIMPLEMENTED"),
         (request(**{":path": b"/a/b/c"}), "UNIMPLEMENTED"),
-        (request(grpc_encoding=b"gzip"), "UNIMPLEMENTED"),
+        (request(grpc_encoding=b"snappy"), "UNIMPLEMENTED"),
         (request(grpc_timeout=b"soon"), "INTERNAL"),
         (request(x_bin=b"***"), "INTERNAL"),
     ],
@@ -532,6 +535,7 @@ def test_response_blocks() -> None:
     assert response_headers([("x-k", "v")]) == [
         (b":status", b"200"),
         (b"content-type", b"application/grpc"),
+        (b"grpc-accept-encoding", b"identity,deflate,gzip"),
         (b"x-k", b"v"),
     ]
     assert trailers(grpc.StatusCode.OK) == [(b"grpc-status", b"0")]

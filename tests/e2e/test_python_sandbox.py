@@ -1,0 +1,167 @@
+"""The Python-model sandbox on a real server: a hostile model.py (tests/fixtures/python_attack)
+tries each attack of the outside review from execute() while a Paddle model and another
+Python model serve beside it, and every one fails; a protection this host lacks must instead
+be named in the server's warning at load. `python_sandbox: "off"` is explicit: it is the only
+way to lift the sandbox, it is logged, and any other value refuses the model."""
+
+from __future__ import annotations
+
+import json
+import pwd
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request, parse_response
+from protos.inference import grpc_service_pb2 as pb
+from protos.paddlequic.v1 import control_pb2
+from service.sandbox import landlock, privileges, seccomp
+from tests.e2e.test_python_model import infer
+from tests.servers import ServerProcess, model_repository, running_server
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+SECRET = "admin-Sandbox-5e1d"
+TIMEOUT_S = 60.0
+# Denied by Landlock (files, /proc of other processes, signals from ABI 6) and by seccomp
+# (sockets, process_vm_readv) where the host has them.
+BY_LANDLOCK = ("secret in /proc", "server environ", "server memory map", "tls key",
+               "shared memory", "write file")  # fmt: skip
+BY_SECCOMP = ("tcp connect", "udp socket", "unix socket", "read server memory")
+
+
+@dataclass
+class Sandboxed:
+    server: ServerProcess
+    root: Path
+
+
+def python_model(repository: Path, name: str, fixture: str, sandbox: str | None) -> None:
+    source = FIXTURES / fixture
+    shutil.copytree(source, repository / name)
+    config = (source / "config.pbtxt").read_text().replace('name: "attack"', f'name: "{name}"')
+    if sandbox is not None:
+        config += f'parameters {{ key: "python_sandbox" value: {{ string_value: "{sandbox}" }} }}\n'
+    (repository / name / "config.pbtxt").write_text(config)
+
+
+@pytest.fixture(scope="module")
+def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
+    root = tmp_path_factory.mktemp("sandbox")
+    repository = model_repository(root / "models", ["mlp"])
+    python_model(repository, "attack", "python_attack", None)
+    python_model(repository, "trusted", "python_attack", "off")
+    python_model(repository, "typo", "python_attack", "no")
+    python_model(repository, "pickler", "python_attack", None)
+    shutil.copytree(FIXTURES / "python_model", repository / "upper" / "1")
+    shutil.move(repository / "upper" / "1" / "config.pbtxt", repository / "upper")
+    args = ["--certs-dir", str(root / "certs")]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PADDLEQUIC_RESTRICTED_PROTOCOL", f"control:admin-key={SECRET}")
+        with running_server(repository, root / "server.log", args, wait=False) as server:
+            server.wait_loaded()
+            yield Sandboxed(server, root)
+
+
+def attack(sandboxed: Sandboxed, model: str, probe: dict[str, str] | None = None) -> dict[str, str]:
+    probe = probe or {
+        "port": str(sandboxed.server.port),
+        "tls_key": str(sandboxed.root / "certs" / "server-key.pem"),
+        "write": str(sandboxed.root / f"written-by-{model}"),
+        "secret": SECRET,
+    }
+    text = np.array([json.dumps(probe).encode()], dtype=np.object_)
+    request = build_request(model, {"probe": text})
+    response = sandboxed.server.stub.ModelInfer(request, timeout=TIMEOUT_S)
+    (report,) = parse_response(response)["report"].tolist()
+    result: dict[str, str] = json.loads(report)
+    return result
+
+
+def instances(server: ServerProcess, model: str) -> list[control_pb2.Instance]:
+    request = control_pb2.ListInstancesRequest(model_name=model)
+    admin = [("triton-grpc-protocol-admin-key", SECRET)]
+    return list(server.control.ListInstances(request, metadata=admin, timeout=5).instances)
+
+
+def test_every_attack_of_a_python_model_fails(sandboxed: Sandboxed) -> None:
+    server = sandboxed.server
+    # Other callers' tensors in flight: the Paddle model's and the other Python model's
+    # segments exist while the attack runs.
+    mlp = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+    server.stub.ModelInfer(mlp, timeout=TIMEOUT_S)
+    assert infer(server, "neighbour")["upper"].tolist() == [[b"NEIGHBOUR"]]
+    report = attack(sandboxed, "attack")
+    assert SECRET not in json.dumps(report)
+    version = landlock.abi()
+    log = server.log_text()
+    lacks = "model attack: this host lacks a Python sandbox protection"
+    denied = [*(BY_LANDLOCK if version else ()), *(BY_SECCOMP if seccomp.supported() else ())]
+    if version >= 6:
+        denied.append("signal server")
+    assert {name: report[name] for name in denied} == dict.fromkeys(denied, "PermissionError")
+    assert not (sandboxed.root / "written-by-attack").exists()
+    expected = []
+    if not version:
+        expected.append("Landlock (")
+    elif version < 6:
+        expected.append("Landlock ABI 6")
+    if not seccomp.supported():
+        expected.append("seccomp")
+    if privileges.is_root() and report["uid"] == "0":
+        expected.append("a user of its own (nobody cannot read")
+    elif privileges.is_root():
+        assert report["uid"] == str(pwd.getpwnam("nobody").pw_uid)
+    warned = [line for line in log.splitlines() if lacks in line]
+    assert len(warned) == len(expected)
+    assert all(any(f"{lacks}: {e}" in line for line in warned) for e in expected), warned
+    (listed,) = instances(server, "attack")
+    assert len(listed.unprotected) == len(expected)
+    assert all(any(u.startswith(e) for u in listed.unprotected) for e in expected)
+    # The address-space limit holds, and no capability is left to lift it.
+    assert report["memory limit mb"] == "1024"
+    assert report["raise memory limit"] == "ValueError"
+    assert report["allocate past limit"] == "MemoryError"
+    if privileges.is_root():
+        assert report["capabilities"] == "ok: '0000000000000000 0000000000000000'"
+
+
+def test_only_an_explicit_off_lifts_the_sandbox(sandboxed: Sandboxed) -> None:
+    """What the sandbox denied works for a model marked trusted: the denials above are the
+    sandbox's, not the host's."""
+    server = sandboxed.server
+    report = attack(sandboxed, "trusted")
+    assert report["udp socket"].startswith("ok")
+    assert report["tls key"].startswith("ok")
+    assert (sandboxed.root / "written-by-trusted").read_text() == "escaped"
+    assert "model trusted runs without the Python sandbox (python_sandbox: off)" in (
+        server.log_text()
+    )
+    assert "model attack runs without the Python sandbox" not in server.log_text()
+    (listed,) = instances(server, "trusted")
+    assert list(listed.unprotected) == ["python_sandbox: off"]
+    index = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=5).models
+    (typo,) = [m for m in index if m.name == "typo"]
+    assert typo.state == "UNAVAILABLE"
+    assert "parameter python_sandbox must be on or off, not 'no'" in typo.reason
+    with pytest.raises(grpc.RpcError):
+        attack(sandboxed, "typo")
+
+
+def test_a_message_from_a_model_runs_no_code_in_the_front_end(sandboxed: Sandboxed) -> None:
+    """The worker's socket is model.py's too: what it writes there is read with an allowlist
+    of classes, and a worker that breaks the protocol is killed (its batch retried, then
+    refused as poison); the server serves on."""
+    target = sandboxed.root / "made-by-the-front-end"
+    with pytest.raises(grpc.RpcError) as refused:
+        attack(sandboxed, "pickler", {"pickle": str(target)})
+    assert refused.value.code() is grpc.StatusCode.INTERNAL
+    assert not target.exists()
+    assert "broke the protocol (UnpicklingError('worker message refers to posix.mkdir'))" in (
+        sandboxed.server.log_text()
+    )
+    assert infer(sandboxed.server, "still")["upper"].tolist() == [[b"STILL"]]
