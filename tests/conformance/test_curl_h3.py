@@ -2,21 +2,25 @@
 
 Every other HTTP/3 client of the suite is aioquic, which frames and schedules the same way
 on both ends; libcurl sends a request body in many DATA frames, as its read callback hands
-it over, and reads trailers its own way. gRPC is spoken by hand: POST, the gRPC headers,
-length-prefixed messages, grpc-status from the trailers (curl_cffi lists trailers with the
-response headers).
+it over, reads trailers its own way, and fails a transfer whose upload is stopped with any
+code but H3_NO_ERROR (`curl: (95) HTTP/3 stream 0 reset by server`), status or not. gRPC
+is spoken by hand: POST, the gRPC headers, length-prefixed messages, grpc-status from the
+trailers (curl_cffi lists trailers with the response headers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from curl_cffi import CurlHttpVersion, CurlOpt, requests
 from curl_cffi.requests import AsyncSession
 from hypothesis import example, given, settings
@@ -42,15 +46,20 @@ class Answer:
     status: grpc.StatusCode
     message: str
     messages: list[bytes]
+    headers: Mapping[str, str]  # headers and trailers
 
 
 def curl_call(
-    server: ServerProcess, ca_file: Path, path: str, body: bytes | Iterator[bytes]
+    server: ServerProcess,
+    ca_file: Path,
+    path: str,
+    body: bytes | Iterator[bytes],
+    headers: Mapping[str, str] | None = None,
 ) -> Answer:
     """One gRPC call over HTTP/3 only; an iterator body goes out as a streamed upload."""
     response = requests.post(
         f"https://localhost:{server.port}{path}",
-        headers={"content-type": "application/grpc", "te": "trailers"},
+        headers={"content-type": "application/grpc", "te": "trailers", **(headers or {})},
         http_version=CurlHttpVersion.V3ONLY,
         verify=str(ca_file),  # type: ignore[arg-type]  # a CA file, as curl_cffi accepts
         timeout=CALL_TIMEOUT_S,
@@ -61,7 +70,8 @@ def curl_call(
     messages = MessageDecoder().feed(response.content)
     code = int(response.headers.get("grpc-status", "-1"))
     status = next(s for s in grpc.StatusCode if s.value[0] == code)
-    return Answer(status, response.headers.get("grpc-message", ""), messages)
+    answer_headers = {name.lower(): value or "" for name, value in response.headers.items()}
+    return Answer(status, response.headers.get("grpc-message", ""), messages, answer_headers)
 
 
 def test_server_live(conformance_server: ServerProcess, ca_file: Path) -> None:
@@ -153,3 +163,32 @@ async def test_concurrent_uploads_on_one_connection(
     after = await transport_stats(conformance_server)
     assert [(s, r.messages, r.total_bytes) for s, r in answers] == [("0", 1, size)] * calls
     assert after.h3_connections == before.h3_connections + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [("/no.such.Service/Method", {}), (f"{TESTING}/Unary", {"grpc-encoding": "snappy"})],
+    ids=["unknown-method", "refused-encoding"],
+)
+def test_an_answer_before_the_upload_ended_reaches_libcurl(
+    conformance_server: ServerProcess, ca_file: Path, path: str, headers: dict[str, str]
+) -> None:
+    """4 MiB announced and sent, more than the stream window: the answer comes first, and the
+    upload is stopped with H3_NO_ERROR (on 58663b5 libcurl failed every such call)."""
+    size = 4 << 20
+    body = struct.pack(">BI", 0, size) + bytes(size)
+    for _ in range(3):
+        answer = curl_call(conformance_server, ca_file, path, body, headers)
+        assert answer.status is grpc.StatusCode.UNIMPLEMENTED
+        assert answer.headers["grpc-accept-encoding"] == "identity,deflate,gzip"
+
+
+def test_libcurl_sends_a_gzip_message(conformance_server: ServerProcess, ca_file: Path) -> None:
+    payload = b"squeeze me " * 1000
+    compressed = gzip.compress(pb.EchoRequest(payload=payload).SerializeToString())
+    body = struct.pack(">BI", 1, len(compressed)) + compressed
+    answer = curl_call(
+        conformance_server, ca_file, f"{TESTING}/Unary", body, {"grpc-encoding": "gzip"}
+    )
+    assert answer.status is grpc.StatusCode.OK
+    assert [pb.EchoResponse.FromString(m).payload for m in answer.messages] == [payload]
