@@ -71,7 +71,31 @@ check_version(importlib.metadata.version("aioquic"))
 
 DEFAULT_STREAM_WINDOW = 1 << 20
 DEFAULT_CONNECTION_WINDOW = 16 << 20
+# Credit beyond a message in progress, for the HTTP/3 framing around its payload (a DATA frame
+# header is at most 9 bytes) and a few frames more: what lets the peer finish the message,
+# however it frames it.
+FRAMING_SLACK = 16 << 10
 _PRUNE_STOPPED = 64
+
+
+def credit_limit(
+    limit: int, received: int, held: int, window: int, batch: int, reader_waits: bool
+) -> int:
+    """The credit limit to announce: `limit` (the last one) or a new, higher one.
+
+    The target is what the application consumed (`received` minus the `held` bytes nobody
+    took yet) plus `window`. It is granted once it moved by `batch` (few, large updates), or
+    when the peer has less than `FRAMING_SLACK` left while the reader waits for more (it holds
+    nothing it could take: a partial message at most). The second rule guarantees progress:
+    a blocked peer has nothing left (`limit == received`), and a waiting reader with a window
+    that covers the message in progress plus `FRAMING_SLACK` makes the target exceed the
+    limit, so new credit goes out with the next packet however the message was framed."""
+    target = received - held + window
+    if target > limit and (
+        target - limit >= batch or (reader_waits and limit - received < FRAMING_SLACK)
+    ):
+        return target
+    return limit
 
 
 class ReceiveCredit:
@@ -84,12 +108,17 @@ class ReceiveCredit:
     and so frees connection credit.
 
     A message can only be consumed whole, so a message larger than a window would never
-    complete: while one is in progress (its size announced by its prefix, at most the
-    maximum message size), its stream's window grows to its size, and the connection's
-    window by the largest such message. A connection thus holds at most its window plus one
-    maximum message beyond its windows, however many streams it opens. (A sender that spreads
-    several messages larger than the connection window over its streams at once can stall
-    itself; aioquic and grpc senders fill one stream after another.)
+    complete, nor would partial messages on many streams that fill the connection window
+    (aioquic's sender serves its streams in turn). So the oldest message in progress (its
+    size announced by its prefix, at most the maximum message size) is promoted: its
+    stream's window grows to its size plus `FRAMING_SLACK`, the connection's window by as
+    much, and what the other streams hold beyond the connection window does not count
+    against it. Other streams keep their window until their message's turn. Credit is granted
+    by `credit_limit`, which never leaves a peer blocked while the reader waits for the rest
+    of a message: the promoted message always completes, then the next one is promoted.
+    Memory bound: a connection holds at most its window plus one maximum message + 5 +
+    `FRAMING_SLACK`, except while other streams hold partial messages beyond the window: then
+    what their windows allow (a stream window per open stream) plus that maximum message.
     """
 
     def __init__(
@@ -104,7 +133,9 @@ class ReceiveCredit:
         self._unconsumed: defaultdict[int, int] = defaultdict(int)
         self._total_unconsumed = 0
         self._stopped: set[int] = set()
+        # stream -> its message's size + FRAMING_SLACK, oldest first; the first is promoted
         self._in_progress: dict[int, int] = {}
+        self._promoted: int | None = None
         original_stream_limits = quic._write_stream_limits
         unconsumed = self._unconsumed
         stopped = self._stopped
@@ -122,10 +153,12 @@ class ReceiveCredit:
             local = stream.max_stream_data_local
             if not local or stream_id in stopped:
                 return
-            window = max(stream_window, in_progress.get(stream_id, 0))
-            target = stream.receiver.highest_offset - unconsumed.get(stream_id, 0) + window
-            if target - local >= half_window:
-                stream.max_stream_data_local = local = target
+            need = in_progress.get(stream_id, 0)
+            held = unconsumed.get(stream_id, 0)
+            window = need if need > stream_window and stream_id == self._promoted else stream_window
+            stream.max_stream_data_local = local = credit_limit(
+                local, stream.receiver.highest_offset, held, window, half_window, held <= need
+            )
             if stream.max_stream_data_local_sent != local:
                 self._send_stream_credit(builder, stream)
 
@@ -151,9 +184,10 @@ class ReceiveCredit:
     def message_in_progress(self, stream_id: int, size: int) -> None:
         """The stream is receiving a message of `size` bytes on the wire (0: none)."""
         if size:
-            self._in_progress[stream_id] = size
+            self._in_progress[stream_id] = size + FRAMING_SLACK
         else:
             self._in_progress.pop(stream_id, None)
+        self._promote()
 
     def stop(self, stream_id: int) -> None:
         """Nobody reads this stream any more: no more credit for it, what it holds is freed."""
@@ -161,13 +195,18 @@ class ReceiveCredit:
             self._stopped.intersection_update(self.quic._streams)  # those aioquic still has
         self._stopped.add(stream_id)
         self._in_progress.pop(stream_id, None)
+        self._promote()
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
 
     def forget(self, stream_id: int) -> None:
         """The call is over; whatever it left unread no longer holds credit back (a stopped
         stream stays stopped while aioquic keeps it)."""
         self._in_progress.pop(stream_id, None)
+        self._promote()
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
+
+    def _promote(self) -> None:
+        self._promoted = next(iter(self._in_progress), None)
 
     @property
     def unconsumed(self) -> int:
@@ -188,11 +227,18 @@ class ReceiveCredit:
         quic = self.quic
         max_data = quic._local_max_data
         window = self.connection_window
-        if self._in_progress:
-            window += max(self._in_progress.values())
-        target = max_data.used - self._total_unconsumed + window
-        if target - max_data.value >= self.connection_window // 2:
-            max_data.value = target
+        held = self._total_unconsumed
+        if self._promoted is not None:
+            window += self._in_progress[self._promoted]
+            held = min(held, self.connection_window + self._unconsumed.get(self._promoted, 0))
+        max_data.value = credit_limit(
+            max_data.value,
+            max_data.used,
+            held,
+            window,
+            self.connection_window // 2,
+            True,  # whatever the streams hold, the peer is never kept from what it may send
+        )
         for limit in (max_data, quic._local_max_streams_bidi, quic._local_max_streams_uni):
             if limit is not max_data and limit.sent - limit.used >= limit.value - limit.sent:
                 continue  # batch MAX_STREAMS as aioquic does

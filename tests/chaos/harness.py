@@ -86,6 +86,7 @@ class Scale:
     stream_s: float
     oversized: int  # per transport
     bombs: int  # per transport
+    large_messages: int  # rounds of large HTTP/3 messages in many DATA frames
     element_bombs: int  # per transport
     initials: int
     idle_h3: int
@@ -111,6 +112,7 @@ SHORT = Scale(
     stream_s=1.5,
     oversized=1,
     bombs=2,
+    large_messages=1,
     element_bombs=2,
     initials=1000,
     idle_h3=150,
@@ -135,6 +137,7 @@ FULL = Scale(
     stream_s=20.0,
     oversized=3,
     bombs=20,
+    large_messages=5,
     element_bombs=20,
     initials=5000,
     idle_h3=2000,

@@ -3,7 +3,7 @@ the last rows run against a second server with two front-end processes (`--front
 
 from __future__ import annotations
 
-from tests.chaos import floods, frontends, malformed, messages, streams, workers
+from tests.chaos import floods, frontends, large_messages, malformed, messages, streams, workers
 from tests.chaos.harness import AttackSpec
 
 
@@ -47,6 +47,11 @@ ATTACKS = (
         "BYTES element bomb",
         messages.bytes_element_bombs,
         _both("INVALID_ARGUMENT"),
+    ),
+    AttackSpec(
+        "large HTTP/3 messages in many DATA frames",
+        large_messages.many_data_frames,
+        frozenset({"h3 OK"}),
     ),
     AttackSpec(
         "HTTP/3 Initial flood",
