@@ -163,7 +163,10 @@ def test_a_store_another_user_owns_is_refused(tmp_path: Path, owned: str, messag
     """The file, a side file, or the directory holding them."""
     path = tmp_path / "store" / "tickets.db"
     path.parent.mkdir(mode=0o700)
-    store(path).add(ticket(b"a"))
+    # Kept open: SQLite removes the -wal and -shm files when the last connection closes, which
+    # a collected store would do at any moment, before or after the chown.
+    first = store(path)
+    first.add(ticket(b"a"))
     os.chown(path.parent / owned, 65534, 65534)
     with pytest.raises(PermissionError, match=message):
         store(path)
