@@ -94,7 +94,11 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from transport.certs import describe_trust, ensure_dev_certificates, issue_client_certificate
+    from transport.tls.certs import (
+        describe_trust,
+        ensure_dev_certificates,
+        issue_client_certificate,
+    )
 
     certs, created = ensure_dev_certificates(Path(args.dir), force=args.force)
     print(f"{'created' if created else 'kept'} development certificates in {certs.directory}")
@@ -108,7 +112,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 def _keygen(args: argparse.Namespace) -> int:
     with _server_extra("keygen"):
-        from service.signing import generate_keys
+        from service.lifecycle.signing import generate_keys
 
     private = Path(args.out).with_suffix(".key")
     public = private.with_suffix(".pub")
@@ -120,7 +124,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _sign(args: argparse.Namespace) -> int:
     with _server_extra("sign"):
-        from service.signing import sign
+        from service.lifecycle.signing import sign
 
     print(f"signed: {sign(Path(args.model_dir), Path(args.key))}")
     return 0
@@ -129,8 +133,9 @@ def _sign(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     """Each version as the server checks it at load."""
     with _server_extra("verify"):
-        from service.repository import ENSEMBLE, RepositoryError, read_config
-        from service.signing import SignatureError, TrustError, check_version, load_trust
+        from service.lifecycle.repository import RepositoryError, read_config
+        from service.lifecycle.signing import SignatureError, TrustError, check_version, load_trust
+        from service.model.files import ENSEMBLE
 
     model_dir = Path(args.model_dir)
     try:

@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.tickets import SessionTicketCache
 from clients.trace_context import Metadata, with_trace_context
+from oip.bytes_tensor import serialize_bytes, to_numpy_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from transport.bytes_tensor import serialize_bytes, to_numpy_bytes
 
 DEFAULT_PORT = 8001
 MAX_MESSAGE_BYTES = 64 << 20

@@ -18,12 +18,12 @@ from grpc.aio import EOF, AioRpcError, Metadata  # type: ignore[attr-defined]
 
 from clients.tickets import SessionTicketCache
 from clients.trace_context import with_trace_context
-from transport import early_data
-from transport import headers as wire
-from transport.early_data import DEFAULT_EARLY_DATA_METHODS
-from transport.framing import encode_message
-from transport.h3_client import DEFAULT_UNRESPONSIVE_S, H3ClientConnection, client_configuration
-from transport.h3_protocol import H3Settings, H3Stream, StreamClosed
+from transport.grpc import headers as wire
+from transport.grpc.framing import encode_message
+from transport.h3 import early_data
+from transport.h3.client import DEFAULT_UNRESPONSIVE_S, H3ClientConnection, client_configuration
+from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
+from transport.h3.protocol import H3Settings, H3Stream, StreamClosed
 
 Serializer = Callable[[Any], bytes] | None
 Deserializer = Callable[[bytes], Any] | None

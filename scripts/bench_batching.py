@@ -65,10 +65,10 @@ class RawPredictor:
         # As in the server's CPU workers: one OpenMP thread per math thread.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         warnings.filterwarnings("ignore", message="No ccache found")
+        from service.backend.load import Load
         from service.backend.paddle_model import PaddleModel
-        from service.batching.shapes import shape_buckets
-        from service.model_parameters import string_parameters
-        from service.workers.protocol import Load
+        from service.model.parameters import string_parameters
+        from service.model.shapes import shape_buckets
 
         directory = EXAMPLE_MODELS / model / "1"
         files = (str(directory / "inference.json"), str(directory / "inference.pdiparams"))

@@ -21,33 +21,33 @@ from protos.inference import grpc_service_pb2 as inference_pb2
 from protos.inference import grpc_service_pb2_grpc as inference_grpc
 from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from service import settings as settings_module
-from service.control_servicer import ControlServicer
-from service.h3_state import H3State
-from service.inference_servicer import InferenceServicer
-from service.lifecycle import Lifecycle
-from service.model_manager import ModelManager
+from service.api.control import ControlServicer
+from service.api.inference import InferenceServicer
+from service.api.reflection import add_reflection
+from service.api.request_parsing import ParsingServer
+from service.api.restricted import RestrictedServer, RestrictionError, parse_restrictions
+from service.api.testing import TestingServicer
+from service.api.wire_limits import WireLimitsServer
+from service.backend.sandbox.privileges import undumpable
+from service.lifecycle.lifecycle import Lifecycle
+from service.lifecycle.repository import ModelRepository, RepositoryError
+from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
 from service.observability.handlers import ObservedServer, Observer
 from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable, tracer_provider
-from service.reflection import add_reflection
-from service.repository import ModelRepository, RepositoryError
-from service.request_parsing import ParsingServer
-from service.restricted import RestrictedServer, RestrictionError, parse_restrictions
-from service.sandbox.privileges import undumpable
-from service.scheduling.host import load_topology
+from service.placement.host import load_topology
+from service.registry.model_manager import ModelManager
 from service.settings import ServerSettings
-from service.signing import SigningPolicy, TrustError, load_trust
-from service.testing_servicer import TestingServicer
-from service.ticket_store import TicketStoreError, open_ticket_store
-from service.wire_limits import WireLimitsServer
-from transport.certs import describe_trust, ensure_dev_certificates
-from transport.client_auth import ClientAuth
-from transport.datagram_routing import DatagramRouter
-from transport.early_data import parse_allowlist
-from transport.h3_protocol import H3Settings
-from transport.h3_server import H3Limits, H3Server, RetryMode
-from transport.tickets import TicketStore
+from service.tickets.store import TicketStoreError, open_ticket_store
+from transport.h3.aioquic.client_auth import ClientAuth
+from transport.h3.datagram_routing import DatagramRouter
+from transport.h3.early_data import parse_allowlist
+from transport.h3.protocol import H3Settings
+from transport.h3.server import H3Limits, H3Server, RetryMode
+from transport.h3.server_state import H3State
+from transport.tls.certs import describe_trust, ensure_dev_certificates
+from transport.tls.session_tickets import TicketStore
 
 log = logging.getLogger("paddlequic.server")
 

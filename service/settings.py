@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from service.api.restricted import RESTRICTABLE
 from service.observability.logs import LOG_FORMATS
-from service.restricted import RESTRICTABLE
 
 ENV_PREFIX = "PADDLEQUIC_"
 # Environment variables of repeatable options hold their values separated by this.

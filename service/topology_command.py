@@ -7,10 +7,10 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from service.repository import ModelRepository, RepositoryError
-from service.scheduling.host import load_topology
-from service.scheduling.instances import instance_requests, place_all
-from service.scheduling.report import describe
+from service.lifecycle.repository import ModelRepository, RepositoryError
+from service.placement.host import load_topology
+from service.placement.instance_groups import instance_requests, place_all
+from service.placement.report import describe
 
 
 def main(argv: Sequence[str]) -> int:

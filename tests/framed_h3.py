@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import grpc
 from hypothesis import strategies as st
 
-from transport import headers as wire
-from transport.aioquic_internals import FRAMING_SLACK
-from transport.h3_client import H3ClientConnection, client_configuration
-from transport.h3_protocol import H3Settings
+from transport.grpc import headers as wire
+from transport.h3.aioquic.internals import FRAMING_SLACK
+from transport.h3.client import H3ClientConnection, client_configuration
+from transport.h3.protocol import H3Settings
 
 CALL_TIMEOUT_S = 60.0
 STREAM_WINDOW = H3Settings().stream_window

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.batching.shapes import ShapeBuckets
-from service.model_parameters import EngineOptions
-from service.tensors import TensorSpec
+from service.inference.tensors import TensorSpec
+from service.model.parameters import EngineOptions
+from service.model.shapes import ShapeBuckets
 
 # paddle.inference.PrecisionType member names
 PRECISION_TYPES = {"fp32": "Float32", "fp16": "Half", "bf16": "Bfloat16"}

@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from oip.datatypes import PADDLE_NAMES
 from service.backend.engine import Call, config_calls
-from service.inference import Timings
-from service.model_parameters import engine_options
-from service.tensors import PADDLE_NAMES, TensorSpec
-from service.workers.protocol import Load
+from service.backend.load import Load
+from service.inference.jobs import Timings
+from service.inference.tensors import TensorSpec
+from service.model.parameters import engine_options
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 os.environ.setdefault("GLOG_v", "0")

@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
+from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
 from service.backend import python_sandbox
+from service.backend.load import Load
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.inference import Timings
-from service.tensors import BY_CONFIG_TYPE, TensorSpec
-from service.workers.protocol import Load
+from service.inference.jobs import Timings
+from service.inference.tensors import TensorSpec
 
 DEFAULT_MEMORY_MB = 4096
 DEFAULT_OPEN_FILES = 256

@@ -29,10 +29,11 @@ import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+import oip
 import service
 from protos import __file__ as protos_init
-from service.model_parameters import PYTHON_SANDBOX
-from service.sandbox import landlock, privileges, seccomp
+from service.backend.sandbox import landlock, privileges, seccomp
+from service.model.parameters import PYTHON_SANDBOX
 
 # Whom a root server's Python workers run as, when it can read the interpreter, the packages
 # and the model (else uid 0 without capabilities, and a warning).
@@ -112,6 +113,7 @@ def _allowed(model_dir: Path) -> Iterator[tuple[Path, int]]:
     for entry in sorted(p for p in python if p):
         yield Path(entry), landlock.READ
     yield Path(service.__file__).parent, landlock.READ
+    yield Path(oip.__file__).parent, landlock.READ
     yield Path(protos_init).parent, landlock.READ
     yield model_dir, landlock.READ
     yield Path(f"/proc/{os.getpid()}"), landlock.READ

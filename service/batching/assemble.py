@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service import errors
-from service.batching.shapes import ShapeBuckets
-from service.inference import InferJob, InputTensor, OutputTensor
-from service.tensors import Datatype
-from transport.bytes_tensor import split_bytes
+from oip.bytes_tensor import split_bytes
+from oip.datatypes import Datatype
+from service.inference import errors
+from service.inference.jobs import InferJob, InputTensor, OutputTensor
+from service.model.shapes import ShapeBuckets
 
 _NO_BUCKETS = ShapeBuckets()
 _LENGTH_BYTES = 4  # an empty BYTES element: its length, zero

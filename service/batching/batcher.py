@@ -18,14 +18,14 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from protos.inference import model_config_pb2 as mc
-from service import errors
 from service.batching.assemble import Batch, plan
-from service.batching.poison import PoisonList
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
-from service.batching.shapes import shape_buckets
-from service.inference import Answer, InferJob, InferResult
-from service.timers import fail_at, wake_at
-from service.workers.instance import WorkerDied
+from service.inference import errors
+from service.inference.errors import WorkerDied
+from service.inference.jobs import Answer, InferJob, InferResult
+from service.inference.timers import fail_at, wake_at
+from service.model.shapes import shape_buckets
+from service.resilience.poison import PoisonList
 
 CRASHES_TO_POISON = 2
 # Runs a batch padded to its shape bucket, with the spans of its requests. A batch runs until

@@ -18,8 +18,8 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.batching.shapes import ShapeBuckets
-from service.inference import InferJob
+from service.inference.jobs import InferJob
+from service.model.shapes import ShapeBuckets
 
 DEFAULT_MIN_QUEUE_SIZE = 64
 QUEUED_BATCHES_PER_INSTANCE = 8

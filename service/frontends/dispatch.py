@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 from grpc.aio import EOF, AbortError  # type: ignore[attr-defined]
 
-from service.errors import ServiceError
 from service.frontends.link import FrameConnection, Inbox, Window
 from service.frontends.protocol import (
     Frame,
@@ -29,8 +28,9 @@ from service.frontends.protocol import (
     encode_status,
 )
 from service.frontends.stats import FrontendMetrics, FrontendStats
-from transport.handler_table import HandlerTable, run_behavior
-from transport.servicer_context import CallContext
+from service.inference.errors import ServiceError
+from transport.grpc.handler_table import HandlerTable, run_behavior
+from transport.grpc.servicer_context import CallContext
 
 log = logging.getLogger("paddlequic.frontends")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from service.backend.sandbox.privileges import undumpable
 from service.frontends.link import FrameConnection, Window
 from service.frontends.protocol import (
     WINDOW,
@@ -35,13 +36,12 @@ from service.frontends.protocol import (
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
 from service.frontends.stats import Report
 from service.observability.logs import configure_logging
-from service.sandbox.privileges import undumpable
 from service.server import check_client_auth, start_grpc, start_h3
 from service.settings import ServerSettings
-from service.ticket_store import open_ticket_store
-from transport.datagram_routing import DatagramRouter
-from transport.h3_server import H3Server
-from transport.tickets import TicketCounters
+from service.tickets.store import open_ticket_store
+from transport.h3.datagram_routing import DatagramRouter
+from transport.h3.server import H3Server
+from transport.tls.session_tickets import TicketCounters
 
 log = logging.getLogger("paddlequic.frontend")
 

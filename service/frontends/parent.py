@@ -23,8 +23,8 @@ from service.frontends.supervisor import Supervisor
 from service.observability.metrics import Metrics
 from service.server import Register, tls_files
 from service.settings import ServerSettings
-from service.ticket_store import open_ticket_store
-from transport import udp
+from service.tickets.store import open_ticket_store
+from transport.h3 import udp
 
 log = logging.getLogger("paddlequic.frontends")
 

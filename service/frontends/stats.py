@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from transport.h3_server import H3ServerStats
-from transport.tickets import TicketCounters
+from transport.h3.server import H3ServerStats
+from transport.tls.session_tickets import TicketCounters
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,18 +20,12 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context as OtelContext
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, Tracer
 
-from service.handler_wrapping import (
-    HANDLER_BUILDERS,
-    Behavior,
-    Handler,
-    WrappingServer,
-    behavior_of,
-)
-from service.inference import Answer, Timings
+from service.inference.jobs import Answer, Timings
 from service.observability.logs import RequestLog
 from service.observability.metrics import UNKNOWN, Metrics
-from transport.h3_protocol import StreamClosed
-from transport.h3_server import H3Server, TransportAnswer
+from transport.grpc.wrapping import HANDLER_BUILDERS, Behavior, Handler, WrappingServer, behavior_of
+from transport.h3.protocol import StreamClosed
+from transport.h3.server import H3Server, TransportAnswer
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DEADLINE_MARGIN_S = 0.1

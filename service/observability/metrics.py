@@ -20,11 +20,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.breaker import BreakerState
-from service.h3_state import H3State
-from service.inference import Timings
-from service.model_manager import ModelManager
-from service.scheduling.topology import Topology
+from service.inference.jobs import Timings
+from service.placement.topology import Topology
+from service.registry.model_manager import ModelManager
+from service.resilience.breaker import BreakerState
+from transport.h3.server_state import H3State
 
 log = logging.getLogger("paddlequic.metrics")
 

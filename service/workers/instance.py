@@ -27,14 +27,15 @@ from typing import TypeVar
 
 import grpc
 
-from service import errors
-from service.backend import PYTHON_BACKEND
+from oip.datatypes import Datatype
+from service.backend.load import Load
 from service.batching.assemble import Batch, BatchOutput
-from service.batching.shapes import ShapeBuckets
-from service.inference import InferResult
-from service.repository import ModelFiles
-from service.tensors import Datatype
-from service.timers import fail_at
+from service.inference import errors
+from service.inference.errors import WorkerDied
+from service.inference.jobs import InferResult
+from service.inference.timers import fail_at
+from service.model.files import PYTHON_BACKEND, ModelFiles
+from service.model.shapes import ShapeBuckets
 from service.workers import protocol
 from service.workers.shm import Segment, layout
 
@@ -52,15 +53,6 @@ LOAD_TIMEOUT_S = 600.0
 READY_WAIT_S = 60.0
 _BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
 MAX_RESTART_DELAY_S = 30.0
-
-
-class WorkerDied(errors.ServiceError):
-    """The worker died (or was killed by the watchdog) holding this request. `running`: it was
-    the request being computed, not one waiting behind it in the worker."""
-
-    def __init__(self, message: str, running: bool) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
-        self.running = running
 
 
 class State(enum.Enum):
@@ -423,7 +415,7 @@ class WorkerInstance:
         files = self.spec.files
         writer.write(
             protocol.encode(
-                protocol.Load(
+                Load(
                     self.spec.model_name,
                     files.version,
                     str(files.model_file),

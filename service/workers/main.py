@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from service.model_parameters import TESTING_CRASH_ON
-from service.sandbox.privileges import undumpable
-from service.scheduling.cpulist import parse_cpulist
+from service.backend.load import Load
+from service.backend.sandbox.privileges import undumpable
+from service.model.parameters import TESTING_CRASH_ON
+from service.placement.cpulist import CPU_AFFINITY_ENV, parse_cpulist
 from service.workers import protocol
-from service.workers.protocol import CPU_AFFINITY_ENV
 from service.workers.shm import MappingCache, layout
 from service.workers.tensor_io import input_array, wire_form
 
@@ -73,7 +73,7 @@ def _infer(
 
 def serve(sock: socket.socket, segments: socket.socket) -> int:
     load = _recv(sock)
-    if not isinstance(load, protocol.Load):
+    if not isinstance(load, Load):
         return 2
     try:
         model = _load(load)
@@ -103,7 +103,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
         sock.sendall(protocol.encode(reply))
 
 
-def _load(load: protocol.Load) -> Any:
+def _load(load: Load) -> Any:
     if load.backend == "python":
         from service.backend.python_model import PythonModel
 

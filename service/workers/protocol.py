@@ -12,13 +12,12 @@ import pickle
 import struct
 from dataclasses import dataclass, field
 
-from service.batching.shapes import ShapeBuckets
-from service.inference import Timings
-from service.tensors import TensorSpec
+from service.backend.load import Load
+from service.inference.jobs import Timings
+from service.inference.tensors import TensorSpec
+from service.model.shapes import ShapeBuckets
 
 _HEADER = struct.Struct("<I")
-# The CPUs placement chose for a worker, as a Linux cpulist; applied before paddle is imported.
-CPU_AFFINITY_ENV = "PADDLEQUIC_CPU_AFFINITY"
 MAX_MESSAGE = 1 << 31
 
 
@@ -31,21 +30,6 @@ class TensorRef:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-
-
-@dataclass(frozen=True)
-class Load:
-    """First message to a new worker: what to load and how."""
-
-    model_name: str
-    version: int
-    model_file: str
-    params_file: str
-    parameters: dict[str, str]
-    device: str
-    shapes: ShapeBuckets  # the engine's shape cache and TensorRT's shape range follow them
-    backend: str = ""  # "python": model_file is a model.py; otherwise a Paddle program
-    config: bytes = b""  # the serialized ModelConfig (Python models are told it)
 
 
 @dataclass(frozen=True)

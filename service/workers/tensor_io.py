@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from service.tensors import is_bytes
+from oip.bytes_tensor import serialize_bytes, to_numpy_bytes
+from oip.datatypes import is_bytes
 from service.workers.protocol import TensorRef
-from transport.bytes_tensor import serialize_bytes, to_numpy_bytes
 
 
 def input_array(buffer: mmap.mmap, ref: TensorRef) -> np.ndarray[Any, Any]:

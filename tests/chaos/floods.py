@@ -20,7 +20,7 @@ from aioquic.quic.connection import QuicConnection
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.chaos.harness import TRANSPORTS, AttackResult, Scale, Target, outcome_of, status_name
-from transport.h3_client import client_configuration
+from transport.h3.client import client_configuration
 
 NAME_LENGTH = 60
 CONCURRENCY = 16

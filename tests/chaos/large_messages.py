@@ -13,7 +13,7 @@ from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from tests.chaos.harness import GOOD_MODEL, AttackResult, Scale, Target, status_name
 from tests.framed_h3 import STREAM_WINDOW, framed_call
-from transport.framing import encode_message
+from transport.grpc.framing import encode_message
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 CALL_TIMEOUT_S = 60.0

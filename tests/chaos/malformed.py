@@ -20,9 +20,9 @@ from tests.chaos.harness import (
     outcome_of,
     status_name,
 )
-from transport import headers as wire
-from transport.h3_client import H3ClientConnection, client_configuration
-from transport.h3_protocol import StreamClosed
+from transport.grpc import headers as wire
+from transport.h3.client import H3ClientConnection, client_configuration
+from transport.h3.protocol import StreamClosed
 
 CALL_TIMEOUT_S = 30.0
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"

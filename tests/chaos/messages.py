@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from clients.inference_client import build_request
+from oip.bytes_tensor import serialize_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.chaos.harness import (
@@ -23,10 +24,9 @@ from tests.chaos.harness import (
     outcome_of,
     status_name,
 )
-from transport import headers as wire
-from transport.bytes_tensor import serialize_bytes
-from transport.h3_client import H3ClientConnection, client_configuration
-from transport.h3_protocol import StreamClosed
+from transport.grpc import headers as wire
+from transport.h3.client import H3ClientConnection, client_configuration
+from transport.h3.protocol import StreamClosed
 
 CALL_TIMEOUT_S = 30.0
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -20,7 +20,7 @@ from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
 from tests.conformance.conftest import MAX_MESSAGE
 from tests.servers import ServerProcess
-from transport import headers as wire
+from transport.grpc import headers as wire
 
 UNARY = "/paddlequic.v1.Testing/Unary"
 COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {

@@ -33,7 +33,7 @@ from protos.paddlequic.v1 import testing_pb2 as pb
 from tests.conformance.conftest import H2_OPTIONS, transport_stats
 from tests.framed_h3 import ALL_BOUNDARIES, CONNECTION_WINDOW, STREAM_WINDOW, frames, near
 from tests.servers import ServerProcess
-from transport.framing import MessageDecoder, encode_message
+from transport.grpc.framing import MessageDecoder, encode_message
 
 CALL_TIMEOUT_S = 60.0
 INFERENCE = "/inference.GRPCInferenceService"

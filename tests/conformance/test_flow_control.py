@@ -12,7 +12,7 @@ from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
 from tests.conformance.conftest import conformance_server_process, eventually, transport_stats
 from tests.servers import ServerProcess
-from transport.h3_protocol import SEND_HIGH_WATER
+from transport.h3.protocol import SEND_HIGH_WATER
 
 COUNT = 256
 SIZE = 64 << 10  # 16 MiB in all: 8 times the receive window plus the send high-water mark

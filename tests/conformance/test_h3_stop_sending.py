@@ -19,7 +19,7 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 
 from tests.servers import ServerProcess
-from transport.status import H3_NO_ERROR, H3_REQUEST_CANCELLED
+from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_CANCELLED
 
 ANSWER_TIMEOUT_S = 30.0
 UNARY = b"/paddlequic.v1.Testing/Unary"

@@ -24,7 +24,7 @@ from tests.framed_h3 import (
     near,
 )
 from tests.servers import ServerProcess
-from transport.framing import encode_message
+from transport.grpc.framing import encode_message
 
 CALL_TIMEOUT_S = 60.0
 UNARY = "/paddlequic.v1.Testing/Unary"

@@ -18,7 +18,7 @@ from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, ChannelFactory, eventually, x_entries
 from tests.servers import ServerProcess
-from transport import headers as wire
+from transport.grpc import headers as wire
 
 # Non-ASCII, '%' and things that look like percent-escapes: must arrive exactly as sent.
 TRICKY_MESSAGE = "modèle «introuvable» 100% - %41%zz ✓ 模型 \U0001f50d"

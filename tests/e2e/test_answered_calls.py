@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients.quic_channel import QuicChannel
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
 from tests.servers import ServerProcess, free_port, model_repository, running_server
-from transport import headers as wire
+from transport.grpc import headers as wire
 
 TRANSPORTS = ("h2", "h3")
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
-from service.scheduling.cpulist import parse_cpulist
-from service.scheduling.topology import load_topology_file
+from service.placement.cpulist import parse_cpulist
+from service.placement.topology import load_topology_file
 from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, REPO_ROOT, running_server
 

@@ -20,7 +20,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
-from service.sandbox import landlock, privileges, seccomp
+from service.backend.sandbox import landlock, privileges, seccomp
 from tests.e2e.test_python_model import infer
 from tests.servers import ServerProcess, model_repository, running_server
 

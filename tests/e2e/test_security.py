@@ -25,7 +25,7 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2, control_pb2_grpc, testing_pb2, testing_pb2_grpc
 from tests.reference import output_names
 from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
-from transport.certs import issue_client_certificate
+from transport.tls.certs import issue_client_certificate
 
 ADMIN = "admin-Secret-7f3a"
 INFER = "infer-Secret-91c2"

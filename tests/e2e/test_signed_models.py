@@ -23,7 +23,7 @@ import pytest
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
-from service.signing import generate_keys, sign
+from service.lifecycle.signing import generate_keys, sign
 from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, free_port, running_server
 
 REQUEST = {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]}

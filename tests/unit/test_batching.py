@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from oip.datatypes import BY_NAME
 from protos.inference import model_config_pb2 as mc
-from service import errors
 from service.batching.assemble import Batch, BatchOutput, plan
 from service.batching.batcher import DynamicBatcher, policy_from_config
-from service.batching.poison import PoisonList, fingerprint
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
-from service.inference import InferJob, InferResult, InputTensor, Timings
-from service.tensors import BY_NAME
-from service.workers.instance import WorkerDied
+from service.inference import errors
+from service.inference.errors import WorkerDied
+from service.inference.jobs import InferJob, InferResult, InputTensor, Timings
+from service.resilience.poison import PoisonList, fingerprint
 
 FP32 = BY_NAME["FP32"]
 

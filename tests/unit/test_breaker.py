@@ -7,9 +7,9 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.breaker import HALF_OPEN_PROBES, BreakerPolicy, BreakerState, CircuitBreaker
-from service.fallback import incompatibility
-from service.model_parameters import ParameterError, check_parameters
+from service.model.parameters import BreakerPolicy, ParameterError, check_parameters
+from service.resilience.breaker import HALF_OPEN_PROBES, BreakerState, CircuitBreaker
+from service.resilience.fallback import incompatibility
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 POLICY = BreakerPolicy(failure_ratio=0.5, min_requests=4, window_s=10.0, open_s=5.0)

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
+from oip.bytes_tensor import deserialize_bytes, serialize_bytes, to_numpy_bytes
+from oip.datatypes import BY_NAME
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.batching.assemble import BatchOutput, plan
-from service.batching.shapes import ShapeBuckets
-from service.errors import ServiceError
-from service.tensors import BY_NAME
-from service.validation import RequestValidator
-from service.warmup import warm_ups
+from service.inference.errors import ServiceError
+from service.inference.validation import RequestValidator
+from service.lifecycle.warmup import warm_ups
+from service.model.shapes import ShapeBuckets
 from tests.unit.test_batching import written
-from transport.bytes_tensor import deserialize_bytes, serialize_bytes, to_numpy_bytes
 
 TEXT = mc.ModelConfig(name="text", max_batch_size=4)
 TEXT.input.add(name="text", data_type=mc.TYPE_STRING, dims=[2])

@@ -25,7 +25,7 @@ from cryptography.x509.verification import PolicyBuilder, Store
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from transport.certs import DevCertificates, describe_trust, ensure_dev_certificates
+from transport.tls.certs import DevCertificates, describe_trust, ensure_dev_certificates
 
 FILE_NAMES = ["ca-key.pem", "ca.pem", "server-key.pem", "server.pem"]
 # Bounds the cases expected to fail, so a regression shows up as a failure rather than a hang.

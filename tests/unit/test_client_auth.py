@@ -1,6 +1,6 @@
 """Client certificates: what `issue_client_certificate` writes, and real QUIC handshakes against
-a server that asks for one (transport.client_auth), with and without requiring it, full and
-resumed."""
+a server that asks for one (transport.h3.aioquic.client_auth), with and without requiring it,
+full and resumed."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from aioquic.tls import SessionTicket
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from service.sqlite_tickets import SqliteTicketStore
-from transport.certs import DevCertificates, ensure_dev_certificates, issue_client_certificate
-from transport.client_auth import ClientAuth, request_client_certificates
-from transport.ticket_seal import TicketSealer
-from transport.tickets import MemoryTicketStore, TicketStore
+from service.tickets.seal import TicketSealer
+from service.tickets.sqlite_store import SqliteTicketStore
+from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
+from transport.tls.certs import DevCertificates, ensure_dev_certificates, issue_client_certificate
+from transport.tls.session_tickets import MemoryTicketStore, TicketStore
 
 # Bounds the cases expected to fail, so a regression shows up as a failure rather than a hang.
 FAILURE_TIMEOUT_S = 5.0

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.errors import ProtocolError
-from transport.framing import INFLATE_CHUNK, MessageDecoder, encode_message
-from transport.h3_stream_state import StreamState
-from transport.headers import parse_request_headers
+from transport.grpc.errors import ProtocolError
+from transport.grpc.framing import INFLATE_CHUNK, MessageDecoder, encode_message
+from transport.grpc.headers import parse_request_headers
+from transport.h3.stream_state import StreamState
 
 FUZZ = settings(derandomize=True, max_examples=60, deadline=None)
 LIMIT = 3 * INFLATE_CHUNK + 17  # not a multiple of the chunk: the boundary is swept inside one

@@ -13,15 +13,15 @@ from aioquic.quic import connection as connection_module
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 
-from transport.aioquic_internals import tag_connection_ids
-from transport.certs import ensure_dev_certificates
-from transport.datagram_routing import (
+from transport.h3.aioquic.internals import tag_connection_ids
+from transport.h3.datagram_routing import (
     ROUTED_CID_LENGTH,
     DatagramRouter,
     decode_forwarded,
     encode_forwarded,
     owner_of,
 )
+from transport.tls.certs import ensure_dev_certificates
 
 
 @pytest.fixture

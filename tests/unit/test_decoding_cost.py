@@ -16,17 +16,17 @@ from google.protobuf import text_format
 from hypothesis import given
 from hypothesis import strategies as st
 
+from oip.bytes_tensor import deserialize_bytes, scan_bytes, serialize_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service.errors import ECHO_LIMIT, ServiceError
-from service.validation import (
+from service.inference.errors import ECHO_LIMIT, ServiceError
+from service.inference.validation import (
     CONVERT_CHUNK,
     INLINE_DECODE_ELEMENTS,
     RequestValidator,
     decoded,
 )
 from tests.unit.test_validation import property_settings
-from transport.bytes_tensor import deserialize_bytes, scan_bytes, serialize_bytes
 
 TEXT = text_format.Parse(
     """

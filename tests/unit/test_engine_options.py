@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from service.backend.engine import Call, EngineOptionError, config_calls, trt_shapes
-from service.batching.shapes import ShapeBuckets
-from service.model_parameters import EngineOptions, ParameterError, engine_options
-from service.repository import ModelRepository, RepositoryError
-from service.tensors import TensorSpec
-from service.workers.protocol import Load
+from service.backend.load import Load
+from service.inference.tensors import TensorSpec
+from service.lifecycle.repository import ModelRepository, RepositoryError
+from service.model.parameters import EngineOptions, ParameterError, engine_options
+from service.model.shapes import ShapeBuckets
 from tests.servers import EXAMPLE_MODELS
 from tests.unit.test_model_limits import parameter
 from tests.unit.test_repository import MLP_CONFIG, add_model

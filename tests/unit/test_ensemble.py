@@ -7,10 +7,11 @@ import asyncio
 import pytest
 from google.protobuf import text_format
 
+from oip.datatypes import BY_NAME
 from protos.inference import model_config_pb2 as mc
-from service.ensemble import EnsembleError, Step, check_step, order, plan, run
-from service.inference import InferJob, InputTensor, OutputTensor
-from service.tensors import BY_NAME
+from service.inference.jobs import InferJob, InputTensor, OutputTensor
+from service.model.ensemble import EnsembleError, Step, check_step, order, plan
+from service.serving.ensemble import run
 
 
 def ensemble(steps: str) -> mc.ModelConfig:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from service.backend.load import Load
 from service.backend.paddle_model import PaddleModel
-from service.batching.shapes import ShapeBuckets
-from service.workers.protocol import Load
+from service.model.shapes import ShapeBuckets
 from tests.servers import REPO_ROOT
 
 

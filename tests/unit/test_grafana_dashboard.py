@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from service.model_manager import ModelManager
 from service.observability.metrics import Metrics
-from service.scheduling.topology import cpu_only_topology
+from service.placement.topology import cpu_only_topology
+from service.registry.model_manager import ModelManager
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "paddlequic.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}

@@ -14,15 +14,11 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from transport.aioquic_internals import (
-    PINNED_VERSION,
-    GrpcH3Connection,
-    check_version,
-)
-from transport.certs import ensure_dev_certificates
-from transport.framing import HEADER_SIZE, encode_message
-from transport.h3_stream_state import StreamState
-from transport.headers import field_section_size
+from transport.grpc.framing import HEADER_SIZE, encode_message
+from transport.grpc.headers import field_section_size
+from transport.h3.aioquic.internals import PINNED_VERSION, GrpcH3Connection, check_version
+from transport.h3.stream_state import StreamState
+from transport.tls.certs import ensure_dev_certificates
 
 LIMIT = 16 << 10
 CLIENT_ADDRESS = ("192.0.2.1", 4433)

@@ -18,7 +18,7 @@ from tests.unit.test_h3_limits import (
     exchange,
     server_configuration,  # noqa: F401  # the fixture
 )
-from transport.aioquic_internals import (
+from transport.h3.aioquic.internals import (
     ACK_DELAY_S,
     ACTIVE_CONNECTION_IDS,
     ack_with_next_packet,

@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service.errors import ServiceError
-from service.repository import ModelRepository, RepositoryError
+from service.inference.errors import ServiceError
+from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.workers.instance import grown
 from service.workers.shm import Segment
 from tests.unit.test_repository import MLP_CONFIG, add_model

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.repository import ModelRepository, RepositoryError
+from service.lifecycle.repository import ModelRepository, RepositoryError
 
 PYTHON = """backend: "python" max_batch_size: 4
 input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]

@@ -9,14 +9,9 @@ from typing import Any
 
 import pytest
 
-from service.scheduling.placement import InstanceRequest, Placement, PlacementError, place
-from service.scheduling.report import describe
-from service.scheduling.topology import (
-    PcieLevel,
-    Topology,
-    load_topology_file,
-    parse_cpulist,
-)
+from service.placement.policy import InstanceRequest, Placement, PlacementError, place
+from service.placement.report import describe
+from service.placement.topology import PcieLevel, Topology, load_topology_file, parse_cpulist
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "topology"
 ALL_FIXTURES = sorted(path.stem for path in FIXTURES.glob("*.json"))

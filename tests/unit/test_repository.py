@@ -11,17 +11,16 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.errors import ServiceError, echoed
-from service.repository import (
+from service.inference.errors import ServiceError, echoed
+from service.inference.tensors import TensorSpec
+from service.lifecycle.repository import (
     ModelRepository,
     RepositoryError,
-    check_model_name,
     complete_config,
     fetch_names,
-    parse_version,
     select_versions,
 )
-from service.tensors import TensorSpec
+from service.registry.names import check_model_name, parse_version
 
 MLP_CONFIG = """
 name: "mlp"

@@ -7,7 +7,7 @@ import pytest
 
 from protos.inference import grpc_service_pb2
 from protos.paddlequic.v1 import control_pb2
-from service.restricted import (
+from service.api.restricted import (
     HEADER_PREFIX,
     RESTRICTABLE,
     Restriction,

@@ -7,7 +7,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from service.scheduling.routing import SPILL_MARGIN, choose
+from service.workers.routing import SPILL_MARGIN, choose
 
 
 @dataclass

@@ -19,7 +19,7 @@ NOBODY = 65534
 CHILD = """
 import os, sys
 from pathlib import Path
-from service.sandbox import privileges
+from service.backend.sandbox import privileges
 
 readable, private = Path(sys.argv[1]), Path(sys.argv[2])
 print(privileges.unreadable_as(NOBODY, NOBODY, [readable, private]))

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.sandbox import seccomp
+from service.backend.sandbox import seccomp
 from tests.unit.test_validation import property_settings
 
 ALLOW, KILL, EPERM = 0x7FFF0000, 0x80000000, 0x00050001

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from oip.datatypes import BY_NAME
 from protos.inference import model_config_pb2 as mc
 from service.batching.assemble import BatchOutput, plan
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.queue import BatchPolicy, bucket_of
-from service.batching.shapes import ShapeBuckets, shape_buckets
-from service.inference import InferJob, InputTensor
-from service.model_parameters import ParameterError
-from service.tensors import BY_NAME
+from service.inference.jobs import InferJob, InputTensor
+from service.model.parameters import ParameterError
+from service.model.shapes import ShapeBuckets, shape_buckets
 from tests.unit.test_batching import FP32, _Executor, job, written
 
 TOKENS = """

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from cryptography.exceptions import InvalidTag
 
-from service.redis_tickets import RedisTicketStore
-from service.ticket_store import TicketStoreError, open_ticket_store
+from service.tickets.redis_store import RedisTicketStore
+from service.tickets.seal import TicketKeyError, TicketSealer, redeem
+from service.tickets.store import TicketStoreError, open_ticket_store
 from tests.redis_server import running_redis
 from tests.servers import free_port
 from tests.unit.test_tickets import FakeClock, ticket
-from transport.ticket_seal import TicketKeyError, TicketSealer, redeem
-from transport.tickets import TicketCounters
+from transport.tls.session_tickets import TicketCounters
 
 KEY = bytes(range(32))
 

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from service.signing import (
+from service.lifecycle.signing import (
     SIGNATURE_FILE,
     SignatureError,
     SigningPolicy,

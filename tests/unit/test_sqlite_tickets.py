@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from service import sqlite_tickets
-from service.sqlite_tickets import SqliteTicketStore
-from service.ticket_store import TicketStoreError, open_ticket_store
+from service.tickets import sqlite_store
+from service.tickets.seal import TicketSealer
+from service.tickets.sqlite_store import SqliteTicketStore
+from service.tickets.store import TicketStoreError, open_ticket_store
 from tests.unit.test_tickets import FakeClock, ticket
-from transport.ticket_seal import TicketSealer
 
 KEY = bytes(range(32))
 LABELS = [f"t{i}".encode() for i in range(200)]
@@ -48,7 +48,7 @@ def test_each_ticket_is_redeemed_by_exactly_one_process(tmp_path: Path) -> None:
 def test_tickets_expire_and_the_file_stays_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sqlite_tickets, "PURGE_EVERY", 4)
+    monkeypatch.setattr(sqlite_store, "PURGE_EVERY", 4)
     clock = FakeClock()
     path = tmp_path / "tickets.db"
     tickets = store(path, ttl_s=60, max_tickets=2, clock=clock)

@@ -10,7 +10,7 @@ from pathlib import Path
 from aioquic.tls import CipherSuite, SessionTicket
 
 from clients.tickets import SessionTicketCache
-from transport.tickets import MemoryTicketStore
+from transport.tls.session_tickets import MemoryTicketStore
 
 
 def ticket(label: bytes, server_name: str = "localhost") -> SessionTicket:

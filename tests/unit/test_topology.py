@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.scheduling import nvml
-from service.scheduling.topology import (
+from service.placement import nvml
+from service.placement.topology import (
     Link,
     PcieLevel,
     TopologyError,
@@ -568,8 +568,8 @@ def test_bus_ids_and_masks() -> None:
 
 def test_importing_scheduling_loads_neither_nvml_nor_paddle() -> None:
     code = (
-        "import sys, service.scheduling.nvml, service.scheduling.placement, "
-        "service.scheduling.report; print(sorted({'pynvml', 'paddle'} & set(sys.modules)))"
+        "import sys, service.placement.nvml, service.placement.policy, "
+        "service.placement.report; print(sorted({'pynvml', 'paddle'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

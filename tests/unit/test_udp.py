@@ -1,10 +1,10 @@
-"""transport.udp: the HTTP/3 server's socket, read in bounded bursts without blocking."""
+"""transport.h3.udp: the HTTP/3 server's socket, read in bounded bursts without blocking."""
 
 from __future__ import annotations
 
 import socket
 
-from transport import udp
+from transport.h3 import udp
 
 
 def test_burst_reads_what_is_queued_up_to_the_limit_and_never_blocks() -> None:

@@ -19,12 +19,12 @@ from google.protobuf import text_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, DATATYPES, Datatype
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service.errors import ServiceError
-from service.inference import InferJob
-from service.tensors import BY_CONFIG_TYPE, BY_NAME, DATATYPES, Datatype
-from service.validation import DEFAULT_ELEMENTS_PER_ROW, RequestValidator, element_limit
+from service.inference.errors import ServiceError
+from service.inference.jobs import InferJob
+from service.inference.validation import DEFAULT_ELEMENTS_PER_ROW, RequestValidator, element_limit
 
 # Batched, with every kind of input: fixed and variable dims, typed and raw-only datatypes.
 MIXED = text_format.Parse(

@@ -8,9 +8,9 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.batching.shapes import shape_buckets
-from service.validation import RequestValidator
-from service.warmup import WarmUpError, warm_ups
+from service.inference.validation import RequestValidator
+from service.lifecycle.warmup import WarmUpError, warm_ups
+from service.model.shapes import shape_buckets
 
 MLP = """
 name: "mlp"

@@ -13,14 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.errors import ProtocolError
-from transport.framing import (
-    DEFAULT_MAX_MESSAGE,
-    HEADER_SIZE,
-    MessageDecoder,
-    encode_message,
-)
-from transport.headers import (
+from transport.grpc.errors import ProtocolError
+from transport.grpc.framing import DEFAULT_MAX_MESSAGE, HEADER_SIZE, MessageDecoder, encode_message
+from transport.grpc.headers import (
     RequestHead,
     ResponseHead,
     Status,
@@ -34,8 +29,8 @@ from transport.headers import (
     trailers,
     trailers_only,
 )
-from transport.metadata import Metadata, decode_metadata, encode_metadata
-from transport.status import (
+from transport.grpc.metadata import Metadata, decode_metadata, encode_metadata
+from transport.grpc.status import (
     H3_CONNECT_ERROR,
     H3_EXCESSIVE_LOAD,
     H3_INTERNAL_ERROR,
@@ -51,7 +46,7 @@ from transport.status import (
     status_from_h3_error,
     status_from_http,
 )
-from transport.timeout import format_timeout, parse_timeout
+from transport.grpc.timeout import format_timeout, parse_timeout
 
 Headers = list[tuple[bytes, bytes]]
 

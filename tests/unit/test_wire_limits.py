@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protos.inference import grpc_service_pb2 as pb
-from service.wire_limits import (
+from service.api.wire_limits import (
     MAX_FIELDS,
     MAX_PARAMETERS,
     MAX_RANK,

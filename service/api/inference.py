@@ -1,0 +1,262 @@
+"""inference.GRPCInferenceService: the Open Inference Protocol. One servicer object serves
+every transport, so it only speaks in terms of a grpc.aio-style servicer context."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from importlib import metadata
+
+import grpc
+
+from oip.datatypes import BY_CONFIG_TYPE
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from service.inference import errors
+from service.inference.errors import ServicerContext
+from service.inference.jobs import Answer, InferJob
+from service.inference.validation import decoded
+from service.lifecycle.lifecycle import Lifecycle
+from service.registry.model_manager import ModelManager, ServedVersion
+
+log = logging.getLogger("paddlequic.api")
+
+SERVER_NAME = "paddlequic"
+# The installed distribution's version (set from clients.__version__ at build time): the server
+# never imports the client package.
+SERVER_VERSION = metadata.version("paddlequic")
+EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
+STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, models: ModelManager, lifecycle: Lifecycle, control_mode: str) -> None:
+        self.models = models
+        self.lifecycle = lifecycle
+        self.control_mode = control_mode
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.models.all_ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+        )
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: ServicerContext
+    ) -> pb.ModelReadyResponse:
+        try:
+            served = self.models.resolve(request.name, request.version)
+        except errors.ServiceError as exc:
+            if exc.code is grpc.StatusCode.INVALID_ARGUMENT:
+                await errors.abort(context, exc)
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=served.ready)
+
+    @errors.reports_errors
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        served = self.models.resolve(request.name, request.version)
+        config = served.config
+        batch = [-1] if config.max_batch_size > 0 else []
+        return pb.ModelMetadataResponse(
+            name=served.name,
+            versions=[str(v.version) for v in self.models.versions_of(served.name)],
+            platform=config.platform,
+            inputs=[
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t.name,
+                    datatype=BY_CONFIG_TYPE[t.data_type].name,
+                    shape=batch + list(t.dims),
+                )
+                for t in config.input
+            ],
+            outputs=[
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t.name,
+                    datatype=BY_CONFIG_TYPE[t.data_type].name,
+                    shape=batch + list(t.dims),
+                )
+                for t in config.output
+            ],
+        )
+
+    @errors.reports_errors
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: ServicerContext
+    ) -> pb.ModelConfigResponse:
+        served = self.models.resolve(request.name, request.version)
+        return pb.ModelConfigResponse(config=served.config)
+
+    @errors.reports_errors
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        if request.name:
+            chosen = (
+                [self.models.resolve(request.name, request.version)]
+                if request.version
+                else self.models.versions_of(request.name)
+            )
+            if not chosen:
+                raise errors.not_found(f"unknown model '{request.name}'")
+        else:
+            chosen = self.models.all_versions()
+        return pb.ModelStatisticsResponse(
+            model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
+        )
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        entries = self.models.index()
+        if request.ready:
+            entries = [e for e in entries if e.state == "READY"]
+        return pb.RepositoryIndexResponse(models=entries)
+
+    @errors.reports_errors
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: ServicerContext
+    ) -> pb.RepositoryModelLoadResponse:
+        """Load or reload; answers once the new versions serve (or why they do not)."""
+        self._check_explicit_control()
+        await self.lifecycle.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @errors.reports_errors
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: ServicerContext
+    ) -> pb.RepositoryModelUnloadResponse:
+        self._check_explicit_control()
+        await self.lifecycle.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    def _check_explicit_control(self) -> None:
+        if self.control_mode != "explicit":
+            raise errors.ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"explicit model load / unload is not allowed in model control mode "
+                f"'{self.control_mode}'; start the server with --model-control-mode explicit",
+            )
+
+    @errors.reports_errors
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: ServicerContext
+    ) -> pb.ModelInferResponse:
+        return await self._infer(request, _deadline(context))
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: ServicerContext,
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests run concurrently and answer in completion order (correlate by id); a
+        failed request yields an error_message and the stream goes on.
+
+        A request holds its slot in the window until its response was taken by the
+        transport (the generator resumes only then), so a client that stops reading stops
+        being read: the request iterator waits for a slot, and the response queue never
+        holds more than the window."""
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(
+            STREAM_WINDOW + 1
+        )
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        tasks: set[asyncio.Task[None]] = set()
+        deadline = _deadline(context)
+
+        async def run_one(request: pb.ModelInferRequest) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, deadline)
+                )
+            except errors.ServiceError as exc:
+                response = pb.ModelStreamInferResponse(
+                    error_message=f"{exc.code.name}: {exc.message}",
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name,
+                        model_version=request.model_version,
+                        id=request.id,
+                    ),
+                )
+            await responses.put(response)
+
+        async def read_requests() -> None:
+            try:
+                while True:
+                    await window.acquire()
+                    request = await anext(request_iterator, None)
+                    if request is None:
+                        break
+                    task = asyncio.create_task(run_one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*list(tasks))
+            finally:
+                await responses.put(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (response := await responses.get()) is not None:
+                yield response
+                window.release()
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, deadline: float | None
+    ) -> pb.ModelInferResponse:
+        served = self.models.resolve(request.model_name, request.model_version)
+        job = await _decode(served, request)
+        answered, result = await self.models.infer(served, job, deadline)
+        with self.models.encode_span():
+            response = _response(answered, request.id, result)
+        if answered is not served:
+            # Answered by the fallback model while `served` is open-circuited.
+            response.parameters["fallback"].bool_param = True
+        return response
+
+
+async def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> InferJob:
+    """The request as a job for `served` (decoded in a thread when its shapes declare much
+    per-element work); a refused request counts as one of its failures."""
+    started = time.perf_counter_ns()
+    try:
+        assert served.validator is not None
+        return await decoded(served.validator.admit(request))
+    except errors.ServiceError:
+        served.stats.record_failure(time.perf_counter_ns() - started)
+        raise
+
+
+def _response(served: ServedVersion, request_id: str, answer: Answer) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(
+        model_name=served.name, model_version=str(served.version), id=request_id
+    )
+    for tensor in answer.outputs:
+        response.outputs.add(name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape)
+        response.raw_output_contents.append(tensor.data)
+    return response
+
+
+def _deadline(context: ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return asyncio.get_running_loop().time() + remaining

@@ -1,0 +1,176 @@
+"""Triton's restricted protocols (`--grpc-restricted-protocol`), on both transports: RPCs fall
+into categories, and a category given as `CATEGORIES:KEY=VALUE` is only served to calls whose
+metadata carries `triton-grpc-protocol-KEY: VALUE` (Triton's header name, so its clients and
+scripts work unchanged). Others get UNAUTHENTICATED; the server and other callers are unaffected.
+
+Servicers register through `RestrictedServer`, which wraps the handlers of restricted methods
+at registration, as `ObservedServer` does, so the check is one code path for grpc.aio and
+HTTP/3 (which has no server interceptors)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import inspect
+import re
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from transport.grpc.wrapping import HANDLER_BUILDERS, Behavior, Handler, WrappingServer, behavior_of
+
+HEADER_PREFIX = "triton-grpc-protocol-"
+
+# Triton's categories, plus `control` for paddlequic.v1.Control. paddlequic serves no
+# shared-memory, trace or logging RPC; those names are accepted so that Triton command lines
+# work, and restrict nothing here.
+RESTRICTABLE = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+    "control",
+)
+
+_INFERENCE = "/inference.GRPCInferenceService/"
+_METHOD_CATEGORIES = {
+    _INFERENCE + "ServerLive": "health",
+    _INFERENCE + "ServerReady": "health",
+    _INFERENCE + "ModelReady": "health",
+    _INFERENCE + "ServerMetadata": "metadata",
+    _INFERENCE + "ModelMetadata": "metadata",
+    _INFERENCE + "ModelInfer": "inference",
+    _INFERENCE + "ModelStreamInfer": "inference",
+    _INFERENCE + "ModelConfig": "model-config",
+    _INFERENCE + "ModelStatistics": "statistics",
+    _INFERENCE + "RepositoryIndex": "model-repository",
+    _INFERENCE + "RepositoryModelLoad": "model-repository",
+    _INFERENCE + "RepositoryModelUnload": "model-repository",
+}
+# Every method of these services; reflection (only the public schema) and the test-only
+# Testing service belong to no category and stay open.
+_SERVICE_CATEGORIES = {
+    "grpc.health.v1.Health": "health",
+    "paddlequic.v1.Control": "control",
+}
+# gRPC metadata keys: lowercase ASCII letters, digits, `-`, `_`, `.`; `-bin` keys carry bytes.
+_KEY = re.compile(r"[0-9a-z_.-]+")
+
+
+class RestrictionError(ValueError):
+    """A --restricted-protocol value that cannot be used; the message never holds the value."""
+
+
+@dataclass(frozen=True)
+class Restriction:
+    header: str
+    value: bytes
+
+    def allows(self, metadata: Iterable[tuple[str, str | bytes]]) -> bool:
+        """Whether the call's metadata carries the header with the value; compared in
+        constant time so the comparison does not reveal how much of a guess was right."""
+        allowed = False
+        for key, value in metadata:
+            if key == self.header:
+                given = value.encode() if isinstance(value, str) else value
+                allowed |= hmac.compare_digest(given, self.value)
+        return allowed
+
+
+def category_of(method_path: str) -> str | None:
+    """The restricted-protocol category of `/package.Service/Method`, None for open ones."""
+    category = _METHOD_CATEGORIES.get(method_path)
+    if category is None:
+        service = method_path.lstrip("/").rpartition("/")[0]
+        category = _SERVICE_CATEGORIES.get(service)
+    return category
+
+
+def parse_restrictions(specs: Sequence[str]) -> dict[str, Restriction]:
+    """`CATEGORY[,CATEGORY...]:KEY=VALUE` per spec -> the restriction of each category. As in
+    Triton, a category may appear in one spec only."""
+    restrictions: dict[str, Restriction] = {}
+    for spec in specs:
+        categories, colon, setting = spec.partition(":")
+        key, equals, value = setting.partition("=")
+        key = key.strip().lower()
+        if not colon or not equals:
+            raise RestrictionError(
+                f"--restricted-protocol takes CATEGORIES:KEY=VALUE, got {categories!r}"
+                + ("" if colon else " without ':'")
+            )
+        if not _KEY.fullmatch(key) or key.endswith("-bin"):
+            raise RestrictionError(
+                f"--restricted-protocol key {key!r} is not a gRPC metadata key (lowercase "
+                "letters, digits, '-', '_', '.'; not ending in -bin)"
+            )
+        if not value or not value.isascii() or not value.isprintable():
+            raise RestrictionError(
+                f"--restricted-protocol value for key {key!r} must be non-empty printable ASCII"
+            )
+        restriction = Restriction(HEADER_PREFIX + key, value.encode())
+        for name in (c.strip() for c in categories.split(",")):
+            if name not in RESTRICTABLE:
+                raise RestrictionError(
+                    f"unknown restricted protocol {name!r}; known: {', '.join(RESTRICTABLE)}"
+                )
+            if name in restrictions:
+                raise RestrictionError(
+                    f"protocol {name!r} can not be specified in multiple config groups"
+                )
+            restrictions[name] = restriction
+    return restrictions
+
+
+class RestrictedServer(WrappingServer):
+    """Registers the handlers of restricted methods checking the call's metadata before
+    anything else (wrapped around an `ObservedServer`, refusals are observed too)."""
+
+    def __init__(self, server: Any, restrictions: Mapping[str, Restriction]) -> None:
+        super().__init__(server)
+        self._restrictions = dict(restrictions)
+
+    def wrap(self, method_path: str, handler: Handler) -> Handler:
+        category = category_of(method_path)
+        restriction = self._restrictions.get(category) if category else None
+        if restriction is None:
+            return handler
+        return HANDLER_BUILDERS[handler.request_streaming, handler.response_streaming](
+            _guarded(behavior_of(handler), restriction),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _guarded(behavior: Behavior, restriction: Restriction) -> Behavior:
+    """The behavior behind the check; every kind becomes async (fail closed: nothing runs
+    before the check, whatever the behavior is)."""
+    message = f"This protocol is restricted, expecting header '{restriction.header}'"
+
+    async def check(context: Any) -> None:
+        if not restriction.allows(context.invocation_metadata() or ()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def guarded_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            await check(context)
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return guarded_stream
+
+    async def guarded(request: Any, context: Any) -> Any:
+        await check(context)
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return guarded

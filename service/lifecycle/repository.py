@@ -1,0 +1,279 @@
+"""The model repository on disk: names, versions, config.pbtxt, and completing the config.
+
+Model names and versions arrive from the network, so they are checked here before any of them
+is joined to a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, config_type_name
+from protos.inference import model_config_pb2 as mc
+from service.inference.tensors import TensorSpec
+from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
+from service.model.parameters import ParameterError, check_parameters
+from service.model.shapes import shape_buckets
+from service.registry.names import MAX_VERSION, NAME_RE, check_model_name
+
+
+class RepositoryError(Exception):
+    """A model in the repository cannot be served; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    name: str
+    path: Path
+    config: mc.ModelConfig
+    versions: tuple[ModelFiles, ...]  # the versions the version policy serves, oldest first
+
+
+class ModelRepository:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def model_names(self) -> list[str]:
+        if not self.root.is_dir():
+            raise RepositoryError(
+                f"model repository {self.root} does not exist; export the example models "
+                "with `make models` or pass --model-repository"
+            )
+        return sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and NAME_RE.fullmatch(p.name)
+        )
+
+    def load(self, name: str) -> RepositoryModel:
+        check_model_name(name)
+        path = self.root / name
+        if not path.is_dir():
+            raise RepositoryError(f"model {name!r} not found in repository {self.root}")
+        config = read_config(path, name)
+        available = _version_dirs(path)
+        if config.platform == ENSEMBLE:
+            # An ensemble has no files: version 1 (or its version directories, as Triton
+            # wants them) stand for its config.
+            versions = sorted(available) or [1]
+            chosen = select_versions(config.version_policy, versions)
+            return RepositoryModel(
+                name, path, config, tuple(ModelFiles(v, path, path, path) for v in chosen)
+            )
+        if not available:
+            raise RepositoryError(
+                f"model {name!r} has no version directories under {path}; "
+                "export one with `make models`"
+            )
+        chosen = select_versions(config.version_policy, sorted(available))
+        files = _python_files if config.backend == PYTHON_BACKEND else _model_files
+        if not chosen:
+            raise RepositoryError(
+                f"model {name!r}: version_policy selects none of the versions "
+                f"{sorted(available)} under {path}"
+            )
+        return RepositoryModel(name, path, config, tuple(files(available[v], v) for v in chosen))
+
+
+def read_config(path: Path, name: str) -> mc.ModelConfig:
+    config = mc.ModelConfig()
+    config_file = path / "config.pbtxt"
+    if config_file.is_file():
+        try:
+            text_format.Parse(config_file.read_text(), config)
+        except text_format.ParseError as exc:
+            raise RepositoryError(f"{config_file}: {exc}") from exc
+    if config.name and config.name != name:
+        raise RepositoryError(
+            f"{config_file}: name {config.name!r} differs from the directory name {name!r}"
+        )
+    config.name = name
+    if config.platform not in ("", PLATFORM, ENSEMBLE):
+        raise RepositoryError(
+            f"{config_file}: platform {config.platform!r} is not served here; "
+            f"use platform: {PLATFORM!r} or {ENSEMBLE!r}"
+        )
+    config.platform = config.platform or PLATFORM
+    if config.backend not in ("", PYTHON_BACKEND):
+        raise RepositoryError(
+            f"{config_file}: backend {config.backend!r} is not served here; leave it out for "
+            f"Paddle models, or use backend: {PYTHON_BACKEND!r} with a model.py"
+        )
+    if config.backend == PYTHON_BACKEND:
+        if config.platform == ENSEMBLE:
+            raise RepositoryError(f"{config_file}: an ensemble has no backend")
+        if not config.input or not config.output:
+            raise RepositoryError(f"{config_file}: a Python model must list its inputs and outputs")
+    if (config.platform == ENSEMBLE) != config.HasField("ensemble_scheduling"):
+        raise RepositoryError(
+            f"{config_file}: ensemble_scheduling goes with platform {ENSEMBLE!r}, and only there"
+        )
+    if config.max_batch_size < 0:
+        raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
+    try:
+        check_parameters(config)
+        shape_buckets(config)
+    except ParameterError as exc:
+        raise RepositoryError(f"{config_file}: {exc}") from None
+    return config
+
+
+def select_versions(policy: mc.ModelVersionPolicy, available: Sequence[int]) -> list[int]:
+    """Triton's version_policy: latest N (default 1), all, or specific versions."""
+    kind = policy.WhichOneof("policy_choice")
+    if kind == "all":
+        return list(available)
+    if kind == "specific":
+        wanted = set(policy.specific.versions)
+        return [v for v in available if v in wanted]
+    count = policy.latest.num_versions if kind == "latest" else 1
+    return list(available[-max(count, 1) :])
+
+
+def _version_dirs(path: Path) -> dict[int, Path]:
+    return {
+        int(p.name): p
+        for p in path.iterdir()
+        if p.is_dir() and p.name.isdigit() and p.name.isascii() and int(p.name) <= MAX_VERSION
+    }
+
+
+def _python_files(path: Path, version: int) -> ModelFiles:
+    model = path / "model.py"
+    if not model.is_file():
+        raise RepositoryError(f"{path} holds no model.py for this Python model")
+    return ModelFiles(version, path, model, model)
+
+
+def _model_files(path: Path, version: int) -> ModelFiles:
+    """Prefer `inference.*`; otherwise the single program file in the directory."""
+    for program_ext in (".json", ".pdmodel"):
+        candidates = [path / f"inference{program_ext}"]
+        if not candidates[0].is_file():
+            candidates = sorted(path.glob(f"*{program_ext}"))
+        for program in candidates:
+            params = program.with_suffix(".pdiparams")
+            if program.is_file() and params.is_file():
+                return ModelFiles(version, path, program, params)
+    raise RepositoryError(
+        f"{path} holds no Paddle model (expected inference.json or inference.pdmodel with "
+        "inference.pdiparams); export one with `make models`"
+    )
+
+
+def complete_config(
+    config: mc.ModelConfig, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> mc.ModelConfig:
+    """Fill inputs/outputs the config omits from what the model file declares, and check the
+    ones it lists against the model, so a wrong config fails at load and not per request."""
+    done = mc.ModelConfig()
+    done.CopyFrom(config)
+    batched = config.max_batch_size > 0
+    if _renames_outputs(config, outputs):
+        _check_renamed_outputs(config, outputs)
+        outputs = tuple(
+            TensorSpec(entry.name, spec.datatype, spec.shape)
+            for entry, spec in zip(config.output, outputs, strict=True)
+        )
+    for kind, declared, listed in (
+        ("input", inputs, done.input),
+        ("output", outputs, done.output),
+    ):
+        by_name = {t.name: t for t in declared}
+        listed_entries: Sequence[mc.ModelInput | mc.ModelOutput] = listed
+        if not listed_entries:
+            for spec in declared:
+                entry = listed.add()
+                entry.name = spec.name
+                entry.data_type = BY_NAME[spec.datatype].config_type
+                entry.dims.extend(_config_dims(spec, batched))
+            continue
+        for entry in listed_entries:
+            found = by_name.get(entry.name)
+            if found is None:
+                raise RepositoryError(
+                    f"model {config.name!r}: config.pbtxt lists {kind} {entry.name!r} but the "
+                    f"model has {sorted(by_name)}"
+                )
+            spec = found
+            want = BY_NAME[spec.datatype].config_type
+            if entry.data_type != want:
+                raise RepositoryError(
+                    f"model {config.name!r}: {kind} {entry.name!r} is "
+                    f"{config_type_name(entry.data_type)} in config.pbtxt but "
+                    f"{config_type_name(want)} in the model"
+                )
+            if kind == "input" and len(entry.dims) + batched != len(spec.shape):
+                raise RepositoryError(
+                    f"model {config.name!r}: input {entry.name!r} has dims {list(entry.dims)} in "
+                    f"config.pbtxt but shape {list(spec.shape)} in the model"
+                    + (" (the batch dimension is implied by max_batch_size)" if batched else "")
+                )
+    for entry in list(done.input) + list(done.output):
+        if entry.data_type not in BY_CONFIG_TYPE:
+            raise RepositoryError(
+                f"model {config.name!r}: {entry.name!r} has unsupported data_type "
+                f"{config_type_name(entry.data_type)}"
+            )
+    return done
+
+
+def fetch_names(config: mc.ModelConfig, outputs: Sequence[TensorSpec]) -> dict[str, str]:
+    """Configured output name -> the program's fetch name, for the outputs config.pbtxt
+    renames (empty when it renames none)."""
+    if not _renames_outputs(config, outputs):
+        return {}
+    return {
+        entry.name: spec.name
+        for entry, spec in zip(config.output, outputs, strict=True)
+        if entry.name != spec.name
+    }
+
+
+def _renames_outputs(config: mc.ModelConfig, outputs: Sequence[TensorSpec]) -> bool:
+    """Paddle 3 names every program output fetch_name_N; a config.pbtxt that lists names the
+    program lacks gives its outputs, in order, the names callers see."""
+    program = {spec.name for spec in outputs}
+    return any(entry.name not in program for entry in config.output)
+
+
+def _check_renamed_outputs(config: mc.ModelConfig, outputs: Sequence[TensorSpec]) -> None:
+    """Renamed outputs map by position, so the count, each datatype and rank must match."""
+    model = f"model {config.name!r}"
+    program = [spec.name for spec in outputs]
+    listed = [entry.name for entry in config.output]
+    if len(listed) != len(program):
+        raise RepositoryError(
+            f"{model}: config.pbtxt lists {len(listed)} output(s) {listed} but the model has "
+            f"{len(program)} {program}; outputs named differently from the model's map to its "
+            "outputs in order, so list all of them"
+        )
+    duplicated = sorted({name for name in listed if listed.count(name) > 1})
+    if duplicated:
+        raise RepositoryError(f"{model}: config.pbtxt lists output(s) {duplicated} twice")
+    batched = config.max_batch_size > 0
+    for position, (entry, spec) in enumerate(zip(config.output, outputs, strict=True)):
+        if entry.name in program and entry.name != spec.name:
+            raise RepositoryError(
+                f"{model}: config.pbtxt lists output {entry.name!r} at position {position} but "
+                f"the model's output {position} is {spec.name!r} (renamed outputs map in order)"
+            )
+        mapped = f"output {entry.name!r} (the model's output {position}, {spec.name!r})"
+        want = BY_NAME[spec.datatype].config_type
+        if entry.data_type != want:
+            raise RepositoryError(
+                f"{model}: {mapped} is {config_type_name(entry.data_type)} in config.pbtxt but "
+                f"{config_type_name(want)} in the model"
+            )
+        if spec.shape and len(entry.dims) + batched != len(spec.shape):
+            raise RepositoryError(
+                f"{model}: {mapped} has dims {list(entry.dims)} in config.pbtxt but shape "
+                f"{list(spec.shape)} in the model"
+                + (" (the batch dimension is implied by max_batch_size)" if batched else "")
+            )
+
+
+def _config_dims(spec: TensorSpec, batched: bool) -> tuple[int, ...]:
+    return spec.shape[1:] if batched and spec.shape else spec.shape
