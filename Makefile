@@ -33,7 +33,7 @@ help:
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
 	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
-	@echo "make image   build the CPU image $(IMAGE) (a Docker engine with BuildKit; see README)"
+	@echo "make image   build the CPU image $(IMAGE) (a Docker engine with BuildKit; see docs/operations.md)"
 	@echo "make image-check  build it, run it on $(MODELS)/ (read-only) and check health and inference on both transports"
 
 $(BIN)/python:

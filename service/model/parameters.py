@@ -59,7 +59,7 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a worker configures its Paddle predictor (the README's engine options table)."""
+    """How a worker configures its Paddle predictor (the engine options table in docs/configuration.md)."""
 
     onednn: bool = True
     onednn_cache_capacity: int | None = None  # None: one entry per shape bucket
