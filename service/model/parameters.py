@@ -59,7 +59,8 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a worker configures its Paddle predictor (the engine options table in docs/configuration.md)."""
+    """How a worker configures its Paddle predictor (docs/configuration.md, "Model
+    parameters")."""
 
     onednn: bool = True
     onednn_cache_capacity: int | None = None  # None: one entry per shape bucket
