@@ -22,7 +22,7 @@ STAMP_MODELS := $(MODELS)/.exported
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
 	@echo "make test    run the test suite (no GPU needed)"
-	@echo "make lint    ruff + mypy"
+	@echo "make lint    ruff + mypy + the import layering (import-linter)"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
@@ -112,6 +112,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) $(MODELS) $(STAMP_PROTO) .pytest_cache .mypy_cache
