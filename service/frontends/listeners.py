@@ -1,5 +1,4 @@
-"""The public listeners: gRPC over HTTP/2 and over HTTP/3, their TLS and client certificates.
-This process's own by default; each front-end process starts its own with the same functions."""
+"""The public listeners (gRPC over HTTP/2 and HTTP/3, TLS): this process's, or each front-end's."""
 
 from __future__ import annotations
 

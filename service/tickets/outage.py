@@ -1,5 +1,4 @@
-"""A shared ticket store's failures, warned about once when it starts failing and once when it
-works again: a store that is down would otherwise log once per connection."""
+"""A ticket store's outages: warned once as one starts and once as it ends, not per connection."""
 
 from __future__ import annotations
 
@@ -7,7 +6,8 @@ import logging
 
 
 class StoreOutage:
-    """Whether the store is failing now; `failing` is a %-format of the error, then `args`."""
+    """Whether the store is failing now. The warnings go to the store's own `log`; `failing`
+    is a %-format of the error, then of `failed`'s other arguments."""
 
     def __init__(self, log: logging.Logger, failing: str, working: str) -> None:
         self.log = log
