@@ -20,6 +20,7 @@ import grpc
 
 from service.backend.sandbox.privileges import undumpable
 from service.frontends.link import FrameConnection, Window
+from service.frontends.listeners import check_client_auth, start_grpc, start_h3
 from service.frontends.protocol import (
     WINDOW,
     Frame,
@@ -36,7 +37,6 @@ from service.frontends.protocol import (
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
 from service.frontends.stats import Report
 from service.observability.logs import configure_logging
-from service.server import check_client_auth, start_grpc, start_h3
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3.datagram_routing import DatagramRouter

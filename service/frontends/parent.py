@@ -11,7 +11,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.api.registration import Register
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
+from service.frontends.listeners import tls_files
 from service.frontends.runtime import (
     DISPATCH_SOCKET,
     make_runtime_dir,
@@ -21,7 +23,6 @@ from service.frontends.runtime import (
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.frontends.supervisor import Supervisor
 from service.observability.metrics import Metrics
-from service.server import Register, tls_files
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3 import udp
@@ -31,7 +32,7 @@ log = logging.getLogger("paddlequic.frontends")
 
 @dataclass
 class Frontends:
-    """The Listeners of server.py, for front-end processes."""
+    """The Listeners of service/frontends/listeners.py, for front-end processes."""
 
     h3: FrontendStats | None
     dispatch: DispatchServer

@@ -25,6 +25,7 @@ from aioquic.tls import SessionTicket
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from service.tickets.outage import StoreOutage
 from service.tickets.seal import TicketSealer, redeem
 from transport.tls.session_tickets import DEFAULT_TTL_S, TicketCounters
 
@@ -54,6 +55,11 @@ class RedisTicketStore:
         self.wall_clock = wall_clock
         self.counters = TicketCounters()
         self._down_until: float | None = None
+        self._outage = StoreOutage(
+            log,
+            "ticket store unreachable (%s): 0-RTT off, full handshakes only; retrying every %.0f s",
+            "ticket store reachable again: 0-RTT back on",
+        )
 
     @classmethod
     def from_url(
@@ -114,16 +120,9 @@ class RedisTicketStore:
         return redeem(self.sealer, label, found, self.wall_clock(), self.counters)
 
     def _failed(self, exc: Exception) -> None:
-        if self._down_until is None:
-            log.warning(
-                "ticket store unreachable (%s): 0-RTT off, full handshakes only; "
-                "retrying every %.0f s",
-                exc,
-                self.retry_after_s,
-            )
+        self._outage.failed(exc, self.retry_after_s)
         self._down_until = self.clock() + self.retry_after_s
 
     def _recovered(self) -> None:
-        if self._down_until is not None:
-            log.warning("ticket store reachable again: 0-RTT back on")
-            self._down_until = None
+        self._outage.recovered()
+        self._down_until = None

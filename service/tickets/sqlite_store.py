@@ -25,6 +25,7 @@ from pathlib import Path
 
 from aioquic.tls import SessionTicket
 
+from service.tickets.outage import StoreOutage
 from service.tickets.seal import TicketSealer, redeem
 from transport.tls.session_tickets import DEFAULT_MAX_TICKETS, DEFAULT_TTL_S, TicketCounters
 
@@ -63,7 +64,11 @@ class SqliteTicketStore:
         self.clock = clock  # wall clock: the processes sharing the file compare expiry times
         self.counters = TicketCounters()
         self._adds = 0
-        self._failing = False
+        self._outage = StoreOutage(
+            log,
+            "ticket store failing (%s): those clients get full handshakes",
+            "ticket store working again",
+        )
         claim_private(path)
         # Autocommit: every statement is its own transaction. WAL lets readers and the writer
         # overlap; losing the last tickets in a power cut costs clients one full handshake.
@@ -84,9 +89,9 @@ class SqliteTicketStore:
             if self._adds % PURGE_EVERY == 0:
                 self._purge(now)
         except sqlite3.Error as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
             return
-        self._recovered()
+        self._outage.recovered()
         self.counters.issued += 1
 
     def pop(self, label: bytes) -> SessionTicket | None:
@@ -96,10 +101,10 @@ class SqliteTicketStore:
                 (self.sealer.name(label),),
             ).fetchone()
         except sqlite3.Error as exc:
-            self._failed(exc)
+            self._outage.failed(exc)
             self.counters.refused += 1
             return None
-        self._recovered()
+        self._outage.recovered()
         now = self.clock()
         live = row is not None and row[0] > now
         return redeem(self.sealer, label, row[1] if live else None, now, self.counters)
@@ -114,16 +119,6 @@ class SqliteTicketStore:
                 (surplus,),
             )
             self.counters.evicted += surplus
-
-    def _failed(self, exc: Exception) -> None:
-        if not self._failing:
-            log.warning("ticket store failing (%s): those clients get full handshakes", exc)
-            self._failing = True
-
-    def _recovered(self) -> None:
-        if self._failing:
-            log.warning("ticket store working again")
-            self._failing = False
 
 
 def claim_private(path: Path) -> None:

@@ -1,0 +1,210 @@
+"""The public listeners (gRPC over HTTP/2 and HTTP/3, TLS): this process's, or each front-end's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from cryptography import x509
+
+from service.api.registration import Register
+from service.settings import ServerSettings
+from transport.h3.aioquic.client_auth import ClientAuth
+from transport.h3.datagram_routing import DatagramRouter
+from transport.h3.early_data import parse_allowlist
+from transport.h3.protocol import H3Settings
+from transport.h3.server import H3Limits, H3Server, RetryMode
+from transport.h3.server_state import H3State
+from transport.tls.certs import describe_trust, ensure_dev_certificates
+from transport.tls.session_tickets import TicketStore
+
+log = logging.getLogger("paddlequic.server")
+
+
+class Listeners(Protocol):
+    """What accepts the public connections: this process, or front-end processes."""
+
+    @property
+    def h3(self) -> H3State | None: ...
+
+    @property
+    def refresh_h3(self) -> Callable[[], Awaitable[None]] | None:
+        """Brings `h3` up to date (None: it always is)."""
+
+    async def stop(self, grace: float) -> None: ...
+
+
+@dataclass
+class _Listeners:
+    """This process's own: one front-end, the default."""
+
+    grpc_server: grpc.aio.Server
+    h3_server: H3Server | None
+
+    @property
+    def h3(self) -> H3State | None:
+        return self.h3_server
+
+    @property
+    def refresh_h3(self) -> None:
+        return None
+
+    async def stop(self, grace: float) -> None:
+        await asyncio.gather(
+            self.grpc_server.stop(grace),
+            *([self.h3_server.stop(grace)] if self.h3_server else []),
+        )
+
+
+async def listen(
+    settings: ServerSettings,
+    register: Register,
+    client_auth: ClientAuth | None,
+    tickets: TicketStore | None,
+) -> _Listeners:
+    tls = tls_files(settings) if settings.h3 or settings.h2_tls else None
+    server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
+    h3_server = (
+        await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
+        if tls and settings.h3
+        else None
+    )
+    return _Listeners(server, h3_server)
+
+
+async def start_grpc(
+    settings: ServerSettings,
+    register: Callable[[Any], None],
+    client_auth: ClientAuth | None,
+    tls: tuple[Path, Path] | None,
+    reuse_port: bool = False,
+) -> tuple[grpc.aio.Server, int]:
+    """The HTTP/2 server, started; returns it and its port. `reuse_port`: share the port with
+    other processes (SO_REUSEPORT)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_metadata_size", settings.max_metadata_bytes),
+        # grpc core has no per-address limit; the total and idle connections are bounded.
+        ("grpc.max_allowed_incoming_connections", settings.h2_max_connections),
+        ("grpc.max_connection_idle_ms", int(settings.idle_timeout * 1000)),
+    ]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+    register(server)
+    address = f"{bracket(settings.host)}:{settings.grpc_port}"
+    if settings.h2_tls:
+        assert tls is not None
+        # grpcio can require a client certificate or not ask for one: without
+        # --require-client-cert it does not ask (HTTP/3 asks and checks one that is sent).
+        credentials = grpc.ssl_server_credentials(
+            [(tls[1].read_bytes(), tls[0].read_bytes())],
+            root_certificates=client_auth.ca_file.read_bytes() if client_auth else None,
+            require_client_auth=client_auth is not None and client_auth.required,
+        )
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    log.info(
+        "listening: gRPC over HTTP/2%s on %s:%d (model repository %s)",
+        " with TLS" if settings.h2_tls else "",
+        settings.host,
+        port,
+        settings.model_repository,
+    )
+    return server, port
+
+
+def tls_files(settings: ServerSettings) -> tuple[Path, Path]:
+    """Certificate chain and key: --tls-cert/--tls-key, or the development certificates."""
+    if settings.tls_cert:
+        return Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)
+    certs, created = ensure_dev_certificates(settings.certs_dir)
+    log.info(
+        "%s development certificates in %s\n%s",
+        "created" if created else "using",
+        certs.directory,
+        describe_trust(certs),
+    )
+    return certs.server_cert, certs.server_key
+
+
+async def start_h3(
+    settings: ServerSettings,
+    tcp_port: int,
+    register: Callable[[Any], None],
+    tls: tuple[Path, Path],
+    client_auth: ClientAuth | None,
+    tickets: TicketStore | None,
+    reuse_port: bool = False,
+    router: DatagramRouter | None = None,
+) -> H3Server:
+    cert, key = tls
+    h3_server = H3Server(
+        H3Settings(
+            max_message=settings.max_message_bytes, max_metadata=settings.max_metadata_bytes
+        ),
+        tickets=tickets,
+        zero_rtt=settings.zero_rtt,
+        early_data_methods=parse_allowlist(settings.early_data_methods),
+        idle_timeout_s=settings.idle_timeout,
+        client_auth=client_auth,
+        max_concurrent_rpcs=settings.max_concurrent_rpcs,
+        limits=H3Limits(
+            max_connections=settings.h3_max_connections,
+            max_connections_per_address=settings.h3_max_connections_per_address,
+            handshake_timeout_s=settings.h3_handshake_timeout,
+            retry=RetryMode(settings.h3_retry),
+        ),
+        router=router,
+    )
+    register(h3_server)
+    port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key, reuse_port)
+    log.info(
+        "listening: gRPC over HTTP/3 (QUIC, TLS 1.3, 0-RTT %s) on %s:%d/udp",
+        "on" if settings.zero_rtt else "off",
+        settings.host,
+        port,
+    )
+    return h3_server
+
+
+def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
+    """Mutual TLS from --tls-client-ca / --require-client-cert, checked before serving."""
+    if not settings.tls_client_ca:
+        if settings.require_client_cert:
+            raise ClientAuthError("--require-client-cert needs --tls-client-ca")
+        return None
+    ca_file = Path(settings.tls_client_ca)
+    try:
+        x509.load_pem_x509_certificates(ca_file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ClientAuthError(f"--tls-client-ca {ca_file}: no PEM certificates ({exc})") from exc
+    if settings.require_client_cert and not settings.h2_tls:
+        # The HTTP/2 port would stay open to anyone, in plain text.
+        raise ClientAuthError("--require-client-cert needs --h2-tls")
+    if not settings.h3 and not settings.h2_tls:
+        raise ClientAuthError("--tls-client-ca needs TLS: HTTP/3 or --h2-tls")
+    log.info(
+        "client certificates from %s: %s",
+        ca_file,
+        "required"
+        if settings.require_client_cert
+        else "optional (clients without one are served; HTTP/2 does not ask for one)",
+    )
+    return ClientAuth(ca_file, settings.require_client_cert)
+
+
+class ClientAuthError(ValueError):
+    """Client certificate settings that cannot be served."""
+
+
+def bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
