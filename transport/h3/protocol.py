@@ -2,8 +2,8 @@
 stream resets as events, application-driven flow control with send backpressure, bounded
 header blocks, failing every stream when the connection dies, and keepalive pings.
 
-What a stream received is kept in a `StreamState` (no I/O); `H3Stream` adds its waiters, and
-the asyncio protocol only moves events to streams and wakes them.
+What a stream received is kept in a `StreamState` (no I/O); `H3Stream` (stream.py) adds its
+waiters, and the asyncio protocol only moves events to streams and wakes them.
 """
 
 from __future__ import annotations
