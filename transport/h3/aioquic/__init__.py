@@ -20,7 +20,7 @@ PINNED_VERSION = "1.7.2"
 
 
 def check_version(installed: str) -> None:
-    """Raise unless `installed` is the aioquic version this module was written against."""
+    """Raise unless `installed` is the aioquic version this package was written against."""
     if installed != PINNED_VERSION:
         raise ImportError(
             f"paddlequic's HTTP/3 transport needs aioquic=={PINNED_VERSION} exactly (it relies "
