@@ -23,7 +23,9 @@ from transport.grpc.framing import encode_message
 from transport.h3 import early_data
 from transport.h3.client import DEFAULT_UNRESPONSIVE_S, H3ClientConnection, client_configuration
 from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
-from transport.h3.protocol import H3Settings, H3Stream, StreamClosed
+from transport.h3.settings import H3Settings
+from transport.h3.stream import H3Stream
+from transport.h3.stream_state import StreamClosed
 
 Serializer = Callable[[Any], bytes] | None
 Deserializer = Callable[[bytes], Any] | None

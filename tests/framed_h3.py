@@ -15,9 +15,9 @@ import grpc
 from hypothesis import strategies as st
 
 from transport.grpc import headers as wire
-from transport.h3.aioquic.internals import FRAMING_SLACK
+from transport.h3.aioquic.credit import FRAMING_SLACK
 from transport.h3.client import H3ClientConnection, client_configuration
-from transport.h3.protocol import H3Settings
+from transport.h3.settings import H3Settings
 
 CALL_TIMEOUT_S = 60.0
 STREAM_WINDOW = H3Settings().stream_window

@@ -17,9 +17,9 @@ from service.settings import ServerSettings
 from transport.h3.aioquic.client_auth import ClientAuth
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.early_data import parse_allowlist
-from transport.h3.protocol import H3Settings
 from transport.h3.server import H3Limits, H3Server, RetryMode
 from transport.h3.server_state import H3State
+from transport.h3.settings import H3Settings
 from transport.tls.certs import describe_trust, ensure_dev_certificates
 from transport.tls.session_tickets import TicketStore
 

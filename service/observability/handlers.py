@@ -24,8 +24,9 @@ from service.inference.jobs import Answer, Timings
 from service.observability.logs import RequestLog
 from service.observability.metrics import UNKNOWN, Metrics
 from transport.grpc.wrapping import HANDLER_BUILDERS, Behavior, Handler, WrappingServer, behavior_of
-from transport.h3.protocol import StreamClosed
-from transport.h3.server import H3Server, TransportAnswer
+from transport.h3.calls import TransportAnswer
+from transport.h3.server import H3Server
+from transport.h3.stream_state import StreamClosed
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DEADLINE_MARGIN_S = 0.1

@@ -28,7 +28,7 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
 from transport.h3.client import DEFAULT_UNRESPONSIVE_S
-from transport.h3.protocol import StreamClosed
+from transport.h3.stream_state import StreamClosed
 
 TRANSPORTS = ("h2", "h3")
 GOAL_RSS_MB = 32.0

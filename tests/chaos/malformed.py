@@ -22,7 +22,7 @@ from tests.chaos.harness import (
 )
 from transport.grpc import headers as wire
 from transport.h3.client import H3ClientConnection, client_configuration
-from transport.h3.protocol import StreamClosed
+from transport.h3.stream_state import StreamClosed
 
 CALL_TIMEOUT_S = 30.0
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"

@@ -13,7 +13,7 @@ from aioquic.quic import connection as connection_module
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 
-from transport.h3.aioquic.internals import tag_connection_ids
+from transport.h3.aioquic.connection_ids import tag_connection_ids
 from transport.h3.datagram_routing import (
     ROUTED_CID_LENGTH,
     DatagramRouter,

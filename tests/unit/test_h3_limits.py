@@ -16,7 +16,8 @@ from aioquic.quic.connection import QuicConnection
 
 from transport.grpc.framing import HEADER_SIZE, encode_message
 from transport.grpc.headers import field_section_size
-from transport.h3.aioquic.internals import PINNED_VERSION, GrpcH3Connection, check_version
+from transport.h3.aioquic import PINNED_VERSION, check_version
+from transport.h3.aioquic.h3_connection import GrpcH3Connection
 from transport.h3.stream_state import StreamState
 from transport.tls.certs import ensure_dev_certificates
 

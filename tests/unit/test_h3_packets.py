@@ -18,14 +18,13 @@ from tests.unit.test_h3_limits import (
     exchange,
     server_configuration,  # noqa: F401  # the fixture
 )
-from transport.h3.aioquic.internals import (
+from transport.h3.aioquic.acks import (
     ACK_DELAY_S,
-    ACTIVE_CONNECTION_IDS,
     ack_with_next_packet,
     delay_acks,
-    limit_connection_ids,
     receive_datagram,
 )
+from transport.h3.aioquic.connection_ids import ACTIVE_CONNECTION_IDS, limit_connection_ids
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from transport.grpc.framing import DEFAULT_MAX_MESSAGE, HEADER_SIZE
-from transport.h3.aioquic.internals import DEFAULT_STREAM_WINDOW, FRAMING_SLACK, credit_limit
+from transport.h3.aioquic.credit import DEFAULT_STREAM_WINDOW, FRAMING_SLACK, credit_limit
 
 WINDOW = DEFAULT_STREAM_WINDOW
 BATCH = WINDOW // 2

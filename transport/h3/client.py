@@ -17,8 +17,11 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
 from transport.h3 import udp
-from transport.h3.aioquic.internals import resend_early_data_after_retry
-from transport.h3.protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
+from transport.h3.aioquic.connection import resend_early_data_after_retry
+from transport.h3.protocol import GrpcH3Protocol
+from transport.h3.settings import H3Settings
+from transport.h3.stream import H3Stream
+from transport.h3.stream_state import StreamClosed
 
 DEFAULT_UNRESPONSIVE_S = 10.0
 PROBE_AFTER_S = 1.0  # silence, with calls in flight, after which a PING asks for an answer

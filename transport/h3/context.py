@@ -13,7 +13,7 @@ from transport.grpc import headers as wire
 from transport.grpc.framing import encode_message
 from transport.grpc.metadata import Metadata
 from transport.grpc.servicer_context import CallContext
-from transport.h3.protocol import H3Stream
+from transport.h3.stream import H3Stream
 from transport.tls.peer_auth import PeerAuth
 
 

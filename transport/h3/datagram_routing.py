@@ -4,7 +4,7 @@ With SO_REUSEPORT the kernel picks the process for each datagram from its addres
 client's address changes (NAT rebinding, migration), its datagrams may reach a process that
 does not hold its connection, which would drop them: the client would hang until its idle
 timeout (aioquic clients never detect stateless resets). So each process issues connection
-IDs that start with its index (`aioquic_internals.tag_connection_ids`), and a short-header
+IDs that start with its index (`transport.h3.aioquic.connection_ids`), and a short-header
 datagram whose destination ID starts with another index is passed, with the client's
 address, to that process over a unix datagram socket; the owner takes it as if it had
 arrived itself and answers from the shared port. Long-header packets (handshakes) never

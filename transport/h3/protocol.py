@@ -2,8 +2,8 @@
 stream resets as events, application-driven flow control with send backpressure, bounded
 header blocks, failing every stream when the connection dies, and keepalive pings.
 
-What a stream received is kept in a `StreamState` (no I/O); `H3Stream` adds its waiters, and
-the asyncio protocol only moves events to streams and wakes them.
+What a stream received is kept in a `StreamState` (no I/O); `H3Stream` (stream.py) adds its
+waiters, and the asyncio protocol only moves events to streams and wakes them.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
@@ -21,188 +19,23 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
-from transport.grpc.framing import DEFAULT_MAX_MESSAGE
 from transport.grpc.status import (
-    H3_NO_ERROR,
     H3_REQUEST_CANCELLED,
     H3_REQUEST_REJECTED,
     status_from_h3_error,
 )
-from transport.h3.aioquic.internals import (
-    GrpcH3Connection,
-    ReceiveCredit,
-    ack_with_next_packet,
-    delay_acks,
-    limit_connection_ids,
-    receive_datagram,
-    send_buffered,
-    set_max_concurrent_streams,
-)
-from transport.h3.stream_state import Headers, StreamState
-from transport.h3.stream_state import StreamClosed as StreamClosed
+from transport.h3.aioquic.acks import ack_with_next_packet, delay_acks, receive_datagram
+from transport.h3.aioquic.connection import send_buffered, set_max_concurrent_streams
+from transport.h3.aioquic.connection_ids import limit_connection_ids
+from transport.h3.aioquic.credit import ReceiveCredit
+from transport.h3.aioquic.h3_connection import GrpcH3Connection
+from transport.h3.settings import H3Settings
+from transport.h3.stream import H3Stream
+from transport.h3.stream_state import Headers, StreamClosed
 
 log = logging.getLogger("paddlequic.h3")
 
 SEND_HIGH_WATER = 1 << 20  # a writer waits while this much is unacknowledged on its stream
-DEFAULT_MAX_METADATA = 16 << 10
-# UDP payload of the datagrams sent: QUIC guarantees only 1200; 1350 is what Chromium's QUIC
-# stack sends by default without path MTU discovery (with IPv6 and UDP headers it fits a tunnel
-# MTU of 1400). A unary call with a 1 KiB tensor then fits one datagram instead of two: one
-# datagram less to receive, decrypt and acknowledge per call.
-DEFAULT_MAX_DATAGRAM = 1350
-
-
-@dataclass(frozen=True)
-class H3Settings:
-    max_message: int = DEFAULT_MAX_MESSAGE
-    max_metadata: int = DEFAULT_MAX_METADATA  # largest header block, as SETTINGS announce it
-    max_concurrent_streams: int = 256
-    stream_window: int = 1 << 20
-    connection_window: int = 16 << 20
-    keepalive_s: float | None = None  # PING this often while the connection is open
-    max_datagram_size: int = DEFAULT_MAX_DATAGRAM
-
-
-class H3Stream:
-    """One request stream: its `StreamState`, waiters, outgoing data with backpressure."""
-
-    def __init__(self, protocol: GrpcH3Protocol, stream_id: int) -> None:
-        self.protocol = protocol
-        self.stream_id = stream_id
-        self.state = StreamState(protocol.settings.max_message)
-        self.sent_end = False
-        self.send_error: StreamClosed | None = None  # the peer stopped reading (STOP_SENDING)
-        self._changed = asyncio.Event()
-        self._credited = 0  # state.held as last reported to the connection's credit
-        self._in_progress = 0  # state.in_progress as last reported
-        self.early = False  # opened before the handshake completed: arrived as 0-RTT data
-        self.on_headers: Callable[[], None] | None = None
-        self.on_reset: Callable[[StreamClosed], None] | None = None
-
-    @property
-    def headers(self) -> Headers | None:
-        return self.state.headers
-
-    @property
-    def trailers(self) -> Headers | None:
-        return self.state.trailers
-
-    @property
-    def ended(self) -> bool:
-        return self.state.ended
-
-    @property
-    def error(self) -> StreamClosed | None:
-        return self.state.error
-
-    # events from the connection
-
-    def headers_received(self, headers: Headers, ended: bool) -> None:
-        self.state.headers_received(headers, ended)
-        if self.state.error is not None:
-            self._failed()
-        if self.on_headers is not None:
-            self.on_headers()
-        self._changed.set()
-
-    def data_received(self, data: bytes, ended: bool) -> None:
-        if self.state.data_received(data, ended):
-            self._sync_credit()
-        elif self.state.error is not None:
-            self._failed()
-        self._changed.set()
-
-    def fail(self, error: StreamClosed) -> None:
-        if self.state.fail(error):
-            self._failed()
-        self._changed.set()
-
-    def stop_sending(self, error: StreamClosed) -> None:
-        """The peer reads no more (it may still answer, e.g. with an error status)."""
-        if self.send_error is None:
-            self.send_error = error
-        self.protocol.wake_senders()
-
-    def _failed(self) -> None:
-        """Nobody will read this stream: stop the peer's sending (our side stays open to answer
-        with the status) and release the credit it held. A server answers a request failed on
-        malformed input completely, so its stop says H3_NO_ERROR (RFC 9114 4.1.2):
-        H3_REQUEST_CANCELLED would make clients such as libcurl discard that answer."""
-        assert self.state.error is not None
-        answered = self.state.malformed and self.protocol.answers_malformed
-        self.protocol.stop_receiving(
-            self.stream_id, H3_NO_ERROR if answered else H3_REQUEST_CANCELLED
-        )
-        self._credited = 0
-        if self.on_reset is not None:
-            self.on_reset(self.state.error)
-        self.protocol.wake_senders()
-
-    def _sync_credit(self) -> None:
-        if self.state.in_progress != self._in_progress:
-            self._in_progress = self.state.in_progress
-            self.protocol.credit.message_in_progress(self.stream_id, self._in_progress)
-        held = self.state.held
-        if held > self._credited:
-            self.protocol.credit.received(self.stream_id, held - self._credited)
-        elif held < self._credited:
-            self.protocol.credit.consumed(self.stream_id, self._credited - held)
-            self.protocol.transmit_soon()
-        self._credited = held
-
-    # what a call uses
-
-    async def read_message(self) -> bytes | None:
-        """The next message; None when the peer finished sending."""
-        while True:
-            message = self.state.take_message()
-            if message is not None:
-                self._sync_credit()
-                return message
-            if self.state.error is not None:
-                raise self.state.error
-            if self.state.ended:
-                return None
-            self._changed.clear()
-            await self._changed.wait()
-
-    async def wait_headers(self) -> Headers:
-        while self.headers is None:
-            if self.error is not None:
-                raise self.error
-            self._changed.clear()
-            await self._changed.wait()
-        return self.headers
-
-    async def wait_closed(self) -> None:
-        """Until the peer finished sending (or the stream failed)."""
-        while not self.ended and self.error is None:
-            self._changed.clear()
-            await self._changed.wait()
-
-    async def send_data(self, data: bytes, end: bool = False) -> None:
-        await self.protocol.wait_send_window(self)
-        self._check_sendable()
-        self.protocol.h3_send_data(self.stream_id, data, end)
-        self.sent_end = end
-
-    def send_headers(self, headers: Headers, end: bool = False) -> None:
-        self._check_sendable()
-        self.protocol.h3_send_headers(self.stream_id, headers, end)
-        self.sent_end = end
-
-    def _check_sendable(self) -> None:
-        """A stream that failed on the peer's malformed input still sends its answer (the
-        status says what was wrong); one reset, stopped or on a dead connection does not."""
-        if self.error is not None and not self.state.malformed:
-            raise self.error
-        if self.send_error is not None:
-            raise self.send_error
-
-    def cancel(self, error_code: int = H3_REQUEST_CANCELLED) -> None:
-        if self.error is None:
-            self.fail(StreamClosed(grpc.StatusCode.CANCELLED, "Cancelled"))
-        self.protocol.reset(self.stream_id, error_code)
 
 
 class GrpcH3Protocol(QuicConnectionProtocol):

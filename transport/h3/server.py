@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -20,32 +18,24 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.packet import QuicErrorCode
-from grpc.aio import AbortError
 
 from transport.grpc import headers as wire
-from transport.grpc.errors import ProtocolError
-from transport.grpc.handler_table import HandlerTable, run_behavior
-from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_CANCELLED, H3_REQUEST_REJECTED
-from transport.h3 import early_data, udp
+from transport.grpc.handler_table import HandlerTable
+from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_REJECTED
+from transport.h3 import udp
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
-from transport.h3.aioquic.internals import (
-    Admission,
-    AdmittingQuicServer,
-    peer_address,
-    peer_certificate,
-    refuse_early_data,
-    tag_connection_ids,
-)
-from transport.h3.context import H3ServicerContext
+from transport.h3.aioquic.connection import peer_address
+from transport.h3.aioquic.connection_ids import tag_connection_ids
+from transport.h3.aioquic.quic_server import Admission, AdmittingQuicServer
+from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
+from transport.h3.calls import TransportAnswer, run_call
 from transport.h3.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
-from transport.h3.protocol import GrpcH3Protocol, H3Settings, H3Stream, StreamClosed
+from transport.h3.protocol import GrpcH3Protocol
+from transport.h3.settings import H3Settings
+from transport.h3.stream import H3Stream
 from transport.tls.peer_auth import PeerAuth
 from transport.tls.session_tickets import TicketStore
-
-log = logging.getLogger("paddlequic.h3.server")
-
-DEADLINE_EXCEEDED = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
 
 
 @dataclass
@@ -59,19 +49,6 @@ class H3ServerStats:
     # "handshake_timeout": dropped before completing the handshake; "metadata": streams
     # refused for a header block over the limit; "retry": Retry packets sent.
     refusals: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TransportAnswer:
-    """A call the transport answered without its handler's behavior running (bad headers, an
-    unknown method, the concurrency limit, a request message that never arrived whole or in
-    time): what observation would otherwise never see."""
-
-    method_path: str  # "" when the headers named none
-    registered: bool  # method_path is a registered method (bounded, unlike any path)
-    code: grpc.StatusCode
-    details: str
-    seconds: float
 
 
 class RetryMode(Enum):
@@ -211,7 +188,7 @@ class H3Server:
         self._idle_timeout_s = idle_timeout_s
         self.client_auth = client_auth
         self.max_concurrent_rpcs = max_concurrent_rpcs
-        self._active_rpcs = 0
+        self.active_rpcs = 0  # handlers running now (counted by `run_call`)
         self.limits = limits or H3Limits()
         self.router = router
         self._per_address: Counter[str] = Counter()
@@ -263,7 +240,7 @@ class H3Server:
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: AdmittingQuicServer(
                 admit=self._admit,
-                sock=sock,
+                queued=lambda: udp.queued(sock, udp.MAX_BURST - 1),
                 steer=self.router.steer if self.router is not None else None,
                 configuration=configuration,
                 create_protocol=create_protocol,
@@ -356,192 +333,6 @@ class H3Server:
 
     def start_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
         self.stats.calls += 1
-        task = asyncio.get_running_loop().create_task(self._run_call(connection, stream))
+        task = asyncio.get_running_loop().create_task(run_call(self, connection, stream))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
-
-    async def _run_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
-        started = time.perf_counter()
-        context: H3ServicerContext | None = None
-        method = ""
-        answer: tuple[grpc.StatusCode, str] | None = None  # what the transport answered
-        try:
-            headers = await stream.wait_headers()
-            try:
-                head = wire.parse_request_headers(headers)
-            except ProtocolError as exc:
-                block = (
-                    wire.error_response(exc.http_status)
-                    if exc.http_status
-                    else wire.trailers_only(exc.status, exc.message)
-                )
-                method = wire.request_path(headers)
-                answer = exc.status, exc.message
-                stream.send_headers(block, end=True)
-                return
-            method = head.method_path
-            if stream.early and not early_data.allowed(head.method_path, self.early_data_methods):
-                # Not idempotent: replayable early data must not run it. Hold it until the
-                # handshake completes (a replayed handshake never does); it then runs once.
-                self.count_handshake("early_requests_held")
-                await connection.handshake_done.wait()
-                if connection.terminated is not None:
-                    answer = connection.terminated.status, connection.terminated.message
-                    return
-            handler = self.handlers.lookup(head.method_path, head.metadata)
-            if handler is None:
-                answer = grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.method_path}"
-                stream.send_headers(wire.trailers_only(*answer), end=True)
-                return
-            if (
-                self.max_concurrent_rpcs is not None
-                and self._active_rpcs >= self.max_concurrent_rpcs
-            ):
-                answer = grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded"
-                stream.send_headers(wire.trailers_only(*answer), end=True)
-                return
-            context = H3ServicerContext(
-                stream,
-                head.method_path,
-                head.metadata,
-                head.timeout,
-                connection.peer(),
-                handler.response_serializer,
-                handler.request_deserializer,
-                connection.peer_auth(),
-            )
-            self._active_rpcs += 1
-            code, details, trailing = await self._drive(handler, context, stream, head.timeout)
-            if not context.invoked:
-                answer = code, details
-            if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
-                return  # the client is gone; nobody reads an answer
-            self._end(stream, context, code, details, trailing)
-        except StreamClosed:
-            pass
-        except asyncio.CancelledError:
-            # Server stopping past its grace period: tell the client, then go.
-            answer = grpc.StatusCode.UNAVAILABLE, "server shutting down"
-            self._end(stream, context, *answer)
-            raise
-        except Exception as exc:
-            # A bug of ours, or a servicer context method that raised: the stream still ends.
-            log.exception("call on stream %d failed", stream.stream_id)
-            answer = grpc.StatusCode.INTERNAL, f"server error: {exc}"
-            self._end(stream, context, *answer)
-        finally:
-            if context is not None:
-                self._active_rpcs -= 1
-                context.finish()
-            if not stream.ended:
-                # The call is over while the peer still sends: nobody will read it. After a
-                # complete response that is no error (RFC 9114 4.1.2); otherwise the call was
-                # cancelled.
-                connection.stop_receiving(
-                    stream.stream_id, H3_NO_ERROR if stream.sent_end else H3_REQUEST_CANCELLED
-                )
-            connection.forget(stream.stream_id)
-            if (
-                answer is not None
-                and self.answered is not None
-                and not (context and context.invoked)
-            ):
-                seconds = time.perf_counter() - started
-                registered = self.handlers.registered(method)
-                self.answered(TransportAnswer(method, registered, *answer, seconds))
-
-    @staticmethod
-    def _end(
-        stream: H3Stream,
-        context: H3ServicerContext | None,
-        code: grpc.StatusCode,
-        details: str,
-        trailing: tuple[tuple[str, str | bytes], ...] = (),
-    ) -> None:
-        """Send the status, unless the stream already ended or can no longer carry it.
-        Trailing metadata the handler set that cannot be sent (invalid keys or values)
-        turns the status into INTERNAL rather than leaving the stream open."""
-        if stream.sent_end:
-            return
-        build = (
-            wire.trailers if context is not None and context.headers_sent else wire.trailers_only
-        )
-        try:
-            block = build(code, details, trailing)
-        except ValueError as exc:
-            block = build(grpc.StatusCode.INTERNAL, f"invalid trailing metadata: {exc}", ())
-        with contextlib.suppress(Exception):  # the stream or the connection is gone
-            stream.send_headers(block, end=True)
-
-    async def _drive(
-        self,
-        handler: grpc.RpcMethodHandler[Any, Any],
-        context: H3ServicerContext,
-        stream: H3Stream,
-        timeout: float | None,
-    ) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str | bytes], ...]]:
-        # The handler runs in this call's own task (no task per call beyond it): a reset
-        # from the peer cancels this task, and the deadline is a timeout around it.
-        current = asyncio.current_task()
-        assert current is not None
-
-        def on_reset(error: StreamClosed) -> None:
-            context.mark_cancelled()
-            current.cancel()
-
-        stream.on_reset = on_reset
-        scope = asyncio.timeout(timeout)
-        try:
-            async with scope:
-                await _invoke(handler, context, stream)
-        except TimeoutError:
-            context.mark_cancelled()
-            return DEADLINE_EXCEEDED
-        except AbortError:
-            pass
-        except StreamClosed as exc:
-            return exc.status, exc.message, ()
-        except asyncio.CancelledError:
-            if stream.error is None or not context.cancelled():
-                raise  # the server is stopping
-            current.uncancel()
-            return stream.error.status, stream.error.message, ()
-        except Exception as exc:
-            log.exception("unexpected error in %s", context.method_path)
-            return grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc)}: {exc}", ()
-        finally:
-            stream.on_reset = None
-        if scope.expired():
-            return DEADLINE_EXCEEDED  # a handler that outlived the deadline: its answer is late
-        return context.final_status()
-
-
-async def _invoke(
-    handler: grpc.RpcMethodHandler[Any, Any], context: H3ServicerContext, stream: H3Stream
-) -> None:
-    """Call the handler as its kind requires and write what it returns."""
-    request: Any
-    if handler.request_streaming:
-        request = context.request_iterator()
-    else:  # the message first: until it is there, the transport answers for the call
-        data = await stream.read_message()
-        if data is None:
-            raise StreamClosed(grpc.StatusCode.INTERNAL, "request ended without a message")
-        if await stream.read_message() is not None:
-            raise StreamClosed(
-                grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
-            )
-        request = _deserialize(handler, data)
-    context.invoked = True
-    await run_behavior(handler, request, context)
-
-
-def _deserialize(handler: grpc.RpcMethodHandler[Any, Any], data: bytes) -> Any:
-    if handler.request_deserializer is None:
-        return data
-    try:
-        return handler.request_deserializer(data)
-    except Exception as exc:
-        raise StreamClosed(
-            grpc.StatusCode.INVALID_ARGUMENT, f"failed to parse the request message: {exc}"
-        ) from exc

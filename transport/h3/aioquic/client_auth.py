@@ -1,7 +1,7 @@
 """Client certificates (mutual TLS) on the HTTP/3 server.
 
 aioquic 1.7.2 (pinned) has no server setting for them (the hooks that reach into its TLS
-context are in aioquic_internals). This module is the policy: the chain is verified against our
+context are in tls_context.py). This module is the policy: the chain is verified against our
 CA only (not the system roots), with the validity dates and the client-auth purpose, as soon as
 the Certificate message arrives, before the handshake can finish.
 
@@ -23,7 +23,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from transport.h3.aioquic.internals import configure_tls, request_client_certificate
+from transport.h3.aioquic.tls_context import configure_tls, request_client_certificate
 
 
 class AlertCertificateRequired(tls.Alert):

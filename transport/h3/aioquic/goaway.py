@@ -1,4 +1,5 @@
-"""GOAWAY frames read from an HTTP/3 control stream."""
+"""GOAWAY frames read from an HTTP/3 control stream, which aioquic's H3Connection skips (read a
+second time by `h3_connection.GrpcH3Connection`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,199 @@
+"""Receive credit that follows what the application consumed, not what arrived (aioquic's
+stream and connection limit writers replaced)."""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+
+from aioquic.quic.connection import (
+    CONNECTION_LIMIT_FRAME_CAPACITY,
+    MAX_STREAM_DATA_FRAME_CAPACITY,
+    QuicConnection,
+)
+from aioquic.quic.packet import QuicFrameType
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.stream import QuicStream
+
+DEFAULT_STREAM_WINDOW = 1 << 20
+DEFAULT_CONNECTION_WINDOW = 16 << 20
+# Credit beyond a message in progress, for the HTTP/3 framing around its payload (a DATA frame
+# header is at most 9 bytes) and a few frames more: what lets the peer finish the message,
+# however it frames it.
+FRAMING_SLACK = 16 << 10
+_PRUNE_STOPPED = 64
+
+
+def credit_limit(
+    limit: int, received: int, held: int, window: int, batch: int, reader_waits: bool
+) -> int:
+    """The credit limit to announce: `limit` (the last one) or a new, higher one.
+
+    The target is what the application consumed (`received` minus the `held` bytes nobody
+    took yet) plus `window`. It is granted once it moved by `batch` (few, large updates), or
+    when the peer has less than `FRAMING_SLACK` left while the reader waits for more (it holds
+    nothing it could take: a partial message at most). The second rule guarantees progress:
+    a blocked peer has nothing left (`limit == received`), and a waiting reader with a window
+    that covers the message in progress plus `FRAMING_SLACK` makes the target exceed the
+    limit, so new credit goes out with the next packet however the message was framed."""
+    target = received - held + window
+    if target > limit and (
+        target - limit >= batch or (reader_waits and limit - received < FRAMING_SLACK)
+    ):
+        return target
+    return limit
+
+
+class ReceiveCredit:
+    """Credit = bytes the application consumed + window, per request stream and in total.
+
+    aioquic grants the peer more credit as soon as data arrives, whether or not anybody read
+    it. Here every byte the stream holds counts: messages queued for the application, a
+    partial message in the decoder, a partial header block in the H3 layer. A stopped stream
+    (nobody reads it any more) gets no more stream credit; what arrives on it is discarded
+    and so frees connection credit.
+
+    A message can only be consumed whole, so a message larger than a window would never
+    complete, nor would partial messages on many streams that fill the connection window
+    (aioquic's sender serves its streams in turn). So the oldest message in progress (its
+    size announced by its prefix, at most the maximum message size) is promoted: its
+    stream's window grows to its size plus `FRAMING_SLACK`, the connection's window by as
+    much, and what the other streams hold beyond the connection window does not count
+    against it. Other streams keep their window until their message's turn. Credit is granted
+    by `credit_limit`, which never leaves a peer blocked while the reader waits for the rest
+    of a message: the promoted message always completes, then the next one is promoted.
+    Memory bound: a connection holds at most its window plus one maximum message + 5 +
+    `FRAMING_SLACK`, except while other streams hold partial messages beyond the window: then
+    what their windows allow (a stream window per open stream) plus that maximum message.
+    """
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        stream_window: int = DEFAULT_STREAM_WINDOW,
+        connection_window: int = DEFAULT_CONNECTION_WINDOW,
+    ) -> None:
+        self.quic = quic
+        self.stream_window = stream_window
+        self.connection_window = connection_window
+        self._unconsumed: defaultdict[int, int] = defaultdict(int)
+        self._total_unconsumed = 0
+        self._stopped: set[int] = set()
+        # stream -> its message's size + FRAMING_SLACK, oldest first; the first is promoted
+        self._in_progress: dict[int, int] = {}
+        self._promoted: int | None = None
+        original_stream_limits = quic._write_stream_limits
+        unconsumed = self._unconsumed
+        stopped = self._stopped
+        in_progress = self._in_progress
+        half_window = stream_window // 2
+
+        # Called for every stream in every packet aioquic builds: kept lean.
+        def write_stream_limits(
+            conn: QuicConnection, builder: QuicPacketBuilder, space: object, stream: QuicStream
+        ) -> None:
+            stream_id = stream.stream_id
+            if stream_id is None or stream_id & 2:
+                original_stream_limits(builder, space, stream)  # type: ignore[arg-type]
+                return
+            local = stream.max_stream_data_local
+            if not local or stream_id in stopped:
+                return
+            need = in_progress.get(stream_id, 0)
+            held = unconsumed.get(stream_id, 0)
+            window = need if need > stream_window and stream_id == self._promoted else stream_window
+            stream.max_stream_data_local = local = credit_limit(
+                local, stream.receiver.highest_offset, held, window, half_window, held <= need
+            )
+            if stream.max_stream_data_local_sent != local:
+                self._send_stream_credit(builder, stream)
+
+        def write_connection_limits(
+            conn: QuicConnection, builder: QuicPacketBuilder, space: object
+        ) -> None:
+            self._write_connection_credit(builder)
+
+        quic._write_stream_limits = types.MethodType(write_stream_limits, quic)  # type: ignore[method-assign]
+        quic._write_connection_limits = types.MethodType(write_connection_limits, quic)  # type: ignore[method-assign]
+
+    def received(self, stream_id: int, size: int) -> None:
+        """The stream now holds `size` more payload bytes nobody has consumed yet."""
+        self._unconsumed[stream_id] += size
+        self._total_unconsumed += size
+
+    def consumed(self, stream_id: int, size: int) -> None:
+        """The application took `size` bytes out of the stream: the peer may send more."""
+        size = min(size, self._unconsumed.get(stream_id, 0))
+        self._unconsumed[stream_id] -= size
+        self._total_unconsumed -= size
+
+    def message_in_progress(self, stream_id: int, size: int) -> None:
+        """The stream is receiving a message of `size` bytes on the wire (0: none)."""
+        if size:
+            self._in_progress[stream_id] = size + FRAMING_SLACK
+        else:
+            self._in_progress.pop(stream_id, None)
+        self._promote()
+
+    def stop(self, stream_id: int) -> None:
+        """Nobody reads this stream any more: no more credit for it, what it holds is freed."""
+        if len(self._stopped) >= _PRUNE_STOPPED:
+            self._stopped.intersection_update(self.quic._streams)  # those aioquic still has
+        self._stopped.add(stream_id)
+        self._in_progress.pop(stream_id, None)
+        self._promote()
+        self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
+
+    def forget(self, stream_id: int) -> None:
+        """The call is over; whatever it left unread no longer holds credit back (a stopped
+        stream stays stopped while aioquic keeps it)."""
+        self._in_progress.pop(stream_id, None)
+        self._promote()
+        self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
+
+    def _promote(self) -> None:
+        self._promoted = next(iter(self._in_progress), None)
+
+    @property
+    def unconsumed(self) -> int:
+        return self._total_unconsumed
+
+    def _send_stream_credit(self, builder: QuicPacketBuilder, stream: QuicStream) -> None:
+        buf = builder.start_frame(
+            QuicFrameType.MAX_STREAM_DATA,
+            capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
+            handler=self.quic._on_max_stream_data_delivery,
+            handler_args=(stream,),
+        )
+        buf.push_uint_var(stream.stream_id or 0)
+        buf.push_uint_var(stream.max_stream_data_local)
+        stream.max_stream_data_local_sent = stream.max_stream_data_local
+
+    def _write_connection_credit(self, builder: QuicPacketBuilder) -> None:
+        quic = self.quic
+        max_data = quic._local_max_data
+        window = self.connection_window
+        held = self._total_unconsumed
+        if self._promoted is not None:
+            window += self._in_progress[self._promoted]
+            held = min(held, self.connection_window + self._unconsumed.get(self._promoted, 0))
+        max_data.value = credit_limit(
+            max_data.value,
+            max_data.used,
+            held,
+            window,
+            self.connection_window // 2,
+            True,  # whatever the streams hold, the peer is never kept from what it may send
+        )
+        for limit in (max_data, quic._local_max_streams_bidi, quic._local_max_streams_uni):
+            if limit is not max_data and limit.sent - limit.used >= limit.value - limit.sent:
+                continue  # batch MAX_STREAMS as aioquic does
+            if limit.value != limit.sent:
+                buf = builder.start_frame(
+                    limit.frame_type,
+                    capacity=CONNECTION_LIMIT_FRAME_CAPACITY,
+                    handler=quic._on_connection_limit_delivery,
+                    handler_args=(limit,),
+                )
+                buf.push_uint_var(limit.value)
+                limit.sent = limit.value
