@@ -101,10 +101,10 @@ async def serve(settings: ServerSettings) -> None:
     topology = load_topology(settings.topology)
     models = ModelRegistry(lambda: health.changed() if health else None)
     options = LifecycleOptions(
-        settings.model_control_mode,
-        settings.poll_repository,
-        settings.load_model,
-        settings.testing_service,
+        model_control_mode=settings.model_control_mode,
+        poll_repository=settings.poll_repository,
+        load_model=settings.load_model,
+        testing_service=settings.testing_service,
     )
     signing: SigningPolicy | None = None
     if settings.trusted_keys or settings.trusted_ca or settings.require_signed:

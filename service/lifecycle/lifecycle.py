@@ -33,10 +33,10 @@ log = logging.getLogger("paddlequic.models")
 class LifecycleOptions:
     """What the lifecycle reads of the server's options (the composition root fills it)."""
 
-    model_control_mode: str = "none"  # none, poll or explicit
-    poll_repository: float = 0.0  # seconds between rescans; 0: only with SIGHUP
-    load_model: str = ""  # explicit mode: the models loaded at start, comma-separated (* = all)
-    testing_service: bool = False  # honour test-only model parameters
+    model_control_mode: str  # none, poll or explicit
+    poll_repository: float  # seconds between rescans (> 0: poll mode; 0: 5 s if polling)
+    load_model: str  # explicit mode: the models loaded at start, comma-separated (* = all)
+    testing_service: bool  # honour test-only model parameters
 
     def __post_init__(self) -> None:
         mode = self.model_control_mode
@@ -85,7 +85,7 @@ class Lifecycle:
         for a failed warm-up), then what it holds finishes (bounded), its batcher and
         workers stop, its verified copy goes, and the change is signalled."""
         served.state, served.reason = VersionState.UNAVAILABLE, reason
-        log.error("model %s version %d not loaded: %s", served.name, served.version, reason)
+        log.error("model %s version %d unavailable: %s", served.name, served.version, reason)
         if stage is not None:
             self.observer.on_load_failure(served.name, stage)
         await wind_down(served)
