@@ -19,7 +19,8 @@ Fail = Callable[[ServedVersion, str, str | None], Awaitable[None]]
 
 
 async def wind_down(served: ServedVersion) -> None:
-    """Let a version finish what it holds (bounded), then stop its workers."""
+    """Let a version finish what it holds (bounded), then stop its batcher and workers and
+    drop its verified copy."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + RETIRE_TIMEOUT_S
     batcher = served.batcher
