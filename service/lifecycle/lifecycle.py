@@ -79,7 +79,7 @@ class Lifecycle:
         # The files a version last failed to load from, and that failed version.
         self._tried: dict[tuple[str, int], tuple[Fingerprint, ServedVersion]] = {}
 
-    async def fail(self, served: ServedVersion, reason: str, stage: str | None = None) -> None:
+    async def fail(self, served: ServedVersion, reason: str, stage: str | None) -> None:
         """The version serves nothing, for `reason`: UNAVAILABLE at once (requests for it are
         refused from now on), counted as a load failure at `stage` (None: not counted, as
         for a failed warm-up), then what it holds finishes (bounded), its batcher and

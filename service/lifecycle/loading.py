@@ -75,6 +75,7 @@ class VersionLoader:
             log.exception("placement of %s failed", key)
             placements, unplaced = {}, {key: f"placement failed: {exc}"}
         if key in unplaced:
+            # Not counted: the counter's `placement` is the first load's (as it always was).
             await self.fail(served, unplaced[key], None)
             return
         await self.start_placed(served, files, placements[key])
@@ -89,6 +90,7 @@ class VersionLoader:
                 await warm_up(served, self.runner)
                 self.registry.changed()
         except WarmUpError as exc:
+            # Not counted: the load-failure counter has no warm-up stage (as it never had).
             await self.fail(served, f"warm-up failed: {exc}", None)
         except Exception as exc:
             log.exception("model %s version %d failed to load", served.name, served.version)
