@@ -25,15 +25,17 @@ from service.frontends.listeners import (
     check_client_auth,
     listen,
 )
-from service.lifecycle.lifecycle import Lifecycle
+from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
+from service.lifecycle.watching import RepositoryWatcher
 from service.observability.handlers import Observer
 from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.placement.host import load_topology
-from service.registry.model_manager import ModelManager
+from service.registry.versions import ModelRegistry
+from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import TicketStoreError, open_ticket_store
 
@@ -56,14 +58,20 @@ async def serve(settings: ServerSettings) -> None:
         settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
     )
     topology = load_topology(settings.topology)
-    models = ModelManager(lambda: health.changed() if health else None)
-    lifecycle = Lifecycle(models, ModelRepository(settings.model_repository), topology, settings)
+    models = ModelRegistry(lambda: health.changed() if health else None)
+    options = LifecycleOptions(
+        model_control_mode=settings.model_control_mode,
+        poll_repository=settings.poll_repository,
+        load_model=settings.load_model,
+        testing_service=settings.testing_service,
+    )
+    signing: SigningPolicy | None = None
     if settings.trusted_keys or settings.trusted_ca or settings.require_signed:
         trust = load_trust(
             Path(settings.trusted_keys) if settings.trusted_keys else None,
             Path(settings.trusted_ca) if settings.trusted_ca else None,
         )
-        lifecycle.signing = SigningPolicy(trust, settings.require_signed)
+        signing = SigningPolicy(trust, settings.require_signed)
         log.info(
             "signed models: trusted %s%s",
             ", ".join(trust.names) or "nothing",
@@ -82,7 +90,17 @@ async def serve(settings: ServerSettings) -> None:
         tracing.get_tracer("paddlequic") if tracing else None,
         settings.trace_sample_ratio,
     )
-    models.observer = observer
+    runner = RequestRunner(models, observer)
+    lifecycle = Lifecycle(
+        models,
+        runner,
+        ModelRepository(settings.model_repository),
+        topology,
+        options,
+        observer,
+        signing,
+    )
+    watcher = RepositoryWatcher(lifecycle, options)
     metrics_server = (
         metrics.serve(settings.metrics_host, settings.metrics_port) if metrics else None
     )
@@ -93,7 +111,7 @@ async def serve(settings: ServerSettings) -> None:
             metrics_server.server_port,
         )
     servicers = Servicers(
-        InferenceServicer(models, lifecycle, settings.model_control_mode),
+        InferenceServicer(models, runner, lifecycle, settings.model_control_mode),
         ControlServicer(models),
         health.servicer,
         TestingServicer() if settings.testing_service else None,
@@ -117,8 +135,8 @@ async def serve(settings: ServerSettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lifecycle.rescan_soon)
-    loader = asyncio.create_task(lifecycle.start())
+    loop.add_signal_handler(signal.SIGHUP, watcher.rescan_soon)
+    loader = asyncio.create_task(watcher.start())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({loader, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception() is not None:
@@ -131,7 +149,7 @@ async def serve(settings: ServerSettings) -> None:
         # Each pass took some 60 ms of the event loop, about 0.3 ms per new HTTP/3 connection.
         gc.freeze()
     await stopped
-    lifecycle.stop_watching()
+    watcher.stop_watching()
     log.info("shutting down: finishing in-flight calls (grace %.1f s)", settings.grace_period)
     await public.stop(settings.grace_period)
     loader.cancel()

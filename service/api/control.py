@@ -8,12 +8,12 @@ from collections.abc import Awaitable, Callable
 from protos.paddlequic.v1 import control_pb2 as pb
 from protos.paddlequic.v1 import control_pb2_grpc as pb_grpc
 from service.inference.errors import ServicerContext, reports_errors
-from service.registry.model_manager import ModelManager
+from service.registry.versions import ModelRegistry
 from transport.h3.server_state import H3State
 
 
 class ControlServicer(pb_grpc.ControlServicer):
-    def __init__(self, models: ModelManager) -> None:
+    def __init__(self, models: ModelRegistry) -> None:
         self.models = models
         self.h3: H3State | None = None  # set once HTTP/3 listens
         # Set with front-end processes: asks each for its counters before they are read.

@@ -8,14 +8,14 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2
 
 from service.api.service_names import INFERENCE_SERVICE
-from service.registry.model_manager import ModelManager
+from service.registry.versions import ModelRegistry
 
 
 class Health:
     """grpc.health.v1 statuses: "" and the inference service follow server readiness, and
     each model name follows that model's readiness."""
 
-    def __init__(self, models: ModelManager) -> None:
+    def __init__(self, models: ModelRegistry) -> None:
         self.servicer = health_async.HealthServicer()
         self.models = models
         self._pending: asyncio.Task[None] | None = None

@@ -19,7 +19,8 @@ from service.inference.errors import ServicerContext
 from service.inference.jobs import Answer, InferJob
 from service.inference.validation import decoded
 from service.lifecycle.lifecycle import Lifecycle
-from service.registry.model_manager import ModelManager, ServedVersion
+from service.registry.versions import ModelRegistry, ServedVersion
+from service.serving.requests import RequestRunner
 
 log = logging.getLogger("paddlequic.api")
 
@@ -32,8 +33,15 @@ STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backp
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, models: ModelManager, lifecycle: Lifecycle, control_mode: str) -> None:
+    def __init__(
+        self,
+        models: ModelRegistry,
+        runner: RequestRunner,
+        lifecycle: Lifecycle,
+        control_mode: str,
+    ) -> None:
         self.models = models
+        self.runner = runner
         self.lifecycle = lifecycle
         self.control_mode = control_mode
 
@@ -224,8 +232,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         served = self.models.resolve(request.model_name, request.model_version)
         job = await _decode(served, request)
-        answered, result = await self.models.infer(served, job, deadline)
-        with self.models.encode_span():
+        answered, result = await self.runner.infer(served, job, deadline)
+        with self.runner.encode_span():
             response = _response(answered, request.id, result)
         if answered is not served:
             # Answered by the fallback model while `served` is open-circuited.

@@ -28,8 +28,9 @@ from service.model.shapes import shape_buckets
 from service.resilience.poison import PoisonList
 
 CRASHES_TO_POISON = 2
-# Runs a batch padded to its shape bucket, with the spans of its requests. A batch runs until
-# its last request's deadline (or without one if any has none); each request is answered
+# Runs a batch padded to its shape bucket, with the spans of its requests (in the server, the
+# version's BatchRunner: service/serving/batch_runner.py). A batch runs until its last
+# request's deadline (or without one if any has none); each request is answered
 # DEADLINE_EXCEEDED at its own deadline meanwhile.
 RunBatch = Callable[[Batch, list[SpanContext], float | None], Awaitable[InferResult]]
 

@@ -1,5 +1,5 @@
 """The parent of a server with front-end processes: it keeps everything but the public
-listeners (model manager, lifecycle, batchers, workers, metrics, health) and serves the
+listeners (registry, request path, lifecycle, batchers, workers, metrics, health) and serves the
 servicers on a local dispatch endpoint that the front-ends pass every call to."""
 
 from __future__ import annotations

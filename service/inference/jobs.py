@@ -1,7 +1,7 @@
 """The inference path's types, owned by no single stage.
 
 The servicer decodes a protobuf request into an InferJob and encodes an Answer into the
-response; below it (model manager, ensembles, warm-up, batcher, worker instances) only these
+response; below it (the request runner, ensembles, warm-up, batcher, worker instances) only these
 types travel, so the protocol stays at the edge.
 """
 

@@ -33,8 +33,9 @@ DEADLINE_MARGIN_S = 0.1
 
 
 class Observer:
-    """What is done with each finished RPC (metrics, request log, span), and the
-    ModelManager's hook for what only the model manager knows (queue, batch, load failures)."""
+    """What is done with each finished RPC (metrics, request log, span), and the hook for
+    what only the request path (service/serving) and the lifecycle know (queue, batch, load
+    failures)."""
 
     def __init__(
         self,

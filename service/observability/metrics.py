@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from service.inference.jobs import Timings
 from service.placement.topology import Topology
-from service.registry.model_manager import ModelManager
+from service.registry.versions import ModelRegistry
 from service.resilience.breaker import BreakerState
 from transport.h3.server_state import H3State
 
@@ -43,7 +43,7 @@ class MetricsUnavailable(Exception):
 class Metrics:
     """Every metric the server exports."""
 
-    def __init__(self, models: ModelManager, topology: Topology) -> None:
+    def __init__(self, models: ModelRegistry, topology: Topology) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
@@ -85,7 +85,7 @@ class Metrics:
         self.inflight = Gauge(
             "paddlequic_inflight_requests", "RPCs being handled", ["transport"], registry=r
         )
-        # Its model label needs no bounding: the model manager reports failures only for
+        # Its model label needs no bounding: the lifecycle reports failures only for
         # directories of the repository (RepositoryModelLoad refuses other names first).
         self.load_failures = Counter(
             "paddlequic_model_load_failures",
@@ -132,9 +132,9 @@ class Metrics:
 class ServedNames:
     """Label values for model names and versions taken from requests. Each distinct label
     value makes a new series for as long as the server runs, so only the models and versions
-    the model manager holds (from the repository) get their own; any other is `UNKNOWN`."""
+    the registry holds (from the repository) get their own; any other is `UNKNOWN`."""
 
-    def __init__(self, models: ModelManager) -> None:
+    def __init__(self, models: ModelRegistry) -> None:
         self._models = models
         self._served: set[tuple[str, str]] = set()  # (model, "") and (model, version)
 
@@ -162,7 +162,7 @@ class _StateCollector(Collector):
     """Read on scrape, in the HTTP server's thread: only plain reads of asyncio-owned state,
     copied before iterating."""
 
-    def __init__(self, models: ModelManager, topology: Topology) -> None:
+    def __init__(self, models: ModelRegistry, topology: Topology) -> None:
         self.models = models
         self.h3: H3State | None = None
         gpus = [g.index for g in topology.gpus] if not topology.simulated else []

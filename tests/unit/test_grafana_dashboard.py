@@ -12,7 +12,7 @@ import pytest
 
 from service.observability.metrics import Metrics
 from service.placement.topology import cpu_only_topology
-from service.registry.model_manager import ModelManager
+from service.registry.versions import ModelRegistry
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "paddlequic.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -37,7 +37,7 @@ def exported_metric_names() -> set[str]:
     """Every sample name the server's registry can export, from a registry built as serve
     builds it, including families only a server with HTTP/3 or GPUs yields."""
     topology = cpu_only_topology()
-    metrics = Metrics(ModelManager(lambda: None), topology)
+    metrics = Metrics(ModelRegistry(lambda: None), topology)
     families = [*metrics.registry.collect(), *metrics.state.describe()]
     return {f.name + suffix for f in families for suffix in SUFFIXES[f.type]}
 

@@ -1,0 +1,216 @@
+"""Starting one version: its signature checked, its instances placed and started, its config
+completed from what the model declares, its batcher built, then warmed up; or an ensemble,
+whose graph is checked. Every failure goes through Lifecycle.fail."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+from oip.datatypes import BY_CONFIG_TYPE, config_type_name
+from protos.inference import model_config_pb2 as mc
+from service.batching.batcher import DynamicBatcher, policy_from_config
+from service.inference.validation import RequestValidator
+from service.lifecycle.repository import RepositoryError, complete_config, fetch_names
+from service.lifecycle.retiring import Fail
+from service.lifecycle.signing import SignatureError
+from service.lifecycle.verified_copies import VerifiedCopies
+from service.lifecycle.warming import warm_up
+from service.lifecycle.warmup import WarmUpError
+from service.model import ensemble
+from service.model.files import ENSEMBLE, ModelFiles
+from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
+from service.model.shapes import shape_buckets
+from service.placement.instance_groups import (
+    frontend_numa_node,
+    instance_requests,
+    place_all,
+    worker_environment,
+)
+from service.placement.policy import Placement
+from service.placement.topology import Topology
+from service.registry.versions import ModelRegistry, ServedVersion, VersionState
+from service.serving.batch_runner import BatchObserver, BatchRunner
+from service.serving.requests import RequestRunner
+from service.workers.instance import WorkerInstance, WorkerSpec
+
+log = logging.getLogger("paddlequic.models")
+
+
+class VersionLoader:
+    """Brings one version from LOADING to READY, or fails it with the reason."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        runner: RequestRunner,
+        topology: Topology,
+        copies: VerifiedCopies,
+        observer: BatchObserver,
+        fail: Fail,
+        testing: bool,
+    ) -> None:
+        self.registry = registry
+        self.runner = runner
+        self.topology = topology
+        self.copies = copies
+        self.observer = observer
+        self.fail = fail
+        # --testing-service: honour test-only model parameters (a worker that crashes on cue).
+        self.testing = testing
+
+    async def start(self, served: ServedVersion, files: ModelFiles) -> None:
+        """Place and start a version of its own (a reload's)."""
+        if served.config.platform == ENSEMBLE:
+            await self.start_ensemble(served, files)
+            return
+        key = placement_key(served.name, served.version)
+        try:
+            placements, unplaced = place_all(
+                {key: instance_requests(key, served.config, self.topology)}, self.topology
+            )
+        except Exception as exc:  # a bug in placement must not take the other models down
+            log.exception("placement of %s failed", key)
+            placements, unplaced = {}, {key: f"placement failed: {exc}"}
+        if key in unplaced:
+            # Not counted: the counter's `placement` is the first load's (as it always was).
+            await self.fail(served, unplaced[key], None)
+            return
+        await self.start_placed(served, files, placements[key])
+
+    async def start_placed(
+        self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
+    ) -> None:
+        """Load and warm up one version; any failure leaves it UNAVAILABLE with the reason."""
+        try:
+            await self._load_version(served, files, placements)
+            if served.state is VersionState.LOADING:  # loaded: READY once warmed up
+                await warm_up(served, self.runner)
+                self.registry.changed()
+        except WarmUpError as exc:
+            # Not counted: the load-failure counter has no warm-up stage (as it never had).
+            await self.fail(served, f"warm-up failed: {exc}", None)
+        except Exception as exc:
+            log.exception("model %s version %d failed to load", served.name, served.version)
+            await self.fail(served, f"loading failed: {exc}", "load")
+
+    async def _load_version(
+        self, served: ServedVersion, files: ModelFiles, placements: list[Placement]
+    ) -> None:
+        checked = await self._signed(served, files)
+        if checked is None:
+            return
+        files, config = checked
+        params = string_parameters(config)
+        if not self.testing:
+            params.pop(TESTING_CRASH_ON, None)
+        limits = check_parameters(config)
+        served.local_numa = frontend_numa_node(self.topology)
+        simulated = self.topology.simulated
+        served.instances = [
+            WorkerInstance(
+                WorkerSpec(
+                    p.instance_name,
+                    served.name,
+                    files,
+                    params,
+                    device="gpu" if p.device == "gpu" and not simulated else "cpu",
+                    env=worker_environment(p, params, p.device == "cpu" or simulated),
+                    numa_node=p.numa_node,
+                    label=_device_label(p, self.topology.simulated),
+                    execution_timeout_s=limits.execution_timeout_s,
+                    shapes=shape_buckets(config),
+                    backend=config.backend,
+                    config=config.SerializeToString(),
+                )
+            )
+            for p in placements
+        ]
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(i.start() for i in served.instances), return_exceptions=True
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        try:
+            if failure is not None:
+                raise RepositoryError(f"loading {files.path} failed: {failure}")
+            loaded = results[0]
+            assert not isinstance(loaded, BaseException)
+            served.config = complete_config(config, loaded.inputs, loaded.outputs)
+            renamed = fetch_names(config, loaded.outputs)
+            datatypes = {o.name: BY_CONFIG_TYPE[o.data_type] for o in served.config.output}
+            for instance in served.instances:
+                instance.declare_outputs(datatypes, renamed)
+            served.validator = RequestValidator(served.config)
+            served.batcher = DynamicBatcher(
+                policy_from_config(served.config, len(served.instances)),
+                BatchRunner(served, self.observer),
+                served.capacity,
+                f"model '{served.name}' version {served.version}",
+            )
+        except RepositoryError as exc:
+            await self.fail(served, str(exc), "load")
+            return
+        log.info(
+            "loaded model %s version %d on %s in %.1f s: inputs %s -> outputs %s",
+            served.name,
+            served.version,
+            ", ".join(f"{i.spec.instance_name} on {i.spec.label}" for i in served.instances),
+            time.monotonic() - started,
+            _describe(served.config.input, served.config.max_batch_size),
+            _describe(served.config.output, served.config.max_batch_size),
+        )
+        self.registry.changed()
+
+    async def _signed(
+        self, served: ServedVersion, files: ModelFiles
+    ) -> tuple[ModelFiles, mc.ModelConfig] | None:
+        """The files and config to load the version from, or None when the signing policy
+        refuses it (it is then UNAVAILABLE with the reason)."""
+        try:
+            return await self.copies.checked(served, files)
+        except SignatureError as exc:
+            served.refused = True
+            await self.fail(served, f"signature refused: {exc}", "signature")
+            return None
+
+    async def start_ensemble(self, served: ServedVersion, files: ModelFiles) -> None:
+        """An ensemble is ready to take requests once its signature (its config.pbtxt, under
+        the signing policy like any model's) and its graph check out; whether its steps can
+        run is asked of their models at each request (and by its readiness)."""
+        if await self._signed(served, files) is None:
+            return
+        try:
+            served.steps = ensemble.plan(served.config)
+        except ensemble.EnsembleError as exc:
+            await self.fail(served, f"ensemble: {exc}", "ensemble")
+            return
+        served.validator = RequestValidator(served.config)
+        served.steps_ready = functools.partial(self.registry.ensemble_ready, served)
+        served.state = VersionState.READY
+        log.info(
+            "loaded ensemble %s: %s",
+            served.name,
+            " -> ".join(f"{s.model}" for s in served.steps),
+        )
+
+
+def placement_key(name: str, version: int) -> str:
+    return f"{name}_{version}"
+
+
+def _device_label(placement: Placement, simulated: bool) -> str:
+    if placement.device == "cpu":
+        return f"cpu (NUMA {placement.numa_node})" if placement.numa_node >= 0 else "cpu"
+    gpus = ",".join(str(i) for i in placement.gpu_indices)
+    return f"gpu {gpus} (simulated: CPU predictor)" if simulated else f"gpu {gpus}"
+
+
+def _describe(tensors: object, max_batch_size: int) -> str:
+    batch = [-1] if max_batch_size > 0 else []
+    return ", ".join(
+        f"{t.name}:{config_type_name(t.data_type).removeprefix('TYPE_')}{batch + list(t.dims)}"
+        for t in tensors  # type: ignore[attr-defined]
+    )

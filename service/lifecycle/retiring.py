@@ -1,0 +1,60 @@
+"""Ending a version: it finishes what it holds (bounded), then its batcher and workers stop
+and its verified copy goes, whether it was replaced, unloaded or failed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from service.lifecycle.verified_copies import drop_copy
+from service.registry.versions import ServedVersion, VersionState
+
+log = logging.getLogger("paddlequic.models")
+RETIRE_TIMEOUT_S = 60.0
+
+# Lifecycle.fail: the one way a version fails (the version, the reason, the load-failure
+# counter's stage or None), given to the parts of the lifecycle that find failures.
+Fail = Callable[[ServedVersion, str, str | None], Awaitable[None]]
+
+
+async def wind_down(served: ServedVersion) -> None:
+    """Let a version finish what it holds (bounded), then stop its batcher and workers and
+    drop its verified copy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RETIRE_TIMEOUT_S
+    batcher = served.batcher
+    while loop.time() < deadline and (
+        served.active or (batcher and (batcher.queued or batcher.in_flight_requests))
+    ):
+        await asyncio.sleep(0.01)
+    if batcher is not None:
+        await batcher.stop()
+    await asyncio.gather(*(i.stop() for i in served.instances), return_exceptions=True)
+    drop_copy(served)
+
+
+class Retiring:
+    """Versions that were replaced or unloaded, winding down."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def retire_soon(self, served: ServedVersion, why: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.retire(served, why))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def retire(self, served: ServedVersion, why: str) -> None:
+        """UNLOADING while it winds down, then UNAVAILABLE for `why`."""
+        if served.state is VersionState.READY:
+            served.state = VersionState.UNLOADING
+        await wind_down(served)
+        if served.state is VersionState.UNLOADING:
+            served.state, served.reason = VersionState.UNAVAILABLE, why
+        log.info("model %s version %d %s; its workers stopped", served.name, served.version, why)
+
+    async def finish(self) -> None:
+        """Wait for every retirement under way (at shutdown)."""
+        for task in list(self._tasks):
+            await task

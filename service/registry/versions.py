@@ -1,0 +1,194 @@
+"""The models being served: the registry of their versions and finding the one a request
+names. The lifecycle (service/lifecycle/) fills it; the request path (service/serving/) reads
+it."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
+from service.batching.batcher import DynamicBatcher
+from service.inference import errors
+from service.inference.validation import RequestValidator
+from service.model import ensemble
+from service.model.parameters import check_parameters
+from service.registry.names import check_model_name, parse_version
+from service.registry.statistics import ModelStats
+from service.resilience.breaker import CircuitBreaker
+from service.workers.instance import SLOTS_PER_WORKER, State, WorkerInstance
+
+
+class VersionState(enum.Enum):
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass
+class ServedVersion:
+    name: str
+    version: int
+    config: mc.ModelConfig
+    state: VersionState = VersionState.LOADING
+    reason: str = ""
+    instances: list[WorkerInstance] = field(default_factory=list)
+    validator: RequestValidator | None = None
+    batcher: DynamicBatcher | None = None
+    stats: ModelStats = field(default_factory=ModelStats)
+    local_numa: int | None = None  # the front-end's NUMA node
+    refused: bool = False  # by the signing policy: requests get FAILED_PRECONDITION
+    fingerprint: tuple[tuple[str, int, int], ...] = ()  # the files it was loaded from
+    copy: Path | None = None  # the verified private copy its workers load (signed models)
+    active: int = 0  # requests that resolved to this version and are not answered yet
+    breaker: CircuitBreaker = field(init=False)
+    steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
+    steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
+
+    def __post_init__(self) -> None:
+        # The config was checked when it was read, so its parameters parse.
+        self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
+
+    @property
+    def ready(self) -> bool:
+        if self.state is not VersionState.READY:
+            return False
+        if self.steps_ready is not None:
+            return self.steps_ready()
+        return any(i.state is State.READY for i in self.instances)
+
+    def start_failure(self) -> str | None:
+        """Why no instance can start, when none can (their restarts keep failing)."""
+        failures = [i.start_failure for i in self.instances]
+        if not failures or None in failures:
+            return None
+        return failures[0]
+
+    def capacity(self) -> int:
+        """Batches the ready instances can hold at once (one running, one queued each)."""
+        return SLOTS_PER_WORKER * sum(i.state is State.READY for i in self.instances)
+
+
+class ModelRegistry:
+    """The registry of served versions: which version a request names, and what each model
+    is serving or why it serves nothing."""
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self._on_change = on_change
+        self._models: dict[str, dict[int, ServedVersion]] = {}
+        self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
+        self._unloaded: set[str] = set()
+        self.loading_done = False
+
+    def changed(self) -> None:
+        self._on_change()
+
+    def serving(self, name: str) -> dict[int, ServedVersion]:
+        """The versions of a loaded model (none once unloaded)."""
+        return {} if name in self._unloaded else dict(self._models.get(name, {}))
+
+    def loaded_names(self) -> list[str]:
+        return sorted(set(self._models) - self._unloaded)
+
+    def publish(self, name: str, versions: dict[int, ServedVersion]) -> None:
+        """These versions are the model's from now on."""
+        self._models[name] = versions
+        self._failed.pop(name, None)
+        self._unloaded.discard(name)
+        self._on_change()
+
+    def fail_model(self, name: str, reason: str) -> None:
+        """The model has nothing to serve, for this reason."""
+        self._models.pop(name, None)
+        self._unloaded.discard(name)
+        self._failed[name] = reason
+
+    def withdraw(self, name: str) -> dict[int, ServedVersion] | None:
+        """Unload: new requests are refused from now on. The versions it had, if loaded."""
+        versions = self._models.pop(name, None)
+        if versions is None or name in self._unloaded:
+            return None
+        self._unloaded.add(name)
+        self._on_change()
+        return versions
+
+    def resolve(self, name: str, version: str) -> ServedVersion:
+        """The version a request names, or the newest ready one; errors say what exists."""
+        check_model_name(name)
+        number = parse_version(version)
+        versions = self._models.get(name)
+        if name in self._unloaded:
+            raise errors.unavailable(
+                f"model '{name}' was unloaded; load it again with RepositoryModelLoad"
+            )
+        if versions is None:
+            if name in self._failed:
+                raise errors.unavailable(f"model '{name}' failed to load: {self._failed[name]}")
+            raise errors.not_found(f"unknown model '{name}'; served models: {sorted(self._models)}")
+        # A loaded version whose workers are restarting still takes requests: they wait for
+        # the restart (bounded), which ModelReady reports as not ready meanwhile.
+        if number is None:
+            ready = [v for v in versions.values() if v.state is VersionState.READY]
+            if ready:
+                return max(ready, key=lambda v: v.version)
+            raise _not_ready(versions[max(versions)])
+        served = versions.get(number)
+        if served is None:
+            raise errors.not_found(
+                f"model '{name}' has no version {number}; served versions: {sorted(versions)}"
+            )
+        if served.state is not VersionState.READY:
+            raise _not_ready(served)
+        return served
+
+    def versions_of(self, name: str) -> list[ServedVersion]:
+        check_model_name(name)
+        return sorted(self._models.get(name, {}).values(), key=lambda v: v.version)
+
+    def all_versions(self) -> list[ServedVersion]:
+        return [v for name in sorted(self._models) for v in self.versions_of(name)]
+
+    @property
+    def all_ready(self) -> bool:
+        return self.loading_done and not self._failed and all(v.ready for v in self.all_versions())
+
+    def ensemble_ready(self, served: ServedVersion) -> bool:
+        """Every step's model has a ready version (the one it names, if it names one)."""
+        for step in served.steps:
+            try:
+                if not self.resolve(step.model, step.version).ready:
+                    return False
+            except errors.ServiceError:
+                return False
+        return True
+
+    def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        entries = [
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=v.name, version=str(v.version), state=v.state.value, reason=v.reason
+            )
+            for v in self.all_versions()
+        ]
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason=r)
+            for n, r in sorted(self._failed.items())
+        ]
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason="unloaded")
+            for n in sorted(self._unloaded)
+        ]
+        return entries
+
+
+def _not_ready(served: ServedVersion) -> errors.ServiceError:
+    detail = f": {served.reason}" if served.reason else ""
+    message = (
+        f"model '{served.name}' version {served.version} is {served.state.value.lower()}{detail}"
+    )
+    if served.refused:
+        return errors.failed_precondition(message)
+    return errors.unavailable(message)

@@ -1,0 +1,54 @@
+"""Where a version's batcher sends its batches: to one of the version's worker instances
+(service/workers/routing.py chooses which), recording the batch in its statistics, metrics and
+traces."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from opentelemetry.trace import SpanContext
+
+from service.batching.assemble import Batch
+from service.inference.jobs import InferResult, Timings
+from service.registry.versions import ServedVersion
+from service.workers import routing
+from service.workers.instance import State, WorkerInstance
+
+
+class BatchObserver(Protocol):
+    """Told of every batch run (metrics and tracing live elsewhere)."""
+
+    def on_batch(self, model: str, rows: int, timings: Timings) -> None: ...
+
+    def batch_span(
+        self, model: str, version: int, rows: int, requests: Sequence[SpanContext]
+    ) -> AbstractContextManager[Any]: ...
+
+
+class BatchRunner:
+    """Runs one version's batches (service/batching/batcher.py's RunBatch)."""
+
+    def __init__(self, served: ServedVersion, observer: BatchObserver) -> None:
+        self._served = served
+        self._observer = observer
+        self._random = random.Random(0)
+
+    async def __call__(
+        self, batch: Batch, requests: Sequence[SpanContext], deadline: float | None
+    ) -> InferResult:
+        """Statistics and metrics count the rows requests brought (the batch sizes formed);
+        the engine runs `batch` padded to its bucket."""
+        served, rows = self._served, batch.formed
+        with self._observer.batch_span(served.name, served.version, rows, requests):
+            result = await self._pick_instance().infer(batch, deadline)
+        served.stats.record_batch(rows, result.timings)
+        self._observer.on_batch(served.name, rows, result.timings)
+        return result
+
+    def _pick_instance(self) -> WorkerInstance:
+        instances = self._served.instances
+        ready = [i for i in instances if i.state is State.READY] or instances
+        return routing.choose(ready, self._served.local_numa, self._random)

@@ -1,0 +1,149 @@
+"""The request path below the servicer: a request for a version goes through its breaker, to
+its fallback model while the breaker is open, then to its batcher (or an ensemble's steps),
+and what happened is recorded in its statistics and told to the observer."""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import grpc
+
+from service.inference import errors
+from service.inference.jobs import Answer, InferJob, InputTensor, OutputTensor, Timings
+from service.inference.validation import decoded
+from service.model import ensemble
+from service.model.parameters import check_parameters
+from service.registry.versions import ModelRegistry, ServedVersion
+from service.resilience.breaker import Admission, BreakerState
+from service.resilience.fallback import incompatibility
+from service.serving.ensemble import run as run_ensemble
+
+
+class RequestObserver(Protocol):
+    """Told what only the request path sees (metrics and tracing live elsewhere)."""
+
+    def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None: ...
+
+    def on_fallback(self, model: str, fallback: str) -> None: ...
+
+    def encode_span(self) -> AbstractContextManager[Any]: ...
+
+
+class RequestRunner:
+    """Runs validated requests on the versions of the registry."""
+
+    def __init__(self, registry: ModelRegistry, observer: RequestObserver) -> None:
+        self.registry = registry
+        self.observer = observer
+
+    async def infer(
+        self, served: ServedVersion, job: InferJob, deadline: float | None
+    ) -> tuple[ServedVersion, Answer]:
+        """Run the request on `served`, or on its fallback model while its breaker is open:
+        the version that answered, and its answer."""
+        breaker = served.breaker
+        failure = served.start_failure()
+        if failure is not None and breaker.state is BreakerState.CLOSED:
+            breaker.trip()
+        admission = breaker.admit()
+        if admission is None:
+            fallback = self._fallback(served, failure)
+            # A fallback's own breaker guards it too; a fallback has no fallback of its own.
+            fallback_admission = fallback.breaker.admit()
+            if fallback_admission is None:
+                raise _open_circuit(fallback, fallback.start_failure())
+            self.observer.on_fallback(served.name, fallback.name)
+            return fallback, await self._recorded(fallback, fallback_admission, job, deadline)
+        return served, await self._recorded(served, admission, job, deadline)
+
+    def encode_span(self) -> AbstractContextManager[Any]:
+        return self.observer.encode_span()
+
+    async def _recorded(
+        self,
+        served: ServedVersion,
+        admission: Admission,
+        job: InferJob,
+        deadline: float | None,
+    ) -> Answer:
+        """Run the request, telling the version's breaker how it ended for the caller."""
+        code: grpc.StatusCode | None = None
+        try:
+            return await self._run(served, job, deadline)
+        except errors.ServiceError as exc:
+            code = exc.code
+            raise
+        except BaseException:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            served.breaker.record(admission, code)
+
+    def _fallback(self, served: ServedVersion, failure: str | None) -> ServedVersion:
+        """The ready version of the fallback model, or UNAVAILABLE saying the circuit is open."""
+        name = check_parameters(served.config).fallback_model
+        if name is None:
+            raise _open_circuit(served, failure)
+        try:
+            fallback = self.registry.resolve(name, "")
+        except errors.ServiceError as exc:
+            raise _open_circuit(served, failure, f"its fallback model: {exc.message}") from None
+        reason = incompatibility(served.config, fallback.config)
+        if reason is not None:
+            raise _open_circuit(served, failure, f"its fallback model '{name}' {reason}")
+        return fallback
+
+    async def _run(self, served: ServedVersion, job: InferJob, deadline: float | None) -> Answer:
+        started = time.perf_counter_ns()
+        served.active += 1  # before any await: a swap cannot retire it under this request
+        try:
+            if served.steps:
+                answer = await self._run_ensemble(served, job, deadline)
+            else:
+                assert served.batcher is not None
+                answer = await served.batcher.submit(job, deadline)
+        except BaseException:
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            raise
+        finally:
+            served.active -= 1
+        elapsed_ns = time.perf_counter_ns() - started
+        served.stats.record_success(job.rows, elapsed_ns, answer.queue_ns, answer.timings)
+        self.observer.on_request(served.name, elapsed_ns, answer)
+        return answer
+
+    async def _run_ensemble(
+        self, served: ServedVersion, job: InferJob, deadline: float | None
+    ) -> Answer:
+        queue_ns = 0
+
+        async def run_step(
+            step: ensemble.Step, inputs: tuple[InputTensor, ...], outputs: tuple[str, ...]
+        ) -> tuple[OutputTensor, ...]:
+            nonlocal queue_ns
+            model = self.registry.resolve(step.model, step.version)
+            try:
+                assert model.validator is not None
+                step_job = await decoded(model.validator.check(inputs, outputs))
+            except errors.ServiceError:
+                model.stats.record_failure(0)
+                raise
+            _, answer = await self.infer(model, step_job, deadline)
+            queue_ns += answer.queue_ns
+            return answer.outputs
+
+        outputs = await run_ensemble(served.name, served.steps, job, run_step)
+        return Answer(outputs, Timings(0, 0, 0), queue_ns, job.rows)
+
+
+def _open_circuit(
+    served: ServedVersion, failure: str | None, detail: str = ""
+) -> errors.ServiceError:
+    why = f"no instance can start ({failure})" if failure else "too many recent requests failed"
+    message = (
+        f"model '{served.name}' version {served.version} is open-circuited: {why}; it will be "
+        f"retried in {served.breaker.retry_in_s():.1f} s"
+    )
+    return errors.unavailable(f"{message}; {detail}" if detail else message)
