@@ -44,7 +44,8 @@ from service.registry.model_manager import ModelManager, ServedVersion, VersionS
 from service.registry.names import check_model_name
 from service.registry.statistics import ModelStats
 from service.settings import ServerSettings
-from service.workers.instance import WorkerInstance, WorkerSpec
+from service.workers.instance import WorkerInstance
+from service.workers.spec import WorkerSpec
 
 log = logging.getLogger("paddlequic.models")
 WARM_UP_TIMEOUT_S = 120.0

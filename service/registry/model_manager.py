@@ -31,7 +31,8 @@ from service.resilience.breaker import Admission, BreakerState, CircuitBreaker
 from service.resilience.fallback import incompatibility
 from service.serving.ensemble import run as run_ensemble
 from service.workers import routing
-from service.workers.instance import SLOTS_PER_WORKER, State, WorkerInstance
+from service.workers.instance import State, WorkerInstance
+from service.workers.slots import SLOTS_PER_WORKER
 
 
 class VersionState(enum.Enum):
