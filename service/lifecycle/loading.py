@@ -34,7 +34,8 @@ from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.batch_runner import BatchObserver, BatchRunner
 from service.serving.requests import RequestRunner
-from service.workers.instance import WorkerInstance, WorkerSpec
+from service.workers.instance import WorkerInstance
+from service.workers.spec import WorkerSpec
 
 log = logging.getLogger("paddlequic.models")
 

@@ -19,7 +19,8 @@ from service.model.parameters import check_parameters
 from service.registry.names import check_model_name, parse_version
 from service.registry.statistics import ModelStats
 from service.resilience.breaker import CircuitBreaker
-from service.workers.instance import SLOTS_PER_WORKER, State, WorkerInstance
+from service.workers.instance import State, WorkerInstance
+from service.workers.slots import SLOTS_PER_WORKER
 
 
 class VersionState(enum.Enum):

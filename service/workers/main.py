@@ -19,6 +19,7 @@ import numpy as np
 
 from service.backend.load import Load
 from service.backend.sandbox.privileges import undumpable
+from service.model.files import PYTHON_BACKEND
 from service.model.parameters import TESTING_CRASH_ON
 from service.placement.cpulist import CPU_AFFINITY_ENV, parse_cpulist
 from service.workers import protocol
@@ -104,7 +105,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
 
 
 def _load(load: Load) -> Any:
-    if load.backend == "python":
+    if load.backend == PYTHON_BACKEND:
         from service.backend.python_model import PythonModel
 
         return PythonModel(load)

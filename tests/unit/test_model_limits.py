@@ -10,8 +10,8 @@ import pytest
 
 from service.inference.errors import ServiceError
 from service.lifecycle.repository import ModelRepository, RepositoryError
-from service.workers.instance import grown
 from service.workers.shm import Segment
+from service.workers.slots import grown
 from tests.unit.test_repository import MLP_CONFIG, add_model
 
 

@@ -1,0 +1,61 @@
+"""A worker's answers as callers see them: outputs under the names and datatypes the model's
+config declares, copied out of the slot request by request, and failures as gRPC errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from oip.datatypes import Datatype
+from service.batching.assemble import Batch
+from service.inference import errors
+from service.inference.jobs import InferResult
+from service.workers import protocol
+from service.workers.slots import Slot
+
+_BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
+
+
+class Outputs:
+    """One model's outputs, as its config declares them."""
+
+    def __init__(self) -> None:
+        # Outputs config.pbtxt renames: callers use the configured names, the worker's
+        # program its fetch names (fetch_name_N).
+        self._fetch_names: dict[str, str] = {}
+        self._served_names: dict[str, str] = {}
+        self._datatypes: dict[str, Datatype] = {}
+
+    def declare(self, datatypes: Mapping[str, Datatype], fetch_names: Mapping[str, str]) -> None:
+        """The outputs as the model's config declares them (response datatypes come from here,
+        not from numpy, which has no BF16), and configured output name -> the program's fetch
+        name, for renamed outputs."""
+        self._datatypes = dict(datatypes)
+        self._fetch_names = dict(fetch_names)
+        self._served_names = {fetch: served for served, fetch in fetch_names.items()}
+
+    def fetch_names(self, outputs: Iterable[str]) -> tuple[str, ...]:
+        """What the worker's program calls the outputs a batch asks for."""
+        return tuple(self._fetch_names.get(n, n) for n in outputs)
+
+    def split(
+        self, slot: Slot, batch: Batch, message: protocol.Result, queue_ns: int
+    ) -> InferResult | errors.ServiceError:
+        """Each request's outputs, copied out of the slot before it is handed on."""
+        views = slot.read(message, self._served_names, self._datatypes)
+        try:
+            return InferResult(batch.split(views), message.timings, queue_ns)
+        except errors.ServiceError as exc:
+            return exc
+        finally:
+            for view in views:
+                if isinstance(view.data, memoryview):
+                    view.data.release()
+
+
+def failure(message: protocol.Failed, model_name: str) -> errors.ServiceError:
+    # Paddle's InvalidArgument/OutOfRange errors are about the request's values
+    # (e.g. embedding ids out of range), which validation cannot see.
+    bad_input = any(k in message.message for k in _BAD_INPUT_ERRORS)
+    return (errors.invalid if bad_input else errors.internal)(
+        f"model '{model_name}' failed: {message.message}"
+    )
