@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.observability.children import Children
 from transport.h3.server import H3ServerStats
 from transport.tls.session_tickets import TicketCounters
 
@@ -130,15 +131,11 @@ class FrontendMetrics:
             "front-end processes restarted after exiting",
             registry=registry,
         )
-        self._children: dict[tuple[str, str], Any] = {}
+        self._child = Children()
         registry.register(_Forwarded(stats))
 
     def call(self, frontend: str, transport: str) -> None:
-        key = (frontend, transport)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.calls.labels(frontend, transport)
-        child.inc()
+        self._child(self.calls, frontend, transport).inc()
 
 
 class _Forwarded(Collector):

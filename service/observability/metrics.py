@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from service.inference.jobs import Timings
+from service.observability.children import Children
 from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry
 from service.resilience.breaker import BreakerState
@@ -44,7 +45,7 @@ class Metrics:
     """Every metric the server exports."""
 
     def __init__(self, models: ModelRegistry, topology: Topology) -> None:
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.child = Children()
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
@@ -114,15 +115,6 @@ class Metrics:
                 "(choose another --metrics-port, 0 for any, or --no-metrics)"
             ) from None
         return server
-
-    def child(self, metric: Any, *labels: str) -> Any:
-        """`metric.labels(*labels)`, cached: prometheus_client's lookup takes a lock and
-        validates the labels on every call, which shows on the per-request path."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
 
     def observe_batch(self, model: str, rows: int, timings: Timings) -> None:
         self.child(self.batch_size, model).observe(rows)
