@@ -275,23 +275,16 @@ class Call:
     async def _unary_response(self) -> Any:
         response = await self._read()
         if response is EOF:
-            raise AioRpcError(
-                grpc.StatusCode.INTERNAL,
-                self._initial or Metadata(),
-                Metadata(),
-                "the server sent no response message",
-                None,
-            )
+            raise self._internal("the server sent no response message")
         extra = await self._read()
         if extra is not EOF:
-            raise AioRpcError(
-                grpc.StatusCode.INTERNAL,
-                self._initial or Metadata(),
-                Metadata(),
-                "the server sent more than one response message",
-                None,
-            )
+            raise self._internal("the server sent more than one response message")
         return response
+
+    def _internal(self, details: str) -> AioRpcError:
+        return AioRpcError(
+            grpc.StatusCode.INTERNAL, self._initial or Metadata(), Metadata(), details, None
+        )
 
     # grpc.aio.Call
 
