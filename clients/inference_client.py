@@ -9,11 +9,12 @@ that asks for one, a client certificate and key.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.tickets import SessionTicketCache
 from clients.trace_context import Metadata, with_trace_context
 from oip.bytes_tensor import serialize_bytes, to_numpy_bytes
+from oip.datatypes import BY_NAME, from_numpy, is_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -33,23 +35,7 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 _T = TypeVar("_T")
-
-# The protocol's datatype names for numpy dtypes (BF16 has no numpy dtype).
-_DATATYPES = {
-    "bool": "BOOL",
-    "uint8": "UINT8",
-    "uint16": "UINT16",
-    "uint32": "UINT32",
-    "uint64": "UINT64",
-    "int8": "INT8",
-    "int16": "INT16",
-    "int32": "INT32",
-    "int64": "INT64",
-    "float16": "FP16",
-    "float32": "FP32",
-    "float64": "FP64",
-}
-_NUMPY = {v: np.dtype(k) for k, v in _DATATYPES.items()}
+_P = ParamSpec("_P")
 
 
 @dataclass(frozen=True)
@@ -78,16 +64,6 @@ def parse_url(url: str) -> Target:
     return Target(parts.scheme, parts.hostname, parts.port or DEFAULT_PORT)
 
 
-def datatype_of(array: np.ndarray[Any, Any]) -> str:
-    """Object arrays (of bytes or str) and numpy bytes arrays are BYTES tensors."""
-    if array.dtype.kind in "OS":
-        return "BYTES"
-    try:
-        return _DATATYPES[array.dtype.name]
-    except KeyError:
-        raise ValueError(f"numpy dtype {array.dtype} has no protocol datatype") from None
-
-
 def build_request(
     model: str,
     inputs: Mapping[str, np.ndarray[Any, Any]],
@@ -97,8 +73,9 @@ def build_request(
 ) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, array in inputs.items():
-        request.inputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
-        if array.dtype.kind in "OS":
+        datatype = from_numpy(array.dtype).name
+        request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+        if datatype == "BYTES":
             request.raw_input_contents.append(
                 serialize_bytes(v.encode() if isinstance(v, str) else bytes(v) for v in array.flat)
             )
@@ -116,7 +93,7 @@ def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any,
         if tensor.datatype == "BYTES":
             arrays[tensor.name] = to_numpy_bytes(raw, tensor.shape)
             continue
-        dtype = _NUMPY[tensor.datatype].newbyteorder("<")
+        dtype = BY_NAME[tensor.datatype].numpy
         arrays[tensor.name] = np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.shape))
     return arrays
 
@@ -158,7 +135,9 @@ def random_array(
 ) -> np.ndarray[Any, Any]:
     """Random values of a protocol datatype: normal floats, booleans, or small integers (so
     embedding ids stay in range)."""
-    dtype = _NUMPY[datatype]
+    dtype = BY_NAME[datatype].numpy
+    if is_bytes(dtype) or datatype == "BF16":  # no numpy values build_request would send as such
+        raise ValueError(f"no random values for {datatype} inputs")
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     if dtype.kind == "b":
@@ -233,28 +212,46 @@ class AsyncInferenceClient:
         await self.close()
 
 
+def _arguments_of(
+    source: Callable[Concatenate[Any, _P], None],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, _P], None]]:
+    """Gives the decorated `__init__(self, *args, **kwargs)` the arguments of the `__init__`
+    `source`, for type checkers and `help()` alike: the sync client's options are the async
+    client's, declared once."""
+
+    def typed(init: Callable[..., None]) -> Callable[Concatenate[Any, _P], None]:
+        functools.update_wrapper(init, source, assigned=(), updated=())
+        return init
+
+    return typed
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncInferenceClient, _P], Coroutine[Any, Any, _T]],
+) -> Callable[Concatenate[InferenceClient, _P], _T]:
+    """The sync client's version of an async client's method: the same arguments, run on the
+    client's event loop thread."""
+
+    def run(client: InferenceClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return client._run(method(client._client, *args, **kwargs))
+
+    functools.update_wrapper(run, method)
+    return run
+
+
 class InferenceClient:
     """Synchronous facade: the async client runs on a private event loop thread, so both
     transports behave the same and calls from any thread are safe."""
 
-    def __init__(
-        self,
-        url: str = f"grpc://localhost:{DEFAULT_PORT}",
-        ca_file: str | None = None,
-        ticket_cache: SessionTicketCache | None = None,
-        client_cert: str | None = None,
-        client_key: str | None = None,
-        metadata: Iterable[tuple[str, str]] = (),
-    ) -> None:
+    @_arguments_of(AsyncInferenceClient.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         """As `AsyncInferenceClient`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
 
         async def create() -> AsyncInferenceClient:
-            return AsyncInferenceClient(
-                url, ca_file, ticket_cache, client_cert, client_key, metadata
-            )
+            return AsyncInferenceClient(*args, **kwargs)
 
         self._client = self._run(create())
         self.target = self._client.target
@@ -262,24 +259,10 @@ class InferenceClient:
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray[Any, Any]],
-        outputs: Sequence[str] = (),
-        version: str = "",
-        timeout: float | None = None,
-    ) -> dict[str, np.ndarray[Any, Any]]:
-        return self._run(self._client.infer(model, inputs, outputs, version, timeout))
-
-    def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
-        return self._run(self._client.metadata(model, version))
-
-    def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
-        return self._run(self._client.index())
-
-    def health(self, service: str = "", timeout: float | None = 5.0) -> str:
-        return self._run(self._client.health(service, timeout))
+    infer = _blocking(AsyncInferenceClient.infer)
+    metadata = _blocking(AsyncInferenceClient.metadata)
+    index = _blocking(AsyncInferenceClient.index)
+    health = _blocking(AsyncInferenceClient.health)
 
     @property
     def connect_mode(self) -> str:

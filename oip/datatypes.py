@@ -63,11 +63,16 @@ PADDLE_NAMES = {
 
 
 def from_numpy(dtype: np.dtype[Any]) -> Datatype:
-    """The protocol datatype of a numpy array (BF16 never comes back from here)."""
+    """The protocol datatype of a numpy array, in either byte order (senders write it
+    little-endian); object arrays (of bytes or str) and numpy bytes arrays are BYTES. BF16
+    never comes back from here."""
+    if dtype.kind in "OS":
+        return BY_NAME["BYTES"]
+    little_endian = dtype.newbyteorder("<")
     for d in DATATYPES:
-        if d.numpy == dtype and d.name != "BF16":
+        if d.numpy == little_endian and d.name != "BF16":
             return d
-    raise ValueError(f"numpy dtype {dtype} has no Open Inference Protocol datatype")
+    raise ValueError(f"numpy dtype {dtype} has no protocol datatype")
 
 
 def is_bytes(dtype: np.dtype[Any] | str) -> bool:

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from clients.inference_client import build_request, datatype_of, random_array
+from clients.inference_client import build_request, random_array
+from oip.datatypes import from_numpy
 from protos.inference import grpc_service_pb2 as pb
 
 INPUT_DATA = ("random", "zero")
@@ -79,8 +80,9 @@ def _from_file(path: Path, datatype: str) -> np.ndarray[Any, Any]:
     if not path.is_file():
         raise ValueError(f"--input-data: {path} is missing (one NAME.npy per input)")
     array: np.ndarray[Any, Any] = np.load(path)
-    if datatype_of(array) != datatype:
-        raise ValueError(f"{path} holds {datatype_of(array)}, the model wants {datatype}")
+    held = from_numpy(array.dtype).name
+    if held != datatype:
+        raise ValueError(f"{path} holds {held}, the model wants {datatype}")
     return array
 
 
