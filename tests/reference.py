@@ -80,15 +80,48 @@ def example_inputs(model: str, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]
 EXAMPLES = ("mlp", "resnet18", "text_classifier", "two_tower")
 
 
+def call_inputs(model: str, call: int) -> dict[str, np.ndarray[Any, Any]]:
+    """Inputs for the call numbered `call`, seeded by that number: no two calls of a test send
+    the same tensors, so an answer given to the wrong caller fails its check."""
+    return example_inputs(model, seed=CALL_SEED + call)
+
+
+# Above the seeds tests pass to example_inputs by hand, so call inputs never repeat theirs.
+CALL_SEED = 1_000_000
+
+
+def run_ensemble_reference(
+    config: Any, inputs: dict[str, np.ndarray[Any, Any]]
+) -> dict[str, np.ndarray[Any, Any]]:
+    """An ensemble's outputs (a ModelConfig with ensemble_scheduling) composed in-process from
+    its Paddle steps, in the order its config lists them."""
+    tensors = dict(inputs)
+    for step in config.ensemble_scheduling.step:
+        step_inputs = {name: tensors[tensor] for name, tensor in step.input_map.items()}
+        outputs = run_reference(step.model_name, step_inputs)
+        tensors.update(
+            {tensor_name: outputs[name] for name, tensor_name in step.output_map.items()}
+        )
+    return {output.name: tensors[output.name] for output in config.output}
+
+
+def assert_outputs(expected: dict[str, np.ndarray[Any, Any]], response: Any) -> None:
+    """A served ModelInferResponse holds exactly `expected` (the reference's outputs for this
+    call's own input), in order, each compared by value."""
+    from clients.inference_client import parse_response
+
+    served = parse_response(response)
+    assert list(served) == list(expected)
+    for name, array in expected.items():
+        assert served[name].shape == array.shape, name
+        if array.dtype == np.object_:
+            assert served[name].tolist() == array.tolist(), name
+        else:
+            np.testing.assert_allclose(served[name], array, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def assert_matches_reference(
     model: str, inputs: dict[str, np.ndarray[Any, Any]], response: Any
 ) -> None:
     """A served ModelInferResponse holds the same outputs as in-process Paddle, in order."""
-    from clients.inference_client import parse_response
-
-    served = parse_response(response)
-    expected = run_reference(model, inputs)
-    assert list(served) == list(expected)
-    for name, array in expected.items():
-        assert served[name].shape == array.shape
-        np.testing.assert_allclose(served[name], array, rtol=1e-4, atol=1e-5)
+    assert_outputs(run_reference(model, inputs), response)

@@ -1,7 +1,9 @@
 """`--frontends 2`: two front-end processes on one port feeding one set of workers. Both
 transports serve every kind of call, new connections reach both front-ends, 0-RTT tickets are
 single use across them, an HTTP/3 client leaves a silent front-end's connection, a killed
-front-end is restarted, SIGTERM leaves no process behind."""
+front-end is restarted, SIGTERM leaves no process behind. Every call sends inputs of its own
+and its answer is compared with in-process Paddle's for them, so an answer that reached the
+wrong caller fails."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -27,16 +28,18 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once
+from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import ServerProcess, children, model_repository, running_server
 
 pytestmark = pytest.mark.e2e
 
-REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
 FRONTEND = "service.frontends.frontend"
 WORKER = "service.workers.main"
 WAIT_S = 60.0
 MAX_CONNECTIONS = 200  # new connections tried until both front-ends got one
 REBINDS = 20  # new client ports: the chance that none reaches the other front-end is 2^-20
+CALLERS = 16  # concurrent callers, each on a connection of its own
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 @pytest.fixture(scope="module")
@@ -74,23 +77,28 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.1)
 
 
-async def every_kind_of_call(channel: grpc.aio.Channel | QuicChannel) -> None:
+async def infer_checked(stub: pb_grpc.GRPCInferenceServiceStub, call: int) -> None:
+    """One ModelInfer with the inputs of call number `call`, its answer checked by value."""
+    inputs = call_inputs("mlp", call)
+    response = await stub.ModelInfer(build_request("mlp", inputs), timeout=30)
+    assert_matches_reference("mlp", inputs, response)
+
+
+async def every_kind_of_call(channel: grpc.aio.Channel | QuicChannel, first_call: int) -> None:
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    response = await stub.ModelInfer(REQUEST, timeout=30)
-    assert response.outputs[0].shape == [1, 10]
+    await infer_checked(stub, first_call)
+    calls = range(first_call + 1, first_call + 6)
 
     async def requests() -> AsyncIterator[pb.ModelInferRequest]:
-        for i in range(5):
-            yield pb.ModelInferRequest(
-                id=str(i),
-                model_name="mlp",
-                inputs=REQUEST.inputs,
-                raw_input_contents=REQUEST.raw_input_contents,
-            )
+        for call in calls:
+            yield build_request("mlp", call_inputs("mlp", call), request_id=str(call))
 
     answers = [r async for r in stub.ModelStreamInfer(requests(), timeout=30)]
-    assert sorted(a.infer_response.id for a in answers) == [str(i) for i in range(5)]
     assert not any(a.error_message for a in answers)
+    by_id = {a.infer_response.id: a.infer_response for a in answers}
+    assert sorted(by_id) == sorted(str(call) for call in calls)
+    for call in calls:
+        assert_matches_reference("mlp", call_inputs("mlp", call), by_id[str(call)])
     assert (await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10)).name
     assert (await stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"), timeout=10)).inputs
     health = health_pb2_grpc.HealthStub(channel)
@@ -105,17 +113,33 @@ async def test_every_kind_of_call_on_both_transports(
     server: ServerProcess, certs_dir: Path
 ) -> None:
     async with grpc.aio.insecure_channel(server.address) as h2:
-        await every_kind_of_call(h2)
+        await every_kind_of_call(h2, first_call=0)
     async with quic(server, certs_dir) as h3:
-        await every_kind_of_call(h3)
+        await every_kind_of_call(h3, first_call=10)
+
+
+async def test_concurrent_callers_each_get_their_own_answer(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Callers on connections of their own (so on both front-ends) and both transports, all at
+    once, each with inputs of its own: every one gets the answer for its inputs."""
+
+    async def caller(call: int) -> None:
+        if call % 2:
+            async with quic(server, certs_dir) as h3:
+                await infer_checked(pb_grpc.GRPCInferenceServiceStub(h3), call)
+        else:
+            async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as h2:
+                await infer_checked(pb_grpc.GRPCInferenceServiceStub(h2), call)
+
+    await asyncio.gather(*(caller(100 + i) for i in range(CALLERS)))
 
 
 async def test_new_connections_reach_both_frontends(server: ServerProcess, certs_dir: Path) -> None:
-    own_connection = [("grpc.use_local_subchannel_pool", 1)]
     for transport in ("h2", "h3"):
         for _ in range(MAX_CONNECTIONS):
             if transport == "h2":
-                async with grpc.aio.insecure_channel(server.address, options=own_connection) as ch:
+                async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as ch:
                     await pb_grpc.GRPCInferenceServiceStub(ch).ServerLive(
                         pb.ServerLiveRequest(), timeout=10
                     )
@@ -179,12 +203,12 @@ async def test_a_client_whose_address_changes_keeps_its_connection(
 ) -> None:
     async with quic(server, certs_dir) as h3:
         stub = pb_grpc.GRPCInferenceServiceStub(h3)
-        await stub.ModelInfer(REQUEST, timeout=10)
+        await infer_checked(stub, 200)
         connection = await h3.connection()
         before = forwarded(server)
-        for _ in range(REBINDS):
+        for i in range(REBINDS):
             await rebind(h3)
-            await stub.ModelInfer(REQUEST, timeout=10)
+            await infer_checked(stub, 201 + i)
         assert await h3.connection() is connection  # never reconnected
     # Each new port lands on either front-end: some of the rebinds reached the other one.
     wait_for(lambda: forwarded(server) > before, "datagrams passed to their owner")
@@ -200,20 +224,20 @@ async def test_an_http3_client_gives_up_a_silent_frontend_and_reconnects(
         f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"), unresponsive_timeout_s=1.0
     ) as h3:
         stub = pb_grpc.GRPCInferenceServiceStub(h3)
-        await stub.ModelInfer(REQUEST, timeout=10)
+        await infer_checked(stub, 300)
         first = await h3.connection()
         stopped = frontends(server)
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as lost:
-                await stub.ModelInfer(REQUEST, timeout=WAIT_S)
+                await stub.ModelInfer(build_request("mlp", call_inputs("mlp", 301)), timeout=WAIT_S)
         finally:
             for pid in stopped:
                 os.kill(pid, signal.SIGCONT)
         assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no answer from the server" in (lost.value.details() or "")
-        await stub.ModelInfer(REQUEST, timeout=10)
+        await infer_checked(stub, 302)
         assert await h3.connection() is not first
 
 
@@ -238,9 +262,13 @@ def test_a_killed_frontend_is_restarted_and_sigterm_stops_every_process(
         os.kill(killed, signal.SIGKILL)
         wait_for(lambda: len(frontends(s)) == 2 and killed not in frontends(s), "a new front-end")
         wait_for(lambda: "paddlequic_frontend_restarts_total 1.0" in metrics(s), "the count")
-        for _ in range(10):  # new connections, whichever front-end they reach
-            with grpc.insecure_channel(s.address, [("grpc.use_local_subchannel_pool", 1)]) as ch:
-                pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(REQUEST, timeout=30)
+        for call in range(10):  # new connections, whichever front-end they reach
+            with grpc.insecure_channel(s.address, OWN_CONNECTION) as ch:
+                inputs = call_inputs("mlp", call)
+                stub = pb_grpc.GRPCInferenceServiceStub(ch)
+                assert_matches_reference(
+                    "mlp", inputs, stub.ModelInfer(build_request("mlp", inputs), timeout=30)
+                )
         everything = set(children(s.process.pid))
         assert s.stop() == 0
     # multiprocessing's resource tracker exits once the parent is gone: wait, do not race it.
