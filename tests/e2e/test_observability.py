@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
-from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
 from service.observability.logs import sampled_by_id
@@ -26,6 +25,7 @@ GOOD = {"input": np.ones((1, 256), np.float32)}
 BAD = {"no_such_input": np.ones((1, 256), np.float32)}  # -> INVALID_ARGUMENT
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
+LOG_WAIT_S = 60.0
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -208,18 +208,47 @@ async def test_spans_continue_the_callers_trace_on_both_transports(observed: Obs
         assert batch["attributes"]["paddlequic.batch_size"] >= 1
 
 
+def logged_request_ids(log_text: str, prefix: str) -> set[str]:
+    """The ids of the request-log lines in `log_text` whose id starts with `prefix`."""
+    lines = [json.loads(x) for x in log_text.splitlines() if x.startswith("{")]
+    return {
+        line["request_id"]
+        for line in lines
+        if line.get("event") == "request" and line["request_id"].startswith(prefix)
+    }
+
+
+def wait_logged(log_text: Callable[[], str], request_id: str) -> None:
+    """Until the line of `request_id` is in the log. Sent after others, it proves their lines
+    would be there by now: a request's line is written when its call ends, and calls made one
+    after another end in that order."""
+    deadline = time.monotonic() + LOG_WAIT_S
+    while request_id not in logged_request_ids(log_text(), request_id):
+        assert time.monotonic() < deadline, f"no log line for {request_id}"
+        time.sleep(0.1)
+
+
 async def test_errors_are_logged_and_unsampled_successes_are_not(observed: Observed) -> None:
     for transport in ("h2", "h3"):
         assert await infer(observed, transport, GOOD, f"log-ok-{transport}") == grpc.StatusCode.OK
         code = await infer(observed, transport, BAD, f"log-bad-{transport}")
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-    observed.server.stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
+        ok = await infer(observed, transport, GOOD, f"log-ok-last-{transport}")
+        assert ok == grpc.StatusCode.OK
+    # A failure after the last success: once its line is written, a success's would be too.
+    code = await infer(observed, "h2", BAD, "log-bad-end")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    wait_logged(observed.server.log_text, "log-bad-end")
 
     def request_line(obj: dict[str, Any]) -> bool:
         return obj.get("event") == "request" and obj["request_id"].startswith("log-")
 
-    lines = log_objects(observed, 2, request_line)
-    assert sorted(line["request_id"] for line in lines) == ["log-bad-h2", "log-bad-h3"]
+    lines = log_objects(observed, 3, request_line)
+    assert sorted(line["request_id"] for line in lines) == [
+        "log-bad-end",
+        "log-bad-h2",
+        "log-bad-h3",
+    ]
     for line in lines:
         assert line["level"] == "warning"
         assert {line["transport"], line["rpc"], line["status"]} <= {"h2", "h3"} | {
@@ -247,19 +276,10 @@ def test_successes_are_sampled_at_the_configured_ratio(tmp_path: Path) -> None:
                 "mlp", {"input": np.ones((1, 256), np.float32)}, request_id=request_id
             )
             server.stub.ModelInfer(request, timeout=30)
-        server.stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
+        # A failure after the last success: once its line is written, a success's would be too.
+        with pytest.raises(grpc.RpcError):
+            server.stub.ModelInfer(build_request("mlp", BAD, request_id="end"), timeout=30)
+        wait_logged(server.log_text, "end")
         expected = {i for i in ids if sampled_by_id(seed, i, ratio)}
         assert 0 < len(expected) < len(ids)
-
-        def logged() -> set[str]:
-            lines = [json.loads(x) for x in server.log_text().splitlines() if x.startswith("{")]
-            return {
-                line["request_id"]
-                for line in lines
-                if line.get("event") == "request" and line["request_id"].startswith("sample-")
-            }
-
-        deadline = time.monotonic() + 10
-        while logged() != expected and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert logged() == expected
+        assert logged_request_ids(server.log_text(), "sample-") == expected
