@@ -1,16 +1,21 @@
 """An ensemble on a real server: two independent Paddle steps behind one request, its
-metadata, readiness, index entry and statistics, and a failing step named in the error."""
+metadata, readiness, index entry and statistics, and a failing step named in the error. Its
+answers are compared with its steps composed in-process."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
-from clients.inference_client import build_request, parse_response
+from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
+from tests.reference import assert_outputs, call_inputs, run_ensemble_reference
 from tests.servers import model_repository, running_server
 
 PAIR = """
@@ -43,9 +48,14 @@ def test_ensemble_runs_its_steps_and_reports_like_a_model(tmp_path: Path) -> Non
     repository = model_repository(tmp_path / "models", ["mlp", "text_classifier"])
     (repository / "pair").mkdir()
     (repository / "pair" / "config.pbtxt").write_text(PAIR)
-    rng = np.random.default_rng(7)
-    features = rng.standard_normal((2, 256), dtype=np.float32)
-    ids = rng.integers(0, 1000, (2, 5), dtype=np.int64)
+    config = text_format.Parse(PAIR, mc.ModelConfig())
+
+    def pair_inputs(call: int) -> dict[str, np.ndarray[Any, Any]]:
+        return {
+            "features": call_inputs("mlp", call)["input"],
+            "ids": call_inputs("text_classifier", call)["token_ids"][:, :5],
+        }
+
     with running_server(repository, tmp_path / "server.log") as server:
         stub = server.stub
         assert stub.ModelReady(pb.ModelReadyRequest(name="pair"), timeout=5).ready
@@ -58,29 +68,20 @@ def test_ensemble_runs_its_steps_and_reports_like_a_model(tmp_path: Path) -> Non
         index = stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=5).models
         assert ("pair", "READY") in [(m.name, m.state) for m in index]
 
-        response = stub.ModelInfer(
-            build_request("pair", {"features": features, "ids": ids}), timeout=TIMEOUT_S
-        )
-        assert response.model_name == "pair"
-        got = parse_response(response)
-        mlp = parse_response(
-            stub.ModelInfer(build_request("mlp", {"input": features}), timeout=TIMEOUT_S)
-        )
-        text = parse_response(
-            stub.ModelInfer(build_request("text_classifier", {"token_ids": ids}), timeout=TIMEOUT_S)
-        )
-        np.testing.assert_allclose(got["probs"], mlp["probabilities"], rtol=1e-5)
-        np.testing.assert_allclose(got["logits"], text["logits"], rtol=1e-5)
+        for call in range(2):
+            inputs = pair_inputs(call)
+            response = stub.ModelInfer(build_request("pair", inputs), timeout=TIMEOUT_S)
+            assert response.model_name == "pair"
+            assert_outputs(run_ensemble_reference(config, inputs), response)
 
-        only = stub.ModelInfer(
-            build_request("pair", {"features": features, "ids": ids}, outputs=["logits"]),
-            timeout=TIMEOUT_S,
-        )
-        assert [t.name for t in only.outputs] == ["logits"]
+        inputs = pair_inputs(2)
+        only = stub.ModelInfer(build_request("pair", inputs, outputs=["logits"]), timeout=TIMEOUT_S)
+        expected = run_ensemble_reference(config, inputs)
+        assert_outputs({"logits": expected["logits"]}, only)
 
         with pytest.raises(grpc.RpcError) as failed:
             stub.ModelInfer(
-                build_request("pair", {"features": features, "ids": ids * 0 + 10**9}),
+                build_request("pair", {**inputs, "ids": inputs["ids"] * 0 + 10**9}),
                 timeout=TIMEOUT_S,
             )
         assert "ensemble 'pair' step 2 (model 'text_classifier') failed" in (
@@ -89,5 +90,5 @@ def test_ensemble_runs_its_steps_and_reports_like_a_model(tmp_path: Path) -> Non
 
         stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="pair"), timeout=5)
         (pair_stats,) = stats.model_stats
-        assert pair_stats.inference_stats.success.count == 2
+        assert pair_stats.inference_stats.success.count == 3
         assert pair_stats.inference_stats.fail.count == 1
