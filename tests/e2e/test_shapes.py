@@ -5,20 +5,27 @@ leaves that model UNAVAILABLE with the reason while the rest serve."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e.test_batching import paused, wait_arrived
 from tests.e2e.test_watchdog import parameter
-from tests.reference import assert_matches_reference, output_names, run_reference
+from tests.reference import assert_matches_reference, call_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, running_server
 
 pytestmark = pytest.mark.e2e
 RPC_TIMEOUT_S = 120.0
+REQUESTS = 5  # of 3 rows each: no batch of them (3 to 15 rows) is a bucket's size
 MLP = """
 max_batch_size: 64
 input [ { name: "input", data_type: TYPE_FP32, dims: [ 256 ] } ]
@@ -72,14 +79,36 @@ def test_every_bucket_and_the_samples_run_before_ready(server: ServerProcess) ->
     assert stats.model_stats[0].execution_count == 0  # warm-up is not counted
 
 
-def test_padded_batches_answer_each_request_with_its_rows(server: ServerProcess) -> None:
-    inputs = {"input": np.random.default_rng(3).standard_normal((3, 256), dtype=np.float32)}
-    request = build_request("mlp", inputs)
-    response = server.stub.ModelInfer(request, timeout=RPC_TIMEOUT_S)
-    assert_matches_reference("mlp", inputs, response)
+async def test_padded_batches_answer_each_request_with_its_rows(server: ServerProcess) -> None:
+    """Requests of 3 rows each, held until all arrived: any batch of them runs padded to a
+    bucket, and each request gets the answer for its own rows."""
+    inputs = [call_inputs("mlp", call) for call in range(REQUESTS)]
+    (instance,) = server.instances("mlp")
+
+    async def send_all() -> list[pb.ModelInferResponse]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            calls = [
+                asyncio.ensure_future(
+                    stub.ModelInfer(build_request("mlp", x), timeout=RPC_TIMEOUT_S)
+                )
+                for x in inputs
+            ]
+            await asyncio.get_running_loop().run_in_executor(
+                None, wait_arrived, server, "mlp", REQUESTS
+            )
+            os.kill(instance.pid, signal.SIGCONT)
+            return list(await asyncio.gather(*calls))
+
+    with paused(instance.pid):
+        responses = await send_all()
+    for x, response in zip(inputs, responses, strict=True):
+        assert_matches_reference("mlp", x, response)
     stats = server.stub.ModelStatistics(pb.ModelStatisticsRequest(name="mlp"), timeout=10)
-    # Statistics count the rows requests brought; the engine ran a batch of 4.
-    assert [b.batch_size for b in stats.model_stats[0].batch_stats] == [3]
+    # Statistics count the rows requests brought (the engine ran them padded to a bucket).
+    sizes = {b.batch_size: b.compute_infer.count for b in stats.model_stats[0].batch_stats}
+    assert sum(size * count for size, count in sizes.items()) == 3 * REQUESTS
+    assert all(size % 3 == 0 for size in sizes) and max(sizes) > 3, sizes
 
 
 def test_sequence_buckets_pad_with_the_configured_value(server: ServerProcess) -> None:
