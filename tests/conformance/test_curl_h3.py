@@ -32,6 +32,7 @@ from protos.inference import grpc_service_pb2_grpc as inference_grpc
 from protos.paddlequic.v1 import testing_pb2 as pb
 from tests.conformance.conftest import H2_OPTIONS, transport_stats
 from tests.framed_h3 import ALL_BOUNDARIES, CONNECTION_WINDOW, STREAM_WINDOW, frames, near
+from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import ServerProcess
 from transport.grpc.framing import MessageDecoder, encode_message
 
@@ -85,11 +86,13 @@ def test_server_live(conformance_server: ServerProcess, ca_file: Path) -> None:
 def test_model_infer_answers_as_over_http2(
     conformance_server: ServerProcess, ca_file: Path
 ) -> None:
-    request = build_request("mlp", {"input": np.random.rand(3, 256).astype(np.float32)})
+    inputs = call_inputs("mlp", 0)
+    request = build_request("mlp", inputs)
     body = encode_message(request.SerializeToString())
     answer = curl_call(conformance_server, ca_file, f"{INFERENCE}/ModelInfer", body)
     assert answer.status is grpc.StatusCode.OK
     [response] = [inference_pb.ModelInferResponse.FromString(m) for m in answer.messages]
+    assert_matches_reference("mlp", inputs, response)
     with grpc.insecure_channel(conformance_server.address, options=H2_OPTIONS) as channel:
         expected = inference_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
             request, timeout=CALL_TIMEOUT_S

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,15 +12,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as alpha_pb2
 from grpc_reflection.v1alpha import reflection_pb2_grpc as alpha_grpc
 
-from clients.inference_client import build_request, parse_response
+from clients.inference_client import build_request
 from protos.grpc.reflection.v1 import reflection_pb2 as v1_pb2
 from protos.grpc.reflection.v1 import reflection_pb2_grpc as v1_grpc
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, MODELS, ChannelFactory
-from tests.reference import example_inputs, output_names, run_reference
+from tests.reference import assert_matches_reference, call_inputs, example_inputs, output_names
 
-RTOL, ATOL = 1e-4, 1e-5
+CONCURRENT_CALLS = 16
 
 
 async def test_liveness_readiness_and_server_metadata(make_channel: ChannelFactory) -> None:
@@ -64,9 +65,7 @@ async def test_model_metadata_config_and_index(make_channel: ChannelFactory) -> 
 async def test_model_infer_matches_in_process_paddle(
     make_channel: ChannelFactory, model: str
 ) -> None:
-    inputs = example_inputs(model)
-    expected = run_reference(model, inputs)
-
+    inputs = call_inputs(model, 0)
     async with make_channel() as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         request = build_request(model, inputs, request_id="conformance")
@@ -76,11 +75,22 @@ async def test_model_infer_matches_in_process_paddle(
             "1",
             "conformance",
         )
-        served = parse_response(response)
-        assert list(served) == list(expected)
-        for name, array in expected.items():
-            assert served[name].shape == array.shape
-            np.testing.assert_allclose(served[name], array, rtol=RTOL, atol=ATOL)
+        assert_matches_reference(model, inputs, response)
+
+
+async def test_concurrent_calls_on_one_channel_get_their_own_answers(
+    make_channel: ChannelFactory,
+) -> None:
+    """Calls multiplexed on one connection, each with inputs of its own: an answer delivered
+    on another call's stream fails its check."""
+    inputs = [call_inputs("mlp", call) for call in range(CONCURRENT_CALLS)]
+    async with make_channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        responses = await asyncio.gather(
+            *(stub.ModelInfer(build_request("mlp", x), timeout=60) for x in inputs)
+        )
+    for x, response in zip(inputs, responses, strict=True):
+        assert_matches_reference("mlp", x, response)
 
 
 async def test_model_statistics_count_an_inference(make_channel: ChannelFactory) -> None:
@@ -96,7 +106,7 @@ async def test_model_statistics_count_an_inference(make_channel: ChannelFactory)
 
 
 async def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: ChannelFactory) -> None:
-    good = [example_inputs("mlp", seed) for seed in range(5)]
+    good = [call_inputs("mlp", call) for call in range(5)]
     requests = [build_request("mlp", x, request_id=f"ok-{i}") for i, x in enumerate(good)]
     bad = build_request("mlp", {"input": np.zeros((2, 255), np.float32)}, request_id="bad")
     requests.insert(2, bad)
@@ -116,9 +126,7 @@ async def test_stream_infer_with_a_bad_request_in_the_middle(make_channel: Chann
         for i, inputs in enumerate(good):
             response = by_id[f"ok-{i}"]
             assert response.error_message == ""
-            served = parse_response(response.infer_response)[output_names("mlp")[0]]
-            expected = run_reference("mlp", inputs)[output_names("mlp")[0]]
-            np.testing.assert_allclose(served, expected, rtol=RTOL, atol=ATOL)
+            assert_matches_reference("mlp", inputs, response.infer_response)
 
 
 async def test_repository_model_load_needs_explicit_control_mode(
