@@ -25,7 +25,7 @@ from clients.inference_client import build_request, parse_response
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.reference import example_inputs, output_names, run_reference
+from tests.reference import call_inputs, example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
 from transport.h3.client import DEFAULT_UNRESPONSIVE_S
 from transport.h3.stream_state import StreamClosed
@@ -277,8 +277,9 @@ async def outcome_of(call: Awaitable[Any], timeout_s: float) -> str:
 
 
 class GoodClients:
-    """Loops of ModelInfer on `mlp` over both transports, each response checked against
-    in-process Paddle. With `retry_unavailable`, a call that fails UNAVAILABLE is made once
+    """Loops of ModelInfer on `mlp` over both transports, each call with inputs of its own and
+    its response checked against in-process Paddle for them (an answer given to another call
+    fails). With `retry_unavailable`, a call that fails UNAVAILABLE is made once
     more on the same channel (which reconnects) after a short backoff, and only that retry's
     failure counts."""
 
@@ -287,9 +288,6 @@ class GoodClients:
         self._loops = loops
         self._retry_unavailable = retry_unavailable
         self.retried: Counter[str] = Counter()  # transport -> calls retried
-        self._inputs = example_inputs(GOOD_MODEL, seed=7)
-        self._expected = run_reference(GOOD_MODEL, self._inputs)
-        self._request = build_request(GOOD_MODEL, self._inputs)
         self.requests = 0
         self.failures: Counter[str] = Counter()
         self._stop = asyncio.Event()
@@ -318,30 +316,35 @@ class GoodClients:
 
     async def _loop(self, transport: str, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
         while not self._stop.is_set():
+            call = self.requests
             self.requests += 1
-            problem = await self._call(stub)
+            problem = await self._call(stub, call)
             if problem.startswith(UNAVAILABLE) and self._retry_unavailable:
                 self.retried[transport] += 1
                 await asyncio.sleep(RETRY_BACKOFF_S)
-                problem = await self._call(stub)
+                problem = await self._call(stub, call)
             if problem:
                 self.failures[f"{transport} {problem[:200]}"] += 1
             self._first[transport].set()
             await asyncio.sleep(0)
 
-    async def _call(self, stub: pb_grpc.GRPCInferenceServiceStub) -> str:
-        """What went wrong with one call; empty when nothing did."""
+    async def _call(self, stub: pb_grpc.GRPCInferenceServiceStub, call: int) -> str:
+        """What went wrong with call number `call`; empty when nothing did."""
+        inputs = call_inputs(GOOD_MODEL, call)
+        request = build_request(GOOD_MODEL, inputs)
         try:
-            response = await stub.ModelInfer(self._request, timeout=GOOD_TIMEOUT_S)
+            response = await stub.ModelInfer(request, timeout=GOOD_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
-        return self._check(response)
+        return self._check(response, run_reference(GOOD_MODEL, inputs))
 
-    def _check(self, response: pb.ModelInferResponse) -> str:
+    def _check(
+        self, response: pb.ModelInferResponse, expected: dict[str, np.ndarray[Any, Any]]
+    ) -> str:
         served = parse_response(response)
-        for name, array in self._expected.items():
+        for name, array in expected.items():
             if name not in served or not np.allclose(served[name], array, rtol=1e-4, atol=1e-5):
                 return f"wrong output {name}"
         return ""
