@@ -26,6 +26,7 @@ from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e.test_batching import paused, wait_arrived
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once
 from tests.reference import assert_matches_reference, call_inputs
@@ -121,8 +122,9 @@ async def test_every_kind_of_call_on_both_transports(
 async def test_concurrent_callers_each_get_their_own_answer(
     server: ServerProcess, certs_dir: Path
 ) -> None:
-    """Callers on connections of their own (so on both front-ends) and both transports, all at
-    once, each with inputs of its own: every one gets the answer for its inputs."""
+    """Callers on connections of their own (so on both front-ends) and both transports, each
+    with inputs of its own, held until all arrived so that they share batches: every one gets
+    the answer for its inputs."""
 
     async def caller(call: int) -> None:
         if call % 2:
@@ -132,7 +134,11 @@ async def test_concurrent_callers_each_get_their_own_answer(
             async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as h2:
                 await infer_checked(pb_grpc.GRPCInferenceServiceStub(h2), call)
 
-    await asyncio.gather(*(caller(100 + i) for i in range(CALLERS)))
+    (instance,) = server.instances("mlp")
+    with paused(instance.pid):
+        callers = asyncio.gather(*(caller(100 + i) for i in range(CALLERS)))
+        await asyncio.get_running_loop().run_in_executor(None, wait_arrived, server, "mlp", CALLERS)
+    await callers
 
 
 async def test_new_connections_reach_both_frontends(server: ServerProcess, certs_dir: Path) -> None:
