@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tests.servers import EXAMPLE_MODELS
+from tests.servers import EXAMPLE_MODELS, REPO_ROOT
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 warnings.filterwarnings("ignore", message="No ccache found")
@@ -103,6 +105,35 @@ def run_ensemble_reference(
             {tensor_name: outputs[name] for name, tensor_name in step.output_map.items()}
         )
     return {output.name: tensors[output.name] for output in config.output}
+
+
+# The sentiment example's Python steps (examples/sentiment): their numpy logic, here.
+SENTIMENT_LABELS = ("negative", "neutral", "positive", "mixed")
+_TOKEN_IDS, _UNKNOWN_ID = 32, 1
+
+
+def tokenize(texts: Sequence[str]) -> np.ndarray[Any, Any]:
+    """The `tokenizer` step: lower-cased words' line numbers in vocab.txt (1: unknown), cut
+    or padded with 0 to 32 ids."""
+    vocab = (REPO_ROOT / "examples/sentiment/tokenizer/1/vocab.txt").read_text().split()
+    index = {word: i for i, word in enumerate(vocab)}
+    ids = np.zeros((len(texts), _TOKEN_IDS), np.int64)
+    for row, text in enumerate(texts):
+        words = re.findall(r"[a-z0-9']+", text.lower())[:_TOKEN_IDS]
+        ids[row, : len(words)] = [index.get(word, _UNKNOWN_ID) for word in words]
+    return ids
+
+
+def run_sentiment_reference(texts: Sequence[str]) -> tuple[list[str], list[float]]:
+    """The `sentiment` ensemble in-process: tokenizer, text_classifier in Paddle, then
+    label_postprocess's softmax; each text's label and that label's probability."""
+    (logits,) = run_reference("text_classifier", {"token_ids": tokenize(texts)}).values()
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probabilities = shifted / shifted.sum(axis=1, keepdims=True)
+    best = probabilities.argmax(axis=1)
+    return [SENTIMENT_LABELS[i] for i in best], [
+        float(probabilities[r, i]) for r, i in enumerate(best)
+    ]
 
 
 def assert_outputs(expected: dict[str, np.ndarray[Any, Any]], response: Any) -> None:

@@ -20,9 +20,9 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from scripts import export_models
 from tests.interop.test_grpcurl import GRPCURL, grpcurl_ok
+from tests.reference import run_sentiment_reference
 from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 
-LABELS = ("negative", "neutral", "positive", "mixed")
 TEXTS = ("A wonderful, brilliant movie!", "boring and awful", "")
 SCRIPT = Path(__file__).with_name("sentiment_check.py")
 TIMEOUT_S = 60.0
@@ -42,22 +42,11 @@ def ask(server: ServerProcess, model: str, inputs: dict[str, Any]) -> dict[str, 
     return parse_response(server.stub.ModelInfer(request, timeout=TIMEOUT_S))
 
 
-def expected(server: ServerProcess, texts: tuple[str, ...]) -> tuple[list[str], list[float]]:
-    """The pipeline by hand: each model asked on its own, softmax here."""
-    text = np.array([[t.encode()] for t in texts], dtype=np.object_)
-    ids = ask(server, "tokenizer", {"text": text})["token_ids"]
-    logits = ask(server, "text_classifier", {"token_ids": ids})["logits"].astype(np.float64)
-    probabilities = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities /= probabilities.sum(axis=1, keepdims=True)
-    best = probabilities.argmax(axis=1)
-    return [LABELS[i] for i in best], [float(probabilities[r, i]) for r, i in enumerate(best)]
-
-
 def test_the_ensemble_answers_as_its_steps_do(sentiment_server: ServerProcess) -> None:
     text = np.array([[t.encode()] for t in TEXTS], dtype=np.object_)
     got = ask(sentiment_server, "sentiment", {"text": text})
     assert got["label"].shape == (3, 1) and got["score"].shape == (3, 1)
-    labels, scores = expected(sentiment_server, TEXTS)
+    labels, scores = run_sentiment_reference(TEXTS)
     assert [v.decode() for v in got["label"].reshape(-1)] == labels
     np.testing.assert_allclose(got["score"].reshape(-1), scores, rtol=1e-5)
     # Deterministic: one text alone gets what it got in the batch.
@@ -76,7 +65,7 @@ def test_tritonclient_sends_and_reads_bytes(sentiment_server: ServerProcess) -> 
     )
     assert finished.returncode == 0, finished.stderr
     summary = json.loads(finished.stdout)
-    labels, scores = expected(sentiment_server, TEXTS)
+    labels, scores = run_sentiment_reference(TEXTS)
     assert summary["model_name"] == "sentiment"
     assert summary["labels"] == labels
     assert summary["shapes"] == [[3, 1], [3, 1]]
@@ -104,6 +93,6 @@ def test_grpcurl_with_typed_bytes_contents(sentiment_server: ServerProcess) -> N
     raw = dict(zip(outputs, response["raw_output_contents"], strict=True))
     label = base64.b64decode(raw["label"])
     score = np.frombuffer(base64.b64decode(raw["score"]), dtype="<f4")
-    labels, scores = expected(sentiment_server, TEXTS[:1])
+    labels, scores = run_sentiment_reference(TEXTS[:1])
     assert label == len(labels[0]).to_bytes(4, "little") + labels[0].encode()
     np.testing.assert_allclose(score, scores, rtol=1e-5)
