@@ -13,6 +13,7 @@ from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conformance.conftest import ChannelFactory
+from tests.reference import assert_outputs, run_reference
 from tests.servers import ServerProcess
 
 ROWS = 64  # 64 KiB per request, 2.5 KiB per response
@@ -21,6 +22,7 @@ SENT = 3000
 # (observed: about 870 answered requests on HTTP/3, about 1,700 on HTTP/2).
 STALLED_BELOW = 2500
 STILL_SAMPLES = 10
+DISTINCT = 7  # different inputs, taken in turn
 RSS_GROWTH_LIMIT = 64 << 20  # reading all of SENT would hold 190 MiB of requests
 
 
@@ -42,8 +44,11 @@ def _rss(pid: int) -> int:
 async def test_stream_client_that_does_not_read_stops_being_read(
     make_channel: ChannelFactory, conformance_server: ServerProcess
 ) -> None:
-    inputs = {"input": np.random.default_rng(0).random((ROWS, 256), np.float32)}
-    requests = [build_request("mlp", inputs, request_id=str(i)) for i in range(SENT)]
+    # Request i sends inputs[i % DISTINCT]: answers that changed places fail their check.
+    rng = np.random.default_rng(0)
+    inputs = [{"input": rng.random((ROWS, 256), np.float32)} for _ in range(DISTINCT)]
+    expected = [run_reference("mlp", x) for x in inputs]
+    requests = [build_request("mlp", inputs[i % DISTINCT], request_id=str(i)) for i in range(SENT)]
     pid = conformance_server.process.pid
 
     before = await _answered(conformance_server)
@@ -76,6 +81,9 @@ async def test_stream_client_that_does_not_read_stops_being_read(
         async for response in call:
             assert response.error_message == ""
             ids.add(response.infer_response.id)
+            assert_outputs(
+                expected[int(response.infer_response.id) % DISTINCT], response.infer_response
+            )
         await writer
         assert ids == {str(i) for i in range(SENT)}
         assert await call.code() == grpc.StatusCode.OK
