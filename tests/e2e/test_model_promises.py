@@ -27,6 +27,7 @@ from tests.servers import ServerProcess, free_port, model_repository, running_se
 TIMEOUT_S = 60.0
 LONG_LINE = 10_000  # characters gate's initialize() prints on one line
 MAX_LOG_LINE = 4096  # what the docs promise the server logs of it
+WAIT_S = 60.0  # generous, for an event on a loaded machine (models loaded and checked, a line)
 SENT = 8  # requests sent to gate at once; its queue holds 1, its worker 2 batches
 
 GATED_MODEL = """
@@ -150,7 +151,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     ]
     with running_server(repository, root / "server.log", args, wait=False) as server:
         server.wait_loaded()
-        wait_for("outer to be checked against inner", lambda: state(server, "outer"))
         yield Served(server, repository, metrics_port)
 
 
@@ -182,6 +182,7 @@ def test_a_full_model_queue_answers_resource_exhausted(served: Served) -> None:
         done = wait_for(
             "the requests the full queue refuses",
             lambda: found if len(found := [c for c in calls if c.done()]) >= SENT - 3 else None,
+            WAIT_S,
         )
         for call in done:
             assert call.exception() is not None, "answered while the model held every request"
@@ -208,11 +209,14 @@ def test_an_unsampled_request_at_least_slow_request_ms_slow_is_logged(served: Se
     (line,) = wait_for(
         "the slow request's log line",
         lambda: [o for o in log_objects(served.server) if o.get("request_id") == "slow-1"] or None,
+        WAIT_S,
     )
     assert (line["event"], line["status"], line["model"]) == ("request", "OK", "gate")
 
 
 def test_each_load_failure_is_counted_under_its_reason(served: Served) -> None:
+    for model in REASONS:  # an ensemble fails once its steps are checked, after loading
+        wait_for(f"{model} to fail", lambda: state(served.server, model), WAIT_S)  # noqa: B023
     with urllib.request.urlopen(served.metrics_url, timeout=10) as response:
         text = response.read().decode()
     counted = {
@@ -222,13 +226,10 @@ def test_each_load_failure_is_counted_under_its_reason(served: Served) -> None:
         if s.name == "paddlequic_model_load_failures_total"
     }
     assert counted == {(model, reason): 1.0 for model, reason in REASONS.items()}
-    for model in REASONS:
-        assert state(served.server, model) is not None, model
 
 
 def test_an_ensemble_step_naming_an_ensemble_is_refused(served: Served) -> None:
-    found = state(served.server, "outer")
-    assert found is not None
+    found = wait_for("outer to fail", lambda: state(served.server, "outer"), WAIT_S)
     assert "step 1 (model 'inner') is an ensemble itself; ensembles do not nest" in found[1]
     features = np.random.default_rng(22).standard_normal((1, 256), dtype=np.float32)
     with pytest.raises(grpc.RpcError) as refused:
@@ -272,4 +273,5 @@ def test_finalize_runs_when_a_python_model_is_unloaded(served: Served) -> None:
     wait_for(
         "finalize()'s line in the log",
         lambda: "model finalizer: finalized" in served.server.log_text() or None,
+        WAIT_S,
     )
