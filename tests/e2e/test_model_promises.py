@@ -1,7 +1,8 @@
 """What the docs promise about models, on one real server: a full model queue answers
 RESOURCE_EXHAUSTED, unsampled slow requests are logged, each load failure is counted under its
-reason, ensembles do not nest, a Python model's printed lines are capped and its finalize()
-runs when it is unloaded.
+reason, ensembles do not nest, `python_memory_mb` caps a Python model's worker, its printed
+lines are capped and its finalize() runs when it is unloaded; and, on a second, `--no-metrics`
+opens no metrics port.
 
 The slow model is a Python model that holds every request whose input is 1 until the test
 writes a file into its directory: nothing here waits for a duration, only for events."""
@@ -9,6 +10,7 @@ writes a file into its directory: nothing here waits for a duration, only for ev
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +58,19 @@ class TritonPythonModel:
         print("finalized", flush=True)
 """.replace("LONG_LINE", str(LONG_LINE))
 
+HUNGRY_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "x").as_numpy()
+        if (x == 5).any():
+            np.empty(2 << 30, np.uint8)  # 2 GiB of address space, beyond python_memory_mb
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", x * 2)])]
+"""
+
 RAISING_MODEL = """
 class TritonPythonModel:
     def initialize(self, args):
@@ -101,6 +116,12 @@ ensemble_scheduling { step [ { model_name: "inner" model_version: -1
 MODELS: dict[str, tuple[str, str | None]] = {
     "gate": (GATE, GATED_MODEL),
     "finalizer": (python_config("finalizer"), GATED_MODEL),
+    "hungry": (
+        python_config(
+            "hungry", 'parameters { key: "python_memory_mb" value: { string_value: "1024" } }'
+        ),
+        HUNGRY_MODEL,
+    ),
     "broken_config": ("name: 'broken_config' this is not a config", None),
     "broken_load": (python_config("broken_load"), RAISING_MODEL),
     "unplaceable": (
@@ -250,6 +271,24 @@ def test_an_ensemble_step_naming_an_ensemble_is_refused(served: Served) -> None:
     np.testing.assert_array_equal(got["probs"], mlp["probabilities"])
 
 
+def test_python_memory_mb_caps_a_python_models_worker(served: Served) -> None:
+    stub = served.server.stub
+    pid = [i.pid for i in served.server.instances("hungry")]
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(
+            build_request("hungry", {"x": np.array([[5.0]], np.float32)}), timeout=TIMEOUT_S
+        )
+    assert refused.value.code() is grpc.StatusCode.INTERNAL
+    assert "Unable to allocate 2.00 GiB" in (refused.value.details() or "")
+    # The same worker goes on serving, and so does the server.
+    response = stub.ModelInfer(
+        build_request("hungry", {"x": np.array([[3.0]], np.float32)}), timeout=TIMEOUT_S
+    )
+    assert parse_response(response)["y"].tolist() == [[6.0]]
+    assert [i.pid for i in served.server.instances("hungry")] == pid
+    assert stub.ServerLive(pb.ServerLiveRequest(), timeout=5).live
+
+
 def test_a_python_models_printed_line_is_capped(served: Served) -> None:
     (message,) = [
         o["message"]
@@ -275,3 +314,18 @@ def test_finalize_runs_when_a_python_model_is_unloaded(served: Served) -> None:
         lambda: "model finalizer: finalized" in served.server.log_text() or None,
         WAIT_S,
     )
+
+
+def test_no_metrics_opens_no_metrics_port_and_serves(tmp_path: Path) -> None:
+    repository = tmp_path / "models"
+    (repository / "gate" / "1").mkdir(parents=True)
+    (repository / "gate" / "config.pbtxt").write_text(GATE)
+    (repository / "gate" / "1" / "model.py").write_text(GATED_MODEL)
+    metrics_port = free_port()
+    args = ["--no-metrics", "--metrics-port", str(metrics_port), "--no-h3"]
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        response = server.stub.ModelInfer(gate_request(2.0, "unmetered"), timeout=TIMEOUT_S)
+        assert parse_response(response)["y"].tolist() == [[4.0]]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", metrics_port), timeout=10).close()
+        assert "/metrics" not in server.log_text()
