@@ -9,6 +9,7 @@ writes a file into its directory: nothing here waits for a duration, only for ev
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import urllib.request
@@ -22,7 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients.inference_client import build_request, parse_response
+from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_worker_restart import wait_for
 from tests.servers import ServerProcess, free_port, model_repository, running_server
 
@@ -30,6 +33,7 @@ TIMEOUT_S = 60.0
 LONG_LINE = 10_000  # characters gate's initialize() prints on one line
 MAX_LOG_LINE = 4096  # what the docs promise the server logs of it
 WAIT_S = 60.0  # generous, for an event on a loaded machine (models loaded and checked, a line)
+GATES = {"h2": "gate", "h3": "gate_h3"}  # a model to hold requests on, per transport
 SENT = 8  # requests sent to gate at once; its queue holds 1, its worker 2 batches
 
 GATED_MODEL = """
@@ -115,6 +119,7 @@ ensemble_scheduling { step [ { model_name: "inner" model_version: -1
 # model -> (config.pbtxt, model.py or None); each failing one fails at its own stage.
 MODELS: dict[str, tuple[str, str | None]] = {
     "gate": (GATE, GATED_MODEL),
+    "gate_h3": (GATE.replace('name: "gate"', 'name: "gate_h3"'), GATED_MODEL),
     "finalizer": (python_config("finalizer"), GATED_MODEL),
     "hungry": (
         python_config(
@@ -149,8 +154,11 @@ REASONS = {
 
 
 class Served:
-    def __init__(self, server: ServerProcess, repository: Path, metrics_port: int) -> None:
+    def __init__(
+        self, server: ServerProcess, repository: Path, certs: Path, metrics_port: int
+    ) -> None:
         self.server = server
+        self.certs = certs
         self.repository = repository
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
 
@@ -168,11 +176,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     metrics_port = free_port()
     args = [
         *("--metrics-port", str(metrics_port), "--model-control-mode", "explicit"),
+        *("--certs-dir", str(root / "certs")),
         *("--load-model", "*", "--log-sample-ratio", "0", "--slow-request-ms", "0"),
     ]
     with running_server(repository, root / "server.log", args, wait=False) as server:
         server.wait_loaded()
-        yield Served(server, repository, metrics_port)
+        yield Served(server, repository, root / "certs", metrics_port)
 
 
 def state(server: ServerProcess, model: str) -> tuple[str, str] | None:
@@ -187,40 +196,60 @@ def log_objects(server: ServerProcess) -> list[dict[str, Any]]:
     return [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
 
 
-def gate_request(value: float, request_id: str) -> pb.ModelInferRequest:
-    return build_request("gate", {"x": np.array([[value]], np.float32)}, request_id=request_id)
+def gate_request(value: float, request_id: str, model: str = "gate") -> pb.ModelInferRequest:
+    return build_request(model, {"x": np.array([[value]], np.float32)}, request_id=request_id)
 
 
-def test_a_full_model_queue_answers_resource_exhausted(served: Served) -> None:
-    stub = served.server.stub
-    calls = [
-        stub.ModelInfer.future(gate_request(1.0, f"held-{i}"), timeout=TIMEOUT_S)
-        for i in range(SENT)
-    ]
-    # At most 3 are held (1 in the queue, 2 batches in the worker): the others are answered
-    # while the held ones wait for the release.
-    try:
-        done = wait_for(
-            "the requests the full queue refuses",
-            lambda: found if len(found := [c for c in calls if c.done()]) >= SENT - 3 else None,
-            WAIT_S,
-        )
-        for call in done:
-            assert call.exception() is not None, "answered while the model held every request"
-            assert call.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "the queue holds its maximum of 1 requests" in call.details()
-    finally:
-        (served.repository / "gate" / "release").write_text("")
-    answered = []
-    for call in calls:
-        if call.exception() is None:
-            answered.append(parse_response(call.result())["y"].tolist())
-        else:
-            assert call.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert answered and all(y == [[2.0]] for y in answered)
-    # The queue drained: the next request is served.
-    response = stub.ModelInfer(gate_request(3.0, "after"), timeout=TIMEOUT_S)
-    assert parse_response(response)["y"].tolist() == [[6.0]]
+def channel(served: Served, transport: str) -> grpc.aio.Channel | QuicChannel:
+    """A new channel; create it inside the event loop that uses it."""
+    if transport == "h2":
+        return grpc.aio.insecure_channel(served.server.address)
+    ca_file = str(served.certs / "ca.pem")
+    return QuicChannel(f"localhost:{served.server.port}", ca_file=ca_file)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_a_full_model_queue_answers_resource_exhausted(
+    served: Served, transport: str
+) -> None:
+    model = GATES[transport]
+    async with channel(served, transport) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        calls = [
+            asyncio.ensure_future(
+                stub.ModelInfer(gate_request(1.0, f"held-{i}", model), timeout=TIMEOUT_S)
+            )
+            for i in range(SENT)
+        ]
+        # At most 3 are held (1 in the queue, 2 batches in the worker): the others are
+        # answered while the held ones wait for the release.
+        try:
+            done: set[asyncio.Future[Any]] = set()
+            while len(done) < SENT - 3:
+                finished, _ = await asyncio.wait(
+                    set(calls) - done, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                assert finished, f"no answer in {WAIT_S:.0f} s while {model} held its requests"
+                done |= finished
+            for call in done:
+                error = call.exception()
+                assert isinstance(error, grpc.aio.AioRpcError), "answered while held"
+                assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "the queue holds its maximum of 1 requests" in (error.details() or "")
+        finally:
+            (served.repository / model / "release").write_text("")
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        answered = []
+        for result in results:
+            if isinstance(result, BaseException):
+                assert isinstance(result, grpc.aio.AioRpcError), result
+                assert result.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            else:
+                answered.append(parse_response(result)["y"].tolist())
+        assert answered and all(y == [[2.0]] for y in answered)
+        # The queue drained: the next request is served.
+        response = await stub.ModelInfer(gate_request(3.0, "after", model), timeout=TIMEOUT_S)
+        assert parse_response(response)["y"].tolist() == [[6.0]]
 
 
 def test_an_unsampled_request_at_least_slow_request_ms_slow_is_logged(served: Served) -> None:
