@@ -58,7 +58,7 @@ def test_a_poison_input_is_forgotten_after_ten_minutes(added: float, after: floa
     assert len(poison) == 0
 
 
-@PROFILE
+@settings(PROFILE, max_examples=8)  # each example fills the list
 @given(extra=st.integers(1, 40))
 def test_at_most_1024_are_remembered_and_the_oldest_goes_first(extra: int) -> None:
     poison = served_list()
