@@ -2,7 +2,7 @@
 RESOURCE_EXHAUSTED, unsampled slow requests are logged, each load failure is counted under its
 reason, ensembles do not nest, `python_memory_mb` caps a Python model's worker, its printed
 lines are capped and its finalize() runs when it is unloaded; and, on a second, `--no-metrics`
-opens no metrics port.
+opens no metrics port and a stopping server finalizes its Python models.
 
 The slow model is a Python model that holds every request whose input is 1 until the test
 writes a file into its directory: nothing here waits for a duration, only for events."""
@@ -346,7 +346,7 @@ def test_finalize_runs_when_a_python_model_is_unloaded(served: Served) -> None:
     )
 
 
-def test_no_metrics_opens_no_metrics_port_and_serves(tmp_path: Path) -> None:
+def test_no_metrics_opens_no_metrics_port_serves_and_finalizes_at_stop(tmp_path: Path) -> None:
     repository = tmp_path / "models"
     (repository / "gate" / "1").mkdir(parents=True)
     (repository / "gate" / "config.pbtxt").write_text(GATE)
@@ -359,3 +359,5 @@ def test_no_metrics_opens_no_metrics_port_and_serves(tmp_path: Path) -> None:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", metrics_port), timeout=10).close()
         assert "/metrics" not in server.log_text()
+    # A stopping server finalizes its Python models too.
+    assert "model gate: finalized" in (tmp_path / "server.log").read_text()
