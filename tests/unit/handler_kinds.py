@@ -1,0 +1,130 @@
+"""One handler of each kind (unary-unary, unary-stream, stream-unary, stream-stream), for the
+unit tests of the wrapping servers (restricted protocols, observation, request parsing): each
+records the requests it saw, so a test can tell whether a behavior ran, served by a real
+grpc.aio server on a real socket and called by a real grpc.aio channel."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from protos.paddlequic.v1 import testing_pb2 as pb
+from transport.grpc.wrapping import HANDLER_BUILDERS, Handler
+
+Request = pb.EchoRequest
+Response = pb.EchoResponse
+KINDS = {
+    "Unary": (False, False),
+    "ServerStream": (False, True),
+    "ClientStream": (True, False),
+    "BidiStream": (True, True),
+}
+REQUESTS = [Request(payload=bytes([i])) for i in range(3)]
+TIMEOUT_S = 30.0
+
+
+class Recorder:
+    """What each behavior saw: the method's name once per request it read (a unary one: once
+    when it ran)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any]] = []
+
+    def handlers(self) -> dict[str, Handler]:
+        seen = self.seen
+
+        async def unary(request: Any, context: Any) -> Response:
+            seen.append(("Unary", request))
+            return Response(payload=request.payload)
+
+        async def server_stream(request: Any, context: Any) -> AsyncIterator[Response]:
+            seen.append(("ServerStream", request))
+            for index in range(2):
+                yield Response(payload=request.payload, index=index)
+
+        async def client_stream(requests: AsyncIterator[Any], context: Any) -> Response:
+            count = 0
+            async for request in requests:
+                seen.append(("ClientStream", request))
+                count += 1
+            return Response(messages=count)
+
+        async def bidi_stream(
+            requests: AsyncIterator[Any], context: Any
+        ) -> AsyncIterator[Response]:
+            async for request in requests:
+                seen.append(("BidiStream", request))
+                yield Response(payload=request.payload)
+
+        behaviors: dict[str, Callable[..., Any]] = {
+            "Unary": unary,
+            "ServerStream": server_stream,
+            "ClientStream": client_stream,
+            "BidiStream": bidi_stream,
+        }
+        return {
+            name: HANDLER_BUILDERS[KINDS[name]](
+                behaviors[name],
+                request_deserializer=Request.FromString,
+                response_serializer=Response.SerializeToString,
+            )
+            for name in KINDS
+        }
+
+    def ran(self, method: str) -> bool:
+        return any(name == method for name, _ in self.seen)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    register: Callable[[grpc.aio.Server], None],
+) -> AsyncIterator[grpc.aio.Channel]:
+    """A grpc.aio server on a free port with what `register` put on it, and a channel to it."""
+    server = grpc.aio.server()
+    register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(None)
+
+
+async def call(
+    channel: grpc.aio.Channel,
+    service: str,
+    method: str,
+    metadata: Sequence[tuple[str, str]] = (),
+    requests: Sequence[bytes] | None = None,
+) -> tuple[grpc.StatusCode, list[Any]]:
+    """One call of `method`'s kind with `requests` (serialized; default REQUESTS, a unary
+    call sends the first): its status and the responses it got. A call the server ends
+    while the client still writes may end INTERNAL on the client's side (grpc.aio's write
+    fails: "Internal error from Core"), so a call expected to be refused sends one message."""
+    path = f"/{service}/{method}"
+    sent = [r.SerializeToString() for r in REQUESTS] if requests is None else list(requests)
+    request_streaming, response_streaming = KINDS[method]
+    factory = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
+    }[request_streaming, response_streaming]
+    multicallable: Any = factory(path, response_deserializer=Response.FromString)
+
+    if not request_streaming:
+        rpc = multicallable(sent[0], metadata=metadata, timeout=TIMEOUT_S)
+    else:
+        rpc = multicallable(metadata=metadata, timeout=TIMEOUT_S)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            for request in sent:
+                await rpc.write(request)
+            await rpc.done_writing()
+    responses: list[Any] = []
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        responses = [r async for r in rpc] if response_streaming else [await rpc]
+    return await rpc.code(), responses
