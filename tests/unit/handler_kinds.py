@@ -33,17 +33,21 @@ class Recorder:
     def __init__(self) -> None:
         self.seen: list[tuple[str, Any]] = []
 
-    def handlers(self) -> dict[str, Handler]:
+    def handlers(
+        self, deserializer: Callable[[bytes], Any] = Request.FromString
+    ) -> dict[str, Handler]:
+        """Each behavior answers with one EchoResponse per request it read (a unary
+        request is answered twice when the responses stream)."""
         seen = self.seen
 
         async def unary(request: Any, context: Any) -> Response:
             seen.append(("Unary", request))
-            return Response(payload=request.payload)
+            return Response(messages=1)
 
         async def server_stream(request: Any, context: Any) -> AsyncIterator[Response]:
             seen.append(("ServerStream", request))
             for index in range(2):
-                yield Response(payload=request.payload, index=index)
+                yield Response(index=index)
 
         async def client_stream(requests: AsyncIterator[Any], context: Any) -> Response:
             count = 0
@@ -57,7 +61,7 @@ class Recorder:
         ) -> AsyncIterator[Response]:
             async for request in requests:
                 seen.append(("BidiStream", request))
-                yield Response(payload=request.payload)
+                yield Response(messages=1)
 
         behaviors: dict[str, Callable[..., Any]] = {
             "Unary": unary,
@@ -68,7 +72,7 @@ class Recorder:
         return {
             name: HANDLER_BUILDERS[KINDS[name]](
                 behaviors[name],
-                request_deserializer=Request.FromString,
+                request_deserializer=deserializer,
                 response_serializer=Response.SerializeToString,
             )
             for name in KINDS
@@ -108,7 +112,7 @@ async def call(
     path = f"/{service}/{method}"
     sent = [r.SerializeToString() for r in REQUESTS] if requests is None else list(requests)
     request_streaming, response_streaming = KINDS[method]
-    factory = {
+    factory: Callable[..., Any] = {
         (False, False): channel.unary_unary,
         (False, True): channel.unary_stream,
         (True, False): channel.stream_unary,
