@@ -5,6 +5,7 @@ every kind, which never run their behavior without the header."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +23,15 @@ from service.api.restricted import (
     parse_restrictions,
 )
 from service.settings import parse
-from tests.unit.handler_kinds import KINDS, REQUESTS, Recorder, call, serving
+from tests.unit.handler_kinds import (
+    KINDS,
+    REQUESTS,
+    TRANSPORTS,
+    Recorder,
+    call,
+    refused_requests,
+    serving,
+)
 
 SECRET = "s3cret-Value"
 
@@ -140,16 +149,15 @@ def test_security_defaults_fail_closed() -> None:
 
 CONTROL = "paddlequic.v1.Control"  # every method of the service is in the `control` category
 HEADER = HEADER_PREFIX + "key"
-ONE_REQUEST = [REQUESTS[0].SerializeToString()]
 
 
 def register_restricted(
     handlers: dict[str, Any], restrictions: dict[str, Restriction], generic: bool
-) -> Callable[[grpc.aio.Server], None]:
+) -> Callable[[Any], None]:
     """Registration as generated code does it: registered method handlers, or a generic
     handler (the path grpc.aio and HTTP/3 look methods up through otherwise)."""
 
-    def register(server: grpc.aio.Server) -> None:
+    def register(server: Any) -> None:
         restricted = RestrictedServer(server, restrictions)
         if generic:
             restricted.add_generic_rpc_handlers(
@@ -161,6 +169,7 @@ def register_restricted(
     return register
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("generic", [False, True], ids=["registered", "generic"])
 @pytest.mark.parametrize("method", KINDS)
 @pytest.mark.parametrize(
@@ -169,14 +178,19 @@ def register_restricted(
     ids=["none", "wrong", "prefix", "unprefixed"],
 )
 async def test_a_restricted_handler_of_every_kind_never_runs_without_the_header(
-    method: str, metadata: tuple[tuple[str, str], ...], generic: bool
+    method: str,
+    metadata: tuple[tuple[str, str], ...],
+    generic: bool,
+    transport: str,
+    certs_dir: Path,
 ) -> None:
     recorder = Recorder()
     restrictions = parse_restrictions(["control:key=" + SECRET])
     register = register_restricted(recorder.handlers(), restrictions, generic)
-    async with serving(register) as channel:
-        code, responses = await call(channel, CONTROL, method, metadata, ONE_REQUEST)
-        assert (code, responses, recorder.seen) == (grpc.StatusCode.UNAUTHENTICATED, [], [])
+    async with serving(register, transport, certs_dir) as channel:
+        code, responses = await call(channel, CONTROL, method, metadata, refused_requests(method))
+        assert (code, responses) == (grpc.StatusCode.UNAUTHENTICATED, [])
+        assert (recorder.started, recorder.seen) == ([], [])
         code, responses = await call(channel, CONTROL, method, [(HEADER, SECRET)])
     assert code == grpc.StatusCode.OK
     request_streaming = KINDS[method][0]
