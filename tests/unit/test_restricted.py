@@ -174,8 +174,8 @@ def register_restricted(
 @pytest.mark.parametrize("method", KINDS)
 @pytest.mark.parametrize(
     "metadata",
-    [(), ((HEADER, "wrong"),), ((HEADER, SECRET[:-1]),), (("key", SECRET),)],
-    ids=["none", "wrong", "prefix", "unprefixed"],
+    [(), ((HEADER, SECRET[:-1]),)],  # the values compared: test_the_header_must_carry...
+    ids=["none", "wrong"],
 )
 async def test_a_restricted_handler_of_every_kind_never_runs_without_the_header(
     method: str,
