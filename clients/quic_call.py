@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import grpc
 from grpc.aio import EOF, AioRpcError, Metadata  # type: ignore[attr-defined]
 
+from clients.backoff import backoff_delay, jittered
 from transport.grpc import headers as wire
 from transport.grpc.framing import encode_message
 from transport.h3 import early_data
@@ -20,7 +21,7 @@ from transport.h3.stream import H3Stream
 from transport.h3.stream_state import StreamClosed
 
 MAX_ATTEMPTS = 5  # transparent retries of one call
-MAX_BACKOFF_S = 5.0
+_RANDOM = random.Random()  # the retry jitter
 
 
 class CallChannel(Protocol):
@@ -236,7 +237,7 @@ class Call:
     async def _retry(self, failed: H3Stream) -> H3Stream:
         self._attempts += 1
         failed.protocol.forget(failed.stream_id)
-        await asyncio.sleep(min(0.05 * 2**self._attempts, MAX_BACKOFF_S) * random.uniform(0.5, 1.5))
+        await asyncio.sleep(jittered(backoff_delay(self._attempts), _RANDOM))
         self._started = asyncio.get_running_loop().create_task(self._start())
         return await self._stream_ready()
 

@@ -13,7 +13,7 @@ from types import TracebackType
 import grpc
 from aioquic.quic import events
 
-from clients.quic_call import MAX_BACKOFF_S
+from clients.backoff import backoff_delay, jittered
 from clients.quic_multicallable import (
     Deserializer,
     MultiCallable,
@@ -97,6 +97,7 @@ class QuicChannel:
         self._connection: H3ClientConnection | None = None
         self._old: list[H3ClientConnection] = []
         self._lock = asyncio.Lock()
+        self._random = random.Random()  # the reconnect jitter
         self._closed = False
         self.last_connect_mode: str | None = None  # full, resumed, 0rtt-accepted, 0rtt-rejected
 
@@ -120,8 +121,9 @@ class QuicChannel:
 
     async def _connect_with_backoff(self, deadline: float | None) -> H3ClientConnection:
         loop = asyncio.get_running_loop()
-        delay, attempts = 0.05, 0
+        attempts = 0
         while True:
+            delay = backoff_delay(attempts)
             attempts += 1
             try:
                 return await self._connect()
@@ -131,8 +133,7 @@ class QuicChannel:
                     remaining is not None and remaining <= delay
                 ):
                     raise
-            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, MAX_BACKOFF_S)
+            await asyncio.sleep(jittered(delay, self._random))
 
     async def _connect(self) -> H3ClientConnection:
         ticket = self._tickets.take(self._ticket_key) if self._tickets else None

@@ -20,6 +20,23 @@ YOUNG_S = 10.0  # a front-end that exits sooner than this is restarted after a l
 KILL_AFTER_S = 5.0  # past the grace period, a front-end still running is killed
 
 
+class RestartBackoff:
+    """The pause before one front-end is started again, from how long each run lived:
+    FIRST_DELAY_S, doubling up to MAX_DELAY_S while it keeps exiting younger than YOUNG_S,
+    back to FIRST_DELAY_S after a run that lived longer."""
+
+    def __init__(self) -> None:
+        self._delay = FIRST_DELAY_S
+
+    def pause(self, lived_s: float) -> float:
+        """A run that lived `lived_s` exited: the pause before the next one."""
+        if lived_s >= YOUNG_S:
+            self._delay = FIRST_DELAY_S
+        pause = self._delay
+        self._delay = min(pause * 2, MAX_DELAY_S)
+        return pause
+
+
 class Supervisor:
     def __init__(self, count: int, runtime_dir: Path, on_restart: Callable[[], None]) -> None:
         self._count = count
@@ -36,7 +53,7 @@ class Supervisor:
         return [p.pid for p in self._processes.values()]
 
     async def _keep(self, index: int) -> None:
-        delay = FIRST_DELAY_S
+        backoff = RestartBackoff()
         while not self._stopping:
             started = time.monotonic()
             process = await asyncio.create_subprocess_exec(
@@ -54,8 +71,7 @@ class Supervisor:
             code = await process.wait()
             if self._stopping:
                 return
-            if time.monotonic() - started >= YOUNG_S:
-                delay = FIRST_DELAY_S
+            delay = backoff.pause(time.monotonic() - started)
             log.warning(
                 "front-end %d (pid %d) exited with %s; restarting in %.1f s",
                 index,
@@ -65,7 +81,6 @@ class Supervisor:
             )
             self._on_restart()
             await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_DELAY_S)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM to every front-end (each lets its calls finish within `grace`), then

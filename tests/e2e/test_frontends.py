@@ -279,3 +279,108 @@ def test_a_killed_frontend_is_restarted_and_sigterm_stops_every_process(
         assert s.stop() == 0
     # multiprocessing's resource tracker exits once the parent is gone: wait, do not race it.
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in everything), "no process")
+
+
+RESTRICTION_KEY = "frontends-Secret"
+RESTRICTED_HEADER = ("triton-grpc-protocol-key", RESTRICTION_KEY)
+
+
+def requests_counted(server: ServerProcess, transport: str, rpc: str) -> dict[str, float]:
+    """paddlequic_requests_total of `rpc` on `transport`, by code, in the parent's /metrics."""
+    pattern = (
+        rf'^paddlequic_requests_total{{code="(\w+)",model="",rpc="{rpc}",'
+        rf'transport="{transport}",version=""}} (\S+)$'
+    )
+    return {code: float(count) for code, count in re.findall(pattern, metrics(server), re.M)}
+
+
+def requests_logged(server: ServerProcess, transport: str, rpc: str) -> list[str]:
+    """The status of every request-log line for `rpc` on `transport`, whichever process
+    wrote it (the front-ends write to the same log as the parent)."""
+    import json
+
+    lines = [json.loads(x) for x in server.log_text().splitlines() if x.startswith("{")]
+    return [
+        line["status"]
+        for line in lines
+        if line.get("event") == "request"
+        and (line.get("transport"), line.get("rpc")) == (transport, rpc)
+    ]
+
+
+def pids_alive(pids: set[int]) -> set[int]:
+    """Those of `pids` still running (a zombie, exited but not yet reaped, is not)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def test_restricted_protocols_metrics_and_request_logs_run_once_in_the_parent(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """Each call through a front-end is refused (or served), counted and logged once, by the
+    parent, under the transport it came in on. Then, on SIGTERM, front-ends that do not stop
+    (stopped here) are killed after the grace period, and the parent exits."""
+    args = [
+        "--frontends", "2", "--certs-dir", str(certs_dir),
+        "--restricted-protocol", "metadata:key=" + RESTRICTION_KEY,
+        "--log-format", "json", "--log-sample-ratio", "1", "--grace-period", "1",
+    ]  # fmt: skip
+    with running_server(model_repository(tmp_path / "models", []), tmp_path / "log", args) as s:
+
+        async def calls() -> None:
+            async with grpc.aio.insecure_channel(s.address) as h2, quic(s, certs_dir) as h3:
+                for channel in (h2, h3):
+                    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=WAIT_S)
+                    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    served = await stub.ServerMetadata(
+                        pb.ServerMetadataRequest(), metadata=[RESTRICTED_HEADER], timeout=WAIT_S
+                    )
+                    assert served.name
+
+        asyncio.run(calls())
+        # Observation ends before the status is sent: every line and count of these calls,
+        # in any process, is there once the client has its answer.
+        for transport in ("h2", "h3"):
+            counted = requests_counted(s, transport, "ServerMetadata")
+            assert counted == {"OK": 1.0, "UNAUTHENTICATED": 1.0}, transport
+            logged = requests_logged(s, transport, "ServerMetadata")
+            assert sorted(logged) == ["OK", "UNAUTHENTICATED"], transport
+
+        stopped = frontends(s)
+        assert len(stopped) == 2
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            s.process.send_signal(signal.SIGTERM)
+            assert s.process.wait(WAIT_S) == 0
+            assert s.log_text().count("did not stop; killing it") == 2
+            wait_for(lambda: not pids_alive(stopped), "the stopped front-ends gone")
+        finally:
+            for pid in pids_alive(stopped):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_frontend_stops_when_its_parent_dies(tmp_path: Path, certs_dir: Path) -> None:
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir), "--grace-period", "1"]
+    with running_server(model_repository(tmp_path / "models", []), tmp_path / "log", args) as s:
+        orphans = frontends(s)
+        assert len(orphans) == 2
+        everything = set(children(s.process.pid))
+        s.process.kill()
+        s.process.wait(WAIT_S)
+        try:
+            wait_for(lambda: not pids_alive(orphans), "the front-ends to stop")
+        finally:
+            for pid in pids_alive(everything):
+                os.kill(pid, signal.SIGKILL)
+    for index in (0, 1):
+        assert f"front-end {index}: the parent is gone; stopping" in s.log_text()

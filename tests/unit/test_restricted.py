@@ -1,8 +1,14 @@
 """Restricted protocols: parsing of --restricted-protocol, the category of every served RPC, the
-header check, and the repeatable flag with its environment variable."""
+header check, the repeatable flag with its environment variable, and the wrapped handlers of
+every kind, which never run their behavior without the header."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
 import pytest
 
 from protos.inference import grpc_service_pb2
@@ -10,12 +16,22 @@ from protos.paddlequic.v1 import control_pb2
 from service.api.restricted import (
     HEADER_PREFIX,
     RESTRICTABLE,
+    RestrictedServer,
     Restriction,
     RestrictionError,
     category_of,
     parse_restrictions,
 )
 from service.settings import parse
+from tests.unit.handler_kinds import (
+    KINDS,
+    REQUESTS,
+    TRANSPORTS,
+    Recorder,
+    call,
+    refused_requests,
+    serving,
+)
 
 SECRET = "s3cret-Value"
 
@@ -129,3 +145,64 @@ def test_security_defaults_fail_closed() -> None:
     assert settings.metrics_host == "127.0.0.1"
     assert settings.tls_client_ca == ""
     assert not settings.require_client_cert
+
+
+CONTROL = "paddlequic.v1.Control"  # every method of the service is in the `control` category
+HEADER = HEADER_PREFIX + "key"
+
+
+def register_restricted(
+    handlers: dict[str, Any], restrictions: dict[str, Restriction], generic: bool
+) -> Callable[[Any], None]:
+    """Registration as generated code does it: registered method handlers, or a generic
+    handler (the path grpc.aio and HTTP/3 look methods up through otherwise)."""
+
+    def register(server: Any) -> None:
+        restricted = RestrictedServer(server, restrictions)
+        if generic:
+            restricted.add_generic_rpc_handlers(
+                [grpc.method_handlers_generic_handler(CONTROL, handlers)]
+            )
+        else:
+            restricted.add_registered_method_handlers(CONTROL, handlers)
+
+    return register
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("generic", [False, True], ids=["registered", "generic"])
+@pytest.mark.parametrize("method", KINDS)
+@pytest.mark.parametrize(
+    "metadata",
+    [(), ((HEADER, SECRET[:-1]),)],  # the values compared: test_the_header_must_carry...
+    ids=["none", "wrong"],
+)
+async def test_a_restricted_handler_of_every_kind_never_runs_without_the_header(
+    method: str,
+    metadata: tuple[tuple[str, str], ...],
+    generic: bool,
+    transport: str,
+    certs_dir: Path,
+) -> None:
+    recorder = Recorder()
+    restrictions = parse_restrictions(["control:key=" + SECRET])
+    register = register_restricted(recorder.handlers(), restrictions, generic)
+    async with serving(register, transport, certs_dir) as channel:
+        code, responses = await call(channel, CONTROL, method, metadata, refused_requests(method))
+        assert (code, responses) == (grpc.StatusCode.UNAUTHENTICATED, [])
+        assert (recorder.started, recorder.seen) == ([], [])
+        code, responses = await call(channel, CONTROL, method, [(HEADER, SECRET)])
+    assert code == grpc.StatusCode.OK
+    request_streaming = KINDS[method][0]
+    assert recorder.seen == [(method, r) for r in (REQUESTS if request_streaming else REQUESTS[:1])]
+
+
+@pytest.mark.parametrize("method", KINDS)
+async def test_categories_not_restricted_run_without_a_header(method: str) -> None:
+    recorder = Recorder()
+    restrictions = parse_restrictions(["inference,health:key=" + SECRET])
+    register = register_restricted(recorder.handlers(), restrictions, generic=False)
+    async with serving(register) as channel:
+        code, _ = await call(channel, CONTROL, method)
+    assert code == grpc.StatusCode.OK
+    assert recorder.ran(method)

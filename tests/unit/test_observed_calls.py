@@ -1,0 +1,134 @@
+"""`ObservedServer`: a call of every handler kind (unary-unary, unary-stream, stream-unary,
+stream-stream) is counted once, timed once, logged once and traced once with its final status,
+whether its behavior answered or aborted; wrapped around it, a restricted-protocol refusal is
+observed the same way while the behavior never runs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from service.api.restricted import HEADER_PREFIX, RestrictedServer, parse_restrictions
+from service.observability.handlers import ObservedServer, Observer
+from service.observability.logs import REQUEST_LOG, LineBudget, RequestLog
+from service.observability.metrics import Metrics
+from service.placement.topology import cpu_only_topology
+from service.registry.versions import ModelRegistry
+from tests.unit.handler_kinds import KINDS, REQUESTS, Recorder, call, refused_requests, serving
+
+SERVICE = "paddlequic.v1.Control"  # in the `control` category
+SECRET = "observed-Secret"
+TRANSPORT = "h2"
+
+
+@dataclass
+class Observed:
+    observer: Observer
+    metrics: Metrics
+    spans: InMemorySpanExporter
+
+    def count(self, method: str, code: grpc.StatusCode) -> float:
+        labels = {"model": "", "version": "", "transport": TRANSPORT, "rpc": method}
+        value = self.metrics.registry.get_sample_value(
+            "paddlequic_requests_total", {**labels, "code": code.name}
+        )
+        return value or 0.0
+
+    def timed(self, method: str) -> float:
+        labels = {"model": "", "transport": TRANSPORT, "rpc": method}
+        value = self.metrics.registry.get_sample_value(
+            "paddlequic_request_duration_seconds_count", labels
+        )
+        return value or 0.0
+
+    def inflight(self) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "paddlequic_inflight_requests", {"transport": TRANSPORT}
+        )
+        return value or 0.0
+
+    def span_statuses(self, method: str) -> list[Any]:
+        return [
+            s.attributes["rpc.grpc.status_code"]
+            for s in self.spans.get_finished_spans()
+            if s.attributes is not None and s.attributes["rpc.method"] == method
+        ]
+
+
+@pytest.fixture
+def observed() -> Iterator[Observed]:
+    metrics = Metrics(ModelRegistry(lambda: None), cpu_only_topology())
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    # Every success logged (ratio 1), every failure within a budget no test reaches.
+    request_log = RequestLog(1e9, 1.0, None, LineBudget(1000, 1.0))
+    yield Observed(Observer(metrics, request_log, provider.get_tracer("test")), metrics, spans)
+    provider.shutdown()
+
+
+def logged(caplog: pytest.LogCaptureFixture, method: str) -> list[str]:
+    fields = [r.__dict__.get("fields", {}) for r in caplog.records if r.name == REQUEST_LOG.name]
+    return [f["status"] for f in fields if f.get("rpc") == method]
+
+
+@pytest.mark.parametrize("method", KINDS)
+async def test_a_call_of_every_kind_is_observed_once(
+    method: str, observed: Observed, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, REQUEST_LOG.name)
+    recorder = Recorder()
+
+    def register(server: grpc.aio.Server) -> None:
+        ObservedServer(server, TRANSPORT, observed.observer).add_registered_method_handlers(
+            SERVICE, recorder.handlers()
+        )
+
+    async with serving(register) as channel:
+        code, responses = await call(channel, SERVICE, method)
+    assert code == grpc.StatusCode.OK
+    assert responses  # observation passes the answer through
+    request_streaming = KINDS[method][0]
+    assert recorder.seen == [(method, r) for r in (REQUESTS if request_streaming else REQUESTS[:1])]
+    assert observed.count(method, grpc.StatusCode.OK) == 1
+    assert observed.timed(method) == 1
+    assert observed.inflight() == 0
+    assert logged(caplog, method) == ["OK"]
+    assert observed.span_statuses(method) == [grpc.StatusCode.OK.value[0]]
+
+
+@pytest.mark.parametrize("method", KINDS)
+async def test_a_refusal_of_every_kind_is_observed_once_and_nothing_runs(
+    method: str, observed: Observed, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As registration wraps them: the restricted check inside the observation."""
+    caplog.set_level(logging.INFO, REQUEST_LOG.name)
+    recorder = Recorder()
+    restrictions = parse_restrictions(["control:key=" + SECRET])
+
+    def register(server: grpc.aio.Server) -> None:
+        RestrictedServer(
+            ObservedServer(server, TRANSPORT, observed.observer), restrictions
+        ).add_registered_method_handlers(SERVICE, recorder.handlers())
+
+    async with serving(register) as channel:
+        code, _ = await call(channel, SERVICE, method, requests=refused_requests(method))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        code, _ = await call(channel, SERVICE, method, [(HEADER_PREFIX + "key", SECRET)])
+        assert code == grpc.StatusCode.OK
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    assert observed.count(method, unauthenticated) == 1
+    assert observed.count(method, grpc.StatusCode.OK) == 1
+    assert observed.timed(method) == 2
+    assert observed.inflight() == 0
+    assert sorted(logged(caplog, method)) == ["OK", "UNAUTHENTICATED"]
+    assert sorted(observed.span_statuses(method)) == [0, unauthenticated.value[0]]
+    assert recorder.started == [method]  # only the allowed call ran
