@@ -338,14 +338,16 @@ async def test_h3_a_call_longer_than_the_unresponsive_timeout_succeeds(
     conformance_server: ServerProcess, ca_file: Path
 ) -> None:
     """HTTP/3 only: the server sends nothing while the call sleeps, yet its QUIC stack
-    acknowledges the channel's PINGs, so the connection is not taken for dead."""
+    acknowledges the channel's PINGs, so the connection is not taken for dead. The timeout is
+    long enough that a loaded machine never misses it by accident (the server's ACK of a PING
+    sent every 0.75 s has 3 s to come); the call sleeps twice as long."""
     async with QuicChannel(
-        f"localhost:{conformance_server.port}", ca_file=str(ca_file), unresponsive_timeout_s=0.5
+        f"localhost:{conformance_server.port}", ca_file=str(ca_file), unresponsive_timeout_s=3.0
     ) as channel:
         stub = pb_grpc.TestingStub(channel)
-        await stub.Unary(pb.EchoRequest(payload=b"first"), timeout=10)
+        await stub.Unary(pb.EchoRequest(payload=b"first"), timeout=30)
         connection = await channel.connection()
-        slow = pb.EchoRequest(payload=b"late", sleep_seconds=2.0)
+        slow = pb.EchoRequest(payload=b"late", sleep_seconds=6.0)
         assert (await stub.Unary(slow, timeout=30)).payload == b"late"
         assert await channel.connection() is connection
 
