@@ -23,7 +23,7 @@ from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.inference import errors
 from service.inference.errors import WorkerDied
-from service.inference.jobs import InferJob, InferResult, InputTensor, Timings
+from service.inference.jobs import Answer, InferJob, InferResult, InputTensor, Timings
 from service.resilience.poison import PoisonList, fingerprint
 from tests.virtual_time import VirtualTimePolicy
 
@@ -241,11 +241,15 @@ class _Executor:
 
 async def test_requests_accumulate_while_the_instance_is_busy() -> None:
     executor = _Executor()
-    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    # A queue timeout makes each arrival wake the scheduler, which must then hold it back.
+    policy = BatchPolicy(max_batch_size=8, default_timeout_s=600.0)
+    batcher = DynamicBatcher(policy, executor, lambda: 1)
     first = asyncio.create_task(batcher.submit(job(fill=1), None))
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
-    rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in range(2, 6)]
-    await until(lambda: batcher.queued == 4, "the rest queued")
+    rest: list[asyncio.Task[Answer]] = []
+    for i in range(2, 6):  # one at a time: each arrival is a chance to send too early
+        rest.append(asyncio.create_task(batcher.submit(job(fill=i), None)))
+        await until(lambda: batcher.queued == len(rest), f"request {i} queued")
     assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
     executor.release.set()
     answers = await asyncio.gather(first, *rest)
