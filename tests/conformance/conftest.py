@@ -49,12 +49,13 @@ def conformance_server_process(
     certs_dir: Path,
     models: Sequence[str] = MODELS,
     port: int | None = None,
+    args: Sequence[str] = (),
 ) -> Iterator[ServerProcess]:
     """A server with the testing service and `models`, logging to directory/server.log."""
     repository = directory / "repository"
     if not repository.exists():
         model_repository(repository, models)
-    extra_args = ["--testing-service", "--certs-dir", str(certs_dir)]
+    extra_args = ["--testing-service", "--certs-dir", str(certs_dir), *args]
     with running_server(repository, directory / "server.log", extra_args, port) as server:
         yield server
 

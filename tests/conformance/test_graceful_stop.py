@@ -22,11 +22,16 @@ from tests.conformance.conftest import (
 )
 from tests.servers import ServerProcess
 
+# Far longer than the test takes after SIGTERM on a loaded machine: the call in flight must
+# finish because it ended, never be cut by the grace period (default 5 s) running out first.
+# The server exiting well before it ends shows that it stops once nothing is in flight.
+GRACE = ["--grace-period", "120"]
+
 
 @pytest.fixture
 def stoppable_server(tmp_path: Path, certs_dir: Path) -> Iterator[ServerProcess]:
     """A server of the test's own (no models: only the testing service is used)."""
-    with conformance_server_process(tmp_path / "first", certs_dir, ()) as server:
+    with conformance_server_process(tmp_path / "first", certs_dir, (), args=GRACE) as server:
         yield server
 
 

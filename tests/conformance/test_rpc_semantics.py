@@ -294,6 +294,9 @@ async def test_metadata_with_an_error(make_channel: ChannelFactory) -> None:
 # deadlines and cancellation
 
 
+DEADLINE_S = 2.0
+
+
 async def handler_cancelled(stub: pb_grpc.TestingStub, token: str) -> bool:
     response = await stub.HandlerCancelled(pb.EchoRequest(token=token), timeout=10)
     cancelled: bool = response.cancelled
@@ -312,10 +315,13 @@ async def wait_handler_sleeping(call: Any, stub: pb_grpc.TestingStub, token: str
 
 
 async def test_deadline_exceeded_on_both_ends(make_channel: ChannelFactory) -> None:
+    """The handler must be running when the deadline passes to see it: the channel connects
+    first, and the deadline leaves a loaded machine ample time to start the handler."""
     async with make_channel() as channel:
         stub = pb_grpc.TestingStub(channel)
+        await stub.Unary(pb.EchoRequest(payload=b"connect"), timeout=30)
         token = uuid.uuid4().hex
-        call = stub.Unary(pb.EchoRequest(sleep_seconds=60, token=token), timeout=0.5)
+        call = stub.Unary(pb.EchoRequest(sleep_seconds=60, token=token), timeout=DEADLINE_S)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await call
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -324,7 +330,7 @@ async def test_deadline_exceeded_on_both_ends(make_channel: ChannelFactory) -> N
 
         token = uuid.uuid4().hex
         stream = stub.ServerStream(
-            pb.EchoRequest(sleep_seconds=60, token=token, response_count=1), timeout=0.5
+            pb.EchoRequest(sleep_seconds=60, token=token, response_count=1), timeout=DEADLINE_S
         )
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stream.read()
@@ -338,14 +344,16 @@ async def test_h3_a_call_longer_than_the_unresponsive_timeout_succeeds(
     conformance_server: ServerProcess, ca_file: Path
 ) -> None:
     """HTTP/3 only: the server sends nothing while the call sleeps, yet its QUIC stack
-    acknowledges the channel's PINGs, so the connection is not taken for dead."""
+    acknowledges the channel's PINGs, so the connection is not taken for dead. The timeout is
+    long enough that a loaded machine never misses it by accident (the server's ACK of a PING
+    sent every 0.75 s has 3 s to come); the call sleeps twice as long."""
     async with QuicChannel(
-        f"localhost:{conformance_server.port}", ca_file=str(ca_file), unresponsive_timeout_s=0.5
+        f"localhost:{conformance_server.port}", ca_file=str(ca_file), unresponsive_timeout_s=3.0
     ) as channel:
         stub = pb_grpc.TestingStub(channel)
-        await stub.Unary(pb.EchoRequest(payload=b"first"), timeout=10)
+        await stub.Unary(pb.EchoRequest(payload=b"first"), timeout=30)
         connection = await channel.connection()
-        slow = pb.EchoRequest(payload=b"late", sleep_seconds=2.0)
+        slow = pb.EchoRequest(payload=b"late", sleep_seconds=6.0)
         assert (await stub.Unary(slow, timeout=30)).payload == b"late"
         assert await channel.connection() is connection
 

@@ -61,14 +61,16 @@ async def test_connections_past_the_limit_are_closed(tmp_path: Path) -> None:
 
 async def test_an_idle_connection_is_closed(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
+    # The only thing that happens after the idle timeout is what the test waits for (nothing
+    # is asserted about the connection before it, however slow the machine), with a deadline
+    # a hundred times longer.
     args = ["--no-h3", "--idle-timeout", "0.5"]
     with running_server(tmp_path / "models", tmp_path / "server.log", args) as server:
         async with _channel(server.address) as channel:
-            assert await _live(channel)
-            assert channel.get_state() == grpc.ChannelConnectivity.READY
+            assert await _live(channel)  # connected: READY until the server closes it
 
             async def closed_by_server() -> bool:
                 return channel.get_state() != grpc.ChannelConnectivity.READY
 
-            await eventually(closed_by_server, "the idle connection closed", interval=0.05)
+            await eventually(closed_by_server, "the idle connection closed", interval=0.1)
             assert await _live(channel)  # the client reconnects transparently

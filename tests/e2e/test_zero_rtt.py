@@ -185,10 +185,13 @@ async def test_reconnect_after_a_server_restart_then_resume(
 
         async def one_channel_across_idle() -> list[str | None]:
             modes = []
-            async with channel(second, certs_dir, cache, idle_timeout_s=0.5) as ch:
+            # Long enough that the call never sees it on a slow machine; the close it makes is
+            # then waited for with a deadline ten times longer, and shorter than the server's
+            # own idle timeout (60 s), which would close the connection too.
+            async with channel(second, certs_dir, cache, idle_timeout_s=3.0) as ch:
                 await calls(ch, 1)
                 modes.append(ch.last_connect_mode)
-                await asyncio.wait_for(ch._connection.protocol.wait_closed(), 10)  # type: ignore[union-attr]
+                await asyncio.wait_for(ch._connection.protocol.wait_closed(), 30)  # type: ignore[union-attr]
                 await calls(ch, 1)  # idle timeout closed it: reconnects, resuming
                 modes.append(ch.last_connect_mode)
             return modes

@@ -1,8 +1,14 @@
-"""The dynamic batcher's decisions, driven by explicit times (a fake clock: nothing sleeps)."""
+"""The dynamic batcher's decisions, driven by explicit times (a fake clock: nothing sleeps).
+
+The driver's tests run on an event loop whose clock moves only when every task waits for a
+timer (tests/virtual_time.py), and wait for states (a batch reached the instance, requests are
+queued), never for a number of scheduler turns: what a batch holds follows from what was queued
+when the instance had room, however slow the machine."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -17,10 +23,28 @@ from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
 from service.inference import errors
 from service.inference.errors import WorkerDied
-from service.inference.jobs import InferJob, InferResult, InputTensor, Timings
+from service.inference.jobs import Answer, InferJob, InferResult, InputTensor, Timings
 from service.resilience.poison import PoisonList, fingerprint
+from tests.virtual_time import VirtualTimePolicy
 
 FP32 = BY_NAME["FP32"]
+# Enough for any state these tests wait for to come about; only a broken batcher exhausts it.
+TURNS = 10_000
+
+
+@pytest.fixture(scope="module")
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    return VirtualTimePolicy()
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the other tasks run until `condition` holds; a bounded number of turns, so that a
+    broken batcher fails here by name instead of hanging."""
+    for _ in range(TURNS):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
 
 
 def job(
@@ -217,12 +241,15 @@ class _Executor:
 
 async def test_requests_accumulate_while_the_instance_is_busy() -> None:
     executor = _Executor()
-    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    # A queue timeout makes each arrival wake the scheduler, which must then hold it back.
+    policy = BatchPolicy(max_batch_size=8, default_timeout_s=600.0)
+    batcher = DynamicBatcher(policy, executor, lambda: 1)
     first = asyncio.create_task(batcher.submit(job(fill=1), None))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in range(2, 6)]
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
+    rest: list[asyncio.Task[Answer]] = []
+    for i in range(2, 6):  # one at a time: each arrival is a chance to send too early
+        rest.append(asyncio.create_task(batcher.submit(job(fill=i), None)))
+        await until(lambda: batcher.queued == len(rest), f"request {i} queued")
     assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
     executor.release.set()
     answers = await asyncio.gather(first, *rest)
@@ -243,10 +270,12 @@ async def test_worker_failure_fails_every_request_of_the_batch_and_nothing_hangs
     executor.fail_with = errors.unavailable("worker died")
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
     busy = asyncio.create_task(batcher.submit(job(), None))
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     batch = [asyncio.create_task(batcher.submit(job(), None)) for _ in range(3)]
+    await until(lambda: batcher.queued == 3, "the rest queued")
     executor.release.set()
     results = await asyncio.gather(busy, *batch, return_exceptions=True)
+    assert [b.rows for b in executor.batches] == [1, 3]
     assert all(isinstance(r, errors.ServiceError) for r in results)
     assert {r.code for r in results if isinstance(r, errors.ServiceError)} == {
         grpc.StatusCode.UNAVAILABLE
@@ -261,13 +290,14 @@ async def test_queue_full_and_deadline_statuses() -> None:
     policy = BatchPolicy(max_batch_size=8, max_queue_size=1)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
     running = asyncio.create_task(batcher.submit(job(), None))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     loop = asyncio.get_running_loop()
     queued = asyncio.create_task(batcher.submit(job(), loop.time() + 0.01))
-    await asyncio.sleep(0)
+    await until(lambda: batcher.queued == 1, "the second request queued")
+    # The bound (virtual time: it passes at once) turns a queue that admits one too many into
+    # a failure instead of a hang.
     with pytest.raises(errors.ServiceError) as full:
-        await batcher.submit(job(), None)
+        await asyncio.wait_for(batcher.submit(job(), None), 60)
     assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(errors.ServiceError) as expired:
         await queued  # its deadline passes while the instance is busy
@@ -285,13 +315,14 @@ async def test_a_queue_timeout_ends_on_time_while_the_instance_is_busy() -> None
     policy = BatchPolicy(max_batch_size=8, allow_timeout_override=True)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
     running = asyncio.create_task(batcher.submit(job(), None))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     patient = asyncio.create_task(batcher.submit(replace(job(), timeout_s=600.0), None))
-    await asyncio.sleep(0)
+    await until(lambda: batcher.queued == 1, "the patient request queued")
+    loop = asyncio.get_running_loop()
     with pytest.raises(errors.ServiceError) as expired:
         # The bound only keeps a broken scheduler from hanging the test.
         await asyncio.wait_for(batcher.submit(replace(job(), timeout_s=0.01), None), 60)
+    assert loop.time() == pytest.approx(0.01)  # its own queue time, not the scheduler's next look
     assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "in the queue" in expired.value.message
     executor.release.set()
@@ -304,9 +335,10 @@ async def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> No
     executor = _Executor()
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
     busy = asyncio.create_task(batcher.submit(job(fill=1), None))
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     fills = [2, -1, 3]
     batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in fills]
+    await until(lambda: batcher.queued == 3, "the batch of three queued")
     executor.release.set()
     await busy
     results = await asyncio.gather(*batch, return_exceptions=True)
@@ -362,8 +394,9 @@ async def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> N
     executor.crash_on = 13.0
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1, "model 'm'")
     busy = asyncio.create_task(batcher.submit(job(fill=1), None))
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in (2, 13, 3)]
+    await until(lambda: batcher.queued == 3, "the batch of three queued")
     executor.release.set()
     await busy
     results = await asyncio.gather(*batch, return_exceptions=True)
@@ -406,6 +439,7 @@ async def test_a_deadline_ends_its_request_not_its_batch() -> None:
     short = asyncio.create_task(batcher.submit(job(fill=1), loop.time() + 0.01))
     far = loop.time() + 60
     long = asyncio.create_task(batcher.submit(job(fill=2), far))
+    await until(lambda: len(executor.batches) == 1, "the batch reached the instance")
     with pytest.raises(errors.ServiceError) as expired:
         await short
     assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -17,7 +17,8 @@ from service.batching.queue import BatchPolicy, bucket_of
 from service.inference.jobs import InferJob, InputTensor
 from service.model.parameters import ParameterError
 from service.model.shapes import ShapeBuckets, shape_buckets
-from tests.unit.test_batching import FP32, _Executor, job, written
+from tests.unit.test_batching import FP32, _Executor, job, until, written
+from tests.virtual_time import VirtualTimePolicy
 
 TOKENS = """
 name: "text"
@@ -25,6 +26,11 @@ max_batch_size: 8
 input [ { name: "ids", data_type: TYPE_INT64, dims: [ -1 ] } ]
 output [ { name: "y", data_type: TYPE_FP32, dims: [ 4 ] } ]
 """
+
+
+@pytest.fixture(scope="module")
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    return VirtualTimePolicy()
 
 
 def config(text: str, **parameters: str) -> mc.ModelConfig:
@@ -129,10 +135,9 @@ async def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows()
     assert policy.shapes.batch == (1, 2, 4, 8)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
     first = asyncio.create_task(batcher.submit(job(fill=1), None))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in (2, 3, 4, 5, 6)]
-    await asyncio.sleep(0)
+    await until(lambda: batcher.queued == 5, "the rest queued")
     executor.release.set()
     answers = await asyncio.gather(first, *rest)
     assert [b.rows for b in executor.batches] == [1, 8]  # 5 requests padded to 8

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 from aioquic.asyncio.client import connect
@@ -25,6 +25,22 @@ from transport.h3.stream_state import StreamClosed
 
 DEFAULT_UNRESPONSIVE_S = 10.0
 PROBE_AFTER_S = 1.0  # silence, with calls in flight, after which a PING asks for an answer
+
+
+def probe_every(unresponsive_s: float) -> float:
+    return min(PROBE_AFTER_S, unresponsive_s / 4)
+
+
+def liveness(
+    now: float, heard_at: float, busy_since: float, unresponsive_s: float
+) -> tuple[Literal["wait", "ping", "give up"], float]:
+    """What the server's silence means at `now` (with the seconds it has lasted): only
+    silence while calls are in flight counts, from the later of the last packet heard and the
+    first call; a PING asks for an answer before the connection is given up."""
+    silent = now - max(heard_at, busy_since)
+    if silent >= unresponsive_s:
+        return "give up", silent
+    return ("ping" if silent >= probe_every(unresponsive_s) else "wait"), silent
 
 
 class _ClientProtocol(GrpcH3Protocol):
@@ -63,7 +79,7 @@ class _ClientProtocol(GrpcH3Protocol):
     @property
     def _probe_s(self) -> float:
         assert self._unresponsive_s
-        return min(PROBE_AFTER_S, self._unresponsive_s / 4)
+        return probe_every(self._unresponsive_s)
 
     def datagram_received(self, data: bytes | str, addr: object) -> None:
         self._heard_at = self._loop.time()
@@ -79,11 +95,11 @@ class _ClientProtocol(GrpcH3Protocol):
         else:
             if self._busy_since is None:
                 self._busy_since = now
-            silent = now - max(self._heard_at, self._busy_since)
-            if silent >= self._unresponsive_s:
+            verdict, silent = liveness(now, self._heard_at, self._busy_since, self._unresponsive_s)
+            if verdict == "give up":
                 self._give_up(f"no answer from the server for {silent:.1f} s")
                 return
-            if silent >= self._probe_s:
+            if verdict == "ping":
                 self._quic.send_ping(0)
                 self.transmit()
         self._liveness = self._loop.call_later(self._probe_s, self._check_liveness)
