@@ -227,7 +227,7 @@ async def test_an_http3_client_gives_up_a_silent_frontend_and_reconnects(
     call in flight fails UNAVAILABLE once the channel heard nothing for its
     unresponsive_timeout_s, and the same channel's next call connects anew."""
     async with QuicChannel(
-        f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"), unresponsive_timeout_s=1.0
+        f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"), unresponsive_timeout_s=5.0
     ) as h3:
         stub = pb_grpc.GRPCInferenceServiceStub(h3)
         await infer_checked(stub, 300)
