@@ -72,7 +72,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_decoding_cost.py",
     ),
 }
-DEFAULT_CAP = 40
+DEFAULT_CAP = 25
 PYTEST = (
     "-m",
     "pytest",
@@ -194,7 +194,15 @@ def sample(module: str, found: list[Mutant], cap: int) -> list[Mutant]:
     return [found[i] for i in sorted(chosen)]
 
 
-def mutate_module(module: str, cap: int) -> ModuleResult:
+def previous_survivors(path: Path) -> dict[str, set[tuple[int, str]]]:
+    """Module -> (line, description) of each mutant that survived in an earlier report."""
+    return {
+        row["module"]: {(s["line"], s["description"]) for s in row["survivors"]}
+        for row in json.loads(path.read_text())
+    }
+
+
+def mutate_module(module: str, cap: int, only: set[tuple[int, str]] | None) -> ModuleResult:
     tests = [t for t in MODULES[module] if (ROOT / t).exists()]
     result = ModuleResult(module, tests)
     started = time.monotonic()
@@ -203,6 +211,8 @@ def mutate_module(module: str, cap: int) -> ModuleResult:
     source_lines = original.decode().splitlines()
     found = mutants(original)
     chosen = sample(module, found, cap)
+    if only is not None:
+        chosen = [m for m in chosen if (m.line, m.description) in only]
     result.total, result.mutants = len(found), len(chosen)
     print(f"== {module}: {len(chosen)} of {len(found)} mutants; tests: {' '.join(tests)}")
     coverage = trace(module, tests)
@@ -257,12 +267,23 @@ def main() -> None:
     parser.add_argument(
         "--cap", type=int, default=DEFAULT_CAP, help="mutants per module, sampled (0: all)"
     )
+    parser.add_argument(
+        "--survivors-of",
+        type=Path,
+        help="an earlier report: run only the mutants that survived there (after adding tests)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "mutate.json")
     args = parser.parse_args()
     wanted = [w for w in args.only.split(",") if w]
     modules = [m for m in MODULES if not wanted or any(w in m for w in wanted)]
+    earlier = previous_survivors(args.survivors_of) if args.survivors_of else None
+    if earlier is not None:
+        modules = [m for m in modules if m in earlier]
     make_copy()
-    results = [mutate_module(module, args.cap) for module in modules]
+    results = [
+        mutate_module(module, args.cap, None if earlier is None else earlier[module])
+        for module in modules
+    ]
     print()
     print(table(results))
     for r in results:
