@@ -51,8 +51,12 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_tickets.py",
         "tests/unit/test_client_auth.py",
         "tests/unit/test_shared_tickets.py",
+        "tests/unit/test_ticket_store_bounds.py",
     ),
-    "transport/h3/aioquic/credit.py": ("tests/unit/test_receive_credit.py",),
+    "transport/h3/aioquic/credit.py": (
+        "tests/unit/test_receive_credit.py",
+        "tests/unit/test_receive_credit_accounting.py",
+    ),
     "service/batching/assemble.py": (
         "tests/unit/test_batching.py",
         "tests/unit/test_shapes.py",
