@@ -25,7 +25,7 @@ help:
 	@echo "make lint    ruff + mypy + the import layering (import-linter)"
 	@echo "make mutate  mutation testing of the security and data-integrity modules, surviving mutants per module"
 	@echo "             (unit tests only; at most 25 mutants per module, a fixed sample: ARGS='--cap 0' for all,"
-	@echo "             ARGS='--only poison,credit' for some; about 30 min on 2 idle cores; writes bench-results/)"
+	@echo "             ARGS='--only poison,credit' for some; about 40 min on 2 shared cores; writes bench-results/)"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
