@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from oip.bytes_tensor import deserialize_bytes, serialize_bytes
 from oip.datatypes import BY_NAME
 from service.batching.assemble import BatchOutput, plan
-from service.inference.jobs import InferJob, InputTensor
+from service.inference.jobs import InferJob, InputTensor, OutputTensor
 from service.inference.validation import RequestValidator
 from service.model.shapes import ShapeBuckets
 from tests.unit.test_batching import FP32, written
@@ -66,3 +66,13 @@ def test_inputs_padded_to_a_sequence_bucket_hold_the_pad_value(
     for row, n in enumerate(lengths):
         expected[row, :n] = np.arange(n)
     assert written(batch) == [expected.tobytes()]
+
+
+def test_a_model_that_does_not_batch_gets_its_outputs_whole_and_copied() -> None:
+    data = np.arange(6, dtype=np.float32).tobytes()
+    job = InferJob((InputTensor("x", FP32, (1, 6), data),), ("y",), 0)
+    batch = plan([job])
+    shared = bytearray(data)  # stands in for the worker's shared memory
+    ((output,),) = batch.split([BatchOutput("y", FP32, (2, 3), memoryview(shared))])
+    shared[:] = bytes(len(shared))  # the slot is handed on
+    assert output == OutputTensor("y", FP32, (2, 3), data)

@@ -9,7 +9,7 @@ from aioquic.quic.connection import QuicConnection
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.h3.aioquic.credit import ReceiveCredit
+from transport.h3.aioquic.credit import FRAMING_SLACK, ReceiveCredit
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, database=None)
 STREAMS = (0, 4, 8)
@@ -55,3 +55,10 @@ def test_consuming_on_a_stream_that_holds_nothing_changes_nothing() -> None:
     tracked.message_in_progress(4, 1000)
     tracked.message_in_progress(4, 0)
     assert tracked.unconsumed == 100
+
+
+def test_the_windows_docs_http3_states() -> None:
+    """About 1 MiB per stream, a 16 MiB connection window, 16 KiB for the framing."""
+    tracked = credit()
+    assert (tracked.stream_window, tracked.connection_window) == (1 << 20, 16 << 20)
+    assert FRAMING_SLACK == 16 << 10
