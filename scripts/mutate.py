@@ -187,7 +187,7 @@ def trace(module: str, tests: list[str]) -> Coverage:
     data = json.loads(out.read_text())
     lines = {test: set(hit) for test, hit in data["lines"].items()}
     if not lines:
-        raise SystemExit(f"{module}: the tests never ran {target} (imported from elsewhere?)")
+        print(f"  no test ran any line of {module}: every mutant is unreached")
     return Coverage(lines, data["durations"])
 
 
