@@ -36,6 +36,7 @@ _TICKET_TESTS = (
     "tests/unit/test_shared_tickets.py",
     "tests/unit/test_sqlite_tickets.py",
     "tests/unit/test_client_auth.py",
+    "tests/unit/test_sqlite_ticket_links.py",
 )
 # Module -> its fast unit tests (e2e tests are too slow to run once per mutant).
 MODULES: dict[str, tuple[str, ...]] = {
