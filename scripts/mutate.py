@@ -37,6 +37,7 @@ _TICKET_TESTS = (
     "tests/unit/test_sqlite_tickets.py",
     "tests/unit/test_client_auth.py",
     "tests/unit/test_sqlite_ticket_links.py",
+    "tests/unit/test_sqlite_ticket_counters.py",
 )
 # Module -> its fast unit tests (e2e tests are too slow to run once per mutant).
 MODULES: dict[str, tuple[str, ...]] = {
