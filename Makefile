@@ -17,12 +17,15 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability lab-replicas chaos clean
+.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability lab-replicas chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
 	@echo "make test    run the test suite (no GPU needed)"
 	@echo "make lint    ruff + mypy + the import layering (import-linter)"
+	@echo "make mutate  mutation testing of the security and data-integrity modules, surviving mutants per module"
+	@echo "             (unit tests only; at most 25 mutants per module, a fixed sample: ARGS='--cap 0' for all,"
+	@echo "             ARGS='--only poison,credit' for some; about 40 min on 2 shared cores; writes bench-results/)"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
@@ -99,6 +102,10 @@ lab-replicas: setup models
 
 chaos: setup models
 	$(BIN)/python -m tests.chaos $(ARGS)
+
+# Not part of `make test` (minutes): docs/development.md, "Mutation testing".
+mutate: setup
+	$(BIN)/python -m scripts.mutate $(ARGS)
 
 # Not part of `make test` (minutes, and a Docker engine). DOCKER_BUILD_FLAGS (e.g. --network
 # host) go to docker build; ARGS (e.g. --network host) to the check.
