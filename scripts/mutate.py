@@ -41,13 +41,10 @@ _TICKET_TESTS = (
 )
 # Module -> its fast unit tests (e2e tests are too slow to run once per mutant).
 MODULES: dict[str, tuple[str, ...]] = {
-    "service/api/restricted.py": (
-        "tests/unit/test_restricted.py",
-        "tests/unit/test_restricted_mutants.py",
-    ),
+    "service/api/restricted.py": ("tests/unit/test_restricted.py",),
     "service/resilience/poison.py": (
         "tests/unit/test_batching.py",
-        "tests/unit/test_poison.py",
+        "tests/unit/test_poison_list.py",
     ),
     "transport/tls/session_tickets.py": (
         "tests/unit/test_tickets.py",

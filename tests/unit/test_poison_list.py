@@ -12,7 +12,7 @@ from oip.datatypes import BY_NAME
 from service.batching.batcher import DynamicBatcher
 from service.batching.queue import BatchPolicy
 from service.inference.jobs import InferJob, InputTensor
-from service.resilience.poison import PoisonList
+from service.resilience.poison import PoisonList, fingerprint
 
 TEN_MINUTES_S = 600.0
 REMEMBERED = 1024
@@ -86,3 +86,30 @@ def test_each_version_has_its_own_list() -> None:
     first, second = served_list(), served_list()
     first.add(job(7), now=0.0)
     assert first.holds(job(7), now=1.0) and not second.holds(job(7), now=1.0)
+
+
+def _shaped(fill: int, name: str, datatype: str, shape: tuple[int, ...]) -> InferJob:
+    data = np.full(4, fill, np.int32).tobytes()  # 16 bytes whatever the datatype and shape
+    return InferJob((InputTensor(name, BY_NAME[datatype], shape, data),), ("y",), shape[0])
+
+
+def test_the_same_bytes_under_another_name_datatype_or_shape_are_other_inputs() -> None:
+    same_bytes = [
+        _shaped(7, "x", "FP32", (1, 4)),
+        _shaped(7, "w", "FP32", (1, 4)),
+        _shaped(7, "x", "INT32", (1, 4)),
+        _shaped(7, "x", "FP32", (2, 2)),
+    ]
+    assert len({fingerprint(j) for j in same_bytes}) == len(same_bytes)
+    poison = PoisonList()
+    poison.add(same_bytes[0], now=0.0)
+    assert [poison.holds(j, now=1.0) for j in same_bytes] == [True, False, False, False]
+
+
+def test_expiry_drops_the_oldest_entries_only() -> None:
+    poison = PoisonList(ttl_s=10.0)
+    poison.add(job(1), now=0.0)
+    poison.add(job(2), now=5.0)
+    assert not poison.holds(job(1), now=10.0)
+    assert poison.holds(job(2), now=10.0)
+    assert len(poison) == 1

@@ -26,6 +26,8 @@ from service.settings import parse
 from tests.unit.handler_kinds import (
     KINDS,
     REQUESTS,
+    Request,
+    Response,
     TRANSPORTS,
     Recorder,
     call,
@@ -174,8 +176,9 @@ def register_restricted(
 @pytest.mark.parametrize("method", KINDS)
 @pytest.mark.parametrize(
     "metadata",
-    [(), ((HEADER, SECRET[:-1]),)],  # the values compared: test_the_header_must_carry...
-    ids=["none", "wrong"],
+    # the values compared: test_the_header_must_carry...; the key without its prefix
+    [(), ((HEADER, SECRET[:-1]),), (("key", SECRET),)],
+    ids=["none", "wrong", "unprefixed"],
 )
 async def test_a_restricted_handler_of_every_kind_never_runs_without_the_header(
     method: str,
@@ -206,3 +209,24 @@ async def test_categories_not_restricted_run_without_a_header(method: str) -> No
         code, _ = await call(channel, CONTROL, method)
     assert code == grpc.StatusCode.OK
     assert recorder.ran(method)
+
+
+async def test_a_synchronous_unary_behavior_runs_only_after_the_check() -> None:
+    """grpc allows plain functions as behaviors; the guard makes them async too."""
+    ran: list[Any] = []
+
+    def unary(request: Any, context: Any) -> Any:
+        ran.append(request)
+        return Response(messages=1)
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        unary,
+        request_deserializer=Request.FromString,
+        response_serializer=Response.SerializeToString,
+    )
+    restrictions = parse_restrictions(["control:key=" + SECRET])
+    async with serving(register_restricted({"Unary": handler}, restrictions, False)) as channel:
+        assert (await call(channel, CONTROL, "Unary"))[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert ran == []
+        code, responses = await call(channel, CONTROL, "Unary", [(HEADER, SECRET)])
+    assert (code, responses, ran) == (grpc.StatusCode.OK, [Response(messages=1)], [REQUESTS[0]])
