@@ -26,10 +26,10 @@ from service.settings import parse
 from tests.unit.handler_kinds import (
     KINDS,
     REQUESTS,
-    Request,
-    Response,
     TRANSPORTS,
     Recorder,
+    Request,
+    Response,
     call,
     refused_requests,
     serving,
