@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -167,3 +169,43 @@ def running_server(
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """Hold the worker still so the queue fills deterministically, whatever the machine."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def wait_arrived(server: ServerProcess, model: str, count: int) -> None:
+    """Until the server holds all `count` requests: queued, or in batches given to the
+    (paused) worker. Whatever split that is, some batch then holds more than one request."""
+    deadline = time.monotonic() + 60
+    request = control_pb2.ListInstancesRequest(model_name=model)
+    while time.monotonic() < deadline:
+        queues = server.control.ListInstances(request, timeout=5).queues
+        if sum(q.queued + q.in_flight for q in queues) >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server never held all {count} requests for {model}")
+
+
+async def gather_held(
+    server: ServerProcess,
+    model: str,
+    calls: Sequence[Awaitable[Any]],
+    return_exceptions: bool = False,
+) -> list[Any]:
+    """Every call started while the model's one worker is stopped, and the worker resumed once
+    the server holds them all: the calls meet in batches, however fast the machine is."""
+    (instance,) = server.instances(model)
+    with paused(instance.pid):
+        gathered = asyncio.gather(*calls, return_exceptions=return_exceptions)
+        await asyncio.get_running_loop().run_in_executor(
+            None, wait_arrived, server, model, len(calls)
+        )
+    return list(await gathered)

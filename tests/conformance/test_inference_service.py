@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,9 +17,8 @@ from protos.grpc.reflection.v1 import reflection_pb2_grpc as v1_grpc
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, MODELS, ChannelFactory
-from tests.e2e.test_batching import paused, wait_arrived
 from tests.reference import assert_matches_reference, call_inputs, example_inputs, output_names
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, gather_held
 
 CONCURRENT_CALLS = 16
 
@@ -86,17 +84,10 @@ async def test_concurrent_calls_on_one_channel_get_their_own_answers(
     """Calls multiplexed on one connection, each with inputs of its own, held until all
     arrived so that they share batches: an answer given to another call fails its check."""
     inputs = [call_inputs("mlp", call) for call in range(CONCURRENT_CALLS)]
-    (instance,) = conformance_server.instances("mlp")
     async with make_channel() as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        with paused(instance.pid):
-            calls = asyncio.gather(
-                *(stub.ModelInfer(build_request("mlp", x), timeout=60) for x in inputs)
-            )
-            await asyncio.get_running_loop().run_in_executor(
-                None, wait_arrived, conformance_server, "mlp", CONCURRENT_CALLS
-            )
-        responses = await calls
+        calls = [stub.ModelInfer(build_request("mlp", x), timeout=60) for x in inputs]
+        responses = await gather_held(conformance_server, "mlp", calls)
     for x, response in zip(inputs, responses, strict=True):
         assert_matches_reference("mlp", x, response)
 

@@ -3,47 +3,16 @@ request gets exactly its own rows back."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
-import time
-from collections.abc import Iterator
-
 import grpc
 import numpy as np
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from protos.paddlequic.v1 import control_pb2
 from tests.reference import output_names, run_reference
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, gather_held
 
 CLIENTS = 64
-
-
-@contextlib.contextmanager
-def paused(pid: int) -> Iterator[None]:
-    """Hold the worker still so the queue fills deterministically, whatever the machine."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-def wait_arrived(server: ServerProcess, model: str, count: int) -> None:
-    """Until the server holds all `count` requests: queued, or in batches given to the
-    (paused) worker. Whatever split that is, some batch then holds more than one request."""
-    deadline = time.monotonic() + 60
-    request = control_pb2.ListInstancesRequest(model_name=model)
-    while time.monotonic() < deadline:
-        queues = server.control.ListInstances(request, timeout=5).queues
-        if sum(q.queued + q.in_flight for q in queues) >= count:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"the server never held all {count} requests for {model}")
 
 
 def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
@@ -55,25 +24,10 @@ async def test_concurrent_clients_are_batched_and_get_their_own_rows(server: Ser
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(CLIENTS)]
     before = batch_counts(server, "mlp")
-    (instance,) = server.instances("mlp")
-
-    async def send_all() -> list[pb.ModelInferResponse]:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            calls = [
-                asyncio.ensure_future(
-                    stub.ModelInfer(build_request("mlp", {"input": x}), timeout=60)
-                )
-                for x in inputs
-            ]
-            await asyncio.get_running_loop().run_in_executor(
-                None, wait_arrived, server, "mlp", CLIENTS
-            )
-            os.kill(instance.pid, signal.SIGCONT)
-            return list(await asyncio.gather(*calls))
-
-    with paused(instance.pid):
-        responses = await send_all()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        calls = [stub.ModelInfer(build_request("mlp", {"input": x}), timeout=60) for x in inputs]
+        responses = await gather_held(server, "mlp", calls)
 
     after = batch_counts(server, "mlp")
     grown = {size: after.get(size, 0) - before.get(size, 0) for size in after}
@@ -93,26 +47,14 @@ async def test_bad_values_fail_only_their_own_request_within_a_batch(server: Ser
     rng = np.random.default_rng(3)
     good = [rng.integers(0, 1000, (1, 7), dtype=np.int64) for _ in range(6)]
     bad = np.full((1, 7), 10**9, dtype=np.int64)
-    (instance,) = server.instances("text_classifier")
-
-    async def send_all() -> list[object]:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            batch = [*good[:3], bad, *good[3:]]
-            calls = [
-                asyncio.ensure_future(
-                    stub.ModelInfer(build_request("text_classifier", {"token_ids": x}), timeout=60)
-                )
-                for x in batch
-            ]
-            await asyncio.get_running_loop().run_in_executor(
-                None, wait_arrived, server, "text_classifier", len(batch)
-            )
-            os.kill(instance.pid, signal.SIGCONT)
-            return list(await asyncio.gather(*calls, return_exceptions=True))
-
-    with paused(instance.pid):
-        results = await send_all()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        batch = [*good[:3], bad, *good[3:]]
+        calls = [
+            stub.ModelInfer(build_request("text_classifier", {"token_ids": x}), timeout=60)
+            for x in batch
+        ]
+        results = await gather_held(server, "text_classifier", calls, return_exceptions=True)
 
     error = results.pop(3)
     assert isinstance(error, grpc.aio.AioRpcError)

@@ -26,11 +26,16 @@ from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.e2e.test_batching import paused, wait_arrived
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once
 from tests.reference import assert_matches_reference, call_inputs
-from tests.servers import ServerProcess, children, model_repository, running_server
+from tests.servers import (
+    ServerProcess,
+    children,
+    gather_held,
+    model_repository,
+    running_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -134,11 +139,7 @@ async def test_concurrent_callers_each_get_their_own_answer(
             async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as h2:
                 await infer_checked(pb_grpc.GRPCInferenceServiceStub(h2), call)
 
-    (instance,) = server.instances("mlp")
-    with paused(instance.pid):
-        callers = asyncio.gather(*(caller(100 + i) for i in range(CALLERS)))
-        await asyncio.get_running_loop().run_in_executor(None, wait_arrived, server, "mlp", CALLERS)
-    await callers
+    await gather_held(server, "mlp", [caller(100 + i) for i in range(CALLERS)])
 
 
 async def test_new_connections_reach_both_frontends(server: ServerProcess, certs_dir: Path) -> None:

@@ -5,9 +5,6 @@ leaves that model UNAVAILABLE with the reason while the rest serve."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +15,9 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.e2e.test_batching import paused, wait_arrived
 from tests.e2e.test_watchdog import parameter
 from tests.reference import assert_matches_reference, call_inputs, output_names, run_reference
-from tests.servers import EXAMPLE_MODELS, ServerProcess, running_server
+from tests.servers import EXAMPLE_MODELS, ServerProcess, gather_held, running_server
 
 pytestmark = pytest.mark.e2e
 RPC_TIMEOUT_S = 120.0
@@ -83,25 +79,10 @@ async def test_padded_batches_answer_each_request_with_its_rows(server: ServerPr
     """Requests of 3 rows each, held until all arrived: any batch of them runs padded to a
     bucket, and each request gets the answer for its own rows."""
     inputs = [call_inputs("mlp", call) for call in range(REQUESTS)]
-    (instance,) = server.instances("mlp")
-
-    async def send_all() -> list[pb.ModelInferResponse]:
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            calls = [
-                asyncio.ensure_future(
-                    stub.ModelInfer(build_request("mlp", x), timeout=RPC_TIMEOUT_S)
-                )
-                for x in inputs
-            ]
-            await asyncio.get_running_loop().run_in_executor(
-                None, wait_arrived, server, "mlp", REQUESTS
-            )
-            os.kill(instance.pid, signal.SIGCONT)
-            return list(await asyncio.gather(*calls))
-
-    with paused(instance.pid):
-        responses = await send_all()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        calls = [stub.ModelInfer(build_request("mlp", x), timeout=RPC_TIMEOUT_S) for x in inputs]
+        responses = await gather_held(server, "mlp", calls)
     for x, response in zip(inputs, responses, strict=True):
         assert_matches_reference("mlp", x, response)
     stats = server.stub.ModelStatistics(pb.ModelStatisticsRequest(name="mlp"), timeout=10)
