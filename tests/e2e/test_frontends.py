@@ -142,22 +142,27 @@ async def test_concurrent_callers_each_get_their_own_answer(
     await gather_held(server, "mlp", [caller(100 + i) for i in range(CALLERS)])
 
 
+async def reach_both_frontends(server: ServerProcess, certs_dir: Path, transport: str) -> None:
+    """New connections until each front-end has passed a call to the parent: both are up."""
+    for _ in range(MAX_CONNECTIONS):
+        if transport == "h2":
+            async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as ch:
+                await pb_grpc.GRPCInferenceServiceStub(ch).ServerLive(
+                    pb.ServerLiveRequest(), timeout=10
+                )
+        else:
+            async with quic(server, certs_dir) as h3:
+                await pb_grpc.GRPCInferenceServiceStub(h3).ServerLive(
+                    pb.ServerLiveRequest(), timeout=10
+                )
+        if set(calls_by_frontend(server, transport)) == {"0", "1"}:
+            return
+    raise AssertionError(f"{MAX_CONNECTIONS} new {transport} connections reached one front-end")
+
+
 async def test_new_connections_reach_both_frontends(server: ServerProcess, certs_dir: Path) -> None:
     for transport in ("h2", "h3"):
-        for _ in range(MAX_CONNECTIONS):
-            if transport == "h2":
-                async with grpc.aio.insecure_channel(server.address, options=OWN_CONNECTION) as ch:
-                    await pb_grpc.GRPCInferenceServiceStub(ch).ServerLive(
-                        pb.ServerLiveRequest(), timeout=10
-                    )
-            else:
-                async with quic(server, certs_dir) as h3:
-                    await pb_grpc.GRPCInferenceServiceStub(h3).ServerLive(
-                        pb.ServerLiveRequest(), timeout=10
-                    )
-            if set(calls_by_frontend(server, transport)) == {"0", "1"}:
-                break
-        assert set(calls_by_frontend(server, transport)) == {"0", "1"}, transport
+        await reach_both_frontends(server, certs_dir, transport)
 
 
 def test_one_set_of_workers_under_the_parent(server: ServerProcess) -> None:
@@ -370,9 +375,11 @@ def test_restricted_protocols_metrics_and_request_logs_run_once_in_the_parent(
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_frontend_stops_when_its_parent_dies(tmp_path: Path, certs_dir: Path) -> None:
+async def test_a_frontend_stops_when_its_parent_dies(tmp_path: Path, certs_dir: Path) -> None:
     args = ["--frontends", "2", "--certs-dir", str(certs_dir), "--grace-period", "1"]
     with running_server(model_repository(tmp_path / "models", []), tmp_path / "log", args) as s:
+        # Both connected to the parent first (the parent is ready before its front-ends are).
+        await reach_both_frontends(s, certs_dir, "h2")
         orphans = frontends(s)
         assert len(orphans) == 2
         everything = set(children(s.process.pid))
