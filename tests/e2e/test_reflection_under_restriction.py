@@ -7,20 +7,18 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.quic_channel import QuicChannel
 from protos.grpc.reflection.v1 import reflection_pb2 as v1_pb2
 from protos.grpc.reflection.v1 import reflection_pb2_grpc as v1_grpc
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e.test_security import Restricted, channel
 from tests.interop.test_grpcurl import GRPCURL, GRPCURL_TIMEOUT_S
-from tests.servers import START_TIMEOUT_S, ServerProcess, model_repository, running_server
+from tests.servers import START_TIMEOUT_S, model_repository, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +28,6 @@ TIMEOUT_S = 30.0
 # grpcurl exits with 64 + the gRPC status code when a call fails.
 UNAUTHENTICATED_EXIT = 64 + grpc.StatusCode.UNAUTHENTICATED.value[0]
 METHOD = "grpc.health.v1.Health/Check"
-
-
-@dataclass
-class Restricted:
-    server: ServerProcess
-    certs: Path
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +51,6 @@ def restricted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restricted]
             assert time.monotonic() < deadline, s.log_text()
             time.sleep(0.2)
         yield Restricted(s, certs)
-
-
-def channel(restricted: Restricted, transport: str) -> grpc.aio.Channel | QuicChannel:
-    if transport == "h3":
-        address = f"localhost:{restricted.server.port}"
-        return QuicChannel(address, ca_file=str(restricted.certs / "ca.pem"))
-    return grpc.aio.insecure_channel(restricted.server.address)
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
