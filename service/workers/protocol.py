@@ -74,11 +74,67 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Submit:
+    """One request of a decoupled model (never batched with others: the model answers it with
+    zero to many Responses). Its input bytes travel inline, so it holds no slot while the
+    model works on it."""
+
+    request_id: int
+    inputs: tuple[TensorRef, ...]  # offsets into `data`
+    data: bytes
+    outputs: tuple[str, ...]
+    id: str  # the caller's request id (pb_utils' request.request_id())
+    parameters: str  # the request's parameters as JSON (pb_utils' request.parameters())
+
+
+@dataclass(frozen=True)
+class Response:
+    """One response of a decoupled request; `final` ends it (with outputs or without)."""
+
+    request_id: int
+    outputs: tuple[TensorRef, ...]  # offsets into `data`
+    data: bytes
+    final: bool
+    error: str | None = None  # the model's TritonError, or why the request failed in the worker
+
+
+@dataclass(frozen=True)
+class Credit:
+    """The server took `count` more responses of the request: the worker may send as many more
+    (the worker holds a sender that has RESPONSE_WINDOW unread responses out)."""
+
+    request_id: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The caller went away or its deadline passed: the model's is_cancelled() turns true."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-Message = Load | Loaded | LoadFailed | Infer | Result | Failed | Shutdown
+# Responses of one decoupled request the worker may have sent and the server not yet taken.
+RESPONSE_WINDOW = 8
+
+Message = (
+    Load
+    | Loaded
+    | LoadFailed
+    | Infer
+    | Result
+    | Failed
+    | Submit
+    | Response
+    | Credit
+    | Cancel
+    | Shutdown
+)
 
 
 def encode(message: Message) -> bytes:
@@ -97,7 +153,19 @@ def body_size(header: bytes) -> int:
     return int(size)
 
 
-_MESSAGES = (Load, Loaded, LoadFailed, Infer, Result, Failed, Shutdown)
+_MESSAGES = (
+    Load,
+    Loaded,
+    LoadFailed,
+    Infer,
+    Result,
+    Failed,
+    Submit,
+    Response,
+    Credit,
+    Cancel,
+    Shutdown,
+)
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls
     for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets)
