@@ -188,6 +188,10 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         return grpc.stream_stream_rpc_method_handler(forward)
 
 
+class ParentUnreachable(Exception):
+    """The dispatch socket refused the front-end: nothing to serve for."""
+
+
 async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -196,7 +200,15 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     # the whole process group are its business.
     for ignored in (signal.SIGINT, signal.SIGHUP):
         signal.signal(ignored, signal.SIG_IGN)
-    reader, writer = await asyncio.open_unix_connection(runtime_dir / DISPATCH_SOCKET)
+    try:
+        reader, writer = await asyncio.open_unix_connection(runtime_dir / DISPATCH_SOCKET)
+    except OSError as exc:
+        # The parent is gone or not listening: its supervisor (if any) starts a new front-end.
+        raise ParentUnreachable(
+            f"front-end {index}: cannot reach the parent at {runtime_dir / DISPATCH_SOCKET} "
+            f"({exc.strerror or exc}); front-ends are started by `paddlequic serve "
+            "--frontends N`, not on their own"
+        ) from None
     link = ParentLink(index, reader, writer, settings.max_message_bytes)
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)
@@ -254,7 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)
     log.debug("front-end %d (pid %d) starting", args.index, os.getpid())
-    asyncio.run(run(args.index, args.runtime_dir, settings))
+    try:
+        asyncio.run(run(args.index, args.runtime_dir, settings))
+    except ParentUnreachable as exc:
+        log.error("%s", exc)
+        return 1
     return 0
 
 
