@@ -76,8 +76,7 @@ class VersionLoader:
             log.exception("placement of %s failed", key)
             placements, unplaced = {}, {key: f"placement failed: {exc}"}
         if key in unplaced:
-            # Not counted: the counter's `placement` is the first load's (as it always was).
-            await self.fail(served, unplaced[key], None)
+            await self.fail(served, unplaced[key], "placement")
             return
         await self.start_placed(served, files, placements[key])
 

@@ -3,6 +3,7 @@ counted at its stage (or not), its verified copy gone, the change signalled."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import grpc
@@ -20,6 +21,7 @@ from service.observability.metrics import Metrics
 from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.requests import RequestRunner
+from tests.servers import EXAMPLE_MODELS
 
 OPTIONS = LifecycleOptions(
     model_control_mode="explicit", poll_repository=0.0, load_model="", testing_service=False
@@ -83,3 +85,29 @@ def test_an_unknown_model_control_mode_is_refused(mode: str) -> None:
         LifecycleOptions(
             model_control_mode=mode, poll_repository=0.0, load_model="", testing_service=False
         )
+
+
+async def test_a_reload_that_cannot_be_placed_is_counted_as_a_placement_failure(
+    tmp_path: Path,
+) -> None:
+    """As the first load's placement failures are: an operator alerting on the counter sees a
+    reload that asks for devices the host lacks."""
+    registry = ModelRegistry(lambda: None)
+    topology = cpu_only_topology()
+    metrics = Metrics(registry, topology)
+    observer = Observer(metrics, RequestLog(1e9, 0.0, None, LineBudget(10, 1.0)), None)
+    model = tmp_path / "mlp"
+    shutil.copytree(EXAMPLE_MODELS / "mlp", model)
+    config = model / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_CPU", "KIND_GPU"))
+    lifecycle = Lifecycle(
+        registry,
+        RequestRunner(registry, observer),
+        ModelRepository(tmp_path),
+        topology,
+        OPTIONS,
+        observer,
+    )
+    with pytest.raises(ServiceError, match="GPU"):
+        await lifecycle.load_model("mlp")
+    assert failures_counted(metrics, "mlp") == {"placement": 1.0}
