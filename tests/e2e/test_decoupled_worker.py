@@ -69,7 +69,11 @@ class Worker:
         return await launch.load(self.spec, self._reader, self._writer, spawned.process)
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(TIMEOUT_S)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(TIMEOUT_S)
+        finally:
+            future.cancel()
 
     def send(self, message: protocol.Message) -> None:
         async def write() -> None:
@@ -91,9 +95,9 @@ class Worker:
             dtype, raw = wire_form(array)
             refs.append(protocol.TensorRef(name, dtype, array.shape, len(data), raw.nbytes))
             data += raw.tobytes()
-        parameters = json.dumps({"mode": mode, **parameters})
+        text = json.dumps({"mode": mode, **parameters})
         outputs = ("index", "report")
-        self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, parameters))
+        self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, text))
         self._pending[request_id] = []
         return request_id
 
@@ -148,8 +152,9 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 def credited(worker: Worker, request_id: int) -> list[protocol.Response]:
-    """Every response of the request, each credited as it is taken (as the server does)."""
-    got: list[protocol.Response] = []
+    """Every response of the request, each credited as it is taken, as the server does (those
+    taken before were credited by the caller)."""
+    got = worker._pending[request_id]
     while not got or not got[-1].final:
         got = worker.responses(request_id, len(got) + 1)
         worker.send(protocol.Credit(request_id, 1))
@@ -179,7 +184,7 @@ def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker
 def test_responses_of_two_requests_interleave(worker: Worker) -> None:
     first = worker.submit("turns", 3, parity=0)
     second = worker.submit("turns", 3, parity=1)
-    order = []
+    order: list[tuple[int, int]] = []
     while len(order) < 6:
         message = worker._read()
         assert isinstance(message, protocol.Response)
@@ -201,9 +206,9 @@ def test_without_credit_no_more_than_the_window_goes_out(
     """Each Credit lets exactly that many more responses (the final one included) out; the
     model's send() waits meanwhile and writable() says so."""
     request = worker.submit("repeat_then_flags", count)
-    total, allowed = count + 1, WINDOW
-    for credit in [*credits, total]:
-        expected = min(total, allowed)
+    total, taken = count + 1, 0
+    for credit in credits:
+        expected = min(total, WINDOW + taken)
         worker.responses(request, expected)
         if expected < total:
             report = worker.report(request, at_least=min(expected, count))
@@ -211,9 +216,11 @@ def test_without_credit_no_more_than_the_window_goes_out(
             if expected < count:  # (the final send() closes the sender: it would raise)
                 assert report["writable"] is False
             assert len(worker._pending[request]) == expected
+        credit = min(credit, expected - taken)  # the server credits only what it took
         worker.send(protocol.Credit(request, credit))
-        allowed += credit
-    got = worker.until_final(request)
+        taken += credit
+    worker.send(protocol.Credit(request, len(worker._pending[request]) - taken))
+    got = credited(worker, request)
     assert indices(got) == list(range(count)) and len(got) == total
 
 
