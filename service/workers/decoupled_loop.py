@@ -74,7 +74,7 @@ def response_message(reply: Reply) -> protocol.Response:
     for name, array in reply.outputs.items():
         dtype, data = wire_form(array)
         refs.append(protocol.TensorRef(name, dtype, array.shape, offset, data.nbytes))
-        chunks.append(memoryview(data))
+        chunks.append(data.data)
         offset += data.nbytes
     return protocol.Response(
         reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error
