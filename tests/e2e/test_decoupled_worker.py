@@ -33,6 +33,44 @@ WINDOW = protocol.RESPONSE_WINDOW
 # Bounds each wait for the worker, so a broken worker fails the test instead of hanging it.
 TIMEOUT_S = 60.0
 PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+# Triton's `async def execute` for decoupled models, on the fixture's config: `wait` answers
+# once, then awaits until a later `wake` request (on the same event loop) lets it finish.
+ASYNC_MODEL = """
+import asyncio
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def index(i):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("index", np.array([i], np.int32))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.waiting = {}
+
+    async def execute(self, requests):
+        for request in requests:
+            (tag,) = pb_utils.get_input_tensor_by_name(request, "tag").as_numpy().tolist()
+            params = json.loads(request.parameters())
+            sender = request.get_response_sender()
+            if params["mode"] == "wait":
+                self.waiting[tag.decode()] = woken = asyncio.Event()
+                sender.send(index(0))
+                await woken.wait()
+                sender.send(index(1), FINAL)
+            elif params["mode"] == "wake":
+                self.waiting.pop(params["of"]).set()
+                sender.send(flags=FINAL)
+            elif params["mode"] == "raise":
+                await asyncio.sleep(0)
+                raise ValueError("refused after an await")
+            elif params["mode"] == "return_list":
+                return [index(0)]
+"""
 CLOSED = f"TritonModelException: {pb_utils.SENDER_CLOSED}"
 T = TypeVar("T")
 
@@ -41,9 +79,11 @@ class Worker:
     """A real worker process and the server's end of its socket, run on an event loop of its
     own (a thread) so that synchronous tests and hypothesis can drive it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model_py: str | None = None) -> None:
         version = root / "decoupled" / "1"
         shutil.copytree(FIXTURE, root / "decoupled")
+        if model_py is not None:
+            (version / "model.py").write_text(model_py)
         config = text_format.Parse(
             (root / "decoupled" / "config.pbtxt").read_text(), mc.ModelConfig()
         )
@@ -333,3 +373,20 @@ def test_shutdown_finalizes_and_open_requests_get_nothing_more(
         assert worker.stop() == []
     assert "model decoupled: finalize: 1 senders held" in caplog.text
     assert len(worker._pending[blocked]) == WINDOW and worker._pending[held] == []
+
+
+def test_async_execute_runs_on_an_event_loop_requests_overlapping(tmp_path: Path) -> None:
+    worker = Worker(tmp_path, ASYNC_MODEL)
+    waiting = worker.submit("wait")
+    assert indices(worker.responses(waiting, 1)) == [0]
+    woken = worker.submit("wake", of=f"r{waiting}")
+    assert [(r.final, r.error) for r in worker.until_final(woken)] == [(True, None)]
+    rest = worker.until_final(waiting)[1:]
+    assert (indices(rest), rest[-1].final, rest[-1].error) == ([1], True, None)
+    (failed,) = worker.until_final(worker.submit("raise"))
+    assert (
+        failed.error is not None and "message: ValueError: refused after an await" in failed.error
+    )
+    (failed,) = worker.until_final(worker.submit("return_list"))
+    assert failed.error is not None and "execute function must return None." in failed.error
+    assert worker.stop() == []
