@@ -9,22 +9,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import numpy as np
 
 from service.backend.python_model import PythonModel
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.backend.response_flow import Outbox, ResponseFlow
+from service.backend.response_flow import Outbox, Reply, ResponseFlow
 
 
 class DecoupledRequests:
     """The worker's open decoupled requests. admit/credit/cancel come from the thread reading
-    the socket, execute from the one running the model, replies leave through `outbox`."""
+    the socket, execute from the one running the model; replies leave through `outbox`, as
+    `encode` makes them into the worker's messages."""
 
-    def __init__(self, model: PythonModel, window: int) -> None:
-        self.outbox = Outbox()
+    def __init__(self, model: PythonModel, window: int, encode: Callable[[Reply], bytes]) -> None:
+        self.outbox = Outbox(encode)
         self._model = model
         self._window = window
         self._flows: dict[int, ResponseFlow] = {}

@@ -2,9 +2,10 @@
 server has not yet taken (send() waits while it is full, so a caller that stops reading stops
 its model's sender), cancellation, and the order of everything a worker sends.
 
-Responses go into one Outbox in the order they were sent; the worker's writer takes them from
-there. A sender released by the model posts to the Outbox too (from __del__, where no lock may
-be taken: SimpleQueue.put is reentrant), and the writer ends that request with an error."""
+Responses go into one Outbox in the order they were sent, encoded at once (as in Triton, send()
+takes the data: the model may reuse its arrays when it returns); the worker's writer takes them
+from there. A sender released by the model posts to the Outbox too (from __del__, where no lock
+may be taken: SimpleQueue.put is reentrant), and the writer ends that request with an error."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ class Reply:
 
 
 class Outbox:
-    """Replies of all of a worker's decoupled requests, in sending order."""
+    """Replies of all of a worker's decoupled requests, in sending order, as `encode` makes
+    them into the worker's messages."""
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Reply | ResponseFlow | None] = queue.SimpleQueue()
+    def __init__(self, encode: Callable[[Reply], bytes]) -> None:
+        self._encode = encode
+        self._queue: queue.SimpleQueue[bytes | ResponseFlow | None] = queue.SimpleQueue()
 
     def put(self, reply: Reply) -> None:
-        self._queue.put(reply)
+        self._queue.put(self._encode(reply))
 
     def abandoned(self, flow: ResponseFlow) -> None:
         self._queue.put(flow)
@@ -44,11 +47,11 @@ class Outbox:
     def close(self) -> None:
         self._queue.put(None)
 
-    def next(self) -> Reply | None:
-        """The next reply to write (None: closed); settles released senders on the way."""
+    def next(self) -> bytes | None:
+        """The next message to write (None: closed); settles released senders on the way."""
         while True:
             item = self._queue.get()
-            if item is None or isinstance(item, Reply):
+            if item is None or isinstance(item, bytes):
                 return item
             item.settle_abandoned()
 
@@ -96,7 +99,7 @@ class ResponseFlow:
         else:
             try:
                 outputs, error = self._check(response), None
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:  # TypeError: a BYTES element of no bytes
                 self.fail(f"{self._label}: {exc}")
                 raise pb_utils.TritonModelException(str(exc)) from None
         with self._cond:
@@ -108,8 +111,8 @@ class ResponseFlow:
             if self._over:  # another thread's final went first
                 raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
             if not self._gone():
-                self._uncredited += 1
                 self._outbox.put(Reply(self.request_id, outputs, final, error))
+                self._uncredited += 1
             if final:
                 self._end()
 

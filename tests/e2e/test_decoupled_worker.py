@@ -213,6 +213,11 @@ def test_responses_sent_inside_execute_arrive_in_order_the_last_final(
     assert all(r.error is None and [o.name for o in r.outputs] == ["index"] for r in got)
 
 
+def test_a_response_is_what_its_tensors_held_when_it_was_sent(worker: Worker) -> None:
+    """As in Triton, send() takes the data: the model may reuse its arrays at once."""
+    assert indices(credited(worker, worker.submit("reuse", 2 * WINDOW))) == list(range(2 * WINDOW))
+
+
 def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker) -> None:
     got = credited(worker, worker.submit("repeat_then_flags", 3))
     assert indices(got) == [0, 1, 2]
@@ -338,6 +343,7 @@ def test_the_models_error_response_is_not_final_unless_flagged(worker: Worker) -
         ("index", "float64", 1.5, "output 'index' is float64, its config says INT32"),
         ("index", "int64", 1, "output 'index' is int64, its config says INT32"),
         ("report", "int32", 1, "output 'report' must hold bytes or str, not int32"),
+        ("report", "object", 1.5, "cannot convert 'float' object to bytes"),
         ("nope", "int32", 1, "the response has output 'nope', which the config does not"),
     ],
 )
