@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from protos.inference import model_config_pb2 as mc
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.backend.sandbox import seccomp
+from service.backend.sandbox import landlock, seccomp
 from service.model.files import PYTHON_BACKEND, ModelFiles
 from service.workers import launch, protocol
 from service.workers.spec import WorkerSpec
@@ -360,13 +360,21 @@ def test_a_response_the_config_does_not_allow_fails_its_request(
     assert indices(credited(worker, worker.submit("repeat", 1))) == [0]
 
 
-@pytest.mark.skipif(not seccomp.supported(), reason="no seccomp filter on this host")
-def test_the_sandbox_holds_in_execute_and_in_the_models_threads(worker: Worker) -> None:
-    request = worker.submit("sandbox")
+@pytest.mark.skipif(
+    not seccomp.supported() or not landlock.abi(), reason="no seccomp filter or no Landlock"
+)
+def test_the_sandbox_holds_in_execute_and_in_the_models_threads(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """The threads the worker starts after the load, and the model's own, are confined like
+    the thread that entered the sandbox: no socket, no file outside the model's directory."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not for the model")
+    request = worker.submit("sandbox", path=str(outside))
     assert [r.final for r in worker.until_final(request)] == [True]
     report = worker.report(request)
-    assert report["here"].startswith("PermissionError")
-    assert report["thread"].startswith("PermissionError")
+    denied = ("here", "thread", "read here", "read in thread")
+    assert [report[k].split(":")[0] for k in denied] == ["PermissionError"] * 4, report
 
 
 def test_shutdown_finalizes_and_open_requests_get_nothing_more(
