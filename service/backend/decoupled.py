@@ -32,8 +32,10 @@ class DecoupledRequests:
         self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
 
     def admit(self, request_id: int, caller_id: str, outputs: tuple[str, ...]) -> None:
+        requested = self._requested(outputs)
+
         def check(response: pb_utils.InferenceResponse) -> dict[str, np.ndarray[Any, Any]]:
-            return self._model.response_outputs(response, outputs)
+            return self._model.response_outputs(response, requested)
 
         label = f"request '{caller_id}' of model '{self._model.name}'"
         self._flows[request_id] = ResponseFlow(
@@ -55,7 +57,8 @@ class DecoupledRequests:
                 flow.fail("cancelled before it started")
             return
         tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
-        request = pb_utils.InferenceRequest(tensors, outputs, caller_id, parameters, flow)
+        requested = self._requested(outputs)
+        request = pb_utils.InferenceRequest(tensors, requested, caller_id, parameters, flow)
         try:
             returned = self._model.execute([request])
         except Exception as exc:
@@ -123,6 +126,10 @@ class DecoupledRequests:
         for flow in self._flows.copy().values():
             flow.stop()
         self.outbox.close()
+
+    def _requested(self, outputs: tuple[str, ...]) -> tuple[str, ...]:
+        """As in Triton, a request that names no output asks for all of them."""
+        return outputs or tuple(spec.name for spec in self._model.outputs)
 
     def _fail(self, flow: ResponseFlow, reason: str) -> None:
         """Triton's message for a request whose execute() failed."""

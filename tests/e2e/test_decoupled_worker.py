@@ -125,7 +125,14 @@ class Worker:
     def _read(self) -> protocol.Message | None:
         return self._call(launch.read_message(self._reader))
 
-    def submit(self, mode: str, count: int = 0, tag: str = "", **parameters: Any) -> int:
+    def submit(
+        self,
+        mode: str,
+        count: int = 0,
+        tag: str = "",
+        outputs: tuple[str, ...] = ("index", "report"),
+        **parameters: Any,
+    ) -> int:
         self._next_id += 1
         request_id = self._next_id
         tag = tag or f"r{request_id}"
@@ -136,7 +143,6 @@ class Worker:
             refs.append(protocol.TensorRef(name, dtype, array.shape, len(data), raw.nbytes))
             data += raw.tobytes()
         text = json.dumps({"mode": mode, **parameters})
-        outputs = ("index", "report")
         self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, text))
         self._pending[request_id] = []
         return request_id
@@ -216,6 +222,15 @@ def test_responses_sent_inside_execute_arrive_in_order_the_last_final(
 def test_a_response_is_what_its_tensors_held_when_it_was_sent(worker: Worker) -> None:
     """As in Triton, send() takes the data: the model may reuse its arrays at once."""
     assert indices(credited(worker, worker.submit("reuse", 2 * WINDOW))) == list(range(2 * WINDOW))
+
+
+def test_a_response_carries_the_outputs_its_request_asked_for(worker: Worker) -> None:
+    """A request that names none asks for all (as in Triton); one that names only `report`
+    gets responses without `index`."""
+    everything = credited(worker, worker.submit("repeat", 2, outputs=()))
+    assert indices(everything) == [0, 1]
+    pruned = credited(worker, worker.submit("repeat", 2, outputs=("report",)))
+    assert [(r.outputs, r.final, r.error) for r in pruned] == [((), False, None), ((), True, None)]
 
 
 def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker) -> None:
