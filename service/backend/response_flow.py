@@ -61,9 +61,10 @@ Check = Callable[[pb_utils.InferenceResponse], dict[str, np.ndarray[Any, Any]]]
 
 
 class ResponseFlow:
-    """One decoupled request: pb_utils' ResponseChannel for its sender. At most `window`
-    replies are out and not credited; the final one (the model's, or the worker's error) ends
-    it, and `on_end` is told once nothing more will go out."""
+    """One decoupled request: pb_utils' ResponseChannel for its sender. At most `window` data
+    replies are out and not credited (send() waits beyond); the final one, the model's or the
+    worker's error, needs no credit (it ends the request, so the server's side holds at most
+    the window and it), and `on_end` is told then."""
 
     def __init__(
         self,
@@ -86,7 +87,6 @@ class ResponseFlow:
         self._stopped = False
         self._closed = False  # the final response was sent (or failed): send() refuses
         self._over = False  # the final reply went out or was dropped
-        self._parked: Reply | None = None  # the worker's error final, waiting for credit
 
     def send(self, response: pb_utils.InferenceResponse | None, final: bool) -> None:
         if self._closed:
@@ -106,54 +106,43 @@ class ResponseFlow:
             if self._closed:
                 raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
             self._closed = final
-            while self._uncredited >= self._window and not self._gone():
+            while not final and self._uncredited >= self._window and not self._gone():
                 self._cond.wait()
             if self._over:  # another thread's final went first
                 raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
             if not self._gone():
                 self._outbox.put(Reply(self.request_id, outputs, final, error))
-                self._uncredited += 1
+                if not final:
+                    self._uncredited += 1
             if final:
                 self._end()
 
     def fail(self, message: str) -> None:
-        """End the request with an error final reply, without waiting: parked until credit
-        when the window is full."""
+        """End the request with an error final reply (unless it ended already)."""
         with self._cond:
-            if self._over or (self._closed and self._parked is not None):
+            if self._over:
                 return
             self._closed = True
-            self._cond.notify_all()
-            reply = Reply(self.request_id, {}, True, message)
-            if self._gone():
-                self._end()
-            elif self._uncredited < self._window:
-                self._uncredited += 1
-                self._outbox.put(reply)
-                self._end()
-            else:
-                self._parked = reply
+            if not self._gone():
+                self._outbox.put(Reply(self.request_id, {}, True, message))
+            self._end()
 
     def credit(self, count: int) -> None:
         with self._cond:
             self._uncredited = max(0, self._uncredited - count)
-            if self._parked is not None and self._uncredited < self._window:
-                self._uncredited += 1
-                self._outbox.put(self._parked)
-                self._end()
             self._cond.notify_all()
 
     def cancel(self) -> None:
         """The caller is gone: is_cancelled() turns true and nothing more is sent."""
         with self._cond:
             self._cancelled = True
-            self._drop_parked()
+            self._cond.notify_all()
 
     def stop(self) -> None:
         """The worker shuts down: blocked senders return, nothing more is sent."""
         with self._cond:
             self._stopped = True
-            self._drop_parked()
+            self._cond.notify_all()
 
     def is_cancelled(self) -> bool:
         return self._cancelled or self._stopped
@@ -174,15 +163,8 @@ class ResponseFlow:
     def _gone(self) -> bool:
         return self._cancelled or self._stopped or self._over
 
-    def _drop_parked(self) -> None:
-        if self._parked is not None:
-            self._parked = None
-            self._end()
-        self._cond.notify_all()
-
     def _end(self) -> None:
         if not self._over:
             self._over = True
-            self._parked = None
             self._cond.notify_all()
             self._on_end(self.request_id)

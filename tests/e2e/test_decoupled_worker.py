@@ -263,25 +263,35 @@ def test_responses_of_two_requests_interleave(worker: Worker) -> None:
 def test_without_credit_no_more_than_the_window_goes_out(
     worker: Worker, count: int, credits: list[int]
 ) -> None:
-    """Each Credit lets exactly that many more responses (the final one included) out; the
-    model's send() waits meanwhile and writable() says so."""
+    """Each Credit lets exactly that many more data responses out; the model's send() waits
+    meanwhile and writable() says so. The final response needs no credit."""
     request = worker.submit("repeat_then_flags", count)
-    total, taken = count + 1, 0
+    taken = 0
     for credit in credits:
-        expected = min(total, WINDOW + taken)
+        expected = min(count, WINDOW + taken)
         worker.responses(request, expected)
-        if expected < total:
-            report = worker.report(request, at_least=min(expected, count))
-            assert report["sent"] == min(expected, count)
-            if expected < count:  # (the final send() closes the sender: it would raise)
-                assert report["writable"] is False
+        if expected < count:
+            report = worker.report(request, at_least=expected)
+            assert (report["sent"], report["writable"]) == (expected, False)
             assert len(worker._pending[request]) == expected
         credit = min(credit, expected - taken)  # the server credits only what it took
         worker.send(protocol.Credit(request, credit))
         taken += credit
     worker.send(protocol.Credit(request, len(worker._pending[request]) - taken))
     got = credited(worker, request)
-    assert indices(got) == list(range(count)) and len(got) == total
+    assert indices(got) == list(range(count)) and len(got) == count + 1 and got[-1].final
+
+
+def test_the_final_response_needs_no_credit(worker: Worker) -> None:
+    """Sent through a full window, flags-only or the worker's error, so the model's final
+    send() never waits for a slow reader."""
+    flags = worker.submit("repeat_then_flags", WINDOW)
+    assert [r.final for r in worker.responses(flags, WINDOW + 1)] == [False] * WINDOW + [True]
+    last = worker.submit("repeat", WINDOW + 1)  # its last data response is the final one
+    assert indices(worker.responses(last, WINDOW + 1)) == list(range(WINDOW + 1))
+    dropped = worker.submit("drop_after", WINDOW)
+    got = worker.responses(dropped, WINDOW + 1)
+    assert got[-1].final and got[-1].error is not None and "released" in got[-1].error
 
 
 @PROPERTY
