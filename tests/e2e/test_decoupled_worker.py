@@ -289,6 +289,22 @@ def test_without_credit_no_more_than_the_window_goes_out(
     assert indices(got) == list(range(count)) and len(got) == count + 1 and got[-1].final
 
 
+def test_a_request_without_credit_holds_only_itself(worker: Worker) -> None:
+    """One caller that stops reading stops its own request; the others go on."""
+    slow = worker.submit("repeat_then_flags", 3 * WINDOW)
+    worker.responses(slow, WINDOW)
+    fast = credited(worker, worker.submit("repeat_then_flags", 2 * WINDOW))
+    assert indices(fast) == list(range(2 * WINDOW)) and fast[-1].final
+    report = worker.report(slow, at_least=WINDOW)
+    assert (report["sent"], report["writable"], len(worker.received(slow))) == (
+        WINDOW,
+        False,
+        WINDOW,
+    )
+    worker.send(protocol.Credit(slow, WINDOW))
+    assert indices(credited(worker, slow)) == list(range(3 * WINDOW))
+
+
 def test_the_final_response_needs_no_credit(worker: Worker) -> None:
     """Sent through a full window, flags-only or the worker's error, so the model's final
     send() never waits for a slow reader."""
