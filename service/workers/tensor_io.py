@@ -1,5 +1,6 @@
-"""Tensors in a worker's shared memory: fixed-size datatypes as their bytes, BYTES tensors
-(numpy object arrays in the worker) in the protocol's length-prefixed form."""
+"""Tensors in a worker's shared memory (or inline in a decoupled request's messages):
+fixed-size datatypes as their bytes, BYTES tensors (numpy object arrays in the worker) in the
+protocol's length-prefixed form."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from oip.datatypes import is_bytes
 from service.workers.protocol import TensorRef
 
 
-def input_array(buffer: mmap.mmap, ref: TensorRef) -> np.ndarray[Any, Any]:
+def input_array(buffer: mmap.mmap | bytes, ref: TensorRef) -> np.ndarray[Any, Any]:
     if is_bytes(ref.dtype):
         return to_numpy_bytes(buffer[ref.offset : ref.offset + ref.nbytes], ref.shape)
     return np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=buffer, offset=ref.offset)
