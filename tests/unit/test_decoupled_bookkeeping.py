@@ -45,7 +45,8 @@ def test_wait_line_runs_at_most_limit_and_starts_waiters_in_arrival_order(
     limit: int, queued: int, ops: list[tuple[str, int]]
 ) -> None:
     line: WaitLine[int] = WaitLine(limit, queued)
-    running, waiting, tickets = 0, [], iter(range(10_000))
+    running, tickets = 0, iter(range(10_000))
+    waiting: list[int] = []
     for op, pick in ops:
         if op == "arrive":
             ticket = next(tickets)
