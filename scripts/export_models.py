@@ -508,12 +508,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         copied = copy_example(name, args.out)
         print(f"copying {name} ... {'done' if copied else 'skipped (up to date)'}", flush=True)
-    if args.legacy:
+    if args.only and GENERATE not in args.only:
+        return 0
+    if args.legacy:  # paddle.tril (the causal mask) has no legacy translation
         print(f"exporting {GENERATE} ... skipped (no legacy export)", flush=True)
-    elif not args.only or GENERATE in args.only:
-        print(f"exporting {GENERATE} ... ", end="", flush=True)
-        done = export_generate(args.out, args.force)
-        print("done" if done else "skipped (up to date)", flush=True)
+        return 0
+    print(f"exporting {GENERATE} ... ", end="", flush=True)
+    done = export_generate(args.out, args.force)
+    print("done" if done else "skipped (up to date)", flush=True)
     return 0
 
 
