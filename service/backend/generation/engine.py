@@ -178,7 +178,8 @@ class GenerationEngine:
         return generation
 
     def close(self) -> None:
-        """Stop the driver; unfinished sequences get an error response."""
+        """Stop the driver; unfinished sequences whose reader can take it get an error
+        response."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -214,7 +215,10 @@ class GenerationEngine:
                 for generation in decoding + joining:
                     self._fail(generation, f"generation step failed: {exc}")
         for generation in [*self._running, *self._waiting, *self._submitted, *self._finals]:
-            self._fail(generation, "the model is shutting down")
+            # A reader that is behind would block this send (and the model's finalize) until
+            # the worker ends; its request is failed with the worker's own error instead.
+            if generation.writable():
+                self._fail(generation, "the model is shutting down")
 
     def _busy(self) -> bool:
         return bool(self._running or self._waiting or self._finals)
@@ -237,10 +241,11 @@ class GenerationEngine:
             logits, kv = self.decoder.prefill(generation.prompt)
             generation.slot = len(self._running)
             self._running.append(generation)
-            row = self._cache[:, :, generation.slot]
+            # Zero beyond the prompt: the row is then exactly what it is when run alone.
+            own = self._cache[:, :, generation.slot]
             length = len(generation.prompt)
-            row[:, :, :, :length] = kv
-            row[:, :, :, length:] = 0.0
+            own[:, :, :, :length] = kv
+            own[:, :, :, length:] = 0.0
             produced.append((generation, logits))
         self.steps += 1
         if self.observer is not None:
