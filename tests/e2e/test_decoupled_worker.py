@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from protos.inference import model_config_pb2 as mc
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.backend.sandbox import seccomp
+from service.backend.sandbox import landlock, seccomp
 from service.model.files import PYTHON_BACKEND, ModelFiles
 from service.workers import launch, protocol
 from service.workers.spec import WorkerSpec
@@ -33,6 +33,44 @@ WINDOW = protocol.RESPONSE_WINDOW
 # Bounds each wait for the worker, so a broken worker fails the test instead of hanging it.
 TIMEOUT_S = 60.0
 PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+# Triton's `async def execute` for decoupled models, on the fixture's config: `wait` answers
+# once, then awaits until a later `wake` request (on the same event loop) lets it finish.
+ASYNC_MODEL = """
+import asyncio
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def index(i):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("index", np.array([i], np.int32))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.waiting = {}
+
+    async def execute(self, requests):
+        for request in requests:
+            (tag,) = pb_utils.get_input_tensor_by_name(request, "tag").as_numpy().tolist()
+            params = json.loads(request.parameters())
+            sender = request.get_response_sender()
+            if params["mode"] == "wait":
+                self.waiting[tag.decode()] = woken = asyncio.Event()
+                sender.send(index(0))
+                await woken.wait()
+                sender.send(index(1), FINAL)
+            elif params["mode"] == "wake":
+                self.waiting.pop(params["of"]).set()
+                sender.send(flags=FINAL)
+            elif params["mode"] == "raise":
+                await asyncio.sleep(0)
+                raise ValueError("refused after an await")
+            elif params["mode"] == "return_list":
+                return [index(0)]
+"""
 CLOSED = f"TritonModelException: {pb_utils.SENDER_CLOSED}"
 T = TypeVar("T")
 
@@ -41,9 +79,11 @@ class Worker:
     """A real worker process and the server's end of its socket, run on an event loop of its
     own (a thread) so that synchronous tests and hypothesis can drive it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model_py: str | None = None) -> None:
         version = root / "decoupled" / "1"
         shutil.copytree(FIXTURE, root / "decoupled")
+        if model_py is not None:
+            (version / "model.py").write_text(model_py)
         config = text_format.Parse(
             (root / "decoupled" / "config.pbtxt").read_text(), mc.ModelConfig()
         )
@@ -69,7 +109,11 @@ class Worker:
         return await launch.load(self.spec, self._reader, self._writer, spawned.process)
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(TIMEOUT_S)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(TIMEOUT_S)
+        finally:
+            future.cancel()
 
     def send(self, message: protocol.Message) -> None:
         async def write() -> None:
@@ -81,7 +125,14 @@ class Worker:
     def _read(self) -> protocol.Message | None:
         return self._call(launch.read_message(self._reader))
 
-    def submit(self, mode: str, count: int = 0, tag: str = "", **parameters: Any) -> int:
+    def submit(
+        self,
+        mode: str,
+        count: int = 0,
+        tag: str = "",
+        outputs: tuple[str, ...] = ("index", "report"),
+        **parameters: Any,
+    ) -> int:
         self._next_id += 1
         request_id = self._next_id
         tag = tag or f"r{request_id}"
@@ -91,9 +142,8 @@ class Worker:
             dtype, raw = wire_form(array)
             refs.append(protocol.TensorRef(name, dtype, array.shape, len(data), raw.nbytes))
             data += raw.tobytes()
-        parameters = json.dumps({"mode": mode, **parameters})
-        outputs = ("index", "report")
-        self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, parameters))
+        text = json.dumps({"mode": mode, **parameters})
+        self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, text))
         self._pending[request_id] = []
         return request_id
 
@@ -148,8 +198,9 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 def credited(worker: Worker, request_id: int) -> list[protocol.Response]:
-    """Every response of the request, each credited as it is taken (as the server does)."""
-    got: list[protocol.Response] = []
+    """Every response of the request, each credited as it is taken, as the server does (those
+    taken before were credited by the caller)."""
+    got = worker._pending[request_id]
     while not got or not got[-1].final:
         got = worker.responses(request_id, len(got) + 1)
         worker.send(protocol.Credit(request_id, 1))
@@ -168,6 +219,20 @@ def test_responses_sent_inside_execute_arrive_in_order_the_last_final(
     assert all(r.error is None and [o.name for o in r.outputs] == ["index"] for r in got)
 
 
+def test_a_response_is_what_its_tensors_held_when_it_was_sent(worker: Worker) -> None:
+    """As in Triton, send() takes the data: the model may reuse its arrays at once."""
+    assert indices(credited(worker, worker.submit("reuse", 2 * WINDOW))) == list(range(2 * WINDOW))
+
+
+def test_a_response_carries_the_outputs_its_request_asked_for(worker: Worker) -> None:
+    """A request that names none asks for all (as in Triton); one that names only `report`
+    gets responses without `index`."""
+    everything = credited(worker, worker.submit("repeat", 2, outputs=()))
+    assert indices(everything) == [0, 1]
+    pruned = credited(worker, worker.submit("repeat", 2, outputs=("report",)))
+    assert [(r.outputs, r.final, r.error) for r in pruned] == [((), False, None), ((), True, None)]
+
+
 def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker) -> None:
     got = credited(worker, worker.submit("repeat_then_flags", 3))
     assert indices(got) == [0, 1, 2]
@@ -179,7 +244,7 @@ def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker
 def test_responses_of_two_requests_interleave(worker: Worker) -> None:
     first = worker.submit("turns", 3, parity=0)
     second = worker.submit("turns", 3, parity=1)
-    order = []
+    order: list[tuple[int, int]] = []
     while len(order) < 6:
         message = worker._read()
         assert isinstance(message, protocol.Response)
@@ -198,23 +263,35 @@ def test_responses_of_two_requests_interleave(worker: Worker) -> None:
 def test_without_credit_no_more_than_the_window_goes_out(
     worker: Worker, count: int, credits: list[int]
 ) -> None:
-    """Each Credit lets exactly that many more responses (the final one included) out; the
-    model's send() waits meanwhile and writable() says so."""
+    """Each Credit lets exactly that many more data responses out; the model's send() waits
+    meanwhile and writable() says so. The final response needs no credit."""
     request = worker.submit("repeat_then_flags", count)
-    total, allowed = count + 1, WINDOW
-    for credit in [*credits, total]:
-        expected = min(total, allowed)
+    taken = 0
+    for credit in credits:
+        expected = min(count, WINDOW + taken)
         worker.responses(request, expected)
-        if expected < total:
-            report = worker.report(request, at_least=min(expected, count))
-            assert report["sent"] == min(expected, count)
-            if expected < count:  # (the final send() closes the sender: it would raise)
-                assert report["writable"] is False
+        if expected < count:
+            report = worker.report(request, at_least=expected)
+            assert (report["sent"], report["writable"]) == (expected, False)
             assert len(worker._pending[request]) == expected
+        credit = min(credit, expected - taken)  # the server credits only what it took
         worker.send(protocol.Credit(request, credit))
-        allowed += credit
-    got = worker.until_final(request)
-    assert indices(got) == list(range(count)) and len(got) == total
+        taken += credit
+    worker.send(protocol.Credit(request, len(worker._pending[request]) - taken))
+    got = credited(worker, request)
+    assert indices(got) == list(range(count)) and len(got) == count + 1 and got[-1].final
+
+
+def test_the_final_response_needs_no_credit(worker: Worker) -> None:
+    """Sent through a full window, flags-only or the worker's error, so the model's final
+    send() never waits for a slow reader."""
+    flags = worker.submit("repeat_then_flags", WINDOW)
+    assert [r.final for r in worker.responses(flags, WINDOW + 1)] == [False] * WINDOW + [True]
+    last = worker.submit("repeat", WINDOW + 1)  # its last data response is the final one
+    assert indices(worker.responses(last, WINDOW + 1)) == list(range(WINDOW + 1))
+    dropped = worker.submit("drop_after", WINDOW)
+    got = worker.responses(dropped, WINDOW + 1)
+    assert got[-1].final and got[-1].error is not None and "released" in got[-1].error
 
 
 @PROPERTY
@@ -251,6 +328,8 @@ def test_a_released_sender_ends_its_request_with_an_error(worker: Worker) -> Non
     released = "the model released its response sender without sending "
     assert last.error is not None and released in last.error
     assert f"request 'r{dropped}' of model 'decoupled'" in last.error
+    (ignored,) = worker.until_final(worker.submit("ignore"))
+    assert ignored.error is not None and released in ignored.error
     # Held past execute(): nothing until the model lets go of it.
     held = worker.submit("hold")
     release = worker.submit("release", held=f"r{held}")
@@ -289,6 +368,7 @@ def test_the_models_error_response_is_not_final_unless_flagged(worker: Worker) -
         ("index", "float64", 1.5, "output 'index' is float64, its config says INT32"),
         ("index", "int64", 1, "output 'index' is int64, its config says INT32"),
         ("report", "int32", 1, "output 'report' must hold bytes or str, not int32"),
+        ("report", "object", 1.5, "cannot convert 'float' object to bytes"),
         ("nope", "int32", 1, "the response has output 'nope', which the config does not"),
     ],
 )
@@ -305,13 +385,21 @@ def test_a_response_the_config_does_not_allow_fails_its_request(
     assert indices(credited(worker, worker.submit("repeat", 1))) == [0]
 
 
-@pytest.mark.skipif(not seccomp.supported(), reason="no seccomp filter on this host")
-def test_the_sandbox_holds_in_execute_and_in_the_models_threads(worker: Worker) -> None:
-    request = worker.submit("sandbox")
+@pytest.mark.skipif(
+    not seccomp.supported() or not landlock.abi(), reason="no seccomp filter or no Landlock"
+)
+def test_the_sandbox_holds_in_execute_and_in_the_models_threads(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """The threads the worker starts after the load, and the model's own, are confined like
+    the thread that entered the sandbox: no socket, no file outside the model's directory."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not for the model")
+    request = worker.submit("sandbox", path=str(outside))
     assert [r.final for r in worker.until_final(request)] == [True]
     report = worker.report(request)
-    assert report["here"].startswith("PermissionError")
-    assert report["thread"].startswith("PermissionError")
+    denied = ("here", "thread", "read here", "read in thread")
+    assert [report[k].split(":")[0] for k in denied] == ["PermissionError"] * 4, report
 
 
 def test_shutdown_finalizes_and_open_requests_get_nothing_more(
@@ -322,7 +410,27 @@ def test_shutdown_finalizes_and_open_requests_get_nothing_more(
     worker.responses(blocked, WINDOW)
     held = worker.submit("hold")
     assert worker.report(blocked, at_least=WINDOW)["sent"] == WINDOW
+    inside = worker.submit("repeat", 2 * WINDOW)  # execute() itself waits in send()
+    worker.responses(inside, WINDOW)
     with caplog.at_level("INFO", "paddlequic.model"):
         assert worker.stop() == []
+    # finalize() ran, after execute() returned; none of them got anything more.
     assert "model decoupled: finalize: 1 senders held" in caplog.text
-    assert len(worker._pending[blocked]) == WINDOW and worker._pending[held] == []
+    assert [len(worker._pending[r]) for r in (blocked, held, inside)] == [WINDOW, 0, WINDOW]
+
+
+def test_async_execute_runs_on_an_event_loop_requests_overlapping(tmp_path: Path) -> None:
+    worker = Worker(tmp_path, ASYNC_MODEL)
+    waiting = worker.submit("wait")
+    assert indices(worker.responses(waiting, 1)) == [0]
+    woken = worker.submit("wake", of=f"r{waiting}")
+    assert [(r.final, r.error) for r in worker.until_final(woken)] == [(True, None)]
+    rest = worker.until_final(waiting)[1:]
+    assert (indices(rest), rest[-1].final, rest[-1].error) == ([1], True, None)
+    (failed,) = worker.until_final(worker.submit("raise"))
+    assert (
+        failed.error is not None and "message: ValueError: refused after an await" in failed.error
+    )
+    (failed,) = worker.until_final(worker.submit("return_list"))
+    assert failed.error is not None and "execute function must return None." in failed.error
+    assert worker.stop() == []
