@@ -122,6 +122,17 @@ class Worker:
 
         self._call(write())
 
+    def received(self, request_id: int) -> list[protocol.Response]:
+        """The request's responses read so far."""
+        return self._pending[request_id]
+
+    def next_response(self) -> protocol.Response:
+        """The next message, a Response of any request (kept with its request's)."""
+        message = self._read()
+        assert isinstance(message, protocol.Response), message
+        self._pending[message.request_id].append(message)
+        return message
+
     def _read(self) -> protocol.Message | None:
         return self._call(launch.read_message(self._reader))
 
@@ -151,9 +162,7 @@ class Worker:
         """The request's first `count` responses (others' are kept for later)."""
         got = self._pending[request_id]
         while len(got) < count:
-            message = self._read()
-            assert isinstance(message, protocol.Response), message
-            self._pending[message.request_id].append(message)
+            self.next_response()
         return got[:count]
 
     def until_final(self, request_id: int) -> list[protocol.Response]:
@@ -200,7 +209,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 def credited(worker: Worker, request_id: int) -> list[protocol.Response]:
     """Every response of the request, each credited as it is taken, as the server does (those
     taken before were credited by the caller)."""
-    got = worker._pending[request_id]
+    got = worker.received(request_id)
     while not got or not got[-1].final:
         got = worker.responses(request_id, len(got) + 1)
         worker.send(protocol.Credit(request_id, 1))
@@ -246,9 +255,7 @@ def test_responses_of_two_requests_interleave(worker: Worker) -> None:
     second = worker.submit("turns", 3, parity=1)
     order: list[tuple[int, int]] = []
     while len(order) < 6:
-        message = worker._read()
-        assert isinstance(message, protocol.Response)
-        worker._pending[message.request_id].append(message)
+        message = worker.next_response()
         if not message.final:
             order.append((message.request_id, indices([message])[0]))
     assert order == [(first, 0), (second, 0), (first, 1), (second, 1), (first, 2), (second, 2)]
@@ -273,13 +280,29 @@ def test_without_credit_no_more_than_the_window_goes_out(
         if expected < count:
             report = worker.report(request, at_least=expected)
             assert (report["sent"], report["writable"]) == (expected, False)
-            assert len(worker._pending[request]) == expected
+            assert len(worker.received(request)) == expected
         credit = min(credit, expected - taken)  # the server credits only what it took
         worker.send(protocol.Credit(request, credit))
         taken += credit
-    worker.send(protocol.Credit(request, len(worker._pending[request]) - taken))
+    worker.send(protocol.Credit(request, len(worker.received(request)) - taken))
     got = credited(worker, request)
     assert indices(got) == list(range(count)) and len(got) == count + 1 and got[-1].final
+
+
+def test_a_request_without_credit_holds_only_itself(worker: Worker) -> None:
+    """One caller that stops reading stops its own request; the others go on."""
+    slow = worker.submit("repeat_then_flags", 3 * WINDOW)
+    worker.responses(slow, WINDOW)
+    fast = credited(worker, worker.submit("repeat_then_flags", 2 * WINDOW))
+    assert indices(fast) == list(range(2 * WINDOW)) and fast[-1].final
+    report = worker.report(slow, at_least=WINDOW)
+    assert (report["sent"], report["writable"], len(worker.received(slow))) == (
+        WINDOW,
+        False,
+        WINDOW,
+    )
+    worker.send(protocol.Credit(slow, WINDOW))
+    assert indices(credited(worker, slow)) == list(range(3 * WINDOW))
 
 
 def test_the_final_response_needs_no_credit(worker: Worker) -> None:
@@ -308,10 +331,10 @@ def test_cancel_makes_is_cancelled_true_and_the_model_stop(worker: Worker, credi
     # The send the window held returned (its response dropped), and the loop saw the cancel.
     assert (report["sent"], report["cancelled"]) == (WINDOW + credits + 1, True)
     # Nothing more went out for it, not even the final response the model sent after.
-    assert len(worker._pending[request]) == WINDOW + credits
+    assert len(worker.received(request)) == WINDOW + credits
     worker.send(protocol.Credit(request, WINDOW))
     assert indices(credited(worker, worker.submit("repeat", 2))) == [0, 1]
-    assert len(worker._pending[request]) == WINDOW + credits
+    assert len(worker.received(request)) == WINDOW + credits
 
 
 def test_a_send_after_the_final_raises_tritons_exception(worker: Worker) -> None:
@@ -416,7 +439,7 @@ def test_shutdown_finalizes_and_open_requests_get_nothing_more(
         assert worker.stop() == []
     # finalize() ran, after execute() returned; none of them got anything more.
     assert "model decoupled: finalize: 1 senders held" in caplog.text
-    assert [len(worker._pending[r]) for r in (blocked, held, inside)] == [WINDOW, 0, WINDOW]
+    assert [len(worker.received(r)) for r in (blocked, held, inside)] == [WINDOW, 0, WINDOW]
 
 
 def test_async_execute_runs_on_an_event_loop_requests_overlapping(tmp_path: Path) -> None:
