@@ -64,7 +64,7 @@ async def responses(
                 queue_ns = time.perf_counter_ns() - started
                 observer.on_generation(served.name, 1)
                 try:
-                    last = time.perf_counter_ns()
+                    last = started  # the first response's time includes the wait for a place
                     async for answer in _attempts(served, job, caller_id, parameters, deadline):
                         if answer.outputs:
                             now = time.perf_counter_ns()
