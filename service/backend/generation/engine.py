@@ -127,7 +127,6 @@ class GenerationEngine:
         self._cache = np.zeros(decoder.cache.batch(limits.max_batch), dtype=np.float32)
         self._running: list[Generation] = []  # _running[i].slot == i: its cache[:, :, i]
         self._waiting: deque[Generation] = deque()
-        self._finals: list[Generation] = []  # finished, final response not sent yet
         self._submitted: deque[Generation] = deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -179,8 +178,7 @@ class GenerationEngine:
         return generation
 
     def close(self) -> None:
-        """Stop the driver; unfinished sequences whose reader can take it get an error
-        response."""
+        """Stop the driver; unfinished sequences get an error response."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -196,7 +194,6 @@ class GenerationEngine:
                 self._waiting.extend(self._submitted)
                 self._submitted.clear()
             self._drop_cancelled()
-            self._send_finals()
             decoding = [g for g in self._running if g.writable()]
             count = joiners(
                 len(self._running),
@@ -206,7 +203,7 @@ class GenerationEngine:
             )
             joining = [self._waiting.popleft() for _ in range(count)]
             if not decoding and not joining:
-                with self._wake:  # only paused sequences (or unsent finals): look again soon
+                with self._wake:  # only paused sequences: look again soon
                     self._wake.wait(PAUSED_POLL_S)
                 continue
             try:
@@ -215,14 +212,11 @@ class GenerationEngine:
                 log.exception("generation step failed")
                 for generation in decoding + joining:
                     self._fail(generation, f"generation step failed: {exc}")
-        for generation in [*self._running, *self._waiting, *self._submitted, *self._finals]:
-            # A reader that is behind would block this send (and the model's finalize) until
-            # the worker ends; its request is failed with the worker's own error instead.
-            if generation.writable():
-                self._fail(generation, "the model is shutting down")
+        for generation in [*self._running, *self._waiting, *self._submitted]:
+            self._fail(generation, "the model is shutting down")
 
     def _busy(self) -> bool:
-        return bool(self._running or self._waiting or self._finals)
+        return bool(self._running or self._waiting)
 
     def _step(self, decoding: list[Generation], joining: list[Generation]) -> None:
         """Prefill the joiners and send their first tokens, then decode the others: a new
@@ -279,27 +273,15 @@ class GenerationEngine:
     def _finish(self, generation: Generation, reason: str) -> None:
         generation.finish_reason = reason
         self._release(generation)
-        self._finals.append(generation)
-        self._send_finals()
-
-    def _send_finals(self) -> None:
-        pending = []
-        for generation in self._finals:
-            if not generation.writable():
-                pending.append(generation)
-                continue
-            assert generation.finish_reason is not None
-            self._send(generation, self.responder.final(generation.finish_reason))
-        self._finals = pending
+        self._send(generation, self.responder.final(reason))
 
     def _drop_cancelled(self) -> None:
         for generation in [g for g in self._running if g.cancelled()]:
             self._release(generation)
             self._send(generation, None)
-        for queue in (self._waiting, self._finals):
-            for generation in [g for g in queue if g.cancelled()]:
-                queue.remove(generation)
-                self._send(generation, None)
+        for generation in [g for g in self._waiting if g.cancelled()]:
+            self._waiting.remove(generation)
+            self._send(generation, None)
 
     def _release(self, generation: Generation) -> None:
         """Free its place in the batch: the last sequence moves into its cache row."""
@@ -318,7 +300,8 @@ class GenerationEngine:
 
     @staticmethod
     def _send(generation: Generation, response: Any) -> None:
-        """A final send; a sender that refuses it (closed, cancelled) ends the sequence too."""
+        """A final send (it needs no credit: it never waits for a slow reader); a sender that
+        refuses it (closed) is logged."""
         try:
             generation.sender.send(response, flags=FINAL)
         except Exception as exc:
