@@ -211,7 +211,8 @@ class GenerationEngine:
             except Exception as exc:
                 log.exception("generation step failed")
                 for generation in decoding + joining:
-                    self._fail(generation, f"generation step failed: {exc}")
+                    if generation.slot >= 0:  # not ended in the step before it failed
+                        self._fail(generation, f"generation step failed: {exc}")
         for generation in [*self._running, *self._waiting, *self._submitted]:
             self._fail(generation, "the model is shutting down")
 
