@@ -113,6 +113,13 @@ class RequestValidator:
             for i in config.input
         }
         self.outputs = tuple(o.name for o in config.output)
+        # Triton's `optional: true`, honoured where each request runs alone (a decoupled
+        # model's): a batch needs every input of every request in it.
+        self.optional = (
+            frozenset(i.name for i in config.input if i.optional)
+            if config.model_transaction_policy.decoupled
+            else frozenset()
+        )
 
     def validate(self, request: pb.ModelInferRequest) -> InferJob:
         """The request as a job, or INVALID_ARGUMENT saying what is wrong."""
@@ -169,11 +176,12 @@ class RequestValidator:
 
     def _complete(self, seen: dict[str, _Contents]) -> tuple[_Contents, ...]:
         if len(seen) != len(self.inputs):
-            missing = sorted(set(self.inputs) - set(seen))
-            raise invalid(
-                f"model '{self.model}': missing input(s) {missing}; every input must be sent "
-                "with every request"
-            )
+            missing = sorted(set(self.inputs) - set(seen) - self.optional)
+            if missing:
+                raise invalid(
+                    f"model '{self.model}': missing input(s) {missing}; every input that is "
+                    "not optional must be sent with every request"
+                )
         return tuple(seen.values())
 
     def _check_shape(
