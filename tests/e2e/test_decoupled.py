@@ -239,6 +239,28 @@ async def test_an_optional_input_may_be_left_out_and_a_required_one_not(
     assert "missing input(s) ['count']" in refused.error_message
 
 
+async def test_the_model_sees_the_requests_id_and_parameters(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    request_id = f"parameters-{transport}"
+    request = repeat(1, request_id, mode="parameters")
+    request.parameters["label"].string_param = "café"
+    request.parameters["n"].int64_param = 3
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(request)
+        await call.done_writing()
+        assert len(await read_all(call)) == 1
+    prefix = f"model {MODEL}: request {request_id} parameters "
+    messages = [
+        json.loads(line).get("message", "")
+        for line in server.log_text().splitlines()
+        if line.startswith("{")
+    ]
+    (printed,) = [m.removeprefix(prefix) for m in messages if m.startswith(prefix)]
+    assert json.loads(printed) == {"label": "café", "n": 3}
+
+
 async def test_two_requests_interleave_on_one_stream(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
