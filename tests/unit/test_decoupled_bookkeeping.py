@@ -289,7 +289,8 @@ def test_a_decoupled_model_cannot_stand_in_as_a_fallback() -> None:
 
 async def test_an_output_the_config_does_not_declare_is_that_responses_error() -> None:
     request = Worker().request()
-    stray = protocol.Response(1, (protocol.TensorRef("secret", "<i4", (1,), 0, 4),), bytes(4), False)
+    ref = protocol.TensorRef("secret", "<i4", (1,), 0, 4)
+    stray = protocol.Response(1, (ref,), bytes(4), False)
     request.deliver(stray)
     answer = await request.next(None, None)
     assert answer is not None and answer.outputs == ()
