@@ -206,7 +206,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 )
             except errors.ServiceError as exc:
                 response = _error_response(request, f"{exc.code.name}: {exc.message}")
-                if served_decoupled(self.models, request):
+                if _served_decoupled(self.models, request):
                     _mark_final(response, True)
             await responses.put((response, True))
 
@@ -328,7 +328,7 @@ def _mark_final(response: pb.ModelStreamInferResponse, final: bool) -> None:
     response.infer_response.parameters[FINAL_RESPONSE].bool_param = final
 
 
-def served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
+def _served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
     """Whether the request names a decoupled model (its error is then its final response)."""
     try:
         return is_decoupled(models.resolve(request.model_name, request.model_version).config)
