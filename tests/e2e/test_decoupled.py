@@ -311,6 +311,10 @@ async def test_model_infer_on_a_decoupled_model_names_model_stream_infer(
 async def test_cancelling_the_call_stops_the_model(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
+    await assert_cancel_stops(server, transport, certs_dir)
+
+
+async def assert_cancel_stops(server: ServerProcess, transport: str, certs_dir: Path) -> None:
     request_id = f"cancel-{transport}"
     async with channel_to(server, transport, certs_dir) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
@@ -580,6 +584,7 @@ async def test_through_two_frontends(
     two_frontends: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
     await assert_counted(two_frontends, transport, certs_dir)
+    await assert_cancel_stops(two_frontends, transport, certs_dir)
 
 
 # ---- what is refused at load ----
