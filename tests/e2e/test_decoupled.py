@@ -491,6 +491,22 @@ async def test_a_request_with_responses_fails_unavailable_with_their_count(
     await wait_state(server, pid)
 
 
+async def test_a_request_that_kills_its_worker_twice_is_refused_as_poison(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Below the transports (one is enough): the retry is the streaming path's."""
+    pid = worker_pid(server)
+    async with channel_to(server, "h2", certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(repeat(1, "poison", mode="crash"))
+        (error,) = await until_id(call, "poison")
+        await call.done_writing()
+        assert await read_all(call) == []
+    assert error.error_message.startswith("INTERNAL: suspected poison input")
+    assert "died 2 times" in error.error_message and final_flag(error) is True
+    await wait_state(server, pid)
+
+
 # ---- the version's places ----
 
 
