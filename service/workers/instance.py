@@ -40,6 +40,7 @@ _T = TypeVar("_T")
 
 SANDBOX_OFF = ("python_sandbox: off",)
 READY_WAIT_S = 60.0
+OUTPUT_DRAIN_S = 2.0
 
 
 class State(enum.Enum):
@@ -259,6 +260,10 @@ class WorkerInstance:
                 await self._reader_task
         self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
         self.streams.died("stopped (the server is shutting down)")
+        if self._output_tasks:
+            # What the worker printed as it stopped is still in its pipes: read to their end
+            # (bounded, in case something the worker started keeps them open).
+            await asyncio.wait(set(self._output_tasks), timeout=OUTPUT_DRAIN_S)
         for task in list(self._output_tasks):
             task.cancel()
         for slot in self._slots:

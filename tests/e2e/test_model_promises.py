@@ -31,6 +31,7 @@ from tests.servers import ServerProcess, free_port, model_repository, running_se
 
 TIMEOUT_S = 60.0
 LONG_LINE = 10_000  # characters gate's initialize() prints on one line
+FINAL_LINES = 20_000  # lines its finalize() prints as it stops: more than a pipe holds
 MAX_LOG_LINE = 4096  # what the docs promise the server logs of it
 WAIT_S = 60.0  # generous, for an event on a loaded machine (models loaded and checked, a line)
 GATES = {"h2": "gate", "h3": "gate_h3"}  # a model to hold requests on, per transport
@@ -59,8 +60,10 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        for line in range(FINAL_LINES):
+            print(f"finalizing {line}", flush=True)
         print("finalized", flush=True)
-""".replace("LONG_LINE", str(LONG_LINE))
+""".replace("LONG_LINE", str(LONG_LINE)).replace("FINAL_LINES", str(FINAL_LINES))
 
 HUNGRY_MODEL = """
 import numpy as np
@@ -359,5 +362,6 @@ def test_no_metrics_opens_no_metrics_port_serves_and_finalizes_at_stop(tmp_path:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", metrics_port), timeout=10).close()
         assert "/metrics" not in server.log_text()
-    # A stopping server finalizes its Python models too.
+    # A stopping server finalizes its Python models too, and logs every line they print
+    # while they stop (their output is read to its end, not cut off at their exit).
     assert "model gate: finalized" in (tmp_path / "server.log").read_text()
