@@ -17,8 +17,8 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Coroutine,
+    Generator,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
@@ -288,7 +288,7 @@ class InferenceClient:
 
     def stream_infer(
         self, requests: Iterable[StreamRequest], timeout: float | None = None
-    ) -> Iterator[StreamResponse]:
+    ) -> Generator[StreamResponse, None, None]:
         """As `AsyncInferenceClient.stream_infer`; `requests` is read in a worker thread, so
         it may block (e.g. on a queue) without holding up the responses. Close the iterator
         (`close()`, or leave a for loop early) to cancel the call."""
@@ -303,13 +303,13 @@ class InferenceClient:
         seed: int | None = None,
         version: str = "",
         timeout: float | None = None,
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         """As `AsyncInferenceClient.generate`."""
         return self._iterate(
             self._client.generate(model, prompt, max_tokens, temperature, seed, version, timeout)
         )
 
-    def _iterate(self, items: AsyncGenerator[_T, None]) -> Iterator[_T]:
+    def _iterate(self, items: AsyncGenerator[_T, None]) -> Generator[_T, None, None]:
         """An async generator of the client's loop as a plain one; closing it closes that."""
         end = object()
 
