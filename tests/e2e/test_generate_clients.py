@@ -1,0 +1,231 @@
+"""This project's clients on the `generate` example (a decoupled model: one response per token):
+the numpy client's `generate` and `stream_infer`, sync and async, on both transports; closing
+the iterator cancels the generation (the server's generated-token counter stops); `paddlequic
+generate`; `paddlequic perf --streaming`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clients.generation import Chunk, generation_request
+from clients.inference_client import AsyncInferenceClient, InferenceClient
+from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+
+MODEL = "generate"
+PROMPT = "Once upon a time"
+MAX_TOKENS = 12
+LONG_MAX_TOKENS = 10_000  # far more than a cancelled generation may produce
+TIMEOUT_S = 120.0
+SETTLE_LIMIT_S = 60.0
+PROPERTY = settings(derandomize=True, max_examples=3, deadline=None)
+QUICK = ["--duration", "1", "--warmup", "0.3"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("generate")
+    repository = model_repository(root / "models", [MODEL, "mlp"])
+    with running_server(repository, root / "log", ["--certs-dir", str(certs_dir)]) as process:
+        yield process
+
+
+def arguments(server: ServerProcess, certs_dir: Path, transport: str) -> dict[str, Any]:
+    if transport == "h3":
+        return {"url": f"h3://localhost:{server.port}", "ca_file": str(certs_dir / "ca.pem")}
+    return {"url": server.url}
+
+
+def generated(server: ServerProcess, prompt: str, max_tokens: int = MAX_TOKENS) -> list[Chunk]:
+    with InferenceClient(server.url) as client:
+        return list(client.generate(MODEL, prompt, max_tokens, timeout=TIMEOUT_S))
+
+
+def text_of(chunks: list[Chunk]) -> str:
+    return "".join(c.text for c in chunks)
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess) -> list[Chunk]:
+    return generated(server, PROMPT)
+
+
+def metrics_url(server: ServerProcess) -> str:
+    found = re.search(r"metrics on (http://\S+/metrics)", server.log_text())
+    assert found is not None
+    return found.group(1)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    with urllib.request.urlopen(metrics_url(server), timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(rf'^{name}\{{[^}}]*model="{MODEL}"[^}}]*\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def settled_tokens(server: ServerProcess) -> float:
+    """The generated-token counter once no generation is active (bounded wait)."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while metric(server, "paddlequic_active_generations") > 0:
+        assert time.monotonic() < deadline, "a generation stayed active"
+        time.sleep(0.05)
+    return metric(server, "paddlequic_generated_tokens_total")
+
+
+def test_a_greedy_generation_is_one_response_per_token(reference: list[Chunk]) -> None:
+    assert reference[-1].finish_reason in ("length", "stop")
+    assert [c.finish_reason for c in reference[:-1]] == [None] * (len(reference) - 1)
+    tokens = len(reference) - 1  # the final response carries only the finish reason
+    assert 0 < tokens <= MAX_TOKENS
+    assert tokens == MAX_TOKENS or reference[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_generate_streams_the_same_text_on_every_path(
+    server: ServerProcess, certs_dir: Path, reference: list[Chunk], transport: str, mode: str
+) -> None:
+    args = arguments(server, certs_dir, transport)
+    if mode == "sync":
+        with InferenceClient(**args) as client:
+            chunks = list(client.generate(MODEL, PROMPT, MAX_TOKENS, timeout=TIMEOUT_S))
+    else:
+
+        async def run() -> list[Chunk]:
+            async with AsyncInferenceClient(**args) as client:
+                stream = client.generate(MODEL, PROMPT, MAX_TOKENS, timeout=TIMEOUT_S)
+                return [c async for c in stream]
+
+        chunks = asyncio.run(run())
+    assert chunks == reference
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+@PROPERTY
+@given(prompts=st.lists(st.text("abcdefgh ", min_size=1, max_size=8), min_size=2, max_size=4))
+def test_generations_on_one_stream_each_get_their_own_tokens(
+    server: ServerProcess, certs_dir: Path, transport: str, prompts: list[str]
+) -> None:
+    """Several generations share a stream (and the engine's batch): each request's text is
+    what it gets alone, and its final response comes last."""
+    requests = [
+        generation_request(MODEL, p, MAX_TOKENS, request_id=f"q{i}") for i, p in enumerate(prompts)
+    ]
+    with InferenceClient(**arguments(server, certs_dir, transport)) as client:
+        responses = list(client.stream_infer(requests, timeout=TIMEOUT_S))
+    for index, prompt in enumerate(prompts):
+        own = [r for r in responses if r.request_id == f"q{index}"]
+        assert [r.final for r in own] == [False] * (len(own) - 1) + [True]
+        assert all(r.error is None for r in own)
+        text = "".join(bytes(r.outputs["text_delta"][0]).decode() for r in own[:-1])
+        assert text == text_of(generated(server, prompt))
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_leaving_the_loop_cancels_the_generation(
+    server: ServerProcess, certs_dir: Path, transport: str, mode: str
+) -> None:
+    """After two tokens of a generation that asked for far more, the client stops reading and
+    closes the iterator: the model stops (its counter stops growing well short of the
+    request)."""
+    before = settled_tokens(server)
+    args = arguments(server, certs_dir, transport)
+    if mode == "sync":
+        with InferenceClient(**args) as client:
+            chunks = client.generate(MODEL, PROMPT, LONG_MAX_TOKENS, timeout=TIMEOUT_S)
+            assert [next(chunks).finish_reason, next(chunks).finish_reason] == [None, None]
+            chunks.close()
+    else:
+
+        async def run() -> None:
+            async with AsyncInferenceClient(**args) as client:
+                stream = client.generate(MODEL, PROMPT, LONG_MAX_TOKENS, timeout=TIMEOUT_S)
+                assert (await anext(stream)).finish_reason is None
+                assert (await anext(stream)).finish_reason is None
+                await stream.aclose()
+
+        asyncio.run(run())
+    after = settled_tokens(server)
+    assert 2 <= after - before < LONG_MAX_TOKENS / 10
+    assert settled_tokens(server) == after
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "clients.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_cli_generate_prints_the_text(
+    server: ServerProcess, certs_dir: Path, reference: list[Chunk], transport: str
+) -> None:
+    args = arguments(server, certs_dir, transport)
+    done = cli(
+        "generate", MODEL, PROMPT, "--max-tokens", str(MAX_TOKENS), "--url", args["url"],
+        "--ca-file", str(certs_dir / "ca.pem"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == text_of(reference) + "\n"
+    assert f"[{reference[-1].finish_reason}: {len(reference)} responses" in done.stderr
+
+
+def test_cli_generate_errors_name_the_fix(server: ServerProcess, certs_dir: Path) -> None:
+    wrong = cli("generate", "mlp", PROMPT, "--url", server.url)
+    assert wrong.returncode != 0
+    assert "generation model" in wrong.stderr and "text and max_tokens" in wrong.stderr
+    absent = cli("generate", "no_such_model", PROMPT, "--url", server.url)
+    assert absent.returncode != 0 and "NOT_FOUND" in absent.stderr
+    # A server that is not there: the message names the flag to check.
+    gone = cli("generate", MODEL, PROMPT, "--url", f"grpcs://localhost:{free_port()}")
+    assert gone.returncode != 0 and "--url" in gone.stderr and "--ca-file" in gone.stderr
+    bad = cli("generate", MODEL, PROMPT, "--max-tokens", "0", "--url", server.url)
+    assert bad.returncode == 2 and "--max-tokens" in bad.stderr
+
+
+def perf(certs_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return cli("perf", "--ca-file", str(certs_dir / "ca.pem"), *args)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_perf_streaming_reports_time_to_first_token_and_tokens_per_second(
+    server: ServerProcess, certs_dir: Path, tmp_path: Path, transport: str
+) -> None:
+    np.save(tmp_path / "text.npy", np.array([PROMPT.encode()]))
+    np.save(tmp_path / "max_tokens.npy", np.array([MAX_TOKENS], np.int32))
+    out = tmp_path / "perf.json"
+    done = perf(
+        certs_dir, MODEL, "--streaming", "--url", arguments(server, certs_dir, transport)["url"],
+        "--input-data", str(tmp_path), "--concurrency-range", "1,2", "-f", str(out), *QUICK,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    header = re.split(r"\s{2,}", done.stdout.splitlines()[0].strip())
+    assert header[-4:] == ["tokens/s", "TTFT p50 ms", "TTFT p99 ms", "inter-token p50 ms"]
+    document = json.loads(out.read_text())
+    assert document["decoupled"] is True
+    for row in document["rows"]:
+        assert row["requests"] > 0 and row["errors"] == {}
+        assert row["tokens_per_s"] > 0
+        first = row["time_to_first_token_ms"]
+        assert 0 < first["p50"] <= first["p99"] <= row["latency_ms"]["p99"]
+        assert row["inter_token_ms"]["p50"] > 0
+    refused = perf(certs_dir, MODEL, "--url", server.url, "--input-data", str(tmp_path), *QUICK)
+    assert refused.returncode == 2 and "--streaming" in refused.stderr
