@@ -18,6 +18,7 @@ import json
 import queue
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     summary: dict[str, Any] = {}
-    checks = {
+    checks: dict[str, Callable[[], Any]] = {
         "streams": lambda: streams(args.url, args.model, args.prompt, args.max_tokens),
         "cancelled": lambda: cancelled(
             args.url, args.model, args.prompt[0], args.cancel_max_tokens
