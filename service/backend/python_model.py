@@ -53,6 +53,9 @@ class PythonModel:
         )
         self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in config.output}
         self.device = "cpu"
+        self.name = load.model_name
+        # Decoupled: each request is answered through its response sender (decoupled.py).
+        self.decoupled = config.model_transaction_policy.decoupled
         sys.modules["triton_python_backend_utils"] = pb_utils
         # No __pycache__ beside model.py: the repository's files (and their fingerprint,
         # which decides reloads) stay as they were deployed.
@@ -105,23 +108,45 @@ class PythonModel:
         result = {name: self._checked(name, given.get(name)) for name in outputs}
         return result, Timings(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
 
+    def execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
+        """model.py's execute() as it is (a decoupled model answers through its senders)."""
+        return self._model.execute(requests)
+
+    def response_outputs(
+        self, response: pb_utils.InferenceResponse, requested: tuple[str, ...]
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        """A decoupled response's outputs, checked against the config; like Triton, outputs
+        the request did not ask for are left out (a response may carry any subset)."""
+        outputs = {}
+        for tensor in response.output_tensors():
+            name = tensor.name()
+            if name not in self._output_types:
+                raise ValueError(
+                    f"the response has output '{name}', which the config does not declare; "
+                    f"its outputs are {list(self._output_types)}"
+                )
+            if name in requested:
+                outputs[name] = self._checked(name, tensor.as_numpy())
+        return outputs
+
     def finalize(self) -> None:
         if hasattr(self._model, "finalize"):
             self._model.finalize()
 
     def _checked(self, name: str, array: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
+        """ValueError for an answer the config does not allow."""
         if array is None:
-            raise RuntimeError(f"execute() returned no output '{name}'")
+            raise ValueError(f"execute() returned no output '{name}'")
         datatype = self._output_types[name]
         if datatype.name == "BYTES":
             if array.dtype.kind not in "OSU":
-                raise RuntimeError(f"output '{name}' must hold bytes or str, not {array.dtype}")
+                raise ValueError(f"output '{name}' must hold bytes or str, not {array.dtype}")
             values = [v.encode() if isinstance(v, str) else bytes(v) for v in array.flat]
             encoded = np.empty(len(values), dtype=object)
             encoded[:] = values
             return encoded.reshape(array.shape)
         if array.dtype != datatype.numpy:
-            raise RuntimeError(f"output '{name}' is {array.dtype}, its config says {datatype.name}")
+            raise ValueError(f"output '{name}' is {array.dtype}, its config says {datatype.name}")
         return array
 
 

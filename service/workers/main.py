@@ -84,6 +84,10 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     unprotected = getattr(model, "unprotected", None)
     loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
     sock.sendall(protocol.encode(loaded))
+    if getattr(model, "decoupled", False):
+        from service.workers.decoupled_loop import serve_decoupled
+
+        serve_decoupled(model, lambda: _recv(sock), sock)
     maps = MappingCache(segments)
     # The front-end passes this parameter on only when it runs with --testing-service.
     crash_text = load.parameters.get(TESTING_CRASH_ON)

@@ -13,7 +13,7 @@ from oip.datatypes import is_bytes
 from service.workers.protocol import TensorRef
 
 
-def input_array(buffer: mmap.mmap, ref: TensorRef) -> np.ndarray[Any, Any]:
+def input_array(buffer: mmap.mmap | bytes, ref: TensorRef) -> np.ndarray[Any, Any]:
     if is_bytes(ref.dtype):
         return to_numpy_bytes(buffer[ref.offset : ref.offset + ref.nbytes], ref.shape)
     return np.ndarray(ref.shape, np.dtype(ref.dtype), buffer=buffer, offset=ref.offset)

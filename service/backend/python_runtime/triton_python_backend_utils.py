@@ -1,12 +1,15 @@
 """The part of Triton's Python backend API (`import triton_python_backend_utils as pb_utils`)
-that pre/post-processing models use, so their model.py runs here unchanged. Python-model
-workers make this module importable under that name before they import model.py."""
+that pre/post-processing and decoupled (streaming) models use, so their model.py runs here
+unchanged. Python-model workers make this module importable under that name before they import
+model.py. Only the model-facing API lives here: where a decoupled response goes is the
+ResponseChannel a worker hands each request."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,16 +30,37 @@ _NUMPY_OF_TYPE = {
 }
 
 
+# Triton's flag values (tritonserver.h)
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+
 class TritonError:
-    def __init__(self, message: str) -> None:
+    # Triton's TRITONSERVER_Error_Code values
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
         self._message = message
+        self._code = code
 
     def message(self) -> str:
         return self._message
 
+    def code(self) -> int:
+        return self._code
+
 
 class TritonModelException(Exception):
     pass
+
+
+SENDER_CLOSED = "Unable to send response. Response sender has been closed."
 
 
 class Tensor:
@@ -57,12 +81,70 @@ class Tensor:
         return True
 
 
-class InferenceRequest:
-    """One request as execute() receives it (a whole batch of rows, here)."""
+class ResponseChannel(Protocol):
+    """Where one decoupled request's responses go (the worker's side of a sender)."""
 
-    def __init__(self, inputs: Sequence[Tensor], requested_output_names: Sequence[str]) -> None:
+    def send(self, response: InferenceResponse | None, final: bool) -> None:
+        """Blocks while the request's window is full; drops the response once the request is
+        cancelled; raises TritonModelException for a response the config does not allow, or
+        after the final one."""
+
+    def is_cancelled(self) -> bool: ...
+
+    def writable(self) -> bool: ...
+
+    def abandon(self) -> None:
+        """The sender was released: end the request with an error if it is still open. Called
+        from __del__, so it must take no lock."""
+
+
+class InferenceResponseSender:
+    """Triton's per-request sender of a decoupled model; send() may be called from any
+    thread, until the response with TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
+
+    def __init__(self, channel: ResponseChannel) -> None:
+        self._channel = channel
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException(
+                "Inference Response object must be provided when the response flags is set to zero."
+            )
+        self._channel.send(response, flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self._channel.is_cancelled()
+
+    def writable(self) -> bool:
+        """paddlequic's extension: whether send() would return now rather than wait for the
+        caller to take earlier responses (a scheduler pauses such a sequence instead of
+        blocking the whole batch)."""
+        return self._channel.writable()
+
+    def __del__(self) -> None:
+        self._channel.abandon()
+
+
+class InferenceRequest:
+    """One request as execute() receives it (a whole batch of rows, unless decoupled)."""
+
+    def __init__(
+        self,
+        inputs: Sequence[Tensor],
+        requested_output_names: Sequence[str],
+        request_id: str = "",
+        parameters: str = "{}",
+        channel: ResponseChannel | None = None,
+    ) -> None:
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
+        self._request_id = request_id
+        self._parameters = parameters
+        self._channel = channel
+        self._sender: InferenceResponseSender | None = None
+        self._sender_lock = threading.Lock()
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)
@@ -72,6 +154,33 @@ class InferenceRequest:
 
     def get_input_tensor_by_name(self, name: str) -> Tensor | None:
         return get_input_tensor_by_name(self, name)
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def parameters(self) -> str:
+        """The request's parameters as a JSON object, as Triton gives them."""
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return self._channel is not None and self._channel.is_cancelled()
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The same sender each call (Triton's one response factory per request)."""
+        if self._channel is None:
+            raise TritonModelException(
+                "get_response_sender() needs a decoupled model "
+                "(model_transaction_policy { decoupled: true } in config.pbtxt)"
+            )
+        with self._sender_lock:
+            if self._sender is None:
+                self._sender = InferenceResponseSender(self._channel)
+            return self._sender
+
+    def __del__(self) -> None:
+        # Released without a sender ever taken: nothing can answer it any more.
+        if self._channel is not None and self._sender is None:
+            self._channel.abandon()
 
 
 class InferenceResponse:
@@ -89,6 +198,11 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+
+def using_decoupled_model_transaction_policy(model_config: Any) -> bool:
+    config = json.loads(model_config) if isinstance(model_config, str) else model_config
+    return bool(config.get("model_transaction_policy", {}).get("decoupled", False))
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

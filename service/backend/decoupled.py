@@ -1,0 +1,85 @@
+"""A decoupled Python model's requests in its worker: one ResponseFlow each, from the moment
+the request arrives (so a Cancel or a Credit finds it at once) until its final response, and
+execute() called on one request at a time. What execute() does wrong fails that request with
+Triton's messages; the worker and the other requests go on."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from service.backend.python_model import PythonModel
+from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+from service.backend.response_flow import Outbox, ResponseFlow
+
+
+class DecoupledRequests:
+    """The worker's open decoupled requests. admit/credit/cancel come from the thread reading
+    the socket, execute from the one running the model, replies leave through `outbox`."""
+
+    def __init__(self, model: PythonModel, window: int) -> None:
+        self.outbox = Outbox()
+        self._model = model
+        self._window = window
+        self._flows: dict[int, ResponseFlow] = {}
+
+    def admit(self, request_id: int, caller_id: str, outputs: tuple[str, ...]) -> None:
+        def check(response: pb_utils.InferenceResponse) -> dict[str, np.ndarray[Any, Any]]:
+            return self._model.response_outputs(response, outputs)
+
+        label = f"request '{caller_id}' of model '{self._model.name}'"
+        self._flows[request_id] = ResponseFlow(
+            request_id, label, self._window, self.outbox, check, self._ended
+        )
+
+    def execute(
+        self,
+        request_id: int,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        outputs: tuple[str, ...],
+        caller_id: str,
+        parameters: str,
+    ) -> None:
+        """A request cancelled while it waited is not started."""
+        flow = self._flows.get(request_id)
+        if flow is None or flow.is_cancelled():
+            if flow is not None:
+                flow.fail("cancelled before it started")
+            return
+        tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
+        request = pb_utils.InferenceRequest(tensors, outputs, caller_id, parameters, flow)
+        try:
+            returned = self._model.execute([request])
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            if returned is None:
+                return
+            reason = (
+                f"Python model '{self._model.name}' is using the decoupled mode and the "
+                "execute function must return None."
+            )
+        flow.fail(
+            f"Failed to process the request(s) for model '{self._model.name}', message: {reason}"
+        )
+
+    def credit(self, request_id: int, count: int) -> None:
+        flow = self._flows.get(request_id)
+        if flow is not None:
+            flow.credit(count)
+
+    def cancel(self, request_id: int) -> None:
+        flow = self._flows.get(request_id)
+        if flow is not None:
+            flow.cancel()
+
+    def stop(self) -> None:
+        """Shutdown: nothing more leaves, and senders blocked on the window return."""
+        for flow in self._flows.copy().values():
+            flow.stop()
+        self.outbox.close()
+
+    def _ended(self, request_id: int) -> None:
+        self._flows.pop(request_id, None)

@@ -1,0 +1,185 @@
+"""The way out of a decoupled request's responses in a worker: a window of responses the
+server has not yet taken (send() waits while it is full, so a caller that stops reading stops
+its model's sender), cancellation, and the order of everything a worker sends.
+
+Responses go into one Outbox in the order they were sent; the worker's writer takes them from
+there. A sender released by the model posts to the Outbox too (from __del__, where no lock may
+be taken: SimpleQueue.put is reentrant), and the writer ends that request with an error."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One response of a decoupled request, before the worker encodes it."""
+
+    request_id: int
+    outputs: dict[str, np.ndarray[Any, Any]]
+    final: bool
+    error: str | None = None
+
+
+class Outbox:
+    """Replies of all of a worker's decoupled requests, in sending order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Reply | ResponseFlow | None] = queue.SimpleQueue()
+
+    def put(self, reply: Reply) -> None:
+        self._queue.put(reply)
+
+    def abandoned(self, flow: ResponseFlow) -> None:
+        self._queue.put(flow)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def next(self) -> Reply | None:
+        """The next reply to write (None: closed); settles released senders on the way."""
+        while True:
+            item = self._queue.get()
+            if item is None or isinstance(item, Reply):
+                return item
+            item.settle_abandoned()
+
+
+# Checks a response's outputs against the config: the arrays to send, or ValueError saying why.
+Check = Callable[[pb_utils.InferenceResponse], dict[str, np.ndarray[Any, Any]]]
+
+
+class ResponseFlow:
+    """One decoupled request: pb_utils' ResponseChannel for its sender. At most `window`
+    replies are out and not credited; the final one (the model's, or the worker's error) ends
+    it, and `on_end` is told once nothing more will go out."""
+
+    def __init__(
+        self,
+        request_id: int,
+        label: str,
+        window: int,
+        outbox: Outbox,
+        check: Check,
+        on_end: Callable[[int], None],
+    ) -> None:
+        self.request_id = request_id
+        self._label = label  # "request 'ID' of model 'NAME'", for messages
+        self._window = window
+        self._outbox = outbox
+        self._check = check
+        self._on_end = on_end
+        self._cond = threading.Condition()
+        self._uncredited = 0
+        self._cancelled = False
+        self._stopped = False
+        self._closed = False  # the final response was sent (or failed): send() refuses
+        self._over = False  # the final reply went out or was dropped
+        self._parked: Reply | None = None  # the worker's error final, waiting for credit
+
+    def send(self, response: pb_utils.InferenceResponse | None, final: bool) -> None:
+        if self._closed:
+            raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
+        if response is None:
+            outputs: dict[str, np.ndarray[Any, Any]] = {}
+            error = None
+        elif (model_error := response.error()) is not None:
+            outputs, error = {}, model_error.message()
+        else:
+            try:
+                outputs, error = self._check(response), None
+            except ValueError as exc:
+                self.fail(f"{self._label}: {exc}")
+                raise pb_utils.TritonModelException(str(exc)) from None
+        with self._cond:
+            if self._closed:
+                raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
+            self._closed = final
+            while self._uncredited >= self._window and not self._gone():
+                self._cond.wait()
+            if self._over:  # another thread's final went first
+                raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
+            if not self._gone():
+                self._uncredited += 1
+                self._outbox.put(Reply(self.request_id, outputs, final, error))
+            if final:
+                self._end()
+
+    def fail(self, message: str) -> None:
+        """End the request with an error final reply, without waiting: parked until credit
+        when the window is full."""
+        with self._cond:
+            if self._over or (self._closed and self._parked is not None):
+                return
+            self._closed = True
+            self._cond.notify_all()
+            reply = Reply(self.request_id, {}, True, message)
+            if self._gone():
+                self._end()
+            elif self._uncredited < self._window:
+                self._uncredited += 1
+                self._outbox.put(reply)
+                self._end()
+            else:
+                self._parked = reply
+
+    def credit(self, count: int) -> None:
+        with self._cond:
+            self._uncredited = max(0, self._uncredited - count)
+            if self._parked is not None and self._uncredited < self._window:
+                self._uncredited += 1
+                self._outbox.put(self._parked)
+                self._end()
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """The caller is gone: is_cancelled() turns true and nothing more is sent."""
+        with self._cond:
+            self._cancelled = True
+            self._drop_parked()
+
+    def stop(self) -> None:
+        """The worker shuts down: blocked senders return, nothing more is sent."""
+        with self._cond:
+            self._stopped = True
+            self._drop_parked()
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled or self._stopped
+
+    def writable(self) -> bool:
+        with self._cond:
+            return self._closed or self._gone() or self._uncredited < self._window
+
+    def abandon(self) -> None:
+        self._outbox.abandoned(self)
+
+    def settle_abandoned(self) -> None:
+        self.fail(
+            f"{self._label}: the model released its response sender without sending "
+            "pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+        )
+
+    def _gone(self) -> bool:
+        return self._cancelled or self._stopped or self._over
+
+    def _drop_parked(self) -> None:
+        if self._parked is not None:
+            self._parked = None
+            self._end()
+        self._cond.notify_all()
+
+    def _end(self) -> None:
+        if not self._over:
+            self._over = True
+            self._parked = None
+            self._cond.notify_all()
+            self._on_end(self.request_id)

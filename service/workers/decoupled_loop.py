@@ -1,0 +1,81 @@
+"""A decoupled Python model's worker, after the load: the socket is never blocked by the
+model. This thread reads (Submit, Cancel, Credit, Shutdown: Cancel and Credit act at once,
+even while execute() runs or a sender waits for credit), one thread runs execute() for each
+Submit in order, and one writes every Response, in the order the model sent them.
+
+Threads start only now: the Python sandbox was entered by the single-threaded process, before
+model.py was imported."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+from service.backend.decoupled import DecoupledRequests
+from service.backend.python_model import PythonModel
+from service.backend.response_flow import Reply
+from service.workers import protocol
+from service.workers.tensor_io import input_array, wire_form
+
+
+def serve_decoupled(
+    model: PythonModel, recv: Callable[[], protocol.Message | None], sock: socket.socket
+) -> NoReturn:
+    """Never returns: after Shutdown (finalize() first) or the server's end of the socket
+    closing, the process exits, whatever threads model.py still runs; requests still open
+    get nothing more."""
+    requests = DecoupledRequests(model, protocol.RESPONSE_WINDOW)
+    submits: queue.SimpleQueue[protocol.Submit | None] = queue.SimpleQueue()
+    runner = threading.Thread(target=_run, args=(requests, submits), name="execute", daemon=True)
+    writer = threading.Thread(target=_write, args=(requests, sock), name="write", daemon=True)
+    runner.start()
+    writer.start()
+    while True:
+        msg = recv()
+        if isinstance(msg, protocol.Submit):
+            requests.admit(msg.request_id, msg.id, msg.outputs)
+            submits.put(msg)
+        elif isinstance(msg, protocol.Credit):
+            requests.credit(msg.request_id, msg.count)
+        elif isinstance(msg, protocol.Cancel):
+            requests.cancel(msg.request_id)
+        elif msg is None or isinstance(msg, protocol.Shutdown):
+            break
+    requests.stop()
+    if msg is not None:
+        submits.put(None)
+        runner.join()
+        model.finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run(requests: DecoupledRequests, submits: queue.SimpleQueue[protocol.Submit | None]) -> None:
+    while (msg := submits.get()) is not None:
+        inputs = {ref.name: input_array(msg.data, ref) for ref in msg.inputs}
+        requests.execute(msg.request_id, inputs, msg.outputs, msg.id, msg.parameters)
+        del inputs, msg  # the model's arrays (views of the Submit's bytes) go with it
+
+
+def _write(requests: DecoupledRequests, sock: socket.socket) -> None:
+    while (reply := requests.outbox.next()) is not None:
+        sock.sendall(protocol.encode(response_message(reply)))
+
+
+def response_message(reply: Reply) -> protocol.Response:
+    """The reply's outputs as the worker encodes any output (tensor_io.wire_form), inline."""
+    refs, chunks, offset = [], [], 0
+    for name, array in reply.outputs.items():
+        dtype, data = wire_form(array)
+        refs.append(protocol.TensorRef(name, dtype, array.shape, offset, data.nbytes))
+        chunks.append(data)
+        offset += data.nbytes
+    return protocol.Response(
+        reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error
+    )
