@@ -70,11 +70,12 @@ class ControlServicer(pb_grpc.ControlServicer):
                 pb.ModelQueue(
                     model_name=v.name,
                     model_version=str(v.version),
-                    queued=v.batcher.queued if v.batcher else 0,
-                    in_flight=v.batcher.in_flight_requests if v.batcher else 0,
+                    queued=queue.queued if queue else 0,
+                    in_flight=queue.in_flight_requests if queue else 0,
                     breaker=v.breaker.state.value,
                     breaker_retry_in_s=v.breaker.retry_in_s(),
                 )
                 for v in versions
+                for queue in (v.batcher or v.generations,)
             ],
         )

@@ -4,9 +4,11 @@ every transport, so it only speaks in terms of a grpc.aio-style servicer context
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import metadata
 
 import grpc
@@ -16,9 +18,10 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.inference import errors
 from service.inference.errors import ServicerContext
-from service.inference.jobs import Answer, InferJob
+from service.inference.jobs import InferJob, OutputTensor
 from service.inference.validation import decoded
 from service.lifecycle.lifecycle import Lifecycle
+from service.model.decoupled import is_decoupled
 from service.registry.versions import ModelRegistry, ServedVersion
 from service.serving.requests import RequestRunner
 
@@ -30,6 +33,9 @@ SERVER_NAME = "paddlequic"
 SERVER_VERSION = metadata.version("paddlequic")
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
+# Triton's parameters of a decoupled model's responses (src/grpc/stream_infer_handler.cc).
+FINAL_RESPONSE = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -172,14 +178,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests run concurrently and answer in completion order (correlate by id); a
-        failed request yields an error_message and the stream goes on.
+        failed request yields an error_message and the stream goes on. A decoupled model's
+        request answers with zero to many responses, interleaved with the others', each
+        with `triton_final_response` (true on its last).
 
-        A request holds its slot in the window until its response was taken by the
+        A request holds its slot in the window until its final response was taken by the
         transport (the generator resumes only then), so a client that stops reading stops
         being read: the request iterator waits for a slot, and the response queue never
-        holds more than the window."""
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(
-            STREAM_WINDOW + 1
+        holds more than the window. A decoupled request takes its next response from its
+        model only once the queue has room for it, so its model is held too."""
+        # (response or None: nothing to send, whether it was the request's last)
+        responses: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None] = (
+            asyncio.Queue(STREAM_WINDOW + 1)
         )
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
@@ -187,19 +197,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def run_one(request: pb.ModelInferRequest) -> None:
             try:
+                served = self.models.resolve(request.model_name, request.model_version)
+                if is_decoupled(served.config):
+                    await self._generate(served, request, deadline, responses.put)
+                    return
                 response = pb.ModelStreamInferResponse(
                     infer_response=await self._infer(request, deadline)
                 )
             except errors.ServiceError as exc:
-                response = pb.ModelStreamInferResponse(
-                    error_message=f"{exc.code.name}: {exc.message}",
-                    infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name,
-                        model_version=request.model_version,
-                        id=request.id,
-                    ),
-                )
-            await responses.put(response)
+                response = _error_response(request, f"{exc.code.name}: {exc.message}")
+                if served_decoupled(self.models, request):
+                    _mark_final(response, True)
+            await responses.put((response, True))
 
         async def read_requests() -> None:
             try:
@@ -218,14 +227,57 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         reader = asyncio.create_task(read_requests())
         try:
-            while (response := await responses.get()) is not None:
-                yield response
-                window.release()
+            while (item := await responses.get()) is not None:
+                response, last = item
+                if response is not None:
+                    yield response
+                if last:
+                    window.release()
             await reader
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+    async def _generate(
+        self,
+        served: ServedVersion,
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        put: Callable[[tuple[pb.ModelStreamInferResponse | None, bool]], Awaitable[None]],
+    ) -> None:
+        """A decoupled model's responses to one request, put as they come; the last one put
+        is final. A ServiceError before or between them ends the request (the caller turns
+        it into the request's final error_message)."""
+        empty_final = _empty_final_wanted(request)
+        job = await _decode(served, request)
+        stream = self.runner.stream(served, job, request.id, _parameters(request), deadline)
+        async with contextlib.aclosing(stream) as answers:
+            async for answer in answers:
+                response: pb.ModelStreamInferResponse | None
+                if answer.error is not None:
+                    response = _error_response(
+                        request, f"INTERNAL: model '{served.name}': {answer.error}"
+                    )
+                elif answer.outputs or not answer.final:
+                    response = pb.ModelStreamInferResponse(
+                        infer_response=_response(served, request.id, answer.outputs)
+                    )
+                elif empty_final:
+                    response = pb.ModelStreamInferResponse(
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name,
+                            model_version=request.model_version,
+                            id=request.id,
+                        )
+                    )
+                else:  # a flags-only final nobody asked to see: the request just ends
+                    response = None
+                if response is not None:
+                    _mark_final(response, answer.final)
+                await put((response, answer.final))
+                if answer.final:
+                    return
 
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: float | None
@@ -234,7 +286,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         job = await _decode(served, request)
         answered, result = await self.runner.infer(served, job, deadline)
         with self.runner.encode_span():
-            response = _response(answered, request.id, result)
+            response = _response(answered, request.id, result.outputs)
         if answered is not served:
             # Answered by the fallback model while `served` is open-circuited.
             response.parameters["fallback"].bool_param = True
@@ -253,14 +305,60 @@ async def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> Infer
         raise
 
 
-def _response(served: ServedVersion, request_id: str, answer: Answer) -> pb.ModelInferResponse:
+def _response(
+    served: ServedVersion, request_id: str, outputs: tuple[OutputTensor, ...]
+) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(
         model_name=served.name, model_version=str(served.version), id=request_id
     )
-    for tensor in answer.outputs:
+    for tensor in outputs:
         response.outputs.add(name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape)
         response.raw_output_contents.append(tensor.data)
     return response
+
+
+def _error_response(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+def _mark_final(response: pb.ModelStreamInferResponse, final: bool) -> None:
+    response.infer_response.parameters[FINAL_RESPONSE].bool_param = final
+
+
+def served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
+    """Whether the request names a decoupled model (its error is then its final response)."""
+    try:
+        return is_decoupled(models.resolve(request.model_name, request.model_version).config)
+    except errors.ServiceError:
+        return False
+
+
+def _empty_final_wanted(request: pb.ModelInferRequest) -> bool:
+    """Triton's request parameter: a flags-only final response is sent (empty) instead of
+    ending the request silently."""
+    parameter = request.parameters.get(EMPTY_FINAL)
+    if parameter is None:
+        return False
+    if parameter.WhichOneof("parameter_choice") != "bool_param":
+        raise errors.invalid(
+            f"invalid value type for '{EMPTY_FINAL}' parameter, expected bool_param."
+        )
+    return parameter.bool_param
+
+
+def _parameters(request: pb.ModelInferRequest) -> str:
+    """The request's parameters as JSON, as pb_utils' request.parameters() returns them."""
+    values = {}
+    for key, parameter in request.parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        if kind is not None:
+            values[key] = getattr(parameter, kind)
+    return json.dumps(values)
 
 
 def _deadline(context: ServicerContext) -> float | None:

@@ -72,3 +72,12 @@ class Answer:
     timings: Timings  # of the whole batch
     queue_ns: int  # this request's wait: in the batcher's queue and for a worker slot
     batch_rows: int
+
+
+@dataclass(frozen=True)
+class StreamAnswer:
+    """One response of a decoupled model's request (it answers with zero to many)."""
+
+    outputs: tuple[OutputTensor, ...]  # none: a final response that only says it is final
+    final: bool
+    error: str | None = None  # the model's error response, or why the request failed in it

@@ -7,6 +7,7 @@ from __future__ import annotations
 from service.inference import errors
 from service.lifecycle.retiring import Fail
 from service.model import ensemble
+from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.versions import ModelRegistry, VersionState
 from service.resilience.fallback import incompatibility
@@ -23,11 +24,17 @@ async def check_ensembles(registry: ModelRegistry, fail: Fail) -> None:
                 model = registry.resolve(step.model, step.version)
             except errors.ServiceError:
                 continue
-            reason = (
-                f"{step.describe()} is an ensemble itself; ensembles do not nest"
-                if model.steps
-                else ensemble.check_step(step, served.config, model.config)
-            )
+            if model.steps:
+                reason: str | None = (
+                    f"{step.describe()} is an ensemble itself; ensembles do not nest"
+                )
+            elif is_decoupled(model.config):
+                reason = (
+                    f"{step.describe()} is decoupled (it answers through ModelStreamInfer "
+                    "with many responses); an ensemble step must answer once"
+                )
+            else:
+                reason = ensemble.check_step(step, served.config, model.config)
             if reason is not None:
                 await fail(served, reason, "ensemble")
                 break

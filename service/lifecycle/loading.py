@@ -12,6 +12,7 @@ import time
 from oip.datatypes import BY_CONFIG_TYPE, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import DynamicBatcher, policy_from_config
+from service.batching.concurrency import ConcurrencyLimit
 from service.inference.validation import RequestValidator
 from service.lifecycle.repository import RepositoryError, complete_config, fetch_names
 from service.lifecycle.retiring import Fail
@@ -20,6 +21,7 @@ from service.lifecycle.verified_copies import VerifiedCopies
 from service.lifecycle.warming import warm_up
 from service.lifecycle.warmup import WarmUpError
 from service.model import ensemble
+from service.model.decoupled import is_decoupled, stream_limits
 from service.model.files import ENSEMBLE, ModelFiles
 from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.model.shapes import shape_buckets
@@ -145,12 +147,21 @@ class VersionLoader:
             for instance in served.instances:
                 instance.declare_outputs(datatypes, renamed)
             served.validator = RequestValidator(served.config)
-            served.batcher = DynamicBatcher(
-                policy_from_config(served.config, len(served.instances)),
-                BatchRunner(served, self.observer),
-                served.capacity,
-                f"model '{served.name}' version {served.version}",
-            )
+            label = f"model '{served.name}' version {served.version}"
+            if is_decoupled(served.config):
+                places = stream_limits(served.config)
+                served.generations = ConcurrencyLimit(places.concurrent, places.queued, label)
+                for instance in served.instances:
+                    instance.streams.on_response = functools.partial(
+                        self.observer.on_generated, served.name
+                    )
+            else:
+                served.batcher = DynamicBatcher(
+                    policy_from_config(served.config, len(served.instances)),
+                    BatchRunner(served, self.observer),
+                    served.capacity,
+                    label,
+                )
         except RepositoryError as exc:
             await self.fail(served, str(exc), "load")
             return

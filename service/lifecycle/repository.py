@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.inference.tensors import TensorSpec
+from service.model import decoupled
 from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import ParameterError, check_parameters
 from service.model.shapes import shape_buckets
@@ -112,6 +113,9 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
         )
     if config.max_batch_size < 0:
         raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
+    refused = decoupled.refusal(config)
+    if refused is not None:
+        raise RepositoryError(f"{config_file}: {refused}")
     try:
         check_parameters(config)
         shape_buckets(config)

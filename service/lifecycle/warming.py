@@ -25,6 +25,9 @@ async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
     traffic (service/lifecycle/warmup.py); the slowest bucket (the largest) sets the
     watchdog's limit where config.pbtxt sets none. Then the version is READY; a failure
     raises WarmUpError with the reason."""
+    if served.generations is not None:
+        _ready_decoupled(served)
+        return
     loop = asyncio.get_running_loop()
     assert served.batcher is not None
     slowest = 0.0
@@ -54,4 +57,20 @@ async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
         if instance.execution_timeout_s is None:
             instance.execution_timeout_s = timeout_s
     served.stats = ModelStats()
+    served.state = VersionState.READY
+
+
+def _ready_decoupled(served: ServedVersion) -> None:
+    """A decoupled model is not warmed up: nothing says which inputs make it answer quickly,
+    and a model.py builds what it needs in initialize() (model_warmup is refused when its
+    config is read). Its execution_timeout_ms bounds the gap between two responses."""
+    for instance in served.instances:
+        if instance.execution_timeout_s is None:
+            instance.execution_timeout_s = MIN_EXECUTION_TIMEOUT_S
+    log.info(
+        "model %s version %d is decoupled: no warm-up; up to %.1f s between two responses",
+        served.name,
+        served.version,
+        min(i.execution_timeout_s or MIN_EXECUTION_TIMEOUT_S for i in served.instances),
+    )
     served.state = VersionState.READY

@@ -25,6 +25,9 @@ _INTEGERS = {
     "breaker_min_requests": 1,
     "python_memory_mb": 256,
     "python_open_files": 32,
+    # A decoupled model's (service/model/decoupled.py).
+    "max_concurrent_requests": 1,
+    "max_queued_requests": 0,
 }
 # name -> (smallest, largest) accepted value, both included
 _FLOATS = {

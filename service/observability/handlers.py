@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextvars import Token
 from typing import Any
 
@@ -129,6 +129,35 @@ class Observer:
     def on_batch(self, model: str, rows: int, timings: Timings) -> None:
         if self.metrics is not None:
             self.metrics.observe_batch(model, rows, timings)
+
+    def on_generated(self, model: str) -> None:
+        """A decoupled model sent one data response (from its worker's socket)."""
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.generated_tokens, model).inc()
+
+    def on_generation(self, model: str, delta: int) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.active_generations, model).inc(delta)
+
+    def on_stream_response(self, model: str, seconds: float, first: bool) -> None:
+        if self.metrics is not None:
+            metrics = self.metrics
+            histogram = metrics.time_to_first_token if first else metrics.inter_token
+            metrics.child(histogram, model).observe(seconds)
+
+    @contextlib.contextmanager
+    def generation_span(self, model: str) -> Iterator[trace.Span | None]:
+        """A span per decoupled request, a child of the RPC's (a stream carries many); the
+        caller sets its response count. Not made current: the request's generator resumes
+        on every response."""
+        if self.tracer is None or not trace.get_current_span().is_recording():
+            yield None
+            return
+        span = self.tracer.start_span("generate", attributes={"paddlequic.model": model})
+        try:
+            yield span
+        finally:
+            span.end()
 
     def on_load_failure(self, model: str, reason: str) -> None:
         if self.metrics is not None:

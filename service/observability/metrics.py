@@ -101,6 +101,34 @@ class Metrics:
             ["model", "fallback"],
             registry=r,
         )
+        # A decoupled model's responses (model labels: served names only, from the registry).
+        self.time_to_first_token = Histogram(
+            "paddlequic_time_to_first_token_seconds",
+            "from a decoupled model's request reaching its model to its first response taken",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "paddlequic_inter_token_seconds",
+            "between two consecutive responses of one decoupled request, as they were taken",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "paddlequic_generated_tokens",
+            "data responses decoupled models sent (delivered or not: a cancelled request's "
+            "stop growing once its model stops)",
+            ["model"],
+            registry=r,
+        )
+        self.active_generations = Gauge(
+            "paddlequic_active_generations",
+            "requests of decoupled models running in their model",
+            ["model"],
+            registry=r,
+        )
         self.state = _StateCollector(models, topology)
         r.register(self.state)
         self.names = ServedNames(models)
@@ -175,7 +203,8 @@ class _StateCollector(Collector):
         depth = _queue_depth()
         restarts: dict[str, int] = {}
         for v in versions:
-            depth.add_metric([v.name, str(v.version)], v.batcher.queued if v.batcher else 0)
+            queue = v.batcher or v.generations
+            depth.add_metric([v.name, str(v.version)], queue.queued if queue else 0)
             restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
         yield depth
         breakers = _breaker_state()

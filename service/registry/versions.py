@@ -12,6 +12,7 @@ from pathlib import Path
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import DynamicBatcher
+from service.batching.concurrency import ConcurrencyLimit
 from service.inference import errors
 from service.inference.validation import RequestValidator
 from service.model import ensemble
@@ -48,6 +49,8 @@ class ServedVersion:
     active: int = 0  # requests that resolved to this version and are not answered yet
     breaker: CircuitBreaker = field(init=False)
     steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
+    # A decoupled model's places for requests running at once (it has no batcher).
+    generations: ConcurrencyLimit | None = None
     steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
 
     def __post_init__(self) -> None:

@@ -10,6 +10,8 @@ from protos.inference import model_config_pb2 as mc
 
 def incompatibility(primary: mc.ModelConfig, fallback: mc.ModelConfig) -> str | None:
     """Why `fallback` cannot stand in for `primary`, or None when it can."""
+    if fallback.model_transaction_policy.decoupled:
+        return "is decoupled (it answers with many responses, this model with one)"
     if (primary.max_batch_size > 0) != (fallback.max_batch_size > 0):
         return "does not batch as this model does (max_batch_size 0 on one side only)"
     if fallback.max_batch_size < primary.max_batch_size:

@@ -5,23 +5,34 @@ and what happened is recorded in its statistics and told to the observer."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import grpc
 
 from service.inference import errors
-from service.inference.jobs import Answer, InferJob, InputTensor, OutputTensor, Timings
+from service.inference.jobs import (
+    Answer,
+    InferJob,
+    InputTensor,
+    OutputTensor,
+    StreamAnswer,
+    Timings,
+)
 from service.inference.validation import decoded
 from service.model import ensemble
+from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.versions import ModelRegistry, ServedVersion
 from service.resilience.breaker import Admission, BreakerState
 from service.resilience.fallback import incompatibility
+from service.serving import streaming
+from service.serving.circuit import open_circuit
 from service.serving.ensemble import run as run_ensemble
 
 
-class RequestObserver(Protocol):
+class RequestObserver(streaming.StreamObserver, Protocol):
     """Told what only the request path sees (metrics and tracing live elsewhere)."""
 
     def on_request(self, model: str, elapsed_ns: int, answer: Answer) -> None: ...
@@ -43,6 +54,13 @@ class RequestRunner:
     ) -> tuple[ServedVersion, Answer]:
         """Run the request on `served`, or on its fallback model while its breaker is open:
         the version that answered, and its answer."""
+        if is_decoupled(served.config):
+            raise errors.ServiceError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"ModelInfer RPC doesn't support models with decoupled transaction policy: "
+                f"model '{served.name}' answers with a stream of responses; call "
+                "ModelStreamInfer",
+            )
         breaker = served.breaker
         failure = served.start_failure()
         if failure is not None and breaker.state is BreakerState.CLOSED:
@@ -53,13 +71,24 @@ class RequestRunner:
             # A fallback's own breaker guards it too; a fallback has no fallback of its own.
             fallback_admission = fallback.breaker.admit()
             if fallback_admission is None:
-                raise _open_circuit(fallback, fallback.start_failure())
+                raise open_circuit(fallback, fallback.start_failure())
             self.observer.on_fallback(served.name, fallback.name)
             return fallback, await self._recorded(fallback, fallback_admission, job, deadline)
         return served, await self._recorded(served, admission, job, deadline)
 
     def encode_span(self) -> AbstractContextManager[Any]:
         return self.observer.encode_span()
+
+    def stream(
+        self,
+        served: ServedVersion,
+        job: InferJob,
+        caller_id: str,
+        parameters: str,
+        deadline: float | None,
+    ) -> AsyncGenerator[StreamAnswer, None]:
+        """A decoupled model's responses to the request (service/serving/streaming.py)."""
+        return streaming.responses(served, job, caller_id, parameters, deadline, self.observer)
 
     async def _recorded(
         self,
@@ -85,14 +114,14 @@ class RequestRunner:
         """The ready version of the fallback model, or UNAVAILABLE saying the circuit is open."""
         name = check_parameters(served.config).fallback_model
         if name is None:
-            raise _open_circuit(served, failure)
+            raise open_circuit(served, failure)
         try:
             fallback = self.registry.resolve(name, "")
         except errors.ServiceError as exc:
-            raise _open_circuit(served, failure, f"its fallback model: {exc.message}") from None
+            raise open_circuit(served, failure, f"its fallback model: {exc.message}") from None
         reason = incompatibility(served.config, fallback.config)
         if reason is not None:
-            raise _open_circuit(served, failure, f"its fallback model '{name}' {reason}")
+            raise open_circuit(served, failure, f"its fallback model '{name}' {reason}")
         return fallback
 
     async def _run(self, served: ServedVersion, job: InferJob, deadline: float | None) -> Answer:
@@ -136,14 +165,3 @@ class RequestRunner:
 
         outputs = await run_ensemble(served.name, served.steps, job, run_step)
         return Answer(outputs, Timings(0, 0, 0), queue_ns, job.rows)
-
-
-def _open_circuit(
-    served: ServedVersion, failure: str | None, detail: str = ""
-) -> errors.ServiceError:
-    why = f"no instance can start ({failure})" if failure else "too many recent requests failed"
-    message = (
-        f"model '{served.name}' version {served.version} is open-circuited: {why}; it will be "
-        f"retried in {served.breaker.retry_in_s():.1f} s"
-    )
-    return errors.unavailable(f"{message}; {detail}" if detail else message)

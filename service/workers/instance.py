@@ -27,11 +27,12 @@ from oip.datatypes import Datatype
 from service.batching.assemble import Batch
 from service.inference import errors
 from service.inference.errors import WorkerDied
-from service.inference.jobs import InferResult
+from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
-from service.workers import launch, protocol, restarts, results
+from service.workers import launch, protocol, restarts, results, streams
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
+from service.workers.streams import StreamRequest
 from service.workers.watchdog import Watchdog
 
 log = logging.getLogger("paddlequic.worker")
@@ -88,10 +89,11 @@ class WorkerInstance:
         # Requests then fail at once instead of waiting for a restart that may never come.
         self.start_failure: str | None = None
         self._outputs = results.Outputs()
+        self.streams = streams.Streams()  # a decoupled model's requests in this worker
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self.streams)
 
     @property
     def numa_node(self) -> int:
@@ -187,18 +189,7 @@ class WorkerInstance:
         while True:
             if self.state is State.READY and self._writer is not None and not self._free.empty():
                 return self._free.get_nowait()
-            if self.state is State.STOPPED:
-                raise errors.unavailable(self._not_ready_message())
-            if not self._ready.is_set():
-                if self.start_failure is not None:
-                    raise errors.unavailable(
-                        f"{self._not_ready_message()}; its last restart failed: "
-                        f"{self.start_failure}"
-                    )
-                try:
-                    await asyncio.wait_for(self._attempted.wait(), READY_WAIT_S)
-                except TimeoutError:
-                    raise errors.unavailable(self._not_ready_message()) from None
+            if not await self._started():
                 continue
             slot = await _until(
                 self._free.get(), deadline, "deadline exceeded waiting for a worker"
@@ -206,6 +197,43 @@ class WorkerInstance:
             if self.state is State.READY and self._writer is not None:
                 return slot
             self._free.put_nowait(slot)
+
+    async def _started(self) -> bool:
+        """True if the worker is ready; else waits (bounded) for its current start attempt to
+        end and returns False (look again). UNAVAILABLE when it is stopped or cannot start."""
+        if self.state is State.STOPPED:
+            raise errors.unavailable(self._not_ready_message())
+        if self._ready.is_set():
+            return True
+        if self.start_failure is not None:
+            raise errors.unavailable(
+                f"{self._not_ready_message()}; its last restart failed: {self.start_failure}"
+            )
+        try:
+            await asyncio.wait_for(self._attempted.wait(), READY_WAIT_S)
+        except TimeoutError:
+            raise errors.unavailable(self._not_ready_message()) from None
+        return False
+
+    async def submit(self, job: InferJob, caller_id: str, parameters: str) -> StreamRequest:
+        """Start one request of a decoupled model; its responses come through the returned
+        handle (streams.py), which the caller closes when done with it."""
+        while not (await self._started() and self._writer is not None):
+            pass
+        refs, data = streams.inline(job)
+        request_id = next(self._ids)
+        request = StreamRequest(
+            request_id, self.spec.model_name, self._outputs, self._send, self.streams.forget
+        )
+        outputs = self._outputs.fetch_names(job.outputs)
+        self.streams.add(request)
+        self._send(protocol.Submit(request_id, refs, data, outputs, caller_id, parameters))
+        return request
+
+    def _send(self, message: protocol.Message) -> None:
+        """To the running worker; nothing once it is gone (its requests ended with it)."""
+        if self._writer is not None:
+            self._writer.write(protocol.encode(message))
 
     async def stop(self) -> None:
         self.state = State.STOPPED
@@ -228,6 +256,7 @@ class WorkerInstance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
         self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
+        self.streams.died("stopped (the server is shutting down)")
         for task in list(self._output_tasks):
             task.cancel()
         for slot in self._slots:
@@ -273,6 +302,8 @@ class WorkerInstance:
                     break
                 if isinstance(message, protocol.Result | protocol.Failed):
                     self._complete(message)
+                elif isinstance(message, protocol.Response):
+                    self.streams.deliver(message)
         except ConnectionError as exc:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
         except Exception as exc:
@@ -344,13 +375,14 @@ class WorkerInstance:
             self.spec.instance_name,
             self.pid,
             how,
-            len(self._pending),
+            len(self._pending) + len(self.streams),
         )
         message = (
             f"the worker process for model '{self.spec.model_name}' {how} while holding this "
             "request; it is being restarted"
         )
         self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+        self.streams.died(how)
         lived = time.monotonic() - self._started_at
         self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
         self._restart_task = asyncio.create_task(self._restart())

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from oip.datatypes import Datatype
 from service.batching.assemble import Batch
 from service.inference import errors
-from service.inference.jobs import InferResult
+from service.inference.jobs import InferResult, OutputTensor
 from service.workers import protocol
 from service.workers.slots import Slot
 
@@ -50,6 +50,24 @@ class Outputs:
             for view in views:
                 if isinstance(view.data, memoryview):
                     view.data.release()
+
+    def response(self, message: protocol.Response) -> tuple[OutputTensor, ...]:
+        """A decoupled response's outputs (any of the configured ones, each as declared);
+        INTERNAL naming what does not fit the config."""
+        outputs = []
+        for ref in message.outputs:
+            name = self._served_names.get(ref.name, ref.name)
+            datatype = self._datatypes.get(name)
+            if datatype is None:
+                raise errors.internal(
+                    f"the model sent output {errors.echoed(ref.name)!r}, which its config does "
+                    f"not declare; it declares {sorted(self._datatypes)}"
+                )
+            data = message.data[ref.offset : ref.offset + ref.nbytes]
+            if len(data) != ref.nbytes:
+                raise errors.internal(f"the model's output {name!r} lies outside its response")
+            outputs.append(OutputTensor(name, datatype, ref.shape, data))
+        return tuple(outputs)
 
 
 def failure(message: protocol.Failed, model_name: str) -> errors.ServiceError:

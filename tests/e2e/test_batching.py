@@ -3,14 +3,17 @@ request gets exactly its own rows back."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1.control_pb2 import ListInstancesRequest
 from tests.reference import output_names, run_reference
-from tests.servers import ServerProcess, gather_held
+from tests.servers import ServerProcess, gather_held, paused
 
 CLIENTS = 64
 
@@ -65,3 +68,40 @@ async def test_bad_values_fail_only_their_own_request_within_a_batch(server: Ser
         logits = output_names("text_classifier")[0]
         expected = run_reference("text_classifier", {"token_ids": x})[logits]
         np.testing.assert_allclose(parse_response(response)[logits], expected, rtol=1e-4, atol=1e-5)
+
+
+async def test_a_cancelled_request_still_queued_leaves_the_batch_queue(
+    server: ServerProcess,
+) -> None:
+    """With the worker held still, requests fill its slots, then queue; cancelling a queued
+    call takes it out of the queue at once (before the worker moves again)."""
+    (instance,) = server.instances("mlp")
+    x = np.zeros((1, 256), np.float32)
+
+    async def held(count: int) -> tuple[int, int]:
+        """(queued, in a worker) once the server holds `count` requests of mlp."""
+        for _ in range(3000):
+            listed = await asyncio.to_thread(
+                server.control.ListInstances, ListInstancesRequest(model_name="mlp"), timeout=10
+            )
+            (queue,) = listed.queues
+            if queue.queued + queue.in_flight == count:
+                return queue.queued, queue.in_flight
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the server never held {count} requests")
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        calls = []
+        with paused(instance.pid):
+            queued = 0
+            while queued == 0:  # one at a time: each fills a slot until none is left
+                calls.append(stub.ModelInfer(build_request("mlp", {"input": x}), timeout=60))
+                queued, _ = await held(len(calls))
+            victim = stub.ModelInfer(build_request("mlp", {"input": x}), timeout=60)
+            assert await held(len(calls) + 1) == (queued + 1, len(calls) - queued)
+            victim.cancel()
+            assert await held(len(calls)) == (queued, len(calls) - queued)
+        for call in calls:
+            await call
+    assert victim.cancelled()

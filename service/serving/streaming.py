@@ -1,0 +1,126 @@
+"""The request path of a decoupled model: a request goes through its version's breaker (there is
+no fallback: another model would not answer the same stream of responses), waits for one of the
+version's places (batching/concurrency.py), runs in one instance (the least busy ready one) and
+yields its responses as the caller takes them. Closing the iterator (the caller went away)
+cancels the request in the model; a worker that dies before the request's first response runs
+it again elsewhere."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncGenerator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import grpc
+
+from service.batching.batcher import CRASHES_TO_POISON
+from service.inference import errors
+from service.inference.errors import WorkerDied
+from service.inference.jobs import InferJob, StreamAnswer, Timings
+from service.registry.versions import ServedVersion
+from service.resilience.breaker import BreakerState
+from service.serving.circuit import open_circuit
+from service.workers import routing
+from service.workers.instance import State, WorkerInstance
+
+
+class StreamObserver(Protocol):
+    """Told what only the streaming path sees (metrics and tracing live elsewhere)."""
+
+    def on_generation(self, model: str, delta: int) -> None: ...
+
+    def on_stream_response(self, model: str, seconds: float, first: bool) -> None: ...
+
+    def generation_span(self, model: str) -> AbstractContextManager[Any]: ...
+
+
+async def responses(
+    served: ServedVersion,
+    job: InferJob,
+    caller_id: str,
+    parameters: str,
+    deadline: float | None,
+    observer: StreamObserver,
+) -> AsyncGenerator[StreamAnswer, None]:
+    """The request's responses, the last one final; ServiceError ends it otherwise. The
+    caller closes the iterator (contextlib.aclosing) when it stops early."""
+    breaker = served.breaker
+    failure = served.start_failure()
+    if failure is not None and breaker.state is BreakerState.CLOSED:
+        breaker.trip()
+    admission = breaker.admit()
+    if admission is None:
+        raise open_circuit(served, failure)
+    assert served.generations is not None
+    code: grpc.StatusCode | None = None
+    started = time.perf_counter_ns()
+    served.active += 1  # before any await: a swap cannot retire it under this request
+    count = 0
+    try:
+        with observer.generation_span(served.name) as span:
+            async with served.generations.held(deadline):
+                queue_ns = time.perf_counter_ns() - started
+                observer.on_generation(served.name, 1)
+                try:
+                    last = time.perf_counter_ns()
+                    async for answer in _attempts(served, job, caller_id, parameters, deadline):
+                        if answer.outputs:
+                            now = time.perf_counter_ns()
+                            observer.on_stream_response(served.name, (now - last) / 1e9, not count)
+                            last, count = now, count + 1
+                        yield answer
+                finally:
+                    observer.on_generation(served.name, -1)
+                    if span is not None:
+                        span.set_attribute("paddlequic.responses", count)
+    except errors.ServiceError as exc:
+        code = exc.code
+        served.stats.record_failure(time.perf_counter_ns() - started)
+        raise
+    except BaseException:
+        code = grpc.StatusCode.CANCELLED
+        served.stats.record_failure(time.perf_counter_ns() - started)
+        raise
+    else:
+        elapsed = time.perf_counter_ns() - started
+        served.stats.record_success(job.rows, elapsed, queue_ns, Timings(0, 0, 0))
+    finally:
+        served.active -= 1
+        breaker.record(admission, code)
+
+
+async def _attempts(
+    served: ServedVersion, job: InferJob, caller_id: str, parameters: str, deadline: float | None
+) -> AsyncGenerator[StreamAnswer, None]:
+    """Run the request in one instance; again in another (or the restarted one) when its
+    worker died before any response, up to CRASHES_TO_POISON deaths."""
+    died: WorkerDied | None = None
+    for _ in range(CRASHES_TO_POISON):
+        instance = _pick(served)
+        request = await instance.submit(job, caller_id, parameters)
+        gap_s = instance.execution_timeout_s
+        try:
+            while (answer := await request.next(deadline, gap_s)) is not None:
+                yield answer
+            return
+        except WorkerDied as exc:
+            died = exc
+        finally:
+            request.close()
+    assert died is not None
+    raise errors.internal(
+        f"suspected poison input: the workers of model '{served.name}' died "
+        f"{CRASHES_TO_POISON} times running this request before its first response "
+        f"({died.message})"
+    )
+
+
+_random = random.Random(0)
+
+
+def _pick(served: ServedVersion) -> WorkerInstance:
+    instances = served.instances
+    ready = [i for i in instances if i.state is State.READY] or instances
+    return routing.choose(ready, served.local_numa, _random)

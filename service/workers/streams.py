@@ -1,0 +1,210 @@
+"""The front-end's side of the decoupled requests one worker holds (protocol.Submit): each
+request's responses wait until its caller takes them, at most RESPONSE_WINDOW of them (the
+worker's credit: a worker that sends more broke the protocol), a Credit goes back for each one
+taken, a Cancel when the caller goes away, and the worker's death ends each request the way its
+caller can act on: one that had no response yet may run again (WorkerDied), one that had some
+fails UNAVAILABLE saying how many were delivered.
+
+`ResponseLine` is the pure bookkeeping; `StreamRequest` drives it on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from service.inference import errors
+from service.inference.errors import WorkerDied
+from service.inference.jobs import InferJob, StreamAnswer
+from service.inference.timers import fail_at
+from service.workers import protocol
+from service.workers.results import Outputs
+
+
+def inline(job: InferJob) -> tuple[tuple[protocol.TensorRef, ...], bytes]:
+    """A request's inputs as a Submit carries them: one buffer, and where each lies in it."""
+    refs, offset = [], 0
+    for tensor in job.inputs:
+        nbytes = len(tensor.data)
+        refs.append(
+            protocol.TensorRef(tensor.name, tensor.datatype.numpy.str, tensor.shape, offset, nbytes)
+        )
+        offset += nbytes
+    return tuple(refs), b"".join(tensor.data for tensor in job.inputs)
+
+
+class CreditExceeded(Exception):
+    """The worker sent a request more responses than it had credit for."""
+
+
+class ResponseLine:
+    """One request's responses between the worker and the caller."""
+
+    def __init__(self, window: int = protocol.RESPONSE_WINDOW) -> None:
+        self.window = window
+        self._waiting: deque[protocol.Response] = deque()
+        self.received = 0
+        self.taken = 0
+        self.final_received = False
+
+    def push(self, response: protocol.Response) -> None:
+        """A response from the worker; CreditExceeded when the worker had no credit left, or
+        the request had ended."""
+        if self.final_received:
+            raise CreditExceeded(f"a response after the final one of request {response.request_id}")
+        # A final response needs no credit (a flags-only final must get through a full window).
+        if len(self._waiting) >= self.window and not response.final:
+            raise CreditExceeded(
+                f"more than {self.window} responses of request {response.request_id} not taken"
+            )
+        self._waiting.append(response)
+        self.received += 1
+        self.final_received = response.final
+
+    def take(self) -> protocol.Response | None:
+        """The oldest response the caller has not taken (credit for one more goes back)."""
+        if not self._waiting:
+            return None
+        self.taken += 1
+        return self._waiting.popleft()
+
+    @property
+    def finished(self) -> bool:
+        """The final response was received and taken."""
+        return self.final_received and not self._waiting
+
+
+class StreamRequest:
+    """One decoupled request in one worker, as its caller sees it."""
+
+    def __init__(
+        self,
+        request_id: int,
+        model: str,
+        outputs: Outputs,
+        send: Callable[[protocol.Message], None],
+        forget: Callable[[int], None],
+    ) -> None:
+        self.request_id = request_id
+        self.line = ResponseLine()
+        self._model = model
+        self._outputs = outputs
+        self._send = send
+        self._forget = forget
+        self._wake: asyncio.Future[None] | None = None
+        self._died: str | None = None  # how the worker ended, if it did
+        self._closed = False
+
+    def deliver(self, response: protocol.Response) -> None:
+        self.line.push(response)
+        self._wakeup()
+
+    def died(self, how: str) -> None:
+        self._died = how
+        self._wakeup()
+
+    def _wakeup(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def next(self, deadline: float | None, gap_s: float | None) -> StreamAnswer | None:
+        """The next response, None once the final one was taken. Raises DEADLINE_EXCEEDED at
+        `deadline`, INTERNAL when the model, with credit to send, sends nothing for `gap_s`
+        (execution_timeout_ms), and the worker's death as the docstring above says."""
+        loop = asyncio.get_running_loop()
+        while True:
+            response = self.line.take()
+            if response is not None:
+                if not response.final:
+                    self._send(protocol.Credit(self.request_id, 1))
+                return self._answer(response)
+            if self.line.final_received:
+                return None
+            if self._died is not None:
+                raise self._death()
+            self._wake = loop.create_future()
+            timers = [
+                fail_at(
+                    self._wake,
+                    deadline,
+                    lambda: errors.deadline_exceeded(
+                        f"the request's deadline passed after {self.line.taken} response(s)"
+                    ),
+                ),
+                fail_at(
+                    self._wake,
+                    None if gap_s is None else loop.time() + gap_s,
+                    lambda: errors.internal(
+                        f"model '{self._model}' sent no response for {gap_s:.1f} s "
+                        f"(execution_timeout_ms) after {self.line.taken} response(s); the "
+                        "request was cancelled"
+                    ),
+                ),
+            ]
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+                for timer in timers:
+                    if timer is not None:
+                        timer.cancel()
+
+    def _death(self) -> errors.ServiceError:
+        message = (
+            f"the worker process for model '{self._model}' {self._died} while running this request"
+        )
+        if self.line.received == 0:
+            return WorkerDied(f"{message}; it is being restarted", running=True)
+        return errors.unavailable(
+            f"{message}, after {self.line.taken} response(s) were delivered; the rest are lost"
+        )
+
+    def _answer(self, response: protocol.Response) -> StreamAnswer:
+        try:
+            outputs = self._outputs.response(response)
+        except errors.ServiceError as exc:
+            return StreamAnswer((), response.final, exc.message)
+        return StreamAnswer(outputs, response.final, response.error)
+
+    def close(self) -> None:
+        """The caller is done: a request the model has not finished is cancelled in it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._forget(self.request_id)
+        if not self.line.final_received and self._died is None:
+            self._send(protocol.Cancel(self.request_id))
+
+
+class Streams:
+    """The decoupled requests one worker holds."""
+
+    def __init__(self, on_response: Callable[[], None] | None = None) -> None:
+        self._requests: dict[int, StreamRequest] = {}
+        self.on_response = on_response  # each data response the model sent (metrics)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[StreamRequest]:
+        return iter(list(self._requests.values()))
+
+    def add(self, request: StreamRequest) -> None:
+        self._requests[request.request_id] = request
+
+    def forget(self, request_id: int) -> None:
+        self._requests.pop(request_id, None)
+
+    def deliver(self, response: protocol.Response) -> None:
+        """From the worker's socket; CreditExceeded ends the worker (a protocol breach). A
+        response of a request already closed (cancelled) is dropped."""
+        if response.outputs and response.error is None and self.on_response is not None:
+            self.on_response()
+        request = self._requests.get(response.request_id)
+        if request is not None:
+            request.deliver(response)
+
+    def died(self, how: str) -> None:
+        requests, self._requests = self._requests, {}
+        for request in requests.values():
+            request.died(how)

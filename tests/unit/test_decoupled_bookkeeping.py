@@ -1,0 +1,276 @@
+"""A decoupled model's server-side bookkeeping without worker processes: the wait line of its
+places (batching/concurrency.py), a request's responses between the worker and its caller
+(workers/streams.py), on an event loop with a virtual clock (deadlines and the response-gap
+bound fire after everything that could run first, however slow the machine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.protobuf import text_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oip.datatypes import BY_NAME
+from protos.inference import model_config_pb2 as mc
+from service.batching.concurrency import ConcurrencyLimit, LineFull, WaitLine
+from service.inference import errors
+from service.inference.errors import WorkerDied
+from service.model.decoupled import refusal
+from service.workers import protocol
+from service.workers.results import Outputs
+from service.workers.streams import CreditExceeded, ResponseLine, StreamRequest, Streams
+from tests.virtual_time import VirtualTimePolicy
+
+WINDOW = protocol.RESPONSE_WINDOW
+
+
+@pytest.fixture(scope="module")
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    return VirtualTimePolicy()
+
+
+# ---- the wait line: a model of it, and every sequence of arrivals, departures and ends ----
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["arrive", "leave", "finish"]), st.integers(0, 30)), max_size=60
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(limit=st.integers(1, 4), queued=st.integers(0, 4), ops=operations)
+def test_wait_line_runs_at_most_limit_and_starts_waiters_in_arrival_order(
+    limit: int, queued: int, ops: list[tuple[str, int]]
+) -> None:
+    line: WaitLine[int] = WaitLine(limit, queued)
+    running, tickets = 0, iter(range(10_000))
+    waiting: list[int] = []
+    for op, pick in ops:
+        if op == "arrive":
+            ticket = next(tickets)
+            full = running == limit and len(waiting) == queued
+            if full:
+                with pytest.raises(LineFull):
+                    line.arrive(ticket)
+                continue
+            if line.arrive(ticket):
+                assert running < limit and not waiting
+                running += 1
+            else:
+                waiting.append(ticket)
+        elif op == "leave" and waiting:
+            line.leave(waiting.pop(pick % len(waiting)))
+        elif op == "finish" and running:
+            started = line.finish()
+            if waiting:
+                assert started == waiting.pop(0)  # the place passes to the oldest waiter
+            else:
+                assert started is None
+                running -= 1
+        assert line.running == running <= limit
+        assert line.waiting == len(waiting) <= queued
+
+
+async def test_a_cancelled_waiter_leaves_the_line_at_once() -> None:
+    limit = ConcurrencyLimit(1, 2, "model 'm' version 1")
+    holder_in, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with limit.held(None):
+            holder_in.set()
+            await release.wait()
+
+    holder = asyncio.create_task(hold())
+    await holder_in.wait()
+    waiter = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    assert (limit.queued, limit.in_flight_requests) == (1, 1)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert limit.queued == 0  # before the holder ended
+    release.set()
+    await holder
+    assert (limit.queued, limit.in_flight_requests) == (0, 0)
+
+
+async def test_the_line_refuses_beyond_its_queue_naming_the_parameters() -> None:
+    limit = ConcurrencyLimit(1, 1, "model 'm' version 1")
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with limit.held(None):
+            await release.wait()
+
+    tasks = [asyncio.create_task(hold()) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(errors.ServiceError) as refused:
+        async with limit.held(None):
+            pass
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_concurrent_requests" in refused.value.message
+    assert "max_queued_requests" in refused.value.message
+    release.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_a_waiters_deadline_passes_and_its_place_goes_to_the_next() -> None:
+    loop = asyncio.get_running_loop()
+    limit = ConcurrencyLimit(1, 2, "model 'm' version 1")
+    release, order = asyncio.Event(), []
+
+    async def hold(name: str, deadline: float | None) -> None:
+        async with limit.held(deadline):
+            order.append(name)
+            await release.wait()
+
+    first = asyncio.create_task(hold("first", None))
+    await asyncio.sleep(0)
+    late = asyncio.create_task(hold("late", loop.time() + 10))
+    patient = asyncio.create_task(hold("patient", None))
+    with pytest.raises(errors.ServiceError) as expired:
+        await late
+    assert expired.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    release.set()
+    await asyncio.gather(first, patient)
+    assert order == ["first", "patient"]
+    assert (limit.queued, limit.in_flight_requests) == (0, 0)
+
+
+# ---- a request's responses ----
+
+
+def response(final: bool = False, request_id: int = 1) -> protocol.Response:
+    data = (7).to_bytes(4, "little")
+    return protocol.Response(
+        request_id, (protocol.TensorRef("index", "<i4", (1,), 0, 4),), data, final
+    )
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(taken=st.integers(0, 3 * WINDOW), extra=st.integers(1, 3))
+def test_a_worker_beyond_its_credit_breaks_the_protocol(taken: int, extra: int) -> None:
+    line = ResponseLine()
+    for _ in range(taken):
+        line.push(response())
+        assert line.take() is not None
+    for _ in range(WINDOW):
+        line.push(response())
+    with pytest.raises(CreditExceeded):
+        for _ in range(extra):
+            line.push(response())
+    line.push(response(final=True))  # a final needs no credit
+    with pytest.raises(CreditExceeded):
+        line.push(response())  # nothing after the final one
+
+
+class Worker:
+    """What a StreamRequest sends its worker, and the requests it forgot."""
+
+    def __init__(self) -> None:
+        self.sent: list[protocol.Message] = []
+        self.forgotten: list[int] = []
+
+    def request(self) -> StreamRequest:
+        outputs = Outputs()
+        outputs.declare({"index": BY_NAME["INT32"]}, {})
+        return StreamRequest(1, "m", outputs, self.sent.append, self.forgotten.append)
+
+
+async def test_each_response_taken_is_credited_and_closing_early_cancels() -> None:
+    worker = Worker()
+    request = worker.request()
+    for _ in range(3):
+        request.deliver(response())
+    answers = [await request.next(None, None) for _ in range(2)]
+    assert [a.outputs[0].data for a in answers if a is not None] == [(7).to_bytes(4, "little")] * 2
+    assert worker.sent == [protocol.Credit(1, 1)] * 2
+    request.close()
+    assert worker.sent[-1] == protocol.Cancel(1) and worker.forgotten == [1]
+
+
+async def test_a_finished_request_is_not_cancelled_nor_credited_for_its_final() -> None:
+    worker = Worker()
+    request = worker.request()
+    request.deliver(response(final=True))
+    answer = await request.next(None, None)
+    assert answer is not None and answer.final
+    assert await request.next(None, None) is None
+    request.close()
+    assert worker.sent == []
+
+
+async def test_worker_death_before_a_response_is_retryable_after_one_it_counts() -> None:
+    first = Worker().request()
+    first.died("was killed by signal 9")
+    with pytest.raises(WorkerDied):
+        await first.next(None, None)
+
+    second = Worker().request()
+    for _ in range(2):
+        second.deliver(response())
+    second.died("was killed by signal 9")
+    assert await second.next(None, None) is not None  # what came before the death is delivered
+    assert await second.next(None, None) is not None
+    with pytest.raises(errors.ServiceError) as lost:
+        await second.next(None, None)
+    assert not isinstance(lost.value, WorkerDied)
+    assert lost.value.code is grpc.StatusCode.UNAVAILABLE
+    assert "after 2 response(s) were delivered" in lost.value.message
+
+
+async def test_the_gap_between_responses_is_bounded_and_names_the_parameter() -> None:
+    request = Worker().request()
+    request.deliver(response())
+    assert await request.next(None, 30.0) is not None
+    with pytest.raises(errors.ServiceError) as gap:
+        await request.next(None, 30.0)
+    assert gap.value.code is grpc.StatusCode.INTERNAL
+    assert "execution_timeout_ms" in gap.value.message
+
+
+async def test_a_passed_deadline_ends_the_request() -> None:
+    request = Worker().request()
+    deadline = asyncio.get_running_loop().time() + 5
+    with pytest.raises(errors.ServiceError) as late:
+        await request.next(deadline, 30.0)
+    assert late.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_responses_of_closed_requests_are_counted_then_dropped() -> None:
+    counted = []
+    streams = Streams(lambda: counted.append(1))
+    worker = Worker()
+    request = worker.request()
+    streams.add(request)
+    streams.deliver(response())
+    request.close()
+    streams.forget(1)
+    streams.deliver(response())  # already cancelled: dropped, but the model did send it
+    assert len(counted) == 2 and len(streams) == 0
+
+
+# ---- what a decoupled config may say ----
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('backend: "python"', None),
+        ("", "a Paddle model cannot be decoupled"),
+        ('backend: "python" dynamic_batching { }', "remove dynamic_batching"),
+        ('backend: "python" model_warmup [ { name: "w" } ]', "model_warmup"),
+        (
+            'backend: "python" parameters { key: "fallback_model" value: { string_value: "x" } }',
+            "fallback_model",
+        ),
+    ],
+)
+def test_decoupled_configs_refused_with_their_reason(text: str, reason: str | None) -> None:
+    config = text_format.Parse(
+        f"name: 'm' {text} model_transaction_policy {{ decoupled: true }}", mc.ModelConfig()
+    )
+    found = refusal(config)
+    assert (found is None) if reason is None else (found is not None and reason in found)
