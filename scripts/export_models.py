@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -53,6 +54,11 @@ PIPELINES = {
     "label_postprocess": "sentiment/label_postprocess",
     "sentiment": "sentiment/sentiment",
 }
+# A decoupled Python model with its decoder LM exported into its version directory (the
+# Python sandbox lets model.py read its own model directory only).
+GENERATE = "generate"
+GENERATE_SOURCE = "generate/generate"
+LM_PROGRAMS = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,114 @@ class TwoTower(nn.Layer):
         u: paddle.Tensor = self.user_tower(user)
         score = (u * self.item_tower(item)).sum(axis=-1, keepdim=True)
         return u, score
+
+
+class DecoderBlock(nn.Layer):
+    """Pre-norm causal self-attention and MLP. `attend` takes this layer's queries, keys and
+    values ([batch, heads, time, head_dim]) and returns the attended values."""
+
+    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.qkv, self.proj = (
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 3 * dim),
+            nn.Linear(dim, dim),
+        )
+        self.norm2, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, ffn), nn.Linear(ffn, dim)
+
+    def qkv_heads(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        b, t, d = x.shape[0], x.shape[1], x.shape[2]
+        qkv = self.qkv(self.norm1(x)).reshape([b, t, 3, self.heads, d // self.heads])
+        qkv = qkv.transpose([2, 0, 3, 1, 4])
+        return qkv[0], qkv[1], qkv[2]
+
+    def finish(self, x: paddle.Tensor, attended: paddle.Tensor) -> paddle.Tensor:
+        b, t, d = x.shape[0], x.shape[1], x.shape[2]
+        x = x + self.proj(attended.transpose([0, 2, 1, 3]).reshape([b, t, d]))
+        out: paddle.Tensor = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+        return out
+
+
+def attention(
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, bias: paddle.Tensor
+) -> paddle.Tensor:
+    scores = (q @ k.transpose([0, 1, 3, 2])) * (1.0 / q.shape[-1] ** 0.5) + bias
+    out: paddle.Tensor = nn.functional.softmax(scores, axis=-1) @ v
+    return out
+
+
+class DecoderLM(nn.Layer):
+    """A GPT-style decoder-only language model (learned positions, pre-norm blocks) for the
+    `generate` example, exported as two programs that share its weights: `prefill` (one prompt,
+    all positions at once) and `decode` (one new token per sequence against a key/value cache
+    of fixed capacity `context`, so a step's shapes depend on the batch size only)."""
+
+    def __init__(
+        self,
+        vocab: int,
+        dim: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        ffn: int = 512,
+        context: int = 256,
+    ) -> None:
+        super().__init__()
+        self.context, self.heads, self.head_dim = context, heads, dim // heads
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.blocks = nn.LayerList([DecoderBlock(dim, heads, ffn) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+
+class Prefill(nn.Layer):
+    """token_ids [1, n] -> logits of the last position [1, vocab], and the prompt's keys and
+    values [1, layers, 2, heads, n, head_dim] for the cache."""
+
+    def __init__(self, lm: DecoderLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, token_ids: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        lm, t = self.lm, token_ids.shape[1]
+        x = lm.embed(token_ids) + lm.pos(paddle.arange(t, dtype="int64")).unsqueeze(0)
+        bias = (paddle.tril(paddle.ones([t, t], dtype="float32")) - 1.0) * 1e9
+        kv = []
+        for block in lm.blocks:
+            q, k, v = block.qkv_heads(x)
+            kv.append(paddle.stack([k, v], axis=1))  # [1, 2, heads, t, head_dim]
+            x = block.finish(x, attention(q, k, v, bias))
+        logits: paddle.Tensor = lm.head(lm.norm(x[:, -1, :]))
+        return logits, paddle.stack(kv, axis=1)
+
+
+class Decode(nn.Layer):
+    """token_ids [b, 1] at positions [b] (each sequence's length so far) with the cache
+    [b, layers, 2, heads, context, head_dim] (slots at and beyond a sequence's position are
+    masked out) -> logits [b, vocab] and the new token's keys and values
+    [b, layers, 2, heads, 1, head_dim]."""
+
+    def __init__(self, lm: DecoderLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, token_ids: paddle.Tensor, positions: paddle.Tensor, cache: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        lm = self.lm
+        x = lm.embed(token_ids) + lm.pos(positions).unsqueeze(1)
+        slots = paddle.arange(lm.context, dtype="int64").unsqueeze(0)
+        valid = (slots < positions.unsqueeze(1)).astype("float32")  # [b, context]
+        valid = paddle.concat([valid, paddle.ones_like(valid[:, :1])], axis=1)
+        bias = ((valid - 1.0) * 1e9).unsqueeze(1).unsqueeze(1)  # [b, 1, 1, context + 1]
+        kv = []
+        for index, block in enumerate(lm.blocks):
+            q, k, v = block.qkv_heads(x)
+            kv.append(paddle.stack([k, v], axis=1))
+            keys = paddle.concat([cache[:, index, 0], k], axis=2)
+            values = paddle.concat([cache[:, index, 1], v], axis=2)
+            x = block.finish(x, attention(q, keys, values, bias))
+        logits: paddle.Tensor = lm.head(lm.norm(x[:, -1, :]))
+        return logits, paddle.stack(kv, axis=1)
 
 
 def f32(name: str, *shape: int) -> TensorSpec:
@@ -263,8 +377,52 @@ def copy_example(name: str, out: Path) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def export_generate(out: Path, force: bool) -> bool:
+    """Copy the `generate` example and export its decoder LM into 1/lm/{prefill,decode},
+    atomically, unless it is there already with the same example files; whether it did."""
+    source, target = EXAMPLES / GENERATE_SOURCE, out / GENERATE
+    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    programs = [target / "1" / "lm" / name / PROGRAM_FILES[0] for name in LM_PROGRAMS]
+    if (
+        not force
+        and all(p.is_file() for p in programs)
+        and all(
+            (target / f).is_file() and (target / f).read_bytes() == (source / f).read_bytes()
+            for f in files
+        )
+    ):
+        return False
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{GENERATE}-", dir=out))
+    try:
+        shutil.copytree(source, tmp / GENERATE, ignore=shutil.ignore_patterns("__pycache__"))
+        vocab = len(json.loads((source / "1" / "vocab.json").read_text()))
+        seed = zlib.crc32(GENERATE.encode())
+        paddle.seed(seed)
+        np.random.seed(seed)
+        with paddle.utils.unique_name.guard():
+            lm = DecoderLM(vocab).eval()
+        heads, head_dim, layers = lm.heads, lm.head_dim, len(lm.blocks)
+        specs = {
+            "prefill": [paddle.static.InputSpec([1, None], "int64", "token_ids")],
+            "decode": [
+                paddle.static.InputSpec([None, 1], "int64", "token_ids"),
+                paddle.static.InputSpec([None], "int64", "positions"),
+                paddle.static.InputSpec(
+                    [None, layers, 2, heads, lm.context, head_dim], "float32", "cache"
+                ),
+            ],
+        }
+        for name, layer in (("prefill", Prefill(lm)), ("decode", Decode(lm))):
+            path = tmp / GENERATE / "1" / "lm" / name / "inference"
+            paddle.jit.save(layer.eval(), str(path), input_spec=specs[name])
+        _install(tmp / GENERATE, target)
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    names = [m.name for m in MODELS] + list(PIPELINES)
+    names = [m.name for m in MODELS] + list(PIPELINES) + [GENERATE]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True, help="model repository directory")
     parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=", ".join(names))
@@ -325,6 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         copied = copy_example(name, args.out)
         print(f"copying {name} ... {'done' if copied else 'skipped (up to date)'}", flush=True)
+    if args.legacy:
+        print(f"exporting {GENERATE} ... skipped (no legacy export)", flush=True)
+    elif not args.only or GENERATE in args.only:
+        print(f"exporting {GENERATE} ... ", end="", flush=True)
+        done = export_generate(args.out, args.force)
+        print("done" if done else "skipped (up to date)", flush=True)
     return 0
 
 
