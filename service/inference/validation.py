@@ -112,6 +112,12 @@ class RequestValidator:
             )
             for i in config.input
         }
+        # config.pbtxt's `optional: true` inputs may be left out (Triton's rule; the model then
+        # gets no tensor of that name), but only where requests are not batched together:
+        # the requests of one batch must carry the same inputs.
+        self.required = frozenset(
+            i.name for i in config.input if not (i.optional and config.max_batch_size == 0)
+        )
         self.outputs = tuple(o.name for o in config.output)
 
     def validate(self, request: pb.ModelInferRequest) -> InferJob:
@@ -168,8 +174,8 @@ class RequestValidator:
         return declared
 
     def _complete(self, seen: dict[str, _Contents]) -> tuple[_Contents, ...]:
-        if len(seen) != len(self.inputs):
-            missing = sorted(set(self.inputs) - set(seen))
+        missing = sorted(self.required - set(seen))
+        if missing:
             raise invalid(
                 f"model '{self.model}': missing input(s) {missing}; every input must be sent "
                 "with every request"

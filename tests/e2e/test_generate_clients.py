@@ -1,6 +1,6 @@
 """This project's clients on the `generate` example (a decoupled model: one response per token):
-the numpy client's `generate` and `stream_infer`, sync and async, on both transports; closing
-the iterator cancels the generation (the server's generated-token counter stops); `paddlequic
+the numpy client's `generate` and `stream_infer`, sync and async, on both transports; leaving
+the loop cancels the generation (the server's generated-token counter stops); `paddlequic
 generate`; `paddlequic perf --streaming`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,22 @@ from hypothesis import strategies as st
 
 from clients.generation import Chunk, generation_request
 from clients.inference_client import AsyncInferenceClient, InferenceClient
-from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from clients.streaming import StreamRequest
+from protos.inference import grpc_service_pb2 as pb
+from tests.reference import call_inputs
+from tests.servers import (
+    REPO_ROOT,
+    ServerProcess,
+    free_port,
+    model_repository,
+    paused,
+    running_server,
+)
 
 MODEL = "generate"
 PROMPT = "Once upon a time"
 MAX_TOKENS = 12
-LONG_MAX_TOKENS = 10_000  # far more than a cancelled generation may produce
+LONG_MAX_TOKENS = 200  # within the model's context (257 tokens with the prompt)
 TIMEOUT_S = 120.0
 SETTLE_LIMIT_S = 60.0
 PROPERTY = settings(derandomize=True, max_examples=3, deadline=None)
@@ -134,34 +144,64 @@ def test_generations_on_one_stream_each_get_their_own_tokens(
         assert text == text_of(generated(server, prompt))
 
 
+def wait_active(server: ServerProcess) -> None:
+    """Until the server runs a generation (bounded)."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while metric(server, "paddlequic_active_generations") < 1:
+        assert time.monotonic() < deadline, "the generation never started"
+        time.sleep(0.05)
+
+
+def failed_requests(server: ServerProcess) -> int:
+    request = pb.ModelStatisticsRequest(name=MODEL)
+    (stats,) = server.stub.ModelStatistics(request, timeout=10).model_stats
+    return int(stats.inference_stats.fail.count)
+
+
 @pytest.mark.parametrize("transport", ["h2", "h3"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_leaving_the_loop_cancels_the_generation(
     server: ServerProcess, certs_dir: Path, transport: str, mode: str
 ) -> None:
-    """After two tokens of a generation that asked for far more, the client stops reading and
-    closes the iterator: the model stops (its counter stops growing well short of the
-    request)."""
-    before = settled_tokens(server)
+    """A long generation and then an `mlp` request on one stream, while the generation
+    worker is stopped: the loop leaves at mlp's answer, with the generation held by the
+    server, and the worker resumes only after. The generation must end cancelled (a failure
+    in the model's statistics), its token counter stopping far short of what it asked for."""
+    (instance,) = server.instances(MODEL)
+    before, failures = settled_tokens(server), failed_requests(server)
+    long = generation_request(MODEL, PROMPT, LONG_MAX_TOKENS, request_id="long")
+    other = StreamRequest("mlp", call_inputs("mlp", 0), request_id="mlp")
     args = arguments(server, certs_dir, transport)
-    if mode == "sync":
-        with InferenceClient(**args) as client:
-            chunks = client.generate(MODEL, PROMPT, LONG_MAX_TOKENS, timeout=TIMEOUT_S)
-            assert [next(chunks).finish_reason, next(chunks).finish_reason] == [None, None]
-            chunks.close()
-    else:
+    with paused(instance.pid):
+        if mode == "sync":
 
-        async def run() -> None:
-            async with AsyncInferenceClient(**args) as client:
-                stream = client.generate(MODEL, PROMPT, LONG_MAX_TOKENS, timeout=TIMEOUT_S)
-                assert (await anext(stream)).finish_reason is None
-                assert (await anext(stream)).finish_reason is None
-                await stream.aclose()
+            def produced() -> Iterator[StreamRequest]:
+                yield long
+                wait_active(server)
+                yield other
 
-        asyncio.run(run())
+            with InferenceClient(**args) as client:
+                for response in client.stream_infer(produced(), timeout=TIMEOUT_S):
+                    assert response.request_id == "mlp"
+                    break
+        else:
+
+            async def run() -> None:
+                async def produced() -> AsyncIterator[StreamRequest]:
+                    yield long
+                    await asyncio.to_thread(wait_active, server)
+                    yield other
+
+                async with AsyncInferenceClient(**args) as client:
+                    async for response in client.stream_infer(produced(), timeout=TIMEOUT_S):
+                        assert response.request_id == "mlp"
+                        break
+
+            asyncio.run(run())
     after = settled_tokens(server)
-    assert 2 <= after - before < LONG_MAX_TOKENS / 10
+    assert after - before < LONG_MAX_TOKENS / 2
     assert settled_tokens(server) == after
+    assert failed_requests(server) == failures + 1
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
