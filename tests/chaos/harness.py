@@ -103,7 +103,8 @@ class Scale:
     gzip_bombs: int  # per transport
     malformed: int  # unparsable requests per transport
     generation_storm: int  # generations cancelled after their first token, per transport
-    never_reading: int  # never-read generations per transport
+    never_reading: int  # never-read generation streams per transport
+    never_read_generations: int  # generations each of those streams starts
     generation_kills: int  # generation worker kills, each with a generation per transport
     attack_limit_s: float
 
@@ -132,7 +133,8 @@ SHORT = Scale(
     gzip_bombs=2,
     malformed=500,
     generation_storm=16,
-    never_reading=2,
+    never_reading=1,
+    never_read_generations=16,
     generation_kills=1,
     attack_limit_s=60.0,
 )
@@ -161,7 +163,8 @@ FULL = Scale(
     gzip_bombs=10,
     malformed=5000,
     generation_storm=400,
-    never_reading=16,
+    never_reading=4,
+    never_read_generations=64,
     generation_kills=3,
     attack_limit_s=240.0,
 )
