@@ -134,7 +134,7 @@ SHORT = Scale(
     malformed=500,
     generation_storm=16,
     never_reading=1,
-    never_read_generations=16,
+    never_read_generations=8,
     generation_kills=1,
     attack_limit_s=60.0,
 )

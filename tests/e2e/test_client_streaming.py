@@ -22,7 +22,7 @@ from tests.servers import ServerProcess, model_repository, running_server
 
 MODEL = "mlp"
 OUTPUT = output_names(MODEL)[0]
-PROPERTY = settings(derandomize=True, max_examples=4, deadline=None)
+PROPERTY = settings(derandomize=True, max_examples=3, deadline=None)
 TIMEOUT_S = 60.0
 
 
