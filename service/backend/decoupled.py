@@ -1,11 +1,15 @@
 """A decoupled Python model's requests in its worker: one ResponseFlow each, from the moment
 the request arrives (so a Cancel or a Credit finds it at once) until its final response, and
-execute() called on one request at a time. What execute() does wrong fails that request with
+execute() called on one request at a time (an `async def execute` runs on an event loop of its
+own, as Triton runs it). What execute() does wrong fails that request with
 Triton's messages; the worker and the other requests go on."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,6 +28,7 @@ class DecoupledRequests:
         self._model = model
         self._window = window
         self._flows: dict[int, ResponseFlow] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
 
     def admit(self, request_id: int, caller_id: str, outputs: tuple[str, ...]) -> None:
         def check(response: pb_utils.InferenceResponse) -> dict[str, np.ndarray[Any, Any]]:
@@ -53,17 +58,43 @@ class DecoupledRequests:
         try:
             returned = self._model.execute([request])
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
+            self._fail(flow, f"{type(exc).__name__}: {exc}")
+            return
+        if asyncio.iscoroutine(returned):
+            self._in_background(returned, flow)
         else:
-            if returned is None:
-                return
+            self._returned(returned, flow)
+
+    def _in_background(self, coroutine: Coroutine[Any, Any, Any], flow: ResponseFlow) -> None:
+        """`async def execute`: as in Triton, on one event loop of the instance's, so the next
+        request starts while this one awaits."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="async", daemon=True).start()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        future.add_done_callback(lambda done: self._settled(done, flow))
+
+    def _settled(self, done: concurrent.futures.Future[Any], flow: ResponseFlow) -> None:
+        try:
+            returned = done.result()
+        except Exception as exc:
+            self._fail(flow, f"{type(exc).__name__}: {exc}")
+        else:
+            self._returned(returned, flow)
+
+    def _returned(self, returned: Any, flow: ResponseFlow) -> None:
+        if returned is not None:
             reason = (
                 f"Python model '{self._model.name}' is using the decoupled mode and the "
                 "execute function must return None."
             )
-        flow.fail(
-            f"Failed to process the request(s) for model '{self._model.name}', message: {reason}"
-        )
+            self._fail(flow, reason)
+
+    def fail(self, request_id: int, reason: str) -> None:
+        """The request cannot run (its Submit is unreadable)."""
+        flow = self._flows.get(request_id)
+        if flow is not None:
+            self._fail(flow, reason)
 
     def credit(self, request_id: int, count: int) -> None:
         flow = self._flows.get(request_id)
@@ -80,6 +111,12 @@ class DecoupledRequests:
         for flow in self._flows.copy().values():
             flow.stop()
         self.outbox.close()
+
+    def _fail(self, flow: ResponseFlow, reason: str) -> None:
+        """Triton's message for a request whose execute() failed."""
+        flow.fail(
+            f"Failed to process the request(s) for model '{self._model.name}', message: {reason}"
+        )
 
     def _ended(self, request_id: int) -> None:
         self._flows.pop(request_id, None)

@@ -13,6 +13,7 @@ import queue
 import socket
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -31,8 +32,8 @@ def serve_decoupled(
     get nothing more."""
     requests = DecoupledRequests(model, protocol.RESPONSE_WINDOW)
     submits: queue.SimpleQueue[protocol.Submit | None] = queue.SimpleQueue()
-    runner = threading.Thread(target=_run, args=(requests, submits), name="execute", daemon=True)
-    writer = threading.Thread(target=_write, args=(requests, sock), name="write", daemon=True)
+    runner = _thread("execute", lambda: _run(requests, submits))
+    writer = _thread("write", lambda: _write(requests, sock))
     runner.start()
     writer.start()
     while True:
@@ -56,11 +57,30 @@ def serve_decoupled(
     os._exit(0)
 
 
+def _thread(name: str, target: Callable[[], None]) -> threading.Thread:
+    """A thread whose failure (a bug here, not the model's: its errors fail its requests)
+    ends the worker, which the server sees and replaces, rather than leaving it deaf."""
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+    return threading.Thread(target=run, name=name, daemon=True)
+
+
 def _run(requests: DecoupledRequests, submits: queue.SimpleQueue[protocol.Submit | None]) -> None:
     while (msg := submits.get()) is not None:
-        inputs = {ref.name: input_array(msg.data, ref) for ref in msg.inputs}
+        try:
+            inputs = {ref.name: input_array(msg.data, ref) for ref in msg.inputs}
+        except (ValueError, TypeError) as exc:
+            requests.fail(msg.request_id, f"its inputs cannot be read ({exc})")
+            continue
         requests.execute(msg.request_id, inputs, msg.outputs, msg.id, msg.parameters)
-        del inputs, msg  # the model's arrays (views of the Submit's bytes) go with it
+        del inputs, msg  # the model's arrays (views of the Submit's bytes) go with them
 
 
 def _write(requests: DecoupledRequests, sock: socket.socket) -> None:
@@ -74,7 +94,7 @@ def response_message(reply: Reply) -> protocol.Response:
     for name, array in reply.outputs.items():
         dtype, data = wire_form(array)
         refs.append(protocol.TensorRef(name, dtype, array.shape, offset, data.nbytes))
-        chunks.append(data)
+        chunks.append(data.data)
         offset += data.nbytes
     return protocol.Response(
         reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error

@@ -33,6 +33,44 @@ WINDOW = protocol.RESPONSE_WINDOW
 # Bounds each wait for the worker, so a broken worker fails the test instead of hanging it.
 TIMEOUT_S = 60.0
 PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+# Triton's `async def execute` for decoupled models, on the fixture's config: `wait` answers
+# once, then awaits until a later `wake` request (on the same event loop) lets it finish.
+ASYNC_MODEL = """
+import asyncio
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def index(i):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("index", np.array([i], np.int32))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.waiting = {}
+
+    async def execute(self, requests):
+        for request in requests:
+            (tag,) = pb_utils.get_input_tensor_by_name(request, "tag").as_numpy().tolist()
+            params = json.loads(request.parameters())
+            sender = request.get_response_sender()
+            if params["mode"] == "wait":
+                self.waiting[tag.decode()] = woken = asyncio.Event()
+                sender.send(index(0))
+                await woken.wait()
+                sender.send(index(1), FINAL)
+            elif params["mode"] == "wake":
+                self.waiting.pop(params["of"]).set()
+                sender.send(flags=FINAL)
+            elif params["mode"] == "raise":
+                await asyncio.sleep(0)
+                raise ValueError("refused after an await")
+            elif params["mode"] == "return_list":
+                return [index(0)]
+"""
 CLOSED = f"TritonModelException: {pb_utils.SENDER_CLOSED}"
 T = TypeVar("T")
 
@@ -41,9 +79,11 @@ class Worker:
     """A real worker process and the server's end of its socket, run on an event loop of its
     own (a thread) so that synchronous tests and hypothesis can drive it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model_py: str | None = None) -> None:
         version = root / "decoupled" / "1"
         shutil.copytree(FIXTURE, root / "decoupled")
+        if model_py is not None:
+            (version / "model.py").write_text(model_py)
         config = text_format.Parse(
             (root / "decoupled" / "config.pbtxt").read_text(), mc.ModelConfig()
         )
@@ -69,7 +109,11 @@ class Worker:
         return await launch.load(self.spec, self._reader, self._writer, spawned.process)
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(TIMEOUT_S)
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(TIMEOUT_S)
+        finally:
+            future.cancel()
 
     def send(self, message: protocol.Message) -> None:
         async def write() -> None:
@@ -91,9 +135,9 @@ class Worker:
             dtype, raw = wire_form(array)
             refs.append(protocol.TensorRef(name, dtype, array.shape, len(data), raw.nbytes))
             data += raw.tobytes()
-        parameters = json.dumps({"mode": mode, **parameters})
+        text = json.dumps({"mode": mode, **parameters})
         outputs = ("index", "report")
-        self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, parameters))
+        self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, text))
         self._pending[request_id] = []
         return request_id
 
@@ -148,8 +192,9 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 def credited(worker: Worker, request_id: int) -> list[protocol.Response]:
-    """Every response of the request, each credited as it is taken (as the server does)."""
-    got: list[protocol.Response] = []
+    """Every response of the request, each credited as it is taken, as the server does (those
+    taken before were credited by the caller)."""
+    got = worker._pending[request_id]
     while not got or not got[-1].final:
         got = worker.responses(request_id, len(got) + 1)
         worker.send(protocol.Credit(request_id, 1))
@@ -179,7 +224,7 @@ def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker
 def test_responses_of_two_requests_interleave(worker: Worker) -> None:
     first = worker.submit("turns", 3, parity=0)
     second = worker.submit("turns", 3, parity=1)
-    order = []
+    order: list[tuple[int, int]] = []
     while len(order) < 6:
         message = worker._read()
         assert isinstance(message, protocol.Response)
@@ -201,9 +246,9 @@ def test_without_credit_no_more_than_the_window_goes_out(
     """Each Credit lets exactly that many more responses (the final one included) out; the
     model's send() waits meanwhile and writable() says so."""
     request = worker.submit("repeat_then_flags", count)
-    total, allowed = count + 1, WINDOW
-    for credit in [*credits, total]:
-        expected = min(total, allowed)
+    total, taken = count + 1, 0
+    for credit in credits:
+        expected = min(total, WINDOW + taken)
         worker.responses(request, expected)
         if expected < total:
             report = worker.report(request, at_least=min(expected, count))
@@ -211,9 +256,11 @@ def test_without_credit_no_more_than_the_window_goes_out(
             if expected < count:  # (the final send() closes the sender: it would raise)
                 assert report["writable"] is False
             assert len(worker._pending[request]) == expected
+        credit = min(credit, expected - taken)  # the server credits only what it took
         worker.send(protocol.Credit(request, credit))
-        allowed += credit
-    got = worker.until_final(request)
+        taken += credit
+    worker.send(protocol.Credit(request, len(worker._pending[request]) - taken))
+    got = credited(worker, request)
     assert indices(got) == list(range(count)) and len(got) == total
 
 
@@ -326,3 +373,20 @@ def test_shutdown_finalizes_and_open_requests_get_nothing_more(
         assert worker.stop() == []
     assert "model decoupled: finalize: 1 senders held" in caplog.text
     assert len(worker._pending[blocked]) == WINDOW and worker._pending[held] == []
+
+
+def test_async_execute_runs_on_an_event_loop_requests_overlapping(tmp_path: Path) -> None:
+    worker = Worker(tmp_path, ASYNC_MODEL)
+    waiting = worker.submit("wait")
+    assert indices(worker.responses(waiting, 1)) == [0]
+    woken = worker.submit("wake", of=f"r{waiting}")
+    assert [(r.final, r.error) for r in worker.until_final(woken)] == [(True, None)]
+    rest = worker.until_final(waiting)[1:]
+    assert (indices(rest), rest[-1].final, rest[-1].error) == ([1], True, None)
+    (failed,) = worker.until_final(worker.submit("raise"))
+    assert (
+        failed.error is not None and "message: ValueError: refused after an await" in failed.error
+    )
+    (failed,) = worker.until_final(worker.submit("return_list"))
+    assert failed.error is not None and "execute function must return None." in failed.error
+    assert worker.stop() == []
