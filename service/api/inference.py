@@ -276,8 +276,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if response is not None:
                     _mark_final(response, answer.final)
                 await put((response, answer.final))
-                if answer.final:
-                    return
 
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: float | None

@@ -146,14 +146,15 @@ class Observer:
             metrics.child(histogram, model).observe(seconds)
 
     @contextlib.contextmanager
-    def generation_span(self, model: str) -> Iterator[trace.Span | None]:
+    def generation_span(self, model: str, request_id: str) -> Iterator[trace.Span | None]:
         """A span per decoupled request, a child of the RPC's (a stream carries many); the
         caller sets its response count. Not made current: the request's generator resumes
         on every response."""
         if self.tracer is None or not trace.get_current_span().is_recording():
             yield None
             return
-        span = self.tracer.start_span("generate", attributes={"paddlequic.model": model})
+        attributes = {"paddlequic.model": model, "paddlequic.request_id": request_id}
+        span = self.tracer.start_span("generate", attributes=attributes)
         try:
             yield span
         finally:

@@ -33,7 +33,7 @@ class StreamObserver(Protocol):
 
     def on_stream_response(self, model: str, seconds: float, first: bool) -> None: ...
 
-    def generation_span(self, model: str) -> AbstractContextManager[Any]: ...
+    def generation_span(self, model: str, request_id: str) -> AbstractContextManager[Any]: ...
 
 
 async def responses(
@@ -57,9 +57,9 @@ async def responses(
     code: grpc.StatusCode | None = None
     started = time.perf_counter_ns()
     served.active += 1  # before any await: a swap cannot retire it under this request
-    count = 0
+    count, finished = 0, False
     try:
-        with observer.generation_span(served.name) as span:
+        with observer.generation_span(served.name, caller_id) as span:
             async with served.generations.held(deadline):
                 queue_ns = time.perf_counter_ns() - started
                 observer.on_generation(served.name, 1)
@@ -70,6 +70,7 @@ async def responses(
                             now = time.perf_counter_ns()
                             observer.on_stream_response(served.name, (now - last) / 1e9, not count)
                             last, count = now, count + 1
+                        finished = answer.final
                         yield answer
                 finally:
                     observer.on_generation(served.name, -1)
@@ -80,15 +81,23 @@ async def responses(
         served.stats.record_failure(time.perf_counter_ns() - started)
         raise
     except BaseException:
-        code = grpc.StatusCode.CANCELLED
-        served.stats.record_failure(time.perf_counter_ns() - started)
+        # Closed by its caller: after the final response that is the end of a success.
+        if not finished:
+            code = grpc.StatusCode.CANCELLED
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            raise
+        _succeeded(served, job, started, queue_ns)
         raise
     else:
-        elapsed = time.perf_counter_ns() - started
-        served.stats.record_success(job.rows, elapsed, queue_ns, Timings(0, 0, 0))
+        _succeeded(served, job, started, queue_ns)
     finally:
         served.active -= 1
         breaker.record(admission, code)
+
+
+def _succeeded(served: ServedVersion, job: InferJob, started: int, queue_ns: int) -> None:
+    elapsed = time.perf_counter_ns() - started
+    served.stats.record_success(job.rows, elapsed, queue_ns, Timings(0, 0, 0))
 
 
 async def _attempts(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -55,7 +56,7 @@ def decoupled_repository(target: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("decoupled")
-    args = ["--certs-dir", str(certs_dir)]
+    args = ["--certs-dir", str(certs_dir), "--trace-console"]
     with running_server(decoupled_repository(root / "models"), root / "server.log", args) as s:
         yield s
 
@@ -339,6 +340,42 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+async def test_each_request_gets_a_span_with_its_response_count(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    request_id = f"span-{transport}"
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(repeat(4, request_id))
+        await call.write(repeat(2, f"{request_id}-other"))
+        await call.done_writing()
+        assert len(await read_all(call)) == 6
+
+    def spans() -> list[dict[str, Any]]:
+        lines = server.log_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def generate_span() -> dict[str, Any] | None:
+        return next(
+            (
+                s
+                for s in spans()
+                if s.get("name") == "generate"
+                and s["attributes"].get("paddlequic.request_id") == request_id
+            ),
+            None,
+        )
+
+    async def written() -> bool:
+        return generate_span() is not None
+
+    await eventually(written, "the request's span was written")
+    span = generate_span()
+    assert span is not None and span["attributes"]["paddlequic.responses"] == 4
+    (parent,) = [s for s in spans() if s.get("context", {}).get("span_id") == span["parent_id"]]
+    assert parent["attributes"]["rpc.method"] == "ModelStreamInfer"
+
+
 # ---- the worker dies ----
 
 
@@ -438,7 +475,7 @@ async def test_metrics_count_responses_exactly(
 async def assert_counted(server: ServerProcess, transport: str, certs_dir: Path) -> None:
     """One request of 6 responses: 6 tokens, one first-token time, 5 gaps, none active."""
     await quiet_count(server)
-    before = scrape(server)
+    before, counted = scrape(server), statistics(server)
     async with channel_to(server, transport, certs_dir) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
         await call.write(repeat(6, "counted"))
@@ -453,6 +490,14 @@ async def assert_counted(server: ServerProcess, transport: str, certs_dir: Path)
     assert grew("paddlequic_time_to_first_token_seconds_count") == 1
     assert grew("paddlequic_inter_token_seconds_count") == 5
     assert after[("paddlequic_active_generations", "")] == 0
+    assert statistics(server) == (counted[0] + 1, counted[1])  # one success, no failure
+
+
+def statistics(server: ServerProcess) -> tuple[int, int]:
+    """MODEL's (successful, failed) requests in ModelStatistics."""
+    stats = server.stub.ModelStatistics(pb.ModelStatisticsRequest(name=MODEL), timeout=10)
+    inference = stats.model_stats[0].inference_stats
+    return inference.success.count, inference.fail.count
 
 
 async def test_through_two_frontends(tmp_path: Path, transport: str, certs_dir: Path) -> None:

@@ -19,6 +19,7 @@ from service.batching.concurrency import ConcurrencyLimit, LineFull, WaitLine
 from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.model.decoupled import refusal
+from service.resilience.fallback import incompatibility
 from service.workers import protocol
 from service.workers.results import Outputs
 from service.workers.streams import CreditExceeded, ResponseLine, StreamRequest, Streams
@@ -274,3 +275,13 @@ def test_decoupled_configs_refused_with_their_reason(text: str, reason: str | No
     )
     found = refusal(config)
     assert (found is None) if reason is None else (found is not None and reason in found)
+
+
+def test_a_decoupled_model_cannot_stand_in_as_a_fallback() -> None:
+    primary = text_format.Parse("name: 'p' max_batch_size: 0", mc.ModelConfig())
+    fallback = text_format.Parse(
+        "name: 'f' max_batch_size: 0 model_transaction_policy { decoupled: true }",
+        mc.ModelConfig(),
+    )
+    reason = incompatibility(primary, fallback)
+    assert reason is not None and "decoupled" in reason
