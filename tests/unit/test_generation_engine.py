@@ -17,13 +17,18 @@ from hypothesis import strategies as st
 
 from service.backend.generation.decoder import PaddleDecoder
 from service.backend.generation.engine import (
+    DEFAULT_LIMITS,
     FINAL,
+    MAX_BATCH,
+    MODE,
     TOKEN_BUDGET,
     GenerationEngine,
     StepRecord,
+    limits_from,
 )
 from service.backend.generation.planner import Mode, StepLimits
 from service.backend.generation.tokenizer import CharTokenizer
+from service.model.parameters import ParameterError
 from tests.servers import EXAMPLE_MODELS
 
 MODEL = EXAMPLE_MODELS / "generate" / "1"
@@ -322,3 +327,25 @@ def test_a_request_the_engine_cannot_run_is_refused_when_submitted(
         with pytest.raises(ValueError, match="max_tokens"):
             engine.submit(Recorder(), [5], 0)
         assert steps.records == []
+
+
+@pytest.mark.parametrize(
+    ("parameters", "named"),
+    [
+        ({MAX_BATCH: "0"}, MAX_BATCH),
+        ({MAX_BATCH: "many"}, MAX_BATCH),
+        ({TOKEN_BUDGET: "-1"}, TOKEN_BUDGET),
+        ({MAX_BATCH: "8", TOKEN_BUDGET: "7"}, TOKEN_BUDGET),
+        ({MODE: "orca"}, MODE),
+    ],
+)
+def test_a_bad_engine_parameter_is_refused_by_name(parameters: dict[str, str], named: str) -> None:
+    with pytest.raises(ParameterError, match=named):
+        limits_from(parameters)
+
+
+def test_engine_parameters_default_to_iteration_level_batching() -> None:
+    assert limits_from({}) == DEFAULT_LIMITS
+    assert limits_from({MAX_BATCH: "4", TOKEN_BUDGET: "4", MODE: "request"}) == StepLimits(
+        4, 4, "request"
+    )

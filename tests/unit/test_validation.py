@@ -194,26 +194,6 @@ def test_missing_input() -> None:
     assert "missing input(s) ['half']" in refusal(MIXED, request)
 
 
-@pytest.mark.parametrize("max_batch_size", [0, 4])
-def test_optional_inputs_may_be_left_out_unless_requests_batch(max_batch_size: int) -> None:
-    """Triton's `optional: true`: a model that does not batch gets the request without it; a
-    batching one still needs every input (one batch's requests carry the same inputs)."""
-    config = mc.ModelConfig(name="opt", max_batch_size=max_batch_size)
-    config.input.add(name="text", data_type=mc.TYPE_UINT8, dims=[4])
-    config.input.add(name="seed", data_type=mc.TYPE_INT64, dims=[1], optional=True)
-    config.output.add(name="out", data_type=mc.TYPE_FP32, dims=[1])
-    batch = (1,) if max_batch_size else ()
-    request = raw_request("opt", [("text", "UINT8", (*batch, 4))])
-    if max_batch_size:
-        assert "missing input(s) ['seed']" in refusal(config, request)
-    else:
-        job = RequestValidator(config).validate(request)
-        assert [t.name for t in job.inputs] == ["text"]
-    assert "missing input(s) ['text']" in refusal(
-        config, raw_request("opt", [("seed", "INT64", (*batch, 1))])
-    )
-
-
 def test_no_inputs_at_all() -> None:
     message = refusal(MIXED, pb.ModelInferRequest(model_name="mixed"))
     assert "missing input(s) ['dense', 'half', 'ids', 'mask', 'small']" in message

@@ -1,0 +1,281 @@
+"""`make bench-generate`: streaming generation with the `generate` example, three ways.
+
+One server holds three copies of the example that differ only in their engine parameters:
+`one` (generation_max_batch 1: one sequence at a time), `request` (request-level batching: a
+batch is formed and every sequence in it runs to its end before the next joins) and
+`iteration` (iteration-level: sequences join and leave between decode steps). At concurrency
+1, 8 and 32, closed-loop clients each send one request after another on its own
+ModelStreamInfer call, each with max_tokens drawn from 8..128 (the same draws for every way
+in a round), and read every response: tokens/s over the measurement and time to first token
+(the request written to its first response read). The iteration-level copy is also measured
+over HTTP/3 (QUIC, TLS 1.3) against HTTP/2 (the server's plaintext TCP port), the same
+streams.
+
+Machines are noisy, so the ways alternate in rounds (each round rotates their order) and the
+table shows each figure's median over the rounds with its spread, and the goal ratios taken
+within each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from scripts.bench_common import write_json
+from tests.servers import EXAMPLE_MODELS, ServerProcess
+
+CONCURRENCY = (1, 8, 32)
+MAX_TOKENS = (8, 128)  # drawn uniformly, both included
+PROMPT = "Once upon a time"
+# way -> engine parameters of its copy of the example
+WAYS = {
+    "one": {"generation_max_batch": "1", "generation_mode": "iteration"},
+    "request": {"generation_max_batch": "32", "generation_mode": "request"},
+    "iteration": {"generation_max_batch": "32", "generation_mode": "iteration"},
+}
+# (way, transport) measured in each round; the ratios compare the h2 ones
+RUNS = (("one", "h2"), ("request", "h2"), ("iteration", "h2"), ("iteration", "h3"))
+CALL_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Measurement:
+    round: int
+    way: str
+    transport: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+
+
+def repository(target: Path) -> Path:
+    """Three copies of the exported example, named generate_WAY, with their parameters."""
+    source = EXAMPLE_MODELS / "generate"
+    if not (source / "1" / "lm").is_dir():
+        raise SystemExit(f"{source} has no exported LM; run `make models`")
+    config = (source / "config.pbtxt").read_text()
+    for way, parameters in WAYS.items():
+        name = f"generate_{way}"
+        shutil.copytree(source, target / name)
+        text = config.replace('name: "generate"', f'name: "{name}"')
+        for key, value in parameters.items():
+            old = f'{{ key: "{key}", value: {{ string_value: "'
+            start = text.index(old) + len(old)
+            text = text[:start] + value + text[text.index('"', start) :]
+        (target / name / "config.pbtxt").write_text(text)
+    return target
+
+
+def open_channel(transport: str, server: ServerProcess, ca_file: Path) -> Any:
+    if transport == "h2":
+        return grpc.aio.insecure_channel(server.address)
+    return QuicChannel(f"localhost:{server.port}", ca_file=str(ca_file))
+
+
+async def one_request(stub: Any, model: str, max_tokens: int) -> tuple[int, float]:
+    """(tokens received, seconds to the first one)."""
+    request = build_request(
+        model,
+        {
+            "text": np.array([PROMPT.encode()], np.object_),
+            "max_tokens": np.array([max_tokens], np.int32),
+        },
+    )
+    call = stub.ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+    start = time.perf_counter()
+    await call.write(request)
+    await call.done_writing()
+    first, tokens = 0.0, 0
+    async for response in call:
+        if response.error_message:
+            raise RuntimeError(response.error_message)
+        if tokens == 0:
+            first = time.perf_counter() - start
+        if "text_delta" in {o.name for o in response.infer_response.outputs}:
+            tokens += 1
+    return tokens, first
+
+
+async def measure(
+    round_: int,
+    way: str,
+    transport: str,
+    concurrency: int,
+    duration: float,
+    stub: Any,
+    draws: Sequence[int],
+) -> Measurement:
+    """Closed loop for `duration`; requests started by then run to their end and count."""
+    model = f"generate_{way}"
+    end = time.perf_counter() + duration
+    ttfts: list[float] = []
+    totals = [0]
+    lengths = iter(draws)
+
+    async def client() -> None:
+        while time.perf_counter() < end:
+            tokens, first = await one_request(stub, model, next(lengths))
+            totals[0] += tokens
+            ttfts.append(first)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    values = np.asarray(ttfts) * 1e3
+    result = Measurement(
+        round_,
+        way,
+        transport,
+        concurrency,
+        len(ttfts),
+        totals[0],
+        round(seconds, 3),
+        round(totals[0] / seconds, 1),
+        round(float(np.percentile(values, 50)), 1),
+        round(float(np.percentile(values, 99)), 1),
+    )
+    print(
+        f"  round {round_} {way:<9} {transport} c={concurrency:<3} {result.requests:>4} requests "
+        f"{result.tokens_per_second:>8.1f} tokens/s  ttft p50 {result.ttft_p50_ms:>7.1f} ms "
+        f"p99 {result.ttft_p99_ms:>7.1f} ms",
+        flush=True,
+    )
+    return result
+
+
+async def bench(
+    server: ServerProcess, ca_file: Path, rounds: int, duration: float, seed: int
+) -> list[Measurement]:
+    channels = {t: open_channel(t, server, ca_file) for t in ("h2", "h3")}
+    stubs = {t: pb_grpc.GRPCInferenceServiceStub(c) for t, c in channels.items()}
+    results: list[Measurement] = []
+    try:
+        for stub in stubs.values():  # warm-up: connections, every copy's shapes
+            for way in WAYS:
+                await asyncio.gather(*(one_request(stub, f"generate_{way}", 8) for _ in range(4)))
+        for round_ in range(1, rounds + 1):
+            rng = np.random.default_rng(seed + round_)
+            # Enough draws for any way's closed loop; every way takes them in the same order.
+            draws = [int(n) for n in rng.integers(MAX_TOKENS[0], MAX_TOKENS[1] + 1, 100_000)]
+            shift = (round_ - 1) % len(RUNS)
+            order = RUNS[shift:] + RUNS[:shift]
+            for concurrency in CONCURRENCY:
+                for way, transport in order:
+                    results.append(
+                        await measure(
+                            round_, way, transport, concurrency, duration, stubs[transport], draws
+                        )
+                    )
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return results
+
+
+def spread(values: Sequence[float], digits: int = 0) -> str:
+    """Median [lowest-highest]."""
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
+
+
+def table(results: Sequence[Measurement]) -> str:
+    by_key = {(m.round, m.way, m.transport, m.concurrency): m for m in results}
+    rounds = sorted({m.round for m in results})
+    rows = [
+        f"{len(rounds)} rounds; median [lowest-highest] over rounds; ratios per round",
+        "",
+        "| way | transport | concurrency | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for way, transport in RUNS:
+        for c in CONCURRENCY:
+            ms = [by_key[r, way, transport, c] for r in rounds]
+            rows.append(
+                f"| {way} | {transport} | {c} | {spread([m.tokens_per_second for m in ms])} | "
+                f"{spread([m.ttft_p50_ms for m in ms], 1)} | "
+                f"{spread([m.ttft_p99_ms for m in ms], 1)} |"
+            )
+
+    def ratio(f: Any) -> str:
+        return spread([f(r) for r in rounds], 2)
+
+    def tps(r: int, way: str, c: int, transport: str = "h2") -> float:
+        return by_key[r, way, transport, c].tokens_per_second
+
+    def p99(r: int, c: int, transport: str = "h2") -> float:
+        return by_key[r, "iteration", transport, c].ttft_p99_ms
+
+    rows += [
+        "",
+        "| ratio (per round) | goal | measured |",
+        "| --- | --- | --- |",
+        "| iteration / one-at-a-time tokens/s, c=32 | >= 4 | "
+        f"{ratio(lambda r: tps(r, 'iteration', 32) / tps(r, 'one', 32))} |",
+        "| iteration / request-level tokens/s, c=32 | >= 1.5 | "
+        f"{ratio(lambda r: tps(r, 'iteration', 32) / tps(r, 'request', 32))} |",
+        f"| iteration TTFT p99 c=32 / c=1 | <= 3 | {ratio(lambda r: p99(r, 32) / p99(r, 1))} |",
+    ]
+    for c in CONCURRENCY:
+        rows.append(
+            f"| h3 / h2 tokens/s (iteration), c={c} | - | "
+            f"{ratio(lambda r, c=c: tps(r, 'iteration', c, 'h3') / tps(r, 'iteration', c))} |"
+        )
+        rows.append(
+            f"| h3 / h2 TTFT p50 (iteration), c={c} | - | "
+            f"{ratio(lambda r, c=c: by_key[r, 'iteration', 'h3', c].ttft_p50_ms / by_key[r, 'iteration', 'h2', c].ttft_p50_ms)} |"  # noqa: E501
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per measurement")
+    parser.add_argument("--seed", type=int, default=0, help="of the max_tokens draws")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/generate.json"))
+    args = parser.parse_args()
+    if args.rounds < 1 or args.duration <= 0:
+        parser.error("--rounds must be at least 1 and --duration positive")
+    with tempfile.TemporaryDirectory() as tmp:
+        models = repository(Path(tmp) / "models")
+        certs = Path(tmp) / "certs"
+        print("starting the server (three copies of generate) ...", flush=True)
+        server = ServerProcess(models, Path(tmp) / "server.log", ["--certs-dir", str(certs)])
+        try:
+            server.wait_ready()
+            print(
+                f"measuring: {args.rounds} rounds, {args.duration:g} s per measurement",
+                flush=True,
+            )
+            results = asyncio.run(
+                bench(server, certs / "ca.pem", args.rounds, args.duration, args.seed)
+            )
+        finally:
+            server.stop()
+    print()
+    print(table(results))
+    write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
