@@ -7,7 +7,7 @@ example's interface: inputs `text` (BYTES) and `max_tokens` (INT32), optional `t
 from __future__ import annotations
 
 import codecs
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +62,7 @@ def _text(response: StreamResponse, name: str) -> bytes:
     return b"" if array is None else b"".join(bytes(v) for v in array.flat)
 
 
-async def chunks(responses: AsyncIterable[StreamResponse]) -> AsyncIterator[Chunk]:
+async def chunks(responses: AsyncIterable[StreamResponse]) -> AsyncGenerator[Chunk, None]:
     """The responses of one generation as text. Tokens are bytes, and a multi-byte character
     may span two of them: the decoder holds a partial one until it is complete."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

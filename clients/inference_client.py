@@ -9,6 +9,7 @@ that asks for one, a client certificate and key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 from collections.abc import (
@@ -175,8 +176,10 @@ class AsyncInferenceClient:
         call = self.stub.ModelStreamInfer(
             timeout=timeout, metadata=with_trace_context(self._metadata)
         )
-        async for response in stream_responses(call, requests):
-            yield response
+        # Closed here, not when collected: leaving the caller's loop cancels the call at once.
+        async with contextlib.aclosing(stream_responses(call, requests)) as responses:
+            async for response in responses:
+                yield response
 
     async def generate(
         self,
@@ -192,11 +195,9 @@ class AsyncInferenceClient:
         GenerationError when the model or server failed the request."""
         request = generation_request(model, prompt, max_tokens, temperature, seed, version)
         responses = self.stream_infer([request], timeout)
-        try:
-            async for chunk in chunks(responses):
+        async with contextlib.aclosing(responses), contextlib.aclosing(chunks(responses)) as text:
+            async for chunk in text:
                 yield chunk
-        finally:
-            await responses.aclose()
 
     async def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
         request = pb.ModelMetadataRequest(name=model, version=version)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,7 @@ def _failure(writer: asyncio.Future[None]) -> BaseException | None:
 
 async def stream_responses(
     call: Any, requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest]
-) -> AsyncIterator[StreamResponse]:
+) -> AsyncGenerator[StreamResponse, None]:
     """Drives one ModelStreamInfer call (grpc.aio's or a QuicChannel's): yields each response
     as it arrives until the server ends the stream (after the last request's final response).
     Closing the iterator early cancels the call, which cancels the requests still running; an
