@@ -6,6 +6,7 @@ generate`; `paddlequic perf --streaming`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import subprocess
@@ -166,43 +167,52 @@ def test_leaving_the_loop_cancels_the_generation(
 ) -> None:
     """A long generation and then an `mlp` request on one stream, while the generation
     worker is stopped: the loop leaves at mlp's answer, with the generation held by the
-    server, and the worker resumes only after. The generation must end cancelled (a failure
-    in the model's statistics), its token counter stopping far short of what it asked for."""
+    server, and the worker resumes only after, the client (and its connection) still open.
+    The generation must end cancelled (a failure in the model's statistics), its token
+    counter stopping far short of what it asked for."""
     (instance,) = server.instances(MODEL)
     before, failures = settled_tokens(server), failed_requests(server)
     long = generation_request(MODEL, PROMPT, LONG_MAX_TOKENS, request_id="long")
     other = StreamRequest("mlp", call_inputs("mlp", 0), request_id="mlp")
     args = arguments(server, certs_dir, transport)
-    with paused(instance.pid):
-        if mode == "sync":
 
-            def produced() -> Iterator[StreamRequest]:
-                yield long
-                wait_active(server)
-                yield other
+    def check_cancelled() -> None:
+        after = settled_tokens(server)
+        assert after - before < LONG_MAX_TOKENS / 2
+        assert settled_tokens(server) == after
+        assert failed_requests(server) == failures + 1
 
-            with InferenceClient(**args) as client:
+    if mode == "sync":
+
+        def produced() -> Iterator[StreamRequest]:
+            yield long
+            wait_active(server)
+            yield other
+
+        with InferenceClient(**args) as client:
+            with paused(instance.pid):
                 for response in client.stream_infer(produced(), timeout=TIMEOUT_S):
                     assert response.request_id == "mlp"
                     break
-        else:
+            check_cancelled()
+        return
 
-            async def run() -> None:
-                async def produced() -> AsyncIterator[StreamRequest]:
-                    yield long
-                    await asyncio.to_thread(wait_active, server)
-                    yield other
+    async def run() -> None:
+        async def produced() -> AsyncIterator[StreamRequest]:
+            yield long
+            await asyncio.to_thread(wait_active, server)
+            yield other
 
-                async with AsyncInferenceClient(**args) as client:
-                    async for response in client.stream_infer(produced(), timeout=TIMEOUT_S):
+        async with AsyncInferenceClient(**args) as client:
+            with paused(instance.pid):
+                responses = client.stream_infer(produced(), timeout=TIMEOUT_S)
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
                         assert response.request_id == "mlp"
                         break
+            await asyncio.to_thread(check_cancelled)
 
-            asyncio.run(run())
-    after = settled_tokens(server)
-    assert after - before < LONG_MAX_TOKENS / 2
-    assert settled_tokens(server) == after
-    assert failed_requests(server) == failures + 1
+    asyncio.run(run())
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
