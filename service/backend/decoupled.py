@@ -61,20 +61,31 @@ class DecoupledRequests:
             self._fail(flow, f"{type(exc).__name__}: {exc}")
             return
         if asyncio.iscoroutine(returned):
-            self._in_background(returned, flow)
+            self._in_background(returned, flow, request)
         else:
             self._returned(returned, flow)
 
-    def _in_background(self, coroutine: Coroutine[Any, Any, Any], flow: ResponseFlow) -> None:
+    def _in_background(
+        self,
+        coroutine: Coroutine[Any, Any, Any],
+        flow: ResponseFlow,
+        request: pb_utils.InferenceRequest,
+    ) -> None:
         """`async def execute`: as in Triton, on one event loop of the instance's, so the next
-        request starts while this one awaits."""
+        request starts while this one awaits. The request lives until the outcome is known
+        (released sooner, it would be failed as abandoned instead)."""
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="async", daemon=True).start()
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        future.add_done_callback(lambda done: self._settled(done, flow))
+        future.add_done_callback(lambda done: self._settled(done, flow, request))
 
-    def _settled(self, done: concurrent.futures.Future[Any], flow: ResponseFlow) -> None:
+    def _settled(
+        self,
+        done: concurrent.futures.Future[Any],
+        flow: ResponseFlow,
+        request: pb_utils.InferenceRequest,
+    ) -> None:
         try:
             returned = done.result()
         except Exception as exc:

@@ -109,7 +109,9 @@ class Credit:
 
 @dataclass(frozen=True)
 class Cancel:
-    """The caller went away or its deadline passed: the model's is_cancelled() turns true."""
+    """The caller went away or its deadline passed: the model's is_cancelled() turns true, and
+    the worker sends nothing more for the request (not even its final Response), whatever the
+    model still sends; a Response already on its way may still arrive."""
 
     request_id: int
 
@@ -119,7 +121,8 @@ class Shutdown:
     pass
 
 
-# Responses of one decoupled request the worker may have sent and the server not yet taken.
+# Responses of one decoupled request the worker may have sent and the server not yet taken
+# (every Response counts, the final one included; Credits return them).
 RESPONSE_WINDOW = 8
 
 Message = (

@@ -298,6 +298,8 @@ def test_a_released_sender_ends_its_request_with_an_error(worker: Worker) -> Non
     released = "the model released its response sender without sending "
     assert last.error is not None and released in last.error
     assert f"request 'r{dropped}' of model 'decoupled'" in last.error
+    (ignored,) = worker.until_final(worker.submit("ignore"))
+    assert ignored.error is not None and released in ignored.error
     # Held past execute(): nothing until the model lets go of it.
     held = worker.submit("hold")
     release = worker.submit("release", held=f"r{held}")
@@ -369,10 +371,13 @@ def test_shutdown_finalizes_and_open_requests_get_nothing_more(
     worker.responses(blocked, WINDOW)
     held = worker.submit("hold")
     assert worker.report(blocked, at_least=WINDOW)["sent"] == WINDOW
+    inside = worker.submit("repeat", 2 * WINDOW)  # execute() itself waits in send()
+    worker.responses(inside, WINDOW)
     with caplog.at_level("INFO", "paddlequic.model"):
         assert worker.stop() == []
+    # finalize() ran, after execute() returned; none of them got anything more.
     assert "model decoupled: finalize: 1 senders held" in caplog.text
-    assert len(worker._pending[blocked]) == WINDOW and worker._pending[held] == []
+    assert [len(worker._pending[r]) for r in (blocked, held, inside)] == [WINDOW, 0, WINDOW]
 
 
 def test_async_execute_runs_on_an_event_loop_requests_overlapping(tmp_path: Path) -> None:
