@@ -218,8 +218,10 @@ class WorkerInstance:
     async def submit(self, job: InferJob, caller_id: str, parameters: str) -> StreamRequest:
         """Start one request of a decoupled model; its responses come through the returned
         handle (streams.py), which the caller closes when done with it."""
-        while not (await self._started() and self._writer is not None):
+        while not await self._started():
             pass
+        if self._writer is None:
+            raise errors.unavailable(self._not_ready_message())
         refs, data = streams.inline(job)
         request_id = next(self._ids)
         request = StreamRequest(

@@ -295,6 +295,25 @@ async def test_a_passed_deadline_ends_the_call_and_cancels_the_request_in_the_mo
     assert f"request {request_id} cancelled after" in server.log_text()
 
 
+async def test_a_model_silent_past_execution_timeout_fails_its_request_and_is_cancelled(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    request_id = f"silent-{transport}"
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(repeat(0, request_id, mode="silent"))
+        (error,) = await until_id(call, request_id)
+        await call.done_writing()
+        assert await read_all(call) == []
+    assert error.error_message.startswith("INTERNAL")
+    assert "execution_timeout_ms" in error.error_message and final_flag(error) is True
+
+    async def cancelled() -> bool:
+        return f"request {request_id} cancelled after 0" in server.log_text()
+
+    await eventually(cancelled, "the silent request was cancelled in the model")
+
+
 async def test_a_client_that_stops_reading_holds_its_model_and_others_are_served(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
