@@ -59,6 +59,9 @@ PIPELINES = {
 GENERATE = "generate"
 GENERATE_SOURCE = "generate/generate"
 LM_PROGRAMS = ("prefill", "decode")
+# Bumped when the programs' inputs or outputs change, so an export made by an older version of
+# this script is redone even though the example's files are the same.
+LM_FORMAT = "2"  # 2: decode takes each layer's cache as keys_L / values_L
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,9 @@ class TwoTower(nn.Layer):
 
 
 class DecoderBlock(nn.Layer):
-    """Pre-norm causal self-attention and MLP. `attend` takes this layer's queries, keys and
-    values ([batch, heads, time, head_dim]) and returns the attended values."""
+    """Pre-norm causal self-attention and MLP, in two halves around the attention (which
+    prefill and decode do differently): queries, keys and values [batch, heads, time,
+    head_dim] from the input; the block's output from the attended values."""
 
     def __init__(self, dim: int, heads: int, ffn: int) -> None:
         super().__init__()
@@ -208,31 +212,44 @@ class Prefill(nn.Layer):
 
 
 class Decode(nn.Layer):
-    """token_ids [b, 1] at positions [b] (each sequence's length so far) with the cache
-    [b, layers, 2, heads, context, head_dim] (slots at and beyond a sequence's position are
-    masked out) -> logits [b, vocab] and the new token's keys and values
-    [b, layers, 2, heads, 1, head_dim]."""
+    """token_ids [b, 1] at positions [b] (each sequence's length so far) with the cache of
+    each layer, keys_L and values_L [b, heads, context, head_dim] (slots at and beyond a
+    sequence's position are masked out) -> logits [b, vocab] and the new token's keys and
+    values [b, layers, 2, heads, 1, head_dim]. The cache is only read (never concatenated or
+    sliced: a copy of it would cost more than the attention); the new token attends to itself
+    separately. dy2static needs the inputs as named arguments: two layers."""
 
     def __init__(self, lm: DecoderLM) -> None:
         super().__init__()
+        if len(lm.blocks) != 2:
+            raise ValueError("Decode's inputs name two layers' caches")
         self.lm = lm
 
     def forward(
-        self, token_ids: paddle.Tensor, positions: paddle.Tensor, cache: paddle.Tensor
+        self,
+        token_ids: paddle.Tensor,
+        positions: paddle.Tensor,
+        keys_0: paddle.Tensor,
+        values_0: paddle.Tensor,
+        keys_1: paddle.Tensor,
+        values_1: paddle.Tensor,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        lm = self.lm
+        lm, caches = self.lm, ((keys_0, values_0), (keys_1, values_1))
         x = lm.embed(token_ids) + lm.pos(positions).unsqueeze(1)
         slots = paddle.arange(lm.context, dtype="int64").unsqueeze(0)
         valid = (slots < positions.unsqueeze(1)).astype("float32")  # [b, context]
-        valid = paddle.concat([valid, paddle.ones_like(valid[:, :1])], axis=1)
-        bias = ((valid - 1.0) * 1e9).unsqueeze(1).unsqueeze(1)  # [b, 1, 1, context + 1]
+        bias = ((valid - 1.0) * 1e9).unsqueeze(1).unsqueeze(1)  # [b, 1, 1, context]
+        scale = 1.0 / lm.head_dim**0.5
         kv = []
-        for index, block in enumerate(lm.blocks):
-            q, k, v = block.qkv_heads(x)
+        for index, block in enumerate(lm.blocks):  # dy2static's zip takes no strict=
+            keys, values = caches[index]
+            q, k, v = block.qkv_heads(x)  # [b, heads, 1, head_dim]
             kv.append(paddle.stack([k, v], axis=1))
-            keys = paddle.concat([cache[:, index, 0], k], axis=2)
-            values = paddle.concat([cache[:, index, 1], v], axis=2)
-            x = block.finish(x, attention(q, keys, values, bias))
+            cached = q.matmul(keys, transpose_y=True) * scale + bias
+            own = (q * k).sum(axis=-1, keepdim=True) * scale
+            weights = nn.functional.softmax(paddle.concat([cached, own], axis=-1), axis=-1)
+            attended = weights[:, :, :, : lm.context] @ values + weights[:, :, :, lm.context :] * v
+            x = block.finish(x, attended)
         logits: paddle.Tensor = lm.head(lm.norm(x[:, -1, :]))
         return logits, paddle.stack(kv, axis=1)
 
@@ -383,9 +400,12 @@ def export_generate(out: Path, force: bool) -> bool:
     source, target = EXAMPLES / GENERATE_SOURCE, out / GENERATE
     files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
     programs = [target / "1" / "lm" / name / PROGRAM_FILES[0] for name in LM_PROGRAMS]
+    stamp = target / "1" / "lm" / "FORMAT"
     if (
         not force
         and all(p.is_file() for p in programs)
+        and stamp.is_file()
+        and stamp.read_text().strip() == LM_FORMAT
         and all(
             (target / f).is_file() and (target / f).read_bytes() == (source / f).read_bytes()
             for f in files
@@ -407,14 +427,19 @@ def export_generate(out: Path, force: bool) -> bool:
             "decode": [
                 paddle.static.InputSpec([None, 1], "int64", "token_ids"),
                 paddle.static.InputSpec([None], "int64", "positions"),
-                paddle.static.InputSpec(
-                    [None, layers, 2, heads, lm.context, head_dim], "float32", "cache"
+                *(
+                    paddle.static.InputSpec(
+                        [None, heads, lm.context, head_dim], "float32", f"{kind}_{layer}"
+                    )
+                    for layer in range(layers)
+                    for kind in ("keys", "values")
                 ),
             ],
         }
         for name, layer in (("prefill", Prefill(lm)), ("decode", Decode(lm))):
             path = tmp / GENERATE / "1" / "lm" / name / "inference"
             paddle.jit.save(layer.eval(), str(path), input_spec=specs[name])
+        (tmp / GENERATE / "1" / "lm" / "FORMAT").write_text(LM_FORMAT + "\n")
         _install(tmp / GENERATE, target)
         return True
     finally:
@@ -483,12 +508,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         copied = copy_example(name, args.out)
         print(f"copying {name} ... {'done' if copied else 'skipped (up to date)'}", flush=True)
-    if args.legacy:
+    if args.only and GENERATE not in args.only:
+        return 0
+    if args.legacy:  # paddle.tril (the causal mask) has no legacy translation
         print(f"exporting {GENERATE} ... skipped (no legacy export)", flush=True)
-    elif not args.only or GENERATE in args.only:
-        print(f"exporting {GENERATE} ... ", end="", flush=True)
-        done = export_generate(args.out, args.force)
-        print("done" if done else "skipped (up to date)", flush=True)
+        return 0
+    print(f"exporting {GENERATE} ... ", end="", flush=True)
+    done = export_generate(args.out, args.force)
+    print("done" if done else "skipped (up to date)", flush=True)
     return 0
 
 

@@ -2,8 +2,8 @@
 scripts/export_models.py, DecoderLM), each in a PaddleModel.
 
 - prefill: token_ids [1, n] -> logits [1, vocab], keys/values [1, layers, 2, heads, n, dim]
-- decode: token_ids [b, 1], positions [b], cache [b, layers, 2, heads, context, dim] ->
-  logits [b, vocab], the new token's keys/values [b, layers, 2, heads, 1, dim]
+- decode: token_ids [b, 1], positions [b], keys_L and values_L [b, heads, context, dim] per
+  layer L -> logits [b, vocab], the new token's keys/values [b, layers, 2, heads, 1, dim]
 
 Decode's shapes depend on the batch size only (the cache has a fixed capacity, unused slots
 masked) and a prompt is prefilled alone, so a sequence's logits are the same bits whatever
@@ -30,16 +30,16 @@ PARAMS = "inference.pdiparams"
 
 @dataclass(frozen=True)
 class CacheShape:
-    """One sequence's key/value cache: [layers, 2, heads, context, head_dim]."""
-
     layers: int
     heads: int
     context: int  # positions a sequence may reach: prompt plus generated tokens
     head_dim: int
 
-    @property
-    def dims(self) -> tuple[int, int, int, int, int]:
-        return (self.layers, 2, self.heads, self.context, self.head_dim)
+    def batch(self, sequences: int) -> tuple[int, ...]:
+        """The cache of a batch: [layers, 2 (keys, values), sequences, heads, context,
+        head_dim], so each layer's keys (or values) of the first b sequences are one
+        contiguous block, fed to the program without a copy of our own."""
+        return (self.layers, 2, sequences, self.heads, self.context, self.head_dim)
 
 
 class PaddleDecoder:
@@ -51,8 +51,15 @@ class PaddleDecoder:
         self.prefill_model = _model(directory / "prefill", {**parameters, "onednn": "false"}, name)
         decode_parameters = {"onednn_cache_capacity": str(max_batch), **parameters}
         self.decode_model = _model(directory / "decode", decode_parameters, name)
-        cache = next(t for t in self.decode_model.inputs if t.name == "cache")
-        _, layers, _, heads, context, head_dim = cache.shape
+        names = {t.name: t.shape for t in self.decode_model.inputs}
+        if "keys_0" not in names:
+            raise RuntimeError(
+                f"{directory / 'decode'} takes inputs {sorted(names)}, not the cache of each "
+                "layer (keys_0, values_0, ...): it was exported by an older "
+                "scripts/export_models.py; run `make models`"
+            )
+        layers = sum(name.startswith("keys_") for name in names)
+        _, heads, context, head_dim = names["keys_0"]
         self.cache = CacheShape(layers, heads, context, head_dim)
         self._prefill_outputs = tuple(o.name for o in self.prefill_model.outputs)
         self._decode_outputs = tuple(o.name for o in self.decode_model.outputs)
@@ -72,12 +79,13 @@ class PaddleDecoder:
         positions: np.ndarray[Any, Any],
         cache: np.ndarray[Any, Any],
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """One step of b sequences: logits [b, vocab], new keys/values
-        [b, layers, 2, heads, head_dim]."""
-        result, _ = self.decode_model.run(
-            {"token_ids": token_ids.reshape(-1, 1), "positions": positions, "cache": cache},
-            self._decode_outputs,
-        )
+        """One step of b sequences with their cache (CacheShape.batch(b)): logits [b, vocab],
+        new keys/values [b, layers, 2, heads, head_dim]."""
+        inputs = {"token_ids": token_ids.reshape(-1, 1), "positions": positions}
+        for layer in range(self.cache.layers):
+            inputs[f"keys_{layer}"] = np.ascontiguousarray(cache[layer, 0])
+            inputs[f"values_{layer}"] = np.ascontiguousarray(cache[layer, 1])
+        result, _ = self.decode_model.run(inputs, self._decode_outputs)
         logits, kv = (result[name] for name in self._decode_outputs)
         return logits, kv[:, :, :, :, 0]
 

@@ -123,8 +123,8 @@ class GenerationEngine:
         self.decoder, self.limits, self.responder = decoder, limits, responder
         self.observer = observer
         self.steps = 0  # steps run so far
-        self._cache = np.zeros((limits.max_batch, *decoder.cache.dims), dtype=np.float32)
-        self._running: list[Generation] = []  # _running[i].slot == i
+        self._cache = np.zeros(decoder.cache.batch(limits.max_batch), dtype=np.float32)
+        self._running: list[Generation] = []  # _running[i].slot == i: its cache[:, :, i]
         self._waiting: deque[Generation] = deque()
         self._finals: list[Generation] = []  # finished, final response not sent yet
         self._submitted: deque[Generation] = deque()
@@ -224,20 +224,21 @@ class GenerationEngine:
         if decoding:
             slots = [g.slot for g in decoding]
             contiguous = slots == list(range(len(slots)))
-            cache = self._cache[: len(slots)] if contiguous else self._cache[slots]
+            cache = self._cache[:, :, : len(slots)] if contiguous else self._cache[:, :, slots]
             logits, kv = self.decoder.decode(
                 np.array([g.tokens[-1] for g in decoding], dtype=np.int64),
                 np.array([g.position for g in decoding], dtype=np.int64),
                 cache,
             )
             for row, generation in enumerate(decoding):
-                self._cache[generation.slot, :, :, :, generation.position] = kv[row]
+                self._cache[:, :, generation.slot, :, generation.position] = kv[row]
                 produced.append((generation, logits[row]))
         for generation in joining:
             logits, kv = self.decoder.prefill(generation.prompt)
             generation.slot = len(self._running)
             self._running.append(generation)
-            row, length = self._cache[generation.slot], len(generation.prompt)
+            row = self._cache[:, :, generation.slot]
+            length = len(generation.prompt)
             row[:, :, :, :length] = kv
             row[:, :, :, length:] = 0.0
             produced.append((generation, logits))
@@ -295,7 +296,7 @@ class GenerationEngine:
             return
         slot, last = generation.slot, self._running.pop()
         if last is not generation:
-            self._cache[slot] = self._cache[last.slot]
+            self._cache[:, :, slot] = self._cache[:, :, last.slot]
             last.slot = slot
             self._running[slot] = last
         generation.slot = -1
