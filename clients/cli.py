@@ -261,6 +261,9 @@ def _generate(args: argparse.Namespace) -> int:
         except GenerationError as exc:
             print(f"\nerror: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: the generation is cancelled, not left running
+            print(f"\n[interrupted after {count} responses]", file=sys.stderr)
+            return 130
         finally:
             chunks.close()  # cancels the generation when interrupted
     print()

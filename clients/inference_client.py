@@ -313,16 +313,27 @@ class InferenceClient:
     def _iterate(self, items: AsyncGenerator[_T, None]) -> Generator[_T, None, None]:
         """An async generator of the client's loop as a plain one; closing it closes that."""
         end = object()
+        steps: list[asyncio.Task[Any]] = []
 
         async def step() -> object:
+            steps[:] = [task] if (task := asyncio.current_task()) else []
             return await anext(items, end)
+
+        async def close() -> None:
+            # A wait interrupted in this thread (Ctrl-C) leaves its step running on the loop:
+            # it is cancelled and ends before the generator is closed.
+            for running in steps:
+                if not running.done():
+                    running.cancel()
+                    await asyncio.wait([running])
+            await items.aclose()
 
         try:
             while (item := self._run(step())) is not end:
                 yield item  # type: ignore[misc]
         finally:
             if self._loop.is_running():
-                self._run(items.aclose())
+                self._run(close())
 
     metadata = _blocking(AsyncInferenceClient.metadata)
     index = _blocking(AsyncInferenceClient.index)

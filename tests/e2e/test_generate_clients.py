@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -250,6 +251,34 @@ def test_cli_generate_errors_name_the_fix(server: ServerProcess, certs_dir: Path
     assert gone.returncode != 0 and "--url" in gone.stderr and "--ca-file" in gone.stderr
     bad = cli("generate", MODEL, PROMPT, "--max-tokens", "0", "--url", server.url)
     assert bad.returncode == 2 and "--max-tokens" in bad.stderr
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_cli_generate_interrupted_cancels_the_generation(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    """Ctrl-C (SIGINT) while the server runs the generation and its worker is held: the
+    command exits 130, and the generation ends cancelled once the worker resumes."""
+    (instance,) = server.instances(MODEL)
+    before, failures = settled_tokens(server), failed_requests(server)
+    command = [sys.executable, "-m", "clients.cli", "generate", MODEL, PROMPT]
+    command += ["--max-tokens", str(LONG_MAX_TOKENS), "--ca-file", str(certs_dir / "ca.pem")]
+    command += ["--url", arguments(server, certs_dir, transport)["url"]]
+    with paused(instance.pid):
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            wait_active(server)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=TIMEOUT_S)
+        finally:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert "interrupted after 0 responses" in stderr
+    after = settled_tokens(server)
+    assert after - before < LONG_MAX_TOKENS / 2
+    assert failed_requests(server) == failures + 1
 
 
 def perf(certs_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
