@@ -62,8 +62,9 @@ class Step:
     modes: dict[str, int] = field(default_factory=dict)  # how each connection started
     client_cpu_s: float = 0.0
     server_cpu_s: float | None = None
-    # Decoupled models, successful requests: the wait for the first data response (time to
-    # first token), the gaps between the next ones, and how many there were.
+    # Decoupled models: of the successful requests in the window, the wait for the first data
+    # response (time to first token) and the gaps between the next ones; and the data
+    # responses (tokens) that arrived in the window, whatever request they belong to.
     first_token_ns: list[int] = field(default_factory=list)
     inter_token_ns: list[int] = field(default_factory=list)
     tokens: int = 0
@@ -103,6 +104,9 @@ async def run_step(spec: LoadSpec, concurrency: int, progress: Progress | None =
             await shared.close()
     window_end = window_start + int(spec.duration_s * 1e9)
     for began, ended, code, mode, tokens in records.items:
+        # Tokens count where they arrived: a generation longer than the window still
+        # streams in it.
+        step.tokens += sum(window_start <= t <= window_end for t in tokens)
         if began < window_start or ended > window_end:
             continue
         if code == "OK":
@@ -110,7 +114,6 @@ async def run_step(spec: LoadSpec, concurrency: int, progress: Progress | None =
             if tokens:
                 step.first_token_ns.append(tokens[0] - began)
                 step.inter_token_ns.extend(b - a for a, b in itertools.pairwise(tokens))
-            step.tokens += len(tokens)
         else:
             step.errors[code] = step.errors.get(code, 0) + 1
         if mode:
