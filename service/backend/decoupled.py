@@ -9,30 +9,33 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import numpy as np
 
 from service.backend.python_model import PythonModel
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.backend.response_flow import Outbox, ResponseFlow
+from service.backend.response_flow import Outbox, Reply, ResponseFlow
 
 
 class DecoupledRequests:
     """The worker's open decoupled requests. admit/credit/cancel come from the thread reading
-    the socket, execute from the one running the model, replies leave through `outbox`."""
+    the socket, execute from the one running the model; replies leave through `outbox`, as
+    `encode` makes them into the worker's messages."""
 
-    def __init__(self, model: PythonModel, window: int) -> None:
-        self.outbox = Outbox()
+    def __init__(self, model: PythonModel, window: int, encode: Callable[[Reply], bytes]) -> None:
+        self.outbox = Outbox(encode)
         self._model = model
         self._window = window
         self._flows: dict[int, ResponseFlow] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
 
     def admit(self, request_id: int, caller_id: str, outputs: tuple[str, ...]) -> None:
+        requested = self._requested(outputs)
+
         def check(response: pb_utils.InferenceResponse) -> dict[str, np.ndarray[Any, Any]]:
-            return self._model.response_outputs(response, outputs)
+            return self._model.response_outputs(response, requested)
 
         label = f"request '{caller_id}' of model '{self._model.name}'"
         self._flows[request_id] = ResponseFlow(
@@ -54,7 +57,8 @@ class DecoupledRequests:
                 flow.fail("cancelled before it started")
             return
         tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
-        request = pb_utils.InferenceRequest(tensors, outputs, caller_id, parameters, flow)
+        requested = self._requested(outputs)
+        request = pb_utils.InferenceRequest(tensors, requested, caller_id, parameters, flow)
         try:
             returned = self._model.execute([request])
         except Exception as exc:
@@ -122,6 +126,10 @@ class DecoupledRequests:
         for flow in self._flows.copy().values():
             flow.stop()
         self.outbox.close()
+
+    def _requested(self, outputs: tuple[str, ...]) -> tuple[str, ...]:
+        """As in Triton, a request that names no output asks for all of them."""
+        return outputs or tuple(spec.name for spec in self._model.outputs)
 
     def _fail(self, flow: ResponseFlow, reason: str) -> None:
         """Triton's message for a request whose execute() failed."""

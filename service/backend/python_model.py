@@ -72,7 +72,7 @@ class PythonModel:
         if hasattr(self._model, "initialize"):
             self._model.initialize(
                 {
-                    "model_config": json.dumps(_config_json(config)),
+                    "model_config": json.dumps(config_json(config)),
                     "model_instance_kind": "CPU",
                     "model_instance_name": f"{load.model_name}_0",
                     "model_instance_device_id": "0",
@@ -160,6 +160,6 @@ def _limit(parameters: Mapping[str, str]) -> None:
         resource.setrlimit(limit, (bounded, bounded))
 
 
-def _config_json(config: mc.ModelConfig) -> dict[str, Any]:
+def config_json(config: mc.ModelConfig) -> dict[str, Any]:
     """As Triton passes it: proto field names, enum names, int64 dims as strings."""
     return json_format.MessageToDict(config, preserving_proto_field_name=True)

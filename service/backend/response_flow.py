@@ -2,9 +2,10 @@
 server has not yet taken (send() waits while it is full, so a caller that stops reading stops
 its model's sender), cancellation, and the order of everything a worker sends.
 
-Responses go into one Outbox in the order they were sent; the worker's writer takes them from
-there. A sender released by the model posts to the Outbox too (from __del__, where no lock may
-be taken: SimpleQueue.put is reentrant), and the writer ends that request with an error."""
+Responses go into one Outbox in the order they were sent, encoded at once (as in Triton, send()
+takes the data: the model may reuse its arrays when it returns); the worker's writer takes them
+from there. A sender released by the model posts to the Outbox too (from __del__, where no lock
+may be taken: SimpleQueue.put is reentrant), and the writer ends that request with an error."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ class Reply:
 
 
 class Outbox:
-    """Replies of all of a worker's decoupled requests, in sending order."""
+    """Replies of all of a worker's decoupled requests, in sending order, as `encode` makes
+    them into the worker's messages."""
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Reply | ResponseFlow | None] = queue.SimpleQueue()
+    def __init__(self, encode: Callable[[Reply], bytes]) -> None:
+        self._encode = encode
+        self._queue: queue.SimpleQueue[bytes | ResponseFlow | None] = queue.SimpleQueue()
 
     def put(self, reply: Reply) -> None:
-        self._queue.put(reply)
+        self._queue.put(self._encode(reply))
 
     def abandoned(self, flow: ResponseFlow) -> None:
         self._queue.put(flow)
@@ -44,11 +47,11 @@ class Outbox:
     def close(self) -> None:
         self._queue.put(None)
 
-    def next(self) -> Reply | None:
-        """The next reply to write (None: closed); settles released senders on the way."""
+    def next(self) -> bytes | None:
+        """The next message to write (None: closed); settles released senders on the way."""
         while True:
             item = self._queue.get()
-            if item is None or isinstance(item, Reply):
+            if item is None or isinstance(item, bytes):
                 return item
             item.settle_abandoned()
 
@@ -58,9 +61,10 @@ Check = Callable[[pb_utils.InferenceResponse], dict[str, np.ndarray[Any, Any]]]
 
 
 class ResponseFlow:
-    """One decoupled request: pb_utils' ResponseChannel for its sender. At most `window`
-    replies are out and not credited; the final one (the model's, or the worker's error) ends
-    it, and `on_end` is told once nothing more will go out."""
+    """One decoupled request: pb_utils' ResponseChannel for its sender. At most `window` data
+    replies are out and not credited (send() waits beyond); the final one, the model's or the
+    worker's error, needs no credit (it ends the request, so the server's side holds at most
+    the window and it), and `on_end` is told then."""
 
     def __init__(
         self,
@@ -83,7 +87,6 @@ class ResponseFlow:
         self._stopped = False
         self._closed = False  # the final response was sent (or failed): send() refuses
         self._over = False  # the final reply went out or was dropped
-        self._parked: Reply | None = None  # the worker's error final, waiting for credit
 
     def send(self, response: pb_utils.InferenceResponse | None, final: bool) -> None:
         if self._closed:
@@ -96,61 +99,50 @@ class ResponseFlow:
         else:
             try:
                 outputs, error = self._check(response), None
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:  # TypeError: a BYTES element of no bytes
                 self.fail(f"{self._label}: {exc}")
                 raise pb_utils.TritonModelException(str(exc)) from None
         with self._cond:
             if self._closed:
                 raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
             self._closed = final
-            while self._uncredited >= self._window and not self._gone():
+            while not final and self._uncredited >= self._window and not self._gone():
                 self._cond.wait()
             if self._over:  # another thread's final went first
                 raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
             if not self._gone():
-                self._uncredited += 1
                 self._outbox.put(Reply(self.request_id, outputs, final, error))
+                if not final:
+                    self._uncredited += 1
             if final:
                 self._end()
 
     def fail(self, message: str) -> None:
-        """End the request with an error final reply, without waiting: parked until credit
-        when the window is full."""
+        """End the request with an error final reply (unless it ended already)."""
         with self._cond:
-            if self._over or (self._closed and self._parked is not None):
+            if self._over:
                 return
             self._closed = True
-            self._cond.notify_all()
-            reply = Reply(self.request_id, {}, True, message)
-            if self._gone():
-                self._end()
-            elif self._uncredited < self._window:
-                self._uncredited += 1
-                self._outbox.put(reply)
-                self._end()
-            else:
-                self._parked = reply
+            if not self._gone():
+                self._outbox.put(Reply(self.request_id, {}, True, message))
+            self._end()
 
     def credit(self, count: int) -> None:
         with self._cond:
             self._uncredited = max(0, self._uncredited - count)
-            if self._parked is not None and self._uncredited < self._window:
-                self._uncredited += 1
-                self._outbox.put(self._parked)
-                self._end()
             self._cond.notify_all()
 
     def cancel(self) -> None:
         """The caller is gone: is_cancelled() turns true and nothing more is sent."""
         with self._cond:
             self._cancelled = True
-            self._drop_parked()
+            self._cond.notify_all()
 
     def stop(self) -> None:
         """The worker shuts down: blocked senders return, nothing more is sent."""
         with self._cond:
             self._stopped = True
-            self._drop_parked()
+            self._cond.notify_all()
 
     def is_cancelled(self) -> bool:
         return self._cancelled or self._stopped
@@ -171,15 +163,8 @@ class ResponseFlow:
     def _gone(self) -> bool:
         return self._cancelled or self._stopped or self._over
 
-    def _drop_parked(self) -> None:
-        if self._parked is not None:
-            self._parked = None
-            self._end()
-        self._cond.notify_all()
-
     def _end(self) -> None:
         if not self._over:
             self._over = True
-            self._parked = None
             self._cond.notify_all()
             self._on_end(self.request_id)

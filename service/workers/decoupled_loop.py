@@ -30,7 +30,7 @@ def serve_decoupled(
     """Never returns: after Shutdown (finalize() first) or the server's end of the socket
     closing, the process exits, whatever threads model.py still runs; requests still open
     get nothing more."""
-    requests = DecoupledRequests(model, protocol.RESPONSE_WINDOW)
+    requests = DecoupledRequests(model, protocol.RESPONSE_WINDOW, encoded)
     submits: queue.SimpleQueue[protocol.Submit | None] = queue.SimpleQueue()
     runner = _thread("execute", lambda: _run(requests, submits))
     writer = _thread("write", lambda: _write(requests, sock))
@@ -84,18 +84,20 @@ def _run(requests: DecoupledRequests, submits: queue.SimpleQueue[protocol.Submit
 
 
 def _write(requests: DecoupledRequests, sock: socket.socket) -> None:
-    while (reply := requests.outbox.next()) is not None:
-        sock.sendall(protocol.encode(response_message(reply)))
+    while (message := requests.outbox.next()) is not None:
+        sock.sendall(message)
 
 
-def response_message(reply: Reply) -> protocol.Response:
-    """The reply's outputs as the worker encodes any output (tensor_io.wire_form), inline."""
+def encoded(reply: Reply) -> bytes:
+    """The reply as a Response, its outputs encoded as the worker encodes any output
+    (tensor_io.wire_form), inline."""
     refs, chunks, offset = [], [], 0
     for name, array in reply.outputs.items():
         dtype, data = wire_form(array)
         refs.append(protocol.TensorRef(name, dtype, array.shape, offset, data.nbytes))
         chunks.append(data.data)
         offset += data.nbytes
-    return protocol.Response(
+    response = protocol.Response(
         reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error
     )
+    return protocol.encode(response)

@@ -84,7 +84,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     unprotected = getattr(model, "unprotected", None)
     loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
     sock.sendall(protocol.encode(loaded))
-    if getattr(model, "decoupled", False):
+    if getattr(model, "decoupled", False):  # its own loop, which ends the process
         from service.workers.decoupled_loop import serve_decoupled
 
         serve_decoupled(model, lambda: _recv(sock), sock)

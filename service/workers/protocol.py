@@ -121,8 +121,8 @@ class Shutdown:
     pass
 
 
-# Responses of one decoupled request the worker may have sent and the server not yet taken
-# (every Response counts, the final one included; Credits return them).
+# Data responses of one decoupled request the worker may have sent and the server not yet
+# taken (Credits return them); the final Response needs no credit.
 RESPONSE_WINDOW = 8
 
 Message = (

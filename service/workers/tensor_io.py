@@ -1,5 +1,6 @@
-"""Tensors in a worker's shared memory: fixed-size datatypes as their bytes, BYTES tensors
-(numpy object arrays in the worker) in the protocol's length-prefixed form."""
+"""Tensors in a worker's shared memory (or inline in a decoupled request's messages):
+fixed-size datatypes as their bytes, BYTES tensors (numpy object arrays in the worker) in the
+protocol's length-prefixed form."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from protos.inference import model_config_pb2 as mc
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.backend.sandbox import seccomp
+from service.backend.sandbox import landlock, seccomp
 from service.model.files import PYTHON_BACKEND, ModelFiles
 from service.workers import launch, protocol
 from service.workers.spec import WorkerSpec
@@ -122,10 +122,28 @@ class Worker:
 
         self._call(write())
 
+    def received(self, request_id: int) -> list[protocol.Response]:
+        """The request's responses read so far."""
+        return self._pending[request_id]
+
+    def next_response(self) -> protocol.Response:
+        """The next message, a Response of any request (kept with its request's)."""
+        message = self._read()
+        assert isinstance(message, protocol.Response), message
+        self._pending[message.request_id].append(message)
+        return message
+
     def _read(self) -> protocol.Message | None:
         return self._call(launch.read_message(self._reader))
 
-    def submit(self, mode: str, count: int = 0, tag: str = "", **parameters: Any) -> int:
+    def submit(
+        self,
+        mode: str,
+        count: int = 0,
+        tag: str = "",
+        outputs: tuple[str, ...] = ("index", "report"),
+        **parameters: Any,
+    ) -> int:
         self._next_id += 1
         request_id = self._next_id
         tag = tag or f"r{request_id}"
@@ -136,7 +154,6 @@ class Worker:
             refs.append(protocol.TensorRef(name, dtype, array.shape, len(data), raw.nbytes))
             data += raw.tobytes()
         text = json.dumps({"mode": mode, **parameters})
-        outputs = ("index", "report")
         self.send(protocol.Submit(request_id, tuple(refs), data, outputs, tag, text))
         self._pending[request_id] = []
         return request_id
@@ -145,9 +162,7 @@ class Worker:
         """The request's first `count` responses (others' are kept for later)."""
         got = self._pending[request_id]
         while len(got) < count:
-            message = self._read()
-            assert isinstance(message, protocol.Response), message
-            self._pending[message.request_id].append(message)
+            self.next_response()
         return got[:count]
 
     def until_final(self, request_id: int) -> list[protocol.Response]:
@@ -194,7 +209,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 def credited(worker: Worker, request_id: int) -> list[protocol.Response]:
     """Every response of the request, each credited as it is taken, as the server does (those
     taken before were credited by the caller)."""
-    got = worker._pending[request_id]
+    got = worker.received(request_id)
     while not got or not got[-1].final:
         got = worker.responses(request_id, len(got) + 1)
         worker.send(protocol.Credit(request_id, 1))
@@ -213,6 +228,20 @@ def test_responses_sent_inside_execute_arrive_in_order_the_last_final(
     assert all(r.error is None and [o.name for o in r.outputs] == ["index"] for r in got)
 
 
+def test_a_response_is_what_its_tensors_held_when_it_was_sent(worker: Worker) -> None:
+    """As in Triton, send() takes the data: the model may reuse its arrays at once."""
+    assert indices(credited(worker, worker.submit("reuse", 2 * WINDOW))) == list(range(2 * WINDOW))
+
+
+def test_a_response_carries_the_outputs_its_request_asked_for(worker: Worker) -> None:
+    """A request that names none asks for all (as in Triton); one that names only `report`
+    gets responses without `index`."""
+    everything = credited(worker, worker.submit("repeat", 2, outputs=()))
+    assert indices(everything) == [0, 1]
+    pruned = credited(worker, worker.submit("repeat", 2, outputs=("report",)))
+    assert [(r.outputs, r.final, r.error) for r in pruned] == [((), False, None), ((), True, None)]
+
+
 def test_a_flags_only_final_ends_a_request_answered_from_a_thread(worker: Worker) -> None:
     got = credited(worker, worker.submit("repeat_then_flags", 3))
     assert indices(got) == [0, 1, 2]
@@ -226,9 +255,7 @@ def test_responses_of_two_requests_interleave(worker: Worker) -> None:
     second = worker.submit("turns", 3, parity=1)
     order: list[tuple[int, int]] = []
     while len(order) < 6:
-        message = worker._read()
-        assert isinstance(message, protocol.Response)
-        worker._pending[message.request_id].append(message)
+        message = worker.next_response()
         if not message.final:
             order.append((message.request_id, indices([message])[0]))
     assert order == [(first, 0), (second, 0), (first, 1), (second, 1), (first, 2), (second, 2)]
@@ -243,25 +270,51 @@ def test_responses_of_two_requests_interleave(worker: Worker) -> None:
 def test_without_credit_no_more_than_the_window_goes_out(
     worker: Worker, count: int, credits: list[int]
 ) -> None:
-    """Each Credit lets exactly that many more responses (the final one included) out; the
-    model's send() waits meanwhile and writable() says so."""
+    """Each Credit lets exactly that many more data responses out; the model's send() waits
+    meanwhile and writable() says so. The final response needs no credit."""
     request = worker.submit("repeat_then_flags", count)
-    total, taken = count + 1, 0
+    taken = 0
     for credit in credits:
-        expected = min(total, WINDOW + taken)
+        expected = min(count, WINDOW + taken)
         worker.responses(request, expected)
-        if expected < total:
-            report = worker.report(request, at_least=min(expected, count))
-            assert report["sent"] == min(expected, count)
-            if expected < count:  # (the final send() closes the sender: it would raise)
-                assert report["writable"] is False
-            assert len(worker._pending[request]) == expected
+        if expected < count:
+            report = worker.report(request, at_least=expected)
+            assert (report["sent"], report["writable"]) == (expected, False)
+            assert len(worker.received(request)) == expected
         credit = min(credit, expected - taken)  # the server credits only what it took
         worker.send(protocol.Credit(request, credit))
         taken += credit
-    worker.send(protocol.Credit(request, len(worker._pending[request]) - taken))
+    worker.send(protocol.Credit(request, len(worker.received(request)) - taken))
     got = credited(worker, request)
-    assert indices(got) == list(range(count)) and len(got) == total
+    assert indices(got) == list(range(count)) and len(got) == count + 1 and got[-1].final
+
+
+def test_a_request_without_credit_holds_only_itself(worker: Worker) -> None:
+    """One caller that stops reading stops its own request; the others go on."""
+    slow = worker.submit("repeat_then_flags", 3 * WINDOW)
+    worker.responses(slow, WINDOW)
+    fast = credited(worker, worker.submit("repeat_then_flags", 2 * WINDOW))
+    assert indices(fast) == list(range(2 * WINDOW)) and fast[-1].final
+    report = worker.report(slow, at_least=WINDOW)
+    assert (report["sent"], report["writable"], len(worker.received(slow))) == (
+        WINDOW,
+        False,
+        WINDOW,
+    )
+    worker.send(protocol.Credit(slow, WINDOW))
+    assert indices(credited(worker, slow)) == list(range(3 * WINDOW))
+
+
+def test_the_final_response_needs_no_credit(worker: Worker) -> None:
+    """Sent through a full window, flags-only or the worker's error, so the model's final
+    send() never waits for a slow reader."""
+    flags = worker.submit("repeat_then_flags", WINDOW)
+    assert [r.final for r in worker.responses(flags, WINDOW + 1)] == [False] * WINDOW + [True]
+    last = worker.submit("repeat", WINDOW + 1)  # its last data response is the final one
+    assert indices(worker.responses(last, WINDOW + 1)) == list(range(WINDOW + 1))
+    dropped = worker.submit("drop_after", WINDOW)
+    got = worker.responses(dropped, WINDOW + 1)
+    assert got[-1].final and got[-1].error is not None and "released" in got[-1].error
 
 
 @PROPERTY
@@ -278,10 +331,10 @@ def test_cancel_makes_is_cancelled_true_and_the_model_stop(worker: Worker, credi
     # The send the window held returned (its response dropped), and the loop saw the cancel.
     assert (report["sent"], report["cancelled"]) == (WINDOW + credits + 1, True)
     # Nothing more went out for it, not even the final response the model sent after.
-    assert len(worker._pending[request]) == WINDOW + credits
+    assert len(worker.received(request)) == WINDOW + credits
     worker.send(protocol.Credit(request, WINDOW))
     assert indices(credited(worker, worker.submit("repeat", 2))) == [0, 1]
-    assert len(worker._pending[request]) == WINDOW + credits
+    assert len(worker.received(request)) == WINDOW + credits
 
 
 def test_a_send_after_the_final_raises_tritons_exception(worker: Worker) -> None:
@@ -338,6 +391,7 @@ def test_the_models_error_response_is_not_final_unless_flagged(worker: Worker) -
         ("index", "float64", 1.5, "output 'index' is float64, its config says INT32"),
         ("index", "int64", 1, "output 'index' is int64, its config says INT32"),
         ("report", "int32", 1, "output 'report' must hold bytes or str, not int32"),
+        ("report", "object", 1.5, "cannot convert 'float' object to bytes"),
         ("nope", "int32", 1, "the response has output 'nope', which the config does not"),
     ],
 )
@@ -354,13 +408,21 @@ def test_a_response_the_config_does_not_allow_fails_its_request(
     assert indices(credited(worker, worker.submit("repeat", 1))) == [0]
 
 
-@pytest.mark.skipif(not seccomp.supported(), reason="no seccomp filter on this host")
-def test_the_sandbox_holds_in_execute_and_in_the_models_threads(worker: Worker) -> None:
-    request = worker.submit("sandbox")
+@pytest.mark.skipif(
+    not seccomp.supported() or not landlock.abi(), reason="no seccomp filter or no Landlock"
+)
+def test_the_sandbox_holds_in_execute_and_in_the_models_threads(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """The threads the worker starts after the load, and the model's own, are confined like
+    the thread that entered the sandbox: no socket, no file outside the model's directory."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not for the model")
+    request = worker.submit("sandbox", path=str(outside))
     assert [r.final for r in worker.until_final(request)] == [True]
     report = worker.report(request)
-    assert report["here"].startswith("PermissionError")
-    assert report["thread"].startswith("PermissionError")
+    denied = ("here", "thread", "read here", "read in thread")
+    assert [report[k].split(":")[0] for k in denied] == ["PermissionError"] * 4, report
 
 
 def test_shutdown_finalizes_and_open_requests_get_nothing_more(
@@ -377,7 +439,7 @@ def test_shutdown_finalizes_and_open_requests_get_nothing_more(
         assert worker.stop() == []
     # finalize() ran, after execute() returned; none of them got anything more.
     assert "model decoupled: finalize: 1 senders held" in caplog.text
-    assert [len(worker._pending[r]) for r in (blocked, held, inside)] == [WINDOW, 0, WINDOW]
+    assert [len(worker.received(r)) for r in (blocked, held, inside)] == [WINDOW, 0, WINDOW]
 
 
 def test_async_execute_runs_on_an_event_loop_requests_overlapping(tmp_path: Path) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
+from protos.inference import model_config_pb2 as mc
+from service.backend.python_model import config_json
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.lifecycle.repository import ModelRepository, RepositoryError
 
@@ -72,3 +76,27 @@ def test_triton_utils_read_the_config_as_triton_passes_it() -> None:
     assert pb_utils.get_input_tensor_by_name(request, "nope") is None
     failed = pb_utils.InferenceResponse(error=pb_utils.TritonError("no"))
     assert failed.has_error() and failed.error() is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "decoupled"),
+    [
+        ("", False),
+        ("model_transaction_policy { }", False),
+        ("model_transaction_policy { decoupled: false }", False),
+        ("model_transaction_policy { decoupled: true }", True),
+    ],
+)
+def test_triton_utils_tell_a_decoupled_config(text: str, decoupled: bool) -> None:
+    """From the config JSON Python models are given (Triton's function, Triton's field)."""
+    config = json.dumps(config_json(text_format.Parse(text, mc.ModelConfig())))
+    assert pb_utils.using_decoupled_model_transaction_policy(config) is decoupled
+    assert pb_utils.using_decoupled_model_transaction_policy(json.loads(config)) is decoupled
+
+
+def test_a_request_of_a_model_that_is_not_decoupled_has_no_sender() -> None:
+    request = pb_utils.InferenceRequest([], ["ids"])
+    assert not request.is_cancelled()
+    assert (request.request_id(), json.loads(request.parameters())) == ("", {})
+    with pytest.raises(pb_utils.TritonModelException, match="needs a decoupled model"):
+        request.get_response_sender()

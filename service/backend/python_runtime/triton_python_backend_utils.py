@@ -85,9 +85,9 @@ class ResponseChannel(Protocol):
     """Where one decoupled request's responses go (the worker's side of a sender)."""
 
     def send(self, response: InferenceResponse | None, final: bool) -> None:
-        """Blocks while the request's window is full; drops the response once the request is
-        cancelled; raises TritonModelException for a response the config does not allow, or
-        after the final one."""
+        """A data response blocks while the request's window is full (a final one never);
+        drops the response once the request is cancelled; raises TritonModelException for a
+        response the config does not allow, or after the final one."""
 
     def is_cancelled(self) -> bool: ...
 
