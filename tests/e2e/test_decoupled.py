@@ -175,7 +175,8 @@ async def queue_of(server: ServerProcess) -> tuple[int, int]:
 # ---- what a request's responses look like ----
 
 
-@pytest.mark.parametrize("count", [1, 5])
+# Around the worker's window: more responses than it may have untaken need the server's credits.
+@pytest.mark.parametrize("count", [1, RESPONSE_WINDOW, RESPONSE_WINDOW + 1, 3 * RESPONSE_WINDOW])
 async def test_n_responses_carry_the_id_and_the_final_flag_on_the_last(
     server: ServerProcess, transport: str, certs_dir: Path, count: int
 ) -> None:
@@ -214,6 +215,28 @@ async def test_empty_final_response_only_when_the_request_asks(
         assert (len(empty.outputs), empty.model_name, empty.id) == (0, MODEL, "flags")
     else:
         assert [final_flag(r) for r in flags] == [False, False, False]
+
+
+async def test_an_optional_input_may_be_left_out_and_a_required_one_not(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    without_size = repeat(2, "optional")
+    del without_size.inputs[2]
+    del without_size.raw_input_contents[2]
+    without_count = repeat(2, "required")
+    del without_count.inputs[0]
+    del without_count.raw_input_contents[0]
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(without_size)
+        await call.write(without_count)
+        await call.done_writing()
+        responses = await read_all(call)
+    answered = [r for r in responses if r.infer_response.id == "optional"]
+    assert [parse_response(r.infer_response)["data"].tolist() for r in answered] == [[0], [1]]
+    (refused,) = [r for r in responses if r.infer_response.id == "required"]
+    assert refused.error_message.startswith("INVALID_ARGUMENT")
+    assert "missing input(s) ['count']" in refused.error_message
 
 
 async def test_two_requests_interleave_on_one_stream(
