@@ -32,10 +32,12 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import text_format
 
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.inference import model_config_pb2 as mc
 from scripts.bench_common import write_json
 from tests.servers import EXAMPLE_MODELS, ServerProcess
 
@@ -72,16 +74,14 @@ def repository(target: Path) -> Path:
     source = EXAMPLE_MODELS / "generate"
     if not (source / "1" / "lm").is_dir():
         raise SystemExit(f"{source} has no exported LM; run `make models`")
-    config = (source / "config.pbtxt").read_text()
     for way, parameters in WAYS.items():
         name = f"generate_{way}"
         shutil.copytree(source, target / name)
-        text = config.replace('name: "generate"', f'name: "{name}"')
+        config = text_format.Parse((source / "config.pbtxt").read_text(), mc.ModelConfig())
+        config.name = name
         for key, value in parameters.items():
-            old = f'{{ key: "{key}", value: {{ string_value: "'
-            start = text.index(old) + len(old)
-            text = text[:start] + value + text[text.index('"', start) :]
-        (target / name / "config.pbtxt").write_text(text)
+            config.parameters[key].string_value = value
+        (target / name / "config.pbtxt").write_text(text_format.MessageToString(config))
     return target
 
 

@@ -349,3 +349,37 @@ def test_engine_parameters_default_to_iteration_level_batching() -> None:
     assert limits_from({MAX_BATCH: "4", TOKEN_BUDGET: "4", MODE: "request"}) == StepLimits(
         4, 4, "request"
     )
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, database=None)
+@given(prompts, st.integers(2, 30))
+def test_the_cache_gives_the_tokens_of_recomputing_the_whole_prefix(
+    decoder: PaddleDecoder, tokenizer: CharTokenizer, text: str, max_tokens: int
+) -> None:
+    """Each greedy token is the one the prefill program picks for the prompt and every token
+    before it (no cache): the engine puts each key and value at its position."""
+    with started(decoder) as (engine, _):
+        prompt = tokenizer.encode(text)
+        (recorder,) = run(engine, [(prompt, max_tokens)])
+    tokens = recorder.tokens()
+    recomputed = [int(decoder.prefill(prompt + tokens[:i])[0].argmax()) for i in range(len(tokens))]
+    assert tokens == recomputed
+
+
+def test_closing_the_engine_fails_what_is_unfinished_without_blocking(
+    decoder: PaddleDecoder, tokenizer: CharTokenizer
+) -> None:
+    """A batch of one at close: a finished sequence whose reader has not taken its final
+    response, a paused one holding the place (its reader stopped) and one waiting for it. The
+    waiting one, whose reader can take it, gets an error; the others nothing more (a send would
+    block the model's finalize); close returns."""
+    unread, paused, waiting = Recorder(credit=4), Recorder(credit=3), Recorder()
+    with started(decoder, max_batch=1, budget=64) as (engine, steps):
+        engine.submit(unread, tokenizer.encode("done"), 4)
+        engine.submit(paused, tokenizer.encode("paused"), 50)
+        engine.submit(waiting, tokenizer.encode("waits"), 5)
+        steps.wait_for(4 + 3)
+    assert waiting.ending() == ("error", "the model is shutting down")
+    assert waiting.tokens() == []
+    assert len(paused.tokens()) == 3 and not paused.finished.is_set()
+    assert len(unread.tokens()) == 4 and not unread.finished.is_set()

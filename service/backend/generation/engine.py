@@ -3,9 +3,10 @@ sequences join and leave it between steps (planner.py decides who joins).
 
 Each loop: drop the sequences whose request was cancelled (their place is free at once),
 pause those whose response sender is not writable (a slow reader holds its own sequence, not
-the batch), plan the joiners, run one step (prefill each joiner, decode every other sequence
-that is not paused) and send one response per new token. A sequence that reaches max_tokens
-or a stop token leaves the batch in the same step and gets its final response.
+the batch), plan the joiners, run one step (prefill each joiner and send its first token, then
+decode every other sequence that is not paused) and send one response per new token. A
+sequence that reaches max_tokens or a stop token leaves the batch in the same step and gets
+its final response.
 
 Responses are built by the model (a `Responder`), so the engine works with any
 `triton_python_backend_utils`, paddlequic's or Triton's.
@@ -178,7 +179,8 @@ class GenerationEngine:
         return generation
 
     def close(self) -> None:
-        """Stop the driver; unfinished sequences get an error response."""
+        """Stop the driver; unfinished sequences whose reader can take it get an error
+        response."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -214,15 +216,35 @@ class GenerationEngine:
                 for generation in decoding + joining:
                     self._fail(generation, f"generation step failed: {exc}")
         for generation in [*self._running, *self._waiting, *self._submitted, *self._finals]:
-            self._fail(generation, "the model is shutting down")
+            # A reader that is behind would block this send (and the model's finalize) until
+            # the worker ends; its request is failed with the worker's own error instead.
+            if generation.writable():
+                self._fail(generation, "the model is shutting down")
 
     def _busy(self) -> bool:
         return bool(self._running or self._waiting or self._finals)
 
     def _step(self, decoding: list[Generation], joining: list[Generation]) -> None:
+        """Prefill the joiners and send their first tokens, then decode the others: a new
+        request's first token does not wait for the batch's decode (its time to first token
+        is its prefill)."""
+        first = []
+        for generation in joining:
+            logits, kv = self.decoder.prefill(generation.prompt)
+            generation.slot = len(self._running)
+            self._running.append(generation)
+            # Zero beyond the prompt: the row is then exactly what it is when run alone.
+            own = self._cache[:, :, generation.slot]
+            length = len(generation.prompt)
+            own[:, :, :, :length] = kv
+            own[:, :, :, length:] = 0.0
+            first.append((generation, logits))
+        held = len(self._running)
+        for generation, logits in first:
+            self._emit(generation, next_token(logits, generation.temperature, generation.rng))
         produced: list[tuple[Generation, np.ndarray[Any, Any]]] = []
         if decoding:
-            slots = [g.slot for g in decoding]
+            slots = [g.slot for g in decoding]  # after the joiners that ended left
             contiguous = slots == list(range(len(slots)))
             cache = self._cache[:, :, : len(slots)] if contiguous else self._cache[:, :, slots]
             logits, kv = self.decoder.decode(
@@ -233,20 +255,9 @@ class GenerationEngine:
             for row, generation in enumerate(decoding):
                 self._cache[:, :, generation.slot, :, generation.position] = kv[row]
                 produced.append((generation, logits[row]))
-        for generation in joining:
-            logits, kv = self.decoder.prefill(generation.prompt)
-            generation.slot = len(self._running)
-            self._running.append(generation)
-            row = self._cache[:, :, generation.slot]
-            length = len(generation.prompt)
-            row[:, :, :, :length] = kv
-            row[:, :, :, length:] = 0.0
-            produced.append((generation, logits))
         self.steps += 1
         if self.observer is not None:
-            self.observer(
-                StepRecord(len(decoding), tuple(len(g.prompt) for g in joining), len(self._running))
-            )
+            self.observer(StepRecord(len(decoding), tuple(len(g.prompt) for g in joining), held))
         for generation, logits in produced:
             self._emit(generation, next_token(logits, generation.temperature, generation.rng))
 
