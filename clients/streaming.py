@@ -64,17 +64,22 @@ def _parameter(value: pb.InferParameter) -> Parameter:
     return result
 
 
+def is_final(response: pb.ModelInferResponse) -> bool:
+    """Whether this was its request's last response. One without `triton_final_response` (a
+    model that is not decoupled, on a server that does not mark them) is its only one."""
+    marked = response.parameters.get(FINAL_RESPONSE)
+    return True if marked is None else bool(marked.bool_param)
+
+
 def parse_stream_response(message: pb.ModelStreamInferResponse) -> StreamResponse:
-    """A response without `triton_final_response` (a model that is not decoupled, on a server
-    that does not mark them) is its request's only one, so final."""
     infer = message.infer_response
-    parameters = {k: _parameter(v) for k, v in infer.parameters.items()}
+    parameters = {k: _parameter(v) for k, v in infer.parameters.items() if k != FINAL_RESPONSE}
     return StreamResponse(
         request_id=infer.id,
         model=infer.model_name,
         version=infer.model_version,
         outputs={} if message.error_message else parse_response(infer),
-        final=bool(parameters.pop(FINAL_RESPONSE, True)),
+        final=is_final(infer),
         error=message.error_message or None,
         parameters=parameters,
     )

@@ -17,7 +17,7 @@ import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]
 
 from clients.inference_client import Target, open_channel
-from clients.streaming import parse_stream_response
+from clients.streaming import is_final
 from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as pb
 
@@ -232,14 +232,16 @@ async def _generation(spec: LoadSpec, stream: Any) -> tuple[str, tuple[int, ...]
         data = await asyncio.wait_for(stream.read(), spec.timeout_s)
         if data is EOF:
             raise _StreamEnded(tuple(tokens))
-        response = parse_stream_response(pb.ModelStreamInferResponse.FromString(data))
-        if response.error is not None:
-            if response.final:
+        # Parsed, but its outputs not decoded: the client's time goes to the transport.
+        message = pb.ModelStreamInferResponse.FromString(data)
+        final = is_final(message.infer_response)
+        if message.error_message:
+            if final:
                 return STREAM_ERROR, tuple(tokens)
             continue
-        if response.outputs:
+        if message.infer_response.outputs:
             tokens.append(time.perf_counter_ns())
-        if response.final:
+        if final:
             return "OK", tuple(tokens)
 
 
