@@ -72,6 +72,7 @@ def is_final(response: pb.ModelInferResponse) -> bool:
 
 
 def parse_stream_response(message: pb.ModelStreamInferResponse) -> StreamResponse:
+    """An error response carries no outputs, only its request's id and the message."""
     infer = message.infer_response
     parameters = {k: _parameter(v) for k, v in infer.parameters.items() if k != FINAL_RESPONSE}
     return StreamResponse(
