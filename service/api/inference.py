@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,9 +15,10 @@ import grpc
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from service.api import stream_responses
 from service.inference import errors
 from service.inference.errors import ServicerContext
-from service.inference.jobs import InferJob, OutputTensor
+from service.inference.jobs import InferJob
 from service.inference.validation import decoded
 from service.lifecycle.lifecycle import Lifecycle
 from service.model.decoupled import is_decoupled
@@ -33,9 +33,6 @@ SERVER_NAME = "paddlequic"
 SERVER_VERSION = metadata.version("paddlequic")
 EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
-# Triton's parameters of a decoupled model's responses (src/grpc/stream_infer_handler.cc).
-FINAL_RESPONSE = "triton_final_response"
-EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -205,9 +202,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     infer_response=await self._infer(request, deadline)
                 )
             except errors.ServiceError as exc:
-                response = _error_response(request, f"{exc.code.name}: {exc.message}")
-                if served_decoupled(self.models, request):
-                    _mark_final(response, True)
+                response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
+                if _served_decoupled(self.models, request):
+                    stream_responses.mark_final(response, True)
             await responses.put((response, True))
 
         async def read_requests() -> None:
@@ -249,32 +246,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """A decoupled model's responses to one request, put as they come; the last one put
         is final. A ServiceError before or between them ends the request (the caller turns
         it into the request's final error_message)."""
-        empty_final = _empty_final_wanted(request)
+        empty_final = stream_responses.empty_final_wanted(request)
         job = await _decode(served, request)
-        stream = self.runner.stream(served, job, request.id, _parameters(request), deadline)
+        stream = self.runner.stream(
+            served, job, request.id, stream_responses.parameters(request), deadline
+        )
         async with contextlib.aclosing(stream) as answers:
             async for answer in answers:
-                response: pb.ModelStreamInferResponse | None
-                if answer.error is not None:
-                    response = _error_response(
-                        request, f"INTERNAL: model '{served.name}': {answer.error}"
-                    )
-                elif answer.outputs or not answer.final:
-                    response = pb.ModelStreamInferResponse(
-                        infer_response=_response(served, request.id, answer.outputs)
-                    )
-                elif empty_final:
-                    response = pb.ModelStreamInferResponse(
-                        infer_response=pb.ModelInferResponse(
-                            model_name=request.model_name,
-                            model_version=request.model_version,
-                            id=request.id,
-                        )
-                    )
-                else:  # a flags-only final nobody asked to see: the request just ends
-                    response = None
-                if response is not None:
-                    _mark_final(response, answer.final)
+                response = stream_responses.decoupled(
+                    served.name, str(served.version), request, answer, empty_final
+                )
                 await put((response, answer.final))
 
     async def _infer(
@@ -284,7 +265,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         job = await _decode(served, request)
         answered, result = await self.runner.infer(served, job, deadline)
         with self.runner.encode_span():
-            response = _response(answered, request.id, result.outputs)
+            response = stream_responses.infer_response(
+                answered.name, str(answered.version), request.id, result.outputs
+            )
         if answered is not served:
             # Answered by the fallback model while `served` is open-circuited.
             response.parameters["fallback"].bool_param = True
@@ -303,60 +286,12 @@ async def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> Infer
         raise
 
 
-def _response(
-    served: ServedVersion, request_id: str, outputs: tuple[OutputTensor, ...]
-) -> pb.ModelInferResponse:
-    response = pb.ModelInferResponse(
-        model_name=served.name, model_version=str(served.version), id=request_id
-    )
-    for tensor in outputs:
-        response.outputs.add(name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape)
-        response.raw_output_contents.append(tensor.data)
-    return response
-
-
-def _error_response(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
-    return pb.ModelStreamInferResponse(
-        error_message=message,
-        infer_response=pb.ModelInferResponse(
-            model_name=request.model_name, model_version=request.model_version, id=request.id
-        ),
-    )
-
-
-def _mark_final(response: pb.ModelStreamInferResponse, final: bool) -> None:
-    response.infer_response.parameters[FINAL_RESPONSE].bool_param = final
-
-
-def served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
+def _served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
     """Whether the request names a decoupled model (its error is then its final response)."""
     try:
         return is_decoupled(models.resolve(request.model_name, request.model_version).config)
     except errors.ServiceError:
         return False
-
-
-def _empty_final_wanted(request: pb.ModelInferRequest) -> bool:
-    """Triton's request parameter: a flags-only final response is sent (empty) instead of
-    ending the request silently."""
-    parameter = request.parameters.get(EMPTY_FINAL)
-    if parameter is None:
-        return False
-    if parameter.WhichOneof("parameter_choice") != "bool_param":
-        raise errors.invalid(
-            f"invalid value type for '{EMPTY_FINAL}' parameter, expected bool_param."
-        )
-    return parameter.bool_param
-
-
-def _parameters(request: pb.ModelInferRequest) -> str:
-    """The request's parameters as JSON, as pb_utils' request.parameters() returns them."""
-    values = {}
-    for key, parameter in request.parameters.items():
-        kind = parameter.WhichOneof("parameter_choice")
-        if kind is not None:
-            values[key] = getattr(parameter, kind)
-    return json.dumps(values)
 
 
 def _deadline(context: ServicerContext) -> float | None:

@@ -104,7 +104,8 @@ class Metrics:
         # A decoupled model's responses (model labels: served names only, from the registry).
         self.time_to_first_token = Histogram(
             "paddlequic_time_to_first_token_seconds",
-            "from a decoupled model's request reaching its model to its first response taken",
+            "a decoupled model's request: from reaching its model (waiting for a place included) "
+            "to its first response taken",
             ["model"],
             buckets=SECONDS_BUCKETS,
             registry=r,

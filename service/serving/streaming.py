@@ -7,7 +7,6 @@ it again elsewhere."""
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import AsyncGenerator
 from contextlib import AbstractContextManager
@@ -22,7 +21,6 @@ from service.inference.jobs import InferJob, StreamAnswer, Timings
 from service.registry.versions import ServedVersion
 from service.resilience.breaker import BreakerState
 from service.serving.circuit import open_circuit
-from service.workers import routing
 from service.workers.instance import State, WorkerInstance
 
 
@@ -64,7 +62,7 @@ async def responses(
                 queue_ns = time.perf_counter_ns() - started
                 observer.on_generation(served.name, 1)
                 try:
-                    last = time.perf_counter_ns()
+                    last = started  # the first response's time includes the wait for a place
                     async for answer in _attempts(served, job, caller_id, parameters, deadline):
                         if answer.outputs:
                             now = time.perf_counter_ns()
@@ -126,10 +124,9 @@ async def _attempts(
     )
 
 
-_random = random.Random(0)
-
-
 def _pick(served: ServedVersion) -> WorkerInstance:
-    instances = served.instances
-    ready = [i for i in instances if i.state is State.READY] or instances
-    return routing.choose(ready, served.local_numa, _random)
+    """The ready instance holding the fewest requests (a generation holds its instance for
+    long, so the exact count matters more than for a batch), on the front-end's NUMA node when
+    that ties."""
+    ready = [i for i in served.instances if i.state is State.READY] or served.instances
+    return min(ready, key=lambda i: (i.outstanding, i.numa_node != served.local_numa))

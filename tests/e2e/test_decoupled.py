@@ -239,6 +239,28 @@ async def test_an_optional_input_may_be_left_out_and_a_required_one_not(
     assert "missing input(s) ['count']" in refused.error_message
 
 
+async def test_the_model_sees_the_requests_id_and_parameters(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    request_id = f"parameters-{transport}"
+    request = repeat(1, request_id, mode="parameters")
+    request.parameters["label"].string_param = "café"
+    request.parameters["n"].int64_param = 3
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(request)
+        await call.done_writing()
+        assert len(await read_all(call)) == 1
+    prefix = f"model {MODEL}: request {request_id} parameters "
+    messages = [
+        json.loads(line).get("message", "")
+        for line in server.log_text().splitlines()
+        if line.startswith("{")
+    ]
+    (printed,) = [m.removeprefix(prefix) for m in messages if m.startswith(prefix)]
+    assert json.loads(printed) == {"label": "café", "n": 3}
+
+
 async def test_two_requests_interleave_on_one_stream(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
@@ -289,6 +311,10 @@ async def test_model_infer_on_a_decoupled_model_names_model_stream_infer(
 async def test_cancelling_the_call_stops_the_model(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
+    await assert_cancel_stops(server, transport, certs_dir)
+
+
+async def assert_cancel_stops(server: ServerProcess, transport: str, certs_dir: Path) -> None:
     request_id = f"cancel-{transport}"
     async with channel_to(server, transport, certs_dir) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
@@ -319,8 +345,10 @@ async def test_a_passed_deadline_ends_the_call_and_cancels_the_request_in_the_mo
 
 
 async def test_a_model_silent_past_execution_timeout_fails_its_request_and_is_cancelled(
-    server: ServerProcess, transport: str, certs_dir: Path
+    server: ServerProcess, certs_dir: Path
 ) -> None:
+    """Below the transports (one is enough): the gap is bounded in the worker's handle."""
+    transport = "h2"
     request_id = f"silent-{transport}"
     async with channel_to(server, transport, certs_dir) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
@@ -463,6 +491,22 @@ async def test_a_request_with_responses_fails_unavailable_with_their_count(
     await wait_state(server, pid)
 
 
+async def test_a_request_that_kills_its_worker_twice_is_refused_as_poison(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Below the transports (one is enough): the retry is the streaming path's."""
+    pid = worker_pid(server)
+    async with channel_to(server, "h2", certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(repeat(1, "poison", mode="crash"))
+        (error,) = await until_id(call, "poison")
+        await call.done_writing()
+        assert await read_all(call) == []
+    assert error.error_message.startswith("INTERNAL: suspected poison input")
+    assert "died 2 times" in error.error_message and final_flag(error) is True
+    await wait_state(server, pid)
+
+
 # ---- the version's places ----
 
 
@@ -542,11 +586,21 @@ def statistics(server: ServerProcess) -> tuple[int, int]:
     return inference.success.count, inference.fail.count
 
 
-async def test_through_two_frontends(tmp_path: Path, transport: str, certs_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def two_frontends(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("decoupled_frontends")
     args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
-    repository = decoupled_repository(tmp_path / "models")
-    with running_server(repository, tmp_path / "server.log", args) as two:
-        await assert_counted(two, transport, certs_dir)
+    with running_server(decoupled_repository(root / "models"), root / "server.log", args) as s:
+        yield s
+
+
+async def test_through_two_frontends(
+    two_frontends: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    await assert_counted(two_frontends, transport, certs_dir)
+    await assert_cancel_stops(two_frontends, transport, certs_dir)
 
 
 # ---- what is refused at load ----

@@ -285,3 +285,13 @@ def test_a_decoupled_model_cannot_stand_in_as_a_fallback() -> None:
     )
     reason = incompatibility(primary, fallback)
     assert reason is not None and "decoupled" in reason
+
+
+async def test_an_output_the_config_does_not_declare_is_that_responses_error() -> None:
+    request = Worker().request()
+    ref = protocol.TensorRef("secret", "<i4", (1,), 0, 4)
+    stray = protocol.Response(1, (ref,), bytes(4), False)
+    request.deliver(stray)
+    answer = await request.next(None, None)
+    assert answer is not None and answer.outputs == ()
+    assert answer.error is not None and "does not declare" in answer.error
