@@ -237,24 +237,27 @@ class GenerationEngine:
         held = len(self._running)
         for generation, logits in first:
             self._emit(generation, next_token(logits, generation.temperature, generation.rng))
-        produced: list[tuple[Generation, np.ndarray[Any, Any]]] = []
+        produced: list[tuple[Generation, int]] = []
         if decoding:
             slots = [g.slot for g in decoding]  # after the joiners that ended left
             contiguous = slots == list(range(len(slots)))
             cache = self._cache[:, :, : len(slots)] if contiguous else self._cache[:, :, slots]
+            positions = np.array([g.position for g in decoding], dtype=np.int64)
             logits, kv = self.decoder.decode(
-                np.array([g.tokens[-1] for g in decoding], dtype=np.int64),
-                np.array([g.position for g in decoding], dtype=np.int64),
-                cache,
+                np.array([g.tokens[-1] for g in decoding], dtype=np.int64), positions, cache
             )
-            for row, generation in enumerate(decoding):
-                self._cache[:, :, generation.slot, :, generation.position] = kv[row]
-                produced.append((generation, logits[row]))
+            # One scatter for the batch: advanced indices first, so the target is kv's shape.
+            self._cache[:, :, slots, :, positions] = kv
+            greedy = np.argmax(logits, axis=1)  # one call for the batch, not one per row
+            for row, g in enumerate(decoding):
+                sampled = g.temperature > 0.0
+                token = next_token(logits[row], g.temperature, g.rng) if sampled else greedy[row]
+                produced.append((g, int(token)))
         self.steps += 1
         if self.observer is not None:
             self.observer(StepRecord(len(decoding), tuple(len(g.prompt) for g in joining), held))
-        for generation, logits in produced:
-            self._emit(generation, next_token(logits, generation.temperature, generation.rng))
+        for generation, token in produced:
+            self._emit(generation, token)
 
     def _emit(self, generation: Generation, token: int) -> None:
         generation.steps += 1
