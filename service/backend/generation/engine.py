@@ -211,7 +211,9 @@ class GenerationEngine:
             except Exception as exc:
                 log.exception("generation step failed")
                 for generation in decoding + joining:
-                    if generation.slot >= 0:  # not ended in the step before it failed
+                    # Not ended in the step before it failed (a joiner not prefilled yet has
+                    # no place and no token).
+                    if generation.slot >= 0 or not generation.steps:
                         self._fail(generation, f"generation step failed: {exc}")
         for generation in [*self._running, *self._waiting, *self._submitted]:
             self._fail(generation, "the model is shutting down")
@@ -220,10 +222,10 @@ class GenerationEngine:
         return bool(self._running or self._waiting)
 
     def _step(self, decoding: list[Generation], joining: list[Generation]) -> None:
-        """Prefill the joiners and send their first tokens, then decode the others: a new
-        request's first token does not wait for the batch's decode (its time to first token
-        is its prefill)."""
-        first = []
+        """Prefill each joiner and send its first token at once, then decode the others: a
+        new request's first token waits neither for the batch's decode nor for the joiners
+        after it (its time to first token is its prefill and those before it)."""
+        held = len(self._running) + len(joining)
         for generation in joining:
             logits, kv = self.decoder.prefill(generation.prompt)
             generation.slot = len(self._running)
@@ -233,9 +235,8 @@ class GenerationEngine:
             length = len(generation.prompt)
             own[:, :, :, :length] = kv
             own[:, :, :, length:] = 0.0
-            first.append((generation, logits))
-        held = len(self._running)
-        for generation, logits in first:
+            # Its first token now, not after the other joiners' prefills (it is the last row
+            # of the batch, so if it ends at once its release moves no other sequence).
             self._emit(generation, next_token(logits, generation.temperature, generation.rng))
         produced: list[tuple[Generation, int]] = []
         if decoding:
