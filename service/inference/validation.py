@@ -28,7 +28,6 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.inference.errors import echoed, invalid
 from service.inference.jobs import InferJob, InputTensor
-from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 
 # Where config.pbtxt sets no max_input_elements: an input with variable non-batch dimensions
@@ -49,7 +48,6 @@ class _Declared:
     datatype: Datatype
     dims: tuple[int, ...]  # without the batch dimension when the model batches
     max_elements: int | None  # per request; None: the fixed dims bound it
-    optional: bool = False  # a request may leave it out (decoupled models only)
 
 
 @dataclass(frozen=True)
@@ -108,21 +106,20 @@ class RequestValidator:
     def __init__(self, config: mc.ModelConfig) -> None:
         self.model = config.name
         self.max_batch_size = config.max_batch_size
-        # Triton's `optional: true` inputs, honoured for decoupled models only: each of their
-        # requests reaches execute() alone, which sees what was sent. Elsewhere an input left
-        # out would be missing from a batch (or, for a Paddle program, silently reuse the
-        # last caller's data), so every input stays required.
-        decoupled = is_decoupled(config)
         self.inputs = {
             i.name: _Declared(
-                BY_CONFIG_TYPE[i.data_type],
-                tuple(i.dims),
-                element_limit(config, tuple(i.dims)),
-                decoupled and i.optional,
+                BY_CONFIG_TYPE[i.data_type], tuple(i.dims), element_limit(config, tuple(i.dims))
             )
             for i in config.input
         }
         self.outputs = tuple(o.name for o in config.output)
+        # Triton's `optional: true`, honoured where each request runs alone (a decoupled
+        # model's): a batch needs every input of every request in it.
+        self.optional = (
+            frozenset(i.name for i in config.input if i.optional)
+            if config.model_transaction_policy.decoupled
+            else frozenset()
+        )
 
     def validate(self, request: pb.ModelInferRequest) -> InferJob:
         """The request as a job, or INVALID_ARGUMENT saying what is wrong."""
@@ -178,12 +175,13 @@ class RequestValidator:
         return declared
 
     def _complete(self, seen: dict[str, _Contents]) -> tuple[_Contents, ...]:
-        missing = sorted(n for n, d in self.inputs.items() if n not in seen and not d.optional)
-        if missing:
-            raise invalid(
-                f"model '{self.model}': missing input(s) {missing}; every input must be sent "
-                "with every request"
-            )
+        if len(seen) != len(self.inputs):
+            missing = sorted(set(self.inputs) - set(seen) - self.optional)
+            if missing:
+                raise invalid(
+                    f"model '{self.model}': missing input(s) {missing}; every input that is "
+                    "not optional must be sent with every request"
+                )
         return tuple(seen.values())
 
     def _check_shape(

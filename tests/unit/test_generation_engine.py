@@ -39,8 +39,9 @@ prompts = st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1
 
 class Recorder:
     """A response sender and its request: records what the engine sends. `credit`: how many
-    more responses its reader takes before it stops reading (None: it never stops), as the
-    worker's sender has a window of responses the server has not taken yet."""
+    more data responses its reader takes before it stops reading (None: it never stops), as
+    the worker's sender has a window of responses the server has not taken yet (a final
+    response needs no credit there)."""
 
     def __init__(self, credit: int | None = None, gate: threading.Event | None = None) -> None:
         """`gate`: once set, the reader reads on (one event can release many readers at
@@ -70,7 +71,7 @@ class Recorder:
     def send(self, response: Any = None, flags: int = 0) -> None:
         with self._lock:
             assert not self.finished.is_set(), "sent after the final flag"
-            if not self.cancel:
+            if not self.cancel and not flags & FINAL:
                 # The worker's sender would block the engine's thread here.
                 assert self._reading(), "sent while not writable"
                 if self.credit is not None and self.credit > 0:
@@ -366,20 +367,49 @@ def test_the_cache_gives_the_tokens_of_recomputing_the_whole_prefix(
     assert tokens == recomputed
 
 
-def test_closing_the_engine_fails_what_is_unfinished_without_blocking(
+def test_closing_the_engine_fails_what_is_unfinished(
     decoder: PaddleDecoder, tokenizer: CharTokenizer
 ) -> None:
-    """A batch of one at close: a finished sequence whose reader has not taken its final
-    response, a paused one holding the place (its reader stopped) and one waiting for it. The
-    waiting one, whose reader can take it, gets an error; the others nothing more (a send would
-    block the model's finalize); close returns."""
+    """A batch of one at close: a finished sequence whose reader stopped (its final response
+    went out anyway: it needs no credit), a paused one holding the place and one waiting for
+    it. Each unfinished one gets an error, and close returns."""
     unread, paused, waiting = Recorder(credit=4), Recorder(credit=3), Recorder()
     with started(decoder, max_batch=1, budget=64) as (engine, steps):
         engine.submit(unread, tokenizer.encode("done"), 4)
         engine.submit(paused, tokenizer.encode("paused"), 50)
         engine.submit(waiting, tokenizer.encode("waits"), 5)
         steps.wait_for(4 + 3)
+    assert unread.ending() == ("final", "length") and len(unread.tokens()) == 4
+    assert paused.ending() == ("error", "the model is shutting down")
+    assert len(paused.tokens()) == 3
     assert waiting.ending() == ("error", "the model is shutting down")
     assert waiting.tokens() == []
-    assert len(paused.tokens()) == 3 and not paused.finished.is_set()
-    assert len(unread.tokens()) == 4 and not unread.finished.is_set()
+
+
+class FailingPrefill:
+    """The module's decoder whose prefill raises: a step that fails before a joiner has its
+    place."""
+
+    def __init__(self, decoder: PaddleDecoder) -> None:
+        self.decoder, self.cache = decoder, decoder.cache
+
+    def prefill(self, token_ids: list[int]) -> Any:
+        raise RuntimeError("prefill broke")
+
+    def decode(self, *args: Any) -> Any:
+        return self.decoder.decode(*args)
+
+
+def test_a_failed_prefill_fails_every_joiner_it_had_not_reached(
+    decoder: PaddleDecoder, tokenizer: CharTokenizer
+) -> None:
+    engine = GenerationEngine(FailingPrefill(decoder), StepLimits(32, 512), Responses())  # type: ignore[arg-type]
+    try:
+        recorders = [Recorder() for _ in range(3)]
+        for recorder in recorders:
+            engine.submit(recorder, tokenizer.encode("hello"), 5)
+        endings = [r.ending() for r in recorders]
+    finally:
+        engine.close()
+    assert endings == [("error", "generation step failed: prefill broke")] * 3
+    assert all(r.tokens() == [] for r in recorders)

@@ -127,7 +127,6 @@ class GenerationEngine:
         self._cache = np.zeros(decoder.cache.batch(limits.max_batch), dtype=np.float32)
         self._running: list[Generation] = []  # _running[i].slot == i: its cache[:, :, i]
         self._waiting: deque[Generation] = deque()
-        self._finals: list[Generation] = []  # finished, final response not sent yet
         self._submitted: deque[Generation] = deque()
         self._wake = threading.Condition()
         self._closed = False
@@ -179,8 +178,7 @@ class GenerationEngine:
         return generation
 
     def close(self) -> None:
-        """Stop the driver; unfinished sequences whose reader can take it get an error
-        response."""
+        """Stop the driver; unfinished sequences get an error response."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -196,7 +194,6 @@ class GenerationEngine:
                 self._waiting.extend(self._submitted)
                 self._submitted.clear()
             self._drop_cancelled()
-            self._send_finals()
             decoding = [g for g in self._running if g.writable()]
             count = joiners(
                 len(self._running),
@@ -206,7 +203,7 @@ class GenerationEngine:
             )
             joining = [self._waiting.popleft() for _ in range(count)]
             if not decoding and not joining:
-                with self._wake:  # only paused sequences (or unsent finals): look again soon
+                with self._wake:  # only paused sequences: look again soon
                     self._wake.wait(PAUSED_POLL_S)
                 continue
             try:
@@ -214,21 +211,21 @@ class GenerationEngine:
             except Exception as exc:
                 log.exception("generation step failed")
                 for generation in decoding + joining:
-                    self._fail(generation, f"generation step failed: {exc}")
-        for generation in [*self._running, *self._waiting, *self._submitted, *self._finals]:
-            # A reader that is behind would block this send (and the model's finalize) until
-            # the worker ends; its request is failed with the worker's own error instead.
-            if generation.writable():
-                self._fail(generation, "the model is shutting down")
+                    # Not ended in the step before it failed (a joiner not prefilled yet has
+                    # no place and no token).
+                    if generation.slot >= 0 or not generation.steps:
+                        self._fail(generation, f"generation step failed: {exc}")
+        for generation in [*self._running, *self._waiting, *self._submitted]:
+            self._fail(generation, "the model is shutting down")
 
     def _busy(self) -> bool:
-        return bool(self._running or self._waiting or self._finals)
+        return bool(self._running or self._waiting)
 
     def _step(self, decoding: list[Generation], joining: list[Generation]) -> None:
-        """Prefill the joiners and send their first tokens, then decode the others: a new
-        request's first token does not wait for the batch's decode (its time to first token
-        is its prefill)."""
-        first = []
+        """Prefill each joiner and send its first token at once, then decode the others: a
+        new request's first token waits neither for the batch's decode nor for the joiners
+        after it (its time to first token is its prefill and those before it)."""
+        held = len(self._running) + len(joining)
         for generation in joining:
             logits, kv = self.decoder.prefill(generation.prompt)
             generation.slot = len(self._running)
@@ -238,28 +235,30 @@ class GenerationEngine:
             length = len(generation.prompt)
             own[:, :, :, :length] = kv
             own[:, :, :, length:] = 0.0
-            first.append((generation, logits))
-        held = len(self._running)
-        for generation, logits in first:
+            # Its first token now, not after the other joiners' prefills (it is the last row
+            # of the batch, so if it ends at once its release moves no other sequence).
             self._emit(generation, next_token(logits, generation.temperature, generation.rng))
-        produced: list[tuple[Generation, np.ndarray[Any, Any]]] = []
+        produced: list[tuple[Generation, int]] = []
         if decoding:
             slots = [g.slot for g in decoding]  # after the joiners that ended left
             contiguous = slots == list(range(len(slots)))
             cache = self._cache[:, :, : len(slots)] if contiguous else self._cache[:, :, slots]
+            positions = np.array([g.position for g in decoding], dtype=np.int64)
             logits, kv = self.decoder.decode(
-                np.array([g.tokens[-1] for g in decoding], dtype=np.int64),
-                np.array([g.position for g in decoding], dtype=np.int64),
-                cache,
+                np.array([g.tokens[-1] for g in decoding], dtype=np.int64), positions, cache
             )
-            for row, generation in enumerate(decoding):
-                self._cache[:, :, generation.slot, :, generation.position] = kv[row]
-                produced.append((generation, logits[row]))
+            # One scatter for the batch: advanced indices first, so the target is kv's shape.
+            self._cache[:, :, slots, :, positions] = kv
+            greedy = np.argmax(logits, axis=1)  # one call for the batch, not one per row
+            for row, g in enumerate(decoding):
+                sampled = g.temperature > 0.0
+                token = next_token(logits[row], g.temperature, g.rng) if sampled else greedy[row]
+                produced.append((g, int(token)))
         self.steps += 1
         if self.observer is not None:
             self.observer(StepRecord(len(decoding), tuple(len(g.prompt) for g in joining), held))
-        for generation, logits in produced:
-            self._emit(generation, next_token(logits, generation.temperature, generation.rng))
+        for generation, token in produced:
+            self._emit(generation, token)
 
     def _emit(self, generation: Generation, token: int) -> None:
         generation.steps += 1
@@ -279,27 +278,15 @@ class GenerationEngine:
     def _finish(self, generation: Generation, reason: str) -> None:
         generation.finish_reason = reason
         self._release(generation)
-        self._finals.append(generation)
-        self._send_finals()
-
-    def _send_finals(self) -> None:
-        pending = []
-        for generation in self._finals:
-            if not generation.writable():
-                pending.append(generation)
-                continue
-            assert generation.finish_reason is not None
-            self._send(generation, self.responder.final(generation.finish_reason))
-        self._finals = pending
+        self._send(generation, self.responder.final(reason))
 
     def _drop_cancelled(self) -> None:
         for generation in [g for g in self._running if g.cancelled()]:
             self._release(generation)
             self._send(generation, None)
-        for queue in (self._waiting, self._finals):
-            for generation in [g for g in queue if g.cancelled()]:
-                queue.remove(generation)
-                self._send(generation, None)
+        for generation in [g for g in self._waiting if g.cancelled()]:
+            self._waiting.remove(generation)
+            self._send(generation, None)
 
     def _release(self, generation: Generation) -> None:
         """Free its place in the batch: the last sequence moves into its cache row."""
@@ -318,7 +305,8 @@ class GenerationEngine:
 
     @staticmethod
     def _send(generation: Generation, response: Any) -> None:
-        """A final send; a sender that refuses it (closed, cancelled) ends the sequence too."""
+        """A final send (it needs no credit: it never waits for a slow reader); a sender that
+        refuses it (closed) is logged."""
         try:
             generation.sender.send(response, flags=FINAL)
         except Exception as exc:
