@@ -227,6 +227,65 @@ def _infer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """The text on stdout as it comes; how it ended on stderr."""
+    from clients.generation import REQUIRED_INPUTS, GenerationError
+
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    with _client(args) as client:
+        try:
+            names = [t.name for t in client.metadata(args.model, args.model_version).inputs]
+        except grpc.RpcError as exc:
+            raise SystemExit(_unreachable(args, exc)) from None
+        if not set(REQUIRED_INPUTS) <= set(names):
+            raise SystemExit(
+                f"error: model {args.model!r} takes inputs {names}: `paddlequic generate` needs "
+                "a generation model (inputs text and max_tokens, decoupled), such as the "
+                "generate example"
+            )
+        started = time.perf_counter()
+        first: float | None = None
+        chunks = client.generate(
+            args.model, args.prompt, args.max_tokens, args.temperature, args.seed,
+            args.model_version, args.timeout,
+        )  # fmt: skip
+        finish, count = None, 0
+        try:
+            for chunk in chunks:
+                count += 1
+                first = first or time.perf_counter() - started
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                finish = chunk.finish_reason
+        except GenerationError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # Ctrl-C: the generation is cancelled, not left running
+            print(f"\n[interrupted after {count} responses]", file=sys.stderr)
+            return 130
+        finally:
+            chunks.close()  # cancels the generation when interrupted
+    print()
+    elapsed = time.perf_counter() - started
+    print(
+        f"[{finish or 'ended'}: {count} responses in {elapsed:.2f} s, first after "
+        f"{(first or elapsed) * 1e3:.1f} ms]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _unreachable(args: argparse.Namespace, exc: grpc.RpcError) -> str:
+    """A failed first call, with what to check when the server could not be reached."""
+    text = f"error: {exc.code().name}: {exc.details()}"
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        text += f"\n  is a server listening at {args.url}? (--url or PADDLEQUIC_URL)"
+        if args.url.startswith(("h3://", "grpcs://")):
+            text += "; for TLS, --ca-file names the CA that signed its certificate"
+    return text
+
+
 def _perf(args: argparse.Namespace) -> int:
     from clients.perf.command import run
 
@@ -318,6 +377,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="h3: keep TLS session tickets in this file (mode 0600, secret) so a later run "
         "resumes with 0-RTT",
     )
+    generate = client_command(
+        "generate", "stream a generation model's text as it is produced (decoupled models)"
+    )
+    generate.add_argument("model")
+    generate.add_argument("prompt")
+    generate.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens at most (default %(default)s)"
+    )
+    generate.add_argument(
+        "--temperature", type=float, help="sample at this temperature (default: greedy)"
+    )
+    generate.add_argument("--seed", type=int, help="the sampling seed (repeatable answers)")
+    generate.add_argument("--model-version", default="", help="version; the newest if omitted")
+    generate.add_argument(
+        "--timeout", type=float, help="seconds for the whole generation (default: none)"
+    )
     perf = client_command(
         "perf", "load-test a model: throughput and latency per concurrency (like perf_analyzer)"
     )
@@ -337,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": _models,
         "health": _health,
         "infer": _infer,
+        "generate": _generate,
         "perf": _perf,
         "certs": _certs,
         "keygen": _keygen,

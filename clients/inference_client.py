@@ -9,9 +9,20 @@ that asks for one, a client certificate and key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -21,10 +32,15 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.generation import Chunk, chunks, generation_request
+from clients.streaming import StreamRequest, StreamResponse, stream_responses
+
+# Re-exported: the arrays <-> messages helpers have always been importable from here.
+from clients.tensors import build_request as build_request
+from clients.tensors import parse_response as parse_response
 from clients.tickets import SessionTicketCache
 from clients.trace_context import Metadata, with_trace_context
-from oip.bytes_tensor import serialize_bytes, to_numpy_bytes
-from oip.datatypes import BY_NAME, from_numpy, is_bytes
+from oip.datatypes import BY_NAME, is_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
@@ -62,40 +78,6 @@ def parse_url(url: str) -> Target:
     if not parts.hostname:
         raise ValueError(f"URL {url!r} names no host; use grpc://HOST:PORT or h3://HOST:PORT")
     return Target(parts.scheme, parts.hostname, parts.port or DEFAULT_PORT)
-
-
-def build_request(
-    model: str,
-    inputs: Mapping[str, np.ndarray[Any, Any]],
-    outputs: Sequence[str] = (),
-    version: str = "",
-    request_id: str = "",
-) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    for name, array in inputs.items():
-        datatype = from_numpy(array.dtype).name
-        request.inputs.add(name=name, datatype=datatype, shape=array.shape)
-        if datatype == "BYTES":
-            request.raw_input_contents.append(
-                serialize_bytes(v.encode() if isinstance(v, str) else bytes(v) for v in array.flat)
-            )
-            continue
-        little_endian = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-        request.raw_input_contents.append(little_endian.tobytes())
-    for name in outputs:
-        request.outputs.add(name=name)
-    return request
-
-
-def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any, Any]]:
-    arrays = {}
-    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
-        if tensor.datatype == "BYTES":
-            arrays[tensor.name] = to_numpy_bytes(raw, tensor.shape)
-            continue
-        dtype = BY_NAME[tensor.datatype].numpy
-        arrays[tensor.name] = np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.shape))
-    return arrays
 
 
 def open_channel(
@@ -181,6 +163,42 @@ class AsyncInferenceClient:
         )
         return parse_response(response)
 
+    async def stream_infer(
+        self,
+        requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest],
+        timeout: float | None = None,
+    ) -> AsyncGenerator[StreamResponse, None]:
+        """One ModelStreamInfer call: the requests go out as `requests` yields them, their
+        responses are yielded as they arrive (interleaved across requests: match them by
+        `request_id`), until every request had its final response. Closing the iterator
+        (`aclose()`, or leaving an `async for` early) cancels the call and the requests
+        still running. `timeout` bounds the whole call."""
+        call = self.stub.ModelStreamInfer(
+            timeout=timeout, metadata=with_trace_context(self._metadata)
+        )
+        # Closed here, not when collected: leaving the caller's loop cancels the call at once.
+        async with contextlib.aclosing(stream_responses(call, requests)) as responses:
+            async for response in responses:
+                yield response
+
+    async def generate(
+        self,
+        model: str,
+        prompt: str,
+        max_tokens: int,
+        temperature: float | None = None,
+        seed: int | None = None,
+        version: str = "",
+        timeout: float | None = None,
+    ) -> AsyncGenerator[Chunk, None]:
+        """Text as a generation model produces it (see clients.generation); raises
+        GenerationError when the model or server failed the request."""
+        request = generation_request(model, prompt, max_tokens, temperature, seed, version)
+        responses = self.stream_infer([request], timeout)
+        async with contextlib.aclosing(responses), contextlib.aclosing(chunks(responses)) as text:
+            async for chunk in text:
+                yield chunk
+
     async def metadata(self, model: str, version: str = "") -> pb.ModelMetadataResponse:
         request = pb.ModelMetadataRequest(name=model, version=version)
         response: pb.ModelMetadataResponse = await self.stub.ModelMetadata(
@@ -210,6 +228,14 @@ class AsyncInferenceClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+async def _pulled(items: Iterable[_T]) -> AsyncIterator[_T]:
+    """A plain iterable as an async one, each item taken in a worker thread."""
+    iterator = iter(items)
+    end = object()
+    while (item := await asyncio.to_thread(next, iterator, end)) is not end:
+        yield item  # type: ignore[misc]
 
 
 def _arguments_of(
@@ -260,6 +286,55 @@ class InferenceClient:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     infer = _blocking(AsyncInferenceClient.infer)
+
+    def stream_infer(
+        self, requests: Iterable[StreamRequest], timeout: float | None = None
+    ) -> Generator[StreamResponse, None, None]:
+        """As `AsyncInferenceClient.stream_infer`; `requests` is read in a worker thread, so
+        it may block (e.g. on a queue) without holding up the responses. Close the iterator
+        (`close()`, or leave a for loop early) to cancel the call."""
+        return self._iterate(self._client.stream_infer(_pulled(requests), timeout))
+
+    def generate(
+        self,
+        model: str,
+        prompt: str,
+        max_tokens: int,
+        temperature: float | None = None,
+        seed: int | None = None,
+        version: str = "",
+        timeout: float | None = None,
+    ) -> Generator[Chunk, None, None]:
+        """As `AsyncInferenceClient.generate`."""
+        return self._iterate(
+            self._client.generate(model, prompt, max_tokens, temperature, seed, version, timeout)
+        )
+
+    def _iterate(self, items: AsyncGenerator[_T, None]) -> Generator[_T, None, None]:
+        """An async generator of the client's loop as a plain one; closing it closes that."""
+        end = object()
+        steps: list[asyncio.Task[Any]] = []
+
+        async def step() -> object:
+            steps[:] = [task] if (task := asyncio.current_task()) else []
+            return await anext(items, end)
+
+        async def close() -> None:
+            # A wait interrupted in this thread (Ctrl-C) leaves its step running on the loop:
+            # it is cancelled and ends before the generator is closed.
+            for running in steps:
+                if not running.done():
+                    running.cancel()
+                    await asyncio.wait([running])
+            await items.aclose()
+
+        try:
+            while (item := self._run(step())) is not end:
+                yield item  # type: ignore[misc]
+        finally:
+            if self._loop.is_running():
+                self._run(close())
+
     metadata = _blocking(AsyncInferenceClient.metadata)
     index = _blocking(AsyncInferenceClient.index)
     health = _blocking(AsyncInferenceClient.health)

@@ -9,7 +9,9 @@ ModelStreamInfer call, each with max_tokens drawn from 8..128 (the same draws fo
 in a round), and read every response: tokens/s over the measurement and time to first token
 (the request written to its first response read). The iteration-level copy is also measured
 over HTTP/3 (QUIC, TLS 1.3) against HTTP/2 (the server's plaintext TCP port), the same
-streams.
+streams. Before the server starts, the engine-only section (scripts/bench_generate_engine.py)
+drives the same three ways in-process on the engine with the same LM and draws, no server:
+the scheduling effect without the per-token serving cost.
 
 Machines are noisy, so the ways alternate in rounds (each round rotates their order) and the
 table shows each figure's median over the rounds with its spread, and the goal ratios taken
@@ -39,6 +41,8 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
 from scripts.bench_common import write_json
+from scripts.bench_generate_engine import EngineBench, percentile
+from service.backend.generation.engine import limits_from
 from tests.servers import EXAMPLE_MODELS, ServerProcess
 
 CONCURRENCY = (1, 8, 32)
@@ -50,8 +54,9 @@ WAYS = {
     "request": {"generation_max_batch": "32", "generation_mode": "request"},
     "iteration": {"generation_max_batch": "32", "generation_mode": "iteration"},
 }
-# (way, transport) measured in each round; the ratios compare the h2 ones
+# (way, transport) measured in each round; the ratios compare the h2 ones, and the engine's
 RUNS = (("one", "h2"), ("request", "h2"), ("iteration", "h2"), ("iteration", "h3"))
+ENGINE_RUNS = tuple((way, "engine") for way in WAYS)
 CALL_TIMEOUT_S = 300.0
 
 
@@ -153,13 +158,17 @@ async def measure(
         round(float(np.percentile(values, 50)), 1),
         round(float(np.percentile(values, 99)), 1),
     )
+    report(result)
+    return result
+
+
+def report(m: Measurement) -> None:
     print(
-        f"  round {round_} {way:<9} {transport} c={concurrency:<3} {result.requests:>4} requests "
-        f"{result.tokens_per_second:>8.1f} tokens/s  ttft p50 {result.ttft_p50_ms:>7.1f} ms "
-        f"p99 {result.ttft_p99_ms:>7.1f} ms",
+        f"  round {m.round} {m.way:<9} {m.transport:<6} c={m.concurrency:<3} {m.requests:>4} "
+        f"requests {m.tokens_per_second:>8.1f} tokens/s  ttft p50 {m.ttft_p50_ms:>7.1f} ms "
+        f"p99 {m.ttft_p99_ms:>7.1f} ms",
         flush=True,
     )
-    return result
 
 
 async def bench(
@@ -173,9 +182,7 @@ async def bench(
             for way in WAYS:
                 await asyncio.gather(*(one_request(stub, f"generate_{way}", 8) for _ in range(4)))
         for round_ in range(1, rounds + 1):
-            rng = np.random.default_rng(seed + round_)
-            # Enough draws for any way's closed loop; every way takes them in the same order.
-            draws = [int(n) for n in rng.integers(MAX_TOKENS[0], MAX_TOKENS[1] + 1, 100_000)]
+            draws = draws_of(seed, round_)
             shift = (round_ - 1) % len(RUNS)
             order = RUNS[shift:] + RUNS[:shift]
             for concurrency in CONCURRENCY:
@@ -188,6 +195,42 @@ async def bench(
     finally:
         for channel in channels.values():
             await channel.close()
+    return results
+
+
+def draws_of(seed: int, round_: int) -> list[int]:
+    """Enough max_tokens draws for any way's closed loop; every way takes them in order."""
+    rng = np.random.default_rng(seed + round_)
+    return [int(n) for n in rng.integers(MAX_TOKENS[0], MAX_TOKENS[1] + 1, 100_000)]
+
+
+def bench_engine(rounds: int, duration: float, seed: int) -> list[Measurement]:
+    """The three ways on the engine in-process, in alternating rounds like the server's."""
+    engine = EngineBench(EXAMPLE_MODELS / "generate" / "1", PROMPT, 32)
+    limits = {way: limits_from(parameters) for way, parameters in WAYS.items()}
+    engine.warm_up(list(limits.values()))
+    results = []
+    for round_ in range(1, rounds + 1):
+        draws = draws_of(seed, round_)
+        shift = (round_ - 1) % len(ENGINE_RUNS)
+        order = ENGINE_RUNS[shift:] + ENGINE_RUNS[:shift]
+        for concurrency in CONCURRENCY:
+            for way, transport in order:
+                tokens, seconds, ttfts = engine.measure(limits[way], concurrency, duration, draws)
+                result = Measurement(
+                    round_,
+                    way,
+                    transport,
+                    concurrency,
+                    len(ttfts),
+                    tokens,
+                    round(seconds, 3),
+                    round(tokens / seconds, 1),
+                    round(percentile(ttfts, 50), 1),
+                    round(percentile(ttfts, 99), 1),
+                )
+                report(result)
+                results.append(result)
     return results
 
 
@@ -206,7 +249,8 @@ def table(results: Sequence[Measurement]) -> str:
         "| way | transport | concurrency | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for way, transport in RUNS:
+    runs = [run for run in (*RUNS, *ENGINE_RUNS) if (rounds[0], *run, 1) in by_key]
+    for way, transport in runs:
         for c in CONCURRENCY:
             ms = [by_key[r, way, transport, c] for r in rounds]
             rows.append(
@@ -224,23 +268,25 @@ def table(results: Sequence[Measurement]) -> str:
     def p99(r: int, c: int, transport: str = "h2") -> float:
         return by_key[r, "iteration", transport, c].ttft_p99_ms
 
-    rows += [
-        "",
-        "| ratio (per round) | goal | measured |",
-        "| --- | --- | --- |",
-        "| iteration / one-at-a-time tokens/s, c=32 | >= 4 | "
-        f"{ratio(lambda r: tps(r, 'iteration', 32) / tps(r, 'one', 32))} |",
-        "| iteration / request-level tokens/s, c=32 | >= 1.5 | "
-        f"{ratio(lambda r: tps(r, 'iteration', 32) / tps(r, 'request', 32))} |",
-        f"| iteration TTFT p99 c=32 / c=1 | <= 3 | {ratio(lambda r: p99(r, 32) / p99(r, 1))} |",
-    ]
+    rows += ["", "| ratio (per round) | section | goal | measured |", "| --- | --- | --- | --- |"]
+    for t in sorted({t for _, t in runs} - {"h3"}):
+        rows += [
+            f"| iteration / one-at-a-time tokens/s, c=32 | {t} | >= 4 | "
+            f"{ratio(lambda r, t=t: tps(r, 'iteration', 32, t) / tps(r, 'one', 32, t))} |",
+            f"| iteration / request-level tokens/s, c=32 | {t} | >= 1.5 | "
+            f"{ratio(lambda r, t=t: tps(r, 'iteration', 32, t) / tps(r, 'request', 32, t))} |",
+            f"| iteration TTFT p99 c=32 / c=1 | {t} | <= 3 | "
+            f"{ratio(lambda r, t=t: p99(r, 32, t) / p99(r, 1, t))} |",
+        ]
+    if ("iteration", "h3") not in runs:
+        return "\n".join(rows)
     for c in CONCURRENCY:
         rows.append(
-            f"| h3 / h2 tokens/s (iteration), c={c} | - | "
+            f"| h3 / h2 tokens/s (iteration), c={c} | h3 | - | "
             f"{ratio(lambda r, c=c: tps(r, 'iteration', c, 'h3') / tps(r, 'iteration', c))} |"
         )
         rows.append(
-            f"| h3 / h2 TTFT p50 (iteration), c={c} | - | "
+            f"| h3 / h2 TTFT p50 (iteration), c={c} | h3 | - | "
             f"{ratio(lambda r, c=c: by_key[r, 'iteration', 'h3', c].ttft_p50_ms / by_key[r, 'iteration', 'h2', c].ttft_p50_ms)} |"  # noqa: E501
         )
     return "\n".join(rows)
@@ -255,6 +301,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1 or args.duration <= 0:
         parser.error("--rounds must be at least 1 and --duration positive")
+    print("the engine alone, in-process ...", flush=True)
+    results = bench_engine(args.rounds, args.duration, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         models = repository(Path(tmp) / "models")
         certs = Path(tmp) / "certs"
@@ -266,7 +314,7 @@ def main() -> int:
                 f"measuring: {args.rounds} rounds, {args.duration:g} s per measurement",
                 flush=True,
             )
-            results = asyncio.run(
+            results += asyncio.run(
                 bench(server, certs / "ca.pem", args.rounds, args.duration, args.seed)
             )
         finally:

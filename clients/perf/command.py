@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,23 +135,34 @@ async def _run(
     from clients.perf.inputs import model_inputs, parse_shapes, serialized_request
     from clients.perf.load import LoadSpec, run_step
     from clients.perf.report import PERCENTILES, summarize, table, write
+    from clients.streaming import EMPTY_FINAL_RESPONSE
 
     shapes = parse_shapes(args.shape)
     async with AsyncInferenceClient(
         args.url, args.ca_file, None, args.client_cert, args.client_key, metadata
     ) as client:
         info = await client.metadata(args.model, args.model_version)
-        batched = await _batches(client, args.model, args.model_version, info)
-    inputs = model_inputs(info, batched, args.batch_size, shapes, args.input_data)
-    if not batched and args.batch_size != 1:
+        config = await _config(client, args.model, args.model_version, info)
+    if config.decoupled and not args.streaming:
+        raise ValueError(
+            f"model {args.model!r} is decoupled (many responses per request, ModelStreamInfer "
+            "only): measure it with --streaming"
+        )
+    inputs = model_inputs(
+        info, config.batched, args.batch_size, shapes, args.input_data, optional=config.optional
+    )
+    if not config.batched and args.batch_size != 1:
         raise ValueError(f"model {args.model!r} does not batch: leave out --batch-size")
+    # A decoupled request's end is then always marked, whatever its model's last response was.
+    parameters = {EMPTY_FINAL_RESPONSE: True} if config.decoupled else {}
     spec = LoadSpec(
         target=client.target,
-        request=serialized_request(args.model, args.model_version, inputs),
+        request=serialized_request(args.model, args.model_version, inputs, parameters),
         warmup_s=args.warmup,
         duration_s=args.duration,
         timeout_s=args.timeout,
         streaming=args.streaming,
+        decoupled=config.decoupled,
         metadata=tuple(metadata),
         ca_file=args.ca_file,
         client_cert=args.client_cert,
@@ -169,7 +180,7 @@ async def _run(
     for level in levels:
         for connect in connects:
             step = await run_step(replace(spec, connect=connect), level, _Progress(level, connect))
-            row = summarize(step, args.batch_size, percentiles)
+            row = summarize(step, args.batch_size, percentiles, config.decoupled)
             rows.append(row)
             _done(row)
     print(table(rows))
@@ -180,6 +191,7 @@ async def _run(
             "url": args.url,
             "transport": "h3" if client.target.scheme == "h3" else "h2",
             "streaming": args.streaming,
+            "decoupled": config.decoupled,
             "batch_size": args.batch_size,
             "inputs": {
                 k: {"shape": list(v.shape), "datatype": str(v.dtype)} for k, v in inputs.items()
@@ -192,20 +204,32 @@ async def _run(
     return 0 if all(r.requests for r in rows) else 1
 
 
-async def _batches(client: Any, model: str, version: str, info: Any) -> bool:
-    """max_batch_size > 0 in ModelConfig; a server without that RPC: every input has a
-    variable first dim."""
+@dataclass(frozen=True)
+class _Config:
+    batched: bool  # max_batch_size > 0
+    decoupled: bool  # model_transaction_policy { decoupled: true }
+    optional: frozenset[str]  # inputs a request may leave out
+
+
+async def _config(client: Any, model: str, version: str, info: Any) -> _Config:
+    """From ModelConfig; a server without that RPC: batched when every input has a variable
+    first dim, neither decoupled nor with optional inputs."""
     import grpc
 
     from protos.inference import grpc_service_pb2 as pb
 
     try:
         response = await client.stub.ModelConfig(pb.ModelConfigRequest(name=model, version=version))
-        return bool(response.config.max_batch_size > 0)
     except grpc.aio.AioRpcError as exc:
         if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
             raise
-    return all(t.shape and t.shape[0] == -1 for t in info.inputs)
+        return _Config(all(t.shape and t.shape[0] == -1 for t in info.inputs), False, frozenset())
+    config = response.config
+    return _Config(
+        batched=config.max_batch_size > 0,
+        decoupled=config.model_transaction_policy.decoupled,
+        optional=frozenset(i.name for i in config.input if i.optional),
+    )
 
 
 class _Progress:

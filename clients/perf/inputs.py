@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from clients.inference_client import build_request, random_array
+from clients.inference_client import random_array
+from clients.tensors import Parameter, build_request
 from oip.datatypes import from_numpy
 from protos.inference import grpc_service_pb2 as pb
 
@@ -57,8 +58,10 @@ def model_inputs(
     shapes: Mapping[str, tuple[int, ...]],
     data: str,
     seed: int = 0,
+    optional: frozenset[str] = frozenset(),
 ) -> dict[str, np.ndarray[Any, Any]]:
-    """`data`: random, zero, or a directory holding NAME.npy for each input (used as is)."""
+    """`data`: random, zero, or a directory holding NAME.npy for each input (used as is; an
+    `optional` input without its file is left out). BYTES inputs (text) need the directory."""
     unknown = sorted(set(shapes) - {t.name for t in metadata.inputs})
     if unknown:
         raise ValueError(f"--shape names no input of the model: {unknown}")
@@ -66,8 +69,15 @@ def model_inputs(
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for tensor in metadata.inputs:
         if data not in INPUT_DATA:
-            arrays[tensor.name] = _from_file(Path(data) / f"{tensor.name}.npy", tensor.datatype)
+            path = Path(data) / f"{tensor.name}.npy"
+            if tensor.name not in optional or path.is_file():
+                arrays[tensor.name] = _from_file(path, tensor.datatype)
             continue
+        if tensor.datatype == "BYTES":
+            raise ValueError(
+                f"input {tensor.name!r} is BYTES: give its values with --input-data DIR holding "
+                f"{tensor.name}.npy (e.g. np.save('DIR/{tensor.name}.npy', np.array([b'...'])))"
+            )
         shape = request_shape(tensor, batched, batch_size, shapes)
         if data == "zero":
             arrays[tensor.name] = np.zeros(shape, random_array(tensor.datatype, (), rng).dtype)
@@ -87,6 +97,9 @@ def _from_file(path: Path, datatype: str) -> np.ndarray[Any, Any]:
 
 
 def serialized_request(
-    model: str, version: str, inputs: Mapping[str, np.ndarray[Any, Any]]
+    model: str,
+    version: str,
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    parameters: Mapping[str, Parameter] | None = None,
 ) -> bytes:
-    return build_request(model, inputs, version=version).SerializeToString()
+    return build_request(model, inputs, version=version, parameters=parameters).SerializeToString()

@@ -5,6 +5,7 @@ inside the window count."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 import urllib.request
@@ -16,7 +17,9 @@ import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]
 
 from clients.inference_client import Target, open_channel
+from clients.streaming import is_final
 from clients.tickets import SessionTicketCache
+from protos.inference import grpc_service_pb2 as pb
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -38,6 +41,7 @@ class LoadSpec:
     duration_s: float
     timeout_s: float
     streaming: bool = False
+    decoupled: bool = False  # many responses per request: read each until its final one
     connect: str = "reuse"
     metadata: tuple[tuple[str, str], ...] = ()
     ca_file: str | None = None
@@ -58,16 +62,23 @@ class Step:
     modes: dict[str, int] = field(default_factory=dict)  # how each connection started
     client_cpu_s: float = 0.0
     server_cpu_s: float | None = None
+    # Decoupled models: of the successful requests in the window, the wait for the first data
+    # response (time to first token) and the gaps between the next ones; and the data
+    # responses (tokens) that arrived in the window, whatever request they belong to.
+    first_token_ns: list[int] = field(default_factory=list)
+    inter_token_ns: list[int] = field(default_factory=list)
+    tokens: int = 0
 
 
 class _Records:
     def __init__(self) -> None:
-        self.items: list[tuple[int, int, str, str]] = []  # start, end, code, connect mode
+        # start, end, code, connect mode, when each data response arrived (decoupled)
+        self.items: list[tuple[int, int, str, str, tuple[int, ...]]] = []
         self.errors = 0
         self.stopping = False
 
-    def add(self, start: int, code: str, mode: str = "") -> None:
-        self.items.append((start, time.perf_counter_ns(), code, mode))
+    def add(self, start: int, code: str, mode: str = "", tokens: tuple[int, ...] = ()) -> None:
+        self.items.append((start, time.perf_counter_ns(), code, mode, tokens))
         self.errors += code != "OK"
 
 
@@ -92,11 +103,17 @@ async def run_step(spec: LoadSpec, concurrency: int, progress: Progress | None =
         if shared is not None:
             await shared.close()
     window_end = window_start + int(spec.duration_s * 1e9)
-    for began, ended, code, mode in records.items:
+    for began, ended, code, mode, tokens in records.items:
+        # Tokens count where they arrived: a generation longer than the window still
+        # streams in it.
+        step.tokens += sum(window_start <= t <= window_end for t in tokens)
         if began < window_start or ended > window_end:
             continue
         if code == "OK":
             step.latencies_ns.append(ended - began)
+            if tokens:
+                step.first_token_ns.append(tokens[0] - began)
+                step.inter_token_ns.extend(b - a for a, b in itertools.pairwise(tokens))
         else:
             step.errors[code] = step.errors.get(code, 0) + 1
         if mode:
@@ -177,7 +194,14 @@ async def _stream_requests(spec: LoadSpec, stream: Any, records: _Records) -> No
         start = time.perf_counter_ns()
         try:
             await stream.write(spec.request)
+            if spec.decoupled:
+                code, tokens = await _generation(spec, stream)
+                records.add(start, code, tokens=tokens)
+                continue
             response = await asyncio.wait_for(stream.read(), spec.timeout_s)
+        except _StreamEnded as ended:
+            records.add(start, (await stream.code()).name, tokens=ended.tokens)
+            return
         except (grpc.aio.AioRpcError, OSError, TimeoutError) as exc:
             records.add(start, _code(exc))
             return
@@ -193,6 +217,32 @@ async def _stream_requests(spec: LoadSpec, stream: Any, records: _Records) -> No
         await asyncio.wait_for(stream.code(), spec.timeout_s)
     except (grpc.aio.AioRpcError, OSError, TimeoutError):
         stream.cancel()
+
+
+class _StreamEnded(Exception):
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+
+
+async def _generation(spec: LoadSpec, stream: Any) -> tuple[str, tuple[int, ...]]:
+    """Reads one decoupled request's responses up to its final one; returns the outcome and
+    when each data response (one carrying outputs: a token) arrived."""
+    tokens: list[int] = []
+    while True:
+        data = await asyncio.wait_for(stream.read(), spec.timeout_s)
+        if data is EOF:
+            raise _StreamEnded(tuple(tokens))
+        # Parsed, but its outputs not decoded: the client's time goes to the transport.
+        message = pb.ModelStreamInferResponse.FromString(data)
+        final = is_final(message.infer_response)
+        if message.error_message:
+            if final:
+                return STREAM_ERROR, tuple(tokens)
+            continue
+        if message.infer_response.outputs:
+            tokens.append(time.perf_counter_ns())
+        if final:
+            return "OK", tuple(tokens)
 
 
 async def _connect_each(spec: LoadSpec, records: _Records) -> None:

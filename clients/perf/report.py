@@ -14,6 +14,7 @@ import numpy as np
 from clients.perf.load import Step
 
 PERCENTILES = (50, 90, 99)
+TOKEN_PERCENTILES = (50, 99)
 
 
 @dataclass(frozen=True)
@@ -28,16 +29,32 @@ class Row:
     connect_modes: dict[str, int]  # new connections by how they started
     client_cpu_us: float | None  # this process's CPU per request
     server_cpu_us: float | None  # the server front-end's CPU per request (--server-metrics)
+    # Decoupled models only (None otherwise): time to first token and inter-token gaps
+    # (p50, p99), and data responses (tokens) per second in the window.
+    time_to_first_token_ms: dict[str, float | None] | None = None
+    inter_token_ms: dict[str, float | None] | None = None
+    tokens_per_s: float | None = None
 
 
-def summarize(step: Step, batch_size: int, percentiles: Sequence[int]) -> Row:
-    latencies = np.asarray(step.latencies_ns, dtype=np.float64) / 1e6
-    latency: dict[str, float | None] = {"avg": None}
-    latency.update({f"p{p}": None for p in percentiles})
-    if latencies.size:
-        latency["avg"] = float(latencies.mean())
+def _distribution(
+    values_ns: Sequence[int], percentiles: Sequence[int], average: bool = True
+) -> dict[str, float | None]:
+    """Milliseconds: avg (unless not asked for) and pNN; None where nothing was measured."""
+    values = np.asarray(values_ns, dtype=np.float64) / 1e6
+    result: dict[str, float | None] = {"avg": None} if average else {}
+    result.update({f"p{p}": None for p in percentiles})
+    if values.size:
+        if average:
+            result["avg"] = float(values.mean())
         for p in percentiles:
-            latency[f"p{p}"] = float(np.percentile(latencies, p))
+            result[f"p{p}"] = float(np.percentile(values, p))
+    return result
+
+
+def summarize(
+    step: Step, batch_size: int, percentiles: Sequence[int], decoupled: bool = False
+) -> Row:
+    latency = _distribution(step.latencies_ns, percentiles)
     answered = len(step.latencies_ns) + sum(step.errors.values())
     per_request = 1e6 / answered if answered else None
     return Row(
@@ -55,6 +72,13 @@ def summarize(step: Step, batch_size: int, percentiles: Sequence[int]) -> Row:
             if per_request and step.server_cpu_s is not None
             else None
         ),
+        time_to_first_token_ms=(
+            _distribution(step.first_token_ns, TOKEN_PERCENTILES, False) if decoupled else None
+        ),
+        inter_token_ms=(
+            _distribution(step.inter_token_ns, TOKEN_PERCENTILES, False) if decoupled else None
+        ),
+        tokens_per_s=step.tokens / step.window_s if decoupled else None,
     )
 
 
@@ -76,6 +100,9 @@ def table(rows: Sequence[Row]) -> str:
     with_modes = any(r.connect_modes for r in rows)
     if with_modes:
         header.append("connections")
+    with_tokens = any(r.tokens_per_s is not None for r in rows)
+    if with_tokens:
+        header += ["tokens/s", "TTFT p50 ms", "TTFT p99 ms", "inter-token p50 ms"]
     lines = [header]
     for r in rows:
         line = [str(r.concurrency), r.connect, f"{r.throughput:.1f}", f"{r.inferences:.1f}"]
@@ -83,6 +110,10 @@ def table(rows: Sequence[Row]) -> str:
         line += [_counts(r.errors), _number(r.client_cpu_us, 0), _number(r.server_cpu_us, 0)]
         if with_modes:
             line.append(_counts(r.connect_modes))
+        if with_tokens:
+            first, gaps = r.time_to_first_token_ms or {}, r.inter_token_ms or {}
+            line += [_number(r.tokens_per_s, 1), _number(first.get("p50"), 2)]
+            line += [_number(first.get("p99"), 2), _number(gaps.get("p50"), 2)]
         lines.append(line)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(

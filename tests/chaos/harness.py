@@ -42,6 +42,7 @@ H2_OPTIONS = [
 ]
 GOOD_MODEL = "mlp"
 BYTES_MODEL = "tokenizer"  # the example's Python model: one BYTES input of dims [1]
+GENERATION_MODEL = "generate"  # the decoupled example: one response per token
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -101,6 +102,10 @@ class Scale:
     frontend_kill_gap_s: float  # after a killed front-end's replacement serves, before the next
     gzip_bombs: int  # per transport
     malformed: int  # unparsable requests per transport
+    generation_storm: int  # generations cancelled after their first token, per transport
+    never_reading: int  # never-read generation streams per transport
+    never_read_generations: int  # generations each of those streams starts
+    generation_kills: int  # generation worker kills, each with a generation per transport
     attack_limit_s: float
 
 
@@ -127,6 +132,10 @@ SHORT = Scale(
     frontend_kill_gap_s=0.0,
     gzip_bombs=2,
     malformed=500,
+    generation_storm=16,
+    never_reading=1,
+    never_read_generations=8,
+    generation_kills=1,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -153,6 +162,10 @@ FULL = Scale(
     frontend_kill_gap_s=DEFAULT_UNRESPONSIVE_S + 2.0,
     gzip_bombs=10,
     malformed=5000,
+    generation_storm=400,
+    never_reading=4,
+    never_read_generations=64,
+    generation_kills=3,
     attack_limit_s=240.0,
 )
 
@@ -461,12 +474,13 @@ async def run_row(
 
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
-    killed or stopped worker leaves one serving), and `tokenizer`, a model with a BYTES
-    input."""
+    killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
+    and `generate`, a decoupled one."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
     shutil.copytree(EXAMPLE_MODELS / BYTES_MODEL, repository / BYTES_MODEL)
+    shutil.copytree(EXAMPLE_MODELS / GENERATION_MODEL, repository / GENERATION_MODEL)
     return repository
 
 

@@ -3,7 +3,16 @@ the last rows run against a second server with two front-end processes (`--front
 
 from __future__ import annotations
 
-from tests.chaos import floods, frontends, large_messages, malformed, messages, streams, workers
+from tests.chaos import (
+    floods,
+    frontends,
+    generations,
+    large_messages,
+    malformed,
+    messages,
+    streams,
+    workers,
+)
 from tests.chaos.harness import AttackSpec
 
 
@@ -84,6 +93,21 @@ ATTACKS = (
         frozenset({"UNAVAILABLE", "INTERNAL", "INVALID_ARGUMENT"}),
     ),
     AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
+    AttackSpec(
+        "cancelled-stream storm (generation)",
+        generations.cancelled_stream_storm,
+        _both("cancelled after a token", "RESOURCE_EXHAUSTED"),
+    ),
+    AttackSpec(
+        "never-reading generation clients",
+        generations.never_reading_generations,
+        _both("held, never read"),
+    ),
+    AttackSpec(
+        "generation worker SIGKILL mid-generation",
+        generations.generation_worker_kill,
+        frozenset({"killed", "replaced", "after restart OK"}) | _both("UNAVAILABLE"),
+    ),
     AttackSpec(
         "front-end SIGKILL under load (--frontends 2)",
         frontends.frontend_sigkill,

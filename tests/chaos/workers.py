@@ -32,10 +32,10 @@ STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in se
 POLL_S = 0.05
 
 
-async def instances(target: Target) -> list[control_pb2.Instance]:
+async def instances(target: Target, model: str = GOOD_MODEL) -> list[control_pb2.Instance]:
     async with grpc.aio.insecure_channel(target.address) as channel:
         response = await control_pb2_grpc.ControlStub(channel).ListInstances(
-            control_pb2.ListInstancesRequest(model_name=GOOD_MODEL), timeout=10
+            control_pb2.ListInstancesRequest(model_name=model), timeout=10
         )
     return list(response.instances)
 
@@ -53,22 +53,24 @@ def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
     return True
 
 
-async def _victim(target: Target) -> control_pb2.Instance:
-    """A READY instance of the good clients' model, while they keep it busy."""
+async def _victim(target: Target, model: str = GOOD_MODEL) -> control_pb2.Instance:
+    """A READY instance of `model` (by default the good clients', while they keep it busy)."""
     deadline = time.monotonic() + RESTART_LIMIT_S
     while time.monotonic() < deadline:
-        ready = [i for i in await instances(target) if i.state == "READY" and i.pid > 0]
+        ready = [i for i in await instances(target, model) if i.state == "READY" and i.pid > 0]
         if ready:
             return max(ready, key=lambda i: i.outstanding)
         await asyncio.sleep(POLL_S)
-    raise TimeoutError(f"no READY {GOOD_MODEL} instance within {RESTART_LIMIT_S} s")
+    raise TimeoutError(f"no READY {model} instance within {RESTART_LIMIT_S} s")
 
 
-async def _replaced(target: Target, victim: control_pb2.Instance, limit_s: float) -> bool:
+async def _replaced(
+    target: Target, victim: control_pb2.Instance, limit_s: float, model: str = GOOD_MODEL
+) -> bool:
     """Until the victim's instance serves again from a new process (bounded)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        for instance in await instances(target):
+        for instance in await instances(target, model):
             if (
                 instance.name == victim.name
                 and instance.state == "READY"

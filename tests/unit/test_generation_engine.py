@@ -384,3 +384,32 @@ def test_closing_the_engine_fails_what_is_unfinished(
     assert len(paused.tokens()) == 3
     assert waiting.ending() == ("error", "the model is shutting down")
     assert waiting.tokens() == []
+
+
+class FailingPrefill:
+    """The module's decoder whose prefill raises: a step that fails before a joiner has its
+    place."""
+
+    def __init__(self, decoder: PaddleDecoder) -> None:
+        self.decoder, self.cache = decoder, decoder.cache
+
+    def prefill(self, token_ids: list[int]) -> Any:
+        raise RuntimeError("prefill broke")
+
+    def decode(self, *args: Any) -> Any:
+        return self.decoder.decode(*args)
+
+
+def test_a_failed_prefill_fails_every_joiner_it_had_not_reached(
+    decoder: PaddleDecoder, tokenizer: CharTokenizer
+) -> None:
+    engine = GenerationEngine(FailingPrefill(decoder), StepLimits(32, 512), Responses())  # type: ignore[arg-type]
+    try:
+        recorders = [Recorder() for _ in range(3)]
+        for recorder in recorders:
+            engine.submit(recorder, tokenizer.encode("hello"), 5)
+        endings = [r.ending() for r in recorders]
+    finally:
+        engine.close()
+    assert endings == [("error", "generation step failed: prefill broke")] * 3
+    assert all(r.tokens() == [] for r in recorders)

@@ -106,3 +106,33 @@ def test_a_step_without_successes_has_no_latencies() -> None:
     row = summarize(Step(1, "reuse", 1.0, [], {"INVALID_ARGUMENT": 9}), 1, [50, 99])
     assert row.latency_ms == {"avg": None, "p50": None, "p99": None}
     assert "-" in table([row]).splitlines()[1].split()
+
+
+def test_a_decoupled_step_reports_time_to_first_token_and_tokens_per_second(
+    tmp_path: Path,
+) -> None:
+    step = Step(
+        concurrency=2,
+        connect="reuse",
+        window_s=4.0,
+        latencies_ns=[int(1e9)] * 10,
+        first_token_ns=[int(ms * 1e6) for ms in range(1, 11)],
+        inter_token_ns=[int(2e6)] * 30 + [int(4e6)] * 10,
+        tokens=50,
+    )
+    row = summarize(step, 1, [50, 90, 99], decoupled=True)
+    assert row.tokens_per_s == pytest.approx(12.5)
+    assert row.time_to_first_token_ms == pytest.approx({"p50": 5.5, "p99": 9.91})
+    assert row.inter_token_ms == pytest.approx({"p50": 2.0, "p99": 4.0})
+    header, line = table([row]).splitlines()
+    names = [n.strip() for n in header.split("  ") if n.strip()]
+    assert names[-4:] == ["tokens/s", "TTFT p50 ms", "TTFT p99 ms", "inter-token p50 ms"]
+    assert line.split()[-4:] == ["12.5", "5.50", "9.91", "2.00"]
+    write(tmp_path / "r.json", [row], {})
+    (written,) = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert written["tokens_per_s"] == pytest.approx(12.5)
+    assert written["time_to_first_token_ms"]["p99"] == pytest.approx(9.91)
+    # A model answering once per request has none of these.
+    plain = summarize(step, 1, [50, 90, 99])
+    assert (plain.tokens_per_s, plain.time_to_first_token_ms) == (None, None)
+    assert "tokens/s" not in table([plain])

@@ -211,7 +211,9 @@ class GenerationEngine:
             except Exception as exc:
                 log.exception("generation step failed")
                 for generation in decoding + joining:
-                    if generation.slot >= 0:  # not ended in the step before it failed
+                    # Not ended in the step before it failed (a joiner not prefilled yet has
+                    # no place and no token).
+                    if generation.slot >= 0 or not generation.steps:
                         self._fail(generation, f"generation step failed: {exc}")
         for generation in [*self._running, *self._waiting, *self._submitted]:
             self._fail(generation, "the model is shutting down")
@@ -220,10 +222,10 @@ class GenerationEngine:
         return bool(self._running or self._waiting)
 
     def _step(self, decoding: list[Generation], joining: list[Generation]) -> None:
-        """Prefill the joiners and send their first tokens, then decode the others: a new
-        request's first token does not wait for the batch's decode (its time to first token
-        is its prefill)."""
-        first = []
+        """Prefill each joiner and send its first token at once, then decode the others: a
+        new request's first token waits neither for the batch's decode nor for the joiners
+        after it (its time to first token is its prefill and those before it)."""
+        held = len(self._running) + len(joining)
         for generation in joining:
             logits, kv = self.decoder.prefill(generation.prompt)
             generation.slot = len(self._running)
@@ -233,28 +235,30 @@ class GenerationEngine:
             length = len(generation.prompt)
             own[:, :, :, :length] = kv
             own[:, :, :, length:] = 0.0
-            first.append((generation, logits))
-        held = len(self._running)
-        for generation, logits in first:
+            # Its first token now, not after the other joiners' prefills (it is the last row
+            # of the batch, so if it ends at once its release moves no other sequence).
             self._emit(generation, next_token(logits, generation.temperature, generation.rng))
-        produced: list[tuple[Generation, np.ndarray[Any, Any]]] = []
+        produced: list[tuple[Generation, int]] = []
         if decoding:
             slots = [g.slot for g in decoding]  # after the joiners that ended left
             contiguous = slots == list(range(len(slots)))
             cache = self._cache[:, :, : len(slots)] if contiguous else self._cache[:, :, slots]
+            positions = np.array([g.position for g in decoding], dtype=np.int64)
             logits, kv = self.decoder.decode(
-                np.array([g.tokens[-1] for g in decoding], dtype=np.int64),
-                np.array([g.position for g in decoding], dtype=np.int64),
-                cache,
+                np.array([g.tokens[-1] for g in decoding], dtype=np.int64), positions, cache
             )
-            for row, generation in enumerate(decoding):
-                self._cache[:, :, generation.slot, :, generation.position] = kv[row]
-                produced.append((generation, logits[row]))
+            # One scatter for the batch: advanced indices first, so the target is kv's shape.
+            self._cache[:, :, slots, :, positions] = kv
+            greedy = np.argmax(logits, axis=1)  # one call for the batch, not one per row
+            for row, g in enumerate(decoding):
+                sampled = g.temperature > 0.0
+                token = next_token(logits[row], g.temperature, g.rng) if sampled else greedy[row]
+                produced.append((g, int(token)))
         self.steps += 1
         if self.observer is not None:
             self.observer(StepRecord(len(decoding), tuple(len(g.prompt) for g in joining), held))
-        for generation, logits in produced:
-            self._emit(generation, next_token(logits, generation.temperature, generation.rng))
+        for generation, token in produced:
+            self._emit(generation, token)
 
     def _emit(self, generation: Generation, token: int) -> None:
         generation.steps += 1

@@ -1,0 +1,238 @@
+"""Attacks on streaming generation (the `generate` example, a decoupled model): a storm of
+streams cancelled after their first token, clients that start generations and never read
+them, and the generation worker killed mid-generation. Each checks, from the server's own
+metrics, that the model's work stopped with the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import time
+import urllib.request
+from typing import Any
+
+from grpc.aio import EOF  # type: ignore[attr-defined]
+
+from clients.generation import generation_request
+from clients.streaming import parse_stream_response
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.chaos.harness import (
+    GENERATION_MODEL,
+    TRANSPORTS,
+    AttackResult,
+    Scale,
+    Target,
+    status_name,
+)
+from tests.chaos.workers import RESTART_LIMIT_S, _replaced, _signal_worker, _victim
+
+PROMPT = "Once upon a time"
+LONG_MAX_TOKENS = 200  # near the model's context (257 tokens with the prompt)
+STORM_PARALLEL = 8  # streams in flight at once per transport
+CALL_TIMEOUT_S = 60.0
+SETTLE_LIMIT_S = 60.0
+POLL_S = 0.05
+HOLD_CHECK_S = 1.0  # the token counter unchanged this long: every generation finished or held
+
+
+def _request(max_tokens: int, request_id: str = "") -> Any:
+    return generation_request(GENERATION_MODEL, PROMPT, max_tokens, request_id=request_id).message()
+
+
+def _metric(target: Target, name: str) -> float:
+    with urllib.request.urlopen(target.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(rf'^{name}\{{model="{GENERATION_MODEL}"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _metric_async(target: Target, name: str) -> float:
+    return await asyncio.to_thread(_metric, target, name)
+
+
+async def _settled(target: Target) -> tuple[bool, float]:
+    """Whether the model's active generations fell to zero (bounded wait), and the generated
+    token counter then."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while await _metric_async(target, "paddlequic_active_generations") > 0:
+        if time.monotonic() > deadline:
+            return False, await _metric_async(target, "paddlequic_generated_tokens_total")
+        await asyncio.sleep(POLL_S)
+    return True, await _metric_async(target, "paddlequic_generated_tokens_total")
+
+
+async def _first_token_then_cancel(stub: pb_grpc.GRPCInferenceServiceStub) -> str:
+    call = stub.ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+    try:
+        await call.write(_request(LONG_MAX_TOKENS))
+        response = parse_stream_response(await call.read())
+        if response.error is not None:
+            return response.error.split(":", 1)[0]
+        return "cancelled after a token"
+    except Exception as exc:
+        return status_name(exc)
+    finally:
+        call.cancel()
+
+
+async def _gated(gate: asyncio.Semaphore, stub: pb_grpc.GRPCInferenceServiceStub) -> str:
+    async with gate:
+        return await _first_token_then_cancel(stub)
+
+
+async def cancelled_stream_storm(target: Target, scale: Scale) -> AttackResult:
+    """`generation_storm` streams per transport, a few at a time, each cancelled as soon as
+    its first token came: afterwards no generation may be left running, and each cancelled
+    one may have produced only a few tokens."""
+    result = AttackResult()
+    _, before = await _settled(target)
+    for transport in TRANSPORTS:
+        async with target.channel(transport) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            gate = asyncio.Semaphore(STORM_PARALLEL)
+            outcomes = await asyncio.gather(
+                *(_gated(gate, stub) for _ in range(scale.generation_storm))
+            )
+            result.outcomes.update(f"{transport} {outcome}" for outcome in outcomes)
+    settled, after = await _settled(target)
+    if not settled:
+        result.problems.append("generations still active after every stream was cancelled")
+    streams = len(TRANSPORTS) * scale.generation_storm
+    per_stream = (after - before) / streams
+    result.notes["tokens_per_cancelled_stream"] = round(per_stream, 1)
+    # Cancelled after one token, a generation stops within a few decode steps; one that ran
+    # on would make about LONG_MAX_TOKENS.
+    if per_stream > LONG_MAX_TOKENS / 2:
+        result.problems.append(f"{per_stream:.0f} tokens per stream cancelled after one")
+    return result
+
+
+async def _quiet(target: Target, limit_s: float) -> tuple[bool, float]:
+    """Until the generated-token counter stays unchanged for HOLD_CHECK_S (bounded): whether
+    it did, and its value."""
+    deadline = time.monotonic() + limit_s
+    last = await _metric_async(target, "paddlequic_generated_tokens_total")
+    while time.monotonic() < deadline:
+        await asyncio.sleep(HOLD_CHECK_S)
+        now = await _metric_async(target, "paddlequic_generated_tokens_total")
+        if now == last:
+            return True, now
+        last = now
+    return False, last
+
+
+async def _write_generations(call: Any, count: int, prefix: str) -> None:
+    with contextlib.suppress(Exception):  # the stream is cancelled while writes wait
+        for index in range(count):
+            await call.write(_request(LONG_MAX_TOKENS, f"{prefix}-{index}"))
+
+
+async def never_reading_generations(target: Target, scale: Scale) -> AttackResult:
+    """`never_reading` streams per transport, each writing `never_read_generations` long
+    generations and never reading a response. Each generation either ends into the
+    transports' flow-control windows or, once those are full, is held (its sender blocks):
+    the token counter must come to rest while the streams stay open, and once they are
+    cancelled no generation may be left running. The RSS goal bounds what the server
+    buffered meanwhile (at most the stream's window of requests, each at most its
+    max_tokens)."""
+    result = AttackResult()
+    _, before = await _settled(target)
+    limit_s = scale.attack_limit_s / 2
+    async with contextlib.AsyncExitStack() as stack:
+        calls, writers = [], []
+        for transport in TRANSPORTS:
+            channel = await stack.enter_async_context(target.channel(transport))
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for index in range(scale.never_reading):
+                call = stub.ModelStreamInfer(timeout=limit_s * 2 + CALL_TIMEOUT_S)
+                calls.append((transport, call))
+                count, prefix = scale.never_read_generations, f"{transport}-{index}"
+                writers.append(asyncio.create_task(_write_generations(call, count, prefix)))
+        quiet, held = await _quiet(target, limit_s)
+        active = await _metric_async(target, "paddlequic_active_generations")
+        for transport, call in calls:
+            outcome = "held, never read" if not call.done() else f"ended {await call.code()}"
+            result.outcomes[f"{transport} {outcome}"] += 1
+            call.cancel()
+        await asyncio.gather(*writers)
+    asked = len(calls) * scale.never_read_generations
+    result.notes["tokens_while_held"] = held - before
+    result.notes["generations_held"] = active
+    if not quiet:
+        result.problems.append(f"never-read generations still running after {limit_s:.0f} s")
+    if held - before > asked * (LONG_MAX_TOKENS + 1):
+        result.problems.append(f"{held - before:.0f} tokens for {asked} generations")
+    settled, _ = await _settled(target)
+    if not settled:
+        result.problems.append("generations still active after the never-read streams closed")
+    return result
+
+
+async def _read_to_end(call: Any) -> tuple[int, str]:
+    """Tokens read, and how the request ended: OK, or its error's status name."""
+    tokens = 0
+    try:  # read(), not async iteration: grpc.aio refuses a mix of the two on one call
+        while (message := await call.read()) is not EOF:
+            response = parse_stream_response(message)
+            if response.error is not None:
+                return tokens, response.error.split(":", 1)[0]
+            tokens += bool(response.outputs.get("text_delta") is not None)
+            if response.final:
+                return tokens, "OK"
+    except Exception as exc:
+        return tokens, status_name(exc)
+    return tokens, "stream ended without a final response"
+
+
+async def _started(stub: pb_grpc.GRPCInferenceServiceStub, request_id: str) -> tuple[Any, str]:
+    """A generation past its first token (not read further: held by back-pressure), or what
+    went wrong."""
+    call = stub.ModelStreamInfer(timeout=RESTART_LIMIT_S + CALL_TIMEOUT_S)
+    await call.write(_request(LONG_MAX_TOKENS, request_id))
+    first = parse_stream_response(await call.read())
+    return call, "" if first.error is None and not first.final else f"no first token: {first}"
+
+
+async def generation_worker_kill(target: Target, scale: Scale) -> AttackResult:
+    """A generation per transport, each past its first token, when the generation worker is
+    SIGKILLed: each must end with a clear UNAVAILABLE (it had responses, so it cannot run
+    again), the worker be replaced, and a new generation then succeed."""
+    result = AttackResult()
+    for _ in range(scale.generation_kills):
+        victim = await _victim(target, GENERATION_MODEL)
+        async with contextlib.AsyncExitStack() as stack:
+            stubs = [
+                pb_grpc.GRPCInferenceServiceStub(
+                    await stack.enter_async_context(target.channel(transport))
+                )
+                for transport in TRANSPORTS
+            ]
+            pairs = zip(stubs, TRANSPORTS, strict=True)
+            started = await asyncio.gather(*(_started(stub, t) for stub, t in pairs))
+            if not _signal_worker(target, victim.pid, signal.SIGKILL):
+                result.problems.append(f"worker {victim.pid} vanished before the kill")
+                continue
+            result.outcomes["killed"] += 1
+            for transport, (call, problem) in zip(TRANSPORTS, started, strict=True):
+                if problem:
+                    result.problems.append(f"{transport}: {problem}")
+                _, outcome = await _read_to_end(call)
+                result.outcomes[f"{transport} {outcome}"] += 1
+                call.cancel()
+        if not await _replaced(target, victim, RESTART_LIMIT_S, GENERATION_MODEL):
+            result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
+            continue
+        result.outcomes["replaced"] += 1
+        async with target.channel("h2") as channel:
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                timeout=CALL_TIMEOUT_S
+            )
+            await call.write(_request(4))
+            await call.done_writing()
+            tokens, outcome = await _read_to_end(call)
+        result.outcomes[f"after restart {outcome}"] += 1
+        if outcome != "OK" or tokens == 0:
+            result.problems.append(f"a generation after the restart got {outcome}")
+    return result
