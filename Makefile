@@ -31,7 +31,7 @@ help:
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
-	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, h3 vs h2 (writes bench-results/)"
+	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
