@@ -26,7 +26,7 @@ def decoupled(
     """The response for one answer (of the version `model`/`version`), or None: nothing to
     send (a flags-only final nobody asked to see; the request just ends)."""
     if answer.error is not None:
-        response = error(request, f"INTERNAL: model '{model}': {answer.error}")
+        response = error(request, f"{answer.status}: model '{model}': {answer.error}")
     elif answer.outputs or not answer.final:
         response = pb.ModelStreamInferResponse(
             infer_response=infer_response(model, version, request.id, answer.outputs)

@@ -28,6 +28,7 @@ class Reply:
     outputs: dict[str, np.ndarray[Any, Any]]
     final: bool
     error: str | None = None
+    error_code: int = pb_utils.TritonError.INTERNAL
 
 
 class Outbox:
@@ -91,11 +92,12 @@ class ResponseFlow:
     def send(self, response: pb_utils.InferenceResponse | None, final: bool) -> None:
         if self._closed:
             raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
+        code = pb_utils.TritonError.INTERNAL
         if response is None:
             outputs: dict[str, np.ndarray[Any, Any]] = {}
             error = None
         elif (model_error := response.error()) is not None:
-            outputs, error = {}, model_error.message()
+            outputs, error, code = {}, model_error.message(), model_error.code()
         else:
             try:
                 outputs, error = self._check(response), None
@@ -111,7 +113,7 @@ class ResponseFlow:
             if self._over:  # another thread's final went first
                 raise pb_utils.TritonModelException(pb_utils.SENDER_CLOSED)
             if not self._gone():
-                self._outbox.put(Reply(self.request_id, outputs, final, error))
+                self._outbox.put(Reply(self.request_id, outputs, final, error, code))
                 if not final:
                     self._uncredited += 1
             if final:

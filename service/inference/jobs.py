@@ -81,3 +81,4 @@ class StreamAnswer:
     outputs: tuple[OutputTensor, ...]  # none: a final response that only says it is final
     final: bool
     error: str | None = None  # the model's error response, or why the request failed in it
+    status: str = "INTERNAL"  # the gRPC status name the error is reported under

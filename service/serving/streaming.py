@@ -56,6 +56,7 @@ async def responses(
     started = time.perf_counter_ns()
     served.active += 1  # before any await: a swap cannot retire it under this request
     count, finished = 0, False
+    refused: str | None = None  # the status of the model's error response, if it sent one
     try:
         with observer.generation_span(served.name, caller_id) as span:
             async with served.generations.held(deadline):
@@ -69,6 +70,8 @@ async def responses(
                             observer.on_stream_response(served.name, (now - last) / 1e9, not count)
                             last, count = now, count + 1
                         finished = answer.final
+                        if answer.error is not None:
+                            refused = answer.status
                         yield answer
                 finally:
                     observer.on_generation(served.name, -1)
@@ -79,23 +82,31 @@ async def responses(
         served.stats.record_failure(time.perf_counter_ns() - started)
         raise
     except BaseException:
-        # Closed by its caller: after the final response that is the end of a success.
+        # Closed by its caller: after the final response that is the end of the request.
         if not finished:
             code = grpc.StatusCode.CANCELLED
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
-        _succeeded(served, job, started, queue_ns)
+        code = _ended(served, job, started, queue_ns, refused)
         raise
     else:
-        _succeeded(served, job, started, queue_ns)
+        code = _ended(served, job, started, queue_ns, refused)
     finally:
         served.active -= 1
         breaker.record(admission, code)
 
 
-def _succeeded(served: ServedVersion, job: InferJob, started: int, queue_ns: int) -> None:
+def _ended(
+    served: ServedVersion, job: InferJob, started: int, queue_ns: int, refused: str | None
+) -> grpc.StatusCode | None:
+    """Record a request that got its final response; an error response from the model makes
+    it a failure under that error's status (for the statistics and the breaker)."""
     elapsed = time.perf_counter_ns() - started
+    if refused is not None:
+        served.stats.record_failure(elapsed)
+        return grpc.StatusCode[refused]
     served.stats.record_success(job.rows, elapsed, queue_ns, Timings(0, 0, 0))
+    return None
 
 
 async def _attempts(

@@ -98,6 +98,6 @@ def encoded(reply: Reply) -> bytes:
         chunks.append(data.data)
         offset += data.nbytes
     response = protocol.Response(
-        reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error
+        reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error, reply.error_code
     )
     return protocol.encode(response)

@@ -96,6 +96,7 @@ class Response:
     data: bytes
     final: bool
     error: str | None = None  # the model's TritonError, or why the request failed in the worker
+    error_code: int = 1  # its TRITONSERVER_Error_Code (pb_utils.TritonError's codes): INTERNAL
 
 
 @dataclass(frozen=True)

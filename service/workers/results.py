@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import grpc
+
 from oip.datatypes import Datatype
 from service.batching.assemble import Batch
 from service.inference import errors
@@ -13,6 +15,18 @@ from service.workers import protocol
 from service.workers.slots import Slot
 
 _BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
+# pb_utils.TritonError's codes (TRITONSERVER_Error_Code) as the gRPC status Triton reports them
+# under (src/grpc/grpc_utils.cc); an unknown code is INTERNAL.
+TRITON_STATUS = {
+    0: grpc.StatusCode.UNKNOWN,
+    1: grpc.StatusCode.INTERNAL,
+    2: grpc.StatusCode.NOT_FOUND,
+    3: grpc.StatusCode.INVALID_ARGUMENT,
+    4: grpc.StatusCode.UNAVAILABLE,
+    5: grpc.StatusCode.UNIMPLEMENTED,
+    6: grpc.StatusCode.ALREADY_EXISTS,
+    7: grpc.StatusCode.CANCELLED,
+}
 
 
 class Outputs:

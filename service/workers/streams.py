@@ -13,11 +13,13 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Iterator
 
+import grpc
+
 from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, StreamAnswer
 from service.inference.timers import fail_at
-from service.workers import protocol
+from service.workers import protocol, results
 from service.workers.results import Outputs
 
 
@@ -164,7 +166,8 @@ class StreamRequest:
             outputs = self._outputs.response(response)
         except errors.ServiceError as exc:
             return StreamAnswer((), response.final, exc.message)
-        return StreamAnswer(outputs, response.final, response.error)
+        status = results.TRITON_STATUS.get(response.error_code, grpc.StatusCode.INTERNAL)
+        return StreamAnswer(outputs, response.final, response.error, status.name)
 
     def close(self) -> None:
         """The caller is done: a request the model has not finished is cancelled in it."""

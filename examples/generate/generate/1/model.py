@@ -54,7 +54,9 @@ class TritonPythonModel:
                 self.engine.submit(request, *self._read(request), stop_ids=[self.tokenizer.eos])
             except ValueError as exc:
                 request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                    pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                    ),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
 
