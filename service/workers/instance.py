@@ -310,6 +310,8 @@ class WorkerInstance:
                 if isinstance(message, protocol.Result | protocol.Failed):
                     self._complete(message)
                 elif isinstance(message, protocol.Response):
+                    # A decoupled model's data response: the worker was serving (restarts.py).
+                    self._answered += bool(message.outputs) and message.error is None
                     self.streams.deliver(message)
         except ConnectionError as exc:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
@@ -377,12 +379,15 @@ class WorkerInstance:
             how = f"was killed by signal {-code}"
         else:
             how = f"exited ({code})"
+        lived = time.monotonic() - self._started_at
+        self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
         log.error(
-            "worker %s (pid %d) %s; %d request(s) in it go back to the queue; restarting",
+            "worker %s (pid %d) %s; %d request(s) in it go back to the queue; restarting in %.1f s",
             self.spec.instance_name,
             self.pid,
             how,
             len(self._pending) + len(self.streams),
+            self._restart_delay,
         )
         message = (
             f"the worker process for model '{self.spec.model_name}' {how} while holding this "
@@ -390,8 +395,6 @@ class WorkerInstance:
         )
         self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
         self.streams.died(how)
-        lived = time.monotonic() - self._started_at
-        self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
         self._restart_task = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:

@@ -489,6 +489,11 @@ async def test_a_request_with_responses_fails_unavailable_with_their_count(
     assert f"after {3 + len(data)} response(s) were delivered" in error.error_message
     assert final_flag(error) is True
     await wait_state(server, pid)
+    # It was serving when it died: it came back at once, not after a crash loop's back-off.
+    assert (
+        f"(pid {pid}) was killed by signal 9; 1 request(s) in it go back to the queue; "
+        "restarting in 0.0 s" in server.log_text()
+    )
 
 
 async def test_a_request_that_kills_its_worker_twice_is_refused_as_poison(
