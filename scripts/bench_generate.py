@@ -145,21 +145,33 @@ async def measure(
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - t0
-    values = np.asarray(ttfts) * 1e3
-    result = Measurement(
+    result = measurement(round_, way, transport, concurrency, totals[0], seconds, ttfts)
+    report(result)
+    return result
+
+
+def measurement(
+    round_: int,
+    way: str,
+    transport: str,
+    concurrency: int,
+    tokens: int,
+    seconds: float,
+    ttfts: Sequence[float],
+) -> Measurement:
+    """One run's figures, rounded for the table: `ttfts` in seconds, one per request."""
+    return Measurement(
         round_,
         way,
         transport,
         concurrency,
         len(ttfts),
-        totals[0],
+        tokens,
         round(seconds, 3),
-        round(totals[0] / seconds, 1),
-        round(float(np.percentile(values, 50)), 1),
-        round(float(np.percentile(values, 99)), 1),
+        round(tokens / seconds, 1),
+        round(percentile(ttfts, 50), 1),
+        round(percentile(ttfts, 99), 1),
     )
-    report(result)
-    return result
 
 
 def report(m: Measurement) -> None:
@@ -217,18 +229,7 @@ def bench_engine(rounds: int, duration: float, seed: int) -> list[Measurement]:
         for concurrency in CONCURRENCY:
             for way, transport in order:
                 tokens, seconds, ttfts = engine.measure(limits[way], concurrency, duration, draws)
-                result = Measurement(
-                    round_,
-                    way,
-                    transport,
-                    concurrency,
-                    len(ttfts),
-                    tokens,
-                    round(seconds, 3),
-                    round(tokens / seconds, 1),
-                    round(percentile(ttfts, 50), 1),
-                    round(percentile(ttfts, 99), 1),
-                )
+                result = measurement(round_, way, transport, concurrency, tokens, seconds, ttfts)
                 report(result)
                 results.append(result)
     return results
