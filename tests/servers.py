@@ -40,6 +40,13 @@ def free_port() -> int:
     raise RuntimeError("no port free on both TCP and UDP")
 
 
+def client_args(server: ServerProcess, certs_dir: Path, transport: str) -> dict[str, Any]:
+    """The clients' keyword arguments (url, ca_file) that reach `server` over h2 or h3."""
+    if transport == "h3":
+        return {"url": f"h3://localhost:{server.port}", "ca_file": str(certs_dir / "ca.pem")}
+    return {"url": server.url}
+
+
 def children(pid: int) -> dict[int, str]:
     """The processes `pid` started, with their command lines."""
     found: dict[int, str] = {}
