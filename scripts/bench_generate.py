@@ -195,10 +195,8 @@ async def bench(
                 await asyncio.gather(*(one_request(stub, f"generate_{way}", 8) for _ in range(4)))
         for round_ in range(1, rounds + 1):
             draws = draws_of(seed, round_)
-            shift = (round_ - 1) % len(RUNS)
-            order = RUNS[shift:] + RUNS[:shift]
             for concurrency in CONCURRENCY:
-                for way, transport in order:
+                for way, transport in rotated(RUNS, round_):
                     results.append(
                         await measure(
                             round_, way, transport, concurrency, duration, stubs[transport], draws
@@ -208,6 +206,13 @@ async def bench(
         for channel in channels.values():
             await channel.close()
     return results
+
+
+def rotated(runs: Sequence[tuple[str, str]], round_: int) -> list[tuple[str, str]]:
+    """The runs in round `round_`'s order: each round starts one run later, so that no run
+    always goes first."""
+    shift = (round_ - 1) % len(runs)
+    return [*runs[shift:], *runs[:shift]]
 
 
 def draws_of(seed: int, round_: int) -> list[int]:
@@ -224,10 +229,8 @@ def bench_engine(rounds: int, duration: float, seed: int) -> list[Measurement]:
     results = []
     for round_ in range(1, rounds + 1):
         draws = draws_of(seed, round_)
-        shift = (round_ - 1) % len(ENGINE_RUNS)
-        order = ENGINE_RUNS[shift:] + ENGINE_RUNS[:shift]
         for concurrency in CONCURRENCY:
-            for way, transport in order:
+            for way, transport in rotated(ENGINE_RUNS, round_):
                 tokens, seconds, ttfts = engine.measure(limits[way], concurrency, duration, draws)
                 result = measurement(round_, way, transport, concurrency, tokens, seconds, ttfts)
                 report(result)
