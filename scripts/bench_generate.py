@@ -145,21 +145,33 @@ async def measure(
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - t0
-    values = np.asarray(ttfts) * 1e3
-    result = Measurement(
+    result = measurement(round_, way, transport, concurrency, totals[0], seconds, ttfts)
+    report(result)
+    return result
+
+
+def measurement(
+    round_: int,
+    way: str,
+    transport: str,
+    concurrency: int,
+    tokens: int,
+    seconds: float,
+    ttfts: Sequence[float],
+) -> Measurement:
+    """One run's figures, rounded for the table: `ttfts` in seconds, one per request."""
+    return Measurement(
         round_,
         way,
         transport,
         concurrency,
         len(ttfts),
-        totals[0],
+        tokens,
         round(seconds, 3),
-        round(totals[0] / seconds, 1),
-        round(float(np.percentile(values, 50)), 1),
-        round(float(np.percentile(values, 99)), 1),
+        round(tokens / seconds, 1),
+        round(percentile(ttfts, 50), 1),
+        round(percentile(ttfts, 99), 1),
     )
-    report(result)
-    return result
 
 
 def report(m: Measurement) -> None:
@@ -183,10 +195,8 @@ async def bench(
                 await asyncio.gather(*(one_request(stub, f"generate_{way}", 8) for _ in range(4)))
         for round_ in range(1, rounds + 1):
             draws = draws_of(seed, round_)
-            shift = (round_ - 1) % len(RUNS)
-            order = RUNS[shift:] + RUNS[:shift]
             for concurrency in CONCURRENCY:
-                for way, transport in order:
+                for way, transport in rotated(RUNS, round_):
                     results.append(
                         await measure(
                             round_, way, transport, concurrency, duration, stubs[transport], draws
@@ -196,6 +206,13 @@ async def bench(
         for channel in channels.values():
             await channel.close()
     return results
+
+
+def rotated(runs: Sequence[tuple[str, str]], round_: int) -> list[tuple[str, str]]:
+    """The runs in round `round_`'s order: each round starts one run later, so that no run
+    always goes first."""
+    shift = (round_ - 1) % len(runs)
+    return [*runs[shift:], *runs[:shift]]
 
 
 def draws_of(seed: int, round_: int) -> list[int]:
@@ -212,23 +229,10 @@ def bench_engine(rounds: int, duration: float, seed: int) -> list[Measurement]:
     results = []
     for round_ in range(1, rounds + 1):
         draws = draws_of(seed, round_)
-        shift = (round_ - 1) % len(ENGINE_RUNS)
-        order = ENGINE_RUNS[shift:] + ENGINE_RUNS[:shift]
         for concurrency in CONCURRENCY:
-            for way, transport in order:
+            for way, transport in rotated(ENGINE_RUNS, round_):
                 tokens, seconds, ttfts = engine.measure(limits[way], concurrency, duration, draws)
-                result = Measurement(
-                    round_,
-                    way,
-                    transport,
-                    concurrency,
-                    len(ttfts),
-                    tokens,
-                    round(seconds, 3),
-                    round(tokens / seconds, 1),
-                    round(percentile(ttfts, 50), 1),
-                    round(percentile(ttfts, 99), 1),
-                )
+                result = measurement(round_, way, transport, concurrency, tokens, seconds, ttfts)
                 report(result)
                 results.append(result)
     return results

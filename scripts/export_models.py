@@ -375,15 +375,21 @@ def _install(tmp: Path, target: Path) -> None:
         os.replace(tmp, target)
 
 
+def _holds_files_of(target: Path, source: Path) -> bool:
+    """Whether every file under `source` is in `target` too, with the same bytes (extra
+    files in `target`, such as an exported program, do not count)."""
+    files = (p.relative_to(source) for p in source.rglob("*") if p.is_file())
+    return all(
+        (target / f).is_file() and (target / f).read_bytes() == (source / f).read_bytes()
+        for f in files
+    )
+
+
 def copy_example(name: str, out: Path) -> bool:
     """Copy a Python model or ensemble from examples/ into out/NAME atomically, unless it is
     there already with the same files; whether it copied."""
     source, target = EXAMPLES / PIPELINES[name], out / name
-    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
-    if target.is_dir() and all(
-        (target / f).is_file() and (target / f).read_bytes() == (source / f).read_bytes()
-        for f in files
-    ):
+    if target.is_dir() and _holds_files_of(target, source):
         return False
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=out))
     try:
@@ -398,7 +404,6 @@ def export_generate(out: Path, force: bool) -> bool:
     """Copy the `generate` example and export its decoder LM into 1/lm/{prefill,decode},
     atomically, unless it is there already with the same example files; whether it did."""
     source, target = EXAMPLES / GENERATE_SOURCE, out / GENERATE
-    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
     programs = [target / "1" / "lm" / name / PROGRAM_FILES[0] for name in LM_PROGRAMS]
     stamp = target / "1" / "lm" / "FORMAT"
     if (
@@ -406,10 +411,7 @@ def export_generate(out: Path, force: bool) -> bool:
         and all(p.is_file() for p in programs)
         and stamp.is_file()
         and stamp.read_text().strip() == LM_FORMAT
-        and all(
-            (target / f).is_file() and (target / f).read_bytes() == (source / f).read_bytes()
-            for f in files
-        )
+        and _holds_files_of(target, source)
     ):
         return False
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{GENERATE}-", dir=out))

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,13 @@ def free_port() -> int:
                     continue
             return port
     raise RuntimeError("no port free on both TCP and UDP")
+
+
+def client_args(server: ServerProcess, certs_dir: Path, transport: str) -> dict[str, Any]:
+    """The clients' keyword arguments (url, ca_file) that reach `server` over h2 or h3."""
+    if transport == "h3":
+        return {"url": f"h3://localhost:{server.port}", "ca_file": str(certs_dir / "ca.pem")}
+    return {"url": server.url}
 
 
 def children(pid: int) -> dict[int, str]:
@@ -209,3 +216,16 @@ async def gather_held(
             None, wait_arrived, server, model, len(calls)
         )
     return list(await gathered)
+
+
+async def held_still(read: Callable[[], float], looks: int, limit_s: float) -> float:
+    """`read()`'s value once it held still for `looks` reads in a row: a counter that stopped
+    moving, counted in reads rather than timed; `read` runs in a thread (it may block)."""
+    last, quiet = -1.0, 0
+    async with asyncio.timeout(limit_s):
+        while quiet < looks:
+            now = await asyncio.to_thread(read)
+            quiet = quiet + 1 if now == last else 0
+            last = now
+            await asyncio.sleep(0.02)
+    return last

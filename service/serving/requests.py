@@ -25,10 +25,10 @@ from service.model import ensemble
 from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.versions import ModelRegistry, ServedVersion
-from service.resilience.breaker import Admission, BreakerState
+from service.resilience.breaker import Admission
 from service.resilience.fallback import incompatibility
 from service.serving import streaming
-from service.serving.circuit import open_circuit
+from service.serving.circuit import admit, open_circuit
 from service.serving.ensemble import run as run_ensemble
 
 
@@ -61,11 +61,7 @@ class RequestRunner:
                 f"model '{served.name}' answers with a stream of responses; call "
                 "ModelStreamInfer",
             )
-        breaker = served.breaker
-        failure = served.start_failure()
-        if failure is not None and breaker.state is BreakerState.CLOSED:
-            breaker.trip()
-        admission = breaker.admit()
+        admission, failure = admit(served)
         if admission is None:
             fallback = self._fallback(served, failure)
             # A fallback's own breaker guards it too; a fallback has no fallback of its own.

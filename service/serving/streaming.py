@@ -19,8 +19,7 @@ from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, StreamAnswer, Timings
 from service.registry.versions import ServedVersion
-from service.resilience.breaker import BreakerState
-from service.serving.circuit import open_circuit
+from service.serving.circuit import admit, open_circuit
 from service.workers.instance import State, WorkerInstance
 
 
@@ -45,10 +44,7 @@ async def responses(
     """The request's responses, the last one final; ServiceError ends it otherwise. The
     caller closes the iterator (contextlib.aclosing) when it stops early."""
     breaker = served.breaker
-    failure = served.start_failure()
-    if failure is not None and breaker.state is BreakerState.CLOSED:
-        breaker.trip()
-    admission = breaker.admit()
+    admission, failure = admit(served)
     if admission is None:
         raise open_circuit(served, failure)
     assert served.generations is not None

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from clients.inference_client import AsyncInferenceClient, InferenceClient
 from clients.streaming import StreamRequest, StreamResponse
 from tests.reference import call_inputs, output_names, run_reference
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, client_args, model_repository, running_server
 
 MODEL = "mlp"
 OUTPUT = output_names(MODEL)[0]
@@ -32,12 +32,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     repository = model_repository(root / "models", [MODEL])
     with running_server(repository, root / "log", ["--certs-dir", str(certs_dir)]) as process:
         yield process
-
-
-def client_args(server: ServerProcess, certs_dir: Path, transport: str) -> dict[str, Any]:
-    if transport == "h3":
-        return {"url": f"h3://localhost:{server.port}", "ca_file": str(certs_dir / "ca.pem")}
-    return {"url": server.url}
 
 
 def request(index: int, bad: bool) -> StreamRequest:

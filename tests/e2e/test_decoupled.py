@@ -32,7 +32,7 @@ from protos.paddlequic.v1 import control_pb2
 from service.api.inference import STREAM_WINDOW
 from service.workers.protocol import RESPONSE_WINDOW
 from tests.conformance.conftest import EOF, Channel, eventually, new_channel
-from tests.servers import EXAMPLE_MODELS, ServerProcess, paused, running_server
+from tests.servers import EXAMPLE_MODELS, ServerProcess, held_still, paused, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -139,14 +139,7 @@ def generated(server: ServerProcess) -> float:
 
 async def quiet_count(server: ServerProcess) -> float:
     """The generated-tokens counter once it held still for QUIET_LOOKS scrapes in a row."""
-    last, quiet = -1.0, 0
-    async with asyncio.timeout(CALL_TIMEOUT_S):
-        while quiet < QUIET_LOOKS:
-            now = await asyncio.to_thread(generated, server)
-            quiet = quiet + 1 if now == last else 0
-            last = now
-            await asyncio.sleep(0.02)
-    return last
+    return await held_still(lambda: generated(server), QUIET_LOOKS, CALL_TIMEOUT_S)
 
 
 def worker_pid(server: ServerProcess) -> int:

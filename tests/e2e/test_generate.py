@@ -24,7 +24,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, new_channel
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, held_still, model_repository, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -160,14 +160,7 @@ def generated_tokens(server: ServerProcess) -> float:
 
 async def quiet_count(server: ServerProcess) -> float:
     """The generated-tokens counter once it held still for QUIET_LOOKS scrapes in a row."""
-    last, quiet = -1.0, 0
-    async with asyncio.timeout(CALL_TIMEOUT_S):
-        while quiet < QUIET_LOOKS:
-            now = await asyncio.to_thread(generated_tokens, server)
-            quiet = quiet + 1 if now == last else 0
-            last = now
-            await asyncio.sleep(0.02)
-    return last
+    return await held_still(lambda: generated_tokens(server), QUIET_LOOKS, CALL_TIMEOUT_S)
 
 
 async def test_a_cancelled_stream_stops_its_sequence(

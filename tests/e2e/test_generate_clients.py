@@ -16,7 +16,6 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from tests.reference import call_inputs
 from tests.servers import (
     REPO_ROOT,
     ServerProcess,
+    client_args,
     free_port,
     model_repository,
     paused,
@@ -55,12 +55,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     repository = model_repository(root / "models", [MODEL, "mlp"])
     with running_server(repository, root / "log", ["--certs-dir", str(certs_dir)]) as process:
         yield process
-
-
-def arguments(server: ServerProcess, certs_dir: Path, transport: str) -> dict[str, Any]:
-    if transport == "h3":
-        return {"url": f"h3://localhost:{server.port}", "ca_file": str(certs_dir / "ca.pem")}
-    return {"url": server.url}
 
 
 def generated(server: ServerProcess, prompt: str, max_tokens: int = MAX_TOKENS) -> list[Chunk]:
@@ -120,7 +114,7 @@ def test_a_greedy_generation_is_one_response_per_token(reference: list[Chunk]) -
 def test_generate_streams_the_same_text_on_every_path(
     server: ServerProcess, certs_dir: Path, reference: list[Chunk], transport: str, mode: str
 ) -> None:
-    args = arguments(server, certs_dir, transport)
+    args = client_args(server, certs_dir, transport)
     if mode == "sync":
         with InferenceClient(**args) as client:
             chunks = list(client.generate(MODEL, PROMPT, MAX_TOKENS, timeout=TIMEOUT_S))
@@ -146,7 +140,7 @@ def test_generations_on_one_stream_each_get_their_own_tokens(
     requests = [
         generation_request(MODEL, p, MAX_TOKENS, request_id=f"q{i}") for i, p in enumerate(prompts)
     ]
-    with InferenceClient(**arguments(server, certs_dir, transport)) as client:
+    with InferenceClient(**client_args(server, certs_dir, transport)) as client:
         responses = list(client.stream_infer(requests, timeout=TIMEOUT_S))
     for index, prompt in enumerate(prompts):
         own = [r for r in responses if r.request_id == f"q{index}"]
@@ -184,7 +178,7 @@ def test_leaving_the_loop_cancels_the_generation(
     before, failures = settled_tokens(server), failed_requests(server)
     long = generation_request(MODEL, PROMPT, LONG_MAX_TOKENS, request_id="long")
     other = StreamRequest("mlp", call_inputs("mlp", 0), request_id="mlp")
-    args = arguments(server, certs_dir, transport)
+    args = client_args(server, certs_dir, transport)
 
     def check_cancelled() -> None:
         after = settled_tokens(server)
@@ -238,7 +232,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_generate_prints_the_text(
     server: ServerProcess, certs_dir: Path, reference: list[Chunk], transport: str
 ) -> None:
-    args = arguments(server, certs_dir, transport)
+    args = client_args(server, certs_dir, transport)
     done = cli(
         "generate", MODEL, PROMPT, "--max-tokens", str(MAX_TOKENS), "--url", args["url"],
         "--ca-file", str(certs_dir / "ca.pem"),
@@ -271,7 +265,7 @@ def test_cli_generate_interrupted_cancels_the_generation(
     before, failures = settled_tokens(server), failed_requests(server)
     command = [sys.executable, "-m", "clients.cli", "generate", MODEL, PROMPT]
     command += ["--max-tokens", str(LONG_MAX_TOKENS), "--ca-file", str(certs_dir / "ca.pem")]
-    command += ["--url", arguments(server, certs_dir, transport)["url"]]
+    command += ["--url", client_args(server, certs_dir, transport)["url"]]
     with paused(instance.pid):
         process = subprocess.Popen(
             command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -302,7 +296,7 @@ def test_perf_streaming_reports_time_to_first_token_and_tokens_per_second(
     np.save(tmp_path / "max_tokens.npy", np.array([PERF_MAX_TOKENS], np.int32))
     out = tmp_path / "perf.json"
     done = perf(
-        certs_dir, MODEL, "--streaming", "--url", arguments(server, certs_dir, transport)["url"],
+        certs_dir, MODEL, "--streaming", "--url", client_args(server, certs_dir, transport)["url"],
         "--input-data", str(tmp_path), "--concurrency-range", "1,2", "-f", str(out), *QUICK,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

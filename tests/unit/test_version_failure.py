@@ -38,23 +38,29 @@ def failures_counted(metrics: Metrics, model: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize("stage", ["load", "placement", "signature", "fallback", None])
-async def test_a_failed_version_is_refused_counted_and_its_copy_is_gone(
-    tmp_path: Path, stage: str | None
-) -> None:
-    changes: list[None] = []
-    registry = ModelRegistry(lambda: changes.append(None))
+def lifecycle_over(registry: ModelRegistry, root: Path) -> tuple[Lifecycle, Metrics]:
+    """A Lifecycle on the repository at `root`, CPU only, and the metrics it counts into."""
     topology = cpu_only_topology()
     metrics = Metrics(registry, topology)
     observer = Observer(metrics, RequestLog(1e9, 0.0, None, LineBudget(10, 1.0)), None)
     lifecycle = Lifecycle(
         registry,
         RequestRunner(registry, observer),
-        ModelRepository(tmp_path),
+        ModelRepository(root),
         topology,
         OPTIONS,
         observer,
     )
+    return lifecycle, metrics
+
+
+@pytest.mark.parametrize("stage", ["load", "placement", "signature", "fallback", None])
+async def test_a_failed_version_is_refused_counted_and_its_copy_is_gone(
+    tmp_path: Path, stage: str | None
+) -> None:
+    changes: list[None] = []
+    registry = ModelRegistry(lambda: changes.append(None))
+    lifecycle, metrics = lifecycle_over(registry, tmp_path)
     served = ServedVersion("m", 1, mc.ModelConfig(name="m"), state=VersionState.READY)
     served.copy = tmp_path / "verified-copy"
     served.copy.mkdir()
@@ -92,22 +98,11 @@ async def test_a_reload_that_cannot_be_placed_is_counted_as_a_placement_failure(
 ) -> None:
     """As the first load's placement failures are: an operator alerting on the counter sees a
     reload that asks for devices the host lacks."""
-    registry = ModelRegistry(lambda: None)
-    topology = cpu_only_topology()
-    metrics = Metrics(registry, topology)
-    observer = Observer(metrics, RequestLog(1e9, 0.0, None, LineBudget(10, 1.0)), None)
     model = tmp_path / "mlp"
     shutil.copytree(EXAMPLE_MODELS / "mlp", model)
     config = model / "config.pbtxt"
     config.write_text(config.read_text().replace("KIND_CPU", "KIND_GPU"))
-    lifecycle = Lifecycle(
-        registry,
-        RequestRunner(registry, observer),
-        ModelRepository(tmp_path),
-        topology,
-        OPTIONS,
-        observer,
-    )
+    lifecycle, metrics = lifecycle_over(ModelRegistry(lambda: None), tmp_path)
     with pytest.raises(ServiceError, match="GPU"):
         await lifecycle.load_model("mlp")
     assert failures_counted(metrics, "mlp") == {"placement": 1.0}
