@@ -8,6 +8,7 @@ starts, so it is in force before paddle is imported.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -146,6 +147,9 @@ def main() -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--segments-fd", type=int, required=True)
     args = parser.parse_args()
+    # What the model's code logs (and this project's code in the worker, e.g. the generation
+    # engine) goes to stderr, which the server forwards into its log under the model's name.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # The front-end owns shutdown; Ctrl-C in the terminal must not kill workers first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)

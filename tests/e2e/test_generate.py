@@ -166,13 +166,21 @@ async def quiet_count(server: ServerProcess) -> float:
 async def test_a_cancelled_stream_stops_its_sequence(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
+    request_id = f"cancel-{transport}"  # the server is shared by both transports' runs
     before = await quiet_count(server)
     async with new_channel(transport, server, certs_dir / "ca.pem") as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
-        await call.write(generate("never mind", 240, "cancel"))
+        await call.write(generate("never mind", 240, request_id))
         for _ in range(3):
             assert (await call.read()) is not EOF
         call.cancel()
     stopped = await quiet_count(server)
     assert 3 <= stopped - before < 240
     assert await asyncio.to_thread(generated_tokens, server) == stopped
+    # The engine saw the cancel and stopped stepping the sequence (not only the server
+    # stopped forwarding it): it says after how many steps, short of the 240 asked for.
+    left = re.compile(r"model generate: INFO \S+: request '(\S+)' cancelled after (\d+) step")
+    async with asyncio.timeout(CALL_TIMEOUT_S):
+        while not (steps := [m for m in left.findall(server.log_text()) if m[0] == request_id]):
+            await asyncio.sleep(0.05)
+    assert len(steps) == 1 and 3 <= int(steps[0][1]) < 240

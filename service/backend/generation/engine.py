@@ -282,6 +282,11 @@ class GenerationEngine:
 
     def _drop_cancelled(self) -> None:
         for generation in [g for g in self._running if g.cancelled()]:
+            log.info(
+                "request %r cancelled after %d step(s); it leaves the batch",
+                generation.request.request_id(),
+                generation.steps,
+            )
             self._release(generation)
             self._send(generation, None)
         for generation in [g for g in self._waiting if g.cancelled()]:
