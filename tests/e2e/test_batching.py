@@ -16,6 +16,7 @@ from tests.reference import output_names, run_reference
 from tests.servers import ServerProcess, gather_held, paused
 
 CLIENTS = 64
+STABLE_LOOKS = 5  # looks at the queue in a row that must agree
 
 
 def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
@@ -79,14 +80,19 @@ async def test_a_cancelled_request_still_queued_leaves_the_batch_queue(
     x = np.zeros((1, 256), np.float32)
 
     async def held(count: int) -> tuple[int, int]:
-        """(queued, in a worker) once the server holds `count` requests of mlp."""
+        """(queued, in a worker) once the server holds `count` requests of mlp, the same in
+        STABLE_LOOKS looks in a row (a request just queued may still be on its way to a free
+        slot: the batcher has not had its turn yet)."""
+        seen: list[tuple[int, int]] = []
         for _ in range(3000):
             listed = await asyncio.to_thread(
                 server.control.ListInstances, ListInstancesRequest(model_name="mlp"), timeout=10
             )
             (queue,) = listed.queues
-            if queue.queued + queue.in_flight == count:
-                return queue.queued, queue.in_flight
+            now = (queue.queued, queue.in_flight)
+            seen = [*seen, now] if seen and seen[-1] == now else [now]
+            if sum(now) == count and len(seen) >= STABLE_LOOKS:
+                return now
             await asyncio.sleep(0.01)
         raise AssertionError(f"the server never held {count} requests")
 

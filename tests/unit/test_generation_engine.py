@@ -59,6 +59,9 @@ class Recorder:
     def is_cancelled(self) -> bool:
         return self.cancel
 
+    def request_id(self) -> str:
+        return f"recorder-{id(self)}"
+
     # the sender's side
     def writable(self) -> bool:
         with self._lock:
