@@ -1,11 +1,12 @@
 """Triton-style ensembles: a graph of steps, each a served model whose inputs and outputs are
 mapped to named tensors of the ensemble. A step runs once all its input tensors exist, so
 independent steps run concurrently; every step goes through its model's own batcher and
-instances, and intermediate tensors never leave the server."""
+instances, and intermediate tensors never leave the server. A step may name another ensemble
+(Triton allows it), as long as no ensemble reaches itself through its steps."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from oip.datatypes import config_type_name
@@ -46,13 +47,14 @@ def plan(config: mc.ModelConfig) -> tuple[Step, ...]:
         )
         for number, s in enumerate(scheduling.step, 1)
     )
+    itself = step_cycle(config.name, {config.name: {s.model for s in steps}})
+    if itself is not None:  # the cycles through other ensembles are found once they load
+        raise EnsembleError(describe_cycle(itself))
     available = {t.name for t in config.input}
     writers: dict[str, Step] = {}
     for step in steps:
         if not step.model:
             raise EnsembleError(f"step {step.number} names no model_name")
-        if step.model == config.name:
-            raise EnsembleError(f"{step.describe()} is the ensemble itself")
         for tensor in step.outputs.values():
             if tensor in available or tensor in writers:
                 raise EnsembleError(f"tensor '{tensor}' is written twice ({step.describe()})")
@@ -110,3 +112,29 @@ def check_step(step: Step, ensemble: mc.ModelConfig, model: mc.ModelConfig) -> s
     if missing:
         return f"{step.describe()}: input_map leaves the model's input(s) {missing} unset"
     return None
+
+
+def step_cycle(name: str, steps: Mapping[str, Collection[str]]) -> tuple[str, ...] | None:
+    """The shortest path by which ensemble `name` reaches itself through its steps (`name`
+    first and last), or None. `steps` maps each ensemble to the models its steps name;
+    anything else is a model that runs, and ends a path. Such a cycle would never answer."""
+    came_from: dict[str, str] = {}
+    frontier = [name]
+    while frontier:
+        following = []
+        for node in frontier:
+            for target in sorted(steps.get(node, ())):
+                if target == name:
+                    back = [node]
+                    while back[-1] != name:
+                        back.append(came_from[back[-1]])
+                    return (*reversed(back), name)
+                if target not in came_from:
+                    came_from[target] = node
+                    following.append(target)
+        frontier = following
+    return None
+
+
+def describe_cycle(path: tuple[str, ...]) -> str:
+    return "ensemble step cycle: " + " -> ".join(path)

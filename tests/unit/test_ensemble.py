@@ -1,16 +1,28 @@
-"""An ensemble's graph, checked when it is loaded, and its steps run in dependency order."""
+"""An ensemble's graph, checked when it is loaded, and its steps run in dependency order;
+ensembles that reach themselves through their steps (nested ensembles' cycles) are found."""
 
 from __future__ import annotations
 
 import asyncio
+import graphlib
+import itertools
 
 import pytest
 from google.protobuf import text_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oip.datatypes import BY_NAME
 from protos.inference import model_config_pb2 as mc
 from service.inference.jobs import InferJob, InputTensor, OutputTensor
-from service.model.ensemble import EnsembleError, Step, check_step, order, plan
+from service.model.ensemble import (
+    EnsembleError,
+    Step,
+    check_step,
+    order,
+    plan,
+    step_cycle,
+)
 from service.serving.ensemble import run
 
 
@@ -60,7 +72,7 @@ def test_independent_steps_share_a_wave_and_dependents_follow() -> None:
             ",".join([step("m", {"x": "b"}, {"out": "z"}), step("n", {"x": "z"}, {"o": "b"})]),
             "cycle",
         ),
-        (step("e", {"x": "a"}, {"out": "z"}), "is the ensemble itself"),
+        (step("e", {"x": "a"}, {"out": "z"}), "ensemble step cycle: e -> e"),
     ],
 )
 def test_broken_graphs_are_refused(steps: str, message: str) -> None:
@@ -107,3 +119,55 @@ async def test_run_passes_tensors_between_steps_and_starts_independent_ones_toge
     # left: 1 + 4, right: 1 + 5, last: 5 + 6 + 4
     assert (z.name, z.shape, z.data[0]) == ("z", (1, 1), 15)
     assert started[2] == "last"
+
+
+NAMES = "abcdef"  # ensembles; "m" below is a model that runs
+GRAPHS = st.dictionaries(
+    st.sampled_from(NAMES),
+    st.sets(st.sampled_from(NAMES + "m"), max_size=3),
+    max_size=len(NAMES),
+)
+
+
+def reachable(start: str, steps: dict[str, set[str]]) -> set[str]:
+    """What `start`'s steps lead to, one or more steps on (a fixed point, unlike the search
+    under test)."""
+    seen = set(steps.get(start, ()))
+    while True:
+        more = seen | {t for node in seen for t in steps.get(node, ())}
+        if more == seen:
+            return seen
+        seen = more
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(GRAPHS)
+def test_a_cycle_is_found_through_an_ensemble_iff_it_reaches_itself(
+    steps: dict[str, set[str]],
+) -> None:
+    for name in NAMES:
+        cycle = step_cycle(name, steps)
+        assert (cycle is not None) == (name in reachable(name, steps))
+        if cycle is not None:  # a real path of steps, each ensemble on it once
+            assert cycle[0] == cycle[-1] == name
+            assert all(b in steps[a] for a, b in itertools.pairwise(cycle))
+            assert len(set(cycle)) == len(cycle) - 1
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(GRAPHS)
+def test_some_ensemble_is_on_a_cycle_iff_the_graph_has_one(steps: dict[str, set[str]]) -> None:
+    """Against the standard library's topological sort, which refuses any cycle."""
+    try:
+        graphlib.TopologicalSorter(steps).prepare()
+        cyclic = False
+    except graphlib.CycleError:
+        cyclic = True
+    assert cyclic == any(step_cycle(name, steps) for name in steps)
+
+
+def test_the_shortest_cycle_is_named() -> None:
+    steps = {"a": {"b", "m"}, "b": {"c", "a"}, "c": {"a"}}
+    assert step_cycle("a", steps) == ("a", "b", "a")
+    assert step_cycle("c", steps) == ("c", "a", "b", "c")
+    assert step_cycle("a", {"a": {"m"}, "b": {"a"}}) is None  # b reaches a, not a itself
