@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from oip.datatypes import config_type_name
 from protos.inference import model_config_pb2 as mc
 
+# How deep ensembles nest (an ensemble whose step is an ensemble: 2), for the request path and
+# readiness, which follow nested steps. A step cycle is refused at load, but until the check
+# after a load has run (or if one slipped past it), following the steps must still end; a
+# pipeline nested deeper than this is beyond any we know of.
+MAX_ENSEMBLE_DEPTH = 8
+
 
 class EnsembleError(ValueError):
     """The ensemble's graph cannot run; the message says why."""

@@ -160,13 +160,19 @@ class ModelRegistry:
     def all_ready(self) -> bool:
         return self.loading_done and not self._failed and all(v.ready for v in self.all_versions())
 
-    def ensemble_ready(self, served: ServedVersion) -> bool:
-        """Every step's model has a ready version (the one it names, if it names one)."""
+    def ensemble_ready(self, served: ServedVersion, depth: int = 0) -> bool:
+        """Every step's model has a ready version (the one it names, if it names one); a
+        step's ensemble is asked the same, no deeper than MAX_ENSEMBLE_DEPTH (so that a
+        step cycle not refused yet is not ready, rather than asked forever)."""
+        if depth >= ensemble.MAX_ENSEMBLE_DEPTH:
+            return False
         for step in served.steps:
             try:
-                if not self.resolve(step.model, step.version).ready:
-                    return False
+                model = self.resolve(step.model, step.version)
             except errors.ServiceError:
+                return False
+            ready = self.ensemble_ready(model, depth + 1) if model.steps else model.ready
+            if not ready:
                 return False
         return True
 

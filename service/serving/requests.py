@@ -50,10 +50,10 @@ class RequestRunner:
         self.observer = observer
 
     async def infer(
-        self, served: ServedVersion, job: InferJob, deadline: float | None
+        self, served: ServedVersion, job: InferJob, deadline: float | None, depth: int = 0
     ) -> tuple[ServedVersion, Answer]:
         """Run the request on `served`, or on its fallback model while its breaker is open:
-        the version that answered, and its answer."""
+        the version that answered, and its answer. `depth`: the ensembles it runs inside."""
         if is_decoupled(served.config):
             raise errors.ServiceError(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -69,8 +69,10 @@ class RequestRunner:
             if fallback_admission is None:
                 raise open_circuit(fallback, fallback.start_failure())
             self.observer.on_fallback(served.name, fallback.name)
-            return fallback, await self._recorded(fallback, fallback_admission, job, deadline)
-        return served, await self._recorded(served, admission, job, deadline)
+            return fallback, await self._recorded(
+                fallback, fallback_admission, job, deadline, depth
+            )
+        return served, await self._recorded(served, admission, job, deadline, depth)
 
     def encode_span(self) -> AbstractContextManager[Any]:
         return self.observer.encode_span()
@@ -92,11 +94,12 @@ class RequestRunner:
         admission: Admission,
         job: InferJob,
         deadline: float | None,
+        depth: int,
     ) -> Answer:
         """Run the request, telling the version's breaker how it ended for the caller."""
         code: grpc.StatusCode | None = None
         try:
-            return await self._run(served, job, deadline)
+            return await self._run(served, job, deadline, depth)
         except errors.ServiceError as exc:
             code = exc.code
             raise
@@ -120,12 +123,14 @@ class RequestRunner:
             raise open_circuit(served, failure, f"its fallback model '{name}' {reason}")
         return fallback
 
-    async def _run(self, served: ServedVersion, job: InferJob, deadline: float | None) -> Answer:
+    async def _run(
+        self, served: ServedVersion, job: InferJob, deadline: float | None, depth: int
+    ) -> Answer:
         started = time.perf_counter_ns()
         served.active += 1  # before any await: a swap cannot retire it under this request
         try:
             if served.steps:
-                answer = await self._run_ensemble(served, job, deadline)
+                answer = await self._run_ensemble(served, job, deadline, depth)
             else:
                 assert served.batcher is not None
                 answer = await served.batcher.submit(job, deadline)
@@ -140,8 +145,15 @@ class RequestRunner:
         return answer
 
     async def _run_ensemble(
-        self, served: ServedVersion, job: InferJob, deadline: float | None
+        self, served: ServedVersion, job: InferJob, deadline: float | None, depth: int
     ) -> Answer:
+        """Run the ensemble's steps, each through self.infer (a step's ensemble one level
+        deeper); deeper than MAX_ENSEMBLE_DEPTH only a step cycle not refused yet goes."""
+        if depth >= ensemble.MAX_ENSEMBLE_DEPTH:
+            raise errors.failed_precondition(
+                f"ensemble '{served.name}' runs inside {depth} ensembles, more than ensembles "
+                f"nest ({ensemble.MAX_ENSEMBLE_DEPTH} deep at most): do its steps form a cycle?"
+            )
         queue_ns = 0
 
         async def run_step(
@@ -155,7 +167,7 @@ class RequestRunner:
             except errors.ServiceError:
                 model.stats.record_failure(0)
                 raise
-            _, answer = await self.infer(model, step_job, deadline)
+            _, answer = await self.infer(model, step_job, deadline, depth + 1)
             queue_ns += answer.queue_ns
             return answer.outputs
 

@@ -630,19 +630,39 @@ ensemble_scheduling { step [ {
 """
 
 
+# An ensemble whose one step is `chain`: the decoupled model one ensemble further in.
+AROUND = (
+    ENSEMBLE.split("ensemble_scheduling")[0].replace('"chain"', '"around"')
+    + """
+ensemble_scheduling { step [ { model_name: "chain" model_version: -1
+  input_map [ { key: "n" value: "n" }, { key: "d" value: "d" },
+              { key: "s" value: "s" }, { key: "m" value: "m" } ]
+  output_map { key: "i" value: "i" } } ] }
+"""
+)
+
+
 def test_a_paddle_model_and_an_ensemble_step_cannot_be_decoupled(tmp_path: Path) -> None:
     repository = decoupled_repository(tmp_path / "models")
     paddle = repository / "paddle_decoupled"
     shutil.copytree(EXAMPLE_MODELS / "mlp" / "1", paddle / "1")
     (paddle / "config.pbtxt").write_text(PADDLE_DECOUPLED)
-    (repository / "chain").mkdir()
-    (repository / "chain" / "config.pbtxt").write_text(ENSEMBLE)
+    for name, config in (("chain", ENSEMBLE), ("around", AROUND)):
+        (repository / name).mkdir()
+        (repository / name / "config.pbtxt").write_text(config)
     with running_server(repository, tmp_path / "server.log", wait=False) as started:
         started.wait_loaded()
         index = started.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10).models
+        # The ensemble around `chain` is never ready, and its requests say why.
+        assert not started.stub.ModelReady(pb.ModelReadyRequest(name="around"), timeout=10).ready
+        inputs = {k: np.array([1], np.int32) for k in "nds"} | {"m": np.array([b""], np.object_)}
+        with pytest.raises(grpc.RpcError) as refused:
+            started.stub.ModelInfer(build_request("around", inputs), timeout=CALL_TIMEOUT_S)
     reasons = {m.name: (m.state, m.reason) for m in index}
     assert reasons[MODEL][0] == "READY"
     state, reason = reasons["paddle_decoupled"]
     assert state == "UNAVAILABLE" and "a Paddle model cannot be decoupled" in reason
     state, reason = reasons["chain"]
     assert state == "UNAVAILABLE" and "step 1 (model 'repeat') is decoupled" in reason
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "step 1 (model 'repeat') is decoupled" in (refused.value.details() or "")

@@ -1,8 +1,9 @@
 """What the docs promise about models, on one real server: a full model queue answers
 RESOURCE_EXHAUSTED, unsampled slow requests are logged, each load failure is counted under its
-reason, ensembles do not nest, `python_memory_mb` caps a Python model's worker, its printed
-lines are capped and its finalize() runs when it is unloaded; and, on a second, `--no-metrics`
-opens no metrics port and a stopping server finalizes its Python models.
+reason, an ensemble's step may be an ensemble (but not itself), `python_memory_mb` caps a
+Python model's worker, its printed lines are capped and its finalize() runs when it is
+unloaded; and, on a second, `--no-metrics` opens no metrics port and a stopping server
+finalizes its Python models.
 
 The slow model is a Python model that holds every request whose input is 1 until the test
 writes a file into its directory: nothing here waits for a duration, only for events."""
@@ -119,6 +120,7 @@ ensemble_scheduling { step [ { model_name: "inner" model_version: -1
   input_map { key: "features" value: "features" }
   output_map { key: "probs" value: "probs" } } ] }
 """
+LOOP = OUTER.replace('"outer"', '"loop"').replace('"inner"', '"loop"')  # its step: itself
 # model -> (config.pbtxt, model.py or None); each failing one fails at its own stage.
 MODELS: dict[str, tuple[str, str | None]] = {
     "gate": (GATE, GATED_MODEL),
@@ -146,13 +148,14 @@ MODELS: dict[str, tuple[str, str | None]] = {
     ),
     "inner": (INNER, None),
     "outer": (OUTER, None),
+    "loop": (LOOP, None),
 }
 REASONS = {
     "broken_config": "repository",
     "broken_load": "load",
     "unplaceable": "placement",
     "bad_fallback": "fallback",
-    "outer": "ensemble",
+    "loop": "ensemble",
 }
 
 
@@ -282,26 +285,23 @@ def test_each_load_failure_is_counted_under_its_reason(served: Served) -> None:
     assert counted == {(model, reason): 1.0 for model, reason in REASONS.items()}
 
 
-def test_an_ensemble_step_naming_an_ensemble_is_refused(served: Served) -> None:
-    found = wait_for("outer to fail", lambda: state(served.server, "outer"), WAIT_S)
-    assert "step 1 (model 'inner') is an ensemble itself; ensembles do not nest" in found[1]
+def test_an_ensemble_step_may_name_an_ensemble(served: Served) -> None:
+    """An ensemble naming another serves (mlp's answer, through both); one naming itself is
+    refused at load with the cycle named."""
+    found = wait_for("loop to fail", lambda: state(served.server, "loop"), WAIT_S)
+    assert "ensemble step cycle: loop -> loop" in found[1]
+    stub = served.server.stub
+    assert stub.ModelReady(pb.ModelReadyRequest(name="outer"), timeout=5).ready
     features = np.random.default_rng(22).standard_normal((1, 256), dtype=np.float32)
-    with pytest.raises(grpc.RpcError) as refused:
-        served.server.stub.ModelInfer(
-            build_request("outer", {"features": features}), timeout=TIMEOUT_S
-        )
-    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert "ensembles do not nest" in (refused.value.details() or "")
-    # The ensemble it names still serves, with mlp's answer.
-    got = parse_response(
-        served.server.stub.ModelInfer(
-            build_request("inner", {"features": features}), timeout=TIMEOUT_S
-        )
-    )
+    answers = [
+        parse_response(stub.ModelInfer(build_request(m, {"features": features}), timeout=TIMEOUT_S))
+        for m in ("outer", "inner")
+    ]
     mlp = parse_response(
-        served.server.stub.ModelInfer(build_request("mlp", {"input": features}), timeout=TIMEOUT_S)
+        stub.ModelInfer(build_request("mlp", {"input": features}), timeout=TIMEOUT_S)
     )
-    np.testing.assert_array_equal(got["probs"], mlp["probabilities"])
+    for answer in answers:
+        np.testing.assert_allclose(answer["probs"], mlp["probabilities"], rtol=1e-4, atol=1e-5)
 
 
 def test_python_memory_mb_caps_a_python_models_worker(served: Served) -> None:

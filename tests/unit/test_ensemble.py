@@ -1,12 +1,15 @@
 """An ensemble's graph, checked when it is loaded, and its steps run in dependency order;
-ensembles that reach themselves through their steps (nested ensembles' cycles) are found."""
+ensembles that reach themselves through their steps (nested ensembles' cycles) are found, and
+where one exists anyway, readiness and requests still end."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import graphlib
 import itertools
 
+import grpc
 import pytest
 from google.protobuf import text_format
 from hypothesis import given, settings
@@ -14,8 +17,11 @@ from hypothesis import strategies as st
 
 from oip.datatypes import BY_NAME
 from protos.inference import model_config_pb2 as mc
+from service.inference.errors import ServiceError
 from service.inference.jobs import InferJob, InputTensor, OutputTensor
+from service.inference.validation import RequestValidator
 from service.model.ensemble import (
+    MAX_ENSEMBLE_DEPTH,
     EnsembleError,
     Step,
     check_step,
@@ -23,7 +29,13 @@ from service.model.ensemble import (
     plan,
     step_cycle,
 )
+from service.observability.handlers import Observer
+from service.observability.logs import LineBudget, RequestLog
+from service.observability.metrics import Metrics
+from service.placement.topology import cpu_only_topology
+from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.ensemble import run
+from service.serving.requests import RequestRunner
 
 
 def ensemble(steps: str) -> mc.ModelConfig:
@@ -171,3 +183,50 @@ def test_the_shortest_cycle_is_named() -> None:
     assert step_cycle("a", steps) == ("a", "b", "a")
     assert step_cycle("c", steps) == ("c", "a", "b", "c")
     assert step_cycle("a", {"a": {"m"}, "b": {"a"}}) is None  # b reaches a, not a itself
+
+
+def passthrough(name: str, step_model: str) -> ServedVersion:
+    """A READY ensemble of one step on `step_model` (x -> y), as the lifecycle leaves it."""
+    config = text_format.Parse(
+        f"""name: "{name}" platform: "ensemble" max_batch_size: 4
+        input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+        ensemble_scheduling {{ step [ {step(step_model, {"x": "x"}, {"y": "y"})} ] }}""",
+        mc.ModelConfig(),
+    )
+    served = ServedVersion(name, 1, config, state=VersionState.READY)
+    served.steps = plan(config)
+    served.validator = RequestValidator(config)
+    return served
+
+
+def cyclic_registry() -> ModelRegistry:
+    """a -> b -> a, both READY: a cycle the check after loading has not refused yet."""
+    registry = ModelRegistry(lambda: None)
+    for name, other in (("a", "b"), ("b", "a")):
+        served = passthrough(name, other)
+        served.steps_ready = functools.partial(registry.ensemble_ready, served)
+        registry.publish(name, {1: served})
+    return registry
+
+
+def test_a_step_cycle_is_not_ready_and_asking_ends() -> None:
+    registry = cyclic_registry()
+    assert not registry.resolve("a", "").ready
+    assert not registry.all_ready
+
+
+async def test_a_request_into_a_step_cycle_ends_at_the_depth_limit() -> None:
+    registry = cyclic_registry()
+    metrics = Metrics(registry, cpu_only_topology())
+    observer = Observer(metrics, RequestLog(1e9, 0.0, None, LineBudget(10, 1.0)), None)
+    x = InputTensor("x", BY_NAME["FP32"], (1, 1), bytes(4))
+    with pytest.raises(ServiceError) as refused:
+        await RequestRunner(registry, observer).infer(
+            registry.resolve("a", ""), InferJob((x,), ("y",), 1), None
+        )
+    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    message = refused.value.message
+    assert message.startswith("ensemble 'a' step 1 (model 'b') failed: ensemble 'b' step 1")
+    assert message.count("failed: ") == MAX_ENSEMBLE_DEPTH
+    assert f"runs inside {MAX_ENSEMBLE_DEPTH} ensembles" in message
