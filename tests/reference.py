@@ -7,7 +7,7 @@ import functools
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +93,18 @@ CALL_SEED = 1_000_000
 
 
 def run_ensemble_reference(
-    config: Any, inputs: dict[str, np.ndarray[Any, Any]]
+    config: Any, inputs: dict[str, np.ndarray[Any, Any]], ensembles: Mapping[str, Any] | None = None
 ) -> dict[str, np.ndarray[Any, Any]]:
     """An ensemble's outputs (a ModelConfig with ensemble_scheduling) composed in-process from
-    its Paddle steps, in the order its config lists them."""
+    its Paddle steps, in the order its config lists them; a step naming one of `ensembles`
+    (name -> its ModelConfig) is composed the same way."""
     tensors = dict(inputs)
     for step in config.ensemble_scheduling.step:
         step_inputs = {name: tensors[tensor] for name, tensor in step.input_map.items()}
-        outputs = run_reference(step.model_name, step_inputs)
+        if ensembles and step.model_name in ensembles:
+            outputs = run_ensemble_reference(ensembles[step.model_name], step_inputs, ensembles)
+        else:
+            outputs = run_reference(step.model_name, step_inputs)
         tensors.update(
             {tensor_name: outputs[name] for name, tensor_name in step.output_map.items()}
         )

@@ -199,9 +199,10 @@ def copies(tmp: Path) -> list[str]:
 
 def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An ensemble's config.pbtxt (its steps) is signed and checked at start, on SIGHUP and on
-    RepositoryModelLoad: an unsigned one is refused under --require-signed, and a model whose
-    config.pbtxt was changed since signing (its platform, to an ensemble; an ensemble's steps)
-    is refused with that reason while what was verified goes on serving."""
+    RepositoryModelLoad, a nested one's as any: an unsigned one is refused under
+    --require-signed, and a model whose config.pbtxt was changed since signing (its platform,
+    to an ensemble; an ensemble's steps) is refused with that reason while what was verified
+    goes on serving."""
     key, trusted = keys(tmp_path)
     root = tmp_path / "models"
     sign(add_model(root, "good"), key)
@@ -210,8 +211,12 @@ def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.Mo
     pair.mkdir()
     (pair / "config.pbtxt").write_text(ensemble_config("good"))
     sign(pair, key)
-    (root / "loose").mkdir()
-    (root / "loose" / "config.pbtxt").write_text(ensemble_config("good"))
+    (root / "outer").mkdir()
+    (root / "outer" / "config.pbtxt").write_text(ensemble_config("pair"))  # pair nested
+    sign(root / "outer", key)
+    for loose, step in (("loose", "good"), ("loose_outer", "pair")):
+        (root / loose).mkdir()
+        (root / loose / "config.pbtxt").write_text(ensemble_config(step))
     swapped = add_model(root, "swapped")
     sign(swapped, key)
     (swapped / "config.pbtxt").write_text(ensemble_config("good"))  # now answered by "good"
@@ -223,15 +228,16 @@ def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.Mo
     with running_server(root, tmp_path / "server.log", args, wait=False) as server:
         server.wait_loaded()
         # What serves has a verified copy (files 0400); refused versions have none.
-        assert copies(tmp) == ["good-1", "pair-1", "victim-1"]
+        assert copies(tmp) == ["good-1", "outer-1", "pair-1", "victim-1"]
         (weights,) = tmp.glob("paddlequic-verified-*/good-1-*/1/inference.pdiparams")
         assert stat.S_IMODE(weights.stat().st_mode) == 0o400
         models = index(server)
-        assert models["pair", "1"].state == "READY"
+        assert models["pair", "1"].state == models["outer", "1"].state == "READY"
         answer = infer(server, "good")
-        assert infer(server, "pair") == answer
+        assert infer(server, "pair") == infer(server, "outer") == answer
         for name, reason in (
             ("loose", "model 'loose' is not signed"),
+            ("loose_outer", "model 'loose_outer' is not signed"),
             ("swapped", "swapped/config.pbtxt was modified after signing"),
         ):
             assert models[name, "1"].state == "UNAVAILABLE"
@@ -258,7 +264,7 @@ def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.Mo
             assert infer(server, name) == answer
         metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="victim"), timeout=10)
         assert metadata.platform == "paddle_inference"  # the verified model, not the ensemble
-        assert copies(tmp) == ["good-1", "pair-1", "victim-1"]  # refused candidates left none
+        assert copies(tmp) == ["good-1", "outer-1", "pair-1", "victim-1"]  # refused: none
 
         server.stub.RepositoryModelUnload(
             pb.RepositoryModelUnloadRequest(model_name="victim"), timeout=60
