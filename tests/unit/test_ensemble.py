@@ -8,6 +8,7 @@ import asyncio
 import functools
 import graphlib
 import itertools
+from pathlib import Path
 
 import grpc
 import pytest
@@ -36,6 +37,7 @@ from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.ensemble import run
 from service.serving.requests import RequestRunner
+from tests.unit.test_version_failure import failures_counted, lifecycle_over
 
 
 def ensemble(steps: str) -> mc.ModelConfig:
@@ -185,15 +187,17 @@ def test_the_shortest_cycle_is_named() -> None:
     assert step_cycle("a", {"a": {"m"}, "b": {"a"}}) is None  # b reaches a, not a itself
 
 
-def passthrough(name: str, step_model: str) -> ServedVersion:
-    """A READY ensemble of one step on `step_model` (x -> y), as the lifecycle leaves it."""
-    config = text_format.Parse(
-        f"""name: "{name}" platform: "ensemble" max_batch_size: 4
+def passthrough_config(name: str, step_model: str) -> str:
+    """An ensemble of one step on `step_model` (x -> y)."""
+    return f"""name: "{name}" platform: "ensemble" max_batch_size: 4
         input [ {{ name: "x" data_type: TYPE_FP32 dims: [ 1 ] }} ]
         output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-        ensemble_scheduling {{ step [ {step(step_model, {"x": "x"}, {"y": "y"})} ] }}""",
-        mc.ModelConfig(),
-    )
+        ensemble_scheduling {{ step [ {step(step_model, {"x": "x"}, {"y": "y"})} ] }}"""
+
+
+def passthrough(name: str, step_model: str) -> ServedVersion:
+    """A READY ensemble of one step on `step_model` (x -> y), as the lifecycle leaves it."""
+    config = text_format.Parse(passthrough_config(name, step_model), mc.ModelConfig())
     served = ServedVersion(name, 1, config, state=VersionState.READY)
     served.steps = plan(config)
     served.validator = RequestValidator(config)
@@ -230,3 +234,23 @@ async def test_a_request_into_a_step_cycle_ends_at_the_depth_limit() -> None:
     assert message.startswith("ensemble 'a' step 1 (model 'b') failed: ensemble 'b' step 1")
     assert message.count("failed: ") == MAX_ENSEMBLE_DEPTH
     assert f"runs inside {MAX_ENSEMBLE_DEPTH} ensembles" in message
+
+
+async def test_a_reload_that_closes_a_step_cycle_fails_the_ensembles_on_it(tmp_path: Path) -> None:
+    """b names a, a names a model not loaded; a reloaded to name b closes a -> b -> a."""
+    for name, other in (("a", "m"), ("b", "a")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(passthrough_config(name, other))
+    registry = ModelRegistry(lambda: None)
+    lifecycle, metrics = lifecycle_over(registry, tmp_path)
+    await lifecycle.load_all()
+    assert [(m.name, m.state) for m in registry.index()] == [("a", "READY"), ("b", "READY")]
+    assert not registry.resolve("b", "").ready  # m is not there
+
+    (tmp_path / "a" / "config.pbtxt").write_text(passthrough_config("a", "b"))
+    await lifecycle.load_model("a")
+    assert [(m.name, m.state, m.reason) for m in registry.index()] == [
+        ("a", "UNAVAILABLE", "ensemble step cycle: a -> b -> a"),
+        ("b", "UNAVAILABLE", "ensemble step cycle: b -> a -> b"),
+    ]
+    assert [failures_counted(metrics, name) for name in "ab"] == [{"ensemble": 1.0}] * 2
