@@ -244,7 +244,8 @@ class WorkerInstance:
 
     async def stop(self) -> None:
         self.state = State.STOPPED
-        self.bls.cancel_all()  # answered before the worker is told to shut down
+        # Answered CANCELLED, so a model waiting in exec() returns and takes the Shutdown.
+        self.bls.cancel_all()
         self._ready.clear()
         self._attempted.set()
         if self._restart_task:
