@@ -48,11 +48,13 @@ TRITON_TYPES: dict[DType, str] = {
 PROGRAM_FILES = ("inference.json", "inference.pdmodel")  # Paddle 3 / legacy
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # Python models and ensembles: their files are copied from examples/ as they are. The
-# sentiment ensemble runs tokenizer -> text_classifier -> label_postprocess.
+# sentiment ensemble runs tokenizer -> text_classifier -> label_postprocess; mlp_router calls
+# mlp (BLS) for the rows that need it.
 PIPELINES = {
     "tokenizer": "sentiment/tokenizer",
     "label_postprocess": "sentiment/label_postprocess",
     "sentiment": "sentiment/sentiment",
+    "mlp_router": "bls/mlp_router",
 }
 # A decoupled Python model with its decoder LM exported into its version directory (the
 # Python sandbox lets model.py read its own model directory only).

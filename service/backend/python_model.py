@@ -6,6 +6,7 @@ the server's log."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import resource
@@ -56,6 +57,7 @@ class PythonModel:
         self.name = load.model_name
         # Decoupled: each request is answered through its response sender (decoupled.py).
         self.decoupled = config.model_transaction_policy.decoupled
+        self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
         sys.modules["triton_python_backend_utils"] = pb_utils
         # No __pycache__ beside model.py: the repository's files (and their fingerprint,
         # which decides reloads) stay as they were deployed.
@@ -86,13 +88,19 @@ class PythonModel:
         self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: tuple[str, ...]
     ) -> tuple[dict[str, np.ndarray[Any, Any]], Timings]:
         """The batch is one request to execute(); what it answers is checked against the
-        config (a wrong answer fails the batch with a message, never reaches callers)."""
+        config (a wrong answer fails the batch with a message, never reaches callers). An
+        `async def execute` (which awaits BLS calls, async_exec) runs to its end here, on an
+        event loop of the worker's, as Triton runs it."""
         t0 = time.perf_counter_ns()
         request = pb_utils.InferenceRequest(
             [pb_utils.Tensor(name, array) for name, array in inputs.items()], outputs
         )
         t1 = time.perf_counter_ns()
         responses = self._model.execute([request])
+        if asyncio.iscoroutine(responses):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            responses = self._loop.run_until_complete(responses)
         t2 = time.perf_counter_ns()
         if not isinstance(responses, list | tuple) or len(responses) != 1:
             raise RuntimeError("execute() must return one InferenceResponse per request")

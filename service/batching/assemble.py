@@ -15,7 +15,8 @@ import numpy as np
 
 from oip.bytes_tensor import split_bytes
 from oip.datatypes import Datatype
-from service.inference import errors
+from service.inference import calls, errors
+from service.inference.calls import ROOT, CallChain
 from service.inference.jobs import InferJob, InputTensor, OutputTensor
 from service.model.shapes import ShapeBuckets
 
@@ -82,6 +83,7 @@ class Batch:
     outputs: tuple[str, ...]
     rows: int  # the rows the engine runs, padding included; 0: the model does not batch
     row_counts: tuple[int, ...]  # each request's rows, in order
+    chain: CallChain = ROOT  # the BLS calls its requests were made by, joined
 
     @property
     def formed(self) -> int:
@@ -135,7 +137,8 @@ def plan(jobs: Sequence[InferJob], shapes: ShapeBuckets = _NO_BUCKETS) -> Batch:
         _input([j.inputs[index] for j in jobs], rows, formed, shapes)
         for index in range(len(first.inputs))
     )
-    return Batch(inputs, first.outputs, rows, tuple(j.rows for j in jobs))
+    chain = calls.joined(j.chain for j in jobs)
+    return Batch(inputs, first.outputs, rows, tuple(j.rows for j in jobs), chain)
 
 
 def _input(

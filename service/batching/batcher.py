@@ -154,15 +154,38 @@ class DynamicBatcher:
             self._waiter.set_result(None)
 
     async def _run(self, batch: list[Pending]) -> None:
-        """Run one batch and answer its requests; on failure raise, answering none."""
+        """Run one batch and answer its requests; on failure raise, answering none. Once each
+        of its requests has ended otherwise (its caller went away, its deadline passed), the
+        run is cancelled, which ends the BLS calls a Python model makes for it."""
         started = asyncio.get_running_loop().time()
         deadlines = [item.deadline for item in batch]
         planned = plan([item.job for item in batch], self.policy.shapes)
-        result = await self._run_batch(
-            planned,
-            [item.trace for item in batch],
-            None if None in deadlines else max(d for d in deadlines if d is not None),
+        run = asyncio.ensure_future(
+            self._run_batch(
+                planned,
+                [item.trace for item in batch],
+                None if None in deadlines else max(d for d in deadlines if d is not None),
+            )
         )
+        abandoned = False
+
+        def ended(_: object) -> None:
+            nonlocal abandoned
+            if not run.done() and all(item.ticket.done() for item in batch):
+                abandoned = True
+                run.cancel()
+
+        for item in batch:
+            item.ticket.add_done_callback(ended)
+        try:
+            result = await run
+        except asyncio.CancelledError:
+            if abandoned:
+                return
+            raise
+        finally:
+            for item in batch:
+                item.ticket.remove_done_callback(ended)
         rows = planned.formed
         for item, outputs in zip(batch, result.outputs, strict=True):
             waited = int((started - item.arrival) * 1e9) + result.queue_ns

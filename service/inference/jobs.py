@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from oip.datatypes import Datatype
+from service.inference.calls import ROOT, CallChain
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class InferJob:
     batch_size: int  # 0 when the model does not batch
     priority: int | None = None  # Triton's request parameter (1 = highest); None: the default
     timeout_s: float | None = None  # Triton's request parameter `timeout`; None: the default
+    chain: CallChain = ROOT  # the BLS calls it was made by (calls.py); ROOT: a client's
 
     @property
     def rows(self) -> int:

@@ -22,7 +22,7 @@ from service.lifecycle.warming import warm_up
 from service.lifecycle.warmup import WarmUpError
 from service.model import ensemble
 from service.model.decoupled import is_decoupled, stream_limits
-from service.model.files import ENSEMBLE, ModelFiles
+from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.model.shapes import shape_buckets
 from service.placement.instance_groups import (
@@ -35,6 +35,7 @@ from service.placement.policy import Placement
 from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.batch_runner import BatchObserver, BatchRunner
+from service.serving.bls import BlsRunner
 from service.serving.requests import RequestRunner
 from service.workers.instance import WorkerInstance
 from service.workers.spec import WorkerSpec
@@ -63,6 +64,7 @@ class VersionLoader:
         self.fail = fail
         # --testing-service: honour test-only model parameters (a worker that crashes on cue).
         self.testing = testing
+        self.bls = BlsRunner(runner)  # runs Python models' BLS calls
 
     async def start(self, served: ServedVersion, files: ModelFiles) -> None:
         """Place and start a version of its own (a reload's)."""
@@ -155,6 +157,9 @@ class VersionLoader:
                         self.observer.on_generated, served.name
                     )
             else:
+                if config.backend == PYTHON_BACKEND:
+                    for instance in served.instances:
+                        instance.bls.handler = self.bls
                 served.batcher = DynamicBatcher(
                     policy_from_config(served.config, len(served.instances)),
                     BatchRunner(served, self.observer),

@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, Protocol
 
 import grpc
 
 from service.inference import errors
+from service.inference.calls import ROOT, CallChain
 from service.inference.jobs import (
     Answer,
     InferJob,
@@ -76,6 +78,25 @@ class RequestRunner:
 
     def encode_span(self) -> AbstractContextManager[Any]:
         return self.observer.encode_span()
+
+    async def validated(
+        self,
+        served: ServedVersion,
+        inputs: tuple[InputTensor, ...],
+        outputs: tuple[str, ...],
+        chain: CallChain,
+    ) -> InferJob:
+        """A request the server put together (an ensemble's step, a BLS call), checked by its
+        model's validator as strictly as a caller's; a refusal counts as the model's failure.
+        It carries on the chain of BLS calls of the request it serves."""
+        try:
+            if served.validator is None:
+                raise errors.unavailable(f"model '{served.name}' is not ready")
+            job = await decoded(served.validator.check(inputs, outputs))
+        except errors.ServiceError:
+            served.stats.record_failure(0)
+            raise
+        return job if chain == ROOT else replace(job, chain=chain)
 
     def stream(
         self,
@@ -161,12 +182,7 @@ class RequestRunner:
         ) -> tuple[OutputTensor, ...]:
             nonlocal queue_ns
             model = self.registry.resolve(step.model, step.version)
-            try:
-                assert model.validator is not None
-                step_job = await decoded(model.validator.check(inputs, outputs))
-            except errors.ServiceError:
-                model.stats.record_failure(0)
-                raise
+            step_job = await self.validated(model, inputs, outputs, job.chain)
             _, answer = await self.infer(model, step_job, deadline, depth + 1)
             queue_ns += answer.queue_ns
             return answer.outputs

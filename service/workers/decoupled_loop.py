@@ -21,7 +21,7 @@ from service.backend.decoupled import DecoupledRequests
 from service.backend.python_model import PythonModel
 from service.backend.response_flow import Reply
 from service.workers import protocol
-from service.workers.tensor_io import input_array, wire_form
+from service.workers.tensor_io import inline_arrays, input_array
 
 
 def serve_decoupled(
@@ -91,13 +91,8 @@ def _write(requests: DecoupledRequests, sock: socket.socket) -> None:
 def encoded(reply: Reply) -> bytes:
     """The reply as a Response, its outputs encoded as the worker encodes any output
     (tensor_io.wire_form), inline."""
-    refs, chunks, offset = [], [], 0
-    for name, array in reply.outputs.items():
-        dtype, data = wire_form(array)
-        refs.append(protocol.TensorRef(name, dtype, array.shape, offset, data.nbytes))
-        chunks.append(data.data)
-        offset += data.nbytes
+    refs, data = inline_arrays(reply.outputs.items())
     response = protocol.Response(
-        reply.request_id, tuple(refs), b"".join(chunks), reply.final, reply.error, reply.error_code
+        reply.request_id, refs, data, reply.final, reply.error, reply.error_code
     )
     return protocol.encode(response)

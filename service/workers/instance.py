@@ -29,7 +29,7 @@ from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
-from service.workers import launch, protocol, restarts, results, streams
+from service.workers import bls_calls, launch, protocol, restarts, results, streams
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
@@ -56,6 +56,7 @@ class _Pending:
     slot: Slot
     batch: Batch
     queue_ns: int
+    deadline: float | None  # the batch's (its requests' latest): its BLS calls' too
 
 
 class WorkerInstance:
@@ -91,6 +92,8 @@ class WorkerInstance:
         self.start_failure: str | None = None
         self._outputs = results.Outputs()
         self.streams = streams.Streams()  # a decoupled model's requests in this worker
+        # A Python model's BLS calls; the lifecycle sets their handler.
+        self.bls = bls_calls.BlsCalls(id(self), self._send, self._watch_oldest)
 
     @property
     def outstanding(self) -> int:
@@ -151,7 +154,8 @@ class WorkerInstance:
             )
             future: asyncio.Future[InferResult] = loop.create_future()
             queue_ns = time.perf_counter_ns() - started
-            self._pending[request_id] = _Pending(future, slot, batch, queue_ns)
+            self._pending[request_id] = _Pending(future, slot, batch, queue_ns, deadline)
+            future.add_done_callback(lambda _: self.bls.cancel(request_id))
             self._writer.write(protocol.encode(message))
             self._watch_oldest()
         except BaseException:
@@ -223,7 +227,7 @@ class WorkerInstance:
             pass
         if self._writer is None:
             raise errors.unavailable(self._not_ready_message())
-        refs, data = streams.inline(job)
+        refs, data = streams.inline(job.inputs)
         request_id = next(self._ids)
         request = StreamRequest(
             request_id, self.spec.model_name, self._outputs, self._send, self.streams.forget
@@ -240,6 +244,8 @@ class WorkerInstance:
 
     async def stop(self) -> None:
         self.state = State.STOPPED
+        # Answered CANCELLED, so a model waiting in exec() returns and takes the Shutdown.
+        self.bls.cancel_all()
         self._ready.clear()
         self._attempted.set()
         if self._restart_task:
@@ -313,6 +319,8 @@ class WorkerInstance:
                     # A decoupled model's data response: the worker was serving (restarts.py).
                     self._answered += bool(message.outputs) and message.error is None
                     self.streams.deliver(message)
+                elif isinstance(message, protocol.BlsCall):
+                    self.bls.start(message, self._caller(message.caller))
         except ConnectionError as exc:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
         except Exception as exc:
@@ -350,8 +358,20 @@ class WorkerInstance:
         else:
             pending.future.set_result(outcome)
 
+    def _caller(self, request_id: int) -> bls_calls.Caller | None:
+        """The batch a BLS call was made for, unless it has ended."""
+        pending = self._pending.get(request_id)
+        if pending is None or pending.future.done():
+            return None
+        return bls_calls.Caller(pending.batch.chain, pending.deadline, self.execution_timeout_s)
+
     def _watch_oldest(self) -> None:
-        self._watchdog.watch(next(iter(self._pending), None), self.execution_timeout_s)
+        """Time the batch the worker runs, except while it waits for its BLS calls (timed
+        afresh once they are answered)."""
+        oldest = next(iter(self._pending), None)
+        if oldest is not None and self.bls.waiting(oldest):
+            oldest = None
+        self._watchdog.watch(oldest, self.execution_timeout_s)
 
     def _kill_hung(self, request_id: int) -> None:
         process = self._process
@@ -394,6 +414,7 @@ class WorkerInstance:
             "request; it is being restarted"
         )
         self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+        self.bls.cancel_all()
         self.streams.died(how)
         self._restart_task = asyncio.create_task(self._restart())
 

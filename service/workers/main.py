@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from service.placement.cpulist import CPU_AFFINITY_ENV, parse_cpulist
 from service.workers import protocol
 from service.workers.shm import MappingCache, layout
 from service.workers.tensor_io import input_array, wire_form
+
+if TYPE_CHECKING:
+    from service.workers.bls_link import BlsLink
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
@@ -93,20 +96,38 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     # The front-end passes this parameter on only when it runs with --testing-service.
     crash_text = load.parameters.get(TESTING_CRASH_ON)
     crash_on = None if crash_text is None else float(crash_text)
+    link = _bls_link(sock) if load.backend == PYTHON_BACKEND else None
+    recv = link.recv if link is not None else lambda: _recv(sock)
     while True:
-        msg = _recv(sock)
+        msg = recv()
         if msg is None or isinstance(msg, protocol.Shutdown):
             if isinstance(msg, protocol.Shutdown) and hasattr(model, "finalize"):
                 model.finalize()
             return 0
         if not isinstance(msg, protocol.Infer):
             continue
+        if link is not None:
+            link.caller = msg.request_id
         reply: protocol.Message
         try:
             reply = _infer(model, maps, msg, crash_on)
         except Exception as exc:
             reply = protocol.Failed(msg.request_id, _reason(exc))
-        sock.sendall(protocol.encode(reply))
+        if link is not None:
+            link.send(reply)
+        else:
+            sock.sendall(protocol.encode(reply))
+
+
+def _bls_link(sock: socket.socket) -> BlsLink:
+    """A Python model's socket, read by a thread of its own so that the model can make BLS
+    calls (bls_link.py); Paddle workers read theirs in the main loop."""
+    from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+    from service.workers.bls_link import BlsLink
+
+    link = BlsLink(sock, lambda: _recv(sock))
+    pb_utils.set_model_caller(link)
+    return link
 
 
 def _load(load: Load) -> Any:

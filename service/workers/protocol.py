@@ -118,6 +118,33 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class BlsCall:
+    """A Python model's BLS call (pb_utils.InferenceRequest.exec()), made while the worker
+    runs request `caller`; its input bytes travel inline. The server answers each call with
+    exactly one BlsAnswer while the worker lives."""
+
+    call_id: int
+    caller: int  # the Infer the model is running
+    model: str
+    version: str  # "": the newest ready version
+    inputs: tuple[TensorRef, ...]  # offsets into `data`
+    data: bytes
+    outputs: tuple[str, ...]
+    timeout_us: int  # Triton's `timeout`; 0: none of its own (the caller's deadline holds)
+
+
+@dataclass(frozen=True)
+class BlsAnswer:
+    """The answer to a BlsCall: the target's outputs, or its error."""
+
+    call_id: int
+    outputs: tuple[TensorRef, ...]  # offsets into `data`
+    data: bytes
+    error: str | None = None
+    error_code: int = 1  # pb_utils.TritonError's code (TRITONSERVER_Error_Code)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -125,6 +152,8 @@ class Shutdown:
 # Data responses of one decoupled request the worker may have sent and the server not yet
 # taken (Credits return them); the final Response needs no credit.
 RESPONSE_WINDOW = 8
+# The tensor bytes one BLS call or answer may carry inline: more is refused with an error.
+BLS_MAX_BYTES = 64 << 20
 
 Message = (
     Load
@@ -137,6 +166,8 @@ Message = (
     | Response
     | Credit
     | Cancel
+    | BlsCall
+    | BlsAnswer
     | Shutdown
 )
 
@@ -168,6 +199,8 @@ _MESSAGES = (
     Response,
     Credit,
     Cancel,
+    BlsCall,
+    BlsAnswer,
     Shutdown,
 )
 _CLASSES = {

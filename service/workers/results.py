@@ -27,6 +27,22 @@ TRITON_STATUS = {
     6: grpc.StatusCode.ALREADY_EXISTS,
     7: grpc.StatusCode.CANCELLED,
 }
+_TRITON_CODE = {status: code for code, status in TRITON_STATUS.items()}
+# Statuses Triton has no code of their own for: it reports a timed-out or refused request as
+# UNAVAILABLE.
+_UNAVAILABLE = (
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+
+
+def triton_code(status: grpc.StatusCode) -> int:
+    """The TRITONSERVER_Error_Code a gRPC status is given to a Python model as (a BLS
+    response's error); UNKNOWN for one Triton has no counterpart of."""
+    if status in _UNAVAILABLE:
+        return _TRITON_CODE[grpc.StatusCode.UNAVAILABLE]
+    return _TRITON_CODE.get(status, _TRITON_CODE[grpc.StatusCode.UNKNOWN])
 
 
 class Outputs:

@@ -11,28 +11,31 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
 from service.inference import errors
 from service.inference.errors import WorkerDied
-from service.inference.jobs import InferJob, StreamAnswer
+from service.inference.jobs import InputTensor, OutputTensor, StreamAnswer
 from service.inference.timers import fail_at
 from service.workers import protocol, results
 from service.workers.results import Outputs
 
 
-def inline(job: InferJob) -> tuple[tuple[protocol.TensorRef, ...], bytes]:
-    """A request's inputs as a Submit carries them: one buffer, and where each lies in it."""
+def inline(
+    tensors: Sequence[InputTensor | OutputTensor],
+) -> tuple[tuple[protocol.TensorRef, ...], bytes]:
+    """Tensors as a message carries them (a Submit's inputs, a BLS answer's outputs): one
+    buffer, and where each lies in it."""
     refs, offset = [], 0
-    for tensor in job.inputs:
+    for tensor in tensors:
         nbytes = len(tensor.data)
         refs.append(
             protocol.TensorRef(tensor.name, tensor.datatype.numpy.str, tensor.shape, offset, nbytes)
         )
         offset += nbytes
-    return tuple(refs), b"".join(tensor.data for tensor in job.inputs)
+    return tuple(refs), b"".join(tensor.data for tensor in tensors)
 
 
 class CreditExceeded(Exception):

@@ -5,6 +5,7 @@ protocol's length-prefixed form."""
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -26,3 +27,17 @@ def wire_form(array: np.ndarray[Any, Any]) -> tuple[str, np.ndarray[Any, Any]]:
         data = serialize_bytes(bytes(v) for v in array.flat)
         return array.dtype.str, np.frombuffer(data, np.uint8)
     return array.dtype.str, np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def inline_arrays(
+    arrays: Iterable[tuple[str, np.ndarray[Any, Any]]],
+) -> tuple[tuple[TensorRef, ...], bytes]:
+    """Arrays as a message carries them inline (a decoupled Response, a BLS call): one
+    buffer, each in its wire form, and where each lies in it."""
+    refs, chunks, offset = [], [], 0
+    for name, array in arrays:
+        dtype, data = wire_form(array)
+        refs.append(TensorRef(name, dtype, array.shape, offset, data.nbytes))
+        chunks.append(data.data)
+        offset += data.nbytes
+    return tuple(refs), b"".join(chunks)

@@ -215,6 +215,7 @@ class _Executor:
         self.fail_once: list[errors.ServiceError] = []
         self.crash_on: float | None = None  # like a worker that dies on this value
         self.deadlines: list[float | None] = []
+        self.cancelled = 0  # runs cancelled before they were released
 
     async def __call__(
         self,
@@ -224,7 +225,11 @@ class _Executor:
     ) -> InferResult:
         self.batches.append(batch)
         self.deadlines.append(deadline)
-        await self.release.wait()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         if self.fail_with is not None:
             raise self.fail_with
         if self.fail_once:
@@ -262,6 +267,27 @@ async def test_requests_accumulate_while_the_instance_is_busy() -> None:
         20,
     ]
     assert [a.batch_rows for a in answers] == [1, 4, 4, 4, 4]
+    await batcher.stop()
+
+
+async def test_a_batch_whose_requests_all_ended_is_cancelled_not_one_that_still_has_one() -> None:
+    """Its run is cancelled (which ends the BLS calls a Python model makes for it), and the
+    instance's place goes to the next batch."""
+    executor = _Executor()
+    batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
+    alone = asyncio.create_task(batcher.submit(job(), None))
+    await until(lambda: len(executor.batches) == 1, "the first batch reached the instance")
+    pair = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in (1, 2)]
+    await until(lambda: batcher.queued == 2, "the pair queued")
+    alone.cancel()
+    await until(lambda: len(executor.batches) == 2, "the pair's batch took the place")
+    assert executor.cancelled == 1
+    pair[0].cancel()
+    await asyncio.sleep(0)
+    assert executor.cancelled == 1  # the other request of the pair still waits for it
+    executor.release.set()
+    answer = await pair[1]
+    assert np.frombuffer(answer.outputs[0].data, np.float32)[0] == 8
     await batcher.stop()
 
 

@@ -1,14 +1,17 @@
 """The part of Triton's Python backend API (`import triton_python_backend_utils as pb_utils`)
-that pre/post-processing and decoupled (streaming) models use, so their model.py runs here
+that pre/post-processing, decoupled (streaming) and BLS models use, so their model.py runs here
 unchanged. Python-model workers make this module importable under that name before they import
 model.py. Only the model-facing API lives here: where a decoupled response goes is the
-ResponseChannel a worker hands each request."""
+ResponseChannel a worker hands each request, and where a BLS call goes the ModelCaller the
+worker installs (set_model_caller)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -98,6 +101,23 @@ class ResponseChannel(Protocol):
         from __del__, so it must take no lock."""
 
 
+class ModelCaller(Protocol):
+    """Where BLS calls go (the worker's side of them)."""
+
+    def submit(self, request: InferenceRequest) -> concurrent.futures.Future[InferenceResponse]:
+        """Send the call; the future holds its response (an error response if it failed),
+        from any thread. Raises TritonModelException for a call that cannot be sent."""
+
+
+_caller: ModelCaller | None = None
+
+
+def set_model_caller(caller: ModelCaller) -> None:
+    """The worker's: BLS calls of this process's model go to `caller`."""
+    global _caller
+    _caller = caller
+
+
 class InferenceResponseSender:
     """Triton's per-request sender of a decoupled model; send() may be called from any
     thread, until the response with TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
@@ -128,21 +148,37 @@ class InferenceResponseSender:
 
 
 class InferenceRequest:
-    """One request as execute() receives it (a whole batch of rows, unless decoupled)."""
+    """One request as execute() receives it (a whole batch of rows, unless decoupled), or one
+    a model builds to call another model (BLS: model_name, then exec() or async_exec())."""
 
     def __init__(
         self,
         inputs: Sequence[Tensor],
         requested_output_names: Sequence[str],
         request_id: str = "",
-        parameters: str = "{}",
+        parameters: str | Mapping[str, Any] | None = "{}",
         channel: ResponseChannel | None = None,
+        *,
+        model_name: str = "",
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        correlation_id: int | str = 0,
+        preferred_memory: Any = None,
+        trace: Any = None,
     ) -> None:
+        """Triton's keywords; a BLS call's `timeout` is in microseconds (0: none of its own),
+        and flags, correlation_id, preferred_memory and trace are accepted and ignored."""
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
         self._request_id = request_id
-        self._parameters = parameters
+        self._parameters = (
+            parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+        )
         self._channel = channel
+        self.model_name = model_name
+        self.model_version = model_version
+        self.timeout = timeout
         self._sender: InferenceResponseSender | None = None
         self._sender_lock = threading.Lock()
 
@@ -177,10 +213,41 @@ class InferenceRequest:
                 self._sender = InferenceResponseSender(self._channel)
             return self._sender
 
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Call `model_name` with this request and wait for its response (BLS)."""
+        return _model_caller(decoupled).submit(self).result()
+
+    def async_exec(self, decoupled: bool = False) -> _Awaitable:
+        """Call `model_name` without waiting: await the result (in `async def execute`)."""
+        return _Awaitable(_model_caller(decoupled).submit(self))
+
     def __del__(self) -> None:
         # Released without a sender ever taken: nothing can answer it any more.
         if self._channel is not None and self._sender is None:
             self._channel.abandon()
+
+
+class _Awaitable:
+    """What async_exec() returns: awaitable on any event loop, once."""
+
+    def __init__(self, future: concurrent.futures.Future[InferenceResponse]) -> None:
+        self._future = future
+
+    def __await__(self) -> Generator[Any, None, InferenceResponse]:
+        return asyncio.wrap_future(self._future).__await__()
+
+
+def _model_caller(decoupled: bool) -> ModelCaller:
+    if decoupled:
+        raise TritonModelException(
+            "BLS calls to decoupled models (exec(decoupled=True)) are not supported"
+        )
+    if _caller is None:
+        raise TritonModelException(
+            "BLS calls (InferenceRequest.exec) can be made from the execute() of a model "
+            "that is not decoupled only"
+        )
+    return _caller
 
 
 class InferenceResponse:

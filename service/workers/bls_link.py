@@ -1,0 +1,129 @@
+"""A (non-decoupled) Python model's worker socket, so that its model can make BLS calls: a
+thread reads every message the server sends, hands BLS answers to the calls waiting for them
+(exec() blocks the execute thread; async_exec() is a future) and everything else to the main
+loop in order; every send goes through one lock, as the model may call from threads of its
+own.
+
+The thread starts after the load: the Python sandbox was entered by the single-threaded
+process, before model.py was imported."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+from service.workers import protocol
+from service.workers.tensor_io import inline_arrays, input_array
+
+_Future = concurrent.futures.Future[pb_utils.InferenceResponse]
+
+
+class BlsLink:
+    """The worker's socket and its model's BLS calls (pb_utils.ModelCaller)."""
+
+    def __init__(self, sock: socket.socket, recv: Callable[[], protocol.Message | None]) -> None:
+        self._sock = sock
+        self._recv = recv
+        self._send_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[protocol.Message | None] = queue.SimpleQueue()
+        self._calls: dict[int, _Future] = {}
+        self._calls_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        # The Infer the main loop runs now: the caller every BLS call is made for.
+        self.caller = 0
+        threading.Thread(target=self._read, name="read", daemon=True).start()
+
+    def recv(self) -> protocol.Message | None:
+        """The main loop's next message; None once the server closed the socket."""
+        return self._inbox.get()
+
+    def send(self, message: protocol.Message) -> None:
+        encoded = protocol.encode(message)
+        with self._send_lock:
+            self._sock.sendall(encoded)
+
+    def submit(self, request: pb_utils.InferenceRequest) -> _Future:
+        arrays = [(t.name(), _wire_array(t.as_numpy())) for t in request.inputs()]
+        refs, data = inline_arrays(arrays)
+        if len(data) > protocol.BLS_MAX_BYTES:
+            raise pb_utils.TritonModelException(
+                f"the BLS call to model '{request.model_name}' carries {len(data)} bytes of "
+                f"inputs; at most {protocol.BLS_MAX_BYTES} may travel in one call"
+            )
+        if not request.model_name:
+            raise pb_utils.TritonModelException("a BLS call needs model_name")
+        future: _Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        with self._calls_lock:
+            if self._closed:
+                raise pb_utils.TritonModelException("the server closed the worker's connection")
+            self._calls[call_id] = future
+        version = "" if request.model_version < 0 else str(request.model_version)
+        call = protocol.BlsCall(
+            call_id,
+            self.caller,
+            request.model_name,
+            version,
+            refs,
+            data,
+            tuple(request.requested_output_names()),
+            max(int(request.timeout), 0),
+        )
+        self.send(call)
+        return future
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._recv()
+            except (OSError, ValueError):
+                message = None  # the connection broke: as if the server closed it
+            if isinstance(message, protocol.BlsAnswer):
+                self._answer(message)
+                continue
+            self._inbox.put(message)
+            if message is None:
+                break
+        with self._calls_lock:
+            self._closed = True
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            future.set_result(_error("the server closed the worker's connection"))
+
+    def _answer(self, answer: protocol.BlsAnswer) -> None:
+        with self._calls_lock:
+            future = self._calls.pop(answer.call_id, None)
+        if future is None:
+            return
+        if answer.error is not None:
+            future.set_result(_error(answer.error, answer.error_code))
+            return
+        try:
+            tensors = [pb_utils.Tensor(r.name, input_array(answer.data, r)) for r in answer.outputs]
+        except (ValueError, TypeError) as exc:
+            future.set_result(_error(f"the BLS answer cannot be read ({exc})"))
+            return
+        future.set_result(pb_utils.InferenceResponse(tensors))
+
+
+def _wire_array(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """str elements as UTF-8 bytes (BYTES tensors travel as bytes)."""
+    if array.dtype.kind not in "SU":
+        return array
+    values = [v.encode() if isinstance(v, str) else bytes(v) for v in array.flat]
+    encoded = np.empty(len(values), dtype=object)
+    encoded[:] = values
+    return encoded.reshape(array.shape)
+
+
+def _error(message: str, code: int = pb_utils.TritonError.INTERNAL) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
