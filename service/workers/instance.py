@@ -80,6 +80,7 @@ class WorkerInstance:
         self._reader_task: asyncio.Task[None] | None = None
         self._output_tasks: set[asyncio.Task[None]] = set()
         self._restart_task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None
         self._started_at = 0.0
         self._restart_delay = 0.0
         self.execution_timeout_s = spec.execution_timeout_s
@@ -91,6 +92,9 @@ class WorkerInstance:
         self.start_failure: str | None = None
         self._outputs = results.Outputs()
         self.streams = streams.Streams()  # a decoupled model's requests in this worker
+        # Told how the worker died, before its requests fail (a sequence model's batcher:
+        # the state the worker held for its sequences is gone).
+        self.on_death: Callable[[str], None] | None = None
 
     @property
     def outstanding(self) -> int:
@@ -239,6 +243,13 @@ class WorkerInstance:
             self._writer.write(protocol.encode(message))
 
     async def stop(self) -> None:
+        """Stop the worker; once, however often it is asked (a version that failed to load
+        is stopped then, and again with every version at shutdown)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await self._stopping
+
+    async def _stop(self) -> None:
         self.state = State.STOPPED
         self._ready.clear()
         self._attempted.set()
@@ -389,6 +400,8 @@ class WorkerInstance:
             len(self._pending) + len(self.streams),
             self._restart_delay,
         )
+        if self.on_death is not None:
+            self.on_death(how)
         message = (
             f"the worker process for model '{self.spec.model_name}' {how} while holding this "
             "request; it is being restarted"
