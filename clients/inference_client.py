@@ -36,6 +36,7 @@ from clients.generation import Chunk, chunks, generation_request
 from clients.streaming import StreamRequest, StreamResponse, stream_responses
 
 # Re-exported: the arrays <-> messages helpers have always been importable from here.
+from clients.tensors import Parameter
 from clients.tensors import build_request as build_request
 from clients.tensors import parse_response as parse_response
 from clients.tickets import SessionTicketCache
@@ -156,8 +157,11 @@ class AsyncInferenceClient:
         outputs: Sequence[str] = (),
         version: str = "",
         timeout: float | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
-        request = build_request(model, inputs, outputs, version)
+        """`parameters`: the request's (Triton's `priority`, `timeout`, `sequence_id`, ...;
+        `sequence()` sets the sequence ones for you)."""
+        request = build_request(model, inputs, outputs, version, parameters=parameters)
         response = await self.stub.ModelInfer(
             request, timeout=timeout, metadata=with_trace_context(self._metadata)
         )

@@ -84,6 +84,10 @@ class ModelSpec:
     max_batch_size: int
     default: bool = True
     legacy: bool = True  # exports as a legacy program (--legacy)
+    # The last `hidden` inputs and outputs are the sequence batcher's (control and state
+    # tensors): in the program, not in config.pbtxt's input/output.
+    hidden: tuple[int, int] = (0, 0)
+    scheduling: str = "dynamic_batching { }\n"
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -132,6 +136,52 @@ class TwoTower(nn.Layer):
         u: paddle.Tensor = self.user_tower(user)
         score = (u * self.item_tower(item)).sum(axis=-1, keepdim=True)
         return u, score
+
+
+class KeywordSpotter(nn.Layer):
+    """A streaming keyword spotter: a GRU over chunks of audio-feature frames, scoring the
+    keywords after each chunk. Its recurrent state comes in and goes out as tensors, so the
+    server carries it from one request of a sequence to the next (implicit state); `start`
+    (the sequence batcher's START control) resets it."""
+
+    def __init__(self, features: int = 40, hidden: int = 64, keywords: int = 12) -> None:
+        super().__init__()
+        # A cell stepped over the chunk's frames: nn.GRU's exported program mistypes its
+        # final state under Paddle 3's PIR ("tensor<1x-1x64xf32> ... must be equal to ...").
+        self.cell = nn.GRUCell(features, hidden)
+        self.head = nn.Linear(hidden, keywords)
+
+    def forward(
+        self, features: paddle.Tensor, start: paddle.Tensor, state: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        hidden = state * (1.0 - start)
+        for frame in range(KWS_FRAMES):
+            _, hidden = self.cell(features[:, frame], hidden)
+        scores = nn.functional.softmax(self.head(hidden), axis=-1)
+        return scores, hidden
+
+
+KWS_FRAMES, KWS_FEATURES, KWS_HIDDEN = 8, 40, 64
+# Triton's sequence batcher, as the keyword spotter's config.pbtxt has it.
+KWS_SEQUENCES = f"""sequence_batching {{
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    {{ name: "start", control [ {{ kind: CONTROL_SEQUENCE_START, fp32_false_true: [ 0, 1 ] }} ] }}
+  ]
+  state [
+    {{
+      input_name: "gru_state"
+      output_name: "gru_state_out"
+      data_type: TYPE_FP32
+      dims: [ {KWS_HIDDEN} ]
+      initial_state {{
+        data_type: TYPE_FP32, dims: [ {KWS_HIDDEN} ], zero_data: true, name: "zeros"
+      }}
+    }}
+  ]
+  direct {{ }}
+}}
+"""
 
 
 class DecoderBlock(nn.Layer):
@@ -291,6 +341,20 @@ MODELS: tuple[ModelSpec, ...] = (
         64,
         legacy=False,  # Tensor.sum has no legacy translation
     ),
+    # A sequence model: the server keeps each sequence's GRU state between its requests.
+    ModelSpec(
+        "kws",
+        KeywordSpotter,
+        (
+            f32("features", -1, KWS_FRAMES, KWS_FEATURES),
+            f32("start", -1, 1),
+            f32("gru_state", -1, KWS_HIDDEN),
+        ),
+        (f32("scores", -1, 12), f32("gru_state_out", -1, KWS_HIDDEN)),
+        64,
+        hidden=(2, 1),
+        scheduling=KWS_SEQUENCES,
+    ),
     # One call is dominated by its ~100 MB of weights: used by the batching benchmark.
     ModelSpec(
         "mlp_wide",
@@ -312,14 +376,16 @@ def config_pbtxt(spec: ModelSpec) -> str:
             lines.append(f'  {{ name: "{t.name}", data_type: {dtype}, dims: [ {dims_text} ] }}')
         return ",\n".join(lines)
 
+    inputs = spec.inputs[: len(spec.inputs) - spec.hidden[0]]
+    outputs = spec.outputs[: len(spec.outputs) - spec.hidden[1]]
     return (
         f'name: "{spec.name}"\n'
         'platform: "paddle_inference"\n'
         f"max_batch_size: {spec.max_batch_size}\n"
-        f"input [\n{block(spec.inputs)}\n]\n"
-        f"output [\n{block(spec.outputs)}\n]\n"
+        f"input [\n{block(inputs)}\n]\n"
+        f"output [\n{block(outputs)}\n]\n"
         "instance_group [ { kind: KIND_CPU, count: 1 } ]\n"
-        "dynamic_batching { }\n"
+        f"{spec.scheduling}"
     )
 
 

@@ -76,6 +76,6 @@ class ControlServicer(pb_grpc.ControlServicer):
                     breaker_retry_in_s=v.breaker.retry_in_s(),
                 )
                 for v in versions
-                for queue in (v.batcher or v.generations,)
+                for queue in (v.queue(),)
             ],
         )

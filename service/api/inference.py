@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,7 @@ from service.api import stream_responses
 from service.inference import errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
-from service.inference.validation import decoded
+from service.inference.validation import decoded, request_sequence
 from service.lifecycle.lifecycle import Lifecycle
 from service.model.decoupled import is_decoupled
 from service.registry.versions import ModelRegistry, ServedVersion
@@ -192,7 +193,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task[None]] = set()
         deadline = _deadline(context)
 
-        async def run_one(request: pb.ModelInferRequest) -> None:
+        # The last request of each sequence on this stream: the next one of it waits for it,
+        # so a sequence's requests reach its batcher in the order the stream sent them.
+        chains: dict[tuple[str, int | str], asyncio.Task[None]] = {}
+
+        async def run_one(
+            request: pb.ModelInferRequest, previous: asyncio.Task[None] | None
+        ) -> None:
+            if previous is not None:
+                await asyncio.wait({previous})
             try:
                 served = self.models.resolve(request.model_name, request.model_version)
                 if is_decoupled(served.config):
@@ -214,9 +223,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     request = await anext(request_iterator, None)
                     if request is None:
                         break
-                    task = asyncio.create_task(run_one(request))
+                    key = _sequence_key(request)
+                    task = asyncio.create_task(
+                        run_one(request, None if key is None else chains.get(key))
+                    )
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    if key is not None:
+                        chains[key] = task
+                        task.add_done_callback(functools.partial(_unchain, chains, key))
                 if tasks:
                     await asyncio.gather(*list(tasks))
             finally:
@@ -292,6 +307,25 @@ def _served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> b
         return is_decoupled(models.resolve(request.model_name, request.model_version).config)
     except errors.ServiceError:
         return False
+
+
+def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, int | str] | None:
+    """The sequence a stream's request belongs to (None: none, or parameters that its model
+    will refuse)."""
+    try:
+        flags = request_sequence(request)
+    except errors.ServiceError:
+        return None
+    return None if flags is None else (request.model_name, flags.corrid)
+
+
+def _unchain(
+    chains: dict[tuple[str, int | str], asyncio.Task[None]],
+    key: tuple[str, int | str],
+    task: asyncio.Task[None],
+) -> None:
+    if chains.get(key) is task:
+        del chains[key]
 
 
 def _deadline(context: ServicerContext) -> float | None:

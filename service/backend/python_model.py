@@ -53,6 +53,10 @@ class PythonModel:
             for t in config.output
         )
         self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in config.output}
+        # A sequence model's state outputs, which the server keeps for its next request.
+        self._output_types.update(
+            (s.output_name, BY_CONFIG_TYPE[s.data_type]) for s in config.sequence_batching.state
+        )
         self.device = "cpu"
         self.name = load.model_name
         # Decoupled: each request is answered through its response sender (decoupled.py).

@@ -24,6 +24,16 @@ class InputTensor:
 
 
 @dataclass(frozen=True)
+class SequenceFlags:
+    """Triton's sequence parameters of a request (`sequence_id`, `sequence_start`,
+    `sequence_end`): which sequence it belongs to, for a model with sequence_batching."""
+
+    corrid: int | str
+    start: bool = False
+    end: bool = False
+
+
+@dataclass(frozen=True)
 class InferJob:
     """A validated request: every declared input exactly once, and the outputs to return."""
 
@@ -33,6 +43,7 @@ class InferJob:
     priority: int | None = None  # Triton's request parameter (1 = highest); None: the default
     timeout_s: float | None = None  # Triton's request parameter `timeout`; None: the default
     chain: CallChain = ROOT  # the BLS calls it was made by (calls.py); ROOT: a client's
+    sequence: SequenceFlags | None = None  # None: the request names no sequence
 
     @property
     def rows(self) -> int:

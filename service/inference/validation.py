@@ -27,7 +27,7 @@ from oip.datatypes import BY_CONFIG_TYPE, Datatype
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.inference.errors import echoed, invalid
-from service.inference.jobs import InferJob, InputTensor
+from service.inference.jobs import InferJob, InputTensor, SequenceFlags
 from service.model.parameters import check_parameters
 
 # Where config.pbtxt sets no max_input_elements: an input with variable non-batch dimensions
@@ -72,6 +72,7 @@ class Decoding:
     batch_size: int
     priority: int | None = None
     timeout_s: float | None = None
+    sequence: SequenceFlags | None = None
 
     @property
     def work(self) -> int:
@@ -80,7 +81,14 @@ class Decoding:
     def finish(self) -> InferJob:
         """The job; INVALID_ARGUMENT when some contents do not hold what the shape says."""
         inputs = tuple(InputTensor(c.name, c.datatype, c.shape, c.decode()) for c in self.inputs)
-        return InferJob(inputs, self.outputs, self.batch_size, self.priority, self.timeout_s)
+        return InferJob(
+            inputs,
+            self.outputs,
+            self.batch_size,
+            self.priority,
+            self.timeout_s,
+            sequence=self.sequence,
+        )
 
 
 async def decoded(decoding: Decoding) -> InferJob:
@@ -150,7 +158,9 @@ class RequestValidator:
         inputs = self._complete(seen)
         outputs = self._outputs(o.name for o in request.outputs)
         batch_size = self._batch(inputs)
-        return Decoding(inputs, outputs, batch_size, *request_scheduling(request))
+        return Decoding(
+            inputs, outputs, batch_size, *request_scheduling(request), request_sequence(request)
+        )
 
     def check(self, inputs: Iterable[InputTensor], outputs: tuple[str, ...]) -> Decoding:
         """A job the server put together itself (an ensemble's step), checked as strictly as
@@ -329,3 +339,45 @@ def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float
         values.append(value)
     priority, timeout_us = values
     return priority, None if timeout_us is None else timeout_us / 1e6
+
+
+# The longest string sequence_id taken: it is kept per live sequence and echoed in errors.
+MAX_SEQUENCE_ID_CHARS = 256
+
+
+def request_sequence(request: pb.ModelInferRequest) -> SequenceFlags | None:
+    """Triton's sequence parameters as tritonclient sends them: `sequence_id` (a non-zero
+    integer or a non-empty string; 0 or "" is no sequence), `sequence_start`, `sequence_end`."""
+    parameters = request.parameters
+    if "sequence_id" not in parameters:
+        if "sequence_start" in parameters or "sequence_end" in parameters:
+            raise invalid("sequence_start / sequence_end need a sequence_id")
+        return None
+    given = parameters["sequence_id"]
+    kind = given.WhichOneof("parameter_choice")
+    corrid: int | str
+    if kind in ("int64_param", "uint64_param"):
+        corrid = int(getattr(given, kind))
+        if corrid < 0:
+            raise invalid("request parameter 'sequence_id' must not be negative")
+    elif kind == "string_param":
+        corrid = given.string_param
+        if len(corrid) > MAX_SEQUENCE_ID_CHARS:
+            raise invalid(
+                f"request parameter 'sequence_id' has {len(corrid)} characters; at most "
+                f"{MAX_SEQUENCE_ID_CHARS}"
+            )
+    else:
+        raise invalid("request parameter 'sequence_id' must be an integer or a string")
+    flags = []
+    for key in ("sequence_start", "sequence_end"):
+        parameter = parameters.get(key)
+        if parameter is None:
+            flags.append(False)
+        elif parameter.WhichOneof("parameter_choice") == "bool_param":
+            flags.append(parameter.bool_param)
+        else:
+            raise invalid(f"request parameter '{key}' must be a boolean")
+    if not corrid:
+        return None
+    return SequenceFlags(corrid, *flags)

@@ -97,7 +97,7 @@ class Lifecycle:
         versions = self.registry.all_versions()
         for served in versions:
             served.state = VersionState.UNLOADING
-        await asyncio.gather(*(v.batcher.stop() for v in versions if v.batcher))
+        await asyncio.gather(*(q.stop() for v in versions if (q := v.batcher or v.sequences)))
         await asyncio.gather(*(i.stop() for v in versions for i in v.instances))
         for served in versions:
             served.state = VersionState.UNAVAILABLE
@@ -227,6 +227,7 @@ class Lifecycle:
             self.registry.publish(name, result)
             await self._check_consistency()
             for version in retired:
+                self.registry.hold_sequences(version)
                 self.retiring.retire_soon(version, "replaced")
             if failures:
                 first = failures[0]

@@ -13,6 +13,8 @@ from oip.datatypes import BY_CONFIG_TYPE, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.concurrency import ConcurrencyLimit
+from service.batching.sequence_batcher import SequenceBatcher
+from service.batching.sequence_queue import SequencePolicy
 from service.inference.validation import RequestValidator
 from service.lifecycle.repository import RepositoryError, complete_config, fetch_names
 from service.lifecycle.retiring import Fail
@@ -24,6 +26,12 @@ from service.model import ensemble
 from service.model.decoupled import is_decoupled, stream_limits
 from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
+from service.model.sequences import (
+    SequenceSettings,
+    sequence_settings,
+    with_sequence_tensors,
+    without_sequence_tensors,
+)
 from service.model.shapes import shape_buckets
 from service.placement.instance_groups import (
     frontend_numa_node,
@@ -142,14 +150,21 @@ class VersionLoader:
                 raise RepositoryError(f"loading {files.path} failed: {failure}")
             loaded = results[0]
             assert not isinstance(loaded, BaseException)
-            served.config = complete_config(config, loaded.inputs, loaded.outputs)
-            renamed = fetch_names(config, loaded.outputs)
-            datatypes = {o.name: BY_CONFIG_TYPE[o.data_type] for o in served.config.output}
+            # A sequence model's engine also takes its control and state inputs and gives its
+            # state outputs; callers see neither.
+            settings = sequence_settings(config)  # checked when the config was read
+            engine = config if settings is None else with_sequence_tensors(config, settings)
+            full = complete_config(engine, loaded.inputs, loaded.outputs)
+            renamed = fetch_names(engine, loaded.outputs)
+            datatypes = {o.name: BY_CONFIG_TYPE[o.data_type] for o in full.output}
             for instance in served.instances:
                 instance.declare_outputs(datatypes, renamed)
+            served.config = full if settings is None else without_sequence_tensors(full, settings)
             served.validator = RequestValidator(served.config)
             label = f"model '{served.name}' version {served.version}"
-            if is_decoupled(served.config):
+            if settings is not None:
+                self._batch_sequences(served, settings, label)
+            elif is_decoupled(served.config):
                 places = stream_limits(served.config)
                 served.generations = ConcurrencyLimit(places.concurrent, places.queued, label)
                 for instance in served.instances:
@@ -179,6 +194,35 @@ class VersionLoader:
             _describe(served.config.output, served.config.max_batch_size),
         )
         self.registry.changed()
+
+    def _batch_sequences(
+        self, served: ServedVersion, settings: SequenceSettings, label: str
+    ) -> None:
+        """The version's sequence batcher, told when an instance's worker dies (the state it
+        held for its sequences is gone)."""
+        config, count = served.config, len(served.instances)
+        policy = SequencePolicy(
+            oldest=settings.oldest,
+            instances=count,
+            max_batch_size=config.max_batch_size,
+            live_limit=settings.live_limit(config.max_batch_size, count),
+            idle_s=settings.idle_s,
+            preferred_sizes=settings.preferred_sizes,
+            max_queue_delay_s=settings.max_queue_delay_s,
+            minimum_slot_utilization=settings.minimum_slot_utilization,
+            shapes=shape_buckets(config),
+            name=label,
+        )
+        sequences = SequenceBatcher(
+            policy,
+            settings,
+            BatchRunner(served, self.observer).run_on,
+            served.instance_capacity,
+            functools.partial(self.observer.on_sequences, served.name),
+        )
+        served.sequences = sequences
+        for index, instance in enumerate(served.instances):
+            instance.on_death = functools.partial(sequences.lose_instance, index)
 
     async def _signed(
         self, served: ServedVersion, files: ModelFiles

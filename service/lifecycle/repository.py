@@ -18,6 +18,7 @@ from service.inference.tensors import TensorSpec
 from service.model import decoupled
 from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import ParameterError, check_parameters
+from service.model.sequences import SequenceConfigError, sequence_settings
 from service.model.shapes import shape_buckets
 from service.registry.names import MAX_VERSION, NAME_RE, check_model_name
 
@@ -116,6 +117,10 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
     refused = decoupled.refusal(config)
     if refused is not None:
         raise RepositoryError(f"{config_file}: {refused}")
+    try:
+        sequence_settings(config)
+    except SequenceConfigError as exc:
+        raise RepositoryError(f"{config_file}: sequence_batching: {exc}") from None
     try:
         check_parameters(config)
         shape_buckets(config)

@@ -23,9 +23,12 @@ async def wind_down(served: ServedVersion) -> None:
     drop its verified copy."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + RETIRE_TIMEOUT_S
-    batcher = served.batcher
+    batcher = served.batcher or served.sequences
     while loop.time() < deadline and (
-        served.active or (batcher and (batcher.queued or batcher.in_flight_requests))
+        served.active
+        or (batcher and (batcher.queued or batcher.in_flight_requests))
+        # A replaced version keeps its live sequences until they end or expire.
+        or (served.sequences and served.sequences.live)
     ):
         await asyncio.sleep(0.01)
     if batcher is not None:

@@ -25,8 +25,8 @@ async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
     traffic (service/lifecycle/warmup.py); the slowest bucket (the largest) sets the
     watchdog's limit where config.pbtxt sets none. Then the version is READY; a failure
     raises WarmUpError with the reason."""
-    if served.generations is not None:
-        _ready_decoupled(served)
+    if served.generations is not None or served.sequences is not None:
+        _ready_unwarmed(served)
         return
     loop = asyncio.get_running_loop()
     assert served.batcher is not None
@@ -60,17 +60,19 @@ async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
     served.state = VersionState.READY
 
 
-def _ready_decoupled(served: ServedVersion) -> None:
+def _ready_unwarmed(served: ServedVersion) -> None:
     """A decoupled model is not warmed up: nothing says which inputs make it answer quickly,
-    and a model.py builds what it needs in initialize() (model_warmup is refused when its
-    config is read). Its execution_timeout_ms bounds the gap between two responses."""
+    and a model.py builds what it needs in initialize(); nor is a sequence model (a sample is
+    not a sequence). model_warmup is refused for both when the config is read. Its
+    execution_timeout_ms bounds a batch, or the gap between two responses."""
     for instance in served.instances:
         if instance.execution_timeout_s is None:
             instance.execution_timeout_s = MIN_EXECUTION_TIMEOUT_S
     log.info(
-        "model %s version %d is decoupled: no warm-up; up to %.1f s between two responses",
+        "model %s version %d is %s: no warm-up; up to %.1f s per batch or response",
         served.name,
         served.version,
+        "decoupled" if served.generations is not None else "sequence-batched",
         min(i.execution_timeout_s or MIN_EXECUTION_TIMEOUT_S for i in served.instances),
     )
     served.state = VersionState.READY

@@ -135,6 +135,10 @@ class Observer:
         if self.metrics is not None:
             self.metrics.child(self.metrics.generated_tokens, model).inc()
 
+    def on_sequences(self, model: str, event: str, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.sequences, model, event).inc(count)
+
     def on_generation(self, model: str, delta: int) -> None:
         if self.metrics is not None:
             self.metrics.child(self.metrics.active_generations, model).inc(delta)

@@ -130,6 +130,14 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.sequences = Counter(
+            "paddlequic_sequences",
+            "sequences of sequence-batched models, by what happened to them: start, end (its "
+            "sequence_end ran, or its model failed it), expire (idle past "
+            "max_sequence_idle_microseconds), lost (its worker died)",
+            ["model", "event"],
+            registry=r,
+        )
         self.state = _StateCollector(models, topology)
         r.register(self.state)
         self.names = ServedNames(models)
@@ -193,6 +201,7 @@ class _StateCollector(Collector):
         """Every family collect() may yield, including those only a server with HTTP/3 or
         GPUs has (what dashboards and alerts may name)."""
         yield _queue_depth()
+        yield _live_sequences()
         yield _breaker_state()
         yield _worker_restarts()
         yield _h3_connections(0)
@@ -202,12 +211,16 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         versions = list(self.models.all_versions())
         depth = _queue_depth()
+        live = _live_sequences()
         restarts: dict[str, int] = {}
         for v in versions:
-            queue = v.batcher or v.generations
+            queue = v.queue()
             depth.add_metric([v.name, str(v.version)], queue.queued if queue else 0)
+            if v.sequences is not None:
+                live.add_metric([v.name, str(v.version)], v.sequences.live)
             restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
         yield depth
+        yield live
         breakers = _breaker_state()
         for v in versions:
             current = v.breaker.state
@@ -247,6 +260,14 @@ class _NvmlMemory:
 def _queue_depth() -> GaugeMetricFamily:
     return GaugeMetricFamily(
         "paddlequic_queue_depth", "requests waiting in the batch queue", labels=["model", "version"]
+    )
+
+
+def _live_sequences() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        "paddlequic_live_sequences",
+        "sequences started and not yet ended, expired or lost, of each sequence-batched version",
+        labels=["model", "version"],
     )
 
 

@@ -13,6 +13,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import DynamicBatcher
 from service.batching.concurrency import ConcurrencyLimit
+from service.batching.sequence_batcher import SequenceBatcher
 from service.inference import errors
 from service.inference.validation import RequestValidator
 from service.model import ensemble
@@ -51,6 +52,8 @@ class ServedVersion:
     steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
     # A decoupled model's places for requests running at once (it has no batcher).
     generations: ConcurrencyLimit | None = None
+    # A sequence model's batcher (it has no dynamic batcher).
+    sequences: SequenceBatcher | None = None
     steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
 
     def __post_init__(self) -> None:
@@ -76,6 +79,15 @@ class ServedVersion:
         """Batches the ready instances can hold at once (one running, one queued each)."""
         return SLOTS_PER_WORKER * sum(i.state is State.READY for i in self.instances)
 
+    def instance_capacity(self, index: int) -> int:
+        """Batches one instance can hold at once (a sequence's requests wait for its own
+        instance, restarting or not: it is bound to it)."""
+        return 0 if self.instances[index].state is State.STOPPED else SLOTS_PER_WORKER
+
+    def queue(self) -> DynamicBatcher | ConcurrencyLimit | SequenceBatcher | None:
+        """What holds the version's waiting requests (for metrics and ListInstances)."""
+        return self.batcher or self.generations or self.sequences
+
 
 class ModelRegistry:
     """The registry of served versions: which version a request names, and what each model
@@ -86,6 +98,9 @@ class ModelRegistry:
         self._models: dict[str, dict[int, ServedVersion]] = {}
         self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
         self._unloaded: set[str] = set()
+        # Replaced versions that still run live sequences (until they end, expire or the
+        # version winds down).
+        self._holding: dict[str, list[ServedVersion]] = {}
         self.loading_done = False
 
     def changed(self) -> None:
@@ -147,6 +162,28 @@ class ModelRegistry:
             )
         if served.state is not VersionState.READY:
             raise _not_ready(served)
+        return served
+
+    def hold_sequences(self, replaced: ServedVersion) -> None:
+        """A replaced version's live sequences keep going to it."""
+        if replaced.sequences is not None and replaced.sequences.live:
+            self._holding.setdefault(replaced.name, []).append(replaced)
+
+    def sequence_holder(self, served: ServedVersion, corrid: int | str) -> ServedVersion:
+        """The version running a live sequence of `served`'s model: `served` itself, another
+        served version, or one replaced by a reload; `served` when none does (it then says
+        why the sequence is unknown)."""
+        if served.sequences is None or served.sequences.holds(corrid):
+            return served
+        holding = [
+            v
+            for v in self._holding.get(served.name, [])
+            if v.sequences is not None and v.sequences.live
+        ]
+        self._holding[served.name] = holding
+        for version in [*self._models.get(served.name, {}).values(), *holding]:
+            if version.sequences is not None and version.sequences.holds(corrid):
+                return version
         return served
 
     def versions_of(self, name: str) -> list[ServedVersion]:

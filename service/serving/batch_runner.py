@@ -25,6 +25,8 @@ class BatchObserver(Protocol):
 
     def on_generated(self, model: str) -> None: ...
 
+    def on_sequences(self, model: str, event: str, count: int) -> None: ...
+
     def batch_span(
         self, model: str, version: int, rows: int, requests: Sequence[SpanContext]
     ) -> AbstractContextManager[Any]: ...
@@ -43,9 +45,24 @@ class BatchRunner:
     ) -> InferResult:
         """Statistics and metrics count the rows requests brought (the batch sizes formed);
         the engine runs `batch` padded to its bucket."""
+        return await self._on(self._pick_instance(), batch, requests, deadline)
+
+    async def run_on(
+        self, index: int, batch: Batch, requests: Sequence[SpanContext], deadline: float | None
+    ) -> InferResult:
+        """Run the batch on one instance (a sequence's: service/batching/sequence_batcher.py)."""
+        return await self._on(self._served.instances[index], batch, requests, deadline)
+
+    async def _on(
+        self,
+        instance: WorkerInstance,
+        batch: Batch,
+        requests: Sequence[SpanContext],
+        deadline: float | None,
+    ) -> InferResult:
         served, rows = self._served, batch.formed
         with self._observer.batch_span(served.name, served.version, rows, requests):
-            result = await self._pick_instance().infer(batch, deadline)
+            result = await instance.infer(batch, deadline)
         served.stats.record_batch(rows, result.timings)
         self._observer.on_batch(served.name, rows, result.timings)
         return result

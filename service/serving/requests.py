@@ -63,6 +63,8 @@ class RequestRunner:
                 f"model '{served.name}' answers with a stream of responses; call "
                 "ModelStreamInfer",
             )
+        if job.sequence is not None and not job.sequence.start:
+            served = self.registry.sequence_holder(served, job.sequence.corrid)
         admission, failure = admit(served)
         if admission is None:
             fallback = self._fallback(served, failure)
@@ -152,6 +154,8 @@ class RequestRunner:
         try:
             if served.steps:
                 answer = await self._run_ensemble(served, job, deadline, depth)
+            elif served.sequences is not None:
+                answer = await served.sequences.submit(job, deadline)
             else:
                 assert served.batcher is not None
                 answer = await served.batcher.submit(job, deadline)

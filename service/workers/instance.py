@@ -81,6 +81,7 @@ class WorkerInstance:
         self._reader_task: asyncio.Task[None] | None = None
         self._output_tasks: set[asyncio.Task[None]] = set()
         self._restart_task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None
         self._started_at = 0.0
         self._restart_delay = 0.0
         self.execution_timeout_s = spec.execution_timeout_s
@@ -94,6 +95,9 @@ class WorkerInstance:
         self.streams = streams.Streams()  # a decoupled model's requests in this worker
         # A Python model's BLS calls; the lifecycle sets their handler.
         self.bls = bls_calls.BlsCalls(id(self), self._send, self._watch_oldest)
+        # Told how the worker died, before its requests fail (a sequence model's batcher:
+        # the state the worker held for its sequences is gone).
+        self.on_death: Callable[[str], None] | None = None
 
     @property
     def outstanding(self) -> int:
@@ -243,6 +247,13 @@ class WorkerInstance:
             self._writer.write(protocol.encode(message))
 
     async def stop(self) -> None:
+        """Stop the worker; once, however often it is asked (a version that failed to load
+        is stopped then, and again with every version at shutdown)."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await self._stopping
+
+    async def _stop(self) -> None:
         self.state = State.STOPPED
         # Answered CANCELLED, so a model waiting in exec() returns and takes the Shutdown.
         self.bls.cancel_all()
@@ -409,6 +420,8 @@ class WorkerInstance:
             len(self._pending) + len(self.streams),
             self._restart_delay,
         )
+        if self.on_death is not None:
+            self.on_death(how)
         message = (
             f"the worker process for model '{self.spec.model_name}' {how} while holding this "
             "request; it is being restarted"
