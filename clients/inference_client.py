@@ -33,6 +33,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.generation import Chunk, chunks, generation_request
+from clients.sequences import SequenceParameters
 from clients.streaming import StreamRequest, StreamResponse, stream_responses
 
 # Re-exported: the arrays <-> messages helpers have always been importable from here.
@@ -185,6 +186,13 @@ class AsyncInferenceClient:
             async for response in responses:
                 yield response
 
+    def sequence(
+        self, model: str, sequence_id: int | str | None = None, version: str = ""
+    ) -> AsyncSequence:
+        """A sequence of a sequence-batched model; its `infer` sends the sequence parameters
+        (a random id unless one is given)."""
+        return AsyncSequence(self, model, SequenceParameters(sequence_id), version)
+
     async def generate(
         self,
         model: str,
@@ -291,6 +299,12 @@ class InferenceClient:
 
     infer = _blocking(AsyncInferenceClient.infer)
 
+    def sequence(
+        self, model: str, sequence_id: int | str | None = None, version: str = ""
+    ) -> SyncSequence:
+        """As `AsyncInferenceClient.sequence`."""
+        return SyncSequence(self, model, SequenceParameters(sequence_id), version)
+
     def stream_infer(
         self, requests: Iterable[StreamRequest], timeout: float | None = None
     ) -> Generator[StreamResponse, None, None]:
@@ -359,3 +373,53 @@ class InferenceClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclass
+class AsyncSequence:
+    """One sequence's requests through a client: `end=True` on the last."""
+
+    client: AsyncInferenceClient
+    model: str
+    parameters: SequenceParameters
+    version: str = ""
+
+    @property
+    def sequence_id(self) -> int | str:
+        return self.parameters.sequence_id
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        outputs: Sequence[str] = (),
+        end: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        return await self.client.infer(
+            self.model, inputs, outputs, self.version, timeout, self.parameters.next(end)
+        )
+
+
+@dataclass
+class SyncSequence:
+    """As `AsyncSequence`, for the synchronous client."""
+
+    client: InferenceClient
+    model: str
+    parameters: SequenceParameters
+    version: str = ""
+
+    @property
+    def sequence_id(self) -> int | str:
+        return self.parameters.sequence_id
+
+    def infer(
+        self,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        outputs: Sequence[str] = (),
+        end: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        return self.client.infer(
+            self.model, inputs, outputs, self.version, timeout, self.parameters.next(end)
+        )

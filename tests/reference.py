@@ -46,20 +46,42 @@ def output_names(model: str) -> tuple[str, ...]:
     return tuple(o.name for o in config.output)
 
 
-def run_reference(
+def run_program(
     model: str, inputs: dict[str, np.ndarray[Any, Any]], version: int = 1
-) -> dict[str, np.ndarray[Any, Any]]:
-    """The program's outputs, under the names the server gives them."""
+) -> list[np.ndarray[Any, Any]]:
+    """The program's outputs, in its order (a sequence model's state outputs included)."""
     predictor = _predictor(model, version)
     for name, array in inputs.items():
         handle = predictor.get_input_handle(name)
         handle.reshape(list(array.shape))
         handle.copy_from_cpu(np.ascontiguousarray(array))
     predictor.run()
-    return {
-        served: predictor.get_output_handle(name).copy_to_cpu()
-        for served, name in zip(output_names(model), predictor.get_output_names(), strict=True)
-    }
+    return [
+        predictor.get_output_handle(name).copy_to_cpu() for name in predictor.get_output_names()
+    ]
+
+
+def run_reference(
+    model: str, inputs: dict[str, np.ndarray[Any, Any]], version: int = 1
+) -> dict[str, np.ndarray[Any, Any]]:
+    """The program's outputs, under the names the server gives them."""
+    outputs = run_program(model, inputs, version)
+    return dict(zip(output_names(model), outputs, strict=True))
+
+
+KWS_STATE = 64  # the keyword spotter's GRU state (scripts/export_models.py)
+
+
+def kws_reference(chunks: Sequence[np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
+    """The keyword spotter's scores for one sequence of chunks, run alone in-process: the
+    state each chunk leaves is the next one's, as the server's sequence batcher carries it."""
+    state = np.zeros((1, KWS_STATE), np.float32)
+    scores = []
+    for index, chunk in enumerate(chunks):
+        start = np.full((1, 1), float(index == 0), np.float32)
+        score, state = run_program("kws", {"features": chunk, "start": start, "gru_state": state})
+        scores.append(score)
+    return scores
 
 
 # Inputs for each example model: batch 3, sequence length 7 where the length varies.

@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
@@ -142,6 +146,14 @@ class ServerProcess:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"models still loading after {START_TIMEOUT_S} s:\n{self.log_text()}")
+
+    def metrics(self) -> list[Sample]:
+        """Every sample /metrics shows now (its URL is in the log)."""
+        url = re.search(r"metrics on (http://\S+/metrics)", self.log_text())
+        assert url is not None, "the server logs no metrics URL"
+        with urllib.request.urlopen(url.group(1), timeout=10) as response:
+            text = response.read().decode()
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
     def instances(self, model: str) -> list[control_pb2.Instance]:
         request = control_pb2.ListInstancesRequest(model_name=model)

@@ -25,8 +25,10 @@ from service.inference.jobs import Answer, InferJob, InferResult
 from service.inference.timers import fail_at, wake_at
 from service.model.sequences import SequenceSettings
 
-# Runs a batch on one instance (by its index in the version's instances).
-RunOn = Callable[[int, Batch, list[SpanContext], float | None], Awaitable[InferResult]]
+# Runs a batch on one instance (by its index in the version's instances), in the worker
+# process given (a pid: the one holding its sequences' state; WorkerDied when it is gone) or
+# whichever runs the instance (None).
+RunOn = Callable[[int, Batch, list[SpanContext], float | None, int | None], Awaitable[InferResult]]
 # Told of what happens to sequences ("start", "end", "expire", "lost") and how many.
 OnSequences = Callable[[str, int], None]
 
@@ -37,6 +39,7 @@ class SequenceBatcher:
         policy: SequencePolicy,
         settings: SequenceSettings,
         run_on: RunOn,
+        worker_of: Callable[[int], int],
         capacity: Callable[[int], int],
         on_sequences: OnSequences,
     ) -> None:
@@ -44,6 +47,7 @@ class SequenceBatcher:
         self.settings = settings
         self._queue = SequenceQueue(policy)
         self._run_on = run_on
+        self._worker_of = worker_of  # an instance's worker process (pid) now
         self._capacity = capacity  # batches an instance can hold at once
         self._on_sequences = on_sequences
         self._in_flight = [0] * max(policy.instances, 1)
@@ -188,7 +192,12 @@ class SequenceBatcher:
         try:
             result = await self._run(instance, steps)
         except WorkerDied:
-            for step in steps:  # lose_instance ended their sequences as the worker died
+            # The worker holding their state died (lose_instance may not have heard yet).
+            for step in steps:
+                for waiting in self._queue.drop(
+                    step.corrid, grpc.StatusCode.UNAVAILABLE, "lost its state when its worker died"
+                ):
+                    _fail(waiting, self._lost(waiting))
                 _fail(step, self._lost(step))
             return
         except errors.ServiceError as exc:
@@ -197,10 +206,10 @@ class SequenceBatcher:
                     await self._attempt(instance, [step])
                 return
             for step in steps:
-                self._finish(step, None)
+                self._finish(step, None, None)
                 _fail(step, exc)
             return
-        rows = len(steps)
+        rows, worker = len(steps), self._worker_of(instance)
         for step, outputs in zip(steps, result.outputs, strict=True):
             try:
                 visible, state = taken_state(outputs, self.settings)
@@ -210,16 +219,20 @@ class SequenceBatcher:
                 _fail(step, exc)
                 self._on_sequences("end", 1)
                 continue
-            self._finish(step, state)
+            self._finish(step, state, worker)
             waited = int((started - step.arrival) * 1e9) + result.queue_ns
             if not step.ticket.done():
                 step.ticket.set_result(Answer(visible, result.timings, waited, rows))
 
     async def _run(self, instance: int, steps: list[Step]) -> InferResult:
-        jobs = []
+        """Run the requests with their sequences' inputs, in the worker process that holds
+        their state (any, for sequences that have not run yet)."""
+        jobs, worker = [], None
         for step in steps:
             live = self._queue.sequence(step.corrid)
             held = None if step.start or live is None else live.state
+            if live is not None and not step.start and live.worker is not None:
+                worker = live.worker
             jobs.append(
                 with_sequence_inputs(
                     step.job, self.settings, step.corrid, held, step.start, step.end
@@ -231,10 +244,12 @@ class SequenceBatcher:
             plan(jobs, self.policy.shapes),
             [s.trace for s in steps],
             None if None in deadlines else max(d for d in deadlines if d is not None),
+            worker,
         )
 
-    def _finish(self, step: Step, state: dict[str, bytes] | None) -> None:
-        if self._queue.finish(step, asyncio.get_running_loop().time(), state):
+    def _finish(self, step: Step, state: dict[str, bytes] | None, worker: int | None) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._queue.finish(step, now, state, worker):
             self._on_sequences("end", 1)
 
     def _lost(self, step: Step) -> errors.ServiceError:

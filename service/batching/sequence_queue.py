@@ -83,6 +83,7 @@ class Live:
     running: bool = False
     closing: bool = False  # its end request was admitted: only a new start may follow
     state: State | None = None  # the implicit state its last request left (None: initial)
+    worker: int | None = None  # the worker process (pid) its requests ran in, once one ran
 
 
 @dataclass(frozen=True)
@@ -168,16 +169,18 @@ class SequenceQueue:
             return instance, [live.waiting.popleft() for live in decision]
         return wake
 
-    def finish(self, step: Step, now: float, state: State | None) -> bool:
-        """The request ran; `state` is what it left (None: it failed, the state stays as it
-        was). True when that ended its sequence."""
+    def finish(
+        self, step: Step, now: float, state: State | None, worker: int | None = None
+    ) -> bool:
+        """The request ran (in `worker`); `state` is what it left (None: it failed, the state
+        stays as it was). True when that ended its sequence."""
         live = self._live.get(step.corrid)
         if live is None:
             return False
         live.running = False
         live.last_active = now
         if state is not None:
-            live.state = state
+            live.state, live.worker = state, worker
         if step.end and not live.waiting:
             self._close(live, Ended(grpc.StatusCode.INVALID_ARGUMENT, "has ended"))
             return True

@@ -213,10 +213,12 @@ class VersionLoader:
             shapes=shape_buckets(config),
             name=label,
         )
+        runner = BatchRunner(served, self.observer)
         sequences = SequenceBatcher(
             policy,
             settings,
-            BatchRunner(served, self.observer).run_on,
+            runner.run_on,
+            runner.worker_of,
             served.instance_capacity,
             functools.partial(self.observer.on_sequences, served.name),
         )

@@ -48,10 +48,20 @@ class BatchRunner:
         return await self._on(self._pick_instance(), batch, requests, deadline)
 
     async def run_on(
-        self, index: int, batch: Batch, requests: Sequence[SpanContext], deadline: float | None
+        self,
+        index: int,
+        batch: Batch,
+        requests: Sequence[SpanContext],
+        deadline: float | None,
+        worker: int | None,
     ) -> InferResult:
-        """Run the batch on one instance (a sequence's: service/batching/sequence_batcher.py)."""
-        return await self._on(self._served.instances[index], batch, requests, deadline)
+        """Run the batch on one instance, in one worker process if `worker` names it (a
+        sequence's: service/batching/sequence_batcher.py)."""
+        return await self._on(self._served.instances[index], batch, requests, deadline, worker)
+
+    def worker_of(self, index: int) -> int:
+        """The pid of an instance's worker process now."""
+        return self._served.instances[index].pid
 
     async def _on(
         self,
@@ -59,10 +69,11 @@ class BatchRunner:
         batch: Batch,
         requests: Sequence[SpanContext],
         deadline: float | None,
+        worker: int | None = None,
     ) -> InferResult:
         served, rows = self._served, batch.formed
         with self._observer.batch_span(served.name, served.version, rows, requests):
-            result = await instance.infer(batch, deadline)
+            result = await instance.infer(batch, deadline, worker)
         served.stats.record_batch(rows, result.timings)
         self._observer.on_batch(served.name, rows, result.timings)
         return result

@@ -134,12 +134,22 @@ class WorkerInstance:
         for missing in unprotected or ():
             log.warning("model %s: this host lacks a Python sandbox protection: %s", name, missing)
 
-    async def infer(self, batch: Batch, deadline: float | None) -> InferResult:
+    async def infer(
+        self, batch: Batch, deadline: float | None, worker: int | None = None
+    ) -> InferResult:
         """Run the batch; its result holds each request's outputs, already copied out of the
-        slot."""
+        slot. `worker`: only in that worker process (the pid a sequence's state lives in);
+        WorkerDied when it is gone, even if the instance runs again in another."""
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         slot = await self._ready_slot(deadline)
+        if worker is not None and worker != self.pid:
+            self._free.put_nowait(slot)
+            raise WorkerDied(
+                f"the worker process for model '{self.spec.model_name}' that held this "
+                f"request's state (pid {worker}) is gone; the instance runs as pid {self.pid}",
+                running=False,
+            )
         try:
             assert self._writer is not None
             refs = slot.write(batch)

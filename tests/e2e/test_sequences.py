@@ -1,0 +1,251 @@
+"""Stateful sequences (Triton's sequence batcher) on the `kws` example, a GRU keyword spotter
+whose recurrent state the server carries between a sequence's requests (implicit state):
+interleaved sequences answer exactly as each one run alone, on both transports, unary and
+streamed; the errors a caller can cause; the live-sequence bound and the idle timeout; a worker
+killed mid-sequence; the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import AsyncInferenceClient, InferenceClient
+from clients.sequences import SequenceParameters
+from protos.inference import grpc_service_pb2 as pb
+from tests.reference import kws_reference
+from tests.servers import (
+    EXAMPLE_MODELS,
+    ServerProcess,
+    client_args,
+    model_repository,
+    running_server,
+)
+
+Array = np.ndarray[Any, Any]
+MODEL = "kws"
+# kws with room for 2 live sequences (direct: max_batch_size 2 x 1 instance) that expire
+# after 0.3 s idle.
+SMALL = "kws_small"
+SMALL_LIVE = 2
+SMALL_IDLE_US = 300_000
+FRAMES, FEATURES = 8, 40
+COUNT, LENGTH = 6, 5
+CALL_TIMEOUT_S = 60.0
+WAIT_S = 60.0
+
+
+def small_model(repository: Path) -> None:
+    """kws's program under a config with a small bound and a short idle timeout."""
+    target = repository / SMALL
+    target.mkdir()
+    (target / "1").symlink_to(EXAMPLE_MODELS / MODEL / "1")
+    config = (EXAMPLE_MODELS / MODEL / "config.pbtxt").read_text()
+    config = config.replace(f'name: "{MODEL}"', f'name: "{SMALL}"')
+    config = config.replace("max_batch_size: 64", f"max_batch_size: {SMALL_LIVE}")
+    config = config.replace(
+        "max_sequence_idle_microseconds: 5000000",
+        f"max_sequence_idle_microseconds: {SMALL_IDLE_US}",
+    )
+    (target / "config.pbtxt").write_text(config)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("sequences")
+    repository = model_repository(root / "models", [MODEL, "mlp"])
+    small_model(repository)
+    with running_server(repository, root / "log", ["--certs-dir", str(certs_dir)]) as process:
+        yield process
+
+
+def chunks(seed: int, length: int = LENGTH) -> list[Array]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, FRAMES, FEATURES), dtype=np.float32) for _ in range(length)]
+
+
+async def run_sequence(client: AsyncInferenceClient, frames: list[Array]) -> list[Array]:
+    sequence = client.sequence(MODEL)
+    return [
+        (await sequence.infer({"features": chunk}, end=i == len(frames) - 1))["scores"]
+        for i, chunk in enumerate(frames)
+    ]
+
+
+def batched_rows(server: ServerProcess) -> int:
+    """Requests of kws that ran in batches of more than one sequence, so far."""
+    request = pb.ModelStatisticsRequest(name=MODEL)
+    (stats,) = server.stub.ModelStatistics(request, timeout=10).model_stats
+    return sum(b.batch_size * b.compute_infer.count for b in stats.batch_stats if b.batch_size > 1)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_interleaved_sequences_answer_as_each_alone(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    """COUNT sequences at once, their requests interleaving at random in the server's
+    batches, against the same sequences one at a time: the same scores, bit for bit, and the
+    in-process program's (its state carried by hand)."""
+    inputs = [chunks(seed) for seed in range(COUNT)]
+    async with AsyncInferenceClient(**client_args(server, certs_dir, transport)) as client:
+        alone = [await run_sequence(client, frames) for frames in inputs]
+        before = batched_rows(server)
+        together = await asyncio.gather(*(run_sequence(client, frames) for frames in inputs))
+    assert batched_rows(server) > before, "no batch held two sequences"
+    for frames, single, batched in zip(inputs, alone, together, strict=True):
+        for a, b in zip(single, batched, strict=True):
+            np.testing.assert_array_equal(a, b)
+        expected = kws_reference(frames)
+        for served, reference in zip(single, expected, strict=True):
+            np.testing.assert_allclose(served, reference, rtol=1e-4, atol=1e-6)
+    # Each sequence's scores change with its state: a server that dropped it would not match.
+    assert not np.allclose(alone[0][1], kws_reference(inputs[0][1:2])[0])
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_one_stream_carries_many_sequences_in_order(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    """Every request of COUNT sequences written to one ModelStreamInfer at once, round robin:
+    each sequence's responses are its scores run alone (the stream keeps its order)."""
+    inputs = [chunks(100 + seed) for seed in range(COUNT)]
+    sequences = [SequenceParameters() for _ in inputs]
+    order = [(s, i) for i in range(LENGTH) for s in range(COUNT)]
+    random.Random(0).shuffle(order)
+    order.sort(key=lambda pair: pair[1])  # each sequence's requests stay in its order
+    requests = [
+        sequences[s].request(
+            MODEL, {"features": inputs[s][i]}, end=i == LENGTH - 1, request_id=f"{s}.{i}"
+        )
+        for s, i in order
+    ]
+    with InferenceClient(**client_args(server, certs_dir, transport)) as client:
+        responses = list(client.stream_infer(requests, timeout=CALL_TIMEOUT_S))
+    assert [r.error for r in responses if r.error] == []
+    scores = {r.request_id: r.outputs["scores"] for r in responses}
+    for s, frames in enumerate(inputs):
+        for i, expected in enumerate(kws_reference(frames)):
+            np.testing.assert_allclose(scores[f"{s}.{i}"], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_request_outside_a_sequence_is_refused(server: ServerProcess) -> None:
+    chunk = chunks(7, 1)[0]
+    with InferenceClient(server.url) as client:
+        with pytest.raises(grpc.RpcError) as missing:
+            client.infer(MODEL, {"features": chunk})
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.infer(MODEL, {"features": chunk}, parameters={"sequence_id": 987654321})
+        with pytest.raises(grpc.RpcError) as rows:
+            client.sequence(MODEL).infer({"features": np.concatenate([chunk, chunk])})
+        with pytest.raises(grpc.RpcError) as kind:
+            client.infer(MODEL, {"features": chunk}, parameters={"sequence_id": 1.5})
+        sequence = client.sequence(MODEL, sequence_id="a string id")
+        sequence.infer({"features": chunk}, end=True)
+        with pytest.raises(grpc.RpcError) as ended:
+            client.infer(MODEL, {"features": chunk}, parameters={"sequence_id": "a string id"})
+        # The model and the server are fine: a good sequence still runs.
+        assert client.sequence(MODEL).infer({"features": chunk})["scores"].shape == (1, 12)
+    for error in (missing, unknown, rows, kind, ended):
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+    assert "correlation ID" in missing.value.details()
+    assert "sequence_start" in unknown.value.details()
+    assert "batch size 1" in rows.value.details()
+    assert "'a string id'" in ended.value.details() and "ended" in ended.value.details()
+
+
+def live_sequences(server: ServerProcess, model: str) -> float:
+    return sum(
+        s.value
+        for s in server.metrics()
+        if s.name == "paddlequic_live_sequences" and s.labels["model"] == model
+    )
+
+
+def sequence_events(server: ServerProcess, model: str) -> dict[str, float]:
+    return {
+        s.labels["event"]: s.value
+        for s in server.metrics()
+        if s.name == "paddlequic_sequences_total" and s.labels["model"] == model
+    }
+
+
+def wait_until(check: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"still not {what} after {WAIT_S} s"
+        time.sleep(0.05)
+
+
+def test_live_sequences_are_bounded_and_idle_ones_expire(server: ServerProcess) -> None:
+    """SMALL holds SMALL_LIVE live sequences: one more start is RESOURCE_EXHAUSTED naming the
+    limit; ending one makes room; an idle one expires and its next request says so."""
+    chunk = chunks(8, 1)[0]
+    with InferenceClient(server.url) as client:
+        held = [client.sequence(SMALL) for _ in range(SMALL_LIVE)]
+        for sequence in held:
+            sequence.infer({"features": chunk})
+        with pytest.raises(grpc.RpcError) as full:
+            client.sequence(SMALL).infer({"features": chunk})
+        held[0].infer({"features": chunk}, end=True)
+        extra = client.sequence(SMALL)
+        extra.infer({"features": chunk})
+        assert live_sequences(server, SMALL) == SMALL_LIVE
+        wait_until(lambda: live_sequences(server, SMALL) == 0, "expired")
+        with pytest.raises(grpc.RpcError) as expired:
+            extra.infer({"features": chunk})
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"maximum of {SMALL_LIVE} live sequences" in full.value.details()
+    assert expired.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expired after 0.3 s" in expired.value.details()
+    events = sequence_events(server, SMALL)
+    assert events["start"] == SMALL_LIVE + 1
+    assert events["end"] == 1
+    assert events["expire"] == SMALL_LIVE
+
+
+@pytest.fixture
+def killable(tmp_path: Path, certs_dir: Path) -> Iterator[ServerProcess]:
+    """A server of its own: the test kills its kws worker."""
+    repository = model_repository(tmp_path / "models", [MODEL, "mlp"])
+    with running_server(repository, tmp_path / "log", ["--certs-dir", str(certs_dir)]) as process:
+        yield process
+
+
+def test_a_killed_worker_ends_its_sequences(killable: ServerProcess) -> None:
+    """The worker holding a sequence dies between two of its requests: the next one is
+    UNAVAILABLE saying it must start again (never a silent restart from zero); other models
+    go on, and a new sequence runs on the restarted worker as it does alone."""
+    server = killable
+    first, second = chunks(20, 3), chunks(21, 3)
+    with InferenceClient(server.url) as client:
+        sequence = client.sequence(MODEL)
+        sequence.infer({"features": first[0]})
+        (worker,) = server.instances(MODEL)
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as lost:
+            sequence.infer({"features": first[1]})
+        # Its later requests are refused the same way; nothing restarted it from zero.
+        with pytest.raises(grpc.RpcError) as again:
+            sequence.infer({"features": first[2]}, end=True)
+        assert client.infer("mlp", {"input": np.ones((1, 256), np.float32)})["probabilities"].any()
+        wait_until(lambda: server.instances(MODEL)[0].state == "READY", "restarted")
+        fresh = client.sequence(MODEL)
+        scores = [
+            fresh.infer({"features": chunk}, end=i == 2)["scores"] for i, chunk in enumerate(second)
+        ]
+    for error in (lost, again):
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+        assert "lost its state" in error.value.details()
+        assert "sequence_start" in error.value.details()
+    for served, expected in zip(scores, kws_reference(second), strict=True):
+        np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
+    assert sequence_events(server, MODEL)["lost"] == 1
