@@ -81,6 +81,12 @@ async def run_sequence(client: AsyncInferenceClient, frames: list[Array]) -> lis
     ]
 
 
+def status(error: pytest.ExceptionInfo[grpc.RpcError]) -> tuple[grpc.StatusCode, str]:
+    call = error.value
+    assert isinstance(call, grpc.Call)
+    return call.code(), call.details() or ""
+
+
 def batched_rows(server: ServerProcess) -> int:
     """Requests of kws that ran in batches of more than one sequence, so far."""
     request = pb.ModelStatisticsRequest(name=MODEL)
@@ -155,11 +161,11 @@ def test_a_request_outside_a_sequence_is_refused(server: ServerProcess) -> None:
         # The model and the server are fine: a good sequence still runs.
         assert client.sequence(MODEL).infer({"features": chunk})["scores"].shape == (1, 12)
     for error in (missing, unknown, rows, kind, ended):
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
-    assert "correlation ID" in missing.value.details()
-    assert "sequence_start" in unknown.value.details()
-    assert "batch size 1" in rows.value.details()
-    assert "'a string id'" in ended.value.details() and "ended" in ended.value.details()
+        assert status(error)[0] == grpc.StatusCode.INVALID_ARGUMENT, status(error)[1]
+    assert "correlation ID" in status(missing)[1]
+    assert "sequence_start" in status(unknown)[1]
+    assert "batch size 1" in status(rows)[1]
+    assert "'a string id'" in status(ended)[1] and "ended" in status(ended)[1]
 
 
 def live_sequences(server: ServerProcess, model: str) -> float:
@@ -202,10 +208,10 @@ def test_live_sequences_are_bounded_and_idle_ones_expire(server: ServerProcess) 
         wait_until(lambda: live_sequences(server, SMALL) == 0, "expired")
         with pytest.raises(grpc.RpcError) as expired:
             extra.infer({"features": chunk})
-    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"maximum of {SMALL_LIVE} live sequences" in full.value.details()
-    assert expired.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "expired after 0.3 s" in expired.value.details()
+    assert status(full)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"maximum of {SMALL_LIVE} live sequences" in status(full)[1]
+    assert status(expired)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expired after 0.3 s" in status(expired)[1]
     events = sequence_events(server, SMALL)
     assert events["start"] == SMALL_LIVE + 1
     assert events["end"] == 1
@@ -243,9 +249,9 @@ def test_a_killed_worker_ends_its_sequences(killable: ServerProcess) -> None:
             fresh.infer({"features": chunk}, end=i == 2)["scores"] for i, chunk in enumerate(second)
         ]
     for error in (lost, again):
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
-        assert "lost its state" in error.value.details()
-        assert "sequence_start" in error.value.details()
+        assert status(error)[0] == grpc.StatusCode.UNAVAILABLE, status(error)[1]
+        assert "lost its state" in status(error)[1]
+        assert "sequence_start" in status(error)[1]
     for served, expected in zip(scores, kws_reference(second), strict=True):
         np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
     assert sequence_events(server, MODEL)["lost"] == 1
