@@ -56,6 +56,13 @@ class SequencePolicy:
     def batch_limit(self) -> int:
         return max(self.max_batch_size, 1)
 
+    @property
+    def live_bound(self) -> int:
+        """Live sequences at most: under `direct` never more than its slots."""
+        if self.oldest:
+            return self.live_limit
+        return min(self.live_limit, self.batch_limit * max(self.instances, 1))
+
 
 @dataclass(eq=False)
 class Step:
@@ -253,7 +260,7 @@ class SequenceQueue:
 
     def _open(self, corrid: CorrId, now: float) -> Live:
         policy = self.policy
-        if len(self._live) >= policy.live_limit:
+        if len(self._live) >= policy.live_bound:
             how = (
                 "max_candidate_sequences"
                 if policy.oldest
@@ -261,7 +268,7 @@ class SequenceQueue:
             )
             raise errors.ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{policy.name} holds its maximum of {policy.live_limit} live sequences ({how}); "
+                f"{policy.name} holds its maximum of {policy.live_bound} live sequences ({how}); "
                 f"end one (sequence_end) or let it expire ({policy.idle_s:g} s idle)",
             )
         taken: dict[int, set[int]] = {i: set() for i in range(max(policy.instances, 1))}
