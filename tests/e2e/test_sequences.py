@@ -7,6 +7,8 @@ killed mid-sequence; the metrics."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import random
 import signal
@@ -22,6 +24,7 @@ import pytest
 from clients.inference_client import AsyncInferenceClient, InferenceClient
 from clients.sequences import SequenceParameters
 from protos.inference import grpc_service_pb2 as pb
+from tests.interop.test_grpcurl import GRPCURL, grpcurl_ok
 from tests.reference import kws_reference
 from tests.servers import (
     EXAMPLE_MODELS,
@@ -255,3 +258,36 @@ def test_a_killed_worker_ends_its_sequences(killable: ServerProcess) -> None:
     for served, expected in zip(scores, kws_reference(second), strict=True):
         np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
     assert sequence_events(server, MODEL)["lost"] == 1
+
+
+@pytest.mark.skipif(GRPCURL is None, reason="grpcurl is not installed (dev extra)")
+def test_a_sequence_through_grpcurl(server: ServerProcess) -> None:
+    """Hand-written JSON requests with Triton's sequence parameters, as an operator would send
+    them: each answer is the sequence's own."""
+    frames = chunks(30, 3)
+    answers = []
+    for i, chunk in enumerate(frames):
+        parameters = {
+            "sequence_id": {"int64_param": "4242"},
+            "sequence_start": {"bool_param": i == 0},
+            "sequence_end": {"bool_param": i == len(frames) - 1},
+        }
+        request = {
+            "model_name": MODEL,
+            "parameters": parameters,
+            "inputs": [
+                {
+                    "name": "features",
+                    "datatype": "FP32",
+                    "shape": [1, FRAMES, FEATURES],
+                    "contents": {"fp32_contents": chunk.ravel().tolist()},
+                }
+            ],
+        }
+        response = json.loads(
+            grpcurl_ok(server, "inference.GRPCInferenceService/ModelInfer", data=request)
+        )
+        (raw,) = response["raw_output_contents"]
+        answers.append(np.frombuffer(base64.b64decode(raw), dtype="<f4").reshape(1, 12))
+    for served, expected in zip(answers, kws_reference(frames), strict=True):
+        np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
