@@ -47,19 +47,32 @@ CALL_TIMEOUT_S = 60.0
 WAIT_S = 60.0
 
 
-def small_model(repository: Path) -> None:
-    """kws's program under a config with a small bound and a short idle timeout."""
-    target = repository / SMALL
+def kws_copy(repository: Path, name: str, **replaced: str) -> Path:
+    """kws's program under a config of its own (`replaced`: old text -> new)."""
+    target = repository / name
     target.mkdir()
     (target / "1").symlink_to(EXAMPLE_MODELS / MODEL / "1")
     config = (EXAMPLE_MODELS / MODEL / "config.pbtxt").read_text()
-    config = config.replace(f'name: "{MODEL}"', f'name: "{SMALL}"')
-    config = config.replace("max_batch_size: 64", f"max_batch_size: {SMALL_LIVE}")
-    config = config.replace(
-        "max_sequence_idle_microseconds: 5000000",
-        f"max_sequence_idle_microseconds: {SMALL_IDLE_US}",
-    )
+    config = config.replace(f'name: "{MODEL}"', f'name: "{name}"')
+    for old, new in replaced.items():
+        assert old in config
+        config = config.replace(old, new)
     (target / "config.pbtxt").write_text(config)
+    return target / "config.pbtxt"
+
+
+def small_model(repository: Path) -> None:
+    """A small bound and a short idle timeout."""
+    kws_copy(
+        repository,
+        SMALL,
+        **{
+            "max_batch_size: 64": f"max_batch_size: {SMALL_LIVE}",
+            "max_sequence_idle_microseconds: 5000000": (
+                f"max_sequence_idle_microseconds: {SMALL_IDLE_US}"
+            ),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -290,4 +303,70 @@ def test_a_sequence_through_grpcurl(server: ServerProcess) -> None:
         (raw,) = response["raw_output_contents"]
         answers.append(np.frombuffer(base64.b64decode(raw), dtype="<f4").reshape(1, 12))
     for served, expected in zip(answers, kws_reference(frames), strict=True):
+        np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_sequences_through_two_frontends(
+    tmp_path: Path, certs_dir: Path, transport: str
+) -> None:
+    """`--frontends 2`: a sequence's requests reach one scheduler whichever front-end each
+    connection lands on, and interleaved sequences still answer as alone."""
+    repository = model_repository(tmp_path / "models", [MODEL])
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    inputs = [chunks(40 + seed) for seed in range(COUNT)]
+    with running_server(repository, tmp_path / "log", args) as server:
+        clients = [
+            AsyncInferenceClient(**client_args(server, certs_dir, transport)) for _ in range(3)
+        ]
+        try:
+            # Each request of a sequence on the next client: connections spread over both
+            # front-ends, and the sequence crosses them.
+            async def run(frames: list[Array]) -> list[Array]:
+                parameters = SequenceParameters()
+                return [
+                    (
+                        await clients[i % len(clients)].infer(
+                            MODEL, {"features": c}, parameters=parameters.next(i == LENGTH - 1)
+                        )
+                    )["scores"]
+                    for i, c in enumerate(frames)
+                ]
+
+            together = await asyncio.gather(*(run(frames) for frames in inputs))
+        finally:
+            for client in clients:
+                await client.close()
+    for frames, served in zip(inputs, together, strict=True):
+        for a, b in zip(served, kws_reference(frames), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_reload_keeps_live_sequences_on_the_old_version(tmp_path: Path) -> None:
+    """RepositoryModelLoad replaces kws while a sequence is live: that sequence goes on where
+    its state is (the replaced version, winding down), a new one starts on the new version."""
+    repository = tmp_path / "models"
+    repository.mkdir()
+    config = kws_copy(repository, MODEL)
+    args = ["--model-control-mode", "explicit", "--load-model", MODEL, "--no-h3"]
+    old, new = chunks(50, 4), chunks(51, 2)
+    with running_server(repository, tmp_path / "log", args) as server:
+        with InferenceClient(server.url) as client:
+            live = client.sequence(MODEL)
+            scores = [live.infer({"features": c})["scores"] for c in old[:2]]
+            config.write_text(config.read_text() + "# reloaded\n")
+            server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=MODEL))
+            fresh = client.sequence(MODEL)
+            started = [fresh.infer({"features": c})["scores"] for c in new]
+            scores += [
+                live.infer({"features": c}, end=i == 1)["scores"] for i, c in enumerate(old[2:])
+            ]
+        # Its sequence ended: the replaced version winds down.
+        wait_until(
+            lambda: "version 1 replaced; its workers stopped" in server.log_text(),
+            "wound down",
+        )
+    for served, expected in zip(scores, kws_reference(old), strict=True):
+        np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
+    for served, expected in zip(started, kws_reference(new), strict=True):
         np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
