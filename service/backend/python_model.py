@@ -26,6 +26,7 @@ from service.backend.load import Load
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.inference.jobs import Timings
 from service.inference.tensors import TensorSpec
+from service.model.sequences import sequence_settings, with_sequence_tensors
 
 DEFAULT_MEMORY_MB = 4096
 DEFAULT_OPEN_FILES = 256
@@ -44,19 +45,19 @@ class PythonModel:
             else None
         )
         batch = (-1,) if config.max_batch_size > 0 else ()
+        # What execute() takes and answers: a sequence model's control and state inputs and
+        # its state outputs too (the server sets and keeps those; callers never see them).
+        settings = sequence_settings(config)
+        declared = config if settings is None else with_sequence_tensors(config, settings)
         self.inputs = tuple(
             TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
-            for t in config.input
+            for t in declared.input
         )
         self.outputs = tuple(
             TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
-            for t in config.output
+            for t in declared.output
         )
-        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in config.output}
-        # A sequence model's state outputs, which the server keeps for its next request.
-        self._output_types.update(
-            (s.output_name, BY_CONFIG_TYPE[s.data_type]) for s in config.sequence_batching.state
-        )
+        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in declared.output}
         self.device = "cpu"
         self.name = load.model_name
         # Decoupled: each request is answered through its response sender (decoupled.py).

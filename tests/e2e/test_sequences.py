@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -41,6 +43,9 @@ MODEL = "kws"
 SMALL = "kws_small"
 SMALL_LIVE = 2
 SMALL_IDLE_US = 300_000
+# A Python model that keeps its own state per correlation id, in two instances.
+RUNNING_SUM = "running_sum"
+RUNNING_SUM_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_sequence"
 FRAMES, FEATURES = 8, 40
 COUNT, LENGTH = 6, 5
 CALL_TIMEOUT_S = 60.0
@@ -80,6 +85,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     root = tmp_path_factory.mktemp("sequences")
     repository = model_repository(root / "models", [MODEL, "mlp"])
     small_model(repository)
+    shutil.copytree(RUNNING_SUM_FIXTURE, repository / RUNNING_SUM)
     with running_server(repository, root / "log", ["--certs-dir", str(certs_dir)]) as process:
         yield process
 
@@ -98,8 +104,9 @@ async def run_sequence(client: AsyncInferenceClient, frames: list[Array]) -> lis
 
 
 def status(error: pytest.ExceptionInfo[grpc.RpcError]) -> tuple[grpc.StatusCode, str]:
+    """A failed call's status (grpc.Call on HTTP/2, grpc.aio.AioRpcError from the clients)."""
     call = error.value
-    assert isinstance(call, grpc.Call)
+    assert isinstance(call, grpc.Call | grpc.aio.AioRpcError)
     return call.code(), call.details() or ""
 
 
@@ -370,3 +377,61 @@ def test_a_reload_keeps_live_sequences_on_the_old_version(tmp_path: Path) -> Non
         np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
     for served, expected in zip(started, kws_reference(new), strict=True):
         np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
+
+
+async def sum_sequence(
+    client: AsyncInferenceClient, values: list[int], corrid: int
+) -> list[tuple[int, int]]:
+    """(running total, worker pid) of each request of one running_sum sequence."""
+    parameters = SequenceParameters(corrid)
+    answers = []
+    for i, value in enumerate(values):
+        out = await client.infer(
+            RUNNING_SUM,
+            {"value": np.array([[value]], np.int64)},
+            parameters=parameters.next(i == len(values) - 1),
+        )
+        answers.append((int(out["total"][0, 0]), int(out["pid"][0, 0])))
+    return answers
+
+
+async def test_a_model_that_keeps_its_own_state_gets_each_sequence_on_its_instance(
+    server: ServerProcess,
+) -> None:
+    """running_sum keeps a sum per correlation id in its worker's memory, in two instances:
+    every sequence's requests reach the worker that saw its start, in order (the sums are
+    right), and the sequences spread over both instances."""
+    sequences = {corrid: [corrid * 10 + i for i in range(4)] for corrid in range(1, 9)}
+    async with AsyncInferenceClient(server.url) as client:
+        answers = await asyncio.gather(
+            *(sum_sequence(client, values, corrid) for corrid, values in sequences.items())
+        )
+    pids = set()
+    for values, answer in zip(sequences.values(), answers, strict=True):
+        assert [total for total, _ in answer] == list(itertools.accumulate(values))
+        assert len({pid for _, pid in answer}) == 1, "a sequence moved between workers"
+        pids.add(answer[0][1])
+    assert pids == {i.pid for i in server.instances(RUNNING_SUM)}
+
+
+def test_a_dead_instance_loses_only_its_own_sequences(server: ServerProcess) -> None:
+    """One of running_sum's two workers dies: its sequences' next requests are UNAVAILABLE,
+    the other instance's sequences go on with their sums intact."""
+    with InferenceClient(server.url) as client:
+        sequences = [client.sequence(RUNNING_SUM, sequence_id=100 + i) for i in range(4)]
+        pids = []
+        for sequence in sequences:
+            out = sequence.infer({"value": np.array([[5]], np.int64)})
+            pids.append(int(out["pid"][0, 0]))
+        assert len(set(pids)) == 2  # placed on the least busy instance: both are used
+        victim = pids[0]
+        os.kill(victim, signal.SIGKILL)
+        for sequence, pid in zip(sequences, pids, strict=True):
+            if pid == victim:
+                with pytest.raises(grpc.RpcError) as lost:
+                    sequence.infer({"value": np.array([[1]], np.int64)}, end=True)
+                code, details = status(lost)
+                assert code == grpc.StatusCode.UNAVAILABLE and "lost its state" in details
+            else:
+                out = sequence.infer({"value": np.array([[1]], np.int64)}, end=True)
+                assert int(out["total"][0, 0]) == 6 and int(out["pid"][0, 0]) == pid
