@@ -17,7 +17,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate lab-replicas chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate bench-sequences lab-replicas chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
+	@echo "make bench-sequences  the stateful kws example at 1, 16, 64 live sequences vs its engine alone (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
@@ -97,6 +98,9 @@ bench-observability: setup models
 
 bench-generate: setup models
 	$(BIN)/python -m scripts.bench_generate $(ARGS)
+
+bench-sequences: setup models
+	$(BIN)/python -m scripts.bench_sequences $(ARGS)
 
 bench-rtt: setup models
 	$(BIN)/python -m scripts.rtt_lab $(ARGS)
