@@ -10,7 +10,6 @@ suspected poison input: it fails with INTERNAL, and identical inputs fail at onc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -20,10 +19,11 @@ from opentelemetry.trace import SpanContext
 from protos.inference import model_config_pb2 as mc
 from service.batching.assemble import Batch, plan
 from service.batching.queue import BatchPolicy, BatchQueue, Pending, QueueFull, default_queue_size
+from service.batching.scheduler_loop import SchedulerLoop
 from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import Answer, InferJob, InferResult
-from service.inference.timers import fail_at, wake_at
+from service.inference.timers import fail_at
 from service.model.shapes import shape_buckets
 from service.resilience.poison import PoisonList
 
@@ -49,12 +49,9 @@ class DynamicBatcher:
         self._run_batch = run_batch
         self._capacity = capacity
         self._queue = BatchQueue(policy)
-        self._waiter: asyncio.Future[None] | None = None  # the scheduler's, while it sleeps
-        self._sleep_until: float | None = None  # when the sleeping scheduler looks again anyway
         self._in_flight = 0
         self.in_flight_requests = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loop = SchedulerLoop(self._schedule)
 
     @property
     def queued(self) -> int:
@@ -79,15 +76,14 @@ class DynamicBatcher:
             self._queue.push(pending)
         except QueueFull as exc:
             raise errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = loop.create_task(self._schedule())
+        self._loop.ensure_running()
         if self._in_flight < max(self._capacity(), 1) or _sooner(
-            pending.expires, self._sleep_until
+            pending.expires, self._loop.sleep_until
         ):
             # Otherwise nothing can be sent before a batch ends (which wakes the scheduler) and
             # the scheduler's next look comes before this request's queue time runs out: under
             # load that spares one scheduler turn per request.
-            self._wake()
+            self._loop.wake()
         timer = fail_at(future, deadline, TimeoutError)
         try:
             return await future
@@ -105,12 +101,7 @@ class DynamicBatcher:
                 timer.cancel()
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-        for task in list(self._tasks):
-            await asyncio.wait({task})
+        await self._loop.stop()
 
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
@@ -125,33 +116,14 @@ class DynamicBatcher:
                     ),
                 )
             if self._in_flight >= max(self._capacity(), 1):
-                await self._sleep(self._queue.next_expiry())
+                await self._loop.sleep(self._queue.next_expiry())
                 continue
             action = self._queue.next_batch(now)
             if action is None or isinstance(action, float):
-                await self._sleep(action)
+                await self._loop.sleep(action)
                 continue
             self._in_flight += 1
-            task = loop.create_task(self._execute(action))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _sleep(self, until: float | None) -> None:
-        """Until `until` (event-loop time; None: no limit) or the next _wake()."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiter, self._sleep_until = waiter, until
-        timer = wake_at(waiter, until)
-        try:
-            await waiter
-        finally:
-            self._waiter = self._sleep_until = None
-            if timer is not None:
-                timer.cancel()
-
-    def _wake(self) -> None:
-        """Something changed (a request came, a batch ended): the scheduler looks again."""
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._loop.start(self._execute(action))
 
     async def _run(self, batch: list[Pending]) -> None:
         """Run one batch and answer its requests; on failure raise, answering none. Once each
@@ -209,7 +181,7 @@ class DynamicBatcher:
         finally:
             self._in_flight -= 1
             self.in_flight_requests -= len(batch)
-            self._wake()
+            self._loop.wake()
 
     async def _attempt(self, batch: list[Pending]) -> None:
         try:

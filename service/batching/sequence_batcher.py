@@ -9,7 +9,6 @@ bound to that instance ends, and its requests fail UNAVAILABLE saying it must st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -17,12 +16,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext
 
 from service.batching.assemble import Batch, plan
+from service.batching.scheduler_loop import SchedulerLoop
 from service.batching.sequence_queue import SequencePolicy, SequenceQueue, Step
 from service.batching.sequence_tensors import taken_state, with_sequence_inputs
 from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import Answer, InferJob, InferResult
-from service.inference.timers import fail_at, wake_at
+from service.inference.timers import fail_at
 from service.model.sequences import SequenceSettings
 
 # Runs a batch on one instance (by its index in the version's instances), in the worker
@@ -52,9 +52,7 @@ class SequenceBatcher:
         self._on_sequences = on_sequences
         self._in_flight = [0] * max(policy.instances, 1)
         self.in_flight_requests = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loop = SchedulerLoop(self._schedule)
 
     @property
     def queued(self) -> int:
@@ -89,9 +87,7 @@ class SequenceBatcher:
         step.trace = trace.get_current_span().get_span_context()
         if self._queue.push(step, now):
             self._on_sequences("start", 1)
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = loop.create_task(self._schedule())
-        self._wake()
+        self._loop.wake()
         timer = fail_at(future, deadline, TimeoutError)
         try:
             return await future
@@ -115,15 +111,10 @@ class SequenceBatcher:
             _fail(step, self._lost(step))
         if lost:
             self._on_sequences("lost", lost)
-            self._wake()
+            self._loop.wake()
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-        for task in list(self._tasks):
-            await asyncio.wait({task})
+        await self._loop.stop()
         for step in self._queue.close_all():
             _fail(step, errors.unavailable(f"{self.policy.name} is unloading"))
 
@@ -147,29 +138,12 @@ class SequenceBatcher:
             if action is None or isinstance(action, float):
                 expiry = self._queue.next_expiry()
                 wake = min((t for t in (action, expiry) if t is not None), default=None)
-                await self._sleep(wake)
+                await self._loop.sleep(wake)
                 continue
             instance, steps = action
             self._in_flight[instance] += 1
             self.in_flight_requests += len(steps)
-            task = loop.create_task(self._execute(instance, steps))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _sleep(self, until: float | None) -> None:
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiter = waiter
-        timer = wake_at(waiter, until)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._loop.start(self._execute(instance, steps))
 
     async def _execute(self, instance: int, steps: list[Step]) -> None:
         try:
@@ -177,7 +151,7 @@ class SequenceBatcher:
         finally:
             self._in_flight[instance] -= 1
             self.in_flight_requests -= len(steps)
-            self._wake()
+            self._loop.wake()
 
     async def _attempt(self, instance: int, steps: list[Step]) -> None:
         """Run the requests together; one whose values fail the batch runs again alone, so

@@ -43,6 +43,7 @@ H2_OPTIONS = [
 GOOD_MODEL = "mlp"
 BYTES_MODEL = "tokenizer"  # the example's Python model: one BYTES input of dims [1]
 GENERATION_MODEL = "generate"  # the decoupled example: one response per token
+SEQUENCE_MODEL = "kws"  # the stateful example: sequence batching with implicit state
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -106,6 +107,7 @@ class Scale:
     never_reading: int  # never-read generation streams per transport
     never_read_generations: int  # generations each of those streams starts
     generation_kills: int  # generation worker kills, each with a generation per transport
+    abandoned_sequences: int  # sequences started and abandoned, per transport
     attack_limit_s: float
 
 
@@ -136,6 +138,7 @@ SHORT = Scale(
     never_reading=1,
     never_read_generations=8,
     generation_kills=1,
+    abandoned_sequences=150,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -166,6 +169,7 @@ FULL = Scale(
     never_reading=4,
     never_read_generations=64,
     generation_kills=3,
+    abandoned_sequences=3000,
     attack_limit_s=240.0,
 )
 
@@ -475,12 +479,13 @@ async def run_row(
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
     killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
-    and `generate`, a decoupled one."""
+    `generate`, a decoupled one, and `kws`, a sequence-batched one."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
     shutil.copytree(EXAMPLE_MODELS / BYTES_MODEL, repository / BYTES_MODEL)
     shutil.copytree(EXAMPLE_MODELS / GENERATION_MODEL, repository / GENERATION_MODEL)
+    shutil.copytree(EXAMPLE_MODELS / SEQUENCE_MODEL, repository / SEQUENCE_MODEL)
     return repository
 
 

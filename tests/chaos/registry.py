@@ -10,6 +10,7 @@ from tests.chaos import (
     large_messages,
     malformed,
     messages,
+    sequences,
     streams,
     workers,
 )
@@ -107,6 +108,11 @@ ATTACKS = (
         "generation worker SIGKILL mid-generation",
         generations.generation_worker_kill,
         frozenset({"killed", "replaced", "after restart OK"}) | _both("UNAVAILABLE"),
+    ),
+    AttackSpec(
+        "abandoned sequences beyond the live bound",
+        sequences.abandoned_sequences,
+        frozenset({"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}),
     ),
     AttackSpec(
         "front-end SIGKILL under load (--frontends 2)",
