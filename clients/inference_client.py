@@ -33,7 +33,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.generation import Chunk, chunks, generation_request
-from clients.sequences import SequenceParameters
+from clients.sequences import ClientSequence, SequenceParameters
 from clients.streaming import StreamRequest, StreamResponse, stream_responses
 
 # Re-exported: the arrays <-> messages helpers have always been importable from here.
@@ -188,10 +188,10 @@ class AsyncInferenceClient:
 
     def sequence(
         self, model: str, sequence_id: int | str | None = None, version: str = ""
-    ) -> AsyncSequence:
+    ) -> ClientSequence[Coroutine[Any, Any, dict[str, np.ndarray[Any, Any]]]]:
         """A sequence of a sequence-batched model; its `infer` sends the sequence parameters
         (a random id unless one is given)."""
-        return AsyncSequence(self, model, SequenceParameters(sequence_id), version)
+        return ClientSequence(self, model, SequenceParameters(sequence_id), version)
 
     async def generate(
         self,
@@ -301,9 +301,9 @@ class InferenceClient:
 
     def sequence(
         self, model: str, sequence_id: int | str | None = None, version: str = ""
-    ) -> SyncSequence:
+    ) -> ClientSequence[dict[str, np.ndarray[Any, Any]]]:
         """As `AsyncInferenceClient.sequence`."""
-        return SyncSequence(self, model, SequenceParameters(sequence_id), version)
+        return ClientSequence(self, model, SequenceParameters(sequence_id), version)
 
     def stream_infer(
         self, requests: Iterable[StreamRequest], timeout: float | None = None
@@ -373,53 +373,3 @@ class InferenceClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-@dataclass
-class AsyncSequence:
-    """One sequence's requests through a client: `end=True` on the last."""
-
-    client: AsyncInferenceClient
-    model: str
-    parameters: SequenceParameters
-    version: str = ""
-
-    @property
-    def sequence_id(self) -> int | str:
-        return self.parameters.sequence_id
-
-    async def infer(
-        self,
-        inputs: Mapping[str, np.ndarray[Any, Any]],
-        outputs: Sequence[str] = (),
-        end: bool = False,
-        timeout: float | None = None,
-    ) -> dict[str, np.ndarray[Any, Any]]:
-        return await self.client.infer(
-            self.model, inputs, outputs, self.version, timeout, self.parameters.next(end)
-        )
-
-
-@dataclass
-class SyncSequence:
-    """As `AsyncSequence`, for the synchronous client."""
-
-    client: InferenceClient
-    model: str
-    parameters: SequenceParameters
-    version: str = ""
-
-    @property
-    def sequence_id(self) -> int | str:
-        return self.parameters.sequence_id
-
-    def infer(
-        self,
-        inputs: Mapping[str, np.ndarray[Any, Any]],
-        outputs: Sequence[str] = (),
-        end: bool = False,
-        timeout: float | None = None,
-    ) -> dict[str, np.ndarray[Any, Any]]:
-        return self.client.infer(
-            self.model, inputs, outputs, self.version, timeout, self.parameters.next(end)
-        )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from clients.streaming import StreamRequest
 from clients.tensors import Parameter
@@ -54,3 +55,46 @@ class SequenceParameters:
         """The next request as one for `stream_infer` (a stream keeps a sequence's requests
         in order)."""
         return StreamRequest(model, inputs, request_id, outputs, version, parameters=self.next(end))
+
+
+_Answer = TypeVar("_Answer", covariant=True)
+
+
+class Infers(Protocol[_Answer]):
+    """A client's `infer` (the sync client's answers, the async client's a coroutine)."""
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        outputs: Sequence[str] = (),
+        version: str = "",
+        timeout: float | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+    ) -> _Answer: ...
+
+
+@dataclass
+class ClientSequence(Generic[_Answer]):
+    """One sequence's requests through a client (`client.sequence(model)`): `end=True` on the
+    last. Awaited with the async client."""
+
+    client: Infers[_Answer]
+    model: str
+    parameters: SequenceParameters
+    version: str = ""
+
+    @property
+    def sequence_id(self) -> int | str:
+        return self.parameters.sequence_id
+
+    def infer(
+        self,
+        inputs: Mapping[str, Any],
+        outputs: Sequence[str] = (),
+        end: bool = False,
+        timeout: float | None = None,
+    ) -> _Answer:
+        return self.client.infer(
+            self.model, inputs, outputs, self.version, timeout, self.parameters.next(end)
+        )
