@@ -34,7 +34,7 @@ from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
-from scripts.bench_common import closed_loop, percentiles_ms, rss_bytes, write_json
+from scripts.bench_common import closed_loop, median_range, percentiles_ms, rss_bytes, write_json
 from tests.servers import EXAMPLE_MODELS, ServerProcess
 
 MODELS = {"resnet18": ("image", (3, 224, 224)), "mlp_wide": ("input", (2048,))}
@@ -210,10 +210,6 @@ def run_model(model: str, rounds: int, duration: float, root: Path) -> list[Row]
     return rows
 
 
-def _median_range(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-
 def summary(rows: list[Row]) -> str:
     lines = [
         f"{'model':<9} {'setup':<12} {'conc':>4} {'rows/s':>8} {'batch':>6} {'raw rows/s':>10} "
@@ -231,7 +227,7 @@ def summary(rows: list[Row]) -> str:
             f"{statistics.median(r.rows_per_s for r in group):>8.1f} "
             f"{statistics.median(r.mean_batch for r in group):>6.1f} "
             f"{statistics.median(r.raw_rows_per_s for r in group):>10.1f} "
-            f"{_median_range([r.rows_per_s / r.raw_rows_per_s for r in group]):>20} "
+            f"{median_range([r.rows_per_s / r.raw_rows_per_s for r in group]):>20} "
             f"{statistics.median(r.p50_ms for r in group):>7.1f} "
             f"{statistics.median(r.p99_ms for r in group):>7.1f} "
             f"{max(r.rss_mb for r in group):>7.0f}"
@@ -241,7 +237,7 @@ def summary(rows: list[Row]) -> str:
     if on and off:
         ratios = [a.rows_per_s / b.rows_per_s for a, b in zip(on, off, strict=True)]
         lines.append(
-            f"\n{OFF_MODEL} at c={OFF_CONCURRENCY}: batching on / off {_median_range(ratios)}"
+            f"\n{OFF_MODEL} at c={OFF_CONCURRENCY}: batching on / off {median_range(ratios)}"
         )
     padded = engine.get((OFF_MODEL, "engine-padded", 0), [])
     unpadded = engine.get((OFF_MODEL, "engine-unpadded", 0), [])
@@ -251,7 +247,7 @@ def summary(rows: list[Row]) -> str:
             f"{OFF_MODEL} engine alone, batch sizes drawn from 1..{RANDOM_SIZES}: padded to "
             f"buckets {statistics.median(r.rows_per_s for r in padded):.1f} rows/s, unpadded "
             f"{statistics.median(r.rows_per_s for r in unpadded):.1f} rows/s: "
-            f"{_median_range(ratios)}"
+            f"{median_range(ratios)}"
         )
     return "\n".join(lines)
 

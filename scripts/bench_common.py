@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, is_dataclass
@@ -32,6 +33,11 @@ async def closed_loop(stub: Any, request: Any, concurrency: int, duration: float
 def percentiles_ms(latencies: Sequence[float]) -> dict[str, float]:
     values = np.asarray(latencies) * 1e3
     return {f"p{p}_ms": round(float(np.percentile(values, p)), 2) for p in (50, 90, 99)}
+
+
+def median_range(ratios: Sequence[float]) -> str:
+    """Ratios taken within rounds, as the tables give them: the median and its range."""
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def process_cpu_seconds(pid: int) -> float:

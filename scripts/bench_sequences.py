@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from clients.inference_client import AsyncInferenceClient
-from scripts.bench_common import percentiles_ms, process_cpu_seconds, write_json
+from scripts.bench_common import median_range, percentiles_ms, process_cpu_seconds, write_json
 from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository
 
 MODEL = "kws"
@@ -172,10 +172,6 @@ def measure(rounds: int, duration: float, root: Path) -> list[Row]:
     return rows
 
 
-def _median_range(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-
 def summary(rows: list[Row]) -> str:
     lines = [
         f"{'transport':<9} {'live':>4} {'req/s':>8} {'seq/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
@@ -192,8 +188,8 @@ def summary(rows: list[Row]) -> str:
             f"{statistics.median(r.p50_ms for r in group):>7.1f} "
             f"{statistics.median(r.p99_ms for r in group):>7.1f} "
             f"{statistics.median(r.server_cpu_us_per_request for r in group):>10.0f} "
-            f"{_median_range([r.requests_per_s / r.engine_batched_per_s for r in group]):>22} "
-            f"{_median_range([r.requests_per_s / r.engine_single_per_s for r in group]):>21}"
+            f"{median_range([r.requests_per_s / r.engine_batched_per_s for r in group]):>22} "
+            f"{median_range([r.requests_per_s / r.engine_single_per_s for r in group]):>21}"
         )
     return "\n".join(lines)
 

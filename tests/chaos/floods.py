@@ -19,7 +19,7 @@ from aioquic.quic.connection import QuicConnection
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.chaos.harness import TRANSPORTS, AttackResult, Scale, Target, outcome_of, status_name
+from tests.chaos.harness import TRANSPORTS, AttackResult, Scale, Target, outcomes_of, status_name
 from transport.h3.client import client_configuration
 
 NAME_LENGTH = 60
@@ -46,15 +46,14 @@ async def random_names(target: Target, scale: Scale) -> AttackResult:
     for transport in TRANSPORTS:
         async with target.channel(transport) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            pending: set[asyncio.Task[str]] = set()
-            for _ in range(scale.names):
-                if len(pending) >= CONCURRENCY:
-                    done, pending = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
-                    result.outcomes.update(d.result() for d in done)
-                name = "".join(rng.choices(alphabet, k=NAME_LENGTH))
-                call = stub.ModelInfer(build_request(name, inputs), timeout=CALL_TIMEOUT_S)
-                pending.add(asyncio.ensure_future(outcome_of(call, CALL_TIMEOUT_S)))
-            result.outcomes.update(await asyncio.gather(*pending))
+            calls = (
+                stub.ModelInfer(
+                    build_request("".join(rng.choices(alphabet, k=NAME_LENGTH)), inputs),
+                    timeout=CALL_TIMEOUT_S,
+                )
+                for _ in range(scale.names)
+            )
+            result.outcomes.update(await outcomes_of(calls, CONCURRENCY, CALL_TIMEOUT_S))
     growth = await asyncio.to_thread(target.metrics_bytes) - metrics_before
     result.notes["metrics_growth_bytes"] = growth
     if growth > METRICS_GROWTH_LIMIT:

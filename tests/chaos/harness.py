@@ -12,7 +12,7 @@ import shutil
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,6 +291,21 @@ async def outcome_of(call: Awaitable[Any], timeout_s: float) -> str:
     except Exception as exc:
         return status_name(exc)
     return "OK"
+
+
+async def outcomes_of(
+    calls: Iterable[Awaitable[Any]], concurrency: int, timeout_s: float
+) -> list[str]:
+    """Each call's outcome, at most `concurrency` in flight: a call is made (the iterable
+    yields it) only once there is room."""
+    pending: set[asyncio.Task[str]] = set()
+    outcomes: list[str] = []
+    for call in calls:
+        if len(pending) >= concurrency:
+            done, pending = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
+            outcomes += [d.result() for d in done]
+        pending.add(asyncio.ensure_future(outcome_of(call, timeout_s)))
+    return outcomes + list(await asyncio.gather(*pending))
 
 
 class GoodClients:

@@ -18,6 +18,7 @@ from tests.chaos.harness import (
     Scale,
     Target,
     outcome_of,
+    outcomes_of,
     status_name,
 )
 from transport.grpc import headers as wire
@@ -104,14 +105,9 @@ async def malformed_flood(target: Target, scale: Scale) -> AttackResult:
     for transport in TRANSPORTS:
         async with target.channel(transport) as channel:
             infer = channel.unary_unary(MODEL_INFER, None, None)
-            pending: set[asyncio.Task[str]] = set()
-            for _ in range(scale.malformed):
-                if len(pending) >= CONCURRENCY:
-                    done, pending = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
-                    result.outcomes.update(f"{transport} {d.result()}" for d in done)
-                call = infer(GARBAGE, timeout=CALL_TIMEOUT_S)
-                pending.add(asyncio.ensure_future(outcome_of(call, CALL_TIMEOUT_S)))
-            result.outcomes.update(f"{transport} {o}" for o in await asyncio.gather(*pending))
+            calls = (infer(GARBAGE, timeout=CALL_TIMEOUT_S) for _ in range(scale.malformed))
+            outcomes = await outcomes_of(calls, CONCURRENCY, CALL_TIMEOUT_S)
+            result.outcomes.update(f"{transport} {o}" for o in outcomes)
     growth = _log_lines(target) - lines_before
     limit = LOG_LINES_PER_REQUEST * scale.malformed * len(TRANSPORTS)
     result.notes["log_growth_lines"] = growth

@@ -21,7 +21,7 @@ from tests.chaos.harness import (
     AttackResult,
     Scale,
     Target,
-    outcome_of,
+    outcomes_of,
 )
 
 CONCURRENCY = 32
@@ -50,19 +50,21 @@ async def abandoned_sequences(target: Target, scale: Scale) -> AttackResult:
     for transport in TRANSPORTS:
         async with target.channel(transport) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            pending: set[asyncio.Task[str]] = set()
-            for index in range(scale.abandoned_sequences):
-                if len(pending) >= CONCURRENCY:
-                    done, pending = await asyncio.wait(pending, return_when="FIRST_COMPLETED")
-                    result.outcomes.update(d.result() for d in done)
-                parameters: dict[str, bool | int] = {
-                    "sequence_id": rng.getrandbits(62) + 1,
-                    "sequence_start": index % 4 != 0,
-                }
-                request = build_request(SEQUENCE_MODEL, {"features": chunk}, parameters=parameters)
-                call = stub.ModelInfer(request, timeout=CALL_TIMEOUT_S)
-                pending.add(asyncio.ensure_future(outcome_of(call, CALL_TIMEOUT_S)))
-            result.outcomes.update(await asyncio.gather(*pending))
+            calls = (
+                stub.ModelInfer(
+                    build_request(
+                        SEQUENCE_MODEL,
+                        {"features": chunk},
+                        parameters={
+                            "sequence_id": rng.getrandbits(62) + 1,
+                            "sequence_start": index % 4 != 0,
+                        },
+                    ),
+                    timeout=CALL_TIMEOUT_S,
+                )
+                for index in range(scale.abandoned_sequences)
+            )
+            result.outcomes.update(await outcomes_of(calls, CONCURRENCY, CALL_TIMEOUT_S))
     result.notes["live_sequences_after_flood"] = await asyncio.to_thread(_live, target)
     deadline = time.monotonic() + RELEASE_LIMIT_S
     while (live := await asyncio.to_thread(_live, target)) > 0:
