@@ -104,6 +104,15 @@ class SequenceBatcher:
             if timer is not None:
                 timer.cancel()
 
+    async def warm(self, job: InferJob, deadline: float) -> None:
+        """Run a warm-up job (a shape bucket's rows, as one sequence's start) on every
+        instance, outside any sequence: each engine builds its kernels for the shape before
+        the version takes traffic."""
+        ready = with_sequence_inputs(job, self.settings, 0, None, start=True, end=True)
+        batch = plan([ready], self.policy.shapes)
+        for instance in range(self.policy.instances):
+            await self._run_on(instance, batch, [], deadline, None)
+
     def lose_instance(self, instance: int, how: str) -> None:
         """The instance's worker died: the sequences bound to it lost their state."""
         steps, lost = self._queue.lose(instance, f"lost its state when its worker {how}")

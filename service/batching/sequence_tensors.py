@@ -28,15 +28,17 @@ def with_sequence_inputs(
     end: bool,
 ) -> InferJob:
     """The job with its control and state inputs after its own, and the state outputs asked
-    for; `held` None: the sequence starts from its initial (zero) state."""
+    for; `held` None: the sequence starts from its initial (zero) state. A job of a sequence
+    has one row; a warm-up job of several gets the same controls and zero states in each."""
+    rows = job.rows
     batched = job.batch_size > 0
-    controls = tuple(_control(c, start, end, corrid, batched) for c in settings.controls)
+    controls = tuple(_control(c, start, end, corrid, rows, batched) for c in settings.controls)
     states = tuple(
         InputTensor(
             s.input_name,
             s.datatype,
-            (1, *s.dims) if batched else s.dims,
-            held[s.output_name] if held is not None else bytes(s.nbytes),
+            (rows, *s.dims) if batched else s.dims,
+            held[s.output_name] if held is not None else bytes(s.nbytes * rows),
         )
         for s in settings.states
     )
@@ -65,23 +67,20 @@ def taken_state(
 
 
 def _control(
-    control: ControlSpec, start: bool, end: bool, corrid: int | str, batched: bool
+    control: ControlSpec, start: bool, end: bool, corrid: int | str, rows: int, batched: bool
 ) -> InputTensor:
-    shape = (1, 1) if batched else (1,)
+    shape = (rows, 1) if batched else (1,)
     if control.kind == Control.CONTROL_SEQUENCE_CORRID:
-        return InputTensor(
-            control.name, control.datatype, shape, corrid_bytes(corrid, control.datatype)
-        )
+        data = corrid_bytes(corrid, control.datatype) * rows
+        return InputTensor(control.name, control.datatype, shape, data)
     flags: dict[int, bool] = {
         Control.CONTROL_SEQUENCE_START: start,
         Control.CONTROL_SEQUENCE_END: end,
         Control.CONTROL_SEQUENCE_READY: True,  # a row runs only when its sequence has a request
     }
-    flag = flags[control.kind]
-    value = control.false_true[int(flag)]
-    return InputTensor(
-        control.name, control.datatype, shape, np.array([value], control.datatype.numpy).tobytes()
-    )
+    value = control.false_true[int(flags[control.kind])]
+    data = np.full(rows, value, control.datatype.numpy).tobytes()
+    return InputTensor(control.name, control.datatype, shape, data)
 
 
 def corrid_bytes(corrid: int | str, datatype: Datatype) -> bytes:

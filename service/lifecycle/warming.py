@@ -25,18 +25,23 @@ async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
     traffic (service/lifecycle/warmup.py); the slowest bucket (the largest) sets the
     watchdog's limit where config.pbtxt sets none. Then the version is READY; a failure
     raises WarmUpError with the reason."""
-    if served.generations is not None or served.sequences is not None:
+    if served.generations is not None:
         _ready_unwarmed(served)
         return
     loop = asyncio.get_running_loop()
-    assert served.batcher is not None
+    queue = served.batcher or served.sequences
+    assert queue is not None
     slowest = 0.0
     try:
-        plan = warm_ups(served.config, served.batcher.policy.shapes)
+        plan = warm_ups(served.config, queue.policy.shapes)
         for warm_up in plan:
             for _ in range(warm_up.count):
                 started = loop.time()
-                await runner.infer(served, warm_up.job, started + WARM_UP_TIMEOUT_S)
+                deadline = started + WARM_UP_TIMEOUT_S
+                if served.sequences is not None:  # run outside any sequence
+                    await served.sequences.warm(warm_up.job, deadline)
+                else:
+                    await runner.infer(served, warm_up.job, deadline)
                 if warm_up.bucket:
                     slowest = max(slowest, loop.time() - started)
     except errors.ServiceError as exc:
@@ -62,17 +67,15 @@ async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
 
 def _ready_unwarmed(served: ServedVersion) -> None:
     """A decoupled model is not warmed up: nothing says which inputs make it answer quickly,
-    and a model.py builds what it needs in initialize(); nor is a sequence model (a sample is
-    not a sequence). model_warmup is refused for both when the config is read. Its
-    execution_timeout_ms bounds a batch, or the gap between two responses."""
+    and a model.py builds what it needs in initialize() (model_warmup is refused when its
+    config is read). Its execution_timeout_ms bounds the gap between two responses."""
     for instance in served.instances:
         if instance.execution_timeout_s is None:
             instance.execution_timeout_s = MIN_EXECUTION_TIMEOUT_S
     log.info(
-        "model %s version %d is %s: no warm-up; up to %.1f s per batch or response",
+        "model %s version %d is decoupled: no warm-up; up to %.1f s between two responses",
         served.name,
         served.version,
-        "decoupled" if served.generations is not None else "sequence-batched",
         min(i.execution_timeout_s or MIN_EXECUTION_TIMEOUT_S for i in served.instances),
     )
     served.state = VersionState.READY

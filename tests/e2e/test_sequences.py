@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -435,3 +436,10 @@ def test_a_dead_instance_loses_only_its_own_sequences(server: ServerProcess) -> 
             else:
                 out = sequence.infer({"value": np.array([[1]], np.int64)}, end=True)
                 assert int(out["total"][0, 0]) == 6 and int(out["pid"][0, 0]) == pid
+
+
+def test_every_bucket_is_warmed_before_ready(server: ServerProcess) -> None:
+    """Each batch-size bucket ran once per instance before READY (its engine built that
+    shape's kernels); outside any sequence: the live-bound test counts SMALL's starts exactly."""
+    warmed = re.search(rf"model {SMALL} version 1 warmed up: (\d+) inferences", server.log_text())
+    assert warmed is not None and int(warmed.group(1)) > 1
