@@ -6,6 +6,7 @@ the worker)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -244,16 +245,21 @@ def test_an_unwritable_sequence_pauses_and_resumes_with_the_same_output(
     decoder: PaddleDecoder, tokenizer: CharTokenizer
 ) -> None:
     """Its reader takes 10 responses, then stops: the sequence is not stepped while the other
-    one goes on, and once the reader reads on it ends as it does alone."""
-    with started(decoder) as (engine, steps):
+    one goes on (to 25 responses, where its own reader stops), and once the reader reads on it
+    ends as it does alone."""
+    with started(decoder) as (engine, _steps):
         paused_job, other_job = (tokenizer.encode("slow reader"), 30), (tokenizer.encode("x"), 60)
         expected = alone(engine, [paused_job])[0]
-        paused, other = Recorder(credit=10), Recorder()
+        paused, other = Recorder(credit=10), Recorder(credit=25)
         generation = engine.submit(paused, *paused_job)
         engine.submit(other, *other_job)
-        steps.wait_for(len(steps.records) + 20)
+        deadline = time.monotonic() + WAIT_S  # the tokens go out after the step's record
+        while len(other.tokens()) < 25:
+            assert time.monotonic() < deadline, "the other sequence stopped short"
+            time.sleep(0.005)
         assert generation.steps == 10
         assert not other.finished.is_set()
+        other.read_on()
         paused.read_on()
         assert paused.ending() == ("final", "length")
         assert paused.tokens() == expected
