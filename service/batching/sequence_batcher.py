@@ -176,12 +176,15 @@ class SequenceBatcher:
             result = await self._run(instance, steps)
         except WorkerDied:
             # The worker holding their state died (lose_instance may not have heard yet).
+            lost = [s for s in steps if self._queue.sequence(s.corrid) is not None]
             for step in steps:
                 for waiting in self._queue.drop(
                     step.corrid, grpc.StatusCode.UNAVAILABLE, "lost its state when its worker died"
                 ):
                     _fail(waiting, self._lost(waiting))
                 _fail(step, self._lost(step))
+            if lost:
+                self._on_sequences("lost", len(lost))
             return
         except errors.ServiceError as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT and len(steps) > 1:
