@@ -443,3 +443,19 @@ def test_every_bucket_is_warmed_before_ready(server: ServerProcess) -> None:
     shape's kernels); outside any sequence: the live-bound test counts SMALL's starts exactly."""
     warmed = re.search(rf"model {SMALL} version 1 warmed up: (\d+) inferences", server.log_text())
     assert warmed is not None and int(warmed.group(1)) > 1
+
+
+def test_a_new_start_restarts_a_live_sequence_from_its_initial_state(server: ServerProcess) -> None:
+    """sequence_start on an id that is still live starts it again: its answers are a fresh
+    sequence's, not a continuation of the old state."""
+    old, new = chunks(60, 2), chunks(61, 2)
+    with InferenceClient(server.url) as client:
+        first = client.sequence(MODEL, sequence_id=777)
+        for chunk in old:
+            first.infer({"features": chunk})
+        again = client.sequence(MODEL, sequence_id=777)  # its first request starts it again
+        scores = [
+            again.infer({"features": c}, end=i == len(new) - 1)["scores"] for i, c in enumerate(new)
+        ]
+    for served, expected in zip(scores, kws_reference(new), strict=True):
+        np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
