@@ -16,6 +16,7 @@ from service.api.health import Health
 from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
+from service.api.shared_memory import SharedMemory
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
 from service.frontends.listeners import (
@@ -111,7 +112,14 @@ async def serve(settings: ServerSettings) -> None:
             metrics_server.server_port,
         )
     servicers = Servicers(
-        InferenceServicer(models, runner, lifecycle, settings.model_control_mode),
+        InferenceServicer(
+            models,
+            runner,
+            lifecycle,
+            settings.model_control_mode,
+            SharedMemory(settings.shared_memory),
+            settings.max_message_bytes,
+        ),
         ControlServicer(models),
         health.servicer,
         TestingServicer() if settings.testing_service else None,
@@ -154,6 +162,7 @@ async def serve(settings: ServerSettings) -> None:
     await public.stop(settings.grace_period)
     loader.cancel()
     await lifecycle.stop()
+    servicers.inference.shared_memory.regions.close_all()
     if metrics_server is not None:
         metrics_server.shutdown()
     if tracing is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from service.api.restricted import RESTRICTABLE
+from service.api.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.observability.logs import LOG_FORMATS
 
 ENV_PREFIX = "PADDLEQUIC_"
@@ -71,6 +72,7 @@ class ServerSettings:
     tls_client_ca: str = ""
     require_client_cert: bool = False
     frontends: str = "1"
+    shared_memory: str = "local"
 
 
 _HELP = {
@@ -146,6 +148,8 @@ _HELP = {
     "frontends": "front-end processes accepting on the same TCP and UDP port (SO_REUSEPORT) "
     f"and feeding one set of model workers, 1 to {MAX_FRONTENDS}; auto: one per two usable "
     f"cores, at most {MAX_AUTO_FRONTENDS}",
+    "shared_memory": "Triton's system shared-memory extension (tensors in POSIX shared memory "
+    "on the server's host): local (served to loopback callers only), any, or off",
 }
 
 
@@ -153,6 +157,7 @@ _HELP = {
 _CHOICES = {
     "h3_retry": ("auto", "always", "never"),
     "log_format": LOG_FORMATS,
+    "shared_memory": SHARED_MEMORY_MODES,
 }
 
 

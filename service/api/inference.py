@@ -17,6 +17,7 @@ from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
+from service.api.shared_memory import SharedMemory
 from service.inference import errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
@@ -43,11 +44,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         runner: RequestRunner,
         lifecycle: Lifecycle,
         control_mode: str,
+        shared_memory: SharedMemory,
+        max_message_bytes: int,
     ) -> None:
         self.models = models
         self.runner = runner
         self.lifecycle = lifecycle
         self.control_mode = control_mode
+        self.shared_memory = shared_memory
+        self.max_message_bytes = max_message_bytes
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -156,6 +161,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await self.lifecycle.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    @errors.reports_errors
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: ServicerContext
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        self.shared_memory.check_caller(context)
+        return self.shared_memory.status(request.name)
+
+    @errors.reports_errors
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: ServicerContext
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        self.shared_memory.check_caller(context)
+        self.shared_memory.regions.register(
+            request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @errors.reports_errors
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: ServicerContext
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.shared_memory.check_caller(context)
+        self.shared_memory.regions.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
     def _check_explicit_control(self) -> None:
         if self.control_mode != "explicit":
             raise errors.ServiceError(
@@ -168,7 +198,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: ServicerContext
     ) -> pb.ModelInferResponse:
-        return await self._infer(request, _deadline(context))
+        return await self._infer(request, _deadline(context), context)
 
     async def ModelStreamInfer(
         self,
@@ -208,7 +238,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     await self._generate(served, request, deadline, responses.put)
                     return
                 response = pb.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, deadline)
+                    infer_response=await self._infer(request, deadline, context)
                 )
             except errors.ServiceError as exc:
                 response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
@@ -274,14 +304,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 await put((response, answer.final))
 
     async def _infer(
-        self, request: pb.ModelInferRequest, deadline: float | None
+        self, request: pb.ModelInferRequest, deadline: float | None, context: ServicerContext
     ) -> pb.ModelInferResponse:
+        """Tensors that name shared-memory regions are read from and written to them."""
         served = self.models.resolve(request.model_name, request.model_version)
-        job = await _decode(served, request)
-        answered, result = await self.runner.infer(served, job, deadline)
+        shared = self.shared_memory
+        shared.read_inputs(request, context, self.max_message_bytes)
+        with shared.output_targets(request, context) as targets:
+            job = await _decode(served, request)
+            answered, result = await self.runner.infer(served, job, deadline)
+            outputs = shared.write_outputs(result.outputs, targets)
         with self.runner.encode_span():
             response = stream_responses.infer_response(
-                answered.name, str(answered.version), request.id, result.outputs
+                answered.name, str(answered.version), request.id, outputs
             )
         if answered is not served:
             # Answered by the fallback model while `served` is open-circuited.

@@ -23,9 +23,9 @@ from transport.grpc.wrapping import HANDLER_BUILDERS, Behavior, Handler, Wrappin
 
 HEADER_PREFIX = "triton-grpc-protocol-"
 
-# Triton's categories, plus `control` for paddlequic.v1.Control. paddlequic serves no
-# shared-memory, trace or logging RPC; those names are accepted so that Triton command lines
-# work, and restrict nothing here.
+# Triton's categories, plus `control` for paddlequic.v1.Control. paddlequic serves no trace
+# or logging RPC; those names are accepted so that Triton command lines work, and restrict
+# nothing here.
 RESTRICTABLE = (
     "health",
     "metadata",
@@ -53,6 +53,9 @@ _METHOD_CATEGORIES = {
     _INFERENCE + "RepositoryIndex": "model-repository",
     _INFERENCE + "RepositoryModelLoad": "model-repository",
     _INFERENCE + "RepositoryModelUnload": "model-repository",
+    _INFERENCE + "SystemSharedMemoryStatus": "shared-memory",
+    _INFERENCE + "SystemSharedMemoryRegister": "shared-memory",
+    _INFERENCE + "SystemSharedMemoryUnregister": "shared-memory",
 }
 # Every method of these services; reflection (only the public schema) and the test-only
 # Testing service belong to no category and stay open.

@@ -1,0 +1,141 @@
+"""Registered shared-memory regions (service/inference/shared_memory.py) on real POSIX shared
+memory: reads and writes stay inside a region whatever offset and size a request names, an
+object shrunk under the server gives an error and no SIGBUS, a region unregistered while a
+request holds it stays open until that request is done, and only shm_open's names are taken."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.api.shared_memory import local_peer
+from service.inference import errors
+from service.inference.shared_memory import SHM_DIR, SharedMemoryRegions
+
+SIZE = 256
+
+
+@pytest.fixture
+def key() -> Iterator[str]:
+    name = f"pq-test-{secrets.token_hex(4)}"
+    path = Path(SHM_DIR) / name
+    path.write_bytes(bytes(range(256)) * (SIZE // 256))
+    yield "/" + name
+    path.unlink(missing_ok=True)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    region_offset=st.integers(0, SIZE),
+    region_size=st.integers(1, SIZE),
+    offset=st.integers(-4, SIZE + 4),
+    size=st.integers(0, SIZE + 4),
+)
+def test_a_read_succeeds_exactly_inside_its_region(
+    region_offset: int, region_size: int, offset: int, size: int
+) -> None:
+    name = f"pq-sweep-{secrets.token_hex(4)}"
+    path = Path(SHM_DIR) / name
+    path.write_bytes(bytes(i % 251 for i in range(SIZE)))
+    regions = SharedMemoryRegions()
+    try:
+        if region_offset + region_size > SIZE:
+            with pytest.raises(errors.ServiceError):
+                regions.register("r", "/" + name, region_offset, region_size)
+            return
+        regions.register("r", "/" + name, region_offset, region_size)
+        with regions.using("r") as region:
+            if offset >= 0 and offset + size <= region_size:
+                start = region_offset + offset
+                assert region.read(offset, size) == bytes(
+                    i % 251 for i in range(start, start + size)
+                )
+            else:
+                with pytest.raises(errors.ServiceError) as outside:
+                    region.read(offset, size)
+                assert outside.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        regions.close_all()
+        path.unlink()
+
+
+def test_a_shrunk_object_is_an_error_not_a_crash(key: str) -> None:
+    regions = SharedMemoryRegions()
+    regions.register("r", key, 0, SIZE)
+    os.truncate(Path(SHM_DIR) / key.lstrip("/"), 16)
+    with regions.using("r") as region, pytest.raises(errors.ServiceError) as short:
+        region.read(0, SIZE)
+    assert "shrank" in short.value.message
+    regions.close_all()
+
+
+def test_unregistered_while_in_use_stays_open_until_done(key: str) -> None:
+    regions = SharedMemoryRegions()
+    regions.register("r", key, 0, SIZE)
+    with regions.using("r") as region:
+        regions.unregister("r")
+        assert regions.status("") == []
+        assert region.read(0, 4) == bytes(range(4))  # its descriptor is still open
+        region.write(0, b"abcd")
+    assert region.closed
+    with pytest.raises(errors.ServiceError), regions.using("r"):
+        pass
+    assert (Path(SHM_DIR) / key.lstrip("/")).read_bytes()[:4] == b"abcd"
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "../etc/passwd", "/a/b", "//x", "/..", "x" * 300, "/dev/shm/x", "a\x00b"]
+)
+def test_only_shm_open_names_are_taken(bad: str) -> None:
+    with pytest.raises(errors.ServiceError) as refused:
+        SharedMemoryRegions().register("r", bad, 0, 4)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_link_in_dev_shm_is_not_followed(key: str) -> None:
+    link = Path(SHM_DIR) / f"pq-link-{secrets.token_hex(4)}"
+    link.symlink_to(Path(SHM_DIR) / key.lstrip("/"))
+    try:
+        with pytest.raises(errors.ServiceError) as refused:
+            SharedMemoryRegions().register("r", "/" + link.name, 0, 4)
+        assert "cannot be opened" in refused.value.message
+    finally:
+        link.unlink()
+
+
+def test_registrations_are_bounded_and_names_unique(key: str) -> None:
+    regions = SharedMemoryRegions(limit=2)
+    regions.register("a", key, 0, 4)
+    with pytest.raises(errors.ServiceError) as twice:
+        regions.register("a", key, 0, 4)
+    assert twice.value.code == grpc.StatusCode.ALREADY_EXISTS
+    regions.register("b", key, 4, 4)
+    with pytest.raises(errors.ServiceError) as full:
+        regions.register("c", key, 8, 4)
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    regions.close_all()
+
+
+@pytest.mark.parametrize(
+    ("peer", "local"),
+    [
+        ("ipv4:127.0.0.1:5000", True),
+        ("ipv4:127.8.9.1:5000", True),
+        ("ipv6:[::1]:5000", True),
+        ("unix:/tmp/socket", True),
+        ("ipv4:10.0.0.2:5000", False),
+        ("ipv6:[2001:db8::1]:5000", False),
+        ("ipv6:[::ffff:10.0.0.1]:1", False),
+        ("", False),
+        ("weird", False),
+    ],
+)
+def test_local_callers_are_told_apart(peer: str, local: bool) -> None:
+    assert local_peer(peer) is local
