@@ -27,7 +27,7 @@ help:
 	@echo "             (unit tests only; at most 25 mutants per module, a fixed sample: ARGS='--cap 0' for all,"
 	@echo "             ARGS='--only poison,credit' for some; about 40 min on 2 shared cores; writes bench-results/)"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
-	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide; writes bench-results/)"
+	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide), and tensors in shared memory vs raw (writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
@@ -86,6 +86,7 @@ models-bench: models
 
 bench: setup models-bench
 	$(BIN)/python -m scripts.bench_batching $(ARGS)
+	$(BIN)/python -m scripts.bench_shared_memory
 
 bench-transport: setup models
 	$(BIN)/python -m scripts.bench_transport $(ARGS)

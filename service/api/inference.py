@@ -309,9 +309,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Tensors that name shared-memory regions are read from and written to them."""
         served = self.models.resolve(request.model_name, request.model_version)
         shared = self.shared_memory
-        shared.read_inputs(request, context, self.max_message_bytes)
+        raw = shared.read_inputs(request, context, self.max_message_bytes)
         with shared.output_targets(request, context) as targets:
-            job = await _decode(served, request)
+            job = await _decode(served, request, raw)
             answered, result = await self.runner.infer(served, job, deadline)
             outputs = shared.write_outputs(result.outputs, targets)
         with self.runner.encode_span():
@@ -324,13 +324,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-async def _decode(served: ServedVersion, request: pb.ModelInferRequest) -> InferJob:
+async def _decode(
+    served: ServedVersion, request: pb.ModelInferRequest, raw: list[bytes] | None = None
+) -> InferJob:
     """The request as a job for `served` (decoded in a thread when its shapes declare much
-    per-element work); a refused request counts as one of its failures."""
+    per-element work); a refused request counts as one of its failures. `raw`: its inputs'
+    bytes when they did not come in the message."""
     started = time.perf_counter_ns()
     try:
         assert served.validator is not None
-        return await decoded(served.validator.admit(request))
+        return await decoded(served.validator.admit(request, raw))
     except errors.ServiceError:
         served.stats.record_failure(time.perf_counter_ns() - started)
         raise

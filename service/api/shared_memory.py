@@ -79,13 +79,14 @@ class SharedMemory:
 
     def read_inputs(
         self, request: pb.ModelInferRequest, context: ServicerContext, max_bytes: int
-    ) -> None:
-        """Put each input that names a region into raw_input_contents at its place (then the
-        request is validated like any other). The bytes read are what its shape and
-        datatype declare, at most `max_bytes` (what a message may carry)."""
+    ) -> list[bytes] | None:
+        """Every input's bytes, those that name a region read from it, the others as the
+        message carried them (None: no input names a region); the request is then validated
+        like any other. The bytes read are what its shape and datatype declare, at most
+        `max_bytes` (what a message may carry)."""
         placements = [placement(t.parameters, "input") for t in request.inputs]
         if not any(placements):
-            return
+            return None
         self.check_caller(context)
         raw = list(request.raw_input_contents)
         carried = sum(p is None for p in placements)
@@ -108,11 +109,7 @@ class SharedMemory:
                 )
             with self.regions.using(where.region) as region:
                 filled.append(region.read(where.offset, size))
-            for key in (REGION, BYTE_SIZE, OFFSET):
-                if key in tensor.parameters:
-                    del tensor.parameters[key]
-        del request.raw_input_contents[:]
-        request.raw_input_contents.extend(filled)
+        return filled
 
     @contextlib.contextmanager
     def output_targets(

@@ -133,10 +133,13 @@ class RequestValidator:
         """The request as a job, or INVALID_ARGUMENT saying what is wrong."""
         return self.admit(request).finish()
 
-    def admit(self, request: pb.ModelInferRequest) -> Decoding:
+    def admit(
+        self, request: pb.ModelInferRequest, raw_contents: Sequence[bytes] | None = None
+    ) -> Decoding:
         """The request's checks that cost no per-element work; INVALID_ARGUMENT on the first
-        that fails."""
-        raw = request.raw_input_contents
+        that fails. `raw_contents`: the inputs' bytes when they did not come in the message
+        (read from shared memory), in the order of its inputs."""
+        raw = request.raw_input_contents if raw_contents is None else raw_contents
         if raw and len(raw) != len(request.inputs):
             raise invalid(
                 f"model '{self.model}': {len(raw)} raw_input_contents for "
