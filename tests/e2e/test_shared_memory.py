@@ -52,6 +52,19 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
         yield process
 
 
+@pytest.fixture(scope="module")
+def two_frontends(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    """Front-end processes pass calls (and their peers) to the parent, which holds the
+    regions."""
+    root = tmp_path_factory.mktemp("shm-frontends")
+    repository = model_repository(root / "models", ["mlp"])
+    args = ["--certs-dir", str(certs_dir), "--frontends", "2"]
+    with running_server(repository, root / "log", args) as process:
+        yield process
+
+
 def failure(error: pytest.ExceptionInfo[grpc.RpcError]) -> tuple[grpc.StatusCode, str]:
     call = error.value
     assert isinstance(call, grpc.Call)
@@ -79,10 +92,18 @@ def shm_request(region_in: str, region_out: str, array: Array, offset: int = 0) 
     return request
 
 
+@pytest.mark.parametrize("processes", ["single", "two_frontends"])
 @pytest.mark.parametrize("transport", ["h2", "h3"])
 async def test_tensors_travel_in_shared_memory(
-    server: ServerProcess, certs_dir: Path, segments: list[Segment], transport: str
+    request: pytest.FixtureRequest,
+    certs_dir: Path,
+    segments: list[Segment],
+    transport: str,
+    processes: str,
 ) -> None:
+    server: ServerProcess = request.getfixturevalue(
+        "server" if processes == "single" else processes
+    )
     array = example_inputs("mlp", seed=11)["input"]
     inputs, outputs = Segment(64 + array.nbytes), Segment(ROWS * CLASSES * 4)
     segments += [inputs, outputs]
