@@ -111,6 +111,23 @@ def test_connect_each_shows_full_handshakes_and_0rtt(
     assert zero_rtt["requests"] > 0 and zero_rtt["connect_modes"].get("0rtt-accepted", 0) > 0
 
 
+def test_every_reconnect_with_a_ticket_takes_0rtt(
+    server: ServerProcess, certs_dir: Path, tmp_path: Path
+) -> None:
+    """Each caller's first connection (no ticket yet) falls in the warm-up; every connection
+    measured after it resumed with its early data accepted, one caller or eight."""
+    out = tmp_path / "perf.json"
+    done = perf(
+        certs_dir, "mlp", "--url", url(server, "h3"), "--connect-each", "0rtt",
+        "--concurrency-range", "1,8", "-f", str(out), "--duration", "0.5", "--warmup", "0.5",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    for row in rows:
+        assert row["requests"] > 0 and row["connect_modes"] == {"0rtt-accepted": row["requests"]}
+
+
 def test_failed_requests_are_counted_by_code(
     server: ServerProcess, certs_dir: Path, tmp_path: Path
 ) -> None:

@@ -71,6 +71,24 @@ async def test_resumed_connection_sends_its_first_request_as_early_data(
     assert accepted == 2  # the server saw early data accepted on the wire, twice
 
 
+async def test_every_reconnect_resumes_even_when_the_client_closes_at_its_answer(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """The ticket comes with the server's Finished, so a client that closes as soon as its
+    answer arrived (not waiting for a ticket) holds the next one every time."""
+    before = stats(server).h3_handshakes["0rtt_accepted"]
+    cache = SessionTicketCache()
+
+    async def answer_and_close() -> str | None:
+        async with channel(server, certs_dir, cache, ticket_wait_s=0.0) as ch:
+            await pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(REQUEST, timeout=30)
+        return ch.last_connect_mode
+
+    modes = [await answer_and_close() for _ in range(21)]
+    assert modes == ["full"] + ["0rtt-accepted"] * 20
+    assert stats(server).h3_handshakes["0rtt_accepted"] - before == 20
+
+
 async def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(
     server: ServerProcess, certs_dir: Path
 ) -> None:

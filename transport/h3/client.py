@@ -14,10 +14,12 @@ from aioquic.h3.connection import H3_ALPN
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicProtocolVersion
 from aioquic.tls import SessionTicket
 
 from transport.h3 import udp
 from transport.h3.aioquic.connection import resend_early_data_after_retry
+from transport.h3.aioquic.lean_handshake import offer_cheap_key_shares
 from transport.h3.protocol import GrpcH3Protocol
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
@@ -62,6 +64,7 @@ class _ClientProtocol(GrpcH3Protocol):
     ) -> None:
         super().__init__(quic, settings=settings)
         resend_early_data_after_retry(quic)
+        offer_cheap_key_shares(quic)
         self.handshake: asyncio.Future[events.HandshakeCompleted] = (
             asyncio.get_running_loop().create_future()
         )
@@ -253,6 +256,9 @@ def client_configuration(
         max_data=chosen.connection_window,
         max_stream_data=chosen.stream_window,
         max_datagram_size=chosen.max_datagram_size,
+        # aioquic derives Initial keys for every version listed, on every connection; a
+        # client starts with version 1 and has no use for the others' keys.
+        supported_versions=[QuicProtocolVersion.VERSION_1],
     )
     if ca_file:
         configuration.load_verify_locations(cafile=ca_file)

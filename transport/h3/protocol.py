@@ -29,6 +29,7 @@ from transport.h3.aioquic.connection import send_buffered, set_max_concurrent_st
 from transport.h3.aioquic.connection_ids import limit_connection_ids
 from transport.h3.aioquic.credit import ReceiveCredit
 from transport.h3.aioquic.h3_connection import GrpcH3Connection
+from transport.h3.aioquic.lean_handshake import share_frame_epochs
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
 from transport.h3.stream_state import Headers, StreamClosed
@@ -36,6 +37,8 @@ from transport.h3.stream_state import Headers, StreamClosed
 log = logging.getLogger("paddlequic.h3")
 
 SEND_HIGH_WATER = 1 << 20  # a writer waits while this much is unacknowledged on its stream
+
+share_frame_epochs()  # before any QuicConnection of either end exists
 
 
 class GrpcH3Protocol(QuicConnectionProtocol):

@@ -26,6 +26,7 @@ from transport.h3 import udp
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.connection_ids import tag_connection_ids
+from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
 from transport.h3.aioquic.quic_server import Admission, AdmittingQuicServer
 from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
 from transport.h3.calls import TransportAnswer, run_call
@@ -93,6 +94,8 @@ class _ServerProtocol(GrpcH3Protocol):
             refuse_early_data(quic)
         if server.client_auth is not None:
             request_client_certificates(quic, server.client_auth)
+        if server.tickets is not None:
+            issue_tickets_with_finished(quic)
         self.address = server.connection_opened(self)
         self._handshake_timer = self._loop.call_later(
             server.limits.handshake_timeout_s, self._handshake_expired

@@ -13,8 +13,9 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 
 def configure_tls(quic: QuicConnection, configure: Callable[[tls.Context], None]) -> None:
-    """Run `configure` on a server connection's TLS context as soon as it exists: aioquic
-    creates it when the first packet arrives and offers no setting for what is done here."""
+    """Run `configure` on a connection's TLS context as soon as it exists (a client's when it
+    connects, a server's when the first packet arrives), before any handshake message:
+    aioquic offers no setting for what is done here."""
     initialize = quic._initialize
 
     def initialize_and_configure(peer_cid: bytes) -> None:
