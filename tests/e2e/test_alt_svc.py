@@ -167,3 +167,16 @@ def test_infer_reports_its_transport(server: ServerProcess, certs_dir: Path) -> 
     assert result.returncode == 0, result.stderr
     assert re.search(r"^call 1: h2 ", result.stdout, re.MULTILINE)
     assert re.search(r"^transport: h[23]$", result.stdout, re.MULTILINE)
+
+
+def test_front_end_processes_advertise_too(tmp_path: Path, certs_dir: Path) -> None:
+    h3_port = free_port()
+    args = [
+        *("--frontends", "2", "--certs-dir", str(certs_dir)),
+        *("--h3-port", str(h3_port), "--alt-svc-max-age", "60"),
+    ]
+    with running_server(
+        model_repository(tmp_path / "models", ["mlp"]), tmp_path / "log", args
+    ) as s:
+        call = s.stub.ServerReady.with_call(pb.ServerReadyRequest(), timeout=10)[1]
+        assert alt_svc(call.initial_metadata()) == [h3_header(h3_port, 60)]
