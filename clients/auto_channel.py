@@ -59,8 +59,11 @@ class AutoChannel:
 
     @property
     def last_connect_mode(self) -> str | None:
-        """How the HTTP/3 connection started (QuicChannel.last_connect_mode), when in use."""
-        return self._h3.last_connect_mode if self._h3 is not None and self._h3_ready else None
+        """How the HTTP/3 connection started (QuicChannel.last_connect_mode), when the last
+        call went over it."""
+        if self._last_transport != "h3" or self._h3 is None:
+            return None
+        return self._h3.last_connect_mode
 
     def pick(self) -> Any | None:
         """The channel a new call takes now; None while the race for a new connection runs.

@@ -106,8 +106,9 @@ async def test_auto_starts_on_http2_and_moves_to_the_advertised_http3(
     ca = str(certs_dir / "ca.pem")
     async with AsyncInferenceClient(url, ca_file=ca, transport_policy=policy) as client:
         assert client.transport == "h2"
-        used = await until_h3(client)
-        assert used[0] == "h2"
+        await client.infer("mlp", INPUTS, timeout=10)
+        assert (client.transport, client.connect_mode) == ("h2", "tcp")
+        await until_h3(client)
         assert client.connect_mode == "full"
     # A new connection that knows HTTP/3 answers races it against HTTP/2; either answers.
     async with AsyncInferenceClient(url, ca_file=ca, transport_policy=policy) as client:
@@ -165,7 +166,7 @@ def test_infer_reports_its_transport(server: ServerProcess, certs_dir: Path) -> 
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^call 1: h2 ", result.stdout, re.MULTILINE)
+    assert re.search(r"^call 1: h2 tcp ", result.stdout, re.MULTILINE)
     assert re.search(r"^transport: h[23]$", result.stdout, re.MULTILINE)
 
 
