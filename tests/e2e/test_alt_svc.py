@@ -28,6 +28,7 @@ pytestmark = pytest.mark.e2e
 MAX_AGE_S = 120
 INPUTS = {"input": np.ones((1, 256), np.float32)}
 MOVE_TIMEOUT_S = 20.0
+IDLE_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,12 @@ def h3_port() -> int:
 def server(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path, h3_port: int
 ) -> Iterator[ServerProcess]:
-    """HTTP/3 on a port of its own, so a client can only find it through alt-svc."""
+    """HTTP/3 on a port of its own, so a client can only find it through alt-svc; idle
+    connections end soon."""
     root = tmp_path_factory.mktemp("alt-svc")
     args = [
         *("--certs-dir", str(certs_dir), "--h3-port", str(h3_port)),
-        *("--alt-svc-max-age", str(MAX_AGE_S)),
+        *("--alt-svc-max-age", str(MAX_AGE_S), "--idle-timeout", str(IDLE_TIMEOUT_S)),
     ]
     with running_server(model_repository(root / "models", ["mlp"]), root / "log", args) as s:
         yield s
@@ -115,6 +117,23 @@ async def test_auto_starts_on_http2_and_moves_to_the_advertised_http3(
         await client.infer("mlp", INPUTS, timeout=10)
         assert client.transport in ("h2", "h3")
         await until_h3(client)
+
+
+async def test_a_live_http3_connection_stays_a_new_one_is_decided_afresh(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    policy = TransportPolicy()
+    url = f"auto://localhost:{server.port}"
+    async with AsyncInferenceClient(
+        url, ca_file=str(certs_dir / "ca.pem"), transport_policy=policy
+    ) as client:
+        await until_h3(client)
+        policy.learn("clear")  # as if the advertisement had expired
+        await client.infer("mlp", INPUTS, timeout=10)
+        assert client.transport == "h3"
+        await asyncio.sleep(IDLE_TIMEOUT_S + 1)  # the connection idles out
+        await client.infer("mlp", INPUTS, timeout=10)
+        assert client.transport == "h2"
 
 
 @pytest.fixture
