@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     infer.add_argument(
         "--tickets",
-        help="h3: keep TLS session tickets in this file (mode 0600, secret) so a later run "
+        help="h3, auto: keep TLS session tickets in this file (mode 0600, secret) so a later run "
         "resumes with 0-RTT",
     )
     generate = client_command(
