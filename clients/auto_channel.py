@@ -18,11 +18,16 @@ from transport.grpc.alt_svc import HEADER
 # (browsers give QUIC a head start of this order), and before HTTP/3 counts as blocked.
 RACE_DELAY_S = 0.25
 H3_HANDSHAKE_TIMEOUT_S = 3.0
+# An HTTP/3 connection silent this long while calls are in flight (a PING unanswered) is given
+# up, so that new calls go to HTTP/2 soon when UDP gets blocked mid-connection (QuicChannel's
+# own default, 10 s, is for a channel that has nowhere else to go).
+H3_UNRESPONSIVE_S = 2.0
 
 
 class AutoChannel:
     """`h2` is a grpc.aio channel to the origin; `open_h3(host, port)` makes the QuicChannel
-    for an advertised endpoint. `policy` may be shared by the channels of a process.
+    for an advertised endpoint (with `unresponsive_timeout_s=H3_UNRESPONSIVE_S`, say). `policy`
+    may be shared by the channels of a process.
 
     A call made while no transport is known to work on a new channel (HTTP/3 advertised, not
     yet connected) waits for a race: HTTP/3 first, HTTP/2 as well if HTTP/3 has not completed

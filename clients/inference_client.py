@@ -101,8 +101,11 @@ def open_channel(
     that uses the channel."""
     if target.scheme in ("h3", "auto"):
         from clients.quic_channel import QuicChannel
+        from transport.h3.client import DEFAULT_UNRESPONSIVE_S
 
-        def quic(host: str, port: int) -> QuicChannel:
+        def quic(
+            host: str, port: int, unresponsive_s: float = DEFAULT_UNRESPONSIVE_S
+        ) -> QuicChannel:
             return QuicChannel(
                 Target("h3", host, port).address,
                 ca_file=ca_file,
@@ -110,6 +113,7 @@ def open_channel(
                 ticket_cache=ticket_cache,
                 client_cert=client_cert,
                 client_key=client_key,
+                unresponsive_timeout_s=unresponsive_s,
             )
 
         if target.scheme == "h3":
@@ -117,10 +121,15 @@ def open_channel(
     if client_cert and target.scheme != "grpcs":
         raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
     if target.scheme == "auto":
-        from clients.auto_channel import AutoChannel
+        from clients.auto_channel import H3_UNRESPONSIVE_S, AutoChannel
 
         h2 = grpc.aio.insecure_channel(target.address, options=_OPTIONS)
-        return AutoChannel(h2, quic, target.host, transport_policy)
+        return AutoChannel(
+            h2,
+            lambda host, port: quic(host, port, H3_UNRESPONSIVE_S),
+            target.host,
+            transport_policy,
+        )
     if target.scheme == "grpcs":
         credentials = grpc.ssl_channel_credentials(
             root_certificates=Path(ca_file).read_bytes() if ca_file else None,

@@ -11,9 +11,12 @@ AutoChannel sharing one TransportPolicy:
    failure is remembered (for the advertised 3 s);
 3. the lab lets UDP through again; the channel goes on calling and must move to HTTP/3, and
    not before the remembered failure expired; it stays there past the advertised lifetime
-   (its connection lives on).
+   (its connection lives on);
+4. the lab drops UDP again under that live connection: its calls fail until the channel gives
+   it up (no answer for H3_UNRESPONSIVE_S), then go on over HTTP/2.
 
-Besides these verdicts the client reports how long its raced call took (`raced_call_ms`).
+Besides these verdicts the client reports how long its raced call took, how long the fallback
+of step 4 took and which calls failed meanwhile.
 
 Namespaces, forwarder and server are removed on exit, as in the RTT lab.
 """
@@ -39,6 +42,8 @@ from scripts.rtt_lab import (
     SERVER_NAME,
     SERVER_PORT,
     START_TIMEOUT_S,
+    UDP_DROP,
+    UDP_PASS,
     Link,
     _preflight,
     _request,
@@ -55,8 +60,9 @@ EXPECTED = {
     "after_udp_is_back": "h3",
     "moved_after_the_failure_expired": True,
     "past_the_advertised_lifetime": ["h3"],
+    "udp_blocked_mid_connection": ["h2"],
 }
-_UDP_BACK = "go"
+_DONE = "done"
 
 
 # --- the client (runs in the client namespace) ----------------------------------------------
@@ -65,7 +71,7 @@ _UDP_BACK = "go"
 async def _scenario(target: str, ca_file: str) -> dict[str, Any]:
     import grpc
 
-    from clients.auto_channel import AutoChannel
+    from clients.auto_channel import H3_UNRESPONSIVE_S, AutoChannel
     from clients.quic_channel import QuicChannel
     from clients.transport_policy import TransportPolicy
     from protos.inference import grpc_service_pb2_grpc as pb_grpc
@@ -77,7 +83,10 @@ async def _scenario(target: str, ca_file: str) -> dict[str, Any]:
         return AutoChannel(
             grpc.aio.insecure_channel(target),
             lambda host, port: QuicChannel(
-                f"{host}:{port}", ca_file=ca_file, server_name=SERVER_NAME
+                f"{host}:{port}",
+                ca_file=ca_file,
+                server_name=SERVER_NAME,
+                unresponsive_timeout_s=H3_UNRESPONSIVE_S,
             ),
             SERVER_IP,
             policy,
@@ -116,21 +125,44 @@ async def _scenario(target: str, ca_file: str) -> dict[str, Any]:
         blocked = await within(lambda: policy.blocked_until is not None, call, "the failure")
         remembered_until = policy.blocked_until
         assert remembered_until is not None
-        print("udp?", flush=True)
-        if (await asyncio.to_thread(sys.stdin.readline)).strip() != _UDP_BACK:
-            raise RuntimeError("the lab did not let UDP through")
+        await _ask_lab(UDP_PASS)
         after = await within(lambda: second.transport == "h3", call, "back on HTTP/3")
         moved_at = time.monotonic()
         # The advertisement (3 s) expires meanwhile; the live connection stays in use.
         stayed = await within(lambda: time.monotonic() > moved_at + MAX_AGE_S + 1, call, "")
+        # UDP blocked under a live connection: its calls fail until it is given up.
+        failed: list[str] = []
+
+        async def call_or_fail() -> str:
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as exc:
+                failed.append(exc.code().name)
+                return "failed"
+
+        await _ask_lab(UDP_DROP)
+        blocked_at = time.monotonic()
+        await within(lambda: second.transport == "h2", call_or_fail, "back on HTTP/2")
+        fell_back_s = time.monotonic() - blocked_at
+        kept_on = [await call(), await call()]
     return {
         "raced_call": raced,
         "while_blocked": sorted(set(blocked)),
         "after_udp_is_back": after[-1],
         "moved_after_the_failure_expired": moved_at >= remembered_until,
         "past_the_advertised_lifetime": sorted(set(stayed)),
+        "udp_blocked_mid_connection": sorted(set(kept_on)),
         "raced_call_ms": round(raced_ms, 1),
+        "mid_connection_fallback_s": round(fell_back_s, 2),
+        "mid_connection_failed_calls": failed,
     }
+
+
+async def _ask_lab(state: str) -> None:
+    """The lab sets the link's UDP to `state` (UDP_DROP or UDP_PASS) and answers."""
+    print(state, flush=True)
+    if (await asyncio.to_thread(sys.stdin.readline)).strip() != _DONE:
+        raise RuntimeError(f"the lab did not set {state!r}")
 
 
 async def _wait_ready(target: str, timeout_s: float) -> None:
@@ -202,7 +234,7 @@ def run_lab(models: Path) -> dict[str, Any]:
 
 
 def _drive_client(link: Link, ca_file: Path) -> dict[str, Any]:
-    """Runs the scenario, letting UDP through when the client asks."""
+    """Runs the scenario, dropping UDP or letting it through when the client asks."""
     with subprocess.Popen(
         _client_command(link, "client", f"--ca={ca_file}"),
         cwd=REPO_ROOT,
@@ -212,11 +244,11 @@ def _drive_client(link: Link, ca_file: Path) -> dict[str, Any]:
     ) as client:
         assert client.stdin is not None and client.stdout is not None
         try:
-            if client.stdout.readline().strip() == "udp?":
-                link.block_udp(False)
-                client.stdin.write(_UDP_BACK + "\n")
+            while (line := client.stdout.readline().strip()) in (UDP_DROP, UDP_PASS):
+                link.block_udp(line == UDP_DROP)
+                client.stdin.write(_DONE + "\n")
                 client.stdin.flush()
-            out = client.stdout.read()
+            out = line
         finally:
             if client.wait(PHASE_TIMEOUT_S * 3) != 0:
                 raise RuntimeError(f"the lab's client failed ({client.returncode})")
