@@ -17,7 +17,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate bench-sequences lab-replicas chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -35,6 +35,7 @@ help:
 	@echo "make bench-sequences  the stateful kws example at 1, 16, 64 live sequences vs its engine alone (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
+	@echo "make lab-udp-fallback  an auto:// client on a link that drops UDP, then lets it through (root)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
 	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
@@ -108,6 +109,9 @@ bench-rtt: setup models
 
 lab-replicas: setup models
 	$(BIN)/python -m scripts.replica_lab
+
+lab-udp-fallback: setup models
+	$(BIN)/python -m scripts.udp_fallback_lab
 
 chaos: setup models
 	$(BIN)/python -m tests.chaos $(ARGS)

@@ -56,7 +56,7 @@ def _topology(argv: Sequence[str]) -> int:
         return topology_main(argv)
 
 
-def _client(args: argparse.Namespace, tickets: Any = None) -> Any:
+def _client(args: argparse.Namespace, tickets: Any = None, policy: Any = None) -> Any:
     from clients.inference_client import InferenceClient
 
     return InferenceClient(
@@ -66,6 +66,7 @@ def _client(args: argparse.Namespace, tickets: Any = None) -> Any:
         client_cert=args.client_cert,
         client_key=args.client_key,
         metadata=[_header(h) for h in args.header or DEFAULT_HEADERS],
+        transport_policy=policy,
     )
 
 
@@ -193,9 +194,13 @@ def random_inputs(
 
 def _infer(args: argparse.Namespace) -> int:
     from clients.tickets import SessionTicketCache
+    from clients.transport_policy import TransportPolicy
 
-    tickets = SessionTicketCache(args.tickets) if args.url.startswith("h3://") else None
-    client = _client(args, tickets)
+    tickets = (
+        SessionTicketCache(args.tickets) if args.url.startswith(("h3://", "auto://")) else None
+    )
+    policy = TransportPolicy()  # auto://: what one connection learned, the next starts from
+    client = _client(args, tickets, policy)
     try:
         if args.random:
             metadata = client.metadata(args.model, args.model_version)
@@ -212,12 +217,14 @@ def _infer(args: argparse.Namespace) -> int:
         for call in range(1, args.repeat + 1):
             if args.reconnect and call > 1:
                 client.close()
-                client = _client(args, tickets)
+                client = _client(args, tickets, policy)
             started = time.perf_counter()
             outputs = client.infer(args.model, inputs, version=args.model_version)
             if args.repeat > 1:
                 elapsed = (time.perf_counter() - started) * 1e3
-                print(f"call {call}: {client.connect_mode:<14} {elapsed:8.2f} ms")
+                mode = client.connect_mode
+                print(f"call {call}: {client.transport} {mode:<14} {elapsed:8.2f} ms")
+        print(f"transport: {client.transport}")
     finally:
         client.close()
     for name, array in outputs.items():
@@ -308,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--url",
             default=DEFAULT_URL,
-            help="grpc://HOST:PORT (HTTP/2) or h3://HOST:PORT (HTTP/3) "
+            help="grpc://HOST:PORT (HTTP/2), h3://HOST:PORT (HTTP/3) or auto://HOST:PORT "
+            "(HTTP/2, moving to HTTP/3 once the server advertises it and UDP gets through) "
             f"(env PADDLEQUIC_URL; default {DEFAULT_URL})",
         )
         command.add_argument(
@@ -374,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     infer.add_argument(
         "--tickets",
-        help="h3: keep TLS session tickets in this file (mode 0600, secret) so a later run "
+        help="h3, auto: keep TLS session tickets in this file (mode 0600, secret) so a later run "
         "resumes with 0-RTT",
     )
     generate = client_command(

@@ -1,7 +1,9 @@
 """A numpy-level client for the Open Inference Protocol: arrays in, arrays out.
 
 `grpc://host:port` speaks gRPC over HTTP/2, `grpcs://host:port` over HTTP/2 with TLS (a server
-started with --h2-tls), `h3://host:port` gRPC over HTTP/3 (QUIC, TLS 1.3). With TLS, pass the CA
+started with --h2-tls), `h3://host:port` gRPC over HTTP/3 (QUIC, TLS 1.3), `auto://host:port`
+HTTP/2 until the server's `alt-svc` advertises HTTP/3, then HTTP/3 where UDP gets through
+(clients.auto_channel). With TLS, pass the CA
 that signed the server's certificate (e.g. the development CA certs/ca.pem) and, for a server
 that asks for one, a client certificate and key.
 """
@@ -42,6 +44,7 @@ from clients.tensors import build_request as build_request
 from clients.tensors import parse_response as parse_response
 from clients.tickets import SessionTicketCache
 from clients.trace_context import Metadata, with_trace_context
+from clients.transport_policy import TransportPolicy
 from oip.datatypes import BY_NAME, is_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
@@ -69,13 +72,15 @@ class Target:
 
 
 def parse_url(url: str) -> Target:
-    """`grpc://host:port` (HTTP/2), `grpcs://host:port` (HTTP/2 with TLS) or `h3://host:port`
-    (HTTP/3); a bare `host:port` means grpc."""
+    """`grpc://host:port` (HTTP/2), `grpcs://host:port` (HTTP/2 with TLS), `h3://host:port`
+    (HTTP/3) or `auto://host:port` (HTTP/2, moving to HTTP/3 when advertised and reachable); a
+    bare `host:port` means grpc."""
     parts = urlsplit(url if "://" in url else f"grpc://{url}")
-    if parts.scheme not in ("grpc", "grpcs", "h3"):
+    if parts.scheme not in ("grpc", "grpcs", "h3", "auto"):
         raise ValueError(
             f"unsupported URL scheme {parts.scheme!r} in {url!r}; use grpc://HOST:PORT "
-            "(HTTP/2), grpcs://HOST:PORT (HTTP/2 with TLS) or h3://HOST:PORT (HTTP/3)"
+            "(HTTP/2), grpcs://HOST:PORT (HTTP/2 with TLS), h3://HOST:PORT (HTTP/3) or "
+            "auto://HOST:PORT (HTTP/2, then HTTP/3 once the server advertises it)"
         )
     if not parts.hostname:
         raise ValueError(f"URL {url!r} names no host; use grpc://HOST:PORT or h3://HOST:PORT")
@@ -88,19 +93,42 @@ def open_channel(
     ticket_cache: SessionTicketCache | None = None,
     client_cert: str | None = None,
     client_key: str | None = None,
+    transport_policy: TransportPolicy | None = None,
 ) -> Any:
-    """A grpc.aio channel (`grpc://`, `grpcs://`) or a QuicChannel (`h3://`): both take the
+    """A grpc.aio channel (`grpc://`, `grpcs://`), a QuicChannel (`h3://`) or an AutoChannel
+    (`auto://`, deciding by `transport_policy`, which channels may share): all take the
     generated stubs and `unary_unary(method)` with raw bytes. Call it inside the event loop
     that uses the channel."""
-    if target.scheme == "h3":
+    if target.scheme in ("h3", "auto"):
         from clients.quic_channel import QuicChannel
+        from transport.h3.client import DEFAULT_UNRESPONSIVE_S
 
-        return QuicChannel(
-            target.address,
-            ca_file=ca_file,
-            ticket_cache=ticket_cache,
-            client_cert=client_cert,
-            client_key=client_key,
+        def quic(
+            host: str, port: int, unresponsive_s: float = DEFAULT_UNRESPONSIVE_S
+        ) -> QuicChannel:
+            return QuicChannel(
+                Target("h3", host, port).address,
+                ca_file=ca_file,
+                server_name=target.host,
+                ticket_cache=ticket_cache,
+                client_cert=client_cert,
+                client_key=client_key,
+                unresponsive_timeout_s=unresponsive_s,
+            )
+
+        if target.scheme == "h3":
+            return quic(target.host, target.port)
+    if client_cert and target.scheme != "grpcs":
+        raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
+    if target.scheme == "auto":
+        from clients.auto_channel import H3_UNRESPONSIVE_S, AutoChannel
+
+        h2 = grpc.aio.insecure_channel(target.address, options=_OPTIONS)
+        return AutoChannel(
+            h2,
+            lambda host, port: quic(host, port, H3_UNRESPONSIVE_S),
+            target.host,
+            transport_policy,
         )
     if target.scheme == "grpcs":
         credentials = grpc.ssl_channel_credentials(
@@ -109,8 +137,6 @@ def open_channel(
             certificate_chain=Path(client_cert).read_bytes() if client_cert else None,
         )
         return grpc.aio.secure_channel(target.address, credentials, options=_OPTIONS)
-    if client_cert:
-        raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
     return grpc.aio.insecure_channel(target.address, options=_OPTIONS)
 
 
@@ -131,7 +157,8 @@ def random_array(
 
 class AsyncInferenceClient:
     """Async client; `grpc://` and `grpcs://` use grpc.aio over HTTP/2, `h3://` the QUIC
-    channel. All drive the same generated stub. Create it inside the event loop that uses it."""
+    channel, `auto://` either (see `transport`). All drive the same generated stub. Create it
+    inside the event loop that uses it."""
 
     def __init__(
         self,
@@ -141,13 +168,17 @@ class AsyncInferenceClient:
         client_cert: str | None = None,
         client_key: str | None = None,
         metadata: Iterable[tuple[str, str]] = (),
+        transport_policy: TransportPolicy | None = None,
     ) -> None:
-        """`ticket_cache` (h3 only) lets reconnects resume with 0-RTT. `client_cert` and
+        """`ticket_cache` (h3, auto) lets reconnects resume with 0-RTT. `client_cert` and
         `client_key` (PEM; the key may be in the certificate file) need TLS. `metadata` goes
-        with every call, e.g. the header of a restricted protocol."""
+        with every call, e.g. the header of a restricted protocol. `transport_policy` (auto):
+        what was learned of the server's HTTP/3, shared by the clients given the same one."""
         self.target = parse_url(url)
         self._metadata: Metadata = tuple(metadata)
-        self._channel = open_channel(self.target, ca_file, ticket_cache, client_cert, client_key)
+        self._channel = open_channel(
+            self.target, ca_file, ticket_cache, client_cert, client_key, transport_policy
+        )
         self.stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -231,6 +262,13 @@ class AsyncInferenceClient:
     def connect_mode(self) -> str:
         """How the last HTTP/3 connection started (full, resumed, 0rtt-accepted, ...)."""
         return str(getattr(self._channel, "last_connect_mode", None) or "tcp")
+
+    @property
+    def transport(self) -> str:
+        """What the next call uses: `h2` or `h3` (with `auto://`, it changes as it learns)."""
+        return str(
+            getattr(self._channel, "transport", "h3" if self.target.scheme == "h3" else "h2")
+        )
 
     async def close(self) -> None:
         await self._channel.close()
@@ -360,6 +398,10 @@ class InferenceClient:
     @property
     def connect_mode(self) -> str:
         return self._client.connect_mode
+
+    @property
+    def transport(self) -> str:
+        return self._client.transport
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -209,6 +209,12 @@ class QuicChannel:
     async def channel_ready(self) -> None:
         await self.connection()
 
+    @property
+    def connected(self) -> bool:
+        """A connection whose handshake completed is open and takes new calls."""
+        connection = self._connection
+        return connection is not None and connection.usable and connection.handshake_succeeded
+
     async def close(self, grace: float | None = None) -> None:
         """Close every connection; first wait briefly for a session ticket the server has not
         sent yet, so the next connection can resume (it arrives about one RTT after the

@@ -68,6 +68,8 @@ SERVER_PORT = 8001
 SERVER_NAME = "localhost"  # in the dev certificate's SANs; 198.18.0.1 is not
 MODES = ("h2-tls", "h3-full", "h3-0rtt")
 CALL_TIMEOUT_S = 30.0
+UDP_DROP = "udp drop"  # the forwarder's control lines besides delays
+UDP_PASS = "udp pass"
 START_TIMEOUT_S = 180.0
 
 _CLONE_NEWNET = 0x40000000
@@ -272,11 +274,19 @@ class Link(Namespaces):
 
     def set_delay(self, one_way_delay_ms: float) -> None:
         """Packets already in flight keep their delay; later ones never overtake them."""
+        self._control(f"{one_way_delay_ms}")
+        self.delay_ms = one_way_delay_ms
+
+    def block_udp(self, blocked: bool) -> None:
+        """Drop every UDP packet read from now on, both ways (as a firewall that lets only TCP
+        through does), or carry them again."""
+        self._control(UDP_DROP if blocked else UDP_PASS)
+
+    def _control(self, line: str) -> None:
         assert self._forwarder is not None and self._forwarder.stdin is not None
-        self._forwarder.stdin.write(f"{one_way_delay_ms}\n".encode())
+        self._forwarder.stdin.write(f"{line}\n".encode())
         self._forwarder.stdin.flush()
         self._await_ack()
-        self.delay_ms = one_way_delay_ms
 
     def exec_prefix(self, side: Side) -> list[str]:
         """The argv prefix that runs a command in one side's namespace."""
@@ -341,8 +351,8 @@ def forward(server_fd: int, client_fd: int, delay_ms: float) -> None:
 
     One FIFO per direction, released only from its head: since packets never overtake each other
     there is nothing to reorder, even right after the delay changes. Control comes on stdin, one
-    new delay (ms) per line, each acknowledged with "ok" on stdout; EOF there (the lab closed it,
-    or died) ends the forwarder.
+    new delay (ms) or UDP_DROP / UDP_PASS per line, each acknowledged with "ok" on stdout; EOF
+    there (the lab closed it, or died) ends the forwarder.
     """
     control = sys.stdin.fileno()
     for fd in (server_fd, client_fd):
@@ -351,6 +361,7 @@ def forward(server_fd: int, client_fd: int, delay_ms: float) -> None:
     outgoing: dict[int, deque[tuple[float, bytes]]] = {server_fd: deque(), client_fd: deque()}
     pending = b""
     delay_s = delay_ms / 1e3
+    drop_udp = False
     _acknowledge()
     while True:
         now = time.monotonic()
@@ -370,7 +381,10 @@ def forward(server_fd: int, client_fd: int, delay_ms: float) -> None:
                     return
                 *lines, pending = (pending + data).split(b"\n")
                 for line in lines:
-                    delay_s = float(line) / 1e3
+                    if line.decode() in (UDP_DROP, UDP_PASS):
+                        drop_udp = line.decode() == UDP_DROP
+                    else:
+                        delay_s = float(line) / 1e3
                     _acknowledge()
                 continue
             queue = outgoing[peer[fd]]
@@ -379,7 +393,14 @@ def forward(server_fd: int, client_fd: int, delay_ms: float) -> None:
                     packet = os.read(fd, 65536)
                 except BlockingIOError:
                     break
-                queue.append((time.monotonic() + delay_s, packet))
+                if not (drop_udp and _is_udp(packet)):
+                    queue.append((time.monotonic() + delay_s, packet))
+
+
+def _is_udp(packet: bytes) -> bool:
+    """An IPv4 or IPv6 packet (as a TUN device without packet info gives it) carrying UDP."""
+    version = packet[0] >> 4 if packet else 0
+    return (version == 4 and packet[9:10] == b"\x11") or (version == 6 and packet[6:7] == b"\x11")
 
 
 def _acknowledge() -> None:

@@ -19,6 +19,7 @@ ENV_PREFIX = "PADDLEQUIC_"
 ENV_SEPARATOR = ";"
 MAX_FRONTENDS = 64
 MAX_AUTO_FRONTENDS = 8
+MAX_ALT_SVC_MAX_AGE = 7 * 86400  # what a client is told to remember, at most a week
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ServerSettings:
     ticket_key_file: str = ""
     early_data_methods: str = "default"
     h3_port: int = 0
+    alt_svc_max_age: int = 3600
     tls_cert: str = ""
     tls_key: str = ""
     certs_dir: Path = Path("certs")
@@ -92,6 +94,8 @@ _HELP = {
     "early_data_methods": "RPCs served from early data: /pkg.Service/Method or /pkg.Service/*, "
     "comma-separated; `default` = health, readiness, metadata, config, statistics, inference",
     "h3_port": "UDP port for HTTP/3 (0: the same number as the HTTP/2 port)",
+    "alt_svc_max_age": 'HTTP/2 responses carry `alt-svc: h3=":H3_PORT"; ma=SECONDS`, so '
+    "clients (auto://) move to HTTP/3 and remember for that long when it fails (0: no alt-svc)",
     "tls_cert": "PEM certificate chain for HTTP/3 (empty: development certificates)",
     "tls_key": "PEM private key for --tls-cert",
     "certs_dir": "where development certificates are created and found",
@@ -225,6 +229,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
     settings = ServerSettings(**vars(parser.parse_args(argv)))
     if settings.max_concurrent_rpcs < 1:
         parser.error("--max-concurrent-rpcs must be at least 1")
+    if not 0 <= settings.alt_svc_max_age <= MAX_ALT_SVC_MAX_AGE:
+        parser.error(f"--alt-svc-max-age must be from 0 to {MAX_ALT_SVC_MAX_AGE}")
     try:
         frontend_count(settings.frontends)
     except ValueError as exc:

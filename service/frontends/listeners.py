@@ -14,6 +14,8 @@ from cryptography import x509
 
 from service.api.registration import Register
 from service.settings import ServerSettings
+from transport.grpc import alt_svc
+from transport.grpc.response_headers import ResponseHeadersServer
 from transport.h3.aioquic.client_auth import ClientAuth
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.early_data import parse_allowlist
@@ -97,7 +99,6 @@ async def start_grpc(
     if reuse_port:
         options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    register(server)
     address = f"{bracket(settings.host)}:{settings.grpc_port}"
     if settings.h2_tls:
         assert tls is not None
@@ -111,6 +112,9 @@ async def start_grpc(
         port = server.add_secure_port(address, credentials)
     else:
         port = server.add_insecure_port(address)
+    # Registered once the port is known: alt-svc names the HTTP/3 port, by default the same.
+    headers = alt_svc_headers(settings, port)
+    register(ResponseHeadersServer(server, headers) if headers else server)
     await server.start()
     log.info(
         "listening: gRPC over HTTP/2%s on %s:%d (model repository %s)",
@@ -120,6 +124,15 @@ async def start_grpc(
         settings.model_repository,
     )
     return server, port
+
+
+def alt_svc_headers(settings: ServerSettings, tcp_port: int) -> tuple[tuple[str, str], ...]:
+    """What every HTTP/2 response adds: where HTTP/3 answers, when it is served."""
+    if not settings.h3 or settings.alt_svc_max_age <= 0:
+        return ()
+    return (
+        (alt_svc.HEADER, alt_svc.h3_header(settings.h3_port or tcp_port, settings.alt_svc_max_age)),
+    )
 
 
 def tls_files(settings: ServerSettings) -> tuple[Path, Path]:

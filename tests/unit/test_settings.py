@@ -36,3 +36,11 @@ def test_an_unknown_retry_mode_is_refused(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         settings.parse(["--h3-retry", "sometimes"])
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
+def test_alt_svc_max_age_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert settings.parse([]).alt_svc_max_age == 3600
+    assert settings.parse(["--alt-svc-max-age", "0"]).alt_svc_max_age == 0
+    with pytest.raises(SystemExit):
+        settings.parse(["--alt-svc-max-age", "-1"])
+    assert "--alt-svc-max-age must be from 0" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import grpc
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Behavior = Callable[..., Any]
+MAX_CACHED_METHODS = 1024
 HANDLER_BUILDERS: dict[tuple[bool, bool], Callable[..., Handler]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -73,5 +74,8 @@ class WrappedGeneric(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not found:
             cached = (found, self._wrap(method, found))
-            self._wrapped[method] = cached
+            # A handler of any method (the unknown-method one) sees paths the peer chose:
+            # past the bound they are wrapped afresh each time, not kept.
+            if len(self._wrapped) < MAX_CACHED_METHODS:
+                self._wrapped[method] = cached
         return cached[1]
