@@ -139,24 +139,22 @@ def test_a_callers_mistakes_are_refused_and_nothing_else_changes(
     segment.write(array.tobytes())
     stub = server.stub
 
-    def register(name: str, key: str, size: int, offset: int = 0) -> grpc.StatusCode:
-        request = pb.SystemSharedMemoryRegisterRequest(
-            name=name, key=key, byte_size=size, offset=offset
-        )
+    def code(method: Any, request: Any) -> grpc.StatusCode:
         try:
-            stub.SystemSharedMemoryRegister(request, timeout=10)
+            method(request, timeout=30)
         except grpc.RpcError as exc:
             assert isinstance(exc, grpc.Call)
             return exc.code()
         return grpc.StatusCode.OK
 
+    def register(name: str, key: str, size: int, offset: int = 0) -> grpc.StatusCode:
+        request = pb.SystemSharedMemoryRegisterRequest(
+            name=name, key=key, byte_size=size, offset=offset
+        )
+        return code(stub.SystemSharedMemoryRegister, request)
+
     def infer(request: Any) -> grpc.StatusCode:
-        try:
-            stub.ModelInfer(request, timeout=30)
-        except grpc.RpcError as exc:
-            assert isinstance(exc, grpc.Call)
-            return exc.code()
-        return grpc.StatusCode.OK
+        return code(stub.ModelInfer, request)
 
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     assert register("m", "/../../etc/passwd", 8) == invalid
