@@ -136,13 +136,18 @@ def test_the_installed_cli_calls_the_server_over_both_transports(
 
     ca_file = str(certs_dir / "ca.pem")
     outputs = []
-    for url in (f"grpc://127.0.0.1:{server.port}", f"h3://localhost:{server.port}"):
+    for transport, url in (
+        ("h2", f"grpc://127.0.0.1:{server.port}"),
+        ("h3", f"h3://localhost:{server.port}"),
+    ):
         done = client_install.run(
             "paddlequic", "infer", "mlp", "--random", "--url", url, "--ca-file", ca_file
         )
         assert done.returncode == 0, done.stderr
         assert f"{output_names('mlp')[0]}: float32 [1, 10]" in done.stdout
-        outputs.append(done.stdout)
+        lines = done.stdout.splitlines()
+        assert f"transport: {transport}" in lines  # the CLI says which one it used
+        outputs.append([line for line in lines if not line.startswith("transport:")])
         perf = client_install.run(
             "paddlequic", "perf", "mlp", "--url", url, "--ca-file", ca_file,
             "--duration", "0.3", "--warmup", "0.1",
