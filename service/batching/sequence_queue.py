@@ -44,7 +44,7 @@ class SequencePolicy:
     oldest: bool
     instances: int
     max_batch_size: int  # 0: the model does not batch, every request runs alone
-    live_limit: int
+    max_candidates: int  # oldest: live sequences at most (max_candidate_sequences)
     idle_s: float
     preferred_sizes: tuple[int, ...] = ()
     max_queue_delay_s: float = 0.0
@@ -58,10 +58,11 @@ class SequencePolicy:
 
     @property
     def live_bound(self) -> int:
-        """Live sequences at most: under `direct` never more than its slots."""
+        """Live sequences at most: `oldest` keeps max_candidate_sequences, `direct` gives each
+        sequence a slot of an instance (max_batch_size per instance)."""
         if self.oldest:
-            return self.live_limit
-        return min(self.live_limit, self.batch_limit * max(self.instances, 1))
+            return self.max_candidates
+        return self.batch_limit * max(self.instances, 1)
 
 
 @dataclass(eq=False)

@@ -205,7 +205,7 @@ class VersionLoader:
             oldest=settings.oldest,
             instances=count,
             max_batch_size=config.max_batch_size,
-            live_limit=settings.live_limit(config.max_batch_size, count),
+            max_candidates=settings.max_candidates,
             idle_s=settings.idle_s,
             preferred_sizes=settings.preferred_sizes,
             max_queue_delay_s=settings.max_queue_delay_s,

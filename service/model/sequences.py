@@ -67,13 +67,6 @@ class SequenceSettings:
     max_queue_delay_s: float
     minimum_slot_utilization: float  # direct: a batch this full goes before the delay ends
 
-    def live_limit(self, max_batch_size: int, instances: int) -> int:
-        """How many sequences may be live at once: direct gives each a slot of an instance
-        (max_batch_size per instance), oldest keeps max_candidate_sequences."""
-        if self.oldest:
-            return self.max_candidates
-        return max(max_batch_size, 1) * max(instances, 1)
-
     def hidden_inputs(self) -> tuple[str, ...]:
         """Inputs the server sets and callers never send."""
         return tuple(c.name for c in self.controls) + tuple(s.input_name for s in self.states)

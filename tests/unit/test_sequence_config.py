@@ -41,7 +41,6 @@ def test_a_good_config_and_what_callers_see_of_it() -> None:
     settings = sequence_settings(parsed)
     assert settings is not None
     assert not settings.oldest and settings.idle_s == 1.0  # Triton's defaults
-    assert settings.live_limit(8, 2) == 16
     assert settings.hidden_inputs() == ("start", "corrid", "h")
     engine = with_sequence_tensors(parsed, settings)
     assert [i.name for i in engine.input] == ["x", "start", "corrid", "h"]

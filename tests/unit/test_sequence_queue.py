@@ -39,7 +39,7 @@ def policy(oldest: bool = False, **changes: object) -> SequencePolicy:
         "oldest": oldest,
         "instances": 2,
         "max_batch_size": 4,
-        "live_limit": 8,
+        "max_candidates": 8,
         "idle_s": 1.0,
     }
     fields.update(changes)
@@ -63,9 +63,9 @@ def test_batches_keep_each_sequence_in_order_one_at_a_time(
     length: int,
     actions: list[tuple[int, int, bool]],
 ) -> None:
-    limit = max(max_batch_size, 1) * instances if not oldest else 4
+    limit = max(max_batch_size, 1) * instances if not oldest else 4  # the bound expected
     queue = SequenceQueue(
-        policy(oldest, instances=instances, max_batch_size=max_batch_size, live_limit=limit)
+        policy(oldest, instances=instances, max_batch_size=max_batch_size, max_candidates=4)
     )
     sent: dict[int | str, int] = defaultdict(int)  # per sequence: requests pushed
     handed: dict[int | str, list[int]] = defaultdict(list)  # per sequence: request numbers run
@@ -117,7 +117,7 @@ def test_batches_keep_each_sequence_in_order_one_at_a_time(
 
 
 def test_direct_gives_each_live_sequence_its_own_slot() -> None:
-    queue = SequenceQueue(policy(instances=2, max_batch_size=3, live_limit=6))
+    queue = SequenceQueue(policy(instances=2, max_batch_size=3))
     for corrid in range(1, 7):
         queue.push(step(corrid, 0.0, start=True), 0.0)
     places = {(s.instance, s.slot) for c in range(1, 7) if (s := queue.sequence(c))}
@@ -130,7 +130,7 @@ def test_direct_gives_each_live_sequence_its_own_slot() -> None:
 
 
 def test_an_ended_sequence_frees_its_place_and_says_it_ended() -> None:
-    queue = SequenceQueue(policy(live_limit=1))
+    queue = SequenceQueue(policy(instances=1, max_batch_size=1))
     first = step(1, 0.0, start=True, end=True)
     queue.push(first, 0.0)
     action = queue.next_batch(0.0, [True, True])
@@ -184,7 +184,7 @@ def test_never_started_expired_and_lost_sequences_are_told_apart() -> None:
 
 
 def test_ended_ids_are_remembered_up_to_a_bound() -> None:
-    queue = SequenceQueue(policy(True, live_limit=ENDED_REMEMBERED + 1))
+    queue = SequenceQueue(policy(True, max_candidates=ENDED_REMEMBERED + 1))
     for corrid in range(ENDED_REMEMBERED + 1):
         first = step(corrid + 1, 0.0, start=True)
         queue.push(first, 0.0)
@@ -209,9 +209,7 @@ def test_one_sequence_cannot_queue_without_bound() -> None:
 
 
 def test_oldest_waits_for_a_preferred_batch_until_its_delay() -> None:
-    queue = SequenceQueue(
-        policy(True, instances=1, preferred_sizes=(3,), max_queue_delay_s=0.01, live_limit=8)
-    )
+    queue = SequenceQueue(policy(True, instances=1, preferred_sizes=(3,), max_queue_delay_s=0.01))
     for corrid in (1, 2):
         queue.push(step(corrid, 0.0, start=True), 0.0)
     assert queue.next_batch(0.0, [True]) == 0.01
@@ -229,7 +227,6 @@ def test_direct_waits_for_minimum_slot_utilization_until_its_delay() -> None:
         policy(
             instances=1,
             max_batch_size=4,
-            live_limit=4,
             minimum_slot_utilization=0.5,
             max_queue_delay_s=0.01,
         )
