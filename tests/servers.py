@@ -27,6 +27,8 @@ from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_MODELS = Path(os.environ.get("PADDLEQUIC_TEST_MODELS", REPO_ROOT / "models"))
 START_TIMEOUT_S = 180.0
+# Starts on a fresh port after losing the port free_port chose to another process.
+PORT_RACE_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -84,11 +86,18 @@ class ServerProcess:
     ) -> None:
         """`port`: listen there (e.g. to restart a server where clients expect it); default
         a free one."""
-        self.port = free_port() if port is None else port
+        self._repository = repository
+        self._extra_args = tuple(extra_args)
+        self._port_chosen_here = port is None
+        self._start_attempts = 1
+        self.log_path = log_path
+        self._start(free_port() if port is None else port)
+
+    def _start(self, port: int) -> None:
+        self.port = port
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.address}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
+        self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -99,11 +108,11 @@ class ServerProcess:
                 "--grpc-port",
                 str(self.port),
                 "--model-repository",
-                str(repository),
+                str(self._repository),
                 # Servers run side by side in tests: metrics on any free port unless asked.
                 "--metrics-port",
                 "0",
-                *extra_args,
+                *self._extra_args,
             ],
             cwd=REPO_ROOT,
             stdout=self._log,
@@ -119,6 +128,23 @@ class ServerProcess:
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.control = control_pb2_grpc.ControlStub(self.channel)
 
+    def _exited(self) -> None:
+        """The server exited while starting. free_port's number can be taken by another
+        process (any UDP socket bound to port 0) before the server binds it: on a port chosen
+        here, start again on another; otherwise say why it exited."""
+        log = self.log_text()
+        if (
+            self._port_chosen_here
+            and "Address already in use" in log
+            and self._start_attempts < PORT_RACE_ATTEMPTS
+        ):
+            self._start_attempts += 1
+            self.channel.close()
+            self._log.close()
+            self._start(free_port())
+            return
+        raise RuntimeError(f"server exited ({self.process.returncode}):\n{log}")
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -126,7 +152,8 @@ class ServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self.log_text()}")
+                self._exited()
+                continue
             with contextlib.suppress(grpc.RpcError):
                 if self.stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready:
                     return
@@ -139,7 +166,8 @@ class ServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self.log_text()}")
+                self._exited()
+                continue
             with contextlib.suppress(grpc.RpcError):
                 index = self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=1).models
                 if index and all(m.state != "LOADING" for m in index):
