@@ -51,12 +51,13 @@ HANDSHAKE_TIMEOUT_S = 5
 
 
 class HalfOpen:
-    """A connection attempt from `host` that sends its Initial and nothing else."""
+    """A connection attempt from `host` that sends its Initial (with `token`) and nothing
+    else."""
 
-    def __init__(self, port: int, host: str) -> None:
+    def __init__(self, port: int, host: str, token: bytes = b"") -> None:
         self.quic = QuicConnection(
             configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
+                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE, token=token
             )
         )
         self.server = ("127.0.0.1", port)

@@ -1,0 +1,61 @@
+"""NEW_TOKEN through the real server process under `--h3-retry always`: a returning client's
+token spares it the Retry (the server's counters say none was sent), the same token from
+another address does not, and a client keeps its token in the `--tickets` file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aioquic.quic.packet import QuicPacketType
+
+from clients.tickets import SessionTicketCache
+from protos.paddlequic.v1 import control_pb2
+from tests.e2e.test_h3_admission import HalfOpen, h3_server, refusals, server_live
+from tests.servers import ServerProcess
+
+
+def handshakes(server: ServerProcess) -> dict[str, int]:
+    response: control_pb2.TransportStatsResponse = server.control.TransportStats(
+        control_pb2.TransportStatsRequest(), timeout=5
+    )
+    return dict(response.h3_handshakes)
+
+
+async def test_a_returning_client_connects_without_a_retry(tmp_path: Path, certs_dir: Path) -> None:
+    with h3_server(tmp_path, certs_dir, ["--h3-retry", "always"]) as server:
+        tickets_file = tmp_path / "tickets.json"
+
+        async def connect_once() -> str | None:
+            # A new cache each time, read from the file: as separate runs of the CLI.
+            channel = await server_live(
+                server, certs_dir, ticket_cache=SessionTicketCache(tickets_file)
+            )
+            await channel.close()
+            return channel.last_connect_mode
+
+        modes = [await connect_once() for _ in range(3)]
+        assert modes == ["full", "0rtt-accepted", "0rtt-accepted"]
+        assert refusals(server)["retry"] == 1  # the first connection's only
+        assert handshakes(server)["new_token_valid"] == 2
+
+
+async def test_a_token_replayed_from_another_address_gets_a_retry(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    with h3_server(tmp_path, certs_dir, ["--h3-retry", "always"]) as server:
+        cache = SessionTicketCache()
+        channel = await server_live(server, certs_dir, ticket_cache=cache)
+        await channel.close()
+        token = cache.take_token(SessionTicketCache.key("localhost", "localhost", server.port))
+        assert token
+
+        elsewhere = HalfOpen(server.port, "127.0.0.2", token)
+        assert elsewhere.answer()[0] == QuicPacketType.RETRY
+        assert handshakes(server)["new_token_other_address"] == 1
+        # The address it was issued to, from another port (as after a NAT rebinding): no Retry.
+        rebound = HalfOpen(server.port, "127.0.0.1", token)
+        packet_type, closed = rebound.answer()
+        assert packet_type == QuicPacketType.INITIAL and closed is None
+        assert refusals(server)["retry"] == 2  # the first connection's and the replay's
+        for attempt in (elsewhere, rebound):
+            attempt.close()
