@@ -30,13 +30,16 @@ from transport.h3.aioquic.connection import peer_address
 
 def send_new_token(quic: QuicConnection, issue: Callable[[NetworkAddress], bytes]) -> None:
     """Put a NEW_TOKEN frame, holding `issue(client address)`, in the first 1-RTT packet this
-    server connection sends, and again if that packet is lost."""
+    server connection sends, and again if that packet is lost; once one is acknowledged the
+    connection sends as aioquic alone would."""
     write_application = quic._write_application
     pending = [True]
 
     def delivered(delivery: QuicDeliveryState) -> None:
         if delivery != QuicDeliveryState.ACKED:
             pending[0] = True
+        elif quic.__dict__.get("_write_application") is write_with_token:  # not wrapped since
+            quic._write_application = write_application  # type: ignore[method-assign]
 
     def write_with_token(builder: QuicPacketBuilder, network_path: Any, now: float) -> None:
         address = peer_address(quic)
