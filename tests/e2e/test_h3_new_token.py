@@ -9,16 +9,8 @@ from pathlib import Path
 from aioquic.quic.packet import QuicPacketType
 
 from clients.tickets import SessionTicketCache
-from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_h3_admission import HalfOpen, h3_server, refusals, server_live
-from tests.servers import ServerProcess
-
-
-def handshakes(server: ServerProcess) -> dict[str, int]:
-    response: control_pb2.TransportStatsResponse = server.control.TransportStats(
-        control_pb2.TransportStatsRequest(), timeout=5
-    )
-    return dict(response.h3_handshakes)
+from tests.e2e.test_zero_rtt import stats
 
 
 async def test_a_returning_client_connects_without_a_retry(tmp_path: Path, certs_dir: Path) -> None:
@@ -36,7 +28,7 @@ async def test_a_returning_client_connects_without_a_retry(tmp_path: Path, certs
         modes = [await connect_once() for _ in range(3)]
         assert modes == ["full", "0rtt-accepted", "0rtt-accepted"]
         assert refusals(server)["retry"] == 1  # the first connection's only
-        assert handshakes(server)["new_token_valid"] == 2
+        assert stats(server).h3_handshakes["new_token_valid"] == 2
 
 
 async def test_a_token_replayed_from_another_address_gets_a_retry(
@@ -51,7 +43,7 @@ async def test_a_token_replayed_from_another_address_gets_a_retry(
 
         elsewhere = HalfOpen(server.port, "127.0.0.2", token)
         assert elsewhere.answer()[0] == QuicPacketType.RETRY
-        assert handshakes(server)["new_token_other_address"] == 1
+        assert stats(server).h3_handshakes["new_token_other_address"] == 1
         # The address it was issued to, from another port (as after a NAT rebinding): no Retry.
         rebound = HalfOpen(server.port, "127.0.0.1", token)
         packet_type, closed = rebound.answer()
