@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from transport.h3.address_tokens import KEY_BYTES
 from transport.tls.session_tickets import TicketCounters
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def address_token_key(key_file: str) -> bytes:
     the ticket key file, so every server sharing it accepts the others' tokens; without one,
     a random key (this process's tokens only, until it restarts)."""
     if not key_file:
-        return os.urandom(32)
+        return os.urandom(KEY_BYTES)
     secret = read_ticket_key(Path(key_file))
     _check_length(secret)
     return _derive(secret, b"paddlequic address token")
