@@ -1,16 +1,31 @@
 """NEW_TOKEN through the real server process under `--h3-retry always`: a returning client's
 token spares it the Retry (the server's counters say none was sent), the same token from
-another address does not, and a client keeps its token in the `--tickets` file."""
+another address does not, a client keeps its token in the `--tickets` file, and no token of
+any size or content gets a client refused."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
-from aioquic.quic.packet import QuicPacketType
+import pytest
+from aioquic.quic.packet import QuicErrorCode, QuicPacketType
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clients.tickets import SessionTicketCache
 from tests.e2e.test_h3_admission import HalfOpen, h3_server, refusals, server_live
 from tests.e2e.test_zero_rtt import stats
+from tests.servers import ServerProcess
+from transport.h3.address_tokens import RETRY_TOKEN_TAG
+
+
+@pytest.fixture(scope="module")
+def retry_always(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    with h3_server(tmp_path_factory.mktemp("retry"), certs_dir, ["--h3-retry", "always"]) as server:
+        yield server
 
 
 async def test_a_returning_client_connects_without_a_retry(tmp_path: Path, certs_dir: Path) -> None:
@@ -51,3 +66,24 @@ async def test_a_token_replayed_from_another_address_gets_a_retry(
         assert refusals(server)["retry"] == 2  # the first connection's and the replay's
         for attempt in (elsewhere, rebound):
             attempt.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=1, max_size=1000).filter(lambda t: not t.startswith(RETRY_TOKEN_TAG)))
+def test_any_other_token_gets_a_retry(retry_always: ServerProcess, token: bytes) -> None:
+    """Not validated, so answered as an Initial without a token would be: never closed."""
+    attempt = HalfOpen(retry_always.port, "127.0.0.1", token)
+    try:
+        assert attempt.answer() == (QuicPacketType.RETRY, None)
+    finally:
+        attempt.close()
+
+
+def test_a_retry_token_that_fails_closes_with_invalid_token(retry_always: ServerProcess) -> None:
+    """RFC 9000 section 8.1.3: the client would not follow a second Retry."""
+    attempt = HalfOpen(retry_always.port, "127.0.0.1", RETRY_TOKEN_TAG + b"x" * 40)
+    try:
+        _, closed = attempt.answer()
+        assert closed is not None and closed.error_code == QuicErrorCode.INVALID_TOKEN
+    finally:
+        attempt.close()
