@@ -5,6 +5,7 @@ any size or content gets a client refused."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,3 +88,32 @@ def test_a_retry_token_that_fails_closes_with_invalid_token(retry_always: Server
         assert closed is not None and closed.error_code == QuicErrorCode.INVALID_TOKEN
     finally:
         attempt.close()
+
+
+async def test_replicas_sharing_the_ticket_key_accept_each_others_tokens(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """Two servers given the same --ticket-key-file (memory ticket stores: only the tokens are
+    shared) and one without: a token from the first spares the Retry at the second only."""
+    key_file = tmp_path / "ticket.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    shared = ["--h3-retry", "always", "--ticket-key-file", str(key_file)]
+    with (
+        h3_server(tmp_path / "a", certs_dir, shared) as issuer,
+        h3_server(tmp_path / "b", certs_dir, shared) as replica,
+        h3_server(tmp_path / "c", certs_dir, ["--h3-retry", "always"]) as stranger,
+    ):
+        issued = SessionTicketCache()
+        await (await server_live(issuer, certs_dir, ticket_cache=issued)).close()
+        token = issued.take_token(SessionTicketCache.key("localhost", "localhost", issuer.port))
+        for server in (replica, stranger):
+            presenting = SessionTicketCache()
+            presenting.add_token(
+                SessionTicketCache.key("localhost", "localhost", server.port), token
+            )
+            await (await server_live(server, certs_dir, ticket_cache=presenting)).close()
+        assert refusals(replica).get("retry", 0) == 0
+        assert stats(replica).h3_handshakes["new_token_valid"] == 1
+        assert refusals(stranger)["retry"] == 1
+        assert stats(stranger).h3_handshakes["new_token_unreadable"] == 1
