@@ -1,7 +1,8 @@
 """NEW_TOKEN through the real server process under `--h3-retry always`: a returning client's
 token spares it the Retry (the server's counters say none was sent), the same token from
-another address does not, a client keeps its token in the `--tickets` file, and no token of
-any size or content gets a client refused."""
+another address does not, replicas sharing the ticket key accept each other's, a client keeps
+its token in the `--tickets` file, and no token of any size or content gets a client
+refused."""
 
 from __future__ import annotations
 
