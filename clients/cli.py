@@ -382,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     infer.add_argument(
         "--tickets",
-        help="h3, auto: keep TLS session tickets in this file (mode 0600, secret) so a later run "
-        "resumes with 0-RTT",
+        help="h3, auto: keep TLS session tickets and the server's address token in this file "
+        "(mode 0600, secret) so a later run resumes with 0-RTT and skips a QUIC Retry",
     )
     generate = client_command(
         "generate", "stream a generation model's text as it is produced (decoupled models)"

@@ -49,8 +49,9 @@ class QuicChannel:
 
     With a `ticket_cache` the channel resumes TLS sessions: a new connection that has a ticket
     sends its first calls (those in `early_data_methods`) as 0-RTT early data, with the
-    handshake. Calls made while a connection is being (re)established wait for it, retrying
-    with jittered exponential backoff, up to their deadline.
+    handshake; the server's address token, kept there too, spares it a QUIC Retry. Calls made
+    while a connection is being (re)established wait for it, retrying with jittered
+    exponential backoff, up to their deadline.
 
     `client_cert`/`client_key` (PEM) are offered to servers that ask for a client certificate
     (mutual TLS). A session ticket resumes the identity of the connection that received it, so
@@ -145,6 +146,7 @@ class QuicChannel:
             self._settings,
             self._client_cert,
             self._client_key,
+            self._tickets.take_token(self._ticket_key) if self._tickets else b"",
         )
         tickets = self._tickets
         key = self._ticket_key
@@ -158,6 +160,9 @@ class QuicChannel:
                 if tickets is not None
                 else None,
                 unresponsive_s=self._unresponsive_s,
+                token_handler=(lambda t: tickets.add_token(key, t))
+                if tickets is not None
+                else None,
             )
         except OSError as exc:
             raise self._unavailable(exc) from exc

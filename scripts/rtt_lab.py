@@ -15,6 +15,11 @@ namespace and print their samples as JSON. Modes, each a NEW connection per repe
            client sending its request right behind its TLS Finished would need
 - h3-full: QuicChannel, full QUIC handshake, then the request (2 RTT)
 - h3-0rtt: QuicChannel resuming with a session ticket, request sent as 0-RTT data (1 RTT)
+- h3-0rtt-no-token: the same, from a client that drops the server's NEW_TOKEN tokens
+
+Then, unless --no-retry-rows, a second server with `--h3-retry always`: "retry 0rtt" is
+h3-0rtt-no-token there (every connection pays the Retry's round trip), "retry 0rtt+token"
+h3-0rtt (the NEW_TOKEN token of the previous connection spares it).
 
 Add the CPU time of handshakes and of the call itself, which does not grow with the RTT: the
 table ends with a least-squares fit, median = k x RTT + c, whose k counts the round trips.
@@ -66,7 +71,9 @@ TUN_NAME = "pqlab0"
 NETNS_DIR = Path("/var/run/netns")
 SERVER_PORT = 8001
 SERVER_NAME = "localhost"  # in the dev certificate's SANs; 198.18.0.1 is not
-MODES = ("h2-tls", "h3-full", "h3-0rtt")
+MODES = ("h2-tls", "h3-full", "h3-0rtt", "h3-0rtt-no-token")
+DEFAULT_MODES = ("h2-tls", "h3-full", "h3-0rtt")
+RETRY_ROWS = {"h3-0rtt-no-token": "retry 0rtt", "h3-0rtt": "retry 0rtt+token"}
 CALL_TIMEOUT_S = 30.0
 UDP_DROP = "udp drop"  # the forwarder's control lines besides delays
 UDP_PASS = "udp pass"
@@ -478,9 +485,17 @@ def _opener(mode: str, target: str, ca_file: str) -> Callable[[], Any]:
     from clients.quic_channel import QuicChannel
     from clients.tickets import SessionTicketCache
 
+    class TicketsOnly(SessionTicketCache):
+        """A client that keeps no NEW_TOKEN token (as every client did before the server sent
+        them)."""
+
+        def add_token(self, key: str, token: bytes) -> None:
+            pass
+
     # h3-0rtt: one cache for every repetition; each resumed connection leaves in it the fresh
-    # ticket the next one resumes with.
-    cache = SessionTicketCache() if mode == "h3-0rtt" else None
+    # ticket (and token) the next one resumes with.
+    caches = {"h3-0rtt": SessionTicketCache, "h3-0rtt-no-token": TicketsOnly}
+    cache = caches[mode]() if mode in caches else None
     return lambda: QuicChannel(target, ca_file=ca_file, server_name=SERVER_NAME, ticket_cache=cache)
 
 
@@ -708,18 +723,28 @@ def run_lab(
     return rows
 
 
+def run_retry_rows(rtts: Sequence[float], repetitions: int) -> list[Row]:
+    """0-RTT clients of a server that sends every new connection a Retry, with and without
+    the NEW_TOKEN token that spares it."""
+    rows = run_lab(rtts, repetitions, list(RETRY_ROWS), ["--h3-retry=always"])
+    for row in rows:
+        row.mode = RETRY_ROWS[row.mode]
+    return rows
+
+
 def table(rows: Sequence[Row]) -> str:
     rtts = sorted({r.rtt_ms for r in rows})
     cells = {(r.mode, r.rtt_ms): r for r in rows}
+    width = max(9, *(len(r.mode) for r in rows))
     lines = [
-        f"{'':<9}" + "".join(f" | {f'RTT {rtt:g} ms':^22}" for rtt in rtts),
-        f"{'mode':<9}" + " | median ms  p90 ms  xRTT" * len(rtts),
+        f"{'':<{width}}" + "".join(f" | {f'RTT {rtt:g} ms':^22}" for rtt in rtts),
+        f"{'mode':<{width}}" + " | median ms  p90 ms  xRTT" * len(rtts),
     ]
     modes = list(dict.fromkeys(r.mode for r in rows))
     for mode in modes:
         measured = (cells[(mode, rtt)] for rtt in rtts)
         lines.append(
-            f"{mode:<9}"
+            f"{mode:<{width}}"
             + "".join(
                 f" | {r.median_ms:>9.1f} {r.p90_ms:>7.1f} {r.median_rtts:>5.2f}" for r in measured
             )
@@ -727,7 +752,7 @@ def table(rows: Sequence[Row]) -> str:
     lines += ["", "second call on the same connection (1 RTT + service time), median ms:"]
     for mode in modes:
         warm = (cells[(mode, rtt)].warm_call_median_ms for rtt in rtts)
-        lines.append(f"{mode:<9}" + "".join(f" | {w:>22.1f}" for w in warm))
+        lines.append(f"{mode:<{width}}" + "".join(f" | {w:>22.1f}" for w in warm))
     if len(rtts) > 1:
         # The slope counts the round trips a mode waits for; the intercept is what does not
         # grow with the RTT (CPU: handshakes, serialization, inference).
@@ -736,7 +761,7 @@ def table(rows: Sequence[Row]) -> str:
             medians = [cells[(mode, rtt)].median_ms for rtt in rtts]
             fit = statistics.linear_regression(rtts, medians)
             lines.append(
-                f"{mode:<9} first response = {fit.slope:.2f} x RTT + {fit.intercept:.1f} ms"
+                f"{mode:<{width}} first response = {fit.slope:.2f} x RTT + {fit.intercept:.1f} ms"
             )
     return "\n".join(lines)
 
@@ -771,6 +796,8 @@ def _lab_main(args: argparse.Namespace) -> int:
         signal.signal(signum, _exit_on_signal)
     try:
         rows = run_lab(args.rtts, args.repetitions, args.modes, args.server_arg)
+        if args.retry_rows:
+            rows += run_retry_rows(args.rtts, args.repetitions)
     except KeyboardInterrupt:
         print("\nrtt_lab: interrupted; server, forwarder and namespaces are gone", file=sys.stderr)
         return 130
@@ -788,7 +815,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rtts", type=float, nargs="+", default=[20.0, 50.0, 100.0], help="ms")
     parser.add_argument("--repetitions", type=int, default=20, help="new connections per mode")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
+    parser.add_argument(
+        "--retry-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also 0-RTT with and without NEW_TOKEN under --h3-retry always (a second server)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/rtt.json"))
     parser.add_argument(
         "--server-arg",
@@ -804,7 +837,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "client":
             sub.add_argument("--rtt-ms", type=float, required=True)
             sub.add_argument("--repetitions", type=int, default=20)
-            sub.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+            sub.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
         else:
             sub.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
     forwarder = commands.add_parser("forward", help="internal: the link's packet forwarder")

@@ -20,6 +20,7 @@ ENV_SEPARATOR = ";"
 MAX_FRONTENDS = 64
 MAX_AUTO_FRONTENDS = 8
 MAX_ALT_SVC_MAX_AGE = 7 * 86400  # what a client is told to remember, at most a week
+MAX_H3_TOKEN_LIFETIME = 7 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ServerSettings:
     h3_max_connections_per_address: int = 64
     h3_handshake_timeout: float = 10.0
     h3_retry: str = "auto"
+    h3_token_lifetime: float = 86400.0
     testing_service: bool = False
     model_control_mode: str = "none"
     load_model: str = ""
@@ -113,6 +115,9 @@ _HELP = {
     "h3_handshake_timeout": "seconds an HTTP/3 connection may take to complete its handshake",
     "h3_retry": "QUIC Retry (address validation, one more round trip): auto (while many "
     "handshakes are unfinished), always or never",
+    "h3_token_lifetime": "seconds a NEW_TOKEN address token, sent to every HTTP/3 client, "
+    "lets it skip the Retry on later connections from the same IP address; sealed with "
+    "--ticket-key-file when given, so every server sharing that file accepts it (0: no tokens)",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
     "model_control_mode": "none: load every model at start, reload on SIGHUP; poll: also "
@@ -231,6 +236,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error("--max-concurrent-rpcs must be at least 1")
     if not 0 <= settings.alt_svc_max_age <= MAX_ALT_SVC_MAX_AGE:
         parser.error(f"--alt-svc-max-age must be from 0 to {MAX_ALT_SVC_MAX_AGE}")
+    if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:
+        parser.error(f"--h3-token-lifetime must be from 0 to {MAX_H3_TOKEN_LIFETIME:g}")
     try:
         frontend_count(settings.frontends)
     except ValueError as exc:

@@ -14,6 +14,7 @@ from cryptography import x509
 
 from service.api.registration import Register
 from service.settings import ServerSettings
+from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
 from transport.grpc.response_headers import ResponseHeadersServer
 from transport.h3.aioquic.client_auth import ClientAuth
@@ -177,6 +178,7 @@ async def start_h3(
             retry=RetryMode(settings.h3_retry),
         ),
         router=router,
+        address_tokens=open_address_tokens(settings.ticket_key_file, settings.h3_token_lifetime),
     )
     register(h3_server)
     port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key, reuse_port)

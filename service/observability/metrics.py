@@ -294,7 +294,8 @@ def _h3_connections(count: int) -> CounterMetricFamily:
 def _h3_handshakes() -> CounterMetricFamily:
     return CounterMetricFamily(
         "paddlequic_h3_handshakes",
-        "HTTP/3 handshakes by kind (full, resumed, 0rtt_accepted) and early requests held",
+        "HTTP/3 handshakes by kind (full, resumed, 0rtt_accepted), early requests held, and "
+        "NEW_TOKEN address tokens issued and presented (new_token_*)",
         labels=["kind"],
     )
 

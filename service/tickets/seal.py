@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from transport.h3.address_tokens import KEY_BYTES
 from transport.tls.session_tickets import TicketCounters
 
 log = logging.getLogger(__name__)
@@ -37,35 +38,24 @@ class TicketKeyError(ValueError):
     """The ticket key is missing, too short or unreadable."""
 
 
+def _check_length(secret: bytes) -> None:
+    if len(secret) < MIN_KEY_BYTES:
+        raise TicketKeyError(f"the ticket key must hold at least {MIN_KEY_BYTES} bytes")
+
+
 def _derive(secret: bytes, purpose: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(secret)
 
 
 class TicketSealer:
     def __init__(self, secret: bytes) -> None:
-        if len(secret) < MIN_KEY_BYTES:
-            raise TicketKeyError(f"the ticket key must hold at least {MIN_KEY_BYTES} bytes")
+        _check_length(secret)
         self._name_key = _derive(secret, b"paddlequic ticket name")
         self._aead = AESGCM(_derive(secret, b"paddlequic ticket seal"))
 
     @classmethod
     def from_file(cls, path: Path) -> TicketSealer:
-        """The file's bytes are the key (for example `head -c 32 /dev/urandom`); every server
-        sharing a store needs the same file. Whoever reads it can open every sealed ticket
-        and seal new ones, so a file other users can read, or that group or others can write,
-        is refused (group read is allowed: Kubernetes' fsGroup turns a 0400 secret into 0440)."""
-        try:
-            with path.open("rb") as handle:
-                mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
-                secret = handle.read()
-        except OSError as exc:
-            raise TicketKeyError(f"cannot read the ticket key {path}: {exc}") from exc
-        if mode & _SHARED_KEY_BITS:
-            raise TicketKeyError(
-                f"the ticket key {path} has mode {mode:04o}: other users can read or replace "
-                f"it; make it private with `chmod 600 {path}`"
-            )
-        return cls(secret)
+        return cls(read_ticket_key(path))
 
     def name(self, label: bytes) -> bytes:
         return hmac.new(self._name_key, label, hashlib.sha256).digest()
@@ -83,6 +73,36 @@ class TicketSealer:
         name = self.name(label)
         plain = self._aead.decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], name)
         return _decode(plain)
+
+
+def read_ticket_key(path: Path) -> bytes:
+    """The file's bytes are the key (for example `head -c 32 /dev/urandom`); every server
+    sharing a store needs the same file. Whoever reads it can open every sealed ticket and
+    seal new ones, so a file other users can read, or that group or others can write, is
+    refused (group read is allowed: Kubernetes' fsGroup turns a 0400 secret into 0440)."""
+    try:
+        with path.open("rb") as handle:
+            mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
+            secret = handle.read()
+    except OSError as exc:
+        raise TicketKeyError(f"cannot read the ticket key {path}: {exc}") from exc
+    if mode & _SHARED_KEY_BITS:
+        raise TicketKeyError(
+            f"the ticket key {path} has mode {mode:04o}: other users can read or replace "
+            f"it; make it private with `chmod 600 {path}`"
+        )
+    return secret
+
+
+def address_token_key(key_file: str) -> bytes:
+    """The key of NEW_TOKEN address tokens (transport/h3/address_tokens.py): derived from
+    the ticket key file, so every server sharing it accepts the others' tokens; without one,
+    a random key (this process's tokens only, until it restarts)."""
+    if not key_file:
+        return os.urandom(KEY_BYTES)
+    secret = read_ticket_key(Path(key_file))
+    _check_length(secret)
+    return _derive(secret, b"paddlequic address token")
 
 
 def redeem(

@@ -1,4 +1,5 @@
-"""Which session ticket store this server uses (--ticket-store, --ticket-key-file)."""
+"""Which session ticket store this server uses (--ticket-store, --ticket-key-file), and the
+address tokens sealed with the same key (--h3-token-lifetime)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import sqlite3
 from pathlib import Path
 
 from service.tickets.redis_store import RedisTicketStore
-from service.tickets.seal import TicketKeyError, TicketSealer
+from service.tickets.seal import TicketKeyError, TicketSealer, address_token_key
 from service.tickets.sqlite_store import SqliteTicketStore
+from transport.h3.address_tokens import AddressTokens
 from transport.tls.session_tickets import MemoryTicketStore, TicketStore
 
 log = logging.getLogger(__name__)
@@ -50,3 +52,13 @@ def open_ticket_store(url: str, key_file: str, ttl_s: float) -> TicketStore:
     if store.check():
         log.info("session tickets in Redis, sealed with --ticket-key-file")
     return store
+
+
+def open_address_tokens(key_file: str, lifetime_s: float) -> AddressTokens | None:
+    """NEW_TOKEN address tokens, None when the lifetime is 0 (the server sends none)."""
+    if lifetime_s <= 0:
+        return None
+    try:
+        return AddressTokens(address_token_key(key_file), lifetime_s)
+    except TicketKeyError as exc:
+        raise TicketStoreError(str(exc)) from exc

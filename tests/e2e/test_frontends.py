@@ -24,10 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
+from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
-from tests.e2e.test_zero_rtt import infer_once
+from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
     ServerProcess,
@@ -259,6 +260,27 @@ async def test_a_ticket_is_single_use_across_frontends(
     issued = await ticket_from(server, certs_dir)
     modes = [await infer_once(server, certs_dir, aimed_at(issued, server)) for _ in range(6)]
     assert modes == ["0rtt-accepted"] + ["0rtt-rejected"] * 5
+
+
+async def test_an_address_token_from_one_frontend_is_valid_at_every_one(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Front-ends seal NEW_TOKEN tokens with the key made in their runtime directory: the
+    token one issued, presented from REBINDS new client ports (each front-end gets some),
+    validates the address every time."""
+    key = SessionTicketCache.key("localhost", "localhost", server.port)
+    issuing = SessionTicketCache()
+    await infer_once(server, certs_dir, issuing)
+    token = issuing.take_token(key)
+    assert token
+    before = stats(server).h3_handshakes
+    for _ in range(REBINDS):
+        presenting = SessionTicketCache()
+        presenting.add_token(key, token)
+        await infer_once(server, certs_dir, presenting)
+    after = stats(server).h3_handshakes
+    assert after["new_token_valid"] - before.get("new_token_valid", 0) == REBINDS
+    assert after.get("new_token_unreadable", 0) == before.get("new_token_unreadable", 0)
 
 
 def test_a_killed_frontend_is_restarted_and_sigterm_stops_every_process(

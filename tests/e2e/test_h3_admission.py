@@ -51,12 +51,13 @@ HANDSHAKE_TIMEOUT_S = 5
 
 
 class HalfOpen:
-    """A connection attempt from `host` that sends its Initial and nothing else."""
+    """A connection attempt from `host` that sends its Initial (with `token`) and nothing
+    else."""
 
-    def __init__(self, port: int, host: str) -> None:
+    def __init__(self, port: int, host: str, token: bytes = b"") -> None:
         self.quic = QuicConnection(
             configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
+                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE, token=token
             )
         )
         self.server = ("127.0.0.1", port)
@@ -156,8 +157,12 @@ async def test_total_limit_and_handshake_timeout(tmp_path: Path, certs_dir: Path
 async def test_retry_always_keeps_zero_rtt(tmp_path: Path, certs_dir: Path) -> None:
     with h3_server(tmp_path, certs_dir, ["--h3-retry", "always"]) as server:
         cache = SessionTicketCache()
+        key = SessionTicketCache.key("localhost", "localhost", server.port)
 
         async def connect_once() -> str | None:
+            # Without the server's address token (as from another address, or once it
+            # expired), each connection gets a Retry and resumes after it.
+            cache.take_token(key)
             channel = await server_live(server, certs_dir, ticket_cache=cache)
             await channel.close()
             return channel.last_connect_mode

@@ -44,3 +44,15 @@ def test_alt_svc_max_age_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         settings.parse(["--alt-svc-max-age", "-1"])
     assert "--alt-svc-max-age must be from 0" in capsys.readouterr().err
+
+
+def test_h3_token_lifetime_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert settings.parse([]).h3_token_lifetime == 86400.0
+    monkeypatch.setenv("PADDLEQUIC_H3_TOKEN_LIFETIME", "0")
+    assert settings.parse([]).h3_token_lifetime == 0.0
+    for bad in ("-1", "nan", str(settings.MAX_H3_TOKEN_LIFETIME + 1)):
+        with pytest.raises(SystemExit):
+            settings.parse(["--h3-token-lifetime", bad])
+        assert "--h3-token-lifetime must be from 0" in capsys.readouterr().err

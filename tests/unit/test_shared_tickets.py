@@ -15,10 +15,11 @@ from cryptography.exceptions import InvalidTag
 
 from service.tickets.redis_store import RedisTicketStore
 from service.tickets.seal import TicketKeyError, TicketSealer, redeem
-from service.tickets.store import TicketStoreError, open_ticket_store
+from service.tickets.store import TicketStoreError, open_address_tokens, open_ticket_store
 from tests.redis_server import running_redis
 from tests.servers import free_port
 from tests.unit.test_tickets import FakeClock, ticket
+from transport.h3.address_tokens import TokenVerdict
 from transport.tls.session_tickets import TicketCounters
 
 KEY = bytes(range(32))
@@ -211,3 +212,27 @@ def test_an_entry_sealed_without_an_expiry_is_refused() -> None:
     counters = TicketCounters()
     assert redeem(sealer, b"old", old, time.time(), counters) is None
     assert counters.refused == 1
+
+
+def test_servers_sharing_the_ticket_key_accept_each_others_address_tokens(
+    key_file: Path, tmp_path: Path
+) -> None:
+    """Replicas and front-ends given the same --ticket-key-file; a server without one, or
+    with another, does not accept them."""
+    first, second = (open_address_tokens(str(key_file), 60) for _ in range(2))
+    assert first is not None and second is not None
+    token = first.issue("198.51.100.7")
+    assert second.check(token, "198.51.100.7") is TokenVerdict.VALID
+    other_file = tmp_path / "other.key"
+    other_file.write_bytes(bytes(reversed(KEY)))
+    other_file.chmod(0o600)
+    for stranger in (open_address_tokens("", 60), open_address_tokens(str(other_file), 60)):
+        assert stranger is not None
+        assert stranger.check(token, "198.51.100.7") is TokenVerdict.UNREADABLE
+    assert open_address_tokens(str(key_file), 0) is None  # --h3-token-lifetime 0: none sent
+    key_file.chmod(0o666)
+    with pytest.raises(TicketStoreError, match="chmod 600"):
+        open_address_tokens(str(key_file), 60)
+    other_file.write_bytes(b"short")
+    with pytest.raises(TicketStoreError, match="at least 32 bytes"):
+        open_address_tokens(str(other_file), 60)

@@ -4,12 +4,13 @@ persistence on the client."""
 from __future__ import annotations
 
 import datetime
+import json
 import stat
 from pathlib import Path
 
 from aioquic.tls import CipherSuite, SessionTicket
 
-from clients.tickets import SessionTicketCache
+from clients.tickets import MAX_TOKEN_BYTES, SessionTicketCache
 from transport.tls.session_tickets import MemoryTicketStore
 
 
@@ -92,3 +93,29 @@ def test_client_ignores_an_unreadable_ticket_file(tmp_path: Path) -> None:
     path = tmp_path / "tickets.json"
     path.write_text("not json")
     assert SessionTicketCache(path).take("x") is None
+
+
+def test_client_keeps_the_newest_token_and_shows_it_once(tmp_path: Path) -> None:
+    path = tmp_path / "tickets.json"
+    key = SessionTicketCache.key("localhost", "127.0.0.1", 8001)
+    cache = SessionTicketCache(path)
+    cache.add(key, ticket(b"t"))
+    cache.add_token(key, b"older")
+    cache.add_token(key, b"newer")
+    cache.add_token(key, b"x" * (MAX_TOKEN_BYTES + 1))  # not kept
+    restored = SessionTicketCache(path)  # as the next run of the command line
+    assert restored.take_token(key) == b"newer"
+    assert restored.take(key) is not None
+    assert SessionTicketCache(path).take_token(key) == b""  # taken: gone from the file too
+
+
+def test_client_reads_a_ticket_file_written_before_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "tickets.json"
+    key = SessionTicketCache.key("localhost", "127.0.0.1", 8001)
+    SessionTicketCache(path).add(key, ticket(b"old"))
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data["tickets"]))  # the format without tokens
+    old = SessionTicketCache(path)
+    assert old.take_token(key) == b""
+    restored = old.take(key)
+    assert restored is not None and restored.ticket == b"old"

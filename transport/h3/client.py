@@ -171,11 +171,13 @@ class H3ClientConnection:
         settings: H3Settings | None = None,
         session_ticket_handler: Callable[[SessionTicket], None] | None = None,
         unresponsive_s: float | None = DEFAULT_UNRESPONSIVE_S,
+        token_handler: Callable[[bytes], None] | None = None,
     ) -> H3ClientConnection:
         """Start the handshake without waiting for it, so the first request can ride along
         as 0-RTT early data when the configuration carries a session ticket. With calls in
         flight, `unresponsive_s` of silence from the server closes the connection (None: only
-        the idle timeout does)."""
+        the idle timeout does). `token_handler` gets the server's NEW_TOKEN tokens, for the
+        configuration's `token` of a later connection."""
         chosen = settings or H3Settings()
 
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
@@ -197,6 +199,7 @@ class H3ClientConnection:
                 configuration=configuration,
                 create_protocol=create_protocol,
                 session_ticket_handler=ticket_arrived if session_ticket_handler else None,
+                token_handler=token_handler,
                 wait_connected=False,
             )
         )
@@ -244,9 +247,11 @@ def client_configuration(
     settings: H3Settings | None = None,
     client_cert: str | None = None,
     client_key: str | None = None,
+    token: bytes = b"",
 ) -> QuicConfiguration:
     """`client_cert`/`client_key`: a certificate chain and key (PEM; the key may be in the
-    chain file) offered when the server asks for one (mutual TLS)."""
+    chain file) offered when the server asks for one (mutual TLS). `token`: an address token
+    the server sent on an earlier connection (NEW_TOKEN), which spares this one a Retry."""
     chosen = settings or H3Settings()
     configuration = QuicConfiguration(
         is_client=True,
@@ -265,4 +270,5 @@ def client_configuration(
     if client_cert:
         configuration.load_cert_chain(client_cert, client_key or None)
     configuration.session_ticket = session_ticket
+    configuration.token = token
     return configuration

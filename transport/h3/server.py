@@ -23,10 +23,12 @@ from transport.grpc import headers as wire
 from transport.grpc.handler_table import HandlerTable
 from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_REJECTED
 from transport.h3 import udp
+from transport.h3.address_tokens import AddressTokens, TokenVerdict
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.connection_ids import tag_connection_ids
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
+from transport.h3.aioquic.new_token import send_new_token
 from transport.h3.aioquic.quic_server import Admission, AdmittingQuicServer
 from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
 from transport.h3.calls import TransportAnswer, run_call
@@ -45,6 +47,8 @@ class H3ServerStats:
     calls: int = 0
     rejected_streams: int = 0
     peak_send_buffered: int = 0
+    # Also address tokens (transport/h3/address_tokens.py): "new_token_issued", and the
+    # verdict on each one presented, "new_token_" + valid, expired, other_address, unreadable.
     handshakes: dict[str, int] = field(default_factory=dict)
     # "connections", "connections_per_address": new connections refused at a limit;
     # "handshake_timeout": dropped before completing the handshake; "metadata": streams
@@ -96,6 +100,8 @@ class _ServerProtocol(GrpcH3Protocol):
             request_client_certificates(quic, server.client_auth)
         if server.tickets is not None:
             issue_tickets_with_finished(quic)
+        if server.address_tokens is not None:
+            send_new_token(quic, server.issue_address_token)
         self.address = server.connection_opened(self)
         self._handshake_timer = self._loop.call_later(
             server.limits.handshake_timeout_s, self._handshake_expired
@@ -177,13 +183,16 @@ class H3Server:
         max_concurrent_rpcs: int | None = None,
         limits: H3Limits | None = None,
         router: DatagramRouter | None = None,
+        address_tokens: AddressTokens | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
         `client_auth`: ask clients for certificates (mutual TLS). Past `max_concurrent_rpcs`
         handlers running at once (None: no limit), calls are refused with RESOURCE_EXHAUSTED,
         as grpc.aio's `maximum_concurrent_rpcs` does. `router`: this server shares its port
-        with other processes and passes them the datagrams of their connections."""
+        with other processes and passes them the datagrams of their connections.
+        `address_tokens`: send each client a NEW_TOKEN token and take it back in place of a
+        Retry (None: neither)."""
         self.settings = settings or H3Settings()
         self.tickets = tickets
         self.zero_rtt = zero_rtt
@@ -194,6 +203,7 @@ class H3Server:
         self.active_rpcs = 0  # handlers running now (counted by `run_call`)
         self.limits = limits or H3Limits()
         self.router = router
+        self.address_tokens = address_tokens
         self._per_address: Counter[str] = Counter()
         self._admitted: str = ""  # the address of the connection being created
         self.handlers = HandlerTable()
@@ -243,6 +253,7 @@ class H3Server:
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: AdmittingQuicServer(
                 admit=self._admit,
+                address_token=self._address_token_valid if self.address_tokens else None,
                 queued=lambda: udp.queued(sock, udp.MAX_BURST - 1),
                 steer=self.router.steer if self.router is not None else None,
                 configuration=configuration,
@@ -256,8 +267,9 @@ class H3Server:
             self.router.start(self._quic_server.receive_forwarded)
         return self._quic_server.port
 
-    def _admit(self, address: NetworkAddress, has_token: bool) -> Admission:
-        """Decide on a new connection before any state exists for it."""
+    def _admit(self, address: NetworkAddress, validated: bool) -> Admission:
+        """Decide on a new connection before any state exists for it; `validated`: its
+        Initial carries a Retry token (checked next) or a valid NEW_TOKEN token."""
         host = str(address[0])
         limits = self.limits
         if len(self._connections) >= limits.max_connections:
@@ -266,7 +278,7 @@ class H3Server:
         if self._per_address[host] >= limits.max_connections_per_address:
             self.count_refusal("connections_per_address")
             return Admission.REFUSE
-        if not has_token and (
+        if not validated and (
             limits.retry is RetryMode.ALWAYS
             or (limits.retry is RetryMode.AUTO and self.half_open() >= limits.retry_above_half_open)
         ):
@@ -274,6 +286,17 @@ class H3Server:
             return Admission.RETRY
         self._admitted = host
         return Admission.ACCEPT
+
+    def issue_address_token(self, address: NetworkAddress) -> bytes:
+        assert self.address_tokens is not None
+        self.count_handshake("new_token_issued")
+        return self.address_tokens.issue(str(address[0]))
+
+    def _address_token_valid(self, token: bytes, address: NetworkAddress) -> bool:
+        assert self.address_tokens is not None
+        verdict = self.address_tokens.check(token, str(address[0]))
+        self.count_handshake(f"new_token_{verdict.value}")
+        return verdict is TokenVerdict.VALID
 
     def half_open(self) -> int:
         """Connections whose handshake has not completed."""

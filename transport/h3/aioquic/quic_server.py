@@ -4,6 +4,7 @@ refusals that keep no state."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from typing import Any, cast
@@ -16,10 +17,17 @@ from aioquic.quic.crypto import CryptoPair
 from aioquic.quic.packet import (
     QuicErrorCode,
     QuicFrameType,
+    QuicHeader,
     QuicPacketType,
+    encode_quic_retry,
     pull_quic_header,
 )
 from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.retry import QuicRetryTokenHandler
+
+from transport.h3.address_tokens import RETRY_TOKEN_TAG
+
+RETRY_CID_BYTES = 8  # aioquic's own Retry source connection IDs
 
 
 class Admission(Enum):
@@ -29,15 +37,19 @@ class Admission(Enum):
 
 
 class AdmittingQuicServer(QuicServer):
-    """aioquic's QuicServer, asking `admit(address, has_token)` before it creates state for a
-    new connection. aioquic's Retry is all or nothing (`retry=True`); here it is built with a
-    token handler and the handler is set aside for the Initials that `admit` lets through
-    without Retry. Tokens that arrive are always validated."""
+    """aioquic's QuicServer, asking `admit(address, validated)` before it creates state for a
+    new connection. aioquic's Retry is all or nothing (`retry=True`) and takes every token for
+    a Retry token; here Retry tokens start with a tag of their own and the Retry is sent here,
+    so an Initial carrying another token (NEW_TOKEN, `address_token(token, address)` says
+    whether it validates the address) is let through or answered with a Retry like one
+    without. Retry tokens that arrive are always validated (by aioquic: INVALID_TOKEN when
+    they fail, RFC 9000 section 8.1.3)."""
 
     def __init__(
         self,
         *,
         admit: Callable[[NetworkAddress, bool], Admission],
+        address_token: Callable[[bytes, NetworkAddress], bool] | None = None,
         queued: Callable[[], Iterable[tuple[bytes, NetworkAddress]]] | None = None,
         steer: Callable[[bytes, NetworkAddress], bool] | None = None,
         **kwargs: Any,
@@ -47,7 +59,9 @@ class AdmittingQuicServer(QuicServer):
         `steer(datagram, address)`: True when it took a short-header datagram away (one for a
         connection another process owns, transport/h3/datagram_routing.py)."""
         super().__init__(retry=True, **kwargs)
+        self._retry = TaggedRetryTokens()
         self._admit = admit
+        self._address_token = address_token
         self._queued = queued
         self._steer = steer
 
@@ -80,17 +94,42 @@ class AdmittingQuicServer(QuicServer):
         ):
             super().datagram_received(data, addr)
             return
-        admission = self._admit(addr, bool(header.token))
+        retried = header.token.startswith(RETRY_TOKEN_TAG)
+        validated = retried or bool(
+            header.token
+            and self._address_token is not None
+            and self._address_token(header.token, addr)
+        )
+        admission = self._admit(addr, validated)
+        assert self._transport is not None and header.version is not None
         if admission is Admission.REFUSE:
-            assert self._transport is not None and header.version is not None
             self._transport.sendto(
                 encode_refusal(header.version, header.destination_cid, header.source_cid), addr
             )
-        elif admission is Admission.RETRY or header.token:
+        elif admission is Admission.RETRY:
+            self._transport.sendto(self._encode_retry(header, addr), addr)
+        elif retried:
             super().datagram_received(data, addr)
         else:
             with self._without_retry():
                 super().datagram_received(data, addr)
+
+    def _encode_retry(self, header: QuicHeader, addr: NetworkAddress) -> bytes:
+        """aioquic's Retry, for an Initial with or without a token."""
+        assert header.version is not None
+        source_cid = os.urandom(RETRY_CID_BYTES)
+        return encode_quic_retry(
+            version=header.version,
+            source_cid=source_cid,
+            destination_cid=header.source_cid,
+            original_destination_cid=header.destination_cid,
+            retry_token=self._retry.create_token(
+                address=addr,
+                original_destination_connection_id=header.destination_cid,
+                retry_source_connection_id=source_cid,
+                now=self._loop.time(),
+            ),
+        )
 
     @contextlib.contextmanager
     def _without_retry(self) -> Iterator[None]:
@@ -105,6 +144,19 @@ class AdmittingQuicServer(QuicServer):
     def port(self) -> int:
         assert self._transport is not None
         return int(self._transport.get_extra_info("sockname")[1])
+
+
+class TaggedRetryTokens(QuicRetryTokenHandler):
+    """aioquic's Retry tokens behind the `R` tag, so that they are told apart from NEW_TOKEN
+    tokens (RFC 9000 section 8.1.3) before either is opened."""
+
+    def create_token(self, **kwargs: Any) -> bytes:
+        return RETRY_TOKEN_TAG + super().create_token(**kwargs)
+
+    def validate_token(self, *, token: bytes, **kwargs: Any) -> bytes:
+        if not token.startswith(RETRY_TOKEN_TAG):
+            raise ValueError("not a Retry token")
+        return super().validate_token(token=token[len(RETRY_TOKEN_TAG) :], **kwargs)
 
 
 def encode_refusal(version: int, source_cid: bytes, destination_cid: bytes) -> bytes:
