@@ -1,0 +1,167 @@
+"""`--frontends 2`: ModelInfer calls on served versions go to the parent as descriptors the
+front-end decoded and validated, counted in paddlequic_frontend_described_calls_total. Their
+answers are the model's; the calls the front-end does not describe (bad requests, shared
+memory, unknown models) are answered exactly as a single process answers them (code and
+message), and every call is counted once in the request metrics. A reload or an unload while
+calls run leaves no call answered by a version it was not validated for."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.reference import assert_matches_reference, call_inputs
+from tests.servers import ServerProcess, model_repository, running_server
+
+pytestmark = pytest.mark.e2e
+
+KEY = "described-test-key"
+HEADER = (("triton-grpc-protocol-infer-key", KEY),)
+RESTRICTED = ["--restricted-protocol", f"inference:infer-key={KEY}"]
+CALLS = 12
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[dict[int, ServerProcess]]:
+    """A single process and one with two front-ends, both restricting inference."""
+    root = tmp_path_factory.mktemp("described")
+    repository = model_repository(root / "models", ["mlp"])
+    args = ["--certs-dir", str(certs_dir), *RESTRICTED]
+    with (
+        running_server(repository, root / "one.log", [*args, "--frontends", "1"]) as one,
+        running_server(repository, root / "two.log", [*args, "--frontends", "2"]) as two,
+    ):
+        yield {1: one, 2: two}
+
+
+def counter(server: ServerProcess, name: str, **labels: str) -> float:
+    """The sum of a counter's samples whose labels include `labels`."""
+    return sum(
+        sample.value
+        for sample in server.metrics()
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def described(server: ServerProcess, transport: str) -> float:
+    return counter(server, "paddlequic_frontend_described_calls_total", transport=transport)
+
+
+def answered(server: ServerProcess, transport: str, code: str) -> float:
+    return counter(
+        server, "paddlequic_requests_total", rpc="ModelInfer", transport=transport, code=code
+    )
+
+
+def calls(server: ServerProcess) -> float:
+    """ModelInfer calls over HTTP/2 the server finished, whatever their status."""
+    return counter(server, "paddlequic_requests_total", rpc="ModelInfer", transport="h2")
+
+
+async def infer_calls(
+    stub: Any, server_calls: range, metadata: tuple[tuple[str, str], ...] = HEADER
+) -> None:
+    """Calls with inputs of their own, concurrently; each answer checked against Paddle's."""
+
+    async def one(call: int) -> None:
+        inputs = call_inputs("mlp", call)
+        request = build_request("mlp", inputs, request_id=f"call-{call}")
+        response = await stub.ModelInfer(request, timeout=30, metadata=metadata)
+        assert response.id == f"call-{call}"
+        assert (response.model_name, response.model_version) == ("mlp", "1")
+        assert_matches_reference("mlp", inputs, response)
+
+    await asyncio.gather(*(one(call) for call in server_calls))
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_model_infer_goes_as_a_descriptor_and_is_counted_once(
+    servers: dict[int, ServerProcess], certs_dir: Path, transport: str
+) -> None:
+    server = servers[2]
+    before = (described(server, transport), answered(server, transport, "OK"))
+    if transport == "h2":
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            await infer_calls(pb_grpc.GRPCInferenceServiceStub(channel), range(CALLS))
+    else:
+        quic = QuicChannel(f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"))
+        try:
+            await infer_calls(pb_grpc.GRPCInferenceServiceStub(quic), range(CALLS))
+        finally:
+            await quic.close()
+    after = (described(server, transport), answered(server, transport, "OK"))
+    assert (after[0] - before[0], after[1] - before[1]) == (CALLS, CALLS)
+
+
+def _good() -> pb.ModelInferRequest:
+    return build_request("mlp", {"input": np.ones((2, 256), np.float32)})
+
+
+def _edited(edit: Callable[[pb.ModelInferRequest], object]) -> bytes:
+    request = _good()
+    edit(request)
+    return request.SerializeToString()
+
+
+BAD_REQUESTS: dict[str, bytes] = {
+    "unknown model": _edited(lambda r: setattr(r, "model_name", "nope")),
+    "version not served": _edited(lambda r: setattr(r, "model_version", "7")),
+    "wrong datatype": _edited(lambda r: setattr(r.inputs[0], "datatype", "FP64")),
+    "wrong rank": _edited(lambda r: r.inputs[0].shape.append(1)),
+    "short contents": _edited(lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 12)),
+    "unknown input": _edited(lambda r: setattr(r.inputs[0], "name", "other")),
+    "unknown output": _edited(lambda r: r.outputs.add(name="nothing")),
+    "bad priority": _edited(lambda r: r.parameters["priority"].__setattr__("string_param", "x")),
+    "unregistered region": _edited(
+        lambda r: r.inputs[0].parameters["shared_memory_region"].__setattr__("string_param", "x")
+    ),
+    "not protobuf": b"\xff\xff\xff",
+    "too many outputs": _edited(lambda r: [r.outputs.add(name="o") for _ in range(1100)]),
+}
+
+
+def _status(server: ServerProcess, message: bytes, metadata: Any = HEADER) -> tuple[str, str]:
+    call = server.channel.unary_unary(MODEL_INFER, None, None)
+    with pytest.raises(grpc.RpcError) as caught:
+        call(message, timeout=30, metadata=metadata)
+    error: Any = caught.value
+    return error.code().name, error.details()
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_REQUESTS))
+def test_refusals_are_the_single_process_ones(servers: dict[int, ServerProcess], bad: str) -> None:
+    """Passed on as bytes and answered by the parent as it always did: same code, same
+    message, counted once."""
+    before = {n: (calls(s), described(s, "h2")) for n, s in servers.items()}
+    statuses = {n: _status(s, BAD_REQUESTS[bad]) for n, s in servers.items()}
+    assert statuses[1] == statuses[2]
+    assert statuses[1][0] != "OK"
+    after = {n: (calls(s), described(s, "h2")) for n, s in servers.items()}
+    assert {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in servers} == {
+        1: (1, 0),
+        2: (1, 0),
+    }
+
+
+def test_restricted_inference_without_the_header_is_refused_alike(
+    servers: dict[int, ServerProcess],
+) -> None:
+    message = _good().SerializeToString()
+    before = described(servers[2], "h2")
+    statuses = {n: _status(s, message, metadata=()) for n, s in servers.items()}
+    assert statuses[1] == statuses[2]
+    assert statuses[2][0] == "UNAUTHENTICATED"
+    assert described(servers[2], "h2") - before == 1  # described, refused by the parent
