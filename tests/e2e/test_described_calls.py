@@ -20,6 +20,7 @@ from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e import test_lifecycle as lifecycle
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import ServerProcess, model_repository, running_server
 
@@ -165,3 +166,46 @@ def test_restricted_inference_without_the_header_is_refused_alike(
     assert statuses[1] == statuses[2]
     assert statuses[2][0] == "UNAUTHENTICATED"
     assert described(servers[2], "h2") - before == 1  # described, refused by the parent
+
+
+def _described_once(server: ServerProcess) -> bool:
+    """Whether one call now goes as a descriptor (the front-end's view holds the version)."""
+    before = described(server, "h2")
+    server.stub.ModelInfer(lifecycle.REQUEST, timeout=30)
+    return described(server, "h2") - before == 1
+
+
+def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
+    """A reload under load fails no call and mixes no versions; the front-ends then describe
+    calls on the new version; after an unload a call gets the single process's error."""
+    repo = lifecycle.repository(tmp_path / "models")
+    args = ["--model-control-mode", "explicit", "--load-model", "mlp", "--no-h3"]
+    with running_server(repo, tmp_path / "log", [*args, "--frontends", "2"]) as server:
+        lifecycle.eventually(lambda: _described_once(server), "a described call")
+        with lifecycle.Load(server) as load:
+            lifecycle.publish(repo, 2)
+            server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+            swapped_at = len(load.answers)
+            lifecycle.eventually(
+                lambda: len(load.answers) > swapped_at + 4 * lifecycle.CLIENTS, "answers after swap"
+            )
+        assert load.failures == []
+        outputs = {v: {out for version, out in load.answers if version == v} for v in "12"}
+        assert len(outputs["1"]) == 1 and len(outputs["2"]) == 1  # each from one version
+        assert all(v == "2" for v, _ in load.answers[swapped_at + 2 * lifecycle.CLIENTS :])
+        lifecycle.eventually(lambda: _described_once(server), "a described call on version 2")
+
+        server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mlp"))
+        before = calls(server)
+        for version in ("", "2"):
+            request = build_request(
+                "mlp", {"input": np.ones((1, 256), np.float32)}, version=version
+            )
+            assert _status(server, request.SerializeToString(), metadata=()) == (
+                "UNAVAILABLE",
+                "model 'mlp' was unloaded; load it again with RepositoryModelLoad",
+            )
+        assert calls(server) - before == 2
+
+        server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+        lifecycle.eventually(lambda: _described_once(server), "a described call after loading")
