@@ -29,7 +29,7 @@ MAX_RANK = 64  # dimensions of one tensor (the wire limits refuse more before pa
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
-_DIMENSION = struct.Struct(">q")
+_DIMENSIONS = tuple(struct.Struct(f">{rank}q") for rank in range(MAX_RANK + 1))
 _SCHEDULING = struct.Struct(">qd")  # priority, timeout in seconds (negative: none)
 _RANK = struct.Struct(">B")
 _FLAG = struct.Struct(">?")
@@ -170,7 +170,7 @@ def _tensors(tensors: Sequence[InputTensor | OutputTensor]) -> bytes:
             encode_text(tensor.name),
             encode_text(tensor.datatype.name),
             _RANK.pack(len(tensor.shape)),
-            *(_DIMENSION.pack(d) for d in tensor.shape),
+            _DIMENSIONS[len(tensor.shape)].pack(*tensor.shape),
             _U64.pack(len(tensor.data)),
             tensor.data,
         )
@@ -191,7 +191,7 @@ def _read_tensors(reader: Reader) -> list[_TensorFields]:
         (rank,) = reader.unpack(_RANK)
         if rank > MAX_RANK:
             raise ProtocolViolation(f"a tensor of rank {rank}")
-        shape = tuple(reader.unpack(_DIMENSION)[0] for _ in range(rank))
+        shape = reader.unpack(_DIMENSIONS[rank])
         (size,) = reader.unpack(_U64)
         tensors.append((name, datatype, shape, reader.take(size)))
     return tensors

@@ -283,7 +283,8 @@ class DispatchContext(CallContext):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"response message of {len(data)} bytes exceeds the limit of {limit} bytes",
             )
-        if not self.headers_sent:
+        if not self.headers_sent and self.call.admitted is None:
+            # A described call's answer needs none: the front-end's transport sends its own.
             self._send_headers(())
         await self.call.window.take()
         self.call.link.send(Kind.MESSAGE, self.call.call_id, data)

@@ -200,11 +200,22 @@ class Reader:
         return chunk
 
     def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
-        return tuple(layout.unpack(self.take(layout.size)))
+        offset = self._offset
+        self._offset = offset + layout.size
+        if self._offset > len(self._data):
+            raise ProtocolViolation("payload ends early")
+        return layout.unpack_from(self._data, offset)
 
     def text(self) -> str:
-        (size,) = self.unpack(_U16)
-        return self.take(size).decode(errors="replace")
+        """A 2-byte length and UTF-8 (read in one step: descriptors carry a dozen per call)."""
+        data, start = self._data, self._offset + _U16.size
+        if start > len(data):
+            raise ProtocolViolation("payload ends early")
+        end = start + _U16.unpack_from(data, self._offset)[0]
+        if end > len(data):
+            raise ProtocolViolation("payload ends early")
+        self._offset = end
+        return data[start:end].decode(errors="replace")
 
     def metadata(self, count: int) -> Metadata:
         entries: list[tuple[str, str | bytes]] = []
