@@ -98,13 +98,14 @@ class DescribedInfer:
         served = call.served
         job = await _job(served, call.request)
         answered, result = await self._runner.infer(served, job, call_deadline(context))
-        return DescribedAnswer(
-            answered.name,
-            str(answered.version),
-            call.id,
-            result.outputs,
-            answered is not served,
-        )
+        with self._runner.encode_span():  # the response's contents, as the servicer's span
+            return DescribedAnswer(
+                answered.name,
+                str(answered.version),
+                call.id,
+                result.outputs,
+                answered is not served,
+            )
 
 
 def describable(served: ServedVersion) -> bool:

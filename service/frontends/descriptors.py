@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from oip.datatypes import BY_NAME, Datatype
 from service.frontends.protocol import (
+    MAX_TEXT_BYTES,
     Open,
     ProtocolViolation,
     Reader,
@@ -26,6 +27,7 @@ from service.inference.jobs import InputTensor, OutputTensor
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the one method described
 MAX_RANK = 64  # dimensions of one tensor (the wire limits refuse more before parsing)
+MAX_PRIORITY = (1 << 63) - 1  # a priority is 8 bytes, signed (negative: none)
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -68,6 +70,12 @@ class DescribedAnswer:
     id: str
     outputs: tuple[OutputTensor, ...]
     fallback: bool
+
+
+def fits(request_id: str, priority: int | None) -> bool:
+    """Whether a request's id and priority fit a descriptor (a request whose do not goes on
+    as bytes: the rest of it is bounded by the model it names)."""
+    return len(request_id.encode()) <= MAX_TEXT_BYTES and (priority or 0) <= MAX_PRIORITY
 
 
 def encode_view(entries: Sequence[ViewEntry]) -> bytes:

@@ -73,10 +73,9 @@ class DispatchServer:
 
     def push_view(self) -> None:
         """The served versions changed: every front-end gets the new view."""
-        if self._links:
-            view = self.described.view()
-            for link in list(self._links):
-                link.send(Kind.MODELS, 0, view)
+        view = self.described.view()  # made even for no link: it holds the versions it names
+        for link in list(self._links):
+            link.send(Kind.MODELS, 0, view)
 
     async def refresh_stats(self) -> None:
         """Ask every front-end for its counters now; wait a moment for the answers."""

@@ -98,7 +98,8 @@ class ParentLink(FrameConnection):
                 call_id, call = self._start()
                 opened = _opened(method, transport, context)
                 self.send(Kind.INFER, call_id, encode_infer(opened, described))
-                async for message in self._answers(call_id, call, context, answer_message):
+                answers = self._answers(call_id, call, context, answer_message, credit=False)
+                async for message in answers:
                     yield message
                 if not call.stale:
                     return
@@ -106,7 +107,7 @@ class ParentLink(FrameConnection):
         self.send(Kind.OPEN, call_id, encode_open(_opened(method, transport, context)))
         pump = asyncio.create_task(self._pump(call_id, call, requests))
         try:
-            async for message in self._answers(call_id, call, context, bytes):
+            async for message in self._answers(call_id, call, context, bytes, credit=True):
                 yield message
         finally:
             pump.cancel()
@@ -117,16 +118,23 @@ class ParentLink(FrameConnection):
         return call_id, call
 
     async def _answers(
-        self, call_id: int, call: _Forwarded, context: Any, message: Callable[[bytes], bytes]
+        self,
+        call_id: int,
+        call: _Forwarded,
+        context: Any,
+        message: Callable[[bytes], bytes],
+        credit: bool,
     ) -> AsyncIterator[bytes]:
-        """What the parent sends for the call, to the client, up to its end (STALE: none)."""
+        """What the parent sends for the call, to the client, up to its end (STALE: none).
+        `credit`: give it back per message (a described call's one answer needs none)."""
         status = _GONE
         try:
             while True:
                 kind, value = await call.events.get()
                 if kind is Kind.MESSAGE:
                     yield message(value)
-                    self.give_credit(call_id)
+                    if credit:
+                        self.give_credit(call_id)
                 elif kind is Kind.HEADERS:
                     await context.send_initial_metadata(value)
                 elif kind is Kind.STATUS:

@@ -15,7 +15,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.api import stream_responses
 from service.api.wire_limits import request_problem
-from service.frontends.descriptors import DescribedRequest, ViewEntry, decode_answer
+from service.frontends.descriptors import DescribedRequest, ViewEntry, decode_answer, fits
 from service.inference.errors import ServiceError
 from service.inference.validation import RequestValidator, decoded
 
@@ -61,6 +61,8 @@ class ModelView:
         try:
             job = await decoded(version.validator.admit(request))
         except ServiceError:
+            return None
+        if not fits(request.id, job.priority):
             return None
         return DescribedRequest(
             version.token,

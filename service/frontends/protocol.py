@@ -179,9 +179,12 @@ class FrameDecoder:
         return frames
 
 
+MAX_TEXT_BYTES = 0xFFFF  # a text field's length is 2 bytes
+
+
 def encode_text(value: str) -> bytes:
     raw = value.encode()
-    if len(raw) > 0xFFFF:
+    if len(raw) > MAX_TEXT_BYTES:
         raise ValueError(f"text of {len(raw)} bytes does not fit a 2-byte length")
     return _U16.pack(len(raw)) + raw
 

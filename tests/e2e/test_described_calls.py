@@ -209,3 +209,35 @@ def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
 
         server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
         lifecycle.eventually(lambda: _described_once(server), "a described call after loading")
+
+
+def _typed_contents(request: pb.ModelInferRequest) -> None:
+    request.ClearField("raw_input_contents")
+    request.inputs[0].contents.fp32_contents.extend([0.5] * 512)
+
+
+UNUSUAL_REQUESTS: dict[str, bytes] = {
+    "id past a descriptor's text": _edited(lambda r: setattr(r, "id", "i" * 70_000)),
+    "priority past 63 bits": _edited(
+        lambda r: r.parameters["priority"].__setattr__("uint64_param", 2**64 - 1)
+    ),
+    "typed contents": _edited(_typed_contents),
+}
+
+
+def _outcome(server: ServerProcess, message: bytes) -> tuple[str, str]:
+    call = server.channel.unary_unary(MODEL_INFER, None, None)
+    try:
+        answer = pb.ModelInferResponse.FromString(call(message, timeout=30, metadata=HEADER))
+    except grpc.RpcError as exc:
+        error: Any = exc
+        return error.code().name, error.details()
+    return "OK", f"{answer.id[:20]} {len(answer.id)} {answer.raw_output_contents[0].hex()}"
+
+
+@pytest.mark.parametrize("unusual", sorted(UNUSUAL_REQUESTS))
+def test_unusual_requests_get_the_single_process_answer(
+    servers: dict[int, ServerProcess], unusual: str
+) -> None:
+    outcomes = {n: _outcome(s, UNUSUAL_REQUESTS[unusual]) for n, s in servers.items()}
+    assert outcomes[1] == outcomes[2]
