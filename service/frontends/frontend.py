@@ -94,10 +94,13 @@ class ParentLink(FrameConnection):
             head = [message async for message in _first(requests, 2)]
             requests = _replay(head, requests)
             described = await self.view.describe(head[0]) if len(head) == 1 else None
-            if described is not None:
+            opened = _opened(method, transport, context)
+            payload = b"" if described is None else encode_infer(opened, described)
+            # Raw BYTES elements take 4 bytes of length where the message may have used 1:
+            # a descriptor past the frame limit goes as the message it came as.
+            if described is not None and len(payload) <= self.max_payload:
                 call_id, call = self._start()
-                opened = _opened(method, transport, context)
-                self.send(Kind.INFER, call_id, encode_infer(opened, described))
+                self.send(Kind.INFER, call_id, payload)
                 answers = self._answers(call_id, call, context, answer_message, credit=False)
                 async for message in answers:
                     yield message

@@ -30,6 +30,8 @@ KEY = "described-test-key"
 HEADER = (("triton-grpc-protocol-infer-key", KEY),)
 RESTRICTED = ["--restricted-protocol", f"inference:infer-key={KEY}"]
 CALLS = 12
+MAX_MESSAGE = 1 << 20
+FRAME_OVERHEAD = 1 << 20  # service/frontends/link.py
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -39,8 +41,8 @@ def servers(
 ) -> Iterator[dict[int, ServerProcess]]:
     """A single process and one with two front-ends, both restricting inference."""
     root = tmp_path_factory.mktemp("described")
-    repository = model_repository(root / "models", ["mlp"])
-    args = ["--certs-dir", str(certs_dir), *RESTRICTED]
+    repository = model_repository(root / "models", ["mlp", "text_classifier"])
+    args = ["--certs-dir", str(certs_dir), "--max-message-bytes", str(MAX_MESSAGE), *RESTRICTED]
     with (
         running_server(repository, root / "one.log", [*args, "--frontends", "1"]) as one,
         running_server(repository, root / "two.log", [*args, "--frontends", "2"]) as two,
@@ -241,3 +243,21 @@ def test_unusual_requests_get_the_single_process_answer(
 ) -> None:
     outcomes = {n: _outcome(s, UNUSUAL_REQUESTS[unusual]) for n, s in servers.items()}
     assert outcomes[1] == outcomes[2]
+
+
+def test_a_descriptor_larger_than_its_message_goes_as_bytes(
+    servers: dict[int, ServerProcess],
+) -> None:
+    """Typed INT64 zeros take 1 byte each in the message and 8 as raw bytes: a descriptor past
+    the dispatch frame limit would break the front-end's link; it goes as the message."""
+    tokens = 300_000
+    request = pb.ModelInferRequest(model_name="text_classifier")
+    tensor = request.inputs.add(name="token_ids", datatype="INT64", shape=[1, tokens])
+    tensor.contents.int64_contents.extend([0] * tokens)
+    message = request.SerializeToString()
+    assert len(message) < MAX_MESSAGE and tokens * 8 > MAX_MESSAGE + FRAME_OVERHEAD
+    before = described(servers[2], "h2")
+    outcomes = {n: _outcome(s, message) for n, s in servers.items()}
+    assert outcomes[1] == outcomes[2]
+    assert described(servers[2], "h2") == before
+    assert counter(servers[2], "paddlequic_frontend_restarts_total") == 0
