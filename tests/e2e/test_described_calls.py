@@ -22,7 +22,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e import test_lifecycle as lifecycle
 from tests.reference import assert_matches_reference, call_inputs
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, model_repository, paused, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -261,3 +261,23 @@ def test_a_descriptor_larger_than_its_message_goes_as_bytes(
     assert outcomes[1] == outcomes[2]
     assert described(servers[2], "h2") == before
     assert counter(servers[2], "paddlequic_frontend_restarts_total") == 0
+
+
+@pytest.mark.parametrize("frontends", [1, 2])
+async def test_a_described_call_past_its_deadline_ends_everywhere(
+    servers: dict[int, ServerProcess], frontends: int
+) -> None:
+    """The worker held still: the call ends DEADLINE_EXCEEDED, as on a single process, it is
+    counted once, and nothing stays in flight in the parent once the worker goes on."""
+    server = servers[frontends]
+    (instance,) = server.instances("mlp")
+    before = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with paused(instance.pid), pytest.raises(grpc.aio.AioRpcError) as late:
+            await stub.ModelInfer(_good(), timeout=1.0, metadata=HEADER)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await infer_calls(stub, range(CALLS, CALLS + 2))  # the worker answers again
+    after = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
+    assert (after[0] - before[0], after[1] - before[1]) == ((frontends > 1) * 3, 1)
+    assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0
