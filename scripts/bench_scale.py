@@ -160,6 +160,30 @@ def table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
     return "\n".join(rows)
 
 
+def cpu_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
+    """The main process's CPU per call or connection as a ratio to the single process's for
+    the same workload and transport, and (ModelInfer) to its HTTP/2 ModelInfer: with
+    front-ends, what is left in the one process every call passes through."""
+    by_key = {(m.frontends, m.transport, m.workload): m for m in results}
+    h2_call = by_key[counts[0], "h2", "ModelInfer"].main_cpu_us
+    header = f"{'workload':<16} {'transport':<9}" + "".join(
+        f" {f'--frontends {n}':>26}" for n in counts
+    )
+    rows = ["main process CPU per item, as a ratio to the first (and to its h2 ModelInfer)", header]
+    for workload in WORKLOADS:
+        for transport in TRANSPORTS:
+            base = by_key[counts[0], transport, workload].main_cpu_us
+            cells = []
+            for n in counts:
+                cpu = by_key[n, transport, workload].main_cpu_us
+                text = f"x{cpu / base if base else 0.0:.2f}"
+                if workload == "ModelInfer":
+                    text += f" (x{cpu / h2_call if h2_call else 0.0:.2f})"
+                cells.append(f" {text:>26}")
+            rows.append(f"{workload:<16} {transport:<9}" + "".join(cells))
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--frontends", default="1,2,4", help="front-end counts, the first is 1")
@@ -214,6 +238,8 @@ def main() -> int:
                 server.stop()
     print()
     print(table(results, counts))
+    print()
+    print(cpu_table(results, counts))
     write_json(args.out, results)
     return 0
 

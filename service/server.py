@@ -14,7 +14,7 @@ from service import settings as settings_module
 from service.api.control import ControlServicer
 from service.api.health import Health
 from service.api.inference import InferenceServicer
-from service.api.registration import Servicers, registration
+from service.api.registration import Servicers, method_registration, registration
 from service.api.restricted import RestrictionError, parse_restrictions
 from service.api.shared_memory import SharedMemory
 from service.api.testing import TestingServicer
@@ -131,7 +131,15 @@ async def serve(settings: ServerSettings) -> None:
         # Imported here: a single process never loads the front-end machinery.
         from service.frontends.parent import start_frontends
 
-        public = await start_frontends(settings, frontends, register, metrics)
+        public = await start_frontends(
+            settings,
+            frontends,
+            register,
+            method_registration(observer, restrictions),
+            metrics,
+            models,
+            runner,
+        )
     else:
         public = await listen(settings, register, client_auth, tickets)
     servicers.control.h3 = public.h3

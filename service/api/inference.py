@@ -198,7 +198,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: ServicerContext
     ) -> pb.ModelInferResponse:
-        return await self._infer(request, _deadline(context), context)
+        return await self._infer(request, call_deadline(context), context)
 
     async def ModelStreamInfer(
         self,
@@ -221,7 +221,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
-        deadline = _deadline(context)
+        deadline = call_deadline(context)
 
         # The last request of each sequence on this stream: the next one of it waits for it,
         # so a sequence's requests reach its batcher in the order the stream sent them.
@@ -366,7 +366,8 @@ def _unchain(
         del chains[key]
 
 
-def _deadline(context: ServicerContext) -> float | None:
+def call_deadline(context: ServicerContext) -> float | None:
+    """The call's deadline on the event loop's clock (None: it has none)."""
     remaining = context.time_remaining()
     if remaining is None:
         return None

@@ -1,7 +1,8 @@
 """The parent's dispatch endpoint: front-ends pass it each call (method, metadata, deadline,
 message bytes as received); it runs the servicers registered on it, per transport, as the
 transports do, so observation, access checks and tracing run once, here, labelled with the
-transport the front-end got the call on."""
+transport the front-end got the call on. ModelInfer calls a front-end described (INFER) run
+the same way, on the described handler (described_infer.py), with no protobuf here."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 from grpc.aio import EOF, AbortError  # type: ignore[attr-defined]
 
+from service.frontends.described_infer import Admitted, DescribedInfer, StaleView
+from service.frontends.descriptors import decode_infer
 from service.frontends.link import FrameConnection, Inbox, Window
 from service.frontends.protocol import (
     Frame,
@@ -40,12 +43,19 @@ STATS_QUERY_TIMEOUT_S = 1.0
 
 class DispatchServer:
     def __init__(
-        self, max_message: int, stats: FrontendStats, metrics: FrontendMetrics | None
+        self,
+        max_message: int,
+        stats: FrontendStats,
+        metrics: FrontendMetrics | None,
+        described: DescribedInfer,
     ) -> None:
         self.max_message = max_message
         self.stats = stats
         self.metrics = metrics
+        self.described = described
         self.tables = {transport: HandlerTable() for transport in TRANSPORTS}
+        # ModelInfer for described calls only, wrapped as the servicers' methods are.
+        self.described_tables = {transport: HandlerTable() for transport in TRANSPORTS}
         self._links: set[_FrontendLink] = set()
         self._server: asyncio.Server | None = None
 
@@ -60,6 +70,12 @@ class DispatchServer:
             await link.run()
         finally:
             self._links.discard(link)
+
+    def push_view(self) -> None:
+        """The served versions changed: every front-end gets the new view."""
+        view = self.described.view()  # made even for no link: it holds the versions it names
+        for link in list(self._links):
+            link.send(Kind.MODELS, 0, view)
 
     async def refresh_stats(self) -> None:
         """Ask every front-end for its counters now; wait a moment for the answers."""
@@ -92,8 +108,20 @@ class _FrontendLink(FrameConnection):
             if call_id in self._calls:
                 raise ProtocolViolation(f"call {call_id} opened twice")
             self._open(call_id, decode_open(payload))
+        elif kind is Kind.INFER:
+            if call_id in self._calls:
+                raise ProtocolViolation(f"call {call_id} opened twice")
+            opened, request = decode_infer(payload)
+            try:
+                admitted = self.server.described.admit(request)
+            except StaleView:
+                self.send(Kind.STALE, call_id)
+                self.send(Kind.MODELS, 0, self.server.described.view())
+                return
+            self._open(call_id, opened, admitted)
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
+            self.send(Kind.MODELS, 0, self.server.described.view())
         elif kind is Kind.STATS:
             self.server.stats.report(self, json.loads(payload))
             for wanted in self._stats_wanted:
@@ -104,10 +132,10 @@ class _FrontendLink(FrameConnection):
             # Frames for a call that already ended cross its STATUS on the way: dropped.
             call.received(kind, payload)
 
-    def _open(self, call_id: int, opened: Open) -> None:
+    def _open(self, call_id: int, opened: Open, admitted: Admitted | None = None) -> None:
         if self.server.metrics is not None:
-            self.server.metrics.call(self.index, opened.transport)
-        call = _Call(self, call_id, opened)
+            self.server.metrics.call(self.index, opened.transport, admitted is not None)
+        call = _Call(self, call_id, opened, admitted)
         self._calls[call_id] = call
         call.task = asyncio.get_running_loop().create_task(self._serve(call))
 
@@ -135,10 +163,13 @@ class _FrontendLink(FrameConnection):
 
 
 class _Call:
-    def __init__(self, link: _FrontendLink, call_id: int, opened: Open) -> None:
+    def __init__(
+        self, link: _FrontendLink, call_id: int, opened: Open, admitted: Admitted | None
+    ) -> None:
         self.link = link
         self.call_id = call_id
         self.opened = opened
+        self.admitted = admitted  # a described call's request (None: its messages follow)
         self.inbox = Inbox(link, call_id)
         self.window = Window()
         self.cancelled = False
@@ -167,14 +198,17 @@ class _Call:
 
     async def run(self) -> Status:
         opened = self.opened
-        table = self.link.server.tables.get(opened.transport)
+        server = self.link.server
+        tables = server.tables if self.admitted is None else server.described_tables
+        table = tables.get(opened.transport)
         handler = table.lookup(opened.method, opened.metadata) if table is not None else None
         if handler is None:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
         context = self.context = DispatchContext(self, handler)
         try:
             async with asyncio.timeout(opened.timeout):
-                await run_behavior(handler, await _request(handler, context), context)
+                request = self.admitted or await _request(handler, context)
+                await run_behavior(handler, request, context)
         except TimeoutError:
             context.mark_cancelled()
             return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
@@ -248,7 +282,8 @@ class DispatchContext(CallContext):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"response message of {len(data)} bytes exceeds the limit of {limit} bytes",
             )
-        if not self.headers_sent:
+        if not self.headers_sent and self.call.admitted is None:
+            # A described call's answer needs none: the front-end's transport sends its own.
             self._send_headers(())
         await self.call.window.take()
         self.call.link.send(Kind.MESSAGE, self.call.call_id, data)

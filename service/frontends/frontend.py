@@ -1,6 +1,8 @@
 """A front-end process (`python -m service.frontends.frontend`): terminates HTTP/2 and
-HTTP/3 (TLS, QUIC, 0-RTT) on the shared port and passes every call, message bytes as received,
-to the parent over the dispatch connection. It never parses a message nor imports Paddle."""
+HTTP/3 (TLS, QUIC, 0-RTT) on the shared port and passes every call to the parent over the
+dispatch connection: ModelInfer calls on the versions the parent described as descriptors it
+decoded and validated (model_view.py), every other call as its message bytes, unparsed. It
+never imports Paddle."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from service.backend.sandbox.privileges import undumpable
+from service.frontends.descriptors import MODEL_INFER, decode_view, encode_infer
 from service.frontends.link import FrameConnection, Window
 from service.frontends.listeners import check_client_auth, start_grpc, start_h3
+from service.frontends.model_view import ModelView, answer_message
 from service.frontends.protocol import (
     WINDOW,
     Frame,
@@ -56,6 +60,7 @@ class _Forwarded:
     def __init__(self) -> None:
         self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
         self.window = Window()
+        self.stale = False  # described, and the parent's view had changed: passed on as bytes
 
 
 class ParentLink(FrameConnection):
@@ -73,6 +78,7 @@ class ParentLink(FrameConnection):
         self.h3: H3Server | None = None
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
+        self.view = ModelView()
         self.send(Kind.HELLO, 0, encode_count(index))
 
     def handlers(self, transport: str) -> grpc.GenericRpcHandler[Any, Any]:
@@ -81,36 +87,70 @@ class ParentLink(FrameConnection):
     async def forward(
         self, method: str, transport: str, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        """The behavior of every method: the call's messages to the parent and back."""
+        """The behavior of every method: the call's messages to the parent and back; a
+        ModelInfer call the view describes goes as a descriptor, unless the parent says the
+        view is stale."""
+        if method == MODEL_INFER:
+            head = [message async for message in _first(requests, 2)]
+            requests = _replay(head, requests)
+            described = await self.view.describe(head[0]) if len(head) == 1 else None
+            opened = _opened(method, transport, context)
+            payload = b"" if described is None else encode_infer(opened, described)
+            # Raw BYTES elements take 4 bytes of length where the message may have used 1:
+            # a descriptor past the frame limit goes as the message it came as.
+            if described is not None and len(payload) <= self.max_payload:
+                call_id, call = self._start()
+                self.send(Kind.INFER, call_id, payload)
+                answers = self._answers(call_id, call, context, answer_message, credit=False)
+                async for message in answers:
+                    yield message
+                if not call.stale:
+                    return
+        call_id, call = self._start()
+        self.send(Kind.OPEN, call_id, encode_open(_opened(method, transport, context)))
+        pump = asyncio.create_task(self._pump(call_id, call, requests))
+        try:
+            async for message in self._answers(call_id, call, context, bytes, credit=True):
+                yield message
+        finally:
+            pump.cancel()
+
+    def _start(self) -> tuple[int, _Forwarded]:
         call_id, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF or 1
         call = self._calls[call_id] = _Forwarded()
-        opened = Open(
-            method,
-            transport,
-            context.peer(),
-            context.time_remaining(),
-            tuple(context.invocation_metadata() or ()),
-        )
-        self.send(Kind.OPEN, call_id, encode_open(opened))
-        pump = asyncio.create_task(self._pump(call_id, call, requests))
+        return call_id, call
+
+    async def _answers(
+        self,
+        call_id: int,
+        call: _Forwarded,
+        context: Any,
+        message: Callable[[bytes], bytes],
+        credit: bool,
+    ) -> AsyncIterator[bytes]:
+        """What the parent sends for the call, to the client, up to its end (STALE: none).
+        `credit`: give it back per message (a described call's one answer needs none)."""
         status = _GONE
         try:
             while True:
                 kind, value = await call.events.get()
                 if kind is Kind.MESSAGE:
-                    yield value
-                    self.give_credit(call_id)
+                    yield message(value)
+                    if credit:
+                        self.give_credit(call_id)
                 elif kind is Kind.HEADERS:
                     await context.send_initial_metadata(value)
                 elif kind is Kind.STATUS:
                     status = value
                     break
+                elif kind is Kind.STALE:
+                    call.stale = True
+                    return
                 else:  # CANCEL: the client's request stream failed; the transport ends the call
                     raise value
         finally:
-            pump.cancel()
             self._calls.pop(call_id, None)
-            if status is _GONE:
+            if status is _GONE and not call.stale:
                 self.send(Kind.CANCEL, call_id)
         if status.code is grpc.StatusCode.OK:
             if status.trailing:
@@ -133,6 +173,9 @@ class ParentLink(FrameConnection):
         if kind is Kind.STATS_QUERY:
             self.report()
             return
+        if kind is Kind.MODELS:
+            self.view.update(decode_view(payload))
+            return
         call = self._calls.get(call_id)
         if call is None:
             return  # the call ended here first (the client left)
@@ -146,6 +189,8 @@ class ParentLink(FrameConnection):
             call.events.put_nowait((kind, decode_status(payload)))
         elif kind is Kind.CREDIT:
             call.window.give(decode_count(payload))
+        elif kind is Kind.STALE:
+            call.events.put_nowait((kind, None))
         else:
             raise ProtocolViolation(f"{kind.name} frame from the parent")
 
@@ -165,6 +210,33 @@ class ParentLink(FrameConnection):
     def lost(self) -> None:
         for call in self._calls.values():
             call.events.put_nowait((Kind.STATUS, _GONE))
+
+
+def _opened(method: str, transport: str, context: Any) -> Open:
+    return Open(
+        method,
+        transport,
+        context.peer(),
+        context.time_remaining(),
+        tuple(context.invocation_metadata() or ()),
+    )
+
+
+async def _first(requests: AsyncIterator[bytes], count: int) -> AsyncIterator[bytes]:
+    """Up to `count` messages of the call (a unary call's one, and whether more follow)."""
+    for _ in range(count):
+        message = await anext(requests, None)
+        if message is None:
+            return
+        yield message
+
+
+async def _replay(read: list[bytes], requests: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The call's messages again: those already read, then the rest."""
+    for message in read:
+        yield message
+    async for message in requests:
+        yield message
 
 
 class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]

@@ -30,7 +30,8 @@ class FrameConnection:
     ) -> None:
         self._reader = reader
         self._writer = writer
-        self._decoder = FrameDecoder(max_message + FRAME_OVERHEAD)
+        self.max_payload = max_message + FRAME_OVERHEAD  # the largest frame either end takes
+        self._decoder = FrameDecoder(self.max_payload)
         self.closed = asyncio.Event()
 
     def send(self, kind: Kind, call_id: int, payload: bytes = b"") -> None:

@@ -11,7 +11,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.api.registration import Register
+from service.api.registration import Register, RegisterMethod
+from service.frontends.described_infer import DescribedInfer
+from service.frontends.descriptors import MODEL_INFER
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
 from service.frontends.listeners import tls_files
 from service.frontends.runtime import (
@@ -23,6 +25,8 @@ from service.frontends.runtime import (
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.frontends.supervisor import Supervisor
 from service.observability.metrics import Metrics
+from service.registry.versions import ModelRegistry
+from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3 import udp
@@ -56,8 +60,13 @@ async def start_frontends(
     settings: ServerSettings,
     count: int,
     register: Register,
+    register_method: RegisterMethod,
     metrics: Metrics | None,
+    models: ModelRegistry,
+    runner: RequestRunner,
 ) -> Frontends:
+    """`register`: the servicers; `register_method`: ModelInfer for the calls front-ends
+    describe, run by `runner` on the versions of `models` (whose changes they are told)."""
     runtime_dir = make_runtime_dir()
     reserved: socket.socket | None = None
     try:
@@ -68,13 +77,19 @@ async def start_frontends(
         shared = _frontend_settings(settings, runtime_dir, port)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
+        described = DescribedInfer(models, runner)
         dispatch = DispatchServer(
             settings.max_message_bytes,
             stats,
             FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
+            described,
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
+            register_method(
+                dispatch.described_tables[transport], transport, MODEL_INFER, described.handler()
+            )
+        models.watch(dispatch.push_view)
         await dispatch.start(runtime_dir / DISPATCH_SOCKET)
     except BaseException:
         if reserved is not None:

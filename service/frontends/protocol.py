@@ -38,6 +38,9 @@ class Kind(enum.IntEnum):
     STATUS = 8  # parent -> front-end: the call's end (Status)
     STATS = 9  # front-end -> parent, call 0: its transport counters (JSON)
     STATS_QUERY = 10  # parent -> front-end, call 0: send STATS now
+    MODELS = 11  # parent -> front-end, call 0: the served versions it may describe (descriptors)
+    INFER = 12  # front-end -> parent: a ModelInfer call, decoded and validated (descriptors)
+    STALE = 13  # parent -> front-end: that INFER's view is outdated; pass the call on as bytes
 
 
 class ProtocolViolation(ValueError):
@@ -77,9 +80,9 @@ def encode_open(call: Open) -> bytes:
     timeout = _NO_TIMEOUT if call.timeout is None else max(call.timeout, 0.0)
     return b"".join(
         (
-            _text(call.method),
-            _text(call.transport),
-            _text(call.peer),
+            encode_text(call.method),
+            encode_text(call.transport),
+            encode_text(call.peer),
             _OPEN.pack(timeout, len(call.metadata)),
             encode_metadata_entries(call.metadata),
         )
@@ -87,7 +90,7 @@ def encode_open(call: Open) -> bytes:
 
 
 def decode_open(payload: bytes) -> Open:
-    reader = _Reader(payload)
+    reader = Reader(payload)
     method, transport, peer = reader.text(), reader.text(), reader.text()
     timeout, count = reader.unpack(_OPEN)
     metadata = reader.metadata(count)
@@ -100,7 +103,7 @@ def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
 
 
 def decode_metadata(payload: bytes) -> Metadata:
-    reader = _Reader(payload)
+    reader = Reader(payload)
     (count,) = reader.unpack(_U16)
     metadata = reader.metadata(count)
     reader.end()
@@ -117,7 +120,7 @@ def encode_status(status: Status) -> bytes:
 
 
 def decode_status(payload: bytes) -> Status:
-    reader = _Reader(payload)
+    reader = Reader(payload)
     value, size = reader.unpack(_STATUS)
     code = _CODES.get(value)
     if code is None:
@@ -144,7 +147,7 @@ def encode_metadata_entries(metadata: Sequence[tuple[str, str | bytes]]) -> byte
     parts: list[bytes] = []
     for key, value in metadata:
         raw = value if isinstance(value, bytes) else str(value).encode()
-        parts += (_text(key), bytes((isinstance(value, bytes),)), _U32.pack(len(raw)), raw)
+        parts += (encode_text(key), bytes((isinstance(value, bytes),)), _U32.pack(len(raw)), raw)
     return b"".join(parts)
 
 
@@ -176,14 +179,17 @@ class FrameDecoder:
         return frames
 
 
-def _text(value: str) -> bytes:
+MAX_TEXT_BYTES = 0xFFFF  # a text field's length is 2 bytes
+
+
+def encode_text(value: str) -> bytes:
     raw = value.encode()
-    if len(raw) > 0xFFFF:
+    if len(raw) > MAX_TEXT_BYTES:
         raise ValueError(f"text of {len(raw)} bytes does not fit a 2-byte length")
     return _U16.pack(len(raw)) + raw
 
 
-class _Reader:
+class Reader:
     def __init__(self, data: bytes) -> None:
         self._data = data
         self._offset = 0
@@ -197,11 +203,22 @@ class _Reader:
         return chunk
 
     def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
-        return tuple(layout.unpack(self.take(layout.size)))
+        offset = self._offset
+        self._offset = offset + layout.size
+        if self._offset > len(self._data):
+            raise ProtocolViolation("payload ends early")
+        return layout.unpack_from(self._data, offset)
 
     def text(self) -> str:
-        (size,) = self.unpack(_U16)
-        return self.take(size).decode(errors="replace")
+        """A 2-byte length and UTF-8 (read in one step: descriptors carry a dozen per call)."""
+        data, start = self._data, self._offset + _U16.size
+        if start > len(data):
+            raise ProtocolViolation("payload ends early")
+        end = start + _U16.unpack_from(data, self._offset)[0]
+        if end > len(data):
+            raise ProtocolViolation("payload ends early")
+        self._offset = end
+        return data[start:end].decode(errors="replace")
 
     def metadata(self, count: int) -> Metadata:
         entries: list[tuple[str, str | bytes]] = []

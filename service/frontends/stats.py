@@ -126,6 +126,13 @@ class FrontendMetrics:
             ["frontend", "transport"],
             registry=registry,
         )
+        self.described = Counter(
+            "paddlequic_frontend_described_calls",
+            "of those calls, ModelInfer calls the front-end decoded and validated itself and "
+            "passed on as a descriptor",
+            ["frontend", "transport"],
+            registry=registry,
+        )
         self.restarts = Counter(
             "paddlequic_frontend_restarts",
             "front-end processes restarted after exiting",
@@ -134,8 +141,10 @@ class FrontendMetrics:
         self._child = Children()
         registry.register(_Forwarded(stats))
 
-    def call(self, frontend: str, transport: str) -> None:
+    def call(self, frontend: str, transport: str, described: bool) -> None:
         self._child(self.calls, frontend, transport).inc()
+        if described:
+            self._child(self.described, frontend, transport).inc()
 
 
 class _Forwarded(Collector):

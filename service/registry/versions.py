@@ -94,7 +94,7 @@ class ModelRegistry:
     is serving or why it serves nothing."""
 
     def __init__(self, on_change: Callable[[], None]) -> None:
-        self._on_change = on_change
+        self._watchers = [on_change]
         self._models: dict[str, dict[int, ServedVersion]] = {}
         self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
         self._unloaded: set[str] = set()
@@ -104,7 +104,12 @@ class ModelRegistry:
         self.loading_done = False
 
     def changed(self) -> None:
-        self._on_change()
+        for watcher in self._watchers:
+            watcher()
+
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Call `on_change` too whenever what the registry serves changes."""
+        self._watchers.append(on_change)
 
     def serving(self, name: str) -> dict[int, ServedVersion]:
         """The versions of a loaded model (none once unloaded)."""
@@ -118,7 +123,7 @@ class ModelRegistry:
         self._models[name] = versions
         self._failed.pop(name, None)
         self._unloaded.discard(name)
-        self._on_change()
+        self.changed()
 
     def fail_model(self, name: str, reason: str) -> None:
         """The model has nothing to serve, for this reason."""
@@ -132,7 +137,7 @@ class ModelRegistry:
         if versions is None or name in self._unloaded:
             return None
         self._unloaded.add(name)
-        self._on_change()
+        self.changed()
         return versions
 
     def resolve(self, name: str, version: str) -> ServedVersion:

@@ -1,0 +1,205 @@
+"""Descriptors, sans I/O: ModelInfer calls a front-end decoded and validated itself, and their
+answers, as flat frames the parent reads without protobuf.
+
+The parent describes the versions it serves (MODELS: each one's config and a token); a
+front-end passes a ModelInfer call on such a version as INFER (the call's Open, then the
+request's names, shapes and tensor bytes); the parent answers it with one MESSAGE holding a
+described answer, or STALE when the front-end's view no longer holds (it then passes the call
+on as bytes, as every other call)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from oip.datatypes import BY_NAME, Datatype
+from service.frontends.protocol import (
+    MAX_TEXT_BYTES,
+    Open,
+    ProtocolViolation,
+    Reader,
+    decode_open,
+    encode_open,
+    encode_text,
+)
+from service.inference.jobs import InputTensor, OutputTensor
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the one method described
+MAX_RANK = 64  # dimensions of one tensor (the wire limits refuse more before parsing)
+MAX_PRIORITY = (1 << 63) - 1  # a priority is 8 bytes, signed (negative: none)
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_DIMENSIONS = tuple(struct.Struct(f">{rank}q") for rank in range(MAX_RANK + 1))
+_SCHEDULING = struct.Struct(">qd")  # priority, timeout in seconds (negative: none)
+_RANK = struct.Struct(">B")
+_FLAG = struct.Struct(">?")
+
+
+@dataclass(frozen=True)
+class ViewEntry:
+    """A served version as a request names it, for the front-ends to validate against."""
+
+    model: str
+    version: str  # as requests name it: "" (the newest ready one) or its number
+    token: int  # the version the parent described; checked again on every call
+    config: bytes  # its ModelConfig, serialized
+
+
+@dataclass(frozen=True)
+class DescribedRequest:
+    """A validated ModelInferRequest (field names as the message's, which observers read)."""
+
+    token: int
+    model_name: str
+    model_version: str
+    id: str
+    inputs: tuple[InputTensor, ...]
+    outputs: tuple[str, ...]  # as the request named them (none: every output)
+    priority: int | None
+    timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class DescribedAnswer:
+    """A ModelInferResponse's contents; `fallback`: a fallback model answered."""
+
+    model_name: str
+    model_version: str
+    id: str
+    outputs: tuple[OutputTensor, ...]
+    fallback: bool
+
+
+def fits(request_id: str, priority: int | None) -> bool:
+    """Whether a request's id and priority fit a descriptor (a request whose do not goes on
+    as bytes: the rest of it is bounded by the model it names)."""
+    return len(request_id.encode()) <= MAX_TEXT_BYTES and (priority or 0) <= MAX_PRIORITY
+
+
+def encode_view(entries: Sequence[ViewEntry]) -> bytes:
+    parts = [_U32.pack(len(entries))]
+    for entry in entries:
+        parts += (
+            encode_text(entry.model),
+            encode_text(entry.version),
+            _U64.pack(entry.token),
+            _U32.pack(len(entry.config)),
+            entry.config,
+        )
+    return b"".join(parts)
+
+
+def decode_view(payload: bytes) -> tuple[ViewEntry, ...]:
+    reader = Reader(payload)
+    (count,) = reader.unpack(_U32)
+    entries = []
+    for _ in range(count):
+        model, version = reader.text(), reader.text()
+        (token,) = reader.unpack(_U64)
+        (size,) = reader.unpack(_U32)
+        entries.append(ViewEntry(model, version, token, reader.take(size)))
+    reader.end()
+    return tuple(entries)
+
+
+def encode_infer(opened: Open, request: DescribedRequest) -> bytes:
+    call = encode_open(opened)
+    priority = -1 if request.priority is None else request.priority
+    timeout = -1.0 if request.timeout_s is None else request.timeout_s
+    parts = [
+        _U32.pack(len(call)),
+        call,
+        _U64.pack(request.token),
+        encode_text(request.model_name),
+        encode_text(request.model_version),
+        encode_text(request.id),
+        _SCHEDULING.pack(priority, timeout),
+        _U16.pack(len(request.outputs)),
+        *(encode_text(name) for name in request.outputs),
+        _tensors(request.inputs),
+    ]
+    return b"".join(parts)
+
+
+def decode_infer(payload: bytes) -> tuple[Open, DescribedRequest]:
+    reader = Reader(payload)
+    (size,) = reader.unpack(_U32)
+    opened = decode_open(reader.take(size))
+    (token,) = reader.unpack(_U64)
+    model, version, request_id = reader.text(), reader.text(), reader.text()
+    priority, timeout = reader.unpack(_SCHEDULING)
+    (count,) = reader.unpack(_U16)
+    outputs = tuple(reader.text() for _ in range(count))
+    inputs = tuple(InputTensor(*fields) for fields in _read_tensors(reader))
+    reader.end()
+    request = DescribedRequest(
+        token,
+        model,
+        version,
+        request_id,
+        inputs,
+        outputs,
+        None if priority < 0 else priority,
+        None if timeout < 0 else timeout,
+    )
+    return opened, request
+
+
+def encode_answer(answer: DescribedAnswer) -> bytes:
+    return b"".join(
+        (
+            encode_text(answer.model_name),
+            encode_text(answer.model_version),
+            encode_text(answer.id),
+            _FLAG.pack(answer.fallback),
+            _tensors(answer.outputs),
+        )
+    )
+
+
+def decode_answer(payload: bytes) -> DescribedAnswer:
+    reader = Reader(payload)
+    model, version, request_id = reader.text(), reader.text(), reader.text()
+    (fallback,) = reader.unpack(_FLAG)
+    outputs = tuple(OutputTensor(*fields) for fields in _read_tensors(reader))
+    reader.end()
+    return DescribedAnswer(model, version, request_id, outputs, fallback)
+
+
+def _tensors(tensors: Sequence[InputTensor | OutputTensor]) -> bytes:
+    """Each: name, datatype, rank, dimensions, byte count, bytes."""
+    parts = [_U16.pack(len(tensors))]
+    for tensor in tensors:
+        if len(tensor.shape) > MAX_RANK:
+            raise ValueError(f"tensor '{tensor.name}' has rank {len(tensor.shape)}")
+        parts += (
+            encode_text(tensor.name),
+            encode_text(tensor.datatype.name),
+            _RANK.pack(len(tensor.shape)),
+            _DIMENSIONS[len(tensor.shape)].pack(*tensor.shape),
+            _U64.pack(len(tensor.data)),
+            tensor.data,
+        )
+    return b"".join(parts)
+
+
+_TensorFields = tuple[str, Datatype, tuple[int, ...], bytes]
+
+
+def _read_tensors(reader: Reader) -> list[_TensorFields]:
+    (count,) = reader.unpack(_U16)
+    tensors: list[_TensorFields] = []
+    for _ in range(count):
+        name, type_name = reader.text(), reader.text()
+        datatype = BY_NAME.get(type_name)
+        if datatype is None:
+            raise ProtocolViolation(f"unknown datatype {type_name!r}")
+        (rank,) = reader.unpack(_RANK)
+        if rank > MAX_RANK:
+            raise ProtocolViolation(f"a tensor of rank {rank}")
+        shape = reader.unpack(_DIMENSIONS[rank])
+        (size,) = reader.unpack(_U64)
+        tensors.append((name, datatype, shape, reader.take(size)))
+    return tensors

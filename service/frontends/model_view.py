@@ -1,0 +1,97 @@
+"""A front-end's side of descriptors. Its view of the versions the parent described (MODELS):
+the ModelInfer calls on them that it decodes and validates itself, with the parent's own
+checks (wire limits, protobuf, RequestValidator), and passes on as descriptors. Any call it
+is not sure of goes on as bytes, and the parent answers it as it always did: errors included,
+so they are the parent's, word for word, and observed once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
+from service.api import stream_responses
+from service.api.wire_limits import request_problem
+from service.frontends.descriptors import DescribedRequest, ViewEntry, decode_answer, fits
+from service.inference.errors import ServiceError
+from service.inference.validation import RequestValidator, decoded
+
+# Request parameters a described call may carry: those the validator turns into the job's.
+SCHEDULING_PARAMETERS = frozenset(("priority", "timeout"))
+
+
+@dataclass(frozen=True)
+class _Version:
+    token: int
+    validator: RequestValidator
+
+
+class ModelView:
+    def __init__(self) -> None:
+        self._versions: dict[tuple[str, str], _Version] = {}
+
+    def update(self, entries: Sequence[ViewEntry]) -> None:
+        """The parent's latest view replaces this one (one validator per version)."""
+        validators: dict[int, RequestValidator] = {}
+        versions: dict[tuple[str, str], _Version] = {}
+        for entry in entries:
+            validator = validators.get(entry.token)
+            if validator is None:
+                config = mc.ModelConfig.FromString(entry.config)
+                validator = validators[entry.token] = RequestValidator(config)
+            versions[entry.model, entry.version] = _Version(entry.token, validator)
+        self._versions = versions
+
+    async def describe(self, message: bytes) -> DescribedRequest | None:
+        """The ModelInferRequest in `message` as a descriptor; None: pass it on as bytes
+        (over the wire limits, unparsable, not on a described version, carrying parameters
+        only the parent handles, or refused by validation)."""
+        if not self._versions or request_problem(message)[0]:
+            return None
+        try:
+            request = pb.ModelInferRequest.FromString(message)
+        except DecodeError:
+            return None
+        version = self._versions.get((request.model_name, request.model_version))
+        if version is None or not _plain(request):
+            return None
+        try:
+            job = await decoded(version.validator.admit(request))
+        except ServiceError:
+            return None
+        if not fits(request.id, job.priority):
+            return None
+        return DescribedRequest(
+            version.token,
+            request.model_name,
+            request.model_version,
+            request.id,
+            job.inputs,
+            job.outputs,
+            job.priority,
+            job.timeout_s,
+        )
+
+
+def _plain(request: pb.ModelInferRequest) -> bool:
+    """No parameters but the scheduling ones: shared-memory regions, sequences and the like
+    are the parent's."""
+    return (
+        set(request.parameters) <= SCHEDULING_PARAMETERS
+        and not any(tensor.parameters for tensor in request.inputs)
+        and not any(tensor.parameters for tensor in request.outputs)
+    )
+
+
+def answer_message(payload: bytes) -> bytes:
+    """The ModelInferResponse for a described answer, serialized, as the servicer builds it."""
+    answer = decode_answer(payload)
+    response = stream_responses.infer_response(
+        answer.model_name, answer.model_version, answer.id, answer.outputs
+    )
+    if answer.fallback:
+        response.parameters["fallback"].bool_param = True
+    return response.SerializeToString()

@@ -1,0 +1,283 @@
+"""`--frontends 2`: ModelInfer calls on served versions go to the parent as descriptors the
+front-end decoded and validated, counted in paddlequic_frontend_described_calls_total. Their
+answers are the model's; the calls the front-end does not describe (bad requests, shared
+memory, unknown models) are answered exactly as a single process answers them (code and
+message), and every call is counted once in the request metrics. A reload or an unload while
+calls run leaves no call answered by a version it was not validated for."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request
+from clients.quic_channel import QuicChannel
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from tests.e2e import test_lifecycle as lifecycle
+from tests.reference import assert_matches_reference, call_inputs
+from tests.servers import ServerProcess, model_repository, paused, running_server
+
+pytestmark = pytest.mark.e2e
+
+KEY = "described-test-key"
+HEADER = (("triton-grpc-protocol-infer-key", KEY),)
+RESTRICTED = ["--restricted-protocol", f"inference:infer-key={KEY}"]
+CALLS = 12
+MAX_MESSAGE = 1 << 20
+FRAME_OVERHEAD = 1 << 20  # service/frontends/link.py
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[dict[int, ServerProcess]]:
+    """A single process and one with two front-ends, both restricting inference."""
+    root = tmp_path_factory.mktemp("described")
+    repository = model_repository(root / "models", ["mlp", "text_classifier"])
+    args = ["--certs-dir", str(certs_dir), "--max-message-bytes", str(MAX_MESSAGE), *RESTRICTED]
+    with (
+        running_server(repository, root / "one.log", [*args, "--frontends", "1"]) as one,
+        running_server(repository, root / "two.log", [*args, "--frontends", "2"]) as two,
+    ):
+        yield {1: one, 2: two}
+
+
+def counter(server: ServerProcess, name: str, **labels: str) -> float:
+    """The sum of a counter's samples whose labels include `labels`."""
+    return sum(
+        sample.value
+        for sample in server.metrics()
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def described(server: ServerProcess, transport: str) -> float:
+    return counter(server, "paddlequic_frontend_described_calls_total", transport=transport)
+
+
+def answered(server: ServerProcess, transport: str, code: str) -> float:
+    return counter(
+        server, "paddlequic_requests_total", rpc="ModelInfer", transport=transport, code=code
+    )
+
+
+def calls(server: ServerProcess) -> float:
+    """ModelInfer calls over HTTP/2 the server finished, whatever their status."""
+    return counter(server, "paddlequic_requests_total", rpc="ModelInfer", transport="h2")
+
+
+async def infer_calls(
+    stub: Any, server_calls: range, metadata: tuple[tuple[str, str], ...] = HEADER
+) -> None:
+    """Calls with inputs of their own, concurrently; each answer checked against Paddle's."""
+
+    async def one(call: int) -> None:
+        inputs = call_inputs("mlp", call)
+        request = build_request("mlp", inputs, request_id=f"call-{call}")
+        response = await stub.ModelInfer(request, timeout=30, metadata=metadata)
+        assert response.id == f"call-{call}"
+        assert (response.model_name, response.model_version) == ("mlp", "1")
+        assert_matches_reference("mlp", inputs, response)
+
+    await asyncio.gather(*(one(call) for call in server_calls))
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_model_infer_goes_as_a_descriptor_and_is_counted_once(
+    servers: dict[int, ServerProcess], certs_dir: Path, transport: str
+) -> None:
+    server = servers[2]
+    before = (described(server, transport), answered(server, transport, "OK"))
+    if transport == "h2":
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            await infer_calls(pb_grpc.GRPCInferenceServiceStub(channel), range(CALLS))
+    else:
+        quic = QuicChannel(f"localhost:{server.port}", ca_file=str(certs_dir / "ca.pem"))
+        try:
+            await infer_calls(pb_grpc.GRPCInferenceServiceStub(quic), range(CALLS))
+        finally:
+            await quic.close()
+    after = (described(server, transport), answered(server, transport, "OK"))
+    assert (after[0] - before[0], after[1] - before[1]) == (CALLS, CALLS)
+
+
+def _good() -> pb.ModelInferRequest:
+    return build_request("mlp", {"input": np.ones((2, 256), np.float32)})
+
+
+def _edited(edit: Callable[[pb.ModelInferRequest], object]) -> bytes:
+    request = _good()
+    edit(request)
+    return request.SerializeToString()
+
+
+BAD_REQUESTS: dict[str, bytes] = {
+    "unknown model": _edited(lambda r: setattr(r, "model_name", "nope")),
+    "version not served": _edited(lambda r: setattr(r, "model_version", "7")),
+    "wrong datatype": _edited(lambda r: setattr(r.inputs[0], "datatype", "FP64")),
+    "wrong rank": _edited(lambda r: r.inputs[0].shape.append(1)),
+    "short contents": _edited(lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 12)),
+    "unknown input": _edited(lambda r: setattr(r.inputs[0], "name", "other")),
+    "unknown output": _edited(lambda r: r.outputs.add(name="nothing")),
+    "bad priority": _edited(lambda r: r.parameters["priority"].__setattr__("string_param", "x")),
+    "unregistered region": _edited(
+        lambda r: r.inputs[0].parameters["shared_memory_region"].__setattr__("string_param", "x")
+    ),
+    "not protobuf": b"\xff\xff\xff",
+    "too many outputs": _edited(lambda r: [r.outputs.add(name="o") for _ in range(1100)]),
+}
+
+
+def _status(server: ServerProcess, message: bytes, metadata: Any = HEADER) -> tuple[str, str]:
+    call = server.channel.unary_unary(MODEL_INFER, None, None)
+    with pytest.raises(grpc.RpcError) as caught:
+        call(message, timeout=30, metadata=metadata)
+    error: Any = caught.value
+    return error.code().name, error.details()
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_REQUESTS))
+def test_refusals_are_the_single_process_ones(servers: dict[int, ServerProcess], bad: str) -> None:
+    """Passed on as bytes and answered by the parent as it always did: same code, same
+    message, counted once."""
+    before = {n: (calls(s), described(s, "h2")) for n, s in servers.items()}
+    statuses = {n: _status(s, BAD_REQUESTS[bad]) for n, s in servers.items()}
+    assert statuses[1] == statuses[2]
+    assert statuses[1][0] != "OK"
+    after = {n: (calls(s), described(s, "h2")) for n, s in servers.items()}
+    assert {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in servers} == {
+        1: (1, 0),
+        2: (1, 0),
+    }
+
+
+def test_restricted_inference_without_the_header_is_refused_alike(
+    servers: dict[int, ServerProcess],
+) -> None:
+    message = _good().SerializeToString()
+    before = described(servers[2], "h2")
+    statuses = {n: _status(s, message, metadata=()) for n, s in servers.items()}
+    assert statuses[1] == statuses[2]
+    assert statuses[2][0] == "UNAUTHENTICATED"
+    assert described(servers[2], "h2") - before == 1  # described, refused by the parent
+
+
+def _described_once(server: ServerProcess) -> bool:
+    """Whether one call now goes as a descriptor (the front-end's view holds the version)."""
+    before = described(server, "h2")
+    server.stub.ModelInfer(lifecycle.REQUEST, timeout=30)
+    return described(server, "h2") - before == 1
+
+
+def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
+    """A reload under load fails no call and mixes no versions; the front-ends then describe
+    calls on the new version; after an unload a call gets the single process's error."""
+    repo = lifecycle.repository(tmp_path / "models")
+    args = ["--model-control-mode", "explicit", "--load-model", "mlp", "--no-h3"]
+    with running_server(repo, tmp_path / "log", [*args, "--frontends", "2"]) as server:
+        lifecycle.eventually(lambda: _described_once(server), "a described call")
+        with lifecycle.Load(server) as load:
+            lifecycle.publish(repo, 2)
+            server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+            swapped_at = len(load.answers)
+            lifecycle.eventually(
+                lambda: len(load.answers) > swapped_at + 4 * lifecycle.CLIENTS, "answers after swap"
+            )
+        assert load.failures == []
+        outputs = {v: {out for version, out in load.answers if version == v} for v in "12"}
+        assert len(outputs["1"]) == 1 and len(outputs["2"]) == 1  # each from one version
+        assert all(v == "2" for v, _ in load.answers[swapped_at + 2 * lifecycle.CLIENTS :])
+        lifecycle.eventually(lambda: _described_once(server), "a described call on version 2")
+
+        server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mlp"))
+        before = calls(server)
+        for version in ("", "2"):
+            request = build_request(
+                "mlp", {"input": np.ones((1, 256), np.float32)}, version=version
+            )
+            assert _status(server, request.SerializeToString(), metadata=()) == (
+                "UNAVAILABLE",
+                "model 'mlp' was unloaded; load it again with RepositoryModelLoad",
+            )
+        assert calls(server) - before == 2
+
+        server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
+        lifecycle.eventually(lambda: _described_once(server), "a described call after loading")
+
+
+def _typed_contents(request: pb.ModelInferRequest) -> None:
+    request.ClearField("raw_input_contents")
+    request.inputs[0].contents.fp32_contents.extend([0.5] * 512)
+
+
+UNUSUAL_REQUESTS: dict[str, bytes] = {
+    "id past a descriptor's text": _edited(lambda r: setattr(r, "id", "i" * 70_000)),
+    "priority past 63 bits": _edited(
+        lambda r: r.parameters["priority"].__setattr__("uint64_param", 2**64 - 1)
+    ),
+    "typed contents": _edited(_typed_contents),
+}
+
+
+def _outcome(server: ServerProcess, message: bytes) -> tuple[str, str]:
+    call = server.channel.unary_unary(MODEL_INFER, None, None)
+    try:
+        answer = pb.ModelInferResponse.FromString(call(message, timeout=30, metadata=HEADER))
+    except grpc.RpcError as exc:
+        error: Any = exc
+        return error.code().name, error.details()
+    return "OK", f"{answer.id[:20]} {len(answer.id)} {answer.raw_output_contents[0].hex()}"
+
+
+@pytest.mark.parametrize("unusual", sorted(UNUSUAL_REQUESTS))
+def test_unusual_requests_get_the_single_process_answer(
+    servers: dict[int, ServerProcess], unusual: str
+) -> None:
+    outcomes = {n: _outcome(s, UNUSUAL_REQUESTS[unusual]) for n, s in servers.items()}
+    assert outcomes[1] == outcomes[2]
+
+
+def test_a_descriptor_larger_than_its_message_goes_as_bytes(
+    servers: dict[int, ServerProcess],
+) -> None:
+    """Typed INT64 zeros take 1 byte each in the message and 8 as raw bytes: a descriptor past
+    the dispatch frame limit would break the front-end's link; it goes as the message."""
+    tokens = 300_000
+    request = pb.ModelInferRequest(model_name="text_classifier")
+    tensor = request.inputs.add(name="token_ids", datatype="INT64", shape=[1, tokens])
+    tensor.contents.int64_contents.extend([0] * tokens)
+    message = request.SerializeToString()
+    assert len(message) < MAX_MESSAGE and tokens * 8 > MAX_MESSAGE + FRAME_OVERHEAD
+    before = described(servers[2], "h2")
+    outcomes = {n: _outcome(s, message) for n, s in servers.items()}
+    assert outcomes[1] == outcomes[2]
+    assert described(servers[2], "h2") == before
+    assert counter(servers[2], "paddlequic_frontend_restarts_total") == 0
+
+
+@pytest.mark.parametrize("frontends", [1, 2])
+async def test_a_described_call_past_its_deadline_ends_everywhere(
+    servers: dict[int, ServerProcess], frontends: int
+) -> None:
+    """The worker held still: the call ends DEADLINE_EXCEEDED, as on a single process, it is
+    counted once, and nothing stays in flight in the parent once the worker goes on."""
+    server = servers[frontends]
+    (instance,) = server.instances("mlp")
+    before = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with paused(instance.pid), pytest.raises(grpc.aio.AioRpcError) as late:
+            await stub.ModelInfer(_good(), timeout=1.0, metadata=HEADER)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await infer_calls(stub, range(CALLS, CALLS + 2))  # the worker answers again
+    after = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
+    assert (after[0] - before[0], after[1] - before[1]) == ((frontends > 1) * 3, 1)
+    assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0
