@@ -251,7 +251,9 @@ class Row:
     across_p99_ms: float
     across_max_ms: float
     extra_max_ms: float  # across_max_ms - steady_median_ms
+    typical_move_ms: float  # the median over the moves of each one's slowest call
     forwarded_datagrams: float  # passed from one front-end to the other
+    slowest_per_move_ms: list[float]
 
 
 def row(
@@ -260,11 +262,15 @@ def row(
     calls = [Call(**c) for c in result["calls"]]
     windows = [tuple(w) for w in result["moves"]]
     answered = [c for c in calls if not c.error]
+    slowest = [0.0] * len(windows)
     across: list[float] = []
     steady: list[float] = []
     for c in answered:
-        moved = any(c.start < end + WINDOW_S and c.end > began for began, end in windows)
-        (across if moved else steady).append((c.end - c.start) * 1e3)
+        latency = (c.end - c.start) * 1e3
+        moved = [c.start < end + WINDOW_S and c.end > began for began, end in windows]
+        for i in (i for i, hit in enumerate(moved) if hit):
+            slowest[i] = max(slowest[i], latency)
+        (across if any(moved) else steady).append(latency)
     median = statistics.median(steady)
     worst = max(across, default=0.0)
     return Row(
@@ -283,12 +289,16 @@ def row(
         round(_p99(across), 2),
         round(worst, 2),
         round(worst - median, 2),
+        round(statistics.median(slowest), 2) if slowest else 0.0,
         crossed,
+        [round(v, 2) for v in slowest],
     )
 
 
 def _p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100)[-1] if len(values) > 1 else max(values, default=0)
+    if len(values) < 2:
+        return max(values, default=0.0)
+    return statistics.quantiles(values, n=100, method="inclusive")[-1]
 
 
 def run_lab(
@@ -329,7 +339,7 @@ def run_lab(
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "scenario frontends RTT ms moves | completed lost kept | steady median  p99 ms "
-        "| across n  p99 ms  max ms  extra ms | forwarded"
+        "| across n  p99 ms  max ms  extra ms | typical move ms | forwarded"
     ]
     for r in rows:
         lines.append(
@@ -337,7 +347,8 @@ def table(rows: Sequence[Row]) -> str:
             f"{r.completed:>9} {r.lost:>4} {'yes' if r.kept_connection else 'NO':>4} | "
             f"{r.steady_median_ms:>13.1f} {r.steady_p99_ms:>7.1f} | "
             f"{r.across:>8} {r.across_p99_ms:>7.1f} "
-            f"{r.across_max_ms:>7.1f} {r.extra_max_ms:>9.1f} | {r.forwarded_datagrams:>9g}"
+            f"{r.across_max_ms:>7.1f} {r.extra_max_ms:>9.1f} | {r.typical_move_ms:>15.1f} | "
+            f"{r.forwarded_datagrams:>9g}"
         )
     return "\n".join(lines)
 
