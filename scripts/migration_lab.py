@@ -61,7 +61,6 @@ CALL_DEADLINE_S = 5.0  # a call not answered by then is lost
 WARM_S = 1.0  # calls before the first move
 WINDOW_S = 0.1  # calls started this long after a move still count as across it
 METRICS_PORT = 8002  # the server's default, on its namespace's loopback
-REPORT_WAIT_S = 1.5  # front-ends report their counters to the parent every second
 _DONE = "done"
 
 
@@ -308,6 +307,8 @@ def run_lab(
     moves: int,
     every_s: float,
 ) -> list[Row]:
+    from service.frontends.frontend import REPORT_EVERY_S
+
     rows: list[Row] = []
     for count in frontends:
         with (
@@ -327,7 +328,7 @@ def run_lab(
                         for scenario in scenarios:
                             before = forwarded(link)
                             result = _run_client(link, ca_file, scenario, moves, every_s)
-                            time.sleep(REPORT_WAIT_S)
+                            time.sleep(REPORT_EVERY_S + 0.5)  # the front-ends' next report
                             crossed = forwarded(link) - before
                             rows.append(row(scenario, count, rtt, result, crossed))
                             print(table(rows[-1:]).splitlines()[-1], flush=True)
