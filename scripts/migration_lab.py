@@ -326,10 +326,11 @@ def run_lab(
                         link.set_delay(rtt / 2)
                         check_link(link, rtt)
                         for scenario in scenarios:
-                            before = forwarded(link)
+                            before = forwarded(link) if count > 1 else 0.0
                             result = _run_client(link, ca_file, scenario, moves, every_s)
-                            time.sleep(REPORT_EVERY_S + 0.5)  # the front-ends' next report
-                            crossed = forwarded(link) - before
+                            if count > 1:  # one front-end forwards nothing
+                                time.sleep(REPORT_EVERY_S + 0.5)  # the front-ends' next report
+                            crossed = forwarded(link) - before if count > 1 else 0.0
                             rows.append(row(scenario, count, rtt, result, crossed))
                             print(table(rows[-1:]).splitlines()[-1], flush=True)
                 finally:

@@ -25,7 +25,7 @@ def test_calls_survive_address_changes_with_one_and_two_frontends() -> None:
     problem = _preflight()
     if problem is not None:
         pytest.skip(problem)
-    rows = run_lab(("rebind", "move"), (1, 2), (0.0,), MOVES, every_s=0.2)
+    rows = run_lab(("rebind", "move"), (1, 2), (0.0,), MOVES, every_s=0.15)
     assert [(r.scenario, r.frontends) for r in rows] == [
         ("rebind", 1),
         ("move", 1),
