@@ -17,7 +17,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback lab-migration chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -36,6 +36,7 @@ help:
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
 	@echo "make lab-udp-fallback  an auto:// client on a link that drops UDP, then lets it through (root)"
+	@echo "make lab-migration  calls across client address changes (NAT rebinding, a move), --frontends 1 and 2 (root; writes bench-results/)"
 	@echo "make setup [GPU=1]  install into .venv (GPU=1: paddlepaddle-gpu)"
 	@echo "make models  export the example model repository into $(MODELS)/"
 	@echo "make certs   create a development CA and server certificate in $(CERTS)/"
@@ -112,6 +113,9 @@ lab-replicas: setup models
 
 lab-udp-fallback: setup models
 	$(BIN)/python -m scripts.udp_fallback_lab
+
+lab-migration: setup models
+	$(BIN)/python -m scripts.migration_lab $(ARGS)
 
 chaos: setup models
 	$(BIN)/python -m tests.chaos $(ARGS)

@@ -11,12 +11,10 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -27,6 +25,8 @@ from clients.quic_channel import QuicChannel
 from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from scripts.migration_lab import forwarded_datagrams
+from scripts.nat_rebinding import rebind
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
@@ -191,24 +191,8 @@ def test_sighup_to_every_process_reloads_once(server: ServerProcess) -> None:
     )
 
 
-async def rebind(channel: QuicChannel) -> None:
-    """The client's address changes (a NAT rebinding): its connection goes on from a new
-    UDP socket, so a new port, which the kernel may hash to the other front-end."""
-    protocol: Any = (await channel.connection()).protocol
-    old = protocol._transport
-    family = old.get_extra_info("socket").family  # aioquic's client binds "::" (dual stack)
-    await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: protocol, local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0)
-    )
-    old.set_protocol(asyncio.DatagramProtocol())  # closing it must not end the connection
-    old.close()
-
-
 def forwarded(server: ServerProcess) -> float:
-    found = re.search(
-        r"^paddlequic_frontend_datagrams_forwarded_total (\S+)$", metrics(server), re.M
-    )
-    return float(found.group(1)) if found else 0.0
+    return forwarded_datagrams(metrics(server))
 
 
 async def test_a_client_whose_address_changes_keeps_its_connection(

@@ -26,11 +26,23 @@ from transport.h3.stream import H3Stream
 from transport.h3.stream_state import StreamClosed
 
 DEFAULT_UNRESPONSIVE_S = 10.0
-PROBE_AFTER_S = 1.0  # silence, with calls in flight, after which a PING asks for an answer
+# Silence, with calls in flight, after which a PING asks for an answer. It also bounds how
+# long the server goes on sending to an address the client lost (a NAT rebinding, a move to
+# another network) while calls wait for their responses: the client has nothing else to send,
+# and its PING, from the new address, is what tells the server where the client is now.
+PROBE_AFTER_S = 0.25
 
 
 def probe_every(unresponsive_s: float) -> float:
     return min(PROBE_AFTER_S, unresponsive_s / 4)
+
+
+def next_check_in(verdict: Literal["wait", "ping"], silent: float, unresponsive_s: float) -> float:
+    """Seconds until the silence is looked at again: when it reaches the probe interval (a
+    whole interval later would let it grow to nearly twice that before the PING), then every
+    interval while it lasts."""
+    probe = probe_every(unresponsive_s)
+    return probe - silent if verdict == "wait" else probe
 
 
 def liveness(
@@ -77,6 +89,8 @@ class _ClientProtocol(GrpcH3Protocol):
         super().connection_made(transport)
         udp.enlarge_receive_buffer(transport.get_extra_info("socket"))
         if self._unresponsive_s:
+            if self._liveness is not None:  # the connection moved to a new socket
+                self._liveness.cancel()
             self._liveness = self._loop.call_later(self._probe_s, self._check_liveness)
 
     @property
@@ -93,6 +107,7 @@ class _ClientProtocol(GrpcH3Protocol):
             return
         assert self._unresponsive_s
         now = self._loop.time()
+        check_in = self._probe_s
         if not self.streams:
             self._busy_since = None
         else:
@@ -105,7 +120,8 @@ class _ClientProtocol(GrpcH3Protocol):
             if verdict == "ping":
                 self._quic.send_ping(0)
                 self.transmit()
-        self._liveness = self._loop.call_later(self._probe_s, self._check_liveness)
+            check_in = next_check_in(verdict, silent, self._unresponsive_s)
+        self._liveness = self._loop.call_later(check_in, self._check_liveness)
 
     def _give_up(self, reason: str) -> None:
         """Fail the calls now (aioquic reports its own close only after a closing period)."""

@@ -28,6 +28,7 @@ from transport.h3.aioquic.client_auth import ClientAuth, request_client_certific
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.connection_ids import tag_connection_ids
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
+from transport.h3.aioquic.migration import resend_after_migration
 from transport.h3.aioquic.new_token import send_new_token
 from transport.h3.aioquic.quic_server import Admission, AdmittingQuicServer
 from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
@@ -89,6 +90,7 @@ class _ServerProtocol(GrpcH3Protocol):
         server: H3Server,
     ) -> None:
         super().__init__(quic, settings=settings)
+        resend_after_migration(quic)
         self.server = server
         # aioquic installs the 1-RTT keys and queues HandshakeCompleted together, so a request
         # seen before that event arrived as 0-RTT early data.
