@@ -4,12 +4,11 @@ fast and never load server code."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from clients import __version__
 from clients.perf.command import add_arguments as add_perf_arguments
+from clients.server_commands import SIGNING_HANDLERS, add_signing_parsers, serve, topology
 
 DEFAULT_URL = os.environ.get("PADDLEQUIC_URL", "grpc://localhost:8001")
 DEFAULT_CA_FILE = os.environ.get("PADDLEQUIC_CA_FILE") or (
@@ -27,33 +27,6 @@ DEFAULT_CLIENT_CERT = os.environ.get("PADDLEQUIC_CLIENT_CERT") or None
 DEFAULT_CLIENT_KEY = os.environ.get("PADDLEQUIC_CLIENT_KEY") or None
 # NAME=VALUE pairs separated by `;`: secrets stay out of the command line (visible in ps).
 DEFAULT_HEADERS = [h for h in os.environ.get("PADDLEQUIC_HEADERS", "").split(";") if h.strip()]
-
-
-@contextlib.contextmanager
-def _server_extra(command: str) -> Iterator[None]:
-    """`pip install paddlequic` installs the client only: server commands then stop with one
-    line saying what to install instead of a traceback."""
-    try:
-        yield
-    except ModuleNotFoundError as exc:
-        raise SystemExit(
-            f"error: `paddlequic {command}` needs the server, which this install lacks "
-            f"(no module {exc.name!r}): pip install 'paddlequic[server]'"
-        ) from None
-
-
-def _serve(argv: Sequence[str]) -> int:
-    with _server_extra("serve"):
-        from service.server import main as serve_main
-
-    return serve_main(argv)
-
-
-def _topology(argv: Sequence[str]) -> int:
-    with _server_extra("topology"):  # NVML is imported when the command runs
-        from service.topology_command import main as topology_main
-
-        return topology_main(argv)
 
 
 def _client(args: argparse.Namespace, tickets: Any = None, policy: Any = None) -> Any:
@@ -109,70 +82,6 @@ def _certs(args: argparse.Namespace) -> int:
         print(f"client certificate {name!r}: {cert}, key {key} (mode 0600)")
         print(f"  paddlequic infer --client-cert {cert} --client-key {key} ...")
     return 0
-
-
-def _keygen(args: argparse.Namespace) -> int:
-    with _server_extra("keygen"):
-        from service.lifecycle.signing import generate_keys
-
-    private = Path(args.out).with_suffix(".key")
-    public = private.with_suffix(".pub")
-    fingerprint = generate_keys(private, public)
-    print(f"ECDSA P-256 key {fingerprint[:16]}: private {private} (mode 0600, keep it secret)")
-    print(f"public {public}: copy it into the server's --trusted-keys directory")
-    return 0
-
-
-def _sign(args: argparse.Namespace) -> int:
-    with _server_extra("sign"):
-        from service.lifecycle.signing import sign
-
-    print(f"signed: {sign(Path(args.model_dir), Path(args.key))}")
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    """Each version as the server checks it at load."""
-    with _server_extra("verify"):
-        from service.lifecycle.repository import RepositoryError, read_config
-        from service.lifecycle.signing import SignatureError, TrustError, check_version, load_trust
-        from service.model.files import ENSEMBLE
-
-    model_dir = Path(args.model_dir)
-    try:
-        trust = load_trust(
-            Path(args.trusted_keys) if args.trusted_keys else None,
-            Path(args.trusted_ca) if args.trusted_ca else None,
-        )
-        versions = sorted(
-            int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()
-        )
-    except (TrustError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        # An ensemble has no files: version 1 stands for its config without version directories.
-        ensemble = read_config(model_dir, model_dir.name).platform == ENSEMBLE
-    except RepositoryError as exc:
-        print(f"REFUSED: {exc}", file=sys.stderr)
-        return 1
-    if ensemble:
-        versions = versions or [1]
-    if not versions:
-        print(f"REFUSED: {model_dir} has no version directories", file=sys.stderr)
-        return 1
-    refused = 0
-    for version in versions:
-        try:
-            signer = check_version(
-                model_dir, model_dir.name, version, trust, None, ensemble=ensemble
-            )
-        except SignatureError as exc:
-            print(f"REFUSED version {version}: {exc}", file=sys.stderr)
-            refused += 1
-            continue
-        print(f"OK version {version}: signed by {signer}; config.pbtxt and every file match")
-    return 1 if refused else 0
 
 
 def random_inputs(
@@ -355,17 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also issue a client certificate NAME (mutual TLS), repeatable: "
         "DIR/client-NAME.pem and DIR/client-NAME-key.pem",
     )
-    keygen = sub.add_parser("keygen", help="create an ECDSA P-256 key pair for signing models")
-    keygen.add_argument("--out", default="model-signing", help="NAME: writes NAME.key, NAME.pub")
-    sign = sub.add_parser(
-        "sign", help="sign a model directory (OpenSSF model-signing): writes MODEL/model.sig"
-    )
-    sign.add_argument("model_dir")
-    sign.add_argument("--key", required=True, help="the private key (PEM) from keygen")
-    verify = sub.add_parser("verify", help="check a model's versions as the server would")
-    verify.add_argument("model_dir")
-    verify.add_argument("--trusted-keys", help="directory of public keys (*.pem, *.pub)")
-    verify.add_argument("--trusted-ca", help="PEM file of CA certificates")
+    add_signing_parsers(sub)
     client_command("models", "list the model repository and each version's state")
     health = client_command("health", "check server (or one model's) health")
     health.add_argument("--model", help="a model name; the whole server when omitted")
@@ -412,9 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.getLogger("quic").setLevel(logging.CRITICAL)  # errors reach the user as statuses
     if argv[:1] == ["serve"]:
-        return _serve(argv[1:])
+        return serve(argv[1:])
     if argv[:1] == ["topology"]:
-        return _topology(argv[1:])
+        return topology(argv[1:])
     args = build_parser().parse_args(argv)
     handlers = {
         "models": _models,
@@ -423,9 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": _generate,
         "perf": _perf,
         "certs": _certs,
-        "keygen": _keygen,
-        "sign": _sign,
-        "verify": _verify,
+        **SIGNING_HANDLERS,
     }
     try:
         return handlers[args.command](args)
