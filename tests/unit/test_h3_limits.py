@@ -235,3 +235,34 @@ def test_a_small_block_that_decodes_too_large_is_refused(peers: tuple[Peer, Peer
     exchange(client, server)
     assert [refused for refused, _ in server.refused] == [stream_id]
     assert requests_seen(server) == [] and not server.terminated
+
+
+def test_header_blocks_write_nothing_on_the_qpack_streams(peers: tuple[Peer, Peer]) -> None:
+    """Without a dynamic table neither end has QPACK instructions to send: a request and its
+    answer are written on their request stream only."""
+    client, server = peers
+    assert client.h3 is not None and server.h3 is not None
+    written: list[int] = []
+    for peer in (client, server):
+        record_writes(peer.quic, written)
+    stream_id = client.quic.get_next_available_stream_id()
+    client.h3.send_headers(stream_id, REQUEST, end_stream=True)
+    exchange(client, server)
+    assert requests_seen(server) == [stream_id]
+    server.h3.send_headers(stream_id, [(b":status", b"200")], end_stream=True)
+    exchange(client, server)
+    assert [e.headers for e in client.h3_events if isinstance(e, HeadersReceived)] == [
+        [(b":status", b"200")]
+    ]
+    assert written == [stream_id, stream_id]
+
+
+def record_writes(quic: QuicConnection, written: list[int]) -> None:
+    """Append the stream of every write to `written`, then write."""
+    send = quic.send_stream_data
+
+    def record(stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        written.append(stream_id)
+        send(stream_id, data, end_stream)
+
+    quic.send_stream_data = record  # type: ignore[method-assign]

@@ -30,6 +30,7 @@ from transport.h3.aioquic.connection_ids import limit_connection_ids
 from transport.h3.aioquic.credit import ReceiveCredit
 from transport.h3.aioquic.h3_connection import GrpcH3Connection
 from transport.h3.aioquic.lean_handshake import share_frame_epochs
+from transport.h3.aioquic.quiet_receive import arm_timer, nothing_to_send
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
 from transport.h3.stream_state import Headers, StreamClosed
@@ -84,11 +85,16 @@ class GrpcH3Protocol(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: object) -> None:
         """As aioquic's, but transmitting once per event-loop turn rather than once per
-        datagram: under load many datagrams arrive together, and every transmit walks all
-        streams."""
-        receive_datagram(self._quic, cast(bytes, data), cast(Any, addr), self._loop.time())
+        datagram (under load many datagrams arrive together, and every transmit walks all
+        streams), and not at all when there is nothing to send yet (quiet_receive.py)."""
+        now = self._loop.time()
+        receive_datagram(self._quic, cast(bytes, data), cast(Any, addr), now)
         self._process_events()
-        self._transmit_soon()
+        if self._transmit_task is None:
+            if nothing_to_send(self._quic, self.credit, now):
+                arm_timer(self)
+            else:
+                self._transmit_soon()
         self.wake_senders()
 
     def quic_event_received(self, event: events.QuicEvent) -> None:

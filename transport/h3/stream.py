@@ -126,7 +126,8 @@ class H3Stream:
             self.protocol.credit.received(self.stream_id, held - self._credited)
         elif held < self._credited:
             self.protocol.credit.consumed(self.stream_id, self._credited - held)
-            self.protocol.transmit_soon()
+            if self.protocol.credit.due(self.stream_id):
+                self.protocol.transmit_soon()
         self._credited = held
 
     # what a call uses

@@ -9,7 +9,8 @@ the package refuses to load with any other version (here, which every submodule'
 runs first): a silent mismatch would corrupt flow control.
 
 Besides these, subclasses of aioquic's `QuicConnectionProtocol` use its `_quic`, `_loop`,
-`_process_events` and `_transmit_soon` members, as aioquic's own examples do.
+`_process_events`, `_transmit_soon` and `_transmit_task` members, as aioquic's own examples
+do (`quiet_receive` also re-arms its timer).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from collections import defaultdict
 from aioquic.quic.connection import (
     CONNECTION_LIMIT_FRAME_CAPACITY,
     MAX_STREAM_DATA_FRAME_CAPACITY,
+    Limit,
     QuicConnection,
 )
 from aioquic.quic.packet import QuicFrameType
@@ -89,6 +90,19 @@ class ReceiveCredit:
         half_window = stream_window // 2
 
         # Called for every stream in every packet aioquic builds: kept lean.
+        def request_stream_limit(stream_id: int, stream: QuicStream) -> int | None:
+            """The limit the next packet has for a request stream; None: it gets no credit
+            (stopped, or one that receives nothing)."""
+            local = stream.max_stream_data_local
+            if not local or stream_id in stopped:
+                return None
+            need = in_progress.get(stream_id, 0)
+            held = unconsumed.get(stream_id, 0)
+            window = need if need > stream_window and stream_id == self._promoted else stream_window
+            return credit_limit(
+                local, stream.receiver.highest_offset, held, window, half_window, held <= need
+            )
+
         def write_stream_limits(
             conn: QuicConnection, builder: QuicPacketBuilder, space: object, stream: QuicStream
         ) -> None:
@@ -96,15 +110,10 @@ class ReceiveCredit:
             if stream_id is None or stream_id & 2:
                 original_stream_limits(builder, space, stream)  # type: ignore[arg-type]
                 return
-            local = stream.max_stream_data_local
-            if not local or stream_id in stopped:
+            local = request_stream_limit(stream_id, stream)
+            if local is None:
                 return
-            need = in_progress.get(stream_id, 0)
-            held = unconsumed.get(stream_id, 0)
-            window = need if need > stream_window and stream_id == self._promoted else stream_window
-            stream.max_stream_data_local = local = credit_limit(
-                local, stream.receiver.highest_offset, held, window, half_window, held <= need
-            )
+            stream.max_stream_data_local = local
             if stream.max_stream_data_local_sent != local:
                 self._send_stream_credit(builder, stream)
 
@@ -113,6 +122,7 @@ class ReceiveCredit:
         ) -> None:
             self._write_connection_credit(builder)
 
+        self._request_stream_limit = request_stream_limit
         quic._write_stream_limits = types.MethodType(write_stream_limits, quic)  # type: ignore[method-assign]
         quic._write_connection_limits = types.MethodType(write_connection_limits, quic)  # type: ignore[method-assign]
 
@@ -169,15 +179,45 @@ class ReceiveCredit:
         buf.push_uint_var(stream.max_stream_data_local)
         stream.max_stream_data_local_sent = stream.max_stream_data_local
 
-    def _write_connection_credit(self, builder: QuicPacketBuilder) -> None:
+    def due(self, stream_id: int) -> bool:
+        """The next packet would carry credit for the stream or the connection: what the
+        application just consumed is worth a packet now (most reads are not: credit is
+        granted in batches)."""
+        stream = self.quic._streams.get(stream_id)
+        return (stream is not None and self.stream_due(stream)) or self.connection_due(0, 0)
+
+    def stream_due(self, stream: QuicStream) -> bool:
+        """The next packet would carry MAX_STREAM_DATA for `stream`."""
+        stream_id = stream.stream_id
+        local = stream.max_stream_data_local
+        if stream_id is None or stream_id & 2:  # aioquic's rule (`_write_stream_limits`)
+            return (bool(local) and stream.receiver.highest_offset * 2 > local) or (
+                stream.max_stream_data_local_sent != local
+            )
+        limit = self._request_stream_limit(stream_id, stream)
+        return limit is not None and limit != stream.max_stream_data_local_sent
+
+    def connection_due(self, discarded_bidi: int, discarded_uni: int) -> bool:
+        """The next packet would carry MAX_DATA, or MAX_STREAMS once aioquic discards that
+        many finished streams the peer opened (each lets it open one more)."""
         quic = self.quic
-        max_data = quic._local_max_data
+        if self._connection_limit() != quic._local_max_data.sent:
+            return True
+        return _max_streams_due(
+            quic._local_max_streams_bidi, quic._local_max_streams_bidi.value + discarded_bidi
+        ) or _max_streams_due(
+            quic._local_max_streams_uni, quic._local_max_streams_uni.value + discarded_uni
+        )
+
+    def _connection_limit(self) -> int:
+        """The MAX_DATA limit the next packet has."""
+        max_data = self.quic._local_max_data
         window = self.connection_window
         held = self._total_unconsumed
         if self._promoted is not None:
             window += self._in_progress[self._promoted]
             held = min(held, self.connection_window + self._unconsumed.get(self._promoted, 0))
-        max_data.value = credit_limit(
+        return credit_limit(
             max_data.value,
             max_data.used,
             held,
@@ -185,10 +225,18 @@ class ReceiveCredit:
             self.connection_window // 2,
             True,  # whatever the streams hold, the peer is never kept from what it may send
         )
+
+    def _write_connection_credit(self, builder: QuicPacketBuilder) -> None:
+        quic = self.quic
+        max_data = quic._local_max_data
+        max_data.value = self._connection_limit()
         for limit in (max_data, quic._local_max_streams_bidi, quic._local_max_streams_uni):
-            if limit is not max_data and limit.sent - limit.used >= limit.value - limit.sent:
-                continue  # batch MAX_STREAMS as aioquic does
-            if limit.value != limit.sent:
+            due = (
+                limit.value != limit.sent
+                if limit is max_data
+                else _max_streams_due(limit, limit.value)
+            )
+            if due:
                 buf = builder.start_frame(
                     limit.frame_type,
                     capacity=CONNECTION_LIMIT_FRAME_CAPACITY,
@@ -197,3 +245,9 @@ class ReceiveCredit:
                 )
                 buf.push_uint_var(limit.value)
                 limit.sent = limit.value
+
+
+def _max_streams_due(limit: Limit, value: int) -> bool:
+    """MAX_STREAMS raised to `value` goes out, batched as aioquic does: once the peer has
+    fewer streams left to open than the raise would add."""
+    return value != limit.sent and limit.sent - limit.used < value - limit.sent
