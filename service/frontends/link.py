@@ -1,5 +1,7 @@
 """One end of a dispatch connection (a unix socket between a front-end and the parent):
-frames in, routed by the subclass; frames out, buffered by asyncio and drained by senders."""
+frames in, routed by the subclass; frames out, gathered over one event-loop turn and written
+in one go (one syscall, one wakeup of the other end, for the frames of many calls), drained by
+senders."""
 
 from __future__ import annotations
 
@@ -33,16 +35,28 @@ class FrameConnection:
         self.max_payload = max_message + FRAME_OVERHEAD  # the largest frame either end takes
         self._decoder = FrameDecoder(self.max_payload)
         self.closed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._outgoing: list[bytes] = []  # frames sent this loop turn, written when it ends
 
     def send(self, kind: Kind, call_id: int, payload: bytes = b"") -> None:
-        if not self.closed.is_set():
-            self._writer.write(frame(kind, call_id, payload))
+        if self.closed.is_set():
+            return
+        if not self._outgoing:
+            self._loop.call_soon(self._flush)
+        self._outgoing.append(frame(kind, call_id, payload))
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, []
+        if outgoing and not self.closed.is_set():
+            self._writer.writelines(outgoing)
 
     def give_credit(self, call_id: int, count: int = 1) -> None:
         self.send(Kind.CREDIT, call_id, encode_count(count))
 
     async def drain(self) -> None:
-        """Wait while the socket's buffer is full (the other process is behind)."""
+        """Write what was sent; wait while the socket's buffer is full (the other process is
+        behind)."""
+        self._flush()
         with contextlib.suppress(ConnectionError):
             await self._writer.drain()
 
