@@ -7,6 +7,7 @@ the same way, on the described handler (described_infer.py), with no protobuf he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ log = logging.getLogger("paddlequic.frontends")
 
 TRANSPORTS = ("h2", "h3")
 STATS_QUERY_TIMEOUT_S = 1.0
+_NO_LIMIT = contextlib.nullcontext()
 
 
 class DispatchServer:
@@ -211,8 +213,11 @@ class _Call:
         if handler is None:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
         context = self.context = DispatchContext(self, handler)
+        # A described call waits only on the request path, which ends it at its deadline
+        # (one timer per call, not two); its front-end cancels it when the client goes.
+        limit = asyncio.timeout(opened.timeout) if self.admitted is None else _NO_LIMIT
         try:
-            async with asyncio.timeout(opened.timeout):
+            async with limit:
                 request = self.admitted or await _request(handler, context)
                 await run_behavior(handler, request, context)
         except TimeoutError:
