@@ -24,6 +24,8 @@ log = logging.getLogger("paddlequic.frontends")
 READ_SIZE = 256 << 10
 # Headroom over the largest message for a frame's other fields (metadata is bounded too).
 FRAME_OVERHEAD = 1 << 20
+# Frames gathered past this many bytes are written when a sender drains, not at the turn's end.
+FLUSH_BYTES = 64 << 10
 
 
 class FrameConnection:
@@ -37,16 +39,20 @@ class FrameConnection:
         self.closed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._outgoing: list[bytes] = []  # frames sent this loop turn, written when it ends
+        self._outgoing_bytes = 0
 
     def send(self, kind: Kind, call_id: int, payload: bytes = b"") -> None:
         if self.closed.is_set():
             return
         if not self._outgoing:
-            self._loop.call_soon(self._flush)
-        self._outgoing.append(frame(kind, call_id, payload))
+            self._loop.call_soon(self.flush)
+        data = frame(kind, call_id, payload)
+        self._outgoing.append(data)
+        self._outgoing_bytes += len(data)
 
-    def _flush(self) -> None:
-        outgoing, self._outgoing = self._outgoing, []
+    def flush(self) -> None:
+        """Write the frames sent so far now."""
+        outgoing, self._outgoing, self._outgoing_bytes = self._outgoing, [], 0
         if outgoing and not self.closed.is_set():
             self._writer.writelines(outgoing)
 
@@ -54,9 +60,11 @@ class FrameConnection:
         self.send(Kind.CREDIT, call_id, encode_count(count))
 
     async def drain(self) -> None:
-        """Write what was sent; wait while the socket's buffer is full (the other process is
-        behind)."""
-        self._flush()
+        """Wait while the socket's buffer is full (the other process is behind); frames
+        gathered past FLUSH_BYTES are written first, so what waits for the other end is
+        bounded."""
+        if self._outgoing_bytes >= FLUSH_BYTES:
+            self.flush()
         with contextlib.suppress(ConnectionError):
             await self._writer.drain()
 
