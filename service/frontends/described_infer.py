@@ -4,7 +4,6 @@ ModelInfer's own name, so metrics, logs and traces cannot tell the two paths apa
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -127,11 +126,10 @@ async def _job(served: ServedVersion, request: DescribedRequest) -> InferJob:
     started = time.perf_counter_ns()
     try:
         assert served.validator is not None
-        decoding = served.validator.check(request.inputs, request.outputs)
-        scheduled = dataclasses.replace(
-            decoding, priority=request.priority, timeout_s=request.timeout_s
+        decoding = served.validator.check(
+            request.inputs, request.outputs, request.priority, request.timeout_s
         )
-        return await decoded(scheduled)
+        return await decoded(decoding)
     except errors.ServiceError:
         served.stats.record_failure(time.perf_counter_ns() - started)
         raise

@@ -7,6 +7,7 @@ the same way, on the described handler (described_infer.py), with no protobuf he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ log = logging.getLogger("paddlequic.frontends")
 
 TRANSPORTS = ("h2", "h3")
 STATS_QUERY_TIMEOUT_S = 1.0
+_NO_LIMIT = contextlib.nullcontext()
 
 
 class DispatchServer:
@@ -170,16 +172,16 @@ class _Call:
         self.call_id = call_id
         self.opened = opened
         self.admitted = admitted  # a described call's request (None: its messages follow)
-        self.inbox = Inbox(link, call_id)
+        self.inbox = Inbox(link, call_id) if admitted is None else None
         self.window = Window()
         self.cancelled = False
         self.context: DispatchContext | None = None
         self.task: asyncio.Task[None] | None = None
 
     def received(self, kind: Kind, payload: bytes) -> None:
-        if kind is Kind.MESSAGE:
+        if kind is Kind.MESSAGE and self.inbox is not None:
             self.inbox.put(payload)
-        elif kind is Kind.HALF_CLOSE:
+        elif kind is Kind.HALF_CLOSE and self.inbox is not None:
             self.inbox.put(None)
         elif kind is Kind.CREDIT:
             self.window.give(decode_count(payload))
@@ -187,6 +189,12 @@ class _Call:
             self.cancel()
         else:
             raise ProtocolViolation(f"{kind.name} frame from a front-end")
+
+    def messages(self) -> Inbox:
+        """The call's messages; a described call came whole, with none to read."""
+        if self.inbox is None:
+            raise ServiceError(grpc.StatusCode.INTERNAL, "a described call has no messages")
+        return self.inbox
 
     def cancel(self) -> None:
         """The client is gone (or its front-end): the handler stops, nobody reads an answer."""
@@ -205,8 +213,11 @@ class _Call:
         if handler is None:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
         context = self.context = DispatchContext(self, handler)
+        # A described call waits only on the request path, which ends it at its deadline
+        # (one timer per call, not two); its front-end cancels it when the client goes.
+        limit = asyncio.timeout(opened.timeout) if self.admitted is None else _NO_LIMIT
         try:
-            async with asyncio.timeout(opened.timeout):
+            async with limit:
                 request = self.admitted or await _request(handler, context)
                 await run_behavior(handler, request, context)
         except TimeoutError:
@@ -234,10 +245,10 @@ async def _request(handler: grpc.RpcMethodHandler[Any, Any], context: DispatchCo
     """The request iterator of a streaming method; the one message of a unary one."""
     if handler.request_streaming:
         return context.request_iterator()
-    data = await context.call.inbox.get()
+    data = await context.call.messages().get()
     if data is None:
         raise ServiceError(grpc.StatusCode.INTERNAL, "request ended without a message")
-    if await context.call.inbox.get() is not None:
+    if await context.call.messages().get() is not None:
         raise ServiceError(
             grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
         )
@@ -271,7 +282,7 @@ class DispatchContext(CallContext):
         self.call = call
 
     async def read(self) -> Any:
-        data = await self.call.inbox.get()
+        data = await self.call.messages().get()
         return EOF if data is None else _deserialize(self._deserialize, data)
 
     async def write(self, message: Any) -> None:

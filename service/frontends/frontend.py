@@ -318,6 +318,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         *([link.h3.stop(settings.grace_period)] if link.h3 else []),
     )
     link.report()
+    link.flush()  # the last report goes out before the process ends
     for task in (reporter, closed, stopping, reading):
         task.cancel()
 

@@ -192,11 +192,12 @@ def encode_text(value: str) -> bytes:
 class Reader:
     def __init__(self, data: bytes) -> None:
         self._data = data
+        self._size = len(data)
         self._offset = 0
 
     def take(self, size: int) -> bytes:
         end = self._offset + size
-        if end > len(self._data):
+        if end > self._size:
             raise ProtocolViolation("payload ends early")
         chunk = self._data[self._offset : end]
         self._offset = end
@@ -205,17 +206,17 @@ class Reader:
     def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
         offset = self._offset
         self._offset = offset + layout.size
-        if self._offset > len(self._data):
+        if self._offset > self._size:
             raise ProtocolViolation("payload ends early")
         return layout.unpack_from(self._data, offset)
 
     def text(self) -> str:
         """A 2-byte length and UTF-8 (read in one step: descriptors carry a dozen per call)."""
         data, start = self._data, self._offset + _U16.size
-        if start > len(data):
+        if start > self._size:
             raise ProtocolViolation("payload ends early")
         end = start + _U16.unpack_from(data, self._offset)[0]
-        if end > len(data):
+        if end > self._size:
             raise ProtocolViolation("payload ends early")
         self._offset = end
         return data[start:end].decode(errors="replace")
@@ -231,5 +232,5 @@ class Reader:
         return tuple(entries)
 
     def end(self) -> None:
-        if self._offset != len(self._data):
-            raise ProtocolViolation(f"{len(self._data) - self._offset} bytes after the payload")
+        if self._offset != self._size:
+            raise ProtocolViolation(f"{self._size - self._offset} bytes after the payload")

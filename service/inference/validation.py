@@ -165,16 +165,22 @@ class RequestValidator:
             inputs, outputs, batch_size, *request_scheduling(request), request_sequence(request)
         )
 
-    def check(self, inputs: Iterable[InputTensor], outputs: tuple[str, ...]) -> Decoding:
-        """A job the server put together itself (an ensemble's step), checked as strictly as
-        a caller's request."""
+    def check(
+        self,
+        inputs: Iterable[InputTensor],
+        outputs: tuple[str, ...],
+        priority: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Decoding:
+        """A job the server put together itself (an ensemble's step) or had a front-end
+        describe, checked as strictly as a caller's request."""
         seen: dict[str, _Contents] = {}
         for tensor in inputs:
             declared = self._declared(tensor.name, seen)
             shape = self._check_shape(tensor.name, tensor.datatype.name, tensor.shape, declared)
             seen[tensor.name] = _raw(tensor.name, tensor.data, declared, shape)
         checked = self._complete(seen)
-        return Decoding(checked, self._outputs(outputs), self._batch(checked))
+        return Decoding(checked, self._outputs(outputs), self._batch(checked), priority, timeout_s)
 
     def _declared(self, name: str, seen: dict[str, _Contents]) -> _Declared:
         if name in seen:
