@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,25 +139,32 @@ def measure(
     return result
 
 
+def _grid(title: str, counts: Sequence[int], cell: Callable[[int, str, str], str]) -> str:
+    """A row per workload and transport, a column per front-end count."""
+    header = f"{'workload':<16} {'transport':<9}" + "".join(
+        f" {f'--frontends {n}':>26}" for n in counts
+    )
+    rows = [title, header]
+    for workload in WORKLOADS:
+        for transport in TRANSPORTS:
+            cells = "".join(f" {cell(n, transport, workload):>26}" for n in counts)
+            rows.append(f"{workload:<16} {transport:<9}{cells}")
+    return "\n".join(rows)
+
+
 def table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
     """Each figure per second, as a ratio to one front-end, and the main process's CPU time
     per call or connection."""
     by_key = {(m.frontends, m.transport, m.workload): m for m in results}
-    header = f"{'workload':<16} {'transport':<9}" + "".join(
-        f" {f'--frontends {n}':>26}" for n in counts
-    )
-    rows = ["per second (ratio to the first), then the main process's CPU per item", header]
-    for workload in WORKLOADS:
-        for transport in TRANSPORTS:
-            base = by_key[counts[0], transport, workload].per_second
-            cells = []
-            for n in counts:
-                measured = by_key[n, transport, workload]
-                ratio = measured.per_second / base if base else 0.0
-                text = f"{measured.per_second:.0f} (x{ratio:.2f}) {measured.main_cpu_us:.0f}us"
-                cells.append(f" {text:>26}")
-            rows.append(f"{workload:<16} {transport:<9}" + "".join(cells))
-    return "\n".join(rows)
+
+    def cell(n: int, transport: str, workload: str) -> str:
+        base = by_key[counts[0], transport, workload].per_second
+        measured = by_key[n, transport, workload]
+        ratio = measured.per_second / base if base else 0.0
+        return f"{measured.per_second:.0f} (x{ratio:.2f}) {measured.main_cpu_us:.0f}us"
+
+    title = "per second (ratio to the first), then the main process's CPU per item"
+    return _grid(title, counts, cell)
 
 
 def cpu_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
@@ -166,22 +173,17 @@ def cpu_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
     front-ends, what is left in the one process every call passes through."""
     by_key = {(m.frontends, m.transport, m.workload): m for m in results}
     h2_call = by_key[counts[0], "h2", "ModelInfer"].main_cpu_us
-    header = f"{'workload':<16} {'transport':<9}" + "".join(
-        f" {f'--frontends {n}':>26}" for n in counts
-    )
-    rows = ["main process CPU per item, as a ratio to the first (and to its h2 ModelInfer)", header]
-    for workload in WORKLOADS:
-        for transport in TRANSPORTS:
-            base = by_key[counts[0], transport, workload].main_cpu_us
-            cells = []
-            for n in counts:
-                cpu = by_key[n, transport, workload].main_cpu_us
-                text = f"x{cpu / base if base else 0.0:.2f}"
-                if workload == "ModelInfer":
-                    text += f" (x{cpu / h2_call if h2_call else 0.0:.2f})"
-                cells.append(f" {text:>26}")
-            rows.append(f"{workload:<16} {transport:<9}" + "".join(cells))
-    return "\n".join(rows)
+
+    def cell(n: int, transport: str, workload: str) -> str:
+        base = by_key[counts[0], transport, workload].main_cpu_us
+        cpu = by_key[n, transport, workload].main_cpu_us
+        text = f"x{cpu / base if base else 0.0:.2f}"
+        if workload == "ModelInfer":
+            text += f" (x{cpu / h2_call if h2_call else 0.0:.2f})"
+        return text
+
+    title = "main process CPU per item, as a ratio to the first (and to its h2 ModelInfer)"
+    return _grid(title, counts, cell)
 
 
 def main() -> int:
