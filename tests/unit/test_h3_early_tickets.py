@@ -17,6 +17,7 @@ from tests.unit.test_h3_limits import (
     Peer,
     exchange,
     server_configuration,  # noqa: F401  # the fixture
+    server_quic,
 )
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
 from transport.tls.session_tickets import MemoryTicketStore
@@ -42,9 +43,9 @@ def connect(
         )
     )
     server = Peer(
-        QuicConnection(
-            configuration=configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
+        server_quic(
+            configuration,
+            client,
             session_ticket_fetcher=store.pop,
             session_ticket_handler=store.add,
         )

@@ -15,6 +15,7 @@ from tests.unit.test_h3_limits import (
     Peer,
     exchange,
     server_configuration,  # noqa: F401  # the fixture
+    server_quic,
 )
 from transport.h3.aioquic.lean_handshake import offer_cheap_key_shares, share_frame_epochs
 from transport.h3.client import client_configuration
@@ -26,12 +27,7 @@ def test_the_client_offers_two_key_shares_and_the_server_takes_x25519(
     configuration = client_configuration("localhost")
     configuration.verify_mode = ssl.CERT_NONE  # the development CA is not loaded here
     client = Peer(QuicConnection(configuration=configuration))
-    server = Peer(
-        QuicConnection(
-            configuration=server_configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
-        )
-    )
+    server = Peer(server_quic(server_configuration, client))
     offer_cheap_key_shares(client.quic)
     client.quic.connect(SERVER_ADDRESS, now=1.0)
     assert client.quic.tls._supported_groups == [tls.Group.X25519, tls.Group.SECP256R1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -125,6 +126,23 @@ class Peer:
                 self.h3_events.extend(self.h3.handle_event(event))
 
 
+def client_quic(**options: Any) -> QuicConnection:
+    """A client connection that accepts any certificate (no CA is loaded here)."""
+    configuration = QuicConfiguration(
+        is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
+    )
+    return QuicConnection(configuration=configuration, **options)
+
+
+def server_quic(configuration: QuicConfiguration, client: Peer, **options: Any) -> QuicConnection:
+    """The server end of `client`'s connection."""
+    return QuicConnection(
+        configuration=configuration,
+        original_destination_connection_id=client.quic.original_destination_connection_id,
+        **options,
+    )
+
+
 @pytest.fixture(scope="module")
 def server_configuration(tmp_path_factory: pytest.TempPathFactory) -> QuicConfiguration:
     certs, _ = ensure_dev_certificates(Path(tmp_path_factory.mktemp("certs")))
@@ -154,20 +172,9 @@ def exchange(client: Peer, server: Peer) -> None:
 
 @pytest.fixture
 def peers(server_configuration: QuicConfiguration) -> tuple[Peer, Peer]:
-    client = Peer(
-        QuicConnection(
-            configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
-            )
-        )
-    )
+    client = Peer(client_quic())
     client.quic.connect(SERVER_ADDRESS, now=1.0)
-    server = Peer(
-        QuicConnection(
-            configuration=server_configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
-        )
-    )
+    server = Peer(server_quic(server_configuration, client))
     exchange(client, server)
     client.start_h3()
     server.start_h3()

@@ -5,20 +5,19 @@ moved by hand."""
 
 from __future__ import annotations
 
-import ssl
-
 import pytest
-from aioquic.h3.connection import H3_ALPN
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import NetworkAddress, QuicConnection
+from aioquic.quic.connection import NetworkAddress
 
 from tests.unit.test_h3_limits import (
     CLIENT_ADDRESS,
     SERVER_ADDRESS,
     Peer,
+    client_quic,
     exchange,
     server_configuration,  # noqa: F401  # the fixture
+    server_quic,
 )
 from transport.h3.aioquic.migration import resend_after_migration
 
@@ -28,19 +27,8 @@ STEP_S = 0.001  # far below the loss-detection delay (9/8 of the 10 ms RTT excha
 
 @pytest.fixture
 def peers(server_configuration: QuicConfiguration) -> tuple[Peer, Peer]:  # noqa: F811
-    client = Peer(
-        QuicConnection(
-            configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
-            )
-        )
-    )
-    server = Peer(
-        QuicConnection(
-            configuration=server_configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
-        )
-    )
+    client = Peer(client_quic())
+    server = Peer(server_quic(server_configuration, client))
     resend_after_migration(server.quic)
     client.quic.connect(SERVER_ADDRESS, now=1.0)
     exchange(client, server)

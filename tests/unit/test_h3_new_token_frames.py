@@ -4,9 +4,6 @@ connection sends through aioquic's own method."""
 
 from __future__ import annotations
 
-import ssl
-
-from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 
@@ -14,8 +11,10 @@ from tests.unit.test_h3_limits import (
     CLIENT_ADDRESS,
     SERVER_ADDRESS,
     Peer,
+    client_quic,
     exchange,
     server_configuration,  # noqa: F401  # the fixture
+    server_quic,
 )
 from transport.h3.aioquic.new_token import send_new_token
 
@@ -33,20 +32,8 @@ class Issuer:
 
 def connection_pair(configuration: QuicConfiguration) -> tuple[Peer, Peer, Issuer, list[bytes]]:
     received: list[bytes] = []
-    client = Peer(
-        QuicConnection(
-            configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
-            ),
-            token_handler=received.append,
-        )
-    )
-    server = Peer(
-        QuicConnection(
-            configuration=configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
-        )
-    )
+    client = Peer(client_quic(token_handler=received.append))
+    server = Peer(server_quic(configuration, client))
     issuer = Issuer()
     send_new_token(server.quic, issuer)
     client.quic.connect(SERVER_ADDRESS, now=client.now)

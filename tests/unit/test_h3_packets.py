@@ -3,20 +3,18 @@ in-memory aioquic connections driven as GrpcH3Protocol drives them."""
 
 from __future__ import annotations
 
-import ssl
-
 import pytest
 from aioquic import tls
-from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
 
 from tests.unit.test_h3_limits import (
     CLIENT_ADDRESS,
     SERVER_ADDRESS,
     Peer,
+    client_quic,
     exchange,
     server_configuration,  # noqa: F401  # the fixture
+    server_quic,
 )
 from transport.h3.aioquic.acks import (
     ACK_DELAY_S,
@@ -29,19 +27,8 @@ from transport.h3.aioquic.connection_ids import ACTIVE_CONNECTION_IDS, limit_con
 
 @pytest.fixture
 def peers(server_configuration: QuicConfiguration) -> tuple[Peer, Peer]:  # noqa: F811
-    client = Peer(
-        QuicConnection(
-            configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
-            )
-        )
-    )
-    server = Peer(
-        QuicConnection(
-            configuration=server_configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
-        )
-    )
+    client = Peer(client_quic())
+    server = Peer(server_quic(server_configuration, client))
     for peer in (client, server):
         delay_acks(peer.quic)
         limit_connection_ids(peer.quic)

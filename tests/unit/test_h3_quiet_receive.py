@@ -5,10 +5,8 @@ only when `nothing_to_send` says no, and that answer agrees with what aioquic th
 from __future__ import annotations
 
 import dataclasses
-import ssl
 
 import pytest
-from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
@@ -16,8 +14,10 @@ from tests.unit.test_h3_limits import (
     CLIENT_ADDRESS,
     SERVER_ADDRESS,
     Peer,
+    client_quic,
     exchange,
     server_configuration,  # noqa: F401  # the fixture
+    server_quic,
 )
 from transport.h3.aioquic.acks import (
     ACK_DELAY_S,
@@ -45,17 +45,10 @@ class Server(Peer):
 
 @pytest.fixture
 def peers(server_configuration: QuicConfiguration) -> tuple[Peer, Server]:  # noqa: F811
-    client = Peer(
-        QuicConnection(
-            configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
-            )
-        )
-    )
+    client = Peer(client_quic())
     server = Server(
-        QuicConnection(
-            configuration=dataclasses.replace(server_configuration, max_stream_data=STREAM_WINDOW),
-            original_destination_connection_id=client.quic.original_destination_connection_id,
+        server_quic(
+            dataclasses.replace(server_configuration, max_stream_data=STREAM_WINDOW), client
         )
     )
     set_max_concurrent_streams(server.quic, STREAM_LIMIT)
