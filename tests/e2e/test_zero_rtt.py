@@ -20,6 +20,7 @@ from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2, testing_pb2, testing_pb2_grpc
 from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from transport.h3.client import H3ClientConnection, client_configuration
 
 REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
 
@@ -87,6 +88,27 @@ async def test_every_reconnect_resumes_even_when_the_client_closes_at_its_answer
     modes = [await answer_and_close() for _ in range(21)]
     assert modes == ["full"] + ["0rtt-accepted"] * 20
     assert stats(server).h3_handshakes["0rtt_accepted"] - before == 20
+
+
+async def test_a_resumed_connection_sends_nothing_before_its_first_call_is_written(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Its ClientHello waits for the end of the event-loop turn, so a call opened in the same
+    turn leaves in the same transmit (one pass of aioquic's packet builder)."""
+    cache = SessionTicketCache()
+    await infer_once(server, certs_dir, cache)
+    ticket = cache.take(SessionTicketCache.key("localhost", "localhost", server.port))
+    assert ticket is not None
+    configuration = client_configuration(
+        "localhost", str(certs_dir / "ca.pem"), session_ticket=ticket
+    )
+    connection = await H3ClientConnection.connect("localhost", server.port, configuration)
+    try:
+        assert connection.may_send_early
+        assert connection.protocol._quic._loss.bytes_in_flight == 0
+        await asyncio.wait_for(connection.wait_connected(), 10)
+    finally:
+        await connection.close()
 
 
 async def test_a_replayed_ticket_gets_a_full_handshake_and_its_early_data_rejected(

@@ -78,6 +78,50 @@ def test_every_second_datagram_is_acknowledged_at_once(peers: tuple[Peer, Peer])
     assert len(server.quic.datagrams_to_send(now=server.now)) == 1
 
 
+def test_small_datagrams_wait_for_the_ack_delay(peers: tuple[Peer, Peer]) -> None:
+    """Two small ones (a HANDSHAKE_DONE, then a unary answer) are not a bulk transfer: no ACK
+    alone before the client's CONNECTION_CLOSE."""
+    client, server = peers
+    send(server, client, 3, 10)
+    send(server, client, 3, 100)
+    assert client.quic._spaces[tls.Epoch.ONE_RTT].ack_at == pytest.approx(
+        client.now - 0.001 + ACK_DELAY_S
+    )
+    assert client.quic.datagrams_to_send(now=client.now) == []
+
+
+def test_a_held_ack_rides_with_the_clients_finished(
+    server_configuration: QuicConfiguration,  # noqa: F811
+) -> None:
+    client = Peer(
+        QuicConnection(
+            configuration=QuicConfiguration(
+                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
+            )
+        )
+    )
+    server = Peer(
+        QuicConnection(
+            configuration=server_configuration,
+            original_destination_connection_id=client.quic.original_destination_connection_id,
+        )
+    )
+    for peer in (client, server):
+        delay_acks(peer.quic)
+    client.quic.connect(SERVER_ADDRESS, now=client.now)
+    for data, _ in client.quic.datagrams_to_send(now=client.now):
+        receive_datagram(server.quic, data, CLIENT_ADDRESS, server.now)
+    server.pump()
+    server.quic.send_stream_data(3, b"x")  # 1-RTT data in the server's first flight
+    for data, _ in server.quic.datagrams_to_send(now=server.now):
+        receive_datagram(client.quic, data, SERVER_ADDRESS, client.now)
+    space = client.quic._spaces[tls.Epoch.ONE_RTT]
+    assert client.quic._handshake_complete
+    assert space.ack_at == client.now  # due with the Finished, not in ACK_DELAY_S
+    client.quic.datagrams_to_send(now=client.now)
+    assert space.ack_at is None
+
+
 def test_an_ack_only_datagram_does_not_hurry_a_held_ack(peers: tuple[Peer, Peer]) -> None:
     client, server = peers
     send(server, client, 3, 10)  # the client now owes the server an ACK

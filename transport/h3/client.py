@@ -223,7 +223,11 @@ class H3ClientConnection:
         # After connect(): the H3 control streams must use the transport parameters that a
         # session ticket restored (aioquic reads them when the H3 connection is created).
         protocol.ensure_h3()
-        protocol.transmit()
+        # The first flight leaves at the end of this event-loop turn, not now: a first call
+        # opened in the same turn (its request in 0-RTT early data) goes in the same transmit,
+        # one pass of aioquic's packet builder for both datagrams, and the server reads them
+        # in one turn.
+        protocol.transmit_soon()
         ticket = configuration.session_ticket
         connection = cls(
             protocol, stack, ticket is not None and ticket.max_early_data_size is not None
