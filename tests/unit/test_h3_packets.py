@@ -93,19 +93,8 @@ def test_small_datagrams_wait_for_the_ack_delay(peers: tuple[Peer, Peer]) -> Non
 def test_a_held_ack_rides_with_the_clients_finished(
     server_configuration: QuicConfiguration,  # noqa: F811
 ) -> None:
-    client = Peer(
-        QuicConnection(
-            configuration=QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE
-            )
-        )
-    )
-    server = Peer(
-        QuicConnection(
-            configuration=server_configuration,
-            original_destination_connection_id=client.quic.original_destination_connection_id,
-        )
-    )
+    client = Peer(client_quic())
+    server = Peer(server_quic(server_configuration, client))
     for peer in (client, server):
         delay_acks(peer.quic)
     client.quic.connect(SERVER_ADDRESS, now=client.now)
