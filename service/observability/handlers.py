@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextvars import Token
 from typing import Any
 
@@ -258,31 +258,36 @@ class _AnyMethod(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         return self._handler
 
 
-class _Call:
-    """One RPC being observed: started at construction, recorded once by finish()."""
+class Observation:
+    """One call being observed: started at construction, recorded once by `end`. Plain
+    functions, so a call with no task or servicer context of its own (one a front-end
+    described) is observed by the same code as the wrapped behaviors' calls."""
 
-    def __init__(self, observer: Observer, transport: str, method_path: str, context: Any) -> None:
+    def __init__(
+        self,
+        observer: Observer,
+        transport: str,
+        method_path: str,
+        metadata: Callable[[], Iterable[tuple[str, Any]] | None],
+    ) -> None:
+        """`metadata`: the call's, asked for only when tracing may need it."""
         self.observer = observer
         self.transport = transport
         self.service, _, self.rpc = method_path.lstrip("/").rpartition("/")
-        self.context = context
         self.model = self.version = self.request_id = ""
         self.started = time.perf_counter_ns()
         if observer.metrics is not None:
             observer.metrics.child(observer.metrics.inflight, transport).inc()
         self.span: trace.Span | None = None
-        self._token: Token[OtelContext] | None = None
-        metadata = (
-            {str(k): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-            if observer.tracer is not None
-            else {}
-        )
+        if observer.tracer is None:
+            return
+        carried = {str(k): v for k, v in (metadata() or ()) if isinstance(v, str)}
         # A new trace that the ratio would not sample gets no span at all: making an unsampled
         # span costs as much as the rest of the observation.
-        if observer.tracer is not None and ("traceparent" in metadata or observer.sample_new()):
+        if "traceparent" in carried or observer.sample_new():
             self.span = observer.tracer.start_span(
                 method_path.lstrip("/"),
-                context=propagate.extract(metadata),
+                context=propagate.extract(carried),
                 kind=SpanKind.SERVER,
                 attributes={
                     "rpc.system": "grpc",
@@ -291,7 +296,6 @@ class _Call:
                     "paddlequic.transport": transport,
                 },
             )
-            self._token = otel_context.attach(trace.set_span_in_context(self.span))
 
     def saw(self, request: Any) -> Any:
         """Take the labels from a request message (the first one of a stream)."""
@@ -301,12 +305,25 @@ class _Call:
             self.request_id = _text_field(request, "id")
         return request
 
-    async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        async for request in requests:
-            yield self.saw(request)
+    def attach(self) -> Token[OtelContext] | None:
+        """Make the call's span current in this context (the caller detaches the token)."""
+        if self.span is None:
+            return None
+        return otel_context.attach(trace.set_span_in_context(self.span))
 
-    def finish(self, error: BaseException | None, response: Any = None) -> None:
-        code = _status(error, self.context)
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """The call's span current for a block (a call with no task: for each of its steps)."""
+        token = self.attach()
+        try:
+            yield
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    def end(self, code: grpc.StatusCode, details: Callable[[], str], response: Any = None) -> None:
+        """Record the call: `details`, the error, asked for only when its line is logged;
+        `response`, the answer (its version names the one that answered)."""
         seconds = (time.perf_counter_ns() - self.started) / 1e9
         self.version = _text_field(response, "model_version") or self.version
         metrics = self.observer.metrics
@@ -327,30 +344,48 @@ class _Call:
             if self.span.is_recording():
                 fields["trace_id"] = format(self.span.get_span_context().trace_id, "032x")
             self.span.end()
-            assert self._token is not None
-            otel_context.detach(self._token)
         self.observer.record(
-            self.transport,
-            self.rpc,
-            self.model,
-            self.version,
-            code,
-            seconds,
-            fields,
-            lambda: _details(error, self.context),
+            self.transport, self.rpc, self.model, self.version, code, seconds, fields, details
         )
+
+
+class _Call(Observation):
+    """A wrapped behavior's call: its span current in the behavior's task throughout, its
+    status read from its servicer context."""
+
+    def __init__(self, observer: Observer, transport: str, method_path: str, context: Any) -> None:
+        super().__init__(observer, transport, method_path, context.invocation_metadata)
+        self.context = context
+        self._token = self.attach()
+
+    async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield self.saw(request)
+
+    def finish(self, error: BaseException | None, response: Any = None) -> None:
+        context = self.context
+        if self._token is not None:
+            otel_context.detach(self._token)
+        self.end(_status(error, context), lambda: _details(error, context), response)
+
+
+def deadline_passed(remaining: float | None, cancelled: bool) -> bool:
+    """Whether a call ended by its deadline: it passed, or the call was cancelled that close to
+    it. A client cancels at its own deadline, which passes a little before the server's (the
+    request took time to arrive)."""
+    return remaining is not None and (
+        remaining <= 0 or (cancelled and remaining <= DEADLINE_MARGIN_S)
+    )
 
 
 def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
     """The status the transport will send for a behavior that returned or raised `error`.
     Once the deadline passed, that is DEADLINE_EXCEEDED whatever the behavior did: an answer
     that races the deadline (an abort, a response) fails to go out (grpcio raises
-    ExecuteBatchError), and the client's own deadline has fired. A client cancels at its own
-    deadline, which passes a little before the server's (the request took time to arrive): a
-    cancel that close to the deadline is the deadline too."""
-    remaining = context.time_remaining()
+    ExecuteBatchError), and the client's own deadline has fired; a cancel close to it is the
+    deadline too."""
     cancelled = context.cancelled() or isinstance(error, asyncio.CancelledError | GeneratorExit)
-    if remaining is not None and (remaining <= 0 or (cancelled and remaining <= DEADLINE_MARGIN_S)):
+    if deadline_passed(context.time_remaining(), cancelled):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if error is None or isinstance(error, AbortError):
         code = context.code()
