@@ -14,7 +14,7 @@ from service import settings as settings_module
 from service.api.control import ControlServicer
 from service.api.health import Health
 from service.api.inference import InferenceServicer
-from service.api.registration import Servicers, method_registration, registration
+from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
 from service.api.shared_memory import SharedMemory
 from service.api.testing import TestingServicer
@@ -135,8 +135,8 @@ async def serve(settings: ServerSettings) -> None:
             settings,
             frontends,
             register,
-            method_registration(observer, restrictions),
-            metrics,
+            observer,
+            restrictions,
             models,
             runner,
         )
