@@ -30,6 +30,7 @@ from transport.h3.stream_state import StreamClosed
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DEADLINE_MARGIN_S = 0.1
+_NO_SPAN = contextlib.nullcontext()
 
 
 class Observer:
@@ -311,9 +312,13 @@ class Observation:
             return None
         return otel_context.attach(trace.set_span_in_context(self.span))
 
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        """The call's span current for a block (a call with no task: for each of its steps);
+        nothing to do for a call without one."""
+        return _NO_SPAN if self.span is None else self._spanned()
+
     @contextlib.contextmanager
-    def current(self) -> Iterator[None]:
-        """The call's span current for a block (a call with no task: for each of its steps)."""
+    def _spanned(self) -> Iterator[None]:
         token = self.attach()
         try:
             yield
