@@ -63,6 +63,8 @@ class Serving:
 
 
 class DescribedCall:
+    """One described call, from its INFER frame to its STATUS (or its cancel)."""
+
     def __init__(
         self,
         link: Answering,
@@ -119,6 +121,7 @@ class DescribedCall:
         return validator.check(request.inputs, request.outputs, request.priority, request.timeout_s)
 
     def _refused_counted(self, step: Callable[[], _T]) -> _T:
+        """`step()`; a refusal counts as one of the version's failures."""
         try:
             return step()
         except errors.ServiceError:
