@@ -30,9 +30,9 @@ from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
 from service.lifecycle.watching import RepositoryWatcher
-from service.observability.handlers import Observer
 from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
+from service.observability.observer import Observer
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.placement.host import load_topology
 from service.registry.versions import ModelRegistry

@@ -24,7 +24,8 @@ from service.api.service_names import (
 )
 from service.api.testing import TestingServicer
 from service.api.wire_limits import WireLimitsServer
-from service.observability.handlers import ObservedServer, Observer
+from service.observability.handlers import ObservedServer
+from service.observability.observer import Observer
 
 Register = Callable[[Any, str], None]
 

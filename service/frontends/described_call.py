@@ -34,7 +34,7 @@ from service.frontends.protocol import (
 from service.inference import errors
 from service.inference.jobs import Answer, InferJob
 from service.inference.validation import Decoding
-from service.observability.handlers import Observation, Observer, deadline_passed
+from service.observability.observer import Observation, Observer, deadline_passed
 from service.registry.versions import ServedVersion
 from service.serving.requests import RequestRunner
 

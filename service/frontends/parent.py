@@ -27,7 +27,7 @@ from service.frontends.runtime import (
 )
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.frontends.supervisor import Supervisor
-from service.observability.handlers import Observer
+from service.observability.observer import Observer
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
