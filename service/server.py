@@ -14,7 +14,7 @@ from service import settings as settings_module
 from service.api.control import ControlServicer
 from service.api.health import Health
 from service.api.inference import InferenceServicer
-from service.api.registration import Servicers, method_registration, registration
+from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
 from service.api.shared_memory import SharedMemory
 from service.api.testing import TestingServicer
@@ -30,9 +30,9 @@ from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
 from service.lifecycle.watching import RepositoryWatcher
-from service.observability.handlers import Observer
 from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
+from service.observability.observer import Observer
 from service.observability.tracing import TracingUnavailable, tracer_provider
 from service.placement.host import load_topology
 from service.registry.versions import ModelRegistry
@@ -135,8 +135,8 @@ async def serve(settings: ServerSettings) -> None:
             settings,
             frontends,
             register,
-            method_registration(observer, restrictions),
-            metrics,
+            observer,
+            restrictions,
             models,
             runner,
         )

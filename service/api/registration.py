@@ -24,12 +24,10 @@ from service.api.service_names import (
 )
 from service.api.testing import TestingServicer
 from service.api.wire_limits import WireLimitsServer
-from service.observability.handlers import ObservedServer, Observer
-from transport.grpc.wrapping import Handler
+from service.observability.handlers import ObservedServer
+from service.observability.observer import Observer
 
 Register = Callable[[Any, str], None]
-# (server, transport, method path, handler): one more handler, registered as servicers' are.
-RegisterMethod = Callable[[Any, str, str, Handler], None]
 
 
 @dataclass(frozen=True)
@@ -68,19 +66,3 @@ def registration(
         observed.observe_unknown_methods()
 
     return register
-
-
-def method_registration(
-    observer: Observer, restrictions: Mapping[str, Restriction]
-) -> RegisterMethod:
-    """How a handler of our own (not a servicer's) is registered under a method's path:
-    observed and access-checked as that method is by `registration`."""
-
-    def register_method(server: Any, transport: str, path: str, handler: Handler) -> None:
-        service, _, method = path.lstrip("/").rpartition("/")
-        observed = ObservedServer(server, transport, observer)
-        RestrictedServer(observed, restrictions).add_registered_method_handlers(
-            service, {method: handler}
-        )
-
-    return register_method

@@ -86,6 +86,17 @@ class Restriction:
                 allowed |= hmac.compare_digest(given, self.value)
         return allowed
 
+    @property
+    def refusal(self) -> str:
+        """What a call without the header is told (UNAUTHENTICATED)."""
+        return f"This protocol is restricted, expecting header '{self.header}'"
+
+
+def restriction_of(restrictions: Mapping[str, Restriction], method_path: str) -> Restriction | None:
+    """The restriction a method is served under, None for an open one."""
+    category = category_of(method_path)
+    return restrictions.get(category) if category else None
+
 
 def category_of(method_path: str) -> str | None:
     """The restricted-protocol category of `/package.Service/Method`, None for open ones."""
@@ -141,8 +152,7 @@ class RestrictedServer(WrappingServer):
         self._restrictions = dict(restrictions)
 
     def wrap(self, method_path: str, handler: Handler) -> Handler:
-        category = category_of(method_path)
-        restriction = self._restrictions.get(category) if category else None
+        restriction = restriction_of(self._restrictions, method_path)
         if restriction is None:
             return handler
         return HANDLER_BUILDERS[handler.request_streaming, handler.response_streaming](
@@ -155,11 +165,10 @@ class RestrictedServer(WrappingServer):
 def _guarded(behavior: Behavior, restriction: Restriction) -> Behavior:
     """The behavior behind the check; every kind becomes async (fail closed: nothing runs
     before the check, whatever the behavior is)."""
-    message = f"This protocol is restricted, expecting header '{restriction.header}'"
 
     async def check(context: Any) -> None:
         if not restriction.allows(context.invocation_metadata() or ()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, restriction.refusal)
 
     if inspect.isasyncgenfunction(behavior):
 

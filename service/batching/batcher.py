@@ -10,6 +10,7 @@ suspected poison input: it fails with INTERNAL, and identical inputs fail at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -23,7 +24,6 @@ from service.batching.scheduler_loop import SchedulerLoop
 from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import Answer, InferJob, InferResult
-from service.inference.timers import fail_at
 from service.model.shapes import shape_buckets
 from service.resilience.poison import PoisonList
 
@@ -57,7 +57,11 @@ class DynamicBatcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def submit(self, job: InferJob, deadline: float | None) -> Answer:
+    def enqueue(self, job: InferJob, deadline: float | None) -> asyncio.Future[Answer]:
+        """The request queued, without waiting for it: its answer's future, failed with
+        DEADLINE_EXCEEDED at `deadline`; cancelling it takes the request out of the queue. A
+        caller may await it or add a done-callback (a described call has no task of its
+        own)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         queue_timeout = self.policy.timeout_of(job.timeout_s)
@@ -84,21 +88,31 @@ class DynamicBatcher:
             # the scheduler's next look comes before this request's queue time runs out: under
             # load that spares one scheduler turn per request.
             self._loop.wake()
-        timer = fail_at(future, deadline, TimeoutError)
-        try:
-            return await future
-        except TimeoutError:
+        timer = None if deadline is None else loop.call_at(deadline, self._expire, pending)
+        future.add_done_callback(functools.partial(self._settled, pending, timer))
+        return future
+
+    async def submit(self, job: InferJob, deadline: float | None) -> Answer:
+        return await self.enqueue(job, deadline)
+
+    def _expire(self, pending: Pending) -> None:
+        """The caller's deadline passed before its batch finished."""
+        if not pending.ticket.done():
             self._queue.remove(pending)
-            raise errors.deadline_exceeded(
-                f"the request's deadline passed after {loop.time() - now:.3f} s, before its "
-                "batch finished"
-            ) from None
-        except asyncio.CancelledError:
+            waited = asyncio.get_running_loop().time() - pending.arrival
+            pending.ticket.set_exception(
+                errors.deadline_exceeded(
+                    f"the request's deadline passed after {waited:.3f} s, before its batch finished"
+                )
+            )
+
+    def _settled(
+        self, pending: Pending, timer: asyncio.TimerHandle | None, future: asyncio.Future[Answer]
+    ) -> None:
+        if timer is not None:
+            timer.cancel()
+        if future.cancelled():  # its caller went away
             self._queue.remove(pending)
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
 
     async def stop(self) -> None:
         await self._loop.stop()

@@ -13,6 +13,7 @@ crashing it once per request of the batch.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
@@ -107,8 +108,7 @@ class BatchQueue:
         item.order = next(self._order)
         if item.bucket is None:
             item.bucket = bucket_of(item.job, self.policy.shapes)
-        self._pending.append(item)
-        self._pending.sort(key=lambda p: (p.priority, p.order))
+        self._insert(item)
 
     def requeue(self, item: Pending, alone: bool) -> None:
         """Back in at its original place after its worker died (`alone`: to run in a batch of
@@ -116,8 +116,16 @@ class BatchQueue:
         wait). Not counted against max_queue_size: it was admitted already."""
         item.alone = item.alone or alone
         item.expires = item.deadline
-        self._pending.append(item)
-        self._pending.sort(key=lambda p: (p.priority, p.order))
+        self._insert(item)
+
+    def _insert(self, item: Pending) -> None:
+        """In (priority, arrival order): a new request of the last one's priority or lower
+        (the usual case: one priority level) goes at the end without a sort."""
+        pending = self._pending
+        if not pending or (pending[-1].priority, pending[-1].order) <= (item.priority, item.order):
+            pending.append(item)
+        else:
+            bisect.insort(pending, item, key=_place)
 
     def expire(self, now: float) -> list[Pending]:
         """Remove and return the requests whose time ran out: they never reach a worker."""
@@ -127,8 +135,12 @@ class BatchQueue:
         return expired
 
     def remove(self, item: Pending) -> None:
-        if item in self._pending:
-            self._pending.remove(item)
+        """Take out a request whose caller went away (found by identity: comparing requests
+        field by field costs more than the search)."""
+        for index, pending in enumerate(self._pending):
+            if pending is item:
+                del self._pending[index]
+                return
 
     def next_batch(self, now: float) -> list[Pending] | float | None:
         """A batch to run now, or the time to look again, or None when the queue is empty."""
@@ -178,3 +190,7 @@ class BatchQueue:
         taken = set(map(id, batch))
         self._pending = [p for p in self._pending if id(p) not in taken]
         return batch
+
+
+def _place(item: Pending) -> tuple[int, int]:
+    return item.priority, item.order

@@ -12,8 +12,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from oip.datatypes import BY_NAME, Datatype
+from oip.datatypes import BY_NAME
 from service.frontends.protocol import (
     MAX_TEXT_BYTES,
     Open,
@@ -132,7 +133,7 @@ def decode_infer(payload: bytes) -> tuple[Open, DescribedRequest]:
     priority, timeout = reader.unpack(_SCHEDULING)
     (count,) = reader.unpack(_U16)
     outputs = tuple(reader.text() for _ in range(count))
-    inputs = tuple(InputTensor(*fields) for fields in _read_tensors(reader))
+    inputs = _read_tensors(reader, InputTensor)
     reader.end()
     request = DescribedRequest(
         token,
@@ -163,7 +164,7 @@ def decode_answer(payload: bytes) -> DescribedAnswer:
     reader = Reader(payload)
     model, version, request_id = reader.text(), reader.text(), reader.text()
     (fallback,) = reader.unpack(_FLAG)
-    outputs = tuple(OutputTensor(*fields) for fields in _read_tensors(reader))
+    outputs = _read_tensors(reader, OutputTensor)
     reader.end()
     return DescribedAnswer(model, version, request_id, outputs, fallback)
 
@@ -185,12 +186,13 @@ def _tensors(tensors: Sequence[InputTensor | OutputTensor]) -> bytes:
     return b"".join(parts)
 
 
-_TensorFields = tuple[str, Datatype, tuple[int, ...], bytes]
+_Tensor = TypeVar("_Tensor", InputTensor, OutputTensor)
 
 
-def _read_tensors(reader: Reader) -> list[_TensorFields]:
+def _read_tensors(reader: Reader, kind: type[_Tensor]) -> tuple[_Tensor, ...]:
+    """Read straight into the tensors the job or the answer holds."""
     (count,) = reader.unpack(_U16)
-    tensors: list[_TensorFields] = []
+    tensors: list[_Tensor] = []
     for _ in range(count):
         name, type_name = reader.text(), reader.text()
         datatype = BY_NAME.get(type_name)
@@ -201,5 +203,5 @@ def _read_tensors(reader: Reader) -> list[_TensorFields]:
             raise ProtocolViolation(f"a tensor of rank {rank}")
         shape = reader.unpack(_DIMENSIONS[rank])
         (size,) = reader.unpack(_U64)
-        tensors.append((name, datatype, shape, reader.take(size)))
-    return tensors
+        tensors.append(kind(name, datatype, shape, reader.take(size)))
+    return tuple(tensors)

@@ -2,12 +2,12 @@
 message bytes as received); it runs the servicers registered on it, per transport, as the
 transports do, so observation, access checks and tracing run once, here, labelled with the
 transport the front-end got the call on. ModelInfer calls a front-end described (INFER) run
-the same way, on the described handler (described_infer.py), with no protobuf here."""
+as plain objects (described_call.py), observed and checked by the same functions, with no
+protobuf, task or servicer context here."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -17,7 +17,8 @@ from typing import Any
 import grpc
 from grpc.aio import EOF, AbortError  # type: ignore[attr-defined]
 
-from service.frontends.described_infer import Admitted, DescribedInfer, StaleView
+from service.frontends.described_call import DescribedCall, oversized
+from service.frontends.described_infer import DescribedInfer, StaleView
 from service.frontends.descriptors import decode_infer
 from service.frontends.link import FrameConnection, Inbox, Window
 from service.frontends.protocol import (
@@ -40,7 +41,6 @@ log = logging.getLogger("paddlequic.frontends")
 
 TRANSPORTS = ("h2", "h3")
 STATS_QUERY_TIMEOUT_S = 1.0
-_NO_LIMIT = contextlib.nullcontext()
 
 
 class DispatchServer:
@@ -56,8 +56,6 @@ class DispatchServer:
         self.metrics = metrics
         self.described = described
         self.tables = {transport: HandlerTable() for transport in TRANSPORTS}
-        # ModelInfer for described calls only, wrapped as the servicers' methods are.
-        self.described_tables = {transport: HandlerTable() for transport in TRANSPORTS}
         self._links: set[_FrontendLink] = set()
         self._server: asyncio.Server | None = None
 
@@ -101,7 +99,7 @@ class _FrontendLink(FrameConnection):
         super().__init__(reader, writer, server.max_message)
         self.server = server
         self.index = "?"
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, _Call | DescribedCall] = {}
         self._stats_wanted: list[asyncio.Future[None]] = []
 
     def received(self, received: Frame) -> None:
@@ -115,12 +113,14 @@ class _FrontendLink(FrameConnection):
                 raise ProtocolViolation(f"call {call_id} opened twice")
             opened, request = decode_infer(payload)
             try:
-                admitted = self.server.described.admit(request)
+                described = self.server.described.call(self, call_id, opened, request)
             except StaleView:
                 self.send(Kind.STALE, call_id)
                 self.send(Kind.MODELS, 0, self.server.described.view())
                 return
-            self._open(call_id, opened, admitted)
+            self._count(opened, described=True)
+            self._calls[call_id] = described
+            described.start()
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
             self.send(Kind.MODELS, 0, self.server.described.view())
@@ -134,12 +134,19 @@ class _FrontendLink(FrameConnection):
             # Frames for a call that already ended cross its STATUS on the way: dropped.
             call.received(kind, payload)
 
-    def _open(self, call_id: int, opened: Open, admitted: Admitted | None = None) -> None:
+    def _count(self, opened: Open, described: bool) -> None:
         if self.server.metrics is not None:
-            self.server.metrics.call(self.index, opened.transport, admitted is not None)
-        call = _Call(self, call_id, opened, admitted)
+            self.server.metrics.call(self.index, opened.transport, described)
+
+    def _open(self, call_id: int, opened: Open) -> None:
+        self._count(opened, described=False)
+        call = _Call(self, call_id, opened)
         self._calls[call_id] = call
         call.task = asyncio.get_running_loop().create_task(self._serve(call))
+
+    def ended(self, call_id: int) -> None:
+        """A described call ended (answered, or cancelled)."""
+        self._calls.pop(call_id, None)
 
     async def _serve(self, call: _Call) -> None:
         try:
@@ -165,23 +172,20 @@ class _FrontendLink(FrameConnection):
 
 
 class _Call:
-    def __init__(
-        self, link: _FrontendLink, call_id: int, opened: Open, admitted: Admitted | None
-    ) -> None:
+    def __init__(self, link: _FrontendLink, call_id: int, opened: Open) -> None:
         self.link = link
         self.call_id = call_id
         self.opened = opened
-        self.admitted = admitted  # a described call's request (None: its messages follow)
-        self.inbox = Inbox(link, call_id) if admitted is None else None
+        self.inbox = Inbox(link, call_id)
         self.window = Window()
         self.cancelled = False
         self.context: DispatchContext | None = None
         self.task: asyncio.Task[None] | None = None
 
     def received(self, kind: Kind, payload: bytes) -> None:
-        if kind is Kind.MESSAGE and self.inbox is not None:
+        if kind is Kind.MESSAGE:
             self.inbox.put(payload)
-        elif kind is Kind.HALF_CLOSE and self.inbox is not None:
+        elif kind is Kind.HALF_CLOSE:
             self.inbox.put(None)
         elif kind is Kind.CREDIT:
             self.window.give(decode_count(payload))
@@ -189,12 +193,6 @@ class _Call:
             self.cancel()
         else:
             raise ProtocolViolation(f"{kind.name} frame from a front-end")
-
-    def messages(self) -> Inbox:
-        """The call's messages; a described call came whole, with none to read."""
-        if self.inbox is None:
-            raise ServiceError(grpc.StatusCode.INTERNAL, "a described call has no messages")
-        return self.inbox
 
     def cancel(self) -> None:
         """The client is gone (or its front-end): the handler stops, nobody reads an answer."""
@@ -206,19 +204,14 @@ class _Call:
 
     async def run(self) -> Status:
         opened = self.opened
-        server = self.link.server
-        tables = server.tables if self.admitted is None else server.described_tables
-        table = tables.get(opened.transport)
+        table = self.link.server.tables.get(opened.transport)
         handler = table.lookup(opened.method, opened.metadata) if table is not None else None
         if handler is None:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
         context = self.context = DispatchContext(self, handler)
-        # A described call waits only on the request path, which ends it at its deadline
-        # (one timer per call, not two); its front-end cancels it when the client goes.
-        limit = asyncio.timeout(opened.timeout) if self.admitted is None else _NO_LIMIT
         try:
-            async with limit:
-                request = self.admitted or await _request(handler, context)
+            async with asyncio.timeout(opened.timeout):
+                request = await _request(handler, context)
                 await run_behavior(handler, request, context)
         except TimeoutError:
             context.mark_cancelled()
@@ -245,10 +238,10 @@ async def _request(handler: grpc.RpcMethodHandler[Any, Any], context: DispatchCo
     """The request iterator of a streaming method; the one message of a unary one."""
     if handler.request_streaming:
         return context.request_iterator()
-    data = await context.call.messages().get()
+    data = await context.call.inbox.get()
     if data is None:
         raise ServiceError(grpc.StatusCode.INTERNAL, "request ended without a message")
-    if await context.call.messages().get() is not None:
+    if await context.call.inbox.get() is not None:
         raise ServiceError(
             grpc.StatusCode.INTERNAL, "received more than one message for a unary request"
         )
@@ -282,19 +275,16 @@ class DispatchContext(CallContext):
         self.call = call
 
     async def read(self) -> Any:
-        data = await self.call.messages().get()
+        data = await self.call.inbox.get()
         return EOF if data is None else _deserialize(self._deserialize, data)
 
     async def write(self, message: Any) -> None:
         data = self._serialize(message)
         limit = self.call.link.server.max_message
         if len(data) > limit:
-            await self.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"response message of {len(data)} bytes exceeds the limit of {limit} bytes",
-            )
-        if not self.headers_sent and self.call.admitted is None:
-            # A described call's answer needs none: the front-end's transport sends its own.
+            error = oversized(len(data), limit)
+            await self.abort(error.code, error.message)
+        if not self.headers_sent:
             self._send_headers(())
         await self.call.window.take()
         self.call.link.send(Kind.MESSAGE, self.call.call_id, data)

@@ -59,12 +59,16 @@ class FrameConnection:
     def give_credit(self, call_id: int, count: int = 1) -> None:
         self.send(Kind.CREDIT, call_id, encode_count(count))
 
-    async def drain(self) -> None:
-        """Wait while the socket's buffer is full (the other process is behind); frames
-        gathered past FLUSH_BYTES are written first, so what waits for the other end is
-        bounded."""
+    def flush_large(self) -> None:
+        """Write the frames gathered so far now if they are past FLUSH_BYTES, so what waits
+        for the turn's end is bounded."""
         if self._outgoing_bytes >= FLUSH_BYTES:
             self.flush()
+
+    async def drain(self) -> None:
+        """Wait while the socket's buffer is full (the other process is behind), frames
+        gathered past FLUSH_BYTES written first."""
+        self.flush_large()
         with contextlib.suppress(ConnectionError):
             await self._writer.drain()
 

@@ -8,10 +8,13 @@ import dataclasses
 import logging
 import shutil
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.api.registration import Register, RegisterMethod
+from service.api.registration import Register
+from service.api.restricted import Restriction, restriction_of
+from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
@@ -24,7 +27,7 @@ from service.frontends.runtime import (
 )
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.frontends.supervisor import Supervisor
-from service.observability.metrics import Metrics
+from service.observability.observer import Observer
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
@@ -60,13 +63,14 @@ async def start_frontends(
     settings: ServerSettings,
     count: int,
     register: Register,
-    register_method: RegisterMethod,
-    metrics: Metrics | None,
+    observer: Observer,
+    restrictions: Mapping[str, Restriction],
     models: ModelRegistry,
     runner: RequestRunner,
 ) -> Frontends:
-    """`register`: the servicers; `register_method`: ModelInfer for the calls front-ends
-    describe, run by `runner` on the versions of `models` (whose changes they are told)."""
+    """`register`: the servicers; ModelInfer calls front-ends describe are run by `runner` on
+    the versions of `models` (whose changes they are told), observed by `observer` and
+    access-checked by `restrictions` as `register` does for the others."""
     runtime_dir = make_runtime_dir()
     reserved: socket.socket | None = None
     try:
@@ -77,18 +81,21 @@ async def start_frontends(
         shared = _frontend_settings(settings, runtime_dir, port)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
-        described = DescribedInfer(models, runner)
+        serving = Serving(
+            runner,
+            observer,
+            restriction_of(restrictions, MODEL_INFER),
+            settings.max_message_bytes,
+        )
+        metrics = observer.metrics
         dispatch = DispatchServer(
             settings.max_message_bytes,
             stats,
             FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
-            described,
+            DescribedInfer(models, serving),
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
-            register_method(
-                dispatch.described_tables[transport], transport, MODEL_INFER, described.handler()
-            )
         models.watch(dispatch.push_view)
         await dispatch.start(runtime_dir / DISPATCH_SOCKET)
     except BaseException:

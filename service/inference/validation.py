@@ -78,6 +78,11 @@ class Decoding:
     def work(self) -> int:
         return sum(c.work for c in self.inputs)
 
+    @property
+    def inline(self) -> bool:
+        """Cheap enough to finish on the event loop (else in a thread)."""
+        return self.work <= INLINE_DECODE_ELEMENTS
+
     def finish(self) -> InferJob:
         """The job; INVALID_ARGUMENT when some contents do not hold what the shape says."""
         inputs = tuple(InputTensor(c.name, c.datatype, c.shape, c.decode()) for c in self.inputs)
@@ -93,7 +98,7 @@ class Decoding:
 
 async def decoded(decoding: Decoding) -> InferJob:
     """The job: decoded on the event loop when that is cheap, else in a thread."""
-    if decoding.work <= INLINE_DECODE_ELEMENTS:
+    if decoding.inline:
         return decoding.finish()
     return await asyncio.to_thread(decoding.finish)
 

@@ -4,8 +4,10 @@ and what happened is recorded in its statistics and told to the observer."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Protocol
@@ -56,6 +58,24 @@ class RequestRunner:
     ) -> tuple[ServedVersion, Answer]:
         """Run the request on `served`, or on its fallback model while its breaker is open:
         the version that answered, and its answer. `depth`: the ensembles it runs inside."""
+        answering, answer = self._start(served, job, deadline, depth)
+        return answering, await answer
+
+    def submit(
+        self, served: ServedVersion, job: InferJob, deadline: float | None
+    ) -> tuple[ServedVersion, asyncio.Future[Answer]]:
+        """`infer` for a caller with no task of its own to wait in (a described call): the
+        version that answers, and the future of its answer, whose done-callbacks run once the
+        request is recorded (statistics, breaker, observer). Cancelling it abandons the
+        request."""
+        answering, answer = self._start(served, job, deadline, 0)
+        return answering, asyncio.ensure_future(answer)
+
+    def _start(
+        self, served: ServedVersion, job: InferJob, deadline: float | None, depth: int
+    ) -> tuple[ServedVersion, Awaitable[Answer]]:
+        """The version that answers and its answer: queued already when its batcher alone
+        runs it (a future: no task, no coroutine per request), else a coroutine to await."""
         if is_decoupled(served.config):
             raise errors.ServiceError(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -69,14 +89,14 @@ class RequestRunner:
         if admission is None:
             fallback = self._fallback(served, failure)
             # A fallback's own breaker guards it too; a fallback has no fallback of its own.
-            fallback_admission = fallback.breaker.admit()
-            if fallback_admission is None:
+            admission = fallback.breaker.admit()
+            if admission is None:
                 raise open_circuit(fallback, fallback.start_failure())
             self.observer.on_fallback(served.name, fallback.name)
-            return fallback, await self._recorded(
-                fallback, fallback_admission, job, deadline, depth
-            )
-        return served, await self._recorded(served, admission, job, deadline, depth)
+            served = fallback
+        if served.steps or served.sequences is not None:
+            return served, self._recorded(served, admission, job, deadline, depth)
+        return served, self._queued(served, admission, job, deadline)
 
     def encode_span(self) -> AbstractContextManager[Any]:
         return self.observer.encode_span()
@@ -123,11 +143,8 @@ class RequestRunner:
         code: grpc.StatusCode | None = None
         try:
             return await self._run(served, job, deadline, depth)
-        except errors.ServiceError as exc:
-            code = exc.code
-            raise
-        except BaseException:
-            code = grpc.StatusCode.CANCELLED
+        except BaseException as exc:
+            code = _code(exc)
             raise
         finally:
             served.breaker.record(admission, code)
@@ -146,19 +163,57 @@ class RequestRunner:
             raise open_circuit(served, failure, f"its fallback model '{name}' {reason}")
         return fallback
 
+    def _queued(
+        self, served: ServedVersion, admission: Admission, job: InferJob, deadline: float | None
+    ) -> asyncio.Future[Answer]:
+        """The request in its version's batcher; recorded when its future is done."""
+        assert served.batcher is not None
+        started = time.perf_counter_ns()
+        try:
+            answer = served.batcher.enqueue(job, deadline)
+        except BaseException as exc:
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            served.breaker.record(admission, _code(exc))
+            raise
+        served.active += 1  # before any await: a swap cannot retire it under this request
+        answer.add_done_callback(
+            functools.partial(self._answered, served, admission, job.rows, started)
+        )
+        return answer
+
+    def _answered(
+        self,
+        served: ServedVersion,
+        admission: Admission,
+        rows: int,
+        started: int,
+        answer: asyncio.Future[Answer],
+    ) -> None:
+        """A queued request ended: recorded as `_run` records the others, then told to its
+        version's breaker."""
+        served.active -= 1
+        elapsed_ns = time.perf_counter_ns() - started
+        error = answer.exception() if not answer.cancelled() else asyncio.CancelledError()
+        if error is None:
+            result = answer.result()
+            served.stats.record_success(rows, elapsed_ns, result.queue_ns, result.timings)
+            self.observer.on_request(served.name, elapsed_ns, result)
+        else:
+            served.stats.record_failure(elapsed_ns)
+        served.breaker.record(admission, None if error is None else _code(error))
+
     async def _run(
         self, served: ServedVersion, job: InferJob, deadline: float | None, depth: int
     ) -> Answer:
+        """An ensemble's or a sequence's request."""
         started = time.perf_counter_ns()
         served.active += 1  # before any await: a swap cannot retire it under this request
         try:
             if served.steps:
                 answer = await self._run_ensemble(served, job, deadline, depth)
-            elif served.sequences is not None:
-                answer = await served.sequences.submit(job, deadline)
             else:
-                assert served.batcher is not None
-                answer = await served.batcher.submit(job, deadline)
+                assert served.sequences is not None
+                answer = await served.sequences.submit(job, deadline)
         except BaseException:
             served.stats.record_failure(time.perf_counter_ns() - started)
             raise
@@ -193,3 +248,8 @@ class RequestRunner:
 
         outputs = await run_ensemble(served.name, served.steps, job, run_step)
         return Answer(outputs, Timings(0, 0, 0), queue_ns, job.rows)
+
+
+def _code(error: BaseException) -> grpc.StatusCode:
+    """How a request that raised `error` ended for its caller, as its breaker counts it."""
+    return error.code if isinstance(error, errors.ServiceError) else grpc.StatusCode.CANCELLED

@@ -20,9 +20,17 @@ from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1 import control_pb2
 from tests.e2e import test_lifecycle as lifecycle
 from tests.reference import assert_matches_reference, call_inputs
-from tests.servers import ServerProcess, model_repository, paused, running_server
+from tests.servers import (
+    ServerProcess,
+    held_still,
+    model_repository,
+    paused,
+    running_server,
+    wait_arrived,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -280,4 +288,37 @@ async def test_a_described_call_past_its_deadline_ends_everywhere(
         await infer_calls(stub, range(CALLS, CALLS + 2))  # the worker answers again
     after = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
     assert (after[0] - before[0], after[1] - before[1]) == ((frontends > 1) * 3, 1)
+    assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0
+
+
+def _held(server: ServerProcess) -> float:
+    """Requests for mlp the server holds: queued, or in batches given to its worker."""
+    request = control_pb2.ListInstancesRequest(model_name="mlp")
+    queues = server.control.ListInstances(request, timeout=5).queues
+    return float(sum(q.queued + q.in_flight for q in queues))
+
+
+@pytest.mark.parametrize("frontends", [1, 2])
+async def test_described_calls_whose_clients_go_leave_the_server(
+    servers: dict[int, ServerProcess], frontends: int
+) -> None:
+    """Two calls held by a stopped worker (one given to it, one queued), then cancelled by
+    their client: the server lets both go before the worker moves (the queued one leaves the
+    queue), each is counted once as CANCELLED, as on a single process, and nothing stays in
+    flight."""
+    server = servers[frontends]
+    (instance,) = server.instances("mlp")
+    before = answered(server, "h2", "CANCELLED")
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with paused(instance.pid):
+            held = [
+                asyncio.ensure_future(stub.ModelInfer(_good(), metadata=HEADER)) for _ in range(2)
+            ]
+            await asyncio.to_thread(wait_arrived, server, "mlp", 2)
+            for call in held:
+                call.cancel()
+            assert await held_still(lambda: _held(server), looks=5, limit_s=60) == 0
+        await infer_calls(stub, range(CALLS + 2, CALLS + 4))  # the worker answers again
+    assert answered(server, "h2", "CANCELLED") - before == 2
     assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0

@@ -30,9 +30,9 @@ from service.model.ensemble import (
     plan,
     step_cycle,
 )
-from service.observability.handlers import Observer
 from service.observability.logs import LineBudget, RequestLog
 from service.observability.metrics import Metrics
+from service.observability.observer import Observer
 from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.ensemble import run

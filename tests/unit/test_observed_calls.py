@@ -17,9 +17,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service.api.restricted import HEADER_PREFIX, RestrictedServer, parse_restrictions
-from service.observability.handlers import ObservedServer, Observer
+from service.observability.handlers import ObservedServer
 from service.observability.logs import REQUEST_LOG, LineBudget, RequestLog
 from service.observability.metrics import Metrics
+from service.observability.observer import Observer
 from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry
 from tests.unit.handler_kinds import KINDS, REQUESTS, Recorder, call, refused_requests, serving

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service import settings as server_settings
-from service.observability.handlers import Observer
 from service.observability.logs import REQUEST_LOG, LineBudget, RequestLog
+from service.observability.observer import Observer
 
 PROFILE = settings(max_examples=40, deadline=None, derandomize=True, database=None)
 

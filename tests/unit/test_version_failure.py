@@ -15,9 +15,9 @@ from protos.inference import model_config_pb2 as mc
 from service.inference.errors import ServiceError
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import ModelRepository, RepositoryError
-from service.observability.handlers import Observer
 from service.observability.logs import LineBudget, RequestLog
 from service.observability.metrics import Metrics
+from service.observability.observer import Observer
 from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.requests import RequestRunner
