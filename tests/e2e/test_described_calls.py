@@ -21,6 +21,7 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
+from service.inference.validation import INLINE_DECODE_ELEMENTS
 from tests.e2e import test_lifecycle as lifecycle
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
@@ -269,6 +270,23 @@ def test_a_descriptor_larger_than_its_message_goes_as_bytes(
     assert outcomes[1] == outcomes[2]
     assert described(servers[2], "h2") == before
     assert counter(servers[2], "paddlequic_frontend_restarts_total") == 0
+
+
+def test_typed_contents_past_the_inline_decode_bound_are_described(
+    servers: dict[int, ServerProcess],
+) -> None:
+    """More typed values than a single process converts on its event loop: the front-end
+    converts them, the parent gets raw bytes; the same answer as a single process."""
+    rows = 32  # text_classifier's max_batch_size; its cost grows with the square of a row
+    tokens = INLINE_DECODE_ELEMENTS // rows + 8
+    request = pb.ModelInferRequest(model_name="text_classifier", id="big")
+    tensor = request.inputs.add(name="token_ids", datatype="INT64", shape=[rows, tokens])
+    tensor.contents.int64_contents.extend(i % 1000 for i in range(rows * tokens))
+    message = request.SerializeToString()
+    before = described(servers[2], "h2")
+    outcomes = {n: _outcome(s, message) for n, s in servers.items()}
+    assert outcomes[1] == outcomes[2] and outcomes[1][0] == "OK"
+    assert described(servers[2], "h2") == before + 1
 
 
 @pytest.mark.parametrize("frontends", [1, 2])
