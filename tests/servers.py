@@ -29,18 +29,6 @@ EXAMPLE_MODELS = Path(os.environ.get("PADDLEQUIC_TEST_MODELS", REPO_ROOT / "mode
 START_TIMEOUT_S = 180.0
 # Starts on a fresh port after losing the port free_port chose to another process.
 PORT_RACE_ATTEMPTS = 3
-# How often wait_ready and wait_loaded ask.
-POLL_S = 0.05
-# The test channel asks a starting server before it listens. gRPC's reconnect backoff (1 s,
-# growing by 1.6 to 120 s) then keeps the channel failing every call for seconds after the
-# server is ready; held short here. The connect timeout (grpc.min_reconnect_backoff_ms, 20 s)
-# stays as it is.
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 250),
-]
 
 
 def free_port() -> int:
@@ -130,7 +118,13 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+        )
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.control = control_pb2_grpc.ControlStub(self.channel)
 
@@ -163,7 +157,7 @@ class ServerProcess:
             with contextlib.suppress(grpc.RpcError):
                 if self.stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready:
                     return
-            time.sleep(POLL_S)
+            time.sleep(0.2)
         raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()}")
 
     def wait_loaded(self) -> None:
@@ -178,7 +172,7 @@ class ServerProcess:
                 index = self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=1).models
                 if index and all(m.state != "LOADING" for m in index):
                     return
-            time.sleep(POLL_S)
+            time.sleep(0.2)
         raise RuntimeError(f"models still loading after {START_TIMEOUT_S} s:\n{self.log_text()}")
 
     def metrics(self) -> list[Sample]:
