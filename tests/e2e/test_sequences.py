@@ -314,37 +314,45 @@ def test_a_sequence_through_grpcurl(server: ServerProcess) -> None:
         np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def two_frontends(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    """`--frontends 2`, shared by the transports' variants (each ends its sequences)."""
+    root = tmp_path_factory.mktemp("sequences-frontends")
+    repository = model_repository(root / "models", [MODEL])
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    with running_server(repository, root / "log", args) as process:
+        yield process
+
+
 @pytest.mark.parametrize("transport", ["h2", "h3"])
 async def test_sequences_through_two_frontends(
-    tmp_path: Path, certs_dir: Path, transport: str
+    two_frontends: ServerProcess, certs_dir: Path, transport: str
 ) -> None:
     """`--frontends 2`: a sequence's requests reach one scheduler whichever front-end each
     connection lands on, and interleaved sequences still answer as alone."""
-    repository = model_repository(tmp_path / "models", [MODEL])
-    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
     inputs = [chunks(40 + seed) for seed in range(COUNT)]
-    with running_server(repository, tmp_path / "log", args) as server:
-        clients = [
-            AsyncInferenceClient(**client_args(server, certs_dir, transport)) for _ in range(3)
-        ]
-        try:
-            # Each request of a sequence on the next client: connections spread over both
-            # front-ends, and the sequence crosses them.
-            async def run(frames: list[Array]) -> list[Array]:
-                parameters = SequenceParameters()
-                return [
-                    (
-                        await clients[i % len(clients)].infer(
-                            MODEL, {"features": c}, parameters=parameters.next(i == LENGTH - 1)
-                        )
-                    )["scores"]
-                    for i, c in enumerate(frames)
-                ]
+    server = two_frontends
+    clients = [AsyncInferenceClient(**client_args(server, certs_dir, transport)) for _ in range(3)]
+    try:
+        # Each request of a sequence on the next client: connections spread over both
+        # front-ends, and the sequence crosses them.
+        async def run(frames: list[Array]) -> list[Array]:
+            parameters = SequenceParameters()
+            return [
+                (
+                    await clients[i % len(clients)].infer(
+                        MODEL, {"features": c}, parameters=parameters.next(i == LENGTH - 1)
+                    )
+                )["scores"]
+                for i, c in enumerate(frames)
+            ]
 
-            together = await asyncio.gather(*(run(frames) for frames in inputs))
-        finally:
-            for client in clients:
-                await client.close()
+        together = await asyncio.gather(*(run(frames) for frames in inputs))
+    finally:
+        for client in clients:
+            await client.close()
     for frames, served in zip(inputs, together, strict=True):
         for a, b in zip(served, kws_reference(frames), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
