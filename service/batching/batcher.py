@@ -92,9 +92,6 @@ class DynamicBatcher:
         future.add_done_callback(functools.partial(self._settled, pending, timer))
         return future
 
-    async def submit(self, job: InferJob, deadline: float | None) -> Answer:
-        return await self.enqueue(job, deadline)
-
     def _expire(self, pending: Pending) -> None:
         """The caller's deadline passed before its batch finished."""
         if not pending.ticket.done():

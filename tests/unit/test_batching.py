@@ -249,11 +249,11 @@ async def test_requests_accumulate_while_the_instance_is_busy() -> None:
     # A queue timeout makes each arrival wake the scheduler, which must then hold it back.
     policy = BatchPolicy(max_batch_size=8, default_timeout_s=600.0)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
-    first = asyncio.create_task(batcher.submit(job(fill=1), None))
+    first = batcher.enqueue(job(fill=1), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
-    rest: list[asyncio.Task[Answer]] = []
+    rest: list[asyncio.Future[Answer]] = []
     for i in range(2, 6):  # one at a time: each arrival is a chance to send too early
-        rest.append(asyncio.create_task(batcher.submit(job(fill=i), None)))
+        rest.append(batcher.enqueue(job(fill=i), None))
         await until(lambda: batcher.queued == len(rest), f"request {i} queued")
     assert len(executor.batches) == 1  # capacity 1: the rest wait and batch together
     executor.release.set()
@@ -275,9 +275,9 @@ async def test_a_batch_whose_requests_all_ended_is_cancelled_not_one_that_still_
     instance's place goes to the next batch."""
     executor = _Executor()
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-    alone = asyncio.create_task(batcher.submit(job(), None))
+    alone = batcher.enqueue(job(), None)
     await until(lambda: len(executor.batches) == 1, "the first batch reached the instance")
-    pair = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in (1, 2)]
+    pair = [batcher.enqueue(job(fill=i), None) for i in (1, 2)]
     await until(lambda: batcher.queued == 2, "the pair queued")
     alone.cancel()
     await until(lambda: len(executor.batches) == 2, "the pair's batch took the place")
@@ -295,9 +295,9 @@ async def test_worker_failure_fails_every_request_of_the_batch_and_nothing_hangs
     executor = _Executor()
     executor.fail_with = errors.unavailable("worker died")
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-    busy = asyncio.create_task(batcher.submit(job(), None))
+    busy = batcher.enqueue(job(), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
-    batch = [asyncio.create_task(batcher.submit(job(), None)) for _ in range(3)]
+    batch = [batcher.enqueue(job(), None) for _ in range(3)]
     await until(lambda: batcher.queued == 3, "the rest queued")
     executor.release.set()
     results = await asyncio.gather(busy, *batch, return_exceptions=True)
@@ -307,7 +307,7 @@ async def test_worker_failure_fails_every_request_of_the_batch_and_nothing_hangs
         grpc.StatusCode.UNAVAILABLE
     }
     executor.fail_with = None
-    assert (await batcher.submit(job(fill=2), None)).outputs[0].shape == (1, 1)
+    assert (await batcher.enqueue(job(fill=2), None)).outputs[0].shape == (1, 1)
     await batcher.stop()
 
 
@@ -315,15 +315,15 @@ async def test_queue_full_and_deadline_statuses() -> None:
     executor = _Executor()
     policy = BatchPolicy(max_batch_size=8, max_queue_size=1)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
-    running = asyncio.create_task(batcher.submit(job(), None))
+    running = batcher.enqueue(job(), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     loop = asyncio.get_running_loop()
-    queued = asyncio.create_task(batcher.submit(job(), loop.time() + 0.01))
+    queued = batcher.enqueue(job(), loop.time() + 0.01)
     await until(lambda: batcher.queued == 1, "the second request queued")
     # The bound (virtual time: it passes at once) turns a queue that admits one too many into
     # a failure instead of a hang.
     with pytest.raises(errors.ServiceError) as full:
-        await asyncio.wait_for(batcher.submit(job(), None), 60)
+        await asyncio.wait_for(batcher.enqueue(job(), None), 60)
     assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(errors.ServiceError) as expired:
         await queued  # its deadline passes while the instance is busy
@@ -340,14 +340,14 @@ async def test_a_queue_timeout_ends_on_time_while_the_instance_is_busy() -> None
     executor = _Executor()
     policy = BatchPolicy(max_batch_size=8, allow_timeout_override=True)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
-    running = asyncio.create_task(batcher.submit(job(), None))
+    running = batcher.enqueue(job(), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
-    patient = asyncio.create_task(batcher.submit(replace(job(), timeout_s=600.0), None))
+    patient = batcher.enqueue(replace(job(), timeout_s=600.0), None)
     await until(lambda: batcher.queued == 1, "the patient request queued")
     loop = asyncio.get_running_loop()
     with pytest.raises(errors.ServiceError) as expired:
         # The bound only keeps a broken scheduler from hanging the test.
-        await asyncio.wait_for(batcher.submit(replace(job(), timeout_s=0.01), None), 60)
+        await asyncio.wait_for(batcher.enqueue(replace(job(), timeout_s=0.01), None), 60)
     assert loop.time() == pytest.approx(0.01)  # its own queue time, not the scheduler's next look
     assert expired.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "in the queue" in expired.value.message
@@ -360,10 +360,10 @@ async def test_a_queue_timeout_ends_on_time_while_the_instance_is_busy() -> None
 async def test_a_request_with_bad_values_fails_alone_not_its_whole_batch() -> None:
     executor = _Executor()
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
-    busy = asyncio.create_task(batcher.submit(job(fill=1), None))
+    busy = batcher.enqueue(job(fill=1), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
     fills = [2, -1, 3]
-    batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in fills]
+    batch = [batcher.enqueue(job(fill=f), None) for f in fills]
     await until(lambda: batcher.queued == 3, "the batch of three queued")
     executor.release.set()
     await busy
@@ -419,9 +419,9 @@ async def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> N
     executor = _Executor()
     executor.crash_on = 13.0
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1, "model 'm'")
-    busy = asyncio.create_task(batcher.submit(job(fill=1), None))
+    busy = batcher.enqueue(job(fill=1), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
-    batch = [asyncio.create_task(batcher.submit(job(fill=f), None)) for f in (2, 13, 3)]
+    batch = [batcher.enqueue(job(fill=f), None) for f in (2, 13, 3)]
     await until(lambda: batcher.queued == 3, "the batch of three queued")
     executor.release.set()
     await busy
@@ -435,11 +435,11 @@ async def test_a_crashed_batch_runs_again_and_only_the_poison_input_fails() -> N
     # The batch of three crashed once; alone, only the poison input crashed again.
     assert [b.rows for b in executor.batches] == [1, 3, 1, 1, 1]
     with pytest.raises(errors.ServiceError) as again:
-        await batcher.submit(job(fill=13), None)
+        await batcher.enqueue(job(fill=13), None)
     assert again.value.code == grpc.StatusCode.INTERNAL
     assert again.value.message == poison.message
     assert len(executor.batches) == 5  # refused without reaching a worker
-    other = await batcher.submit(job(fill=5), None)  # everyone else is still served
+    other = await batcher.enqueue(job(fill=5), None)  # everyone else is still served
     assert np.frombuffer(other.outputs[0].data, np.float32)[0] == 20
     await batcher.stop()
 
@@ -452,7 +452,7 @@ async def test_requests_waiting_behind_a_crash_run_again_without_a_strike() -> N
         WorkerDied("died", running=False),
     ]
     executor.release.set()
-    answer = await batcher.submit(job(fill=4), None)
+    answer = await batcher.enqueue(job(fill=4), None)
     assert np.frombuffer(answer.outputs[0].data, np.float32)[0] == 16
     assert len(executor.batches) == 3
     await batcher.stop()
@@ -462,9 +462,9 @@ async def test_a_deadline_ends_its_request_not_its_batch() -> None:
     executor = _Executor()
     batcher = DynamicBatcher(BatchPolicy(max_batch_size=8), executor, lambda: 1)
     loop = asyncio.get_running_loop()
-    short = asyncio.create_task(batcher.submit(job(fill=1), loop.time() + 0.01))
+    short = batcher.enqueue(job(fill=1), loop.time() + 0.01)
     far = loop.time() + 60
-    long = asyncio.create_task(batcher.submit(job(fill=2), far))
+    long = batcher.enqueue(job(fill=2), far)
     await until(lambda: len(executor.batches) == 1, "the batch reached the instance")
     with pytest.raises(errors.ServiceError) as expired:
         await short

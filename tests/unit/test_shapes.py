@@ -134,9 +134,9 @@ async def test_the_batcher_runs_bucket_sizes_and_answers_each_request_its_rows()
     policy = policy_from_config(config(text), 1)
     assert policy.shapes.batch == (1, 2, 4, 8)
     batcher = DynamicBatcher(policy, executor, lambda: 1)
-    first = asyncio.create_task(batcher.submit(job(fill=1), None))
+    first = batcher.enqueue(job(fill=1), None)
     await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
-    rest = [asyncio.create_task(batcher.submit(job(fill=i), None)) for i in (2, 3, 4, 5, 6)]
+    rest = [batcher.enqueue(job(fill=i), None) for i in (2, 3, 4, 5, 6)]
     await until(lambda: batcher.queued == 5, "the rest queued")
     executor.release.set()
     answers = await asyncio.gather(first, *rest)
