@@ -60,6 +60,7 @@ CALLERS = 4
 CALL_DEADLINE_S = 5.0  # a call not answered by then is lost
 WARM_S = 1.0  # calls before the first move
 WINDOW_S = 0.1  # calls started this long after a move still count as across it
+REPORT_WAITS = 5  # front-end reports waited for, at most, for the forwarded count to move
 METRICS_PORT = 8002  # the server's default, on its namespace's loopback
 _DONE = "done"
 
@@ -191,6 +192,21 @@ def forwarded_datagrams(metrics: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _forwarded_since(link: Link, before: float) -> float:
+    """Datagrams forwarded since `before` was read. The front-ends report every
+    REPORT_EVERY_S; on a busy machine a report can come late, so this waits for a count that
+    moved, up to REPORT_WAITS reports, then takes what is there."""
+    from service.frontends.frontend import REPORT_EVERY_S
+
+    crossed = 0.0
+    for _ in range(REPORT_WAITS):
+        time.sleep(REPORT_EVERY_S + 0.5)
+        crossed = forwarded(link) - before
+        if crossed > 0:
+            break
+    return crossed
+
+
 def forwarded(link: Link) -> float:
     """Datagrams forwarded so far, read from the server's /metrics in its namespace."""
     with link.open_socket("server") as sock:
@@ -307,8 +323,6 @@ def run_lab(
     moves: int,
     every_s: float,
 ) -> list[Row]:
-    from service.frontends.frontend import REPORT_EVERY_S
-
     rows: list[Row] = []
     for count in frontends:
         with (
@@ -328,9 +342,8 @@ def run_lab(
                         for scenario in scenarios:
                             before = forwarded(link) if count > 1 else 0.0
                             result = _run_client(link, ca_file, scenario, moves, every_s)
-                            if count > 1:  # one front-end forwards nothing
-                                time.sleep(REPORT_EVERY_S + 0.5)  # the front-ends' next report
-                            crossed = forwarded(link) - before if count > 1 else 0.0
+                            # One front-end forwards nothing.
+                            crossed = _forwarded_since(link, before) if count > 1 else 0.0
                             rows.append(row(scenario, count, rtt, result, crossed))
                             print(table(rows[-1:]).splitlines()[-1], flush=True)
                 finally:
