@@ -9,6 +9,8 @@ EXPORT_FLAGS := $(if $(filter 1,$(GPU)),--legacy)
 MODELS ?= models
 CERTS  ?= certs
 ARGS   ?=
+# `make test` runs the suite in this many processes, a file to each (0: in this one).
+TEST_WORKERS ?= 2
 DOCKER ?= docker
 IMAGE  ?= paddlequic:cpu
 
@@ -21,7 +23,7 @@ STAMP_MODELS := $(MODELS)/.exported
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
-	@echo "make test    run the test suite (no GPU needed)"
+	@echo "make test    run the test suite (no GPU needed; TEST_WORKERS=0 runs it in one process)"
 	@echo "make lint    ruff + mypy + the import layering (import-linter)"
 	@echo "make mutate  mutation testing of the security and data-integrity modules, surviving mutants per module"
 	@echo "             (unit tests only; at most 25 mutants per module, a fixed sample: ARGS='--cap 0' for all,"
@@ -81,7 +83,7 @@ serve: setup models certs
 	$(BIN)/paddlequic serve --model-repository $(MODELS) --certs-dir $(CERTS) $(ARGS)
 
 test: setup models
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 models-bench: models
 	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide $(EXPORT_FLAGS)

@@ -123,6 +123,11 @@ class ServerProcess:
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
+                # A server still starting refuses the first connects: grpc would wait 1 s, then
+                # 1.6 s, ... before trying again, seconds per start across hundreds of servers.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500),
             ],
         )
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
@@ -260,6 +265,15 @@ async def gather_held(
             None, wait_arrived, server, model, len(calls)
         )
     return list(await gathered)
+
+
+def eventually(check: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
+    """Until `check()` holds, failing with `what` after `limit_s` (a restart that loads Paddle
+    again on a busy 2-core machine can take a minute)."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, f"never happened within {limit_s:g} s: {what}"
+        time.sleep(0.05)
 
 
 async def held_still(read: Callable[[], float], looks: int, limit_s: float) -> float:

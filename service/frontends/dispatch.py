@@ -50,8 +50,11 @@ class DispatchServer:
         stats: FrontendStats,
         metrics: FrontendMetrics | None,
         described: DescribedInfer,
+        listening: Callable[[str], None],
     ) -> None:
+        """`listening(index)`: a front-end said its listeners accept calls."""
         self.max_message = max_message
+        self.listening = listening
         self.stats = stats
         self.metrics = metrics
         self.described = described
@@ -124,6 +127,7 @@ class _FrontendLink(FrameConnection):
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
             self.send(Kind.MODELS, 0, self.server.described.view())
+            self.server.listening(self.index)
         elif kind is Kind.STATS:
             self.server.stats.report(self, json.loads(payload))
             for wanted in self._stats_wanted:

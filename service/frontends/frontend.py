@@ -79,7 +79,11 @@ class ParentLink(FrameConnection):
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
         self.view = ModelView()
-        self.send(Kind.HELLO, 0, encode_count(index))
+
+    def hello(self) -> None:
+        """Tell the parent this front-end's listeners accept calls (its readiness waits for
+        every front-end's)."""
+        self.send(Kind.HELLO, 0, encode_count(self.index))
 
     def handlers(self, transport: str) -> grpc.GenericRpcHandler[Any, Any]:
         return _Forwarder(self, transport)
@@ -306,6 +310,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             reuse_port=True,
             router=DatagramRouter(index, runtime_dir),
         )
+    link.hello()
     gc.freeze()  # as the single server does once ready: full collections skip start-up's objects
     reporter = asyncio.create_task(_report(link))
     closed = asyncio.create_task(link.closed.wait())

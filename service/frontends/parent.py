@@ -93,6 +93,7 @@ async def start_frontends(
             stats,
             FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
             DescribedInfer(models, serving),
+            _Readiness(models, count).listening,
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
@@ -114,6 +115,24 @@ async def start_frontends(
         " and HTTP/3" if settings.h3 else "",
     )
     return Frontends(stats if settings.h3 else None, dispatch, supervisor, runtime_dir, reserved)
+
+
+class _Readiness:
+    """The server is not ready until every front-end has started its listeners once (a probe
+    answered by the first one up says nothing of the others' HTTP/3 sockets); a restarted
+    front-end does not take readiness away while the others serve."""
+
+    def __init__(self, models: ModelRegistry, count: int) -> None:
+        self._models = models
+        self._count = count
+        self._listening: set[str] = set()
+        models.accepting = False
+
+    def listening(self, index: str) -> None:
+        self._listening.add(index)
+        if not self._models.accepting and len(self._listening) >= self._count:
+            self._models.accepting = True
+            self._models.changed()
 
 
 def _frontend_settings(settings: ServerSettings, runtime_dir: Path, port: int) -> ServerSettings:

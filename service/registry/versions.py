@@ -102,6 +102,9 @@ class ModelRegistry:
         # version winds down).
         self._holding: dict[str, list[ServedVersion]] = {}
         self.loading_done = False
+        # False while listeners are still starting: front-end processes start theirs after
+        # the parent, and a server is ready only once every one accepts calls.
+        self.accepting = True
 
     def changed(self) -> None:
         for watcher in self._watchers:
@@ -200,7 +203,12 @@ class ModelRegistry:
 
     @property
     def all_ready(self) -> bool:
-        return self.loading_done and not self._failed and all(v.ready for v in self.all_versions())
+        return (
+            self.loading_done
+            and self.accepting
+            and not self._failed
+            and all(v.ready for v in self.all_versions())
+        )
 
     def ensemble_ready(self, served: ServedVersion, depth: int = 0) -> bool:
         """Every step's model has a ready version (the one it names, if it names one); a

@@ -26,6 +26,7 @@ from tests.e2e import test_lifecycle as lifecycle
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
     ServerProcess,
+    eventually,
     held_still,
     model_repository,
     paused,
@@ -192,19 +193,19 @@ def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
     repo = lifecycle.repository(tmp_path / "models")
     args = ["--model-control-mode", "explicit", "--load-model", "mlp", "--no-h3"]
     with running_server(repo, tmp_path / "log", [*args, "--frontends", "2"]) as server:
-        lifecycle.eventually(lambda: _described_once(server), "a described call")
+        eventually(lambda: _described_once(server), "a described call")
         with lifecycle.Load(server) as load:
             lifecycle.publish(repo, 2)
             server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
             swapped_at = len(load.answers)
-            lifecycle.eventually(
+            eventually(
                 lambda: len(load.answers) > swapped_at + 4 * lifecycle.CLIENTS, "answers after swap"
             )
         assert load.failures == []
         outputs = {v: {out for version, out in load.answers if version == v} for v in "12"}
         assert len(outputs["1"]) == 1 and len(outputs["2"]) == 1  # each from one version
         assert all(v == "2" for v, _ in load.answers[swapped_at + 2 * lifecycle.CLIENTS :])
-        lifecycle.eventually(lambda: _described_once(server), "a described call on version 2")
+        eventually(lambda: _described_once(server), "a described call on version 2")
 
         server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mlp"))
         before = calls(server)
@@ -219,7 +220,7 @@ def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
         assert calls(server) - before == 2
 
         server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
-        lifecycle.eventually(lambda: _described_once(server), "a described call after loading")
+        eventually(lambda: _described_once(server), "a described call after loading")
 
 
 def _typed_contents(request: pb.ModelInferRequest) -> None:
@@ -304,6 +305,10 @@ async def test_a_described_call_past_its_deadline_ends_everywhere(
             await stub.ModelInfer(_good(), timeout=1.0, metadata=HEADER)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await infer_calls(stub, range(CALLS, CALLS + 2))  # the worker answers again
+    # The late call is recorded when its answer comes back, which may be after the next
+    # calls' (the server's loop turns are its own): waited for, then counted exactly.
+    late = lambda: answered(server, "h2", "DEADLINE_EXCEEDED") > before[1]  # noqa: E731
+    await asyncio.to_thread(eventually, late, "the late call counted")
     after = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
     assert (after[0] - before[0], after[1] - before[1]) == ((frontends > 1) * 3, 1)
     assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0

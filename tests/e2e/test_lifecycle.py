@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,7 +18,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from tests.reference import output_names
-from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, running_server
+from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, eventually, running_server
 
 REQUEST = build_request("mlp", {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]})
 CLIENTS = 16
@@ -40,15 +38,6 @@ def publish(repo: Path, version: int) -> None:
     command += ["--only", "mlp", "--add-version", str(version)]
     subprocess.run(command, cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
     os.replace(staging / "mlp" / str(version), repo / "mlp" / str(version))
-
-
-def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 def serving_version(server: ServerProcess) -> str:

@@ -15,7 +15,6 @@ import random
 import re
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from tests.servers import (
     EXAMPLE_MODELS,
     ServerProcess,
     client_args,
+    eventually,
     model_repository,
     running_server,
 )
@@ -50,7 +50,6 @@ RUNNING_SUM_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python
 FRAMES, FEATURES = 8, 40
 COUNT, LENGTH = 6, 5
 CALL_TIMEOUT_S = 60.0
-WAIT_S = 60.0
 
 
 def kws_copy(repository: Path, name: str, **replaced: str) -> Path:
@@ -208,13 +207,6 @@ def sequence_events(server: ServerProcess, model: str) -> dict[str, float]:
     }
 
 
-def wait_until(check: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"still not {what} after {WAIT_S} s"
-        time.sleep(0.05)
-
-
 def test_live_sequences_are_bounded_and_idle_ones_expire(server: ServerProcess) -> None:
     """SMALL holds SMALL_LIVE live sequences: one more start is RESOURCE_EXHAUSTED naming the
     limit; ending one makes room; an idle one expires and its next request says so."""
@@ -229,7 +221,7 @@ def test_live_sequences_are_bounded_and_idle_ones_expire(server: ServerProcess) 
         extra = client.sequence(SMALL)
         extra.infer({"features": chunk})
         assert live_sequences(server, SMALL) == SMALL_LIVE
-        wait_until(lambda: live_sequences(server, SMALL) == 0, "expired")
+        eventually(lambda: live_sequences(server, SMALL) == 0, "expired")
         with pytest.raises(grpc.RpcError) as expired:
             extra.infer({"features": chunk})
     assert status(full)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -267,7 +259,7 @@ def test_a_killed_worker_ends_its_sequences(killable: ServerProcess) -> None:
         with pytest.raises(grpc.RpcError) as again:
             sequence.infer({"features": first[2]}, end=True)
         assert client.infer("mlp", {"input": np.ones((1, 256), np.float32)})["probabilities"].any()
-        wait_until(lambda: server.instances(MODEL)[0].state == "READY", "restarted")
+        eventually(lambda: server.instances(MODEL)[0].state == "READY", "restarted")
         fresh = client.sequence(MODEL)
         scores = [
             fresh.infer({"features": chunk}, end=i == 2)["scores"] for i, chunk in enumerate(second)
@@ -378,7 +370,7 @@ def test_a_reload_keeps_live_sequences_on_the_old_version(tmp_path: Path) -> Non
                 live.infer({"features": c}, end=i == 1)["scores"] for i, c in enumerate(old[2:])
             ]
         # Its sequence ended: the replaced version winds down.
-        wait_until(
+        eventually(
             lambda: "version 1 replaced; its workers stopped" in server.log_text(),
             "wound down",
         )

@@ -12,9 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -24,10 +22,18 @@ import pytest
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from service.lifecycle.signing import generate_keys, sign
-from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, free_port, running_server
+from tests.servers import (
+    EXAMPLE_MODELS,
+    REPO_ROOT,
+    ServerProcess,
+    eventually,
+    free_port,
+    running_server,
+)
 
 REQUEST = {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]}
 ALL_VERSIONS = "version_policy: { all: {} }\n"
+RESTART_S = 120.0  # a restart loads Paddle again on a busy 2-core machine
 
 
 def add_model(root: Path, name: str, extra_config: str = "") -> Path:
@@ -136,15 +142,6 @@ def test_signing_policy(tmp_path: Path, required: bool) -> None:
             assert reason in listed.stdout
 
 
-def eventually(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 120  # a restart loads Paddle again on a busy 2-core machine
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
-
-
 def test_restarts_and_reloads_load_only_verified_bytes(tmp_path: Path) -> None:
     """(a): weights tampered with after the load never serve: not after the worker dies and
     restarts, not after a reload, which refuses them and leaves the verified version serving."""
@@ -159,15 +156,17 @@ def test_restarts_and_reloads_load_only_verified_bytes(tmp_path: Path) -> None:
         (before,) = server.instances("good")
         os.kill(before.pid, signal.SIGKILL)
         eventually(
-            "the worker to restart",
             lambda: [(i.state, i.restarts) for i in server.instances("good")] == [("READY", 1)],
+            "the worker to restart",
+            RESTART_S,
         )
         assert infer(server, "good") == answer
 
         server.process.send_signal(signal.SIGHUP)
         eventually(
-            "the reload to refuse the tampered weights",
             lambda: "inference.pdiparams was modified" in index(server)["good", "1"].reason,
+            "the reload to refuse the tampered weights",
+            RESTART_S,
         )
         assert index(server)["good", "1"].state == "READY"
         assert infer(server, "good") == answer
@@ -251,8 +250,9 @@ def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.Mo
         for name in ("victim", "pair"):
             reason = f"{name}/config.pbtxt was modified after signing"
             eventually(
-                f"the reload to refuse {name}'s config.pbtxt",
                 lambda: reason in index(server)[name, "1"].reason,  # noqa: B023
+                f"the reload to refuse {name}'s config.pbtxt",
+                RESTART_S,
             )
             with pytest.raises(grpc.RpcError) as error:
                 server.stub.RepositoryModelLoad(
@@ -269,7 +269,9 @@ def test_ensembles_are_signed_like_models(tmp_path: Path, monkeypatch: pytest.Mo
         server.stub.RepositoryModelUnload(
             pb.RepositoryModelUnloadRequest(model_name="victim"), timeout=60
         )
-        eventually("the unloaded version's copy to go", lambda: "victim-1" not in copies(tmp))
+        eventually(
+            lambda: "victim-1" not in copies(tmp), "the unloaded version's copy to go", RESTART_S
+        )
     assert not list(tmp.iterdir())  # the server removed its copies when it stopped
 
 
