@@ -93,7 +93,7 @@ async def start_frontends(
             stats,
             FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
             DescribedInfer(models, serving),
-            _Readiness(models, count).listening,
+            FrontendReadiness(models, count).listening,
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
@@ -117,7 +117,7 @@ async def start_frontends(
     return Frontends(stats if settings.h3 else None, dispatch, supervisor, runtime_dir, reserved)
 
 
-class _Readiness:
+class FrontendReadiness:
     """The server is not ready until every front-end has started its listeners once (a probe
     answered by the first one up says nothing of the others' HTTP/3 sockets); a restarted
     front-end does not take readiness away while the others serve."""

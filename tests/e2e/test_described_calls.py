@@ -307,8 +307,8 @@ async def test_a_described_call_past_its_deadline_ends_everywhere(
         await infer_calls(stub, range(CALLS, CALLS + 2))  # the worker answers again
     # The late call is recorded when its answer comes back, which may be after the next
     # calls' (the server's loop turns are its own): waited for, then counted exactly.
-    late = lambda: answered(server, "h2", "DEADLINE_EXCEEDED") > before[1]  # noqa: E731
-    await asyncio.to_thread(eventually, late, "the late call counted")
+    counted = lambda: answered(server, "h2", "DEADLINE_EXCEEDED") > before[1]  # noqa: E731
+    await asyncio.to_thread(eventually, counted, "the late call counted")
     after = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
     assert (after[0] - before[0], after[1] - before[1]) == ((frontends > 1) * 3, 1)
     assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0
