@@ -46,7 +46,8 @@ TIMEOUT_S = 120.0
 SETTLE_LIMIT_S = 60.0
 QUIET_S = 0.5
 PROPERTY = settings(derandomize=True, max_examples=3, deadline=None)
-QUICK = ["--duration", "1", "--warmup", "0.3"]
+# Long enough for a few short generations on a machine whose two cores run two test files.
+QUICK = ["--duration", "2", "--warmup", "0.3"]
 
 
 @pytest.fixture(scope="module")

@@ -215,7 +215,9 @@ def test_sequences_join_and_leave_between_steps(
         for recorder in (*first, third):
             recorder.ending()
         assert [r.tokens() for r in (*first, third)] == expected
-        (joined,) = [r for r in steps.records if r.prefilled == (len(late[0]),)]
+        # The late prompt's length is unique here: its prefill is found whoever shares its
+        # step (on a busy machine the short one can be prefilled in the same step).
+        (joined,) = [r for r in steps.records if len(late[0]) in r.prefilled]
         assert joined.held >= 2  # it did not wait for the long one to end
         helds = [r.held for r in steps.records]
         left = [i for i in range(1, len(helds)) if helds[i] < helds[i - 1]]
