@@ -89,7 +89,7 @@ def random_inputs(
 ) -> dict[str, np.ndarray[Any, Any]]:
     """Random tensors matching the model's metadata: the first -1 is the batch, other -1s a
     sequence length; integers stay small so embedding ids are in range."""
-    from clients.inference_client import random_array
+    from clients.tensors import random_array
 
     arrays = {}
     for tensor in metadata.inputs:

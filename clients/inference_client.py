@@ -25,18 +25,15 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
-from urllib.parse import urlsplit
 
-import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.generation import Chunk, chunks, generation_request
 from clients.sequences import ClientSequence, SequenceParameters
 from clients.streaming import StreamRequest, StreamResponse, stream_responses
+from clients.targets import DEFAULT_PORT, open_channel, parse_url
 
 # Re-exported: the arrays <-> messages helpers have always been importable from here.
 from clients.tensors import Parameter
@@ -45,114 +42,11 @@ from clients.tensors import parse_response as parse_response
 from clients.tickets import SessionTicketCache
 from clients.trace_context import Metadata, with_trace_context
 from clients.transport_policy import TransportPolicy
-from oip.datatypes import BY_NAME, is_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 
-DEFAULT_PORT = 8001
-MAX_MESSAGE_BYTES = 64 << 20
-_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
-
-
-@dataclass(frozen=True)
-class Target:
-    scheme: str
-    host: str
-    port: int
-
-    @property
-    def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def parse_url(url: str) -> Target:
-    """`grpc://host:port` (HTTP/2), `grpcs://host:port` (HTTP/2 with TLS), `h3://host:port`
-    (HTTP/3) or `auto://host:port` (HTTP/2, moving to HTTP/3 when advertised and reachable); a
-    bare `host:port` means grpc."""
-    parts = urlsplit(url if "://" in url else f"grpc://{url}")
-    if parts.scheme not in ("grpc", "grpcs", "h3", "auto"):
-        raise ValueError(
-            f"unsupported URL scheme {parts.scheme!r} in {url!r}; use grpc://HOST:PORT "
-            "(HTTP/2), grpcs://HOST:PORT (HTTP/2 with TLS), h3://HOST:PORT (HTTP/3) or "
-            "auto://HOST:PORT (HTTP/2, then HTTP/3 once the server advertises it)"
-        )
-    if not parts.hostname:
-        raise ValueError(f"URL {url!r} names no host; use grpc://HOST:PORT or h3://HOST:PORT")
-    return Target(parts.scheme, parts.hostname, parts.port or DEFAULT_PORT)
-
-
-def open_channel(
-    target: Target,
-    ca_file: str | None = None,
-    ticket_cache: SessionTicketCache | None = None,
-    client_cert: str | None = None,
-    client_key: str | None = None,
-    transport_policy: TransportPolicy | None = None,
-) -> Any:
-    """A grpc.aio channel (`grpc://`, `grpcs://`), a QuicChannel (`h3://`) or an AutoChannel
-    (`auto://`, deciding by `transport_policy`, which channels may share): all take the
-    generated stubs and `unary_unary(method)` with raw bytes. Call it inside the event loop
-    that uses the channel."""
-    if target.scheme in ("h3", "auto"):
-        from clients.quic_channel import QuicChannel
-        from transport.h3.client import DEFAULT_UNRESPONSIVE_S
-
-        def quic(
-            host: str, port: int, unresponsive_s: float = DEFAULT_UNRESPONSIVE_S
-        ) -> QuicChannel:
-            return QuicChannel(
-                Target("h3", host, port).address,
-                ca_file=ca_file,
-                server_name=target.host,
-                ticket_cache=ticket_cache,
-                client_cert=client_cert,
-                client_key=client_key,
-                unresponsive_timeout_s=unresponsive_s,
-            )
-
-        if target.scheme == "h3":
-            return quic(target.host, target.port)
-    if client_cert and target.scheme != "grpcs":
-        raise ValueError("a client certificate needs TLS: use grpcs:// or h3://")
-    if target.scheme == "auto":
-        from clients.auto_channel import H3_UNRESPONSIVE_S, AutoChannel
-
-        h2 = grpc.aio.insecure_channel(target.address, options=_OPTIONS)
-        return AutoChannel(
-            h2,
-            lambda host, port: quic(host, port, H3_UNRESPONSIVE_S),
-            target.host,
-            transport_policy,
-        )
-    if target.scheme == "grpcs":
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=Path(ca_file).read_bytes() if ca_file else None,
-            private_key=Path(client_key or client_cert).read_bytes() if client_cert else None,
-            certificate_chain=Path(client_cert).read_bytes() if client_cert else None,
-        )
-        return grpc.aio.secure_channel(target.address, credentials, options=_OPTIONS)
-    return grpc.aio.insecure_channel(target.address, options=_OPTIONS)
-
-
-def random_array(
-    datatype: str, shape: Sequence[int], rng: np.random.Generator
-) -> np.ndarray[Any, Any]:
-    """Random values of a protocol datatype: normal floats, booleans, or small integers (so
-    embedding ids stay in range)."""
-    dtype = BY_NAME[datatype].numpy
-    if is_bytes(dtype) or datatype == "BF16":  # no numpy values build_request would send as such
-        raise ValueError(f"no random values for {datatype} inputs")
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    if dtype.kind == "b":
-        return rng.integers(0, 2, shape).astype(bool)
-    return rng.integers(0, 100, shape).astype(dtype)
 
 
 class AsyncInferenceClient:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from oip.bytes_tensor import serialize_bytes, to_numpy_bytes
-from oip.datatypes import BY_NAME, from_numpy
+from oip.datatypes import BY_NAME, from_numpy, is_bytes
 from protos.inference import grpc_service_pb2 as pb
 
 Parameter = bool | int | float | str
@@ -62,3 +62,18 @@ def parse_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray[Any,
         dtype = BY_NAME[tensor.datatype].numpy
         arrays[tensor.name] = np.frombuffer(raw, dtype=dtype).reshape(tuple(tensor.shape))
     return arrays
+
+
+def random_array(
+    datatype: str, shape: Sequence[int], rng: np.random.Generator
+) -> np.ndarray[Any, Any]:
+    """Random values of a protocol datatype: normal floats, booleans, or small integers (so
+    embedding ids stay in range)."""
+    dtype = BY_NAME[datatype].numpy
+    if is_bytes(dtype) or datatype == "BF16":  # no numpy values build_request would send as such
+        raise ValueError(f"no random values for {datatype} inputs")
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.integers(0, 100, shape).astype(dtype)

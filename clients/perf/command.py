@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, metadata: list[tuple[str, str]]) -> int:
-    from clients.inference_client import parse_url
+    from clients.targets import parse_url
 
     levels = parse_concurrency(args.concurrency_range)
     target = parse_url(args.url)

@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.inference_client import random_array
-from clients.tensors import Parameter, build_request
+from clients.tensors import Parameter, build_request, random_array
 from oip.datatypes import from_numpy
 from protos.inference import grpc_service_pb2 as pb
 

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]
 
-from clients.inference_client import Target, open_channel
 from clients.streaming import is_final
+from clients.targets import Target, open_channel
 from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2 as pb
 

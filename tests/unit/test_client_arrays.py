@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from clients.inference_client import build_request, parse_response, random_array
+from clients.tensors import build_request, parse_response, random_array
 from oip.datatypes import DATATYPES
 from protos.inference import grpc_service_pb2 as pb
 
