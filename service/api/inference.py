@@ -23,7 +23,6 @@ from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
 from service.inference.validation import decoded, request_sequence
 from service.lifecycle.lifecycle import Lifecycle
-from service.model.decoupled import is_decoupled
 from service.registry.versions import ModelRegistry, ServedVersion
 from service.serving.requests import RequestRunner
 
@@ -234,7 +233,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 await asyncio.wait({previous})
             try:
                 served = self.models.resolve(request.model_name, request.model_version)
-                if is_decoupled(served.config):
+                if served.decoupled:
                     await self._generate(served, request, deadline, responses.put)
                     return
                 response = pb.ModelStreamInferResponse(
@@ -342,7 +341,7 @@ async def _decode(
 def _served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
     """Whether the request names a decoupled model (its error is then its final response)."""
     try:
-        return is_decoupled(models.resolve(request.model_name, request.model_version).config)
+        return models.resolve(request.model_name, request.model_version).decoupled
     except errors.ServiceError:
         return False
 

@@ -40,6 +40,8 @@ from service.serving.requests import RequestRunner
 
 log = logging.getLogger("paddlequic.frontends")
 _T = TypeVar("_T")
+# Most calls end OK: their STATUS payload is made once.
+_OK = encode_status(Status(grpc.StatusCode.OK, "", ()))
 
 
 class Answering(Protocol):
@@ -197,7 +199,8 @@ class DescribedCall:
             return
         if data:
             self.link.send(Kind.MESSAGE, self.call_id, data)
-        self.link.send(Kind.STATUS, self.call_id, encode_status(Status(code, details, ())))
+        status = _OK if error is None else encode_status(Status(code, details, ()))
+        self.link.send(Kind.STATUS, self.call_id, status)
         self.link.flush_large()
 
 

@@ -8,7 +8,6 @@ from service.frontends.described_call import Answering, DescribedCall, Serving
 from service.frontends.descriptors import DescribedRequest, ViewEntry, encode_view
 from service.frontends.protocol import Open
 from service.inference import errors
-from service.model.decoupled import is_decoupled
 from service.registry.versions import ModelRegistry, ServedVersion
 
 
@@ -69,6 +68,6 @@ def describable(served: ServedVersion) -> bool:
     return (
         served.validator is not None
         and not served.steps
-        and not is_decoupled(config)
+        and not served.decoupled
         and not config.HasField("sequence_batching")
     )

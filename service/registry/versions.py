@@ -17,6 +17,7 @@ from service.batching.sequence_batcher import SequenceBatcher
 from service.inference import errors
 from service.inference.validation import RequestValidator
 from service.model import ensemble
+from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.names import check_model_name, parse_version
 from service.registry.statistics import ModelStats
@@ -55,10 +56,13 @@ class ServedVersion:
     # A sequence model's batcher (it has no dynamic batcher).
     sequences: SequenceBatcher | None = None
     steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
+    # Read once: every ModelInfer asks, and the config completed at load keeps the policy.
+    decoupled: bool = field(init=False)
 
     def __post_init__(self) -> None:
         # The config was checked when it was read, so its parameters parse.
         self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
+        self.decoupled = is_decoupled(self.config)
 
     @property
     def ready(self) -> bool:

@@ -26,7 +26,6 @@ from service.inference.jobs import (
 )
 from service.inference.validation import decoded
 from service.model import ensemble
-from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.versions import ModelRegistry, ServedVersion
 from service.resilience.breaker import Admission
@@ -76,7 +75,7 @@ class RequestRunner:
     ) -> tuple[ServedVersion, Awaitable[Answer]]:
         """The version that answers and its answer: queued already when its batcher alone
         runs it (a future: no task, no coroutine per request), else a coroutine to await."""
-        if is_decoupled(served.config):
+        if served.decoupled:
             raise errors.ServiceError(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"ModelInfer RPC doesn't support models with decoupled transaction policy: "
