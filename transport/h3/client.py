@@ -88,9 +88,11 @@ class _ClientProtocol(GrpcH3Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         udp.enlarge_receive_buffer(transport.get_extra_info("socket"))
-        if self._unresponsive_s:
-            if self._liveness is not None:  # the connection moved to a new socket
-                self._liveness.cancel()
+        # A connection moved to a new socket keeps its schedule: the silence it measures is
+        # the connection's, and starting it again at each move would put off the PING (what
+        # tells the server the new address) for as long as moves come faster than the probe
+        # interval, with every call stalled meanwhile.
+        if self._unresponsive_s and self._liveness is None:
             self._liveness = self._loop.call_later(self._probe_s, self._check_liveness)
 
     @property
