@@ -5,9 +5,16 @@ runs it)."""
 from __future__ import annotations
 
 from service.frontends.described_call import Answering, DescribedCall, Serving
-from service.frontends.descriptors import DescribedRequest, ViewEntry, encode_view
+from service.frontends.descriptors import (
+    MODEL_INFER,
+    DescribedRequest,
+    Refusal,
+    ViewEntry,
+    encode_view,
+)
 from service.frontends.protocol import Open
 from service.inference import errors
+from service.observability.observer import Observation
 from service.registry.versions import ModelRegistry, ServedVersion
 
 
@@ -59,6 +66,19 @@ class DescribedInfer:
         if resolved is not served:
             raise StaleView
         return DescribedCall(link, call_id, opened, served, request, self._serving)
+
+    def refused(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> None:
+        """A call a front-end refused with its version's validator and answered: observed,
+        and counted against the version, as the refusal made here would be."""
+        served = self._described.get(refusal.token)
+        if served is not None:
+            served.stats.record_failure(elapsed_ns)
+        observer = self._serving.observer
+        observation = Observation(observer, opened.transport, MODEL_INFER, lambda: opened.metadata)
+        observation.started -= elapsed_ns  # the call's time is the front-end's
+        observation.saw(refusal)
+        status = refusal.status
+        observation.end(status.code, lambda: status.details)
 
 
 def describable(served: ServedVersion) -> bool:

@@ -5,7 +5,9 @@ The parent describes the versions it serves (MODELS: each one's config and a tok
 front-end passes a ModelInfer call on such a version as INFER (the call's Open, then the
 request's names, shapes and tensor bytes); the parent answers it with one MESSAGE holding a
 described answer, or STALE when the front-end's view no longer holds (it then passes the call
-on as bytes, as every other call)."""
+on as bytes, as every other call). A call the version's validator refuses, the front-end
+answers itself and reports as REFUSED (its status and how long it took), which the parent
+records as the refusal it would have made."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ from service.frontends.protocol import (
     Open,
     ProtocolViolation,
     Reader,
+    Status,
     decode_open,
+    decode_status,
     encode_open,
+    encode_status,
     encode_text,
 )
 from service.inference.jobs import InputTensor, OutputTensor
@@ -73,6 +78,19 @@ class DescribedAnswer:
     fallback: bool
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A ModelInferRequest the front-end refused with the version's own validator and answered
+    itself: the parent records it as the call it would have refused (field names as the
+    message's, which observers read)."""
+
+    token: int
+    model_name: str
+    model_version: str
+    id: str
+    status: Status
+
+
 def fits(request_id: str, priority: int | None) -> bool:
     """Whether a request's id and priority fit a descriptor (a request whose do not goes on
     as bytes: the rest of it is bounded by the model it names)."""
@@ -106,16 +124,10 @@ def decode_view(payload: bytes) -> tuple[ViewEntry, ...]:
 
 
 def encode_infer(opened: Open, request: DescribedRequest) -> bytes:
-    call = encode_open(opened)
     priority = -1 if request.priority is None else request.priority
     timeout = -1.0 if request.timeout_s is None else request.timeout_s
     parts = [
-        _U32.pack(len(call)),
-        call,
-        _U64.pack(request.token),
-        encode_text(request.model_name),
-        encode_text(request.model_version),
-        encode_text(request.id),
+        _named_call(opened, request.token, request.model_name, request.model_version, request.id),
         _SCHEDULING.pack(priority, timeout),
         _U16.pack(len(request.outputs)),
         *(encode_text(name) for name in request.outputs),
@@ -126,10 +138,7 @@ def encode_infer(opened: Open, request: DescribedRequest) -> bytes:
 
 def decode_infer(payload: bytes) -> tuple[Open, DescribedRequest]:
     reader = Reader(payload)
-    (size,) = reader.unpack(_U32)
-    opened = decode_open(reader.take(size))
-    (token,) = reader.unpack(_U64)
-    model, version, request_id = reader.text(), reader.text(), reader.text()
+    opened, token, model, version, request_id = _read_named_call(reader)
     priority, timeout = reader.unpack(_SCHEDULING)
     (count,) = reader.unpack(_U16)
     outputs = tuple(reader.text() for _ in range(count))
@@ -146,6 +155,27 @@ def decode_infer(payload: bytes) -> tuple[Open, DescribedRequest]:
         None if timeout < 0 else timeout,
     )
     return opened, request
+
+
+def encode_refusal(opened: Open, refusal: Refusal, elapsed_ns: int) -> bytes:
+    """`elapsed_ns`: from the call's start to its answer, in the front-end."""
+    return b"".join(
+        (
+            _named_call(
+                opened, refusal.token, refusal.model_name, refusal.model_version, refusal.id
+            ),
+            _U64.pack(max(elapsed_ns, 0)),
+            encode_status(refusal.status),
+        )
+    )
+
+
+def decode_refusal(payload: bytes) -> tuple[Open, Refusal, int]:
+    reader = Reader(payload)
+    opened, token, model, version, request_id = _read_named_call(reader)
+    (elapsed_ns,) = reader.unpack(_U64)
+    status = decode_status(reader.rest())
+    return opened, Refusal(token, model, version, request_id, status), elapsed_ns
 
 
 def encode_answer(answer: DescribedAnswer) -> bytes:
@@ -167,6 +197,29 @@ def decode_answer(payload: bytes) -> DescribedAnswer:
     outputs = _read_tensors(reader, OutputTensor)
     reader.end()
     return DescribedAnswer(model, version, request_id, outputs, fallback)
+
+
+def _named_call(opened: Open, token: int, model: str, version: str, request_id: str) -> bytes:
+    """What INFER and REFUSED start with: the call's opening, the version's token, and the
+    model, version and id as the request named them."""
+    call = encode_open(opened)
+    return b"".join(
+        (
+            _U32.pack(len(call)),
+            call,
+            _U64.pack(token),
+            encode_text(model),
+            encode_text(version),
+            encode_text(request_id),
+        )
+    )
+
+
+def _read_named_call(reader: Reader) -> tuple[Open, int, str, str, str]:
+    (size,) = reader.unpack(_U32)
+    opened = decode_open(reader.take(size))
+    (token,) = reader.unpack(_U64)
+    return opened, token, reader.text(), reader.text(), reader.text()
 
 
 def _tensors(tensors: Sequence[InputTensor | OutputTensor]) -> bytes:

@@ -19,7 +19,7 @@ from grpc.aio import EOF, AbortError  # type: ignore[attr-defined]
 
 from service.frontends.described_call import DescribedCall, oversized
 from service.frontends.described_infer import DescribedInfer, StaleView
-from service.frontends.descriptors import decode_infer
+from service.frontends.descriptors import decode_infer, decode_refusal
 from service.frontends.link import FrameConnection, Inbox, Window
 from service.frontends.protocol import (
     Frame,
@@ -124,6 +124,10 @@ class _FrontendLink(FrameConnection):
             self._count(opened, described=True)
             self._calls[call_id] = described
             described.start()
+        elif kind is Kind.REFUSED:
+            opened, refusal, elapsed_ns = decode_refusal(payload)
+            self._count(opened, described=True)
+            self.server.described.refused(opened, refusal, elapsed_ns)
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
             self.send(Kind.MODELS, 0, self.server.described.view())

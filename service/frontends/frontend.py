@@ -14,14 +14,22 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from service.api.restricted import Restriction, parse_restrictions, restriction_of
 from service.backend.sandbox.privileges import undumpable
-from service.frontends.descriptors import MODEL_INFER, decode_view, encode_infer
+from service.frontends.descriptors import (
+    MODEL_INFER,
+    Refusal,
+    decode_view,
+    encode_infer,
+    encode_refusal,
+)
 from service.frontends.link import FrameConnection, Window
 from service.frontends.listeners import check_client_auth, start_grpc, start_h3
 from service.frontends.model_view import ModelView, answer_message
@@ -72,9 +80,12 @@ class ParentLink(FrameConnection):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         max_message: int,
+        restriction: Restriction | None,
     ) -> None:
+        """`restriction`: ModelInfer's (--restricted-protocol inference:...), if any."""
         super().__init__(reader, writer, max_message)
         self.index = index
+        self.restriction = restriction
         self.h3: H3Server | None = None
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
@@ -95,10 +106,16 @@ class ParentLink(FrameConnection):
         ModelInfer call the view describes goes as a descriptor, unless the parent says the
         view is stale."""
         if method == MODEL_INFER:
+            started = time.perf_counter_ns()
             head = [message async for message in _first(requests, 2)]
             requests = _replay(head, requests)
             described = await self.view.describe(head[0]) if len(head) == 1 else None
             opened = _opened(method, transport, context)
+            if isinstance(described, Refusal):
+                if self._answer_refusal(opened, described, time.perf_counter_ns() - started):
+                    await context.abort(described.status.code, described.status.details)
+                    return
+                described = None
             payload = b"" if described is None else encode_infer(opened, described)
             # Raw BYTES elements take 4 bytes of length where the message may have used 1:
             # a descriptor past the frame limit goes as the message it came as.
@@ -118,6 +135,18 @@ class ParentLink(FrameConnection):
                 yield message
         finally:
             pump.cancel()
+
+    def _answer_refusal(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> bool:
+        """Report a refusal to the parent, which records it, if this front-end may answer it:
+        not when the caller lacks ModelInfer's restricted-protocol header (the parent's answer
+        to that comes first) or the report is over the frame limit."""
+        if self.restriction is not None and not self.restriction.allows(opened.metadata):
+            return False
+        payload = encode_refusal(opened, refusal, elapsed_ns)
+        if len(payload) > self.max_payload:
+            return False
+        self.send(Kind.REFUSED, 0, payload)
+        return True
 
     def _start(self) -> tuple[int, _Forwarded]:
         call_id, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF or 1
@@ -285,7 +314,8 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             f"({exc.strerror or exc}); front-ends are started by `paddlequic serve "
             "--frontends N`, not on their own"
         ) from None
-    link = ParentLink(index, reader, writer, settings.max_message_bytes)
+    restriction = restriction_of(parse_restrictions(settings.restricted_protocol), MODEL_INFER)
+    link = ParentLink(index, reader, writer, settings.max_message_bytes, restriction)
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)
     tls = (Path(settings.tls_cert), Path(settings.tls_key)) if settings.tls_cert else None

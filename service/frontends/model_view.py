@@ -1,8 +1,8 @@
 """A front-end's side of descriptors. Its view of the versions the parent described (MODELS):
 the ModelInfer calls on them that it decodes and validates itself, with the parent's own
-checks (wire limits, protobuf, RequestValidator), and passes on as descriptors. Any call it
-is not sure of goes on as bytes, and the parent answers it as it always did: errors included,
-so they are the parent's, word for word, and observed once."""
+checks (wire limits, protobuf, RequestValidator), and passes on as descriptors, or answers
+with the validator's refusal (the parent's, word for word, recorded by the parent once). Any
+call it is not sure of goes on as bytes, and the parent answers it as it always did."""
 
 from __future__ import annotations
 
@@ -15,7 +15,14 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.api import stream_responses
 from service.api.wire_limits import request_problem
-from service.frontends.descriptors import DescribedRequest, ViewEntry, decode_answer, fits
+from service.frontends.descriptors import (
+    DescribedRequest,
+    Refusal,
+    ViewEntry,
+    decode_answer,
+    fits,
+)
+from service.frontends.protocol import Status
 from service.inference.errors import ServiceError
 from service.inference.validation import RequestValidator, decoded
 
@@ -45,10 +52,11 @@ class ModelView:
             versions[entry.model, entry.version] = _Version(entry.token, validator)
         self._versions = versions
 
-    async def describe(self, message: bytes) -> DescribedRequest | None:
-        """The ModelInferRequest in `message` as a descriptor; None: pass it on as bytes
-        (over the wire limits, unparsable, not on a described version, carrying parameters
-        only the parent handles, or refused by validation)."""
+    async def describe(self, message: bytes) -> DescribedRequest | Refusal | None:
+        """The ModelInferRequest in `message` as a descriptor, or as the refusal of its
+        version's validator (the parent's words: its validator is the same); None: pass it on
+        as bytes (over the wire limits, unparsable, not on a described version, carrying
+        parameters only the parent handles)."""
         if not self._versions or request_problem(message)[0]:
             return None
         try:
@@ -58,10 +66,15 @@ class ModelView:
         version = self._versions.get((request.model_name, request.model_version))
         if version is None or not _plain(request):
             return None
+        if not fits(request.id, None):
+            return None
         try:
             job = await decoded(version.validator.admit(request))
-        except ServiceError:
-            return None
+        except ServiceError as exc:
+            status = Status(exc.code, exc.message, ())
+            return Refusal(
+                version.token, request.model_name, request.model_version, request.id, status
+            )
         if not fits(request.id, job.priority):
             return None
         return DescribedRequest(

@@ -41,6 +41,7 @@ class Kind(enum.IntEnum):
     MODELS = 11  # parent -> front-end, call 0: the served versions it may describe (descriptors)
     INFER = 12  # front-end -> parent: a ModelInfer call, decoded and validated (descriptors)
     STALE = 13  # parent -> front-end: that INFER's view is outdated; pass the call on as bytes
+    REFUSED = 14  # front-end -> parent: a ModelInfer call it refused and answered (descriptors)
 
 
 class ProtocolViolation(ValueError):
@@ -230,6 +231,10 @@ class Reader:
             raw = self.take(size)
             entries.append((key, raw if is_bytes else raw.decode(errors="replace")))
         return tuple(entries)
+
+    def rest(self) -> bytes:
+        """Everything not read yet (a last field that runs to the payload's end)."""
+        return self.take(self._size - self._offset)
 
     def end(self) -> None:
         if self._offset != self._size:

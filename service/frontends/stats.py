@@ -129,7 +129,7 @@ class FrontendMetrics:
         self.described = Counter(
             "paddlequic_frontend_described_calls",
             "of those calls, ModelInfer calls the front-end decoded and validated itself and "
-            "passed on as a descriptor",
+            "passed on as a descriptor (or refused itself)",
             ["frontend", "transport"],
             registry=registry,
         )

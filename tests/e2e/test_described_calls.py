@@ -154,19 +154,39 @@ def _status(server: ServerProcess, message: bytes, metadata: Any = HEADER) -> tu
     return error.code().name, error.details()
 
 
+# Refused by the version's validator, which the front-end has too: it answers them itself and
+# the parent only records them (REFUSED). The others go on as bytes, answered by the parent.
+ANSWERED_BY_FRONTENDS = frozenset(
+    {
+        "wrong datatype",
+        "wrong rank",
+        "short contents",
+        "unknown input",
+        "unknown output",
+        "bad priority",
+    }
+)
+
+
+def failures(server: ServerProcess) -> int:
+    """The failed inferences ModelStatistics counts against mlp's version."""
+    request = pb.ModelStatisticsRequest(name="mlp", version="1")
+    (stats,) = server.stub.ModelStatistics(request, timeout=30).model_stats
+    return int(stats.inference_stats.fail.count)
+
+
 @pytest.mark.parametrize("bad", sorted(BAD_REQUESTS))
 def test_refusals_are_the_single_process_ones(servers: dict[int, ServerProcess], bad: str) -> None:
-    """Passed on as bytes and answered by the parent as it always did: same code, same
-    message, counted once."""
-    before = {n: (calls(s), described(s, "h2")) for n, s in servers.items()}
+    """Same code, same message, counted once (metrics and the version's statistics), whether
+    the front-end refused the call itself or passed it on as bytes for the parent to."""
+    before = {n: (calls(s), described(s, "h2"), failures(s)) for n, s in servers.items()}
     statuses = {n: _status(s, BAD_REQUESTS[bad]) for n, s in servers.items()}
     assert statuses[1] == statuses[2]
     assert statuses[1][0] != "OK"
-    after = {n: (calls(s), described(s, "h2")) for n, s in servers.items()}
-    assert {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in servers} == {
-        1: (1, 0),
-        2: (1, 0),
-    }
+    after = {n: (calls(s), described(s, "h2"), failures(s)) for n, s in servers.items()}
+    deltas = {n: tuple(a - b for a, b in zip(after[n], before[n], strict=True)) for n in servers}
+    counted = int(bad in ANSWERED_BY_FRONTENDS)  # a version's failure, as on one process
+    assert deltas == {1: (1, 0, counted), 2: (1, counted, counted)}
 
 
 def test_restricted_inference_without_the_header_is_refused_alike(
@@ -178,6 +198,13 @@ def test_restricted_inference_without_the_header_is_refused_alike(
     assert statuses[1] == statuses[2]
     assert statuses[2][0] == "UNAUTHENTICATED"
     assert described(servers[2], "h2") - before == 1  # described, refused by the parent
+    # A request its validator refuses, without the header: not the front-end's to answer
+    # (the header is checked first), so it goes on as bytes and the parent says why.
+    bad = BAD_REQUESTS["wrong datatype"]
+    statuses = {n: _status(s, bad, metadata=()) for n, s in servers.items()}
+    assert statuses[1] == statuses[2]
+    assert statuses[2][0] == "UNAUTHENTICATED"
+    assert described(servers[2], "h2") - before == 1
 
 
 def _described_once(server: ServerProcess) -> bool:

@@ -4,6 +4,7 @@ round trip whatever they hold, and bytes that are not one are refused, never mis
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,15 +13,18 @@ from oip.datatypes import BY_NAME
 from service.frontends.descriptors import (
     DescribedAnswer,
     DescribedRequest,
+    Refusal,
     ViewEntry,
     decode_answer,
     decode_infer,
+    decode_refusal,
     decode_view,
     encode_answer,
     encode_infer,
+    encode_refusal,
     encode_view,
 )
-from service.frontends.protocol import Open, ProtocolViolation
+from service.frontends.protocol import Open, ProtocolViolation, Status
 from service.inference.jobs import InputTensor, OutputTensor
 
 texts = st.text(max_size=40)
@@ -54,6 +58,14 @@ answers = st.builds(
     st.lists(tensor_fields.map(lambda f: OutputTensor(*f)), max_size=4).map(tuple),
     st.booleans(),
 )
+refusals = st.builds(
+    Refusal,
+    st.integers(0, 2**64 - 1),
+    texts,
+    texts,
+    texts,
+    st.builds(Status, st.sampled_from(list(grpc.StatusCode)), st.text(max_size=200), st.just(())),
+)
 views = st.lists(
     st.builds(ViewEntry, texts, texts, st.integers(0, 2**64 - 1), st.binary(max_size=64)),
     max_size=4,
@@ -75,13 +87,23 @@ def test_a_view_survives_the_round_trip(entries: list[ViewEntry]) -> None:
     assert decode_view(encode_view(entries)) == tuple(entries)
 
 
-@given(opens, requests, answers, st.data())
+@given(opens, refusals, st.integers(0, 2**64 - 1))
+def test_a_refusal_survives_the_round_trip(opened: Open, refusal: Refusal, elapsed: int) -> None:
+    assert decode_refusal(encode_refusal(opened, refusal, elapsed)) == (opened, refusal, elapsed)
+
+
+@given(opens, requests, answers, refusals, st.data())
 def test_a_truncated_descriptor_is_refused(
-    opened: Open, request: DescribedRequest, answer: DescribedAnswer, data: st.DataObject
+    opened: Open,
+    request: DescribedRequest,
+    answer: DescribedAnswer,
+    refusal: Refusal,
+    data: st.DataObject,
 ) -> None:
     for encoded, decode in (
         (encode_infer(opened, request), decode_infer),
         (encode_answer(answer), decode_answer),
+        (encode_refusal(opened, refusal, 1), decode_refusal),
     ):
         cut = data.draw(st.integers(0, len(encoded) - 1))
         with pytest.raises(ProtocolViolation):
@@ -97,6 +119,7 @@ def test_garbage_is_refused_or_read_as_a_descriptor(garbage: bytes) -> None:
         (decode_infer, tuple),
         (decode_answer, DescribedAnswer),
         (decode_view, tuple),
+        (decode_refusal, tuple),
     ):
         try:
             decoded = decode(garbage)
