@@ -35,9 +35,9 @@ def test_calls_survive_address_changes_with_one_and_two_frontends() -> None:
     for r in rows:
         assert (r.moves, r.lost, r.errors, r.kept_connection) == (MOVES, 0, [], True), r
         assert r.across > 0 and r.stream_messages > 0, r  # calls were in flight at the moves
-    # Datagrams passed between the two front-ends: in the run, not in each row, since a move
-    # that lands during a stall (the client sends nothing then; stalls of up to 2 s are not
-    # bounded yet) can leave one scenario with nothing to forward.
+    # Datagrams passed between the two front-ends: in the run, not in each row, since moves
+    # that land while the client waits in silence (it sends nothing until its PING, 0.25 s
+    # later, from whatever address it has then) can leave one scenario with nothing to forward.
     assert sum(r.forwarded_datagrams for r in rows if r.frontends == 2) > 0
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "pqmig-" not in listed
