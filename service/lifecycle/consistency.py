@@ -8,7 +8,6 @@ from __future__ import annotations
 from service.inference import errors
 from service.lifecycle.retiring import Fail
 from service.model import ensemble
-from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.resilience.fallback import incompatibility
@@ -39,7 +38,7 @@ def _step_failure(registry: ModelRegistry, served: ServedVersion) -> str | None:
             model = registry.resolve(step.model, step.version)
         except errors.ServiceError:
             continue
-        if is_decoupled(model.config):
+        if model.decoupled:
             return (
                 f"{step.describe()} is decoupled (it answers through ModelStreamInfer "
                 "with many responses); an ensemble step must answer once"

@@ -23,7 +23,7 @@ from service.lifecycle.verified_copies import VerifiedCopies
 from service.lifecycle.warming import warm_up
 from service.lifecycle.warmup import WarmUpError
 from service.model import ensemble
-from service.model.decoupled import is_decoupled, stream_limits
+from service.model.decoupled import stream_limits
 from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.model.sequences import (
@@ -164,7 +164,7 @@ class VersionLoader:
             label = f"model '{served.name}' version {served.version}"
             if settings is not None:
                 self._batch_sequences(served, settings, label)
-            elif is_decoupled(served.config):
+            elif served.decoupled:
                 places = stream_limits(served.config)
                 served.generations = ConcurrencyLimit(places.concurrent, places.queued, label)
                 for instance in served.instances:

@@ -56,13 +56,16 @@ class ServedVersion:
     # A sequence model's batcher (it has no dynamic batcher).
     sequences: SequenceBatcher | None = None
     steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
-    # Read once: every ModelInfer asks, and the config completed at load keeps the policy.
-    decoupled: bool = field(init=False)
 
     def __post_init__(self) -> None:
         # The config was checked when it was read, so its parameters parse.
         self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
-        self.decoupled = is_decoupled(self.config)
+
+    @property
+    def decoupled(self) -> bool:
+        """Read from the config each time: the load replaces the config with its completed
+        form, and a value kept from before could drift from it."""
+        return is_decoupled(self.config)
 
     @property
     def ready(self) -> bool:
