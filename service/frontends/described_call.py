@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -25,6 +25,7 @@ from service.frontends.descriptors import (
 )
 from service.frontends.protocol import (
     Kind,
+    Metadata,
     Open,
     ProtocolViolation,
     Status,
@@ -93,7 +94,7 @@ class DescribedCall:
         )
         self.observation.saw(request)
 
-    def _metadata(self) -> Sequence[tuple[str, str | bytes]]:
+    def _metadata(self) -> Metadata:
         return self.opened.metadata
 
     def start(self) -> None:

@@ -217,7 +217,7 @@ def _named_call(opened: Open, token: int, model: str, version: str, request_id: 
 
 def _read_named_call(reader: Reader) -> tuple[Open, int, str, str, str]:
     (size,) = reader.unpack(_U32)
-    opened = decode_open(reader.take(size), lazy=True)
+    opened = decode_open(reader.take(size))
     (token,) = reader.unpack(_U64)
     return opened, token, reader.text(), reader.text(), reader.text()
 

@@ -213,7 +213,7 @@ class _Call:
     async def run(self) -> Status:
         opened = self.opened
         table = self.link.server.tables.get(opened.transport)
-        handler = table.lookup(opened.method, tuple(opened.metadata)) if table is not None else None
+        handler = table.lookup(opened.method, opened.metadata) if table is not None else None
         if handler is None:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
         context = self.context = DispatchContext(self, handler)
@@ -274,7 +274,7 @@ class DispatchContext(CallContext):
         opened = call.opened
         super().__init__(
             opened.method,
-            tuple(opened.metadata),
+            opened.metadata,
             opened.timeout,
             opened.peer,
             handler.response_serializer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,7 +60,7 @@ class Open:
     transport: str  # h2 or h3: the label metrics, logs and traces carry
     peer: str
     timeout: float | None
-    metadata: Sequence[tuple[str, str | bytes]]  # Metadata, or a described call's RawMetadata
+    metadata: Metadata
 
 
 @dataclass(frozen=True)
@@ -90,56 +90,13 @@ def encode_open(call: Open) -> bytes:
     )
 
 
-def decode_open(payload: bytes, lazy: bool = False) -> Open:
-    """`lazy`: the metadata decoded when first read (RawMetadata)."""
+def decode_open(payload: bytes) -> Open:
     reader = Reader(payload)
     method, transport, peer = reader.text(), reader.text(), reader.text()
     timeout, count = reader.unpack(_OPEN)
-    if lazy:
-        metadata: Sequence[tuple[str, str | bytes]] = RawMetadata(reader.rest(), count)
-    else:
-        metadata = reader.metadata(count)
-        reader.end()
+    metadata = reader.metadata(count)
+    reader.end()
     return Open(method, transport, peer, None if timeout < 0 else timeout, metadata)
-
-
-class RawMetadata(Sequence[tuple[str, str | bytes]]):
-    """A call's metadata as its frame carried it (the Open's last field), decoded when first
-    read: the parent reads a described call's only for an access check or a trace, and
-    decoding every call's costs more than the rest of its Open. Bytes that are not metadata
-    raise ProtocolViolation when read."""
-
-    __slots__ = ("_count", "_data", "_entries")
-
-    def __init__(self, data: bytes, count: int) -> None:
-        self._data = data
-        self._count = count
-        self._entries: Metadata | None = None
-
-    def _decoded(self) -> Metadata:
-        if self._entries is None:
-            reader = Reader(self._data)
-            self._entries = reader.metadata(self._count)
-            reader.end()
-        return self._entries
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._decoded()[index]
-
-    def __len__(self) -> int:
-        return len(self._decoded())
-
-    def __iter__(self) -> Iterator[tuple[str, str | bytes]]:
-        return iter(self._decoded())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and self._decoded() == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(self._decoded())
-
-    def __repr__(self) -> str:
-        return repr(self._decoded())
 
 
 def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:

@@ -41,19 +41,6 @@ def test_a_call_opening_survives_the_round_trip() -> None:
     assert decode_open(encode_open(opened)) == opened
     endless = Open("/a/b", "h2", "", None, ())
     assert decode_open(encode_open(endless)) == endless
-    # A described call's metadata is read only when asked for, and is the same.
-    lazy = decode_open(encode_open(opened), lazy=True)
-    assert lazy == opened
-    assert tuple(lazy.metadata) == METADATA and lazy.metadata[1] == METADATA[1]
-
-
-def test_metadata_read_late_is_checked_when_read() -> None:
-    """Bytes that are not metadata pass a lazy decode but not the first read of it."""
-    data = encode_open(Open("/a/b", "h2", "", None, METADATA))
-    for broken in (data[:-1], data + b"!"):
-        opened = decode_open(broken, lazy=True)
-        with pytest.raises(ProtocolViolation):
-            list(opened.metadata)
 
 
 def test_status_and_metadata_survive_the_round_trip() -> None:
