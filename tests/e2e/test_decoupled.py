@@ -377,11 +377,15 @@ async def test_a_client_that_stops_reading_holds_its_model_and_others_are_served
             await served.write(repeat(3, "other"))
             await served.done_writing()
             assert [index_of(r) for r in await read_all(served)] == [0, 1, 2]
-        assert await quiet_count(server) - before == held + 3
+        # The stalled stream's responses, the other's 3 taken out. A loaded machine can pause
+        # the stalled stream's production for longer than quiet_count looks (seen once: 64
+        # more, its queue's worth, came after it), so it may have gone on since, never past
+        # what its windows hold.
+        stalled_total = await quiet_count(server) - before - 3
         stalled.cancel()
     # Held by the windows: the worker's (RESPONSE_WINDOW), the stream's queue, the transports'.
-    assert 0 < held < held_bound(size)
-    assert rss(server.process.pid) - rss_before < held * size + RSS_SLACK
+    assert 0 < held <= stalled_total < held_bound(size)
+    assert rss(server.process.pid) - rss_before < stalled_total * size + RSS_SLACK
 
 
 # What the transports buffer of a stream nobody reads (observed: about 100 responses of 64 KiB
