@@ -215,15 +215,26 @@ async def test_error_after_some_stream_responses(make_channel: ChannelFactory) -
     async with make_channel() as channel:
         stub = pb_grpc.TestingStub(channel)
         failing = pb.EchoRequest(status_code=9, status_message=TRICKY_MESSAGE)
-        call = stub.BidiStream(iter([*requests(2), failing, *requests(2)]), timeout=10)
+
+        async def until_failed() -> AsyncIterator[pb.EchoRequest]:
+            """The requests up to the failing one, then nothing (no write, no half-close)
+            until the call has its status. A write that grpc.aio issues after the server
+            ended the call fails, and grpc.aio then reports INTERNAL ("Internal error from
+            Core") in place of the server's status when that failure comes first
+            (grpc/grpc#36066); a half-close that failed would cancel the call."""
+            for request in [*requests(2), failing]:
+                yield request
+            await stream.code()
+
+        stream = stub.BidiStream(until_failed(), timeout=10)
         received = []
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            async for response in call:
+            async for response in stream:
                 received.append(response.index)
         assert received == [0, 1]
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert error.value.details() == TRICKY_MESSAGE
-        assert await call.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert await stream.code() == grpc.StatusCode.FAILED_PRECONDITION
 
         call = stub.BidiStream(timeout=10)
         await call.write(pb.EchoRequest(payload=b"a"))

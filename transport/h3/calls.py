@@ -110,18 +110,19 @@ async def run_call(server: CallServer, connection: CallConnection, stream: H3Str
             answer = grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded"
             stream.send_headers(wire.trailers_only(*answer), end=True)
             return
+        timeout = _remaining(head.timeout, stream)
         context = H3ServicerContext(
             stream,
             head.method_path,
             head.metadata,
-            head.timeout,
+            timeout,
             connection.peer(),
             handler.response_serializer,
             handler.request_deserializer,
             connection.peer_auth(),
         )
         server.active_rpcs += 1
-        code, details, trailing = await _drive(handler, context, stream, head.timeout)
+        code, details, trailing = await _drive(handler, context, stream, timeout)
         if not context.invoked:
             answer = code, details
         if stream.error is not None and stream.error.status == grpc.StatusCode.CANCELLED:
@@ -155,6 +156,17 @@ async def run_call(server: CallServer, connection: CallConnection, stream: H3Str
             seconds = time.perf_counter() - started
             registered = server.handlers.registered(method)
             server.answered(TransportAnswer(method, registered, *answer, seconds))
+
+
+def _remaining(timeout: float | None, stream: H3Stream) -> float | None:
+    """The call's timeout counted from its headers' arrival, as the client counts it from
+    their sending: the time the call then waited (for its task to run, for the handshake) is
+    spent. Counted from later, the server's deadline trailed the client's by that wait, and
+    the client's cancel at its deadline looked like a cancel well before the deadline."""
+    if timeout is None:
+        return None
+    assert stream.headers_at is not None  # the call has its headers
+    return max(0.0, timeout - (time.monotonic() - stream.headers_at))
 
 
 def _end(

@@ -4,6 +4,7 @@ and what it sends, with backpressure."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -57,6 +58,7 @@ class H3Stream:
         self.early = False  # opened before the handshake completed: arrived as 0-RTT data
         self.on_headers: Callable[[], None] | None = None
         self.on_reset: Callable[[StreamClosed], None] | None = None
+        self.headers_at: float | None = None  # time.monotonic() when the headers arrived
 
     @property
     def headers(self) -> Headers | None:
@@ -77,6 +79,8 @@ class H3Stream:
     # events from the connection
 
     def headers_received(self, headers: Headers, ended: bool) -> None:
+        if self.headers_at is None:
+            self.headers_at = time.monotonic()
         self.state.headers_received(headers, ended)
         if self.state.error is not None:
             self._failed()
