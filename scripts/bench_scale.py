@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +41,7 @@ CONNECTIONS_PER_CLIENT = 4
 CALLS_PER_CONNECTION = 8
 OPENERS_PER_CLIENT = 4
 WARM_UP_S = 1.0
+BENCH_MODELS = Path(__file__).resolve().parent / "bench_models"
 
 
 @dataclass
@@ -63,8 +65,8 @@ def open_channel(transport: str, port: int, ca_file: str) -> Any:
     return QuicChannel(f"localhost:{port}", ca_file=ca_file)
 
 
-async def _requests(transport: str, port: int, ca_file: str, duration: float) -> int:
-    request = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+async def _requests(model: str, transport: str, port: int, ca_file: str, duration: float) -> int:
+    request = build_request(model, {"input": np.ones((1, 256), np.float32)})
     channels = [open_channel(transport, port, ca_file) for _ in range(CONNECTIONS_PER_CLIENT)]
     try:
         stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
@@ -78,8 +80,8 @@ async def _requests(transport: str, port: int, ca_file: str, duration: float) ->
             await channel.close()
 
 
-async def _connections(transport: str, port: int, ca_file: str, duration: float) -> int:
-    request = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+async def _connections(model: str, transport: str, port: int, ca_file: str, duration: float) -> int:
+    request = build_request(model, {"input": np.ones((1, 256), np.float32)})
     end = time.perf_counter() + duration
     count = 0
 
@@ -97,25 +99,38 @@ async def _connections(transport: str, port: int, ca_file: str, duration: float)
     return count
 
 
-def client(workload: str, transport: str, port: int, ca_file: str, duration: float) -> int:
+def client(
+    workload: str, model: str, transport: str, port: int, ca_file: str, duration: float
+) -> int:
     """One client process's share of a measurement: calls or connections completed."""
     load = _requests if workload == "ModelInfer" else _connections
-    return asyncio.run(load(transport, port, ca_file, duration))
+    return asyncio.run(load(model, transport, port, ca_file, duration))
+
+
+@dataclass(frozen=True)
+class Load:
+    """What every measurement of a run shares."""
+
+    clients: int
+    model: str
+    ca_file: Path
+    duration: float
 
 
 def measure(
     pool: ProcessPoolExecutor,
-    clients: int,
+    load: Load,
     frontends: int,
     transport: str,
     workload: str,
     server: ServerProcess,
-    ca_file: Path,
-    duration: float,
 ) -> Measurement:
+    duration = load.duration
     jobs = [
-        pool.submit(client, workload, transport, server.port, str(ca_file), duration)
-        for _ in range(clients)
+        pool.submit(
+            client, workload, load.model, transport, server.port, str(load.ca_file), duration
+        )
+        for _ in range(load.clients)
     ]
     # The clients warm up for a moment before their measured run; the CPU is read around it.
     time.sleep(WARM_UP_S if workload == "ModelInfer" else 0.0)
@@ -196,6 +211,13 @@ def main() -> int:
         default=max(2, len(os.sched_getaffinity(0)) // 2),
         help="client processes generating the load",
     )
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "mlp_numpy"),
+        default="mlp",
+        help="mlp (Paddle), or the same shapes as a Python-backend numpy model, for hosts "
+        "without Paddle",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
     args = parser.parse_args()
     counts = [int(n) for n in args.frontends.split(",")]
@@ -207,8 +229,13 @@ def main() -> int:
         tempfile.TemporaryDirectory() as tmp,
         ProcessPoolExecutor(args.clients, mp_context=spawn) as pool,
     ):
-        repository = model_repository(Path(tmp) / "models", ["mlp"])
+        repository = Path(tmp) / "models"
+        if args.model == "mlp":
+            model_repository(repository, ["mlp"])
+        else:
+            shutil.copytree(BENCH_MODELS / args.model, repository / args.model)
         certs = Path(tmp) / "certs"
+        load = Load(args.clients, args.model, certs / "ca.pem", args.duration)
         print(
             f"{args.clients} client processes, {args.duration:g} s per measurement, "
             f"{len(os.sched_getaffinity(0))} usable cores",
@@ -224,18 +251,7 @@ def main() -> int:
                 server.wait_ready()
                 for workload in WORKLOADS:
                     for transport in TRANSPORTS:
-                        results.append(
-                            measure(
-                                pool,
-                                args.clients,
-                                n,
-                                transport,
-                                workload,
-                                server,
-                                certs / "ca.pem",
-                                args.duration,
-                            )
-                        )
+                        results.append(measure(pool, load, n, transport, workload, server))
             finally:
                 server.stop()
     print()
