@@ -19,7 +19,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback lab-migration chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-scale-kit bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback lab-migration chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -32,6 +32,7 @@ help:
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide), and tensors in shared memory vs raw (writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
+	@echo "make bench-scale-kit  wheels (.whl/) to run bench-scale on a many-core host without network or Paddle (scripts/bench_scale_host.sh)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
 	@echo "make bench-sequences  the stateful kws example at 1, 16, 64 live sequences vs its engine alone (writes bench-results/)"
@@ -97,6 +98,10 @@ bench-transport: setup models
 
 bench-scale: setup models
 	$(BIN)/python -m scripts.bench_scale $(ARGS)
+
+# For a many-core host without network or Paddle: docs/benchmarks.md, "On a many-core host".
+bench-scale-kit: setup
+	$(BIN)/python -m scripts.bench_scale_kit $(ARGS)
 
 bench-observability: setup models
 	$(BIN)/python -m scripts.bench_observability $(ARGS)
