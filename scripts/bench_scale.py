@@ -46,6 +46,7 @@ BENCH_MODELS = Path(__file__).resolve().parent / "bench_models"
 
 @dataclass
 class Measurement:
+    model: str
     frontends: int
     transport: str
     workload: str
@@ -138,6 +139,7 @@ def measure(
     count = sum(job.result() for job in jobs)
     cpu = process_cpu_seconds(server.process.pid) - cpu0
     result = Measurement(
+        load.model,
         frontends,
         transport,
         workload,
@@ -237,7 +239,7 @@ def main() -> int:
         certs = Path(tmp) / "certs"
         load = Load(args.clients, args.model, certs / "ca.pem", args.duration)
         print(
-            f"{args.clients} client processes, {args.duration:g} s per measurement, "
+            f"{args.model}, {args.clients} client processes, {args.duration:g} s per measurement, "
             f"{len(os.sched_getaffinity(0))} usable cores",
             flush=True,
         )
