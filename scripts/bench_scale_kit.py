@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import cast
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # What the server imports when it runs a Python-backend model (the [server] extra).
 ROOTS = (
@@ -61,10 +61,6 @@ HOST_HAS = (
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def closure(roots: tuple[str, ...], python_version: str) -> dict[str, str]:
     """Each distribution `roots` need on Linux with `python_version`, and its version here."""
     environment: dict[str, str] = {
@@ -76,7 +72,7 @@ def closure(roots: tuple[str, ...], python_version: str) -> dict[str, str]:
     found: dict[str, str] = {}
     todo = list(roots)
     while todo:
-        name = canonical(todo.pop())
+        name = canonicalize_name(todo.pop())
         if name in found:
             continue
         try:
@@ -105,11 +101,14 @@ def main() -> int:
         help="distributions the host's Python already has (comma-separated)",
     )
     args = parser.parse_args()
-    have = {canonical(name) for name in args.have.split(",") if name}
+    have = {canonicalize_name(name) for name in args.have.split(",") if name}
     wanted = closure(ROOTS, args.python_version)
     pins = sorted(f"{name}=={version}" for name, version in wanted.items() if name not in have)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"==> {len(pins)} wheels for Python {args.python_version} on x86-64 into {args.out}/")
+    print(
+        f"==> {len(pins)} wheels for Python {args.python_version} on x86-64, and paddlequic's "
+        f"own, into {args.out}/"
+    )
     platforms = [flag for platform in PLATFORMS for flag in ("--platform", platform)]
     command = [
         sys.executable,

@@ -4,14 +4,15 @@ dependency its markers keep for that Python, the host's own packages left out.""
 from __future__ import annotations
 
 import pytest
+from packaging.utils import canonicalize_name
 
-from scripts.bench_scale_kit import ROOTS, canonical, closure
+from scripts.bench_scale_kit import ROOTS, closure
 
 
 def test_the_closure_holds_the_transports_and_their_dependencies() -> None:
     found = closure(ROOTS, "3.12")
     for name in ("grpcio", "protobuf", "aioquic", "pylsqpack", "cryptography", "model-signing"):
-        assert canonical(name) in found
+        assert canonicalize_name(name) in found
     # aioquic's own needs, reached only through it.
     assert {"service-identity", "pyopenssl", "certifi"} <= set(found)
     assert all(found.values())

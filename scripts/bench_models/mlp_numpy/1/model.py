@@ -1,5 +1,5 @@
 """`mlp`'s shapes and architecture (256 -> 128 -> ReLU -> 10 -> softmax) in numpy, with random
-weights drawn at load from a fixed seed: `make bench-scale --model mlp_numpy` on a host
+weights drawn at load from a fixed seed: `make bench-scale ARGS="--model mlp_numpy"` on a host
 without Paddle (the device machine), where only the server's own per-call cost is measured."""
 
 from __future__ import annotations
