@@ -19,11 +19,12 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test lint image image-check bench bench-transport bench-scale bench-scale-kit bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback lab-migration chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-rtt bench-observability bench-generate bench-sequences lab-replicas lab-udp-fallback lab-migration chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
 	@echo "make test    run the test suite (no GPU needed; TEST_WORKERS=0 runs it in one process)"
+	@echo "make test-avx2  the tests that compare floats across batch sizes, with AVX2 kernels forced"
 	@echo "make lint    ruff + mypy + the import layering (import-linter)"
 	@echo "make mutate  mutation testing of the security and data-integrity modules, surviving mutants per module"
 	@echo "             (unit tests only; at most 25 mutants per module, a fixed sample: ARGS='--cap 0' for all,"
@@ -85,6 +86,12 @@ serve: setup models certs
 
 test: setup models
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# The tests that compare floats across batch sizes, with the AVX2 kernels an AVX-512 host would
+# not pick (docs/development.md, "Floats on any x86-64 CPU"); .ci/run runs it after make test.
+test-avx2: setup models
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+		$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m float_kernels $(ARGS)
 
 models-bench: models
 	$(BIN)/python scripts/export_models.py --out $(MODELS) --only mlp_wide $(EXPORT_FLAGS)

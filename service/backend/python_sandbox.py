@@ -7,7 +7,8 @@ imported (model parameter `python_sandbox`, `on` unless a trusted model says `of
   limits).
 - no_new_privs: nothing it executes gains privileges; required for the two below.
 - Landlock: files only beneath the interpreter, its packages, this project's packages, the
-  model's own directory (read-only), /usr and a few device and /etc files; no TCP connect or
+  model's own directory (read-only), /usr, a few device and /etc files and the CPU's
+  description (/proc/cpuinfo, /sys/devices/system/cpu); no TCP connect or
   bind (ABI 4); no signals to or abstract sockets of outside processes (ABI 6). The server's
   environment in /proc, its TLS keys, ticket keys and trusted keys are outside all of these.
 - seccomp: no socket() of any family, no io_uring, ptrace, process_vm_*, mounts, namespaces,
@@ -39,8 +40,13 @@ from service.model.parameters import PYTHON_SANDBOX
 # and the model (else uid 0 without capabilities, and a warning).
 SANDBOX_USER = "nobody"
 # Read-only beyond the Python installation and the model: shared libraries and data under /usr,
-# what the dynamic linker and time functions read, and the entropy devices.
-_SYSTEM_READ = ("/usr", "/etc/ld.so.cache", "/etc/localtime", "/dev/urandom", "/dev/random")
+# what the dynamic linker and time functions read, the entropy devices, and what numeric
+# libraries read to pick their kernels (Paddle runs `cat /proc/cpuinfo`; OpenBLAS and oneDNN
+# read the CPU list and caches under /sys/devices/system/cpu). Nothing else of /proc or /sys.
+_SYSTEM_READ = (
+    "/usr", "/etc/ld.so.cache", "/etc/localtime", "/dev/urandom", "/dev/random",
+    "/proc/cpuinfo", "/sys/devices/system/cpu",
+)  # fmt: skip
 _SYSTEM_READ_WRITE = ("/dev/null",)
 
 

@@ -18,8 +18,14 @@ from service.workers.spec import WorkerSpec
 model_log = logging.getLogger("paddlequic.model")
 
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
-# tokens, ticket keys) can reach model.py through it.
-PYTHON_ENV_ALLOWED = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+# tokens, ticket keys) can reach model.py through it. The numeric libraries' kernel choices
+# pass: a host that sets OPENBLAS_CORETYPE because its OpenBLAS misdetects the CPU needs it in
+# every worker, and forcing AVX2 kernels (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) is how
+# an AVX-512 host reproduces an AVX2-only one.
+PYTHON_ENV_ALLOWED = (
+    "PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+    "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+)  # fmt: skip
 MAX_LOG_LINE = 4096  # characters of one line a Python model prints, in the server's log
 LOAD_TIMEOUT_S = 600.0
 

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import numpy as np
+import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
@@ -24,6 +25,7 @@ def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
     return {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
 
 
+@pytest.mark.float_kernels
 async def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerProcess) -> None:
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(CLIENTS)]
@@ -42,7 +44,8 @@ async def test_concurrent_clients_are_batched_and_get_their_own_rows(server: Ser
         assert served.shape == (len(x), 10)
         for row in range(len(x)):
             expected = run_reference("mlp", {"input": x[row : row + 1]})[output_names("mlp")[0]]
-            np.testing.assert_array_equal(served[row : row + 1], expected)
+            # Within float tolerance, not bit for bit: oneDNN picks kernels by batch size.
+            np.testing.assert_allclose(served[row : row + 1], expected, rtol=1e-5, atol=1e-6)
 
 
 async def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerProcess) -> None:
