@@ -117,7 +117,7 @@ async def serve(settings: ServerSettings) -> None:
             runner,
             lifecycle,
             settings.model_control_mode,
-            SharedMemory(settings.shared_memory),
+            SharedMemory(settings.shared_memory, restrictions.get("shared-memory")),
             settings.max_message_bytes,
         ),
         ControlServicer(models),
