@@ -165,15 +165,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryStatusRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryStatusResponse:
         shared = self.shared_memory
-        return shared.status(shared.caller(context), request.name)
+        return shared.status(await shared.caller(context), request.name)
 
     @errors.reports_errors
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryRegisterResponse:
         shared = self.shared_memory
+        caller = await shared.caller(context)
         shared.regions.register(
-            shared.caller(context), request.name, request.key, request.offset, request.byte_size
+            caller, request.name, request.key, request.offset, request.byte_size
         )
         return pb.SystemSharedMemoryRegisterResponse()
 
@@ -182,7 +183,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         shared = self.shared_memory
-        shared.regions.unregister(shared.caller(context), request.name)
+        shared.regions.unregister(await shared.caller(context), request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def _check_explicit_control(self) -> None:
@@ -308,7 +309,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Tensors that name shared-memory regions are read from and written to them."""
         served = self.models.resolve(request.model_name, request.model_version)
         shared = self.shared_memory
-        caller = shared.tensor_caller(request, context)
+        caller = await shared.tensor_caller(request, context)
         raw = shared.read_inputs(request, caller, self.max_message_bytes)
         with shared.output_targets(request, caller) as targets:
             job = await _decode(served, request, raw)

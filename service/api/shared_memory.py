@@ -15,6 +15,7 @@ GPU and is not served."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import ipaddress
@@ -67,7 +68,7 @@ class SharedMemory:
         self.restriction = restriction  # the `shared-memory` category's, if restricted
         self.regions = regions or SharedMemoryRegions()
 
-    def caller(self, context: ServicerContext) -> Caller:
+    async def caller(self, context: ServicerContext) -> Caller:
         """Who calls, if it may use shared memory: the uid that owns its socket."""
         self._check_mode(context)
         peer = context.peer()
@@ -75,7 +76,11 @@ class SharedMemory:
         # Our own servicer contexts say whether the call came over UDP (HTTP/3); grpc.aio's,
         # which has no such attribute, serves TCP only.
         datagram = bool(getattr(context, "datagram_peer", False))
-        uid = None if socket is None else socket_owner(*socket, datagram=datagram)
+        uid = (
+            None
+            if socket is None
+            else await asyncio.to_thread(socket_owner, *socket, datagram=datagram)
+        )
         if uid is None:
             raise errors.ServiceError(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -85,7 +90,7 @@ class SharedMemory:
             )
         return Caller(uid, _groups(uid))
 
-    def tensor_caller(
+    async def tensor_caller(
         self, request: pb.ModelInferRequest, context: ServicerContext
     ) -> Caller | None:
         """The caller of a request whose tensors name regions (None: none does), once the
@@ -100,7 +105,7 @@ class SharedMemory:
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{restriction.refusal} (this request's tensors name shared-memory regions)",
             )
-        return self.caller(context)
+        return await self.caller(context)
 
     def _check_mode(self, context: ServicerContext) -> None:
         if self.mode == "off":

@@ -52,6 +52,8 @@ def test_a_table_is_read_as_the_kernel_prints_it() -> None:
     ]
     assert [r.address for r in parse_table(TCP6)] == [V6("::1"), V6("::ffff:127.0.0.1")]
     assert parse_table(TCP.splitlines()[0]) == []
+    # Only one port's rows, not those whose remote port is it (8001 = 0x1F41).
+    assert [(r.port, r.uid) for r in parse_table(TCP, port=8001)] == [(8001, 0)]
 
 
 @little_endian
