@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -220,3 +221,16 @@ def test_the_region_limit_is_per_uid(key: str) -> None:
     assert "uid 65534 holds its maximum of 1" in full.value.message
     regions.register(ROOT, "b", key, 0, 4)  # another uid is not held back
     regions.close_all()
+
+
+def test_an_object_with_an_access_control_list_is_refused(key: str) -> None:
+    """An ACL could grant a user more or less than the mode says; the server does not read
+    ACLs, so it uses no object that has one (here: root's 0600 object, readable by uid 1000
+    through `user:1000:r--`)."""
+    entries = [(0x01, 6, -1), (0x02, 4, 1000), (0x04, 0, -1), (0x10, 4, -1), (0x20, 0, -1)]
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHi", *entry) for entry in entries)
+    os.setxattr(object_of(key), "system.posix_acl_access", acl)
+    with pytest.raises(errors.ServiceError) as refused:
+        SharedMemoryRegions().register(Caller(1000), "r", key, 0, 4)
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "access control list" in refused.value.message
