@@ -63,10 +63,14 @@ class SharedMemory:
         mode: str,
         restriction: Restriction | None = None,
         regions: SharedMemoryRegions | None = None,
+        listener: tuple[str, int] = ("0.0.0.0", 0),
     ) -> None:
+        """`listener`: the HTTP/2 listener's host and port; bound to one address (and a port
+        given), a caller's socket is found by one exact lookup."""
         self.mode = mode
         self.restriction = restriction  # the `shared-memory` category's, if restricted
         self.regions = regions or SharedMemoryRegions()
+        self._server = _one_address(*listener)
 
     async def caller(self, context: ServicerContext) -> Caller:
         """Who calls, if it may use shared memory: the uid that owns its socket."""
@@ -79,7 +83,7 @@ class SharedMemory:
         uid = (
             None
             if socket is None
-            else await asyncio.to_thread(socket_owner, *socket, datagram=datagram)
+            else await asyncio.to_thread(socket_owner, *socket, datagram, self._server)
         )
         if uid is None:
             raise errors.ServiceError(
@@ -281,6 +285,16 @@ def peer_socket(peer: str) -> tuple[Address, int] | None:
         return ipaddress.ip_address(host), int(port)
     except ValueError:
         return None
+
+
+def _one_address(host: str, port: int) -> tuple[Address, int] | None:
+    """The listener's address and port when it is bound to one address (not a wildcard, not
+    a name) on a port given in advance."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return None if address.is_unspecified or not port else (address, port)
 
 
 def _label(datagram: bool) -> str:
