@@ -117,7 +117,11 @@ async def serve(settings: ServerSettings) -> None:
             runner,
             lifecycle,
             settings.model_control_mode,
-            SharedMemory(settings.shared_memory),
+            SharedMemory(
+                settings.shared_memory,
+                restrictions.get("shared-memory"),
+                listener=(settings.host, settings.grpc_port),
+            ),
             settings.max_message_bytes,
         ),
         ControlServicer(models),

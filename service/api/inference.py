@@ -164,16 +164,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryStatusResponse:
-        self.shared_memory.check_caller(context)
-        return self.shared_memory.status(request.name)
+        shared = self.shared_memory
+        return shared.status(await shared.caller(context), request.name)
 
     @errors.reports_errors
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        self.shared_memory.check_caller(context)
-        self.shared_memory.regions.register(
-            request.name, request.key, request.offset, request.byte_size
+        shared = self.shared_memory
+        caller = await shared.caller(context)
+        shared.regions.register(
+            caller, request.name, request.key, request.offset, request.byte_size
         )
         return pb.SystemSharedMemoryRegisterResponse()
 
@@ -181,8 +182,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        self.shared_memory.check_caller(context)
-        self.shared_memory.regions.unregister(request.name)
+        shared = self.shared_memory
+        shared.regions.unregister(await shared.caller(context), request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def _check_explicit_control(self) -> None:
@@ -308,11 +309,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Tensors that name shared-memory regions are read from and written to them."""
         served = self.models.resolve(request.model_name, request.model_version)
         shared = self.shared_memory
-        raw = shared.read_inputs(request, context, self.max_message_bytes)
-        with shared.output_targets(request, context) as targets:
+        caller = await shared.tensor_caller(request, context)
+        raw = shared.read_inputs(request, caller, self.max_message_bytes)
+        with shared.output_targets(request, caller) as targets:
             job = await _decode(served, request, raw)
             answered, result = await self.runner.infer(served, job, deadline)
-            outputs = shared.write_outputs(result.outputs, targets)
+            outputs = shared.write_outputs(result.outputs, targets, caller)
         with self.runner.encode_span():
             response = stream_responses.infer_response(
                 answered.name, str(answered.version), request.id, outputs

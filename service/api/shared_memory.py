@@ -4,17 +4,25 @@ that make an input read from a registered region and an output written into one,
 tensor never travels in the message.
 
 Who may use it is `--shared-memory`: `local` (the default) serves the RPCs, and requests whose
-tensors name regions, only to callers on the server's own host (a loopback peer): a region
-is the memory of a process beside the server, and only such callers can have made one; `any`
-also serves remote peers (a trusted network, behind the `shared-memory` restricted-protocol
-category); `off` refuses them all. CUDA shared memory needs a GPU and is not served."""
+tensors name regions, only to callers on the server's own host (a loopback peer, IPv4 or IPv6,
+also as an IPv4-mapped address on a dual-stack listener): a region is the memory of a process
+beside the server, and only such callers can have made one; `any` also serves peers by other
+addresses (a trusted network, behind the `shared-memory` restricted-protocol category, which
+covers every request whose tensors name a region); `off` refuses them all. Whatever the mode,
+a caller is the uid that owns its socket on this host (socket_owners.py): one whose socket is
+not on this host, or whose owner cannot be told, uses no region. CUDA shared memory needs a
+GPU and is not served."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import ipaddress
 import math
+import os
+import pwd
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +31,12 @@ import grpc
 
 from oip.datatypes import BY_NAME
 from protos.inference import grpc_service_pb2 as pb
+from service.api.restricted import Restriction
 from service.inference import errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import OutputTensor
-from service.inference.shared_memory import SharedMemoryRegions
+from service.inference.shared_memory import Caller, SharedMemoryRegions
+from service.inference.socket_owners import Address, canonical, socket_owner
 
 MODES = ("off", "local", "any")
 REGION, BYTE_SIZE, OFFSET = (
@@ -48,11 +58,60 @@ class Placement:
 class SharedMemory:
     """The registered regions and who may use them."""
 
-    def __init__(self, mode: str, regions: SharedMemoryRegions | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        restriction: Restriction | None = None,
+        regions: SharedMemoryRegions | None = None,
+        listener: tuple[str, int] = ("0.0.0.0", 0),
+    ) -> None:
+        """`listener`: the HTTP/2 listener's host and port; bound to one address (and a port
+        given), a caller's socket is found by one exact lookup."""
         self.mode = mode
+        self.restriction = restriction  # the `shared-memory` category's, if restricted
         self.regions = regions or SharedMemoryRegions()
+        self._server = _one_address(*listener)
 
-    def check_caller(self, context: ServicerContext) -> None:
+    async def caller(self, context: ServicerContext) -> Caller:
+        """Who calls, if it may use shared memory: the uid that owns its socket."""
+        self._check_mode(context)
+        peer = context.peer()
+        socket = peer_socket(peer)
+        # Our own servicer contexts say whether the call came over UDP (HTTP/3); grpc.aio's,
+        # which has no such attribute, serves TCP only.
+        datagram = bool(getattr(context, "datagram_peer", False))
+        uid = (
+            None
+            if socket is None
+            else await asyncio.to_thread(socket_owner, *socket, datagram, self._server)
+        )
+        if uid is None:
+            raise errors.ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"system shared memory is served to processes on the server's host, known by "
+                f"the uid that owns their socket; no single uid owns the {_label(datagram)} "
+                f"socket of this call's peer '{errors.echoed(peer)}' on this host",
+            )
+        return Caller(uid, _groups(uid))
+
+    async def tensor_caller(
+        self, request: pb.ModelInferRequest, context: ServicerContext
+    ) -> Caller | None:
+        """The caller of a request whose tensors name regions (None: none does), once the
+        `shared-memory` restricted category, if any, let it through."""
+        if not any(REGION in t.parameters for t in request.inputs) and not any(
+            REGION in t.parameters for t in request.outputs
+        ):
+            return None
+        restriction = self.restriction
+        if restriction is not None and not restriction.allows(context.invocation_metadata() or ()):
+            raise errors.ServiceError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{restriction.refusal} (this request's tensors name shared-memory regions)",
+            )
+        return await self.caller(context)
+
+    def _check_mode(self, context: ServicerContext) -> None:
         if self.mode == "off":
             raise errors.failed_precondition(
                 "system shared memory is off on this server (--shared-memory off)"
@@ -64,9 +123,9 @@ class SharedMemory:
                 "(--shared-memory local); this call came from another host",
             )
 
-    def status(self, name: str) -> pb.SystemSharedMemoryStatusResponse:
+    def status(self, caller: Caller, name: str) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in self.regions.status(name):
+        for region in self.regions.status(caller, name):
             response.regions[region.name].CopyFrom(
                 pb.SystemSharedMemoryStatusResponse.RegionStatus(
                     name=region.name,
@@ -78,16 +137,17 @@ class SharedMemory:
         return response
 
     def read_inputs(
-        self, request: pb.ModelInferRequest, context: ServicerContext, max_bytes: int
+        self, request: pb.ModelInferRequest, caller: Caller | None, max_bytes: int
     ) -> list[bytes] | None:
         """Every input's bytes, those that name a region read from it, the others as the
         message carried them (None: no input names a region); the request is then validated
         like any other. The bytes read are what its shape and datatype declare, at most
-        `max_bytes` (what a message may carry)."""
+        `max_bytes` (what a message may carry). `caller`: `tensor_caller`'s answer."""
+        if caller is None:
+            return None
         placements = [placement(t.parameters, "input") for t in request.inputs]
         if not any(placements):
             return None
-        self.check_caller(context)
         raw = list(request.raw_input_contents)
         carried = sum(p is None for p in placements)
         if len(raw) != carried:
@@ -107,36 +167,38 @@ class SharedMemory:
                     f"input '{errors.echoed(tensor.name)}' declares {size} bytes, its "
                     f"{BYTE_SIZE} is {where.byte_size}"
                 )
-            with self.regions.using(where.region) as region:
+            with self.regions.using(caller, where.region) as region:
                 filled.append(region.read(where.offset, size))
         return filled
 
     @contextlib.contextmanager
     def output_targets(
-        self, request: pb.ModelInferRequest, context: ServicerContext
+        self, request: pb.ModelInferRequest, caller: Caller | None
     ) -> Iterator[dict[str, Placement]]:
-        """The outputs the request wants written into regions, by name; the regions stay held
-        (their descriptors open) until the response is built."""
+        """The outputs the request wants written into the caller's regions, by name; the
+        regions stay held (their descriptors open) until the response is built."""
+        if caller is None:
+            yield {}
+            return
         targets = {}
         for output in request.outputs:
             where = placement(output.parameters, "output")
             if where is not None:
                 targets[output.name] = where
-        if not targets:
-            yield targets
-            return
-        self.check_caller(context)
         with contextlib.ExitStack() as held:
             for where in targets.values():
-                held.enter_context(self.regions.using(where.region))
+                held.enter_context(self.regions.using(caller, where.region, write=True))
             yield targets
 
     def write_outputs(
-        self, outputs: tuple[OutputTensor, ...], targets: dict[str, Placement]
+        self,
+        outputs: tuple[OutputTensor, ...],
+        targets: dict[str, Placement],
+        caller: Caller | None,
     ) -> tuple[OutputTensor, ...]:
         """Write the outputs that go to regions; the response carries them as empty raw
         contents (tritonclient reads raw_output_contents by position)."""
-        if not targets:
+        if not targets or caller is None:
             return outputs
         answered = []
         for tensor in outputs:
@@ -149,7 +211,7 @@ class SharedMemory:
                     f"output '{tensor.name}' has {len(tensor.data)} bytes; its region offers "
                     f"{where.byte_size}"
                 )
-            with self.regions.using(where.region) as region:
+            with self.regions.using(caller, where.region, write=True) as region:
                 region.write(where.offset, tensor.data)
             answered.append(dataclasses.replace(tensor, data=b""))
         return tuple(answered)
@@ -202,18 +264,49 @@ def _declared_bytes(tensor: pb.ModelInferRequest.InferInputTensor, max_bytes: in
 
 
 def local_peer(peer: str) -> bool:
-    """Whether a gRPC peer string (`ipv4:HOST:PORT`, `ipv6:[HOST]:PORT`, `unix:...`) is on
-    this host."""
-    kind, _, address = peer.partition(":")
-    if kind == "unix":
-        return True
+    """Whether a gRPC peer string is a loopback address: 127.0.0.0/8, ::1, or an IPv4
+    loopback address mapped into IPv6 (an IPv4 caller of a dual-stack listener)."""
+    socket = peer_socket(peer)
+    return socket is not None and canonical(socket[0]).is_loopback
+
+
+def peer_socket(peer: str) -> tuple[Address, int] | None:
+    """The address and port of a gRPC peer string: `ipv4:HOST:PORT` or `ipv6:[HOST]:PORT`,
+    which grpcio percent-encodes (`ipv6:%5B::1%5D:PORT`); None for any other (`unix:`)."""
+    kind, _, rest = peer.partition(":")
+    host, _, port = urllib.parse.unquote(rest).rpartition(":")
     if kind == "ipv6":
-        host = address.rpartition("]")[0].lstrip("[")
-    elif kind == "ipv4":
-        host = address.rpartition(":")[0]
-    else:
-        return False
+        if not (host.startswith("[") and host.endswith("]")):
+            return None
+        host = host[1:-1]
+    elif kind != "ipv4":
+        return None
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host), int(port)
     except ValueError:
-        return False
+        return None
+
+
+def _one_address(host: str, port: int) -> tuple[Address, int] | None:
+    """The listener's address and port when it is bound to one address (not a wildcard, not
+    a name) on a port given in advance."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return None if address.is_unspecified or not port else (address, port)
+
+
+def _label(datagram: bool) -> str:
+    return "UDP (HTTP/3)" if datagram else "TCP (HTTP/2)"
+
+
+def _groups(uid: int) -> frozenset[int]:
+    """The groups of `uid` in the user database, which a process of that user has from its
+    login; none for a uid the database does not know (then only owner and others' bits
+    count)."""
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return frozenset()
+    return frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))

@@ -281,6 +281,7 @@ class DispatchContext(CallContext):
             handler.request_deserializer,
         )
         self.call = call
+        self.datagram_peer = opened.transport == "h3"
 
     async def read(self) -> Any:
         data = await self.call.inbox.get()

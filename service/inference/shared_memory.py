@@ -9,10 +9,16 @@ an error for that request only. A region unregistered while a request uses it ke
 descriptor until the last such request is done: a descriptor number is never reused under a
 request that still holds it. Only shm_open's names are taken (one optional leading `/`, no
 other), opened without following links and only if they are regular files; the server's own
-segments are unlinked at creation, so no name reaches them."""
+segments are unlinked at creation, so no name reaches them.
+
+The server opens objects with its own credentials, so it opens one for a caller only if the
+caller's uid could open it itself (object_access.py): read it to register it, write it to
+have outputs go there. A region then belongs to that uid: another uid naming it is answered
+as if it were never registered, and each uid has its own names and its own limit."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import stat
@@ -23,9 +29,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from service.inference import errors
+from service.inference.object_access import Access, refusal
 
 SHM_DIR = "/dev/shm"
-# Regions registered at once: each holds an open descriptor of the server's.
+# Regions one uid has registered at once: each holds an open descriptor of the server's.
 MAX_REGIONS = 64
 _KEY = re.compile(r"/?[A-Za-z0-9._-]{1,200}")
 _NAME_LIMIT = 128
@@ -38,6 +45,8 @@ class Region:
     offset: int
     byte_size: int
     fd: int
+    owner: int  # the uid that registered it
+    read_only: str | None  # why no output may go there (None: outputs may)
     users: int = 0
     unregistered: bool = False
     closed: bool = field(default=False, repr=False)
@@ -77,27 +86,37 @@ class Region:
             os.close(self.fd)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who registers or names a region: the uid that owns the caller's socket, and that
+    uid's groups."""
+
+    uid: int
+    groups: frozenset[int] = frozenset()
+
+
 class SharedMemoryRegions:
-    """The regions registered with this server, by name."""
+    """The regions registered with this server, by owner and name: a region belongs to the
+    uid that registered it, and is unknown to every other."""
 
     def __init__(self, limit: int = MAX_REGIONS) -> None:
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[tuple[int, str], Region] = {}
         self._limit = limit
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name or len(name) > _NAME_LIMIT:
             raise errors.invalid(f"a region name has 1 to {_NAME_LIMIT} characters")
-        if name in self._regions:
+        if (caller.uid, name) in self._regions:
             raise errors.ServiceError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"shared-memory region '{errors.echoed(name)}' is already registered; "
                 "unregister it first",
             )
-        if len(self._regions) >= self._limit:
+        if sum(owner == caller.uid for owner, _ in self._regions) >= self._limit:
             raise errors.ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the server holds its maximum of {self._limit} shared-memory regions; "
-                "unregister one first",
+                f"uid {caller.uid} holds its maximum of {self._limit} shared-memory regions "
+                "on this server; unregister one first",
             )
         if not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
             raise errors.invalid(
@@ -106,7 +125,7 @@ class SharedMemoryRegions:
             )
         if byte_size <= 0:
             raise errors.invalid("a shared-memory region needs a byte_size above 0")
-        fd = _open(key)
+        fd, read_only = _open(key, caller)
         try:
             size = os.fstat(fd).st_size
             if offset + byte_size > size:
@@ -117,36 +136,34 @@ class SharedMemoryRegions:
         except BaseException:
             os.close(fd)
             raise
-        self._regions[name] = Region(name, key, offset, byte_size, fd)
+        self._regions[caller.uid, name] = Region(
+            name, key, offset, byte_size, fd, caller.uid, read_only
+        )
 
-    def unregister(self, name: str) -> None:
-        """One region, or every one when `name` is empty; an unknown name is no error
-        (Triton's behaviour)."""
-        for region in (
-            [self._regions[name]]
-            if name in self._regions
-            else (list(self._regions.values()) if not name else [])
-        ):
-            del self._regions[region.name]
-            region.unregistered = True
-            if not region.users:
-                region.close()
+    def unregister(self, caller: Caller, name: str) -> None:
+        """One of the caller's regions, or every one when `name` is empty; an unknown name is
+        no error (Triton's behaviour)."""
+        if name:
+            region = self._regions.get((caller.uid, name))
+            self._drop([region] if region is not None else [])
+        else:
+            self._drop(self.status(caller, ""))
 
-    def status(self, name: str) -> list[Region]:
+    def status(self, caller: Caller, name: str) -> list[Region]:
         if not name:
-            return list(self._regions.values())
-        if name not in self._regions:
-            raise errors.not_found(
-                f"shared-memory region '{errors.echoed(name)}' is not registered"
-            )
-        return [self._regions[name]]
+            return [r for (owner, _), r in self._regions.items() if owner == caller.uid]
+        return [self._find(caller, name)]
 
     @contextmanager
-    def using(self, name: str) -> Iterator[Region]:
-        """The region, held (its descriptor stays open) until the request is done with it."""
-        region = self._regions.get(name)
-        if region is None:
-            raise errors.invalid(f"shared-memory region '{errors.echoed(name)}' is not registered")
+    def using(self, caller: Caller, name: str, write: bool = False) -> Iterator[Region]:
+        """The caller's region, held (its descriptor stays open) until the request is done
+        with it; `write`: an output goes there."""
+        region = self._find(caller, name)
+        if write and region.read_only is not None:
+            raise errors.ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"shared-memory region '{errors.echoed(name)}' takes no output: {region.read_only}",
+            )
         region.users += 1
         try:
             yield region
@@ -156,21 +173,72 @@ class SharedMemoryRegions:
                 region.close()
 
     def close_all(self) -> None:
-        """At shutdown."""
-        self.unregister("")
+        """At shutdown: every owner's regions."""
+        self._drop(list(self._regions.values()))
+
+    def _find(self, caller: Caller, name: str) -> Region:
+        """Another uid's region is answered as a name never registered."""
+        region = self._regions.get((caller.uid, name))
+        if region is None:
+            raise errors.not_found(
+                f"shared-memory region '{errors.echoed(name)}' is not registered"
+            )
+        return region
+
+    def _drop(self, regions: list[Region]) -> None:
+        for region in regions:
+            del self._regions[region.owner, region.name]
+            region.unregistered = True
+            if not region.users:
+                region.close()
 
 
-def _open(key: str) -> int:
+def _open(key: str, caller: Caller) -> tuple[int, str | None]:
+    """A descriptor of the object, if the caller could read it itself, and why it may not
+    write it (None: it may). The descriptor is what the caller may do with the object and no
+    more: read-only when the caller, or the server, may not write it."""
     path = os.path.join(SHM_DIR, key.lstrip("/"))
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDWR | flags)
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY | flags)
     except FileNotFoundError:
         raise errors.invalid(f"no shared-memory object '{key}' on the server's host") from None
     except OSError as exc:
         raise errors.invalid(
             f"shared-memory object '{key}' cannot be opened: {exc.strerror}"
         ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise errors.invalid(f"shared-memory object '{key}' is not a regular file")
+        if _has_acl(fd):
+            raise _denied(key, "it carries an access control list, which the server does not read")
+        owner = (caller.uid, caller.groups, info.st_uid, info.st_gid, info.st_mode)
+        unreadable = refusal(*owner, Access.READ)
+        if unreadable is not None:
+            raise _denied(key, unreadable)
+        read_only = refusal(*owner, Access.WRITE)
+        if read_only is None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            read_only = "the server may not write its object"
+    except BaseException:
         os.close(fd)
-        raise errors.invalid(f"shared-memory object '{key}' is not a regular file")
-    return fd
+        raise
+    return fd, read_only
+
+
+def _has_acl(fd: int) -> bool:
+    try:
+        os.getxattr(fd, "system.posix_acl_access")
+    except OSError:
+        return False  # none (ENODATA), or a file system without them
+    return True
+
+
+def _denied(key: str, why: str) -> errors.ServiceError:
+    return errors.ServiceError(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"shared-memory object '{key}' is not the caller's to use: {why}",
+    )

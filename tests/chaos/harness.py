@@ -108,6 +108,7 @@ class Scale:
     never_read_generations: int  # generations each of those streams starts
     generation_kills: int  # generation worker kills, each with a generation per transport
     abandoned_sequences: int  # sequences started and abandoned, per transport
+    region_misuse: int  # rounds of another user's calls on a region, per transport
     attack_limit_s: float
 
 
@@ -139,6 +140,7 @@ SHORT = Scale(
     never_read_generations=8,
     generation_kills=1,
     abandoned_sequences=150,
+    region_misuse=25,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -170,6 +172,7 @@ FULL = Scale(
     never_read_generations=64,
     generation_kills=3,
     abandoned_sequences=3000,
+    region_misuse=500,
     attack_limit_s=240.0,
 )
 

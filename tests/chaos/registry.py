@@ -10,6 +10,7 @@ from tests.chaos import (
     large_messages,
     malformed,
     messages,
+    regions,
     sequences,
     streams,
     workers,
@@ -113,6 +114,11 @@ ATTACKS = (
         "abandoned sequences beyond the live bound",
         sequences.abandoned_sequences,
         frozenset({"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}),
+    ),
+    AttackSpec(
+        "region misuse",
+        regions.region_misuse,
+        _both("PERMISSION_DENIED", "NOT_FOUND", "unregistered nothing"),
     ),
     AttackSpec(
         "front-end SIGKILL under load (--frontends 2)",

@@ -1,6 +1,9 @@
 """Triton's system shared-memory extension through the generated stubs on both transports: a
 tensor in a registered region in and out, the caller's mistakes refused one by one while the
-server goes on, `--shared-memory off`, and the `shared-memory` restricted-protocol category."""
+server goes on, `--shared-memory off`, the `shared-memory` restricted-protocol category on
+every request that names a region, objects used only as far as the calling user could open
+them and regions known only to the user that registered them (callers started as uid 65534),
+and local callers of a dual-stack listener."""
 
 from __future__ import annotations
 
@@ -15,25 +18,30 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request
+from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.inference.shared_memory import SHM_DIR
-from tests.conformance.conftest import new_channel
+from tests.call_as import run_as
+from tests.conformance.conftest import H2_OPTIONS, new_channel
 from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import ServerProcess, model_repository, running_server
 
 Array = np.ndarray[Any, Any]
 OUTPUT = "probabilities"
 ROWS, CLASSES = 3, 10
+NOBODY = 65534  # the calling user of the tests that are not the server's (root's)
+ROOT_ONLY = 0o600
 
 
 class Segment:
     """A POSIX shared-memory object, as a client on the server's host makes one."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, mode: int = 0o600) -> None:
         self.key = f"/pq-e2e-{secrets.token_hex(4)}"
         self.path = Path(SHM_DIR) / self.key.lstrip("/")
         self.path.write_bytes(bytes(size))
+        self.path.chmod(mode)
 
     def write(self, data: bytes, offset: int = 0) -> None:
         with self.path.open("r+b") as file:
@@ -166,7 +174,7 @@ def test_a_callers_mistakes_are_refused_and_nothing_else_changes(
     wrong_size.inputs[0].parameters["shared_memory_byte_size"].int64_param = 12
     assert infer(wrong_size) == invalid
     assert infer(shm_request("m", "m", array, offset=4)) == invalid  # past the region's end
-    assert infer(shm_request("unknown", "m", array)) == invalid
+    assert infer(shm_request("unknown", "m", array)) == grpc.StatusCode.NOT_FOUND
     os.truncate(segment.path, 16)  # the client shrinks its object under the server
     assert infer(shm_request("m", "m", array)) == invalid
     stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(name="m"))
@@ -186,7 +194,13 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         running_server(
             repository,
             root / "restricted.log",
-            [*args, "--restricted-protocol", "shared-memory:admin-key=let-me-in"],
+            [
+                *args,
+                "--shared-memory",
+                "any",
+                "--restricted-protocol",
+                "shared-memory:admin-key=let-me-in",
+            ],
         ) as restricted,
     ):
         yield {"off": off, "restricted": restricted}
@@ -208,3 +222,172 @@ def test_the_restricted_category_needs_its_header(guarded: dict[str, ServerProce
     assert failure(refused)[0] == grpc.StatusCode.UNAUTHENTICATED
     header = [("triton-grpc-protocol-admin-key", "let-me-in")]
     assert stub.SystemSharedMemoryStatus(request, timeout=10, metadata=header).regions == {}
+
+
+def test_the_restricted_category_covers_requests_naming_a_region(
+    guarded: dict[str, ServerProcess], segments: list[Segment]
+) -> None:
+    """A caller without the header names no region, its own included."""
+    stub = guarded["restricted"].stub
+    header = [("triton-grpc-protocol-admin-key", "let-me-in")]
+    array = example_inputs("mlp", seed=13)["input"]
+    segment = Segment(array.nbytes + ROWS * CLASSES * 4)
+    segments.append(segment)
+    segment.write(array.tobytes())
+    register = pb.SystemSharedMemoryRegisterRequest(
+        name="r", key=segment.key, byte_size=segment.path.stat().st_size
+    )
+    stub.SystemSharedMemoryRegister(register, timeout=10, metadata=header)
+    request = shm_request("r", "r", array)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(request, timeout=30)
+    code, details = failure(refused)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert "triton-grpc-protocol-admin-key" in details and "shared-memory regions" in details
+    assert segment.read(array.nbytes) == array.tobytes()  # nothing read over it
+    assert list(stub.ModelInfer(request, timeout=30, metadata=header).outputs[0].shape) == [
+        ROWS,
+        CLASSES,
+    ]
+    stub.SystemSharedMemoryUnregister(
+        pb.SystemSharedMemoryUnregisterRequest(name="r"), timeout=10, metadata=header
+    )
+
+
+def target_of(transport: str, server: ServerProcess) -> str:
+    return server.address if transport == "h2" else f"127.0.0.1:{server.port}"
+
+
+@pytest.mark.parametrize("processes", ["single", "two_frontends"])
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_a_caller_uses_an_object_only_as_far_as_it_could_open_it(
+    request: pytest.FixtureRequest,
+    certs_dir: Path,
+    segments: list[Segment],
+    transport: str,
+    processes: str,
+) -> None:
+    """uid 65534 cannot open root's 0600 object, so it cannot register it; it can read root's
+    0644 object, so it may register it and read from it, but no output goes there."""
+    server: ServerProcess = request.getfixturevalue(
+        "server" if processes == "single" else processes
+    )
+    array = example_inputs("mlp", seed=14)["input"]
+    secret, readable = Segment(4096, ROOT_ONLY), Segment(4096, 0o644)
+    segments += [secret, readable]
+    secret.write(b"root's secret")
+    readable.write(array.tobytes())
+
+    def register(name: str, segment: Segment) -> tuple[str, Any]:
+        return "SystemSharedMemoryRegister", pb.SystemSharedMemoryRegisterRequest(
+            name=name, key=segment.key, byte_size=4096
+        )
+
+    into_message = shm_request("shared", "shared", array)
+    del into_message.outputs[:]
+    calls = [
+        register("stolen", secret),
+        register("shared", readable),
+        ("ModelInfer", shm_request("shared", "shared", array)),  # the output back into it
+        ("ModelInfer", into_message),
+        ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name="")),
+    ]
+    target = target_of(transport, server)
+    stolen, shared, write_back, read, unregister = run_as(
+        NOBODY, transport, target, calls, certs_dir / "ca.pem"
+    )
+    assert stolen[0] == "PERMISSION_DENIED"
+    assert "uid 65534, another user, may not read" in stolen[1] and "mode 0600" in stolen[1]
+    assert shared == ("OK", "")
+    assert write_back[0] == "PERMISSION_DENIED" and "takes no output" in write_back[1]
+    assert read == ("OK", "")  # reading is what it may do
+    assert unregister == ("OK", "")
+    assert secret.read(13) == b"root's secret"
+    assert readable.read(array.nbytes) == array.tobytes()
+
+
+@pytest.mark.parametrize("processes", ["single", "two_frontends"])
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_a_region_is_known_only_to_the_uid_that_registered_it(
+    request: pytest.FixtureRequest,
+    certs_dir: Path,
+    segments: list[Segment],
+    transport: str,
+    processes: str,
+) -> None:
+    server: ServerProcess = request.getfixturevalue(
+        "server" if processes == "single" else processes
+    )
+    array = example_inputs("mlp", seed=15)["input"]
+    mine = Segment(4096, 0o666)  # anyone could open it, yet the region stays root's
+    segments.append(mine)
+    mine.write(array.tobytes())
+    name = f"mine-{transport}"
+    server.stub.SystemSharedMemoryRegister(
+        pb.SystemSharedMemoryRegisterRequest(name=name, key=mine.key, byte_size=4096), timeout=10
+    )
+    try:
+        answers = run_as(
+            NOBODY,
+            transport,
+            target_of(transport, server),
+            [
+                ("ModelInfer", shm_request(name, name, array)),
+                ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name=name)),
+                ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name="unknown")),
+                ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name="")),
+            ],
+            certs_dir / "ca.pem",
+        )
+        everyone = server.stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+    finally:
+        server.stub.SystemSharedMemoryUnregister(
+            pb.SystemSharedMemoryUnregisterRequest(name=name), timeout=10
+        )
+    unknown = ("NOT_FOUND", "shared-memory region 'unknown' is not registered")
+    assert [(code, details.replace(name, "unknown")) for code, details in answers[:3]] == [
+        unknown
+    ] * 3
+    assert answers[3] == ("OK", "")  # unregistering all of its own: none
+    assert name in everyone.regions  # still root's
+    assert mine.read(array.nbytes + 4) == array.tobytes() + bytes(4)  # nothing written
+
+
+@pytest.fixture(scope="module")
+def dual_stack(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("shm-dual-stack")
+    repository = model_repository(root / "models", ["mlp"])
+    args = ["--certs-dir", str(certs_dir), "--host", "::"]
+    with running_server(repository, root / "log", args) as process:
+        yield process
+
+
+@pytest.mark.parametrize("address", ["::1", "127.0.0.1"])
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_local_serves_both_loopbacks_on_a_dual_stack_listener(
+    dual_stack: ServerProcess,
+    certs_dir: Path,
+    segments: list[Segment],
+    transport: str,
+    address: str,
+) -> None:
+    """The server sees 127.0.0.1 as ::ffff:127.0.0.1 on a `::` listener."""
+    segment = Segment(64)
+    segments.append(segment)
+    target = f"[{address}]:{dual_stack.port}" if ":" in address else f"{address}:{dual_stack.port}"
+    channel: Any = (
+        grpc.aio.insecure_channel(target, options=H2_OPTIONS)
+        if transport == "h2"
+        else QuicChannel(target, ca_file=str(certs_dir / "ca.pem"), server_name="localhost")
+    )
+    async with channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await stub.SystemSharedMemoryRegister(
+            pb.SystemSharedMemoryRegisterRequest(name="r", key=segment.key, byte_size=64),
+            timeout=10,
+        )
+        status = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+        await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(name="r"))
+    assert list(status.regions) == ["r"]

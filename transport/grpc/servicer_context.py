@@ -17,6 +17,10 @@ from transport.grpc.metadata import Metadata
 class CallContext:
     """Subclasses move the messages: `read`, `write`, `_send_headers`."""
 
+    # Whether the peer's socket is UDP (HTTP/3) rather than TCP: who owns it is looked up in
+    # the kernel's table of that protocol.
+    datagram_peer = False
+
     def __init__(
         self,
         method: str,

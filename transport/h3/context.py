@@ -18,6 +18,8 @@ from transport.tls.peer_auth import PeerAuth
 
 
 class H3ServicerContext(CallContext):
+    datagram_peer = True
+
     def __init__(
         self,
         stream: H3Stream,
