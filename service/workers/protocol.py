@@ -55,6 +55,9 @@ class Infer:
     inputs: tuple[TensorRef, ...]
     outputs: tuple[str, ...]
     retired: tuple[str, ...] = ()  # segments the front-end released: unmap them
+    # The most output bytes the Result may carry inline (message_bounds.py): more fails the
+    # batch in the worker, as the front-end would kill a worker that sent them.
+    inline_capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,10 +184,20 @@ def header_size() -> int:
     return _HEADER.size
 
 
-def body_size(header: bytes) -> int:
+class Oversized(ValueError):
+    """A header declaring more than its reader takes; nothing after the header was read."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"a message of {size} bytes, more than the {limit} it may send now")
+        self.size = size
+        self.limit = limit
+
+
+def body_size(header: bytes, limit: int = MAX_MESSAGE) -> int:
+    """The size the header declares; Oversized above `limit`."""
     (size,) = _HEADER.unpack(header)
-    if size > MAX_MESSAGE:
-        raise ValueError(f"worker message of {size} bytes exceeds {MAX_MESSAGE}")
+    if size > min(limit, MAX_MESSAGE):
+        raise Oversized(size, min(limit, MAX_MESSAGE))
     return int(size)
 
 
