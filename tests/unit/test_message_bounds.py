@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.inference.jobs import Timings
@@ -66,6 +66,7 @@ def test_a_batch_may_get_what_its_callers_may_receive(requests: int, max_message
     assert bls_inline_bytes(max_message) == min(protocol.BLS_MAX_BYTES, max_message)
 
 
+@settings(deadline=None)  # megabytes encoded per example: slow on a loaded machine
 @given(
     st.integers(1, 8),
     st.integers(4, 256 * KiB),
