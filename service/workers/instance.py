@@ -8,7 +8,9 @@ while the worker computes the current one.
 A worker runs its requests one after the other, so the oldest one it holds is the one it is
 running. A watchdog gives that one `execution_timeout_s`; a worker still on it after that is
 hung (or stopped) and is killed, which ends like any other death: the requests it held fail
-with WorkerDied, which the batcher answers by queueing them again.
+with WorkerDied, which the batcher answers by queueing them again. A worker that breaks the
+protocol (a message larger than message_bounds allows it now, one that cannot be read) is
+killed too, but its requests fail for good: its model would do it again.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Only small descriptors cross the socket; tensor bytes live in shared memory (shm.py). Messages
 are pickles, but a worker may run untrusted model.py code that writes to its socket, so they are
-read back with an unpickler that builds only the classes below (no callable, no import).
+read back with an unpickler that builds only the classes below (no callable, no import), and
+each header is checked against the most the worker may send now (message_bounds.py) before its
+body is read.
 """
 
 from __future__ import annotations
