@@ -124,7 +124,7 @@ def act_or_none(server: ServerProcess) -> str | None:
 
 def test_a_model_output_flood_stays_within_its_budget(hostile: Hostile) -> None:
     server = hostile.server
-    answered: list[str] = []
+    answered: list[bytes] = []
     failed: list[BaseException] = []
     flooding = threading.Event()
 
