@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
+from protos.inference import grpc_service_pb2 as pb
 from service.workers.model_output import BURST_S
 from tests.e2e.test_python_model import infer
 from tests.servers import ServerProcess, eventually, model_repository, running_server
@@ -42,11 +43,21 @@ class Hostile:
     started: float  # time.monotonic() before the server started
 
 
-def hostile_model(repository: Path, name: str, flood_at_load: int) -> None:
+def hostile_model(
+    repository: Path, name: str, flood_at_load: int = 0, oversized_at_load: bool = False
+) -> None:
     source = FIXTURES / "python_hostile"
     shutil.copytree(source, repository / name)
     config = (source / "config.pbtxt").read_text().replace('name: "hostile"', f'name: "{name}"')
-    config = config.replace('string_value: "0"', f'string_value: "{flood_at_load}"')
+    config = config.replace(
+        'key: "flood_at_load" value: { string_value: "0" }',
+        f'key: "flood_at_load" value: {{ string_value: "{flood_at_load}" }}',
+    )
+    if oversized_at_load:
+        config = config.replace(
+            'key: "oversized_at_load" value: { string_value: "0" }',
+            'key: "oversized_at_load" value: { string_value: "1" }',
+        )
     (repository / name / "config.pbtxt").write_text(config)
 
 
@@ -54,8 +65,9 @@ def hostile_model(repository: Path, name: str, flood_at_load: int) -> None:
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
     root = tmp_path_factory.mktemp("hostile")
     repository = model_repository(root / "models", ["mlp"])
-    hostile_model(repository, "oversized", 0)
-    hostile_model(repository, "flooder", LOAD_FLOOD)
+    hostile_model(repository, "oversized")
+    hostile_model(repository, "flooder", flood_at_load=LOAD_FLOOD)
+    hostile_model(repository, "loadbreaker", oversized_at_load=True)
     shutil.copytree(FIXTURES / "python_model", repository / "upper" / "1")
     shutil.move(repository / "upper" / "1" / "config.pbtxt", repository / "upper")
     args = [
@@ -113,6 +125,18 @@ def test_an_oversized_worker_message_is_refused_at_its_header(hostile: Hostile) 
     eventually(lambda: act_or_none(server) is not None, "the restarted worker answers")
     assert act(server, "oversized", "count") == "ok 2"
     assert counter(server, "paddlequic_worker_protocol_breaches_total", "oversized") == 1
+
+
+def test_an_oversized_message_in_place_of_the_load_answer_fails_the_load(
+    hostile: Hostile,
+) -> None:
+    """Before the load is answered only a descriptor may come (64 KiB)."""
+    server = hostile.server
+    index = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10).models
+    (version,) = [m for m in index if m.name == "loadbreaker"]
+    assert version.state == "UNAVAILABLE"
+    assert f"sent a message of {DECLARED} bytes, more than the {64 << 10}" in version.reason
+    others_answer(server)
 
 
 def act_or_none(server: ServerProcess) -> str | None:
