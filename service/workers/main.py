@@ -68,6 +68,7 @@ def _infer(
                 msg.request_id,
                 f"the outputs take {total} bytes, more than the {msg.inline_capacity} this "
                 "batch's callers may receive (--max-message-bytes each)",
+                too_large=True,
             )
         inline = {name: data.tobytes() for name, (_, data) in encoded.items()}
         refs = tuple(

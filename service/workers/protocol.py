@@ -76,6 +76,9 @@ class Result:
 class Failed:
     request_id: int
     message: str
+    # The outputs were more than the batch's callers may receive (Infer.inline_capacity):
+    # RESOURCE_EXHAUSTED, as a response over --max-message-bytes is.
+    too_large: bool = False
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ MiB = 1 << 20
 LOAD_FLOOD = 50_000  # empty lines, and as many lines of text, printed at load
 CALL_FLOOD = 50_000  # the same again, on a request
 LINES_PER_S = 20.0  # --model-output-lines
+MAX_MESSAGE = 1 << 20  # --max-message-bytes: what one caller may receive
 BYTES_PER_S = 4096.0  # --model-output-bytes
 
 
@@ -74,6 +75,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
         *("--certs-dir", str(root / "certs")),
         *("--model-output-lines", str(LINES_PER_S)),
         *("--model-output-bytes", str(BYTES_PER_S)),
+        *("--max-message-bytes", str(MAX_MESSAGE)),
     ]
     started = time.monotonic()
     with running_server(repository, root / "server.log", args, wait=False) as server:
@@ -125,6 +127,27 @@ def test_an_oversized_worker_message_is_refused_at_its_header(hostile: Hostile) 
     eventually(lambda: act_or_none(server) is not None, "the restarted worker answers")
     assert act(server, "oversized", "count") == "ok 2"
     assert counter(server, "paddlequic_worker_protocol_breaches_total", "oversized") == 1
+
+
+def test_a_legitimate_answer_is_bounded_by_what_its_caller_may_receive(hostile: Hostile) -> None:
+    """The bound never kills a worker for an answer its caller could receive (the first of a
+    size travels inline, the shared memory not grown yet); a larger one the worker fails
+    itself with RESOURCE_EXHAUSTED naming the limit (as the response over
+    --max-message-bytes was refused before), and goes on serving."""
+    server = hostile.server
+    (instance,) = server.instances("oversized")
+    breaches = counter(server, "paddlequic_worker_protocol_breaches_total", "oversized")
+    just_fits = MAX_MESSAGE - 64  # BYTES framing and the response's own fields
+    assert act(server, "oversized", f"big:{just_fits}") == "x" * just_fits
+    with pytest.raises(grpc.RpcError) as refused:
+        act(server, "oversized", f"big:{2 * MAX_MESSAGE}")
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"more than the {MAX_MESSAGE} this batch's callers may receive" in (
+        refused.value.details() or ""
+    )
+    assert act(server, "oversized", "count").startswith("ok ")
+    assert [i.pid for i in server.instances("oversized")] == [instance.pid]
+    assert counter(server, "paddlequic_worker_protocol_breaches_total", "oversized") == breaches
 
 
 def test_an_oversized_message_in_place_of_the_load_answer_fails_the_load(
