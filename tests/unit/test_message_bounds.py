@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from service.backend.response_flow import Reply
 from service.inference.jobs import Timings
 from service.workers import protocol
+from service.workers.decoupled_loop import encoded
 from service.workers.message_bounds import (
     DESCRIPTOR_MAX,
     Holding,
@@ -104,3 +107,26 @@ def test_a_header_declaring_more_than_the_bound_is_refused(size: int, limit: int
         protocol.body_size(header, limit)
     assert (refused.value.size, refused.value.limit) == (size, limit)
     assert f"a message of {size} bytes, more than the {limit}" in str(refused.value)
+
+
+@given(st.integers(1, 64 * KiB), st.integers(0, 128 * KiB), st.booleans())
+def test_a_decoupled_response_over_the_limit_becomes_its_error(
+    max_message: int, nbytes: int, final: bool
+) -> None:
+    """The worker never sends a response its caller could not receive: the front-end would
+    kill it for the message."""
+    message = encoded(Reply(7, {"out": np.zeros(nbytes, np.uint8)}, final), max_message)
+    assert len(message) - protocol.header_size() <= largest_message(
+        Holding(True, True, False), max_message
+    )
+    response = protocol.decode(message[protocol.header_size() :])
+    assert isinstance(response, protocol.Response)
+    assert (response.request_id, response.final) == (7, final)
+    if nbytes <= max_message:
+        assert response.error is None and len(response.data) == nbytes
+        return
+    assert (response.outputs, response.data) == ((), b"")
+    assert response.error == (
+        f"the model's response holds {nbytes} bytes of outputs, more than the {max_message} a "
+        "caller may receive (--max-message-bytes)"
+    )
