@@ -117,6 +117,9 @@ class OutputReader:
         self._fd = fd
         self._output = output
         self._wake_r, self._wake_w = os.pipe()
+        # Held while the descriptors are closed: stop() never writes to a number reused since.
+        self._closing = threading.Lock()
+        self._closed = False
         loop = asyncio.get_running_loop()
         self.done: asyncio.Future[None] = loop.create_future()
         self._thread = threading.Thread(
@@ -126,16 +129,19 @@ class OutputReader:
 
     def stop(self) -> None:
         """Stop reading (something the worker started may hold its pipe open)."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        with self._closing:
+            if not self._closed:
+                os.write(self._wake_w, b"x")
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             self._read()
         finally:
             self._output.ended()
-            for fd in (self._fd, self._wake_r, self._wake_w):
-                os.close(fd)
+            with self._closing:
+                self._closed = True
+                for fd in (self._fd, self._wake_r, self._wake_w):
+                    os.close(fd)
             with contextlib.suppress(RuntimeError):  # the loop has closed
                 loop.call_soon_threadsafe(_set, self.done)
 

@@ -102,3 +102,22 @@ def test_the_reader_logs_lines_within_the_budget_off_the_loop(
     assert messages[2].startswith("model m: 5001 line(s) of its output dropped, over its budget")
     assert len(messages) == 3
     assert output.dropped == 5001
+
+
+def test_stop_ends_a_reader_whose_pipe_stays_open(caplog: pytest.LogCaptureFixture) -> None:
+    """Something the worker started may hold its pipe open: the server still stops, and what
+    was read is logged; stopping again after the end does nothing."""
+
+    async def run() -> None:
+        read, write = os.pipe()
+        reader = OutputReader(read, ModelOutput("m", OutputBudget()))
+        os.write(write, b"before the stop\n")
+        while not any("before the stop" in r.getMessage() for r in caplog.records):
+            await asyncio.sleep(0.01)
+        reader.stop()
+        await asyncio.wait_for(reader.done, 30)
+        reader.stop()
+        os.close(write)
+
+    with caplog.at_level(logging.INFO, logger="paddlequic.model"):
+        asyncio.run(asyncio.wait_for(run(), 60))
