@@ -84,13 +84,15 @@ class ModelOutput:
         return self.budget.dropped
 
     def line(self, raw: bytes) -> None:
-        text = raw.decode(errors="replace")[:MAX_LOG_LINE]
+        """One line as printed, cut at _MAX_LINE_BYTES: decoded only if it is logged, so a
+        flood costs the reader little."""
+        raw = raw[:_MAX_LINE_BYTES]
         with self._lock:
-            dropped = self.budget.admit(len(text.encode(errors="replace")))
+            dropped = self.budget.admit(len(raw))
         if dropped is None:
             return
         self._report(dropped)
-        model_log.info("model %s: %s", self.model, text)
+        model_log.info("model %s: %s", self.model, raw.decode(errors="replace")[:MAX_LOG_LINE])
 
     def ended(self) -> None:
         with self._lock:
