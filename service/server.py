@@ -27,6 +27,7 @@ from service.frontends.listeners import (
     listen,
 )
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
+from service.lifecycle.loading import WorkerLimits
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
 from service.lifecycle.watching import RepositoryWatcher
@@ -65,6 +66,9 @@ async def serve(settings: ServerSettings) -> None:
         poll_repository=settings.poll_repository,
         load_model=settings.load_model,
         testing_service=settings.testing_service,
+        workers=WorkerLimits(
+            settings.max_message_bytes, settings.model_output_lines, settings.model_output_bytes
+        ),
     )
     signing: SigningPolicy | None = None
     if settings.trusted_keys or settings.trusted_ca or settings.require_signed:

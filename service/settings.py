@@ -69,6 +69,8 @@ class ServerSettings:
     log_sample_seed: int = -1
     log_failure_burst: int = 20
     log_failure_rate: float = 1.0
+    model_output_lines: float = 100.0
+    model_output_bytes: float = 65536.0
     trace_console: bool = False
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -144,6 +146,11 @@ _HELP = {
     "--log-failure-rate applies (a flood of bad requests costs a few lines, not one each)",
     "log_failure_rate": "failed-request lines per second per transport, RPC and status after "
     "the burst; those left out are counted in the next line (`left_out`)",
+    "model_output_lines": "lines per second a Python model's prints (stdout, stderr) may put in "
+    "the log, per model version, with 10 s' worth at once; more are counted "
+    "(paddlequic_model_output_dropped_lines) and dropped, and the log says how many",
+    "model_output_bytes": "bytes per second of a Python model's prints in the log, per model "
+    "version, with 10 s' worth at once (as --model-output-lines)",
     "trace_console": "write OpenTelemetry spans to stderr, one JSON object per line",
     "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
     "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "
@@ -234,6 +241,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
     settings = ServerSettings(**vars(parser.parse_args(argv)))
     if settings.max_concurrent_rpcs < 1:
         parser.error("--max-concurrent-rpcs must be at least 1")
+    if settings.model_output_lines < 0 or settings.model_output_bytes < 0:
+        parser.error("--model-output-lines and --model-output-bytes must be at least 0")
     if not 0 <= settings.alt_svc_max_age <= MAX_ALT_SVC_MAX_AGE:
         parser.error(f"--alt-svc-max-age must be from 0 to {MAX_ALT_SVC_MAX_AGE}")
     if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:

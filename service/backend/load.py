@@ -20,3 +20,6 @@ class Load:
     shapes: ShapeBuckets  # the engine's shape cache and TensorRT's shape range follow them
     backend: str = ""  # "python": model_file is a model.py; otherwise a Paddle program
     config: bytes = b""  # the serialized ModelConfig (Python models are told it)
+    # The server's --max-message-bytes: what one caller may receive, so what one decoupled
+    # response or BLS call may carry (service/workers/message_bounds.py).
+    max_message_bytes: int = 64 << 20

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.inference import errors
 from service.lifecycle.consistency import check_ensembles, check_fallbacks
 from service.lifecycle.fingerprint import Fingerprint, fingerprint
-from service.lifecycle.loading import VersionLoader, placement_key
+from service.lifecycle.loading import VersionLoader, WorkerLimits, placement_key
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.retiring import Retiring, wind_down
 from service.lifecycle.signing import SigningPolicy
@@ -37,6 +37,7 @@ class LifecycleOptions:
     poll_repository: float  # seconds between rescans (> 0: poll mode; 0: 5 s if polling)
     load_model: str  # explicit mode: the models loaded at start, comma-separated (* = all)
     testing_service: bool  # honour test-only model parameters
+    workers: WorkerLimits = field(default_factory=WorkerLimits)
 
     def __post_init__(self) -> None:
         mode = self.model_control_mode
@@ -72,7 +73,14 @@ class Lifecycle:
         self.observer = observer
         self.copies = VerifiedCopies(repository.root, signing)
         self.loader = VersionLoader(
-            registry, runner, topology, self.copies, observer, self.fail, options.testing_service
+            registry,
+            runner,
+            topology,
+            self.copies,
+            observer,
+            self.fail,
+            options.testing_service,
+            options.workers,
         )
         self.retiring = Retiring()
         self._locks: dict[str, asyncio.Lock] = {}

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 from oip.datatypes import BY_CONFIG_TYPE, config_type_name
 from protos.inference import model_config_pb2 as mc
@@ -23,7 +24,7 @@ from service.lifecycle.verified_copies import VerifiedCopies
 from service.lifecycle.warming import warm_up
 from service.lifecycle.warmup import WarmUpError
 from service.model import ensemble
-from service.model.decoupled import stream_limits
+from service.model.decoupled import is_decoupled, stream_limits
 from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
 from service.model.sequences import (
@@ -46,9 +47,22 @@ from service.serving.batch_runner import BatchObserver, BatchRunner
 from service.serving.bls import BlsRunner
 from service.serving.requests import RequestRunner
 from service.workers.instance import WorkerInstance
+from service.workers.model_output import BYTES_PER_S, LINES_PER_S, ModelOutput, OutputBudget
 from service.workers.spec import WorkerSpec
 
 log = logging.getLogger("paddlequic.models")
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What the server's options bound in every worker (the composition root fills it)."""
+
+    # --max-message-bytes: what one caller may receive, so what a worker may send
+    # (service/workers/message_bounds.py).
+    max_message_bytes: int = 64 << 20
+    # A Python model's prints in the log, per version (--model-output-lines, -bytes).
+    output_lines_per_s: float = LINES_PER_S
+    output_bytes_per_s: float = BYTES_PER_S
 
 
 class VersionLoader:
@@ -63,6 +77,7 @@ class VersionLoader:
         observer: BatchObserver,
         fail: Fail,
         testing: bool,
+        limits: WorkerLimits,
     ) -> None:
         self.registry = registry
         self.runner = runner
@@ -72,6 +87,7 @@ class VersionLoader:
         self.fail = fail
         # --testing-service: honour test-only model parameters (a worker that crashes on cue).
         self.testing = testing
+        self.limits = limits
         self.bls = BlsRunner(runner)  # runs Python models' BLS calls
 
     async def start(self, served: ServedVersion, files: ModelFiles) -> None:
@@ -121,6 +137,10 @@ class VersionLoader:
         limits = check_parameters(config)
         served.local_numa = frontend_numa_node(self.topology)
         simulated = self.topology.simulated
+        output = ModelOutput(
+            served.name,
+            OutputBudget(self.limits.output_lines_per_s, self.limits.output_bytes_per_s),
+        )
         served.instances = [
             WorkerInstance(
                 WorkerSpec(
@@ -136,7 +156,10 @@ class VersionLoader:
                     shapes=shape_buckets(config),
                     backend=config.backend,
                     config=config.SerializeToString(),
-                )
+                    decoupled=is_decoupled(config),
+                    max_message_bytes=self.limits.max_message_bytes,
+                ),
+                output,
             )
             for p in placements
         ]

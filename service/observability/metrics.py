@@ -204,6 +204,8 @@ class _StateCollector(Collector):
         yield _live_sequences()
         yield _breaker_state()
         yield _worker_restarts()
+        yield _worker_breaches()
+        yield _output_dropped()
         yield _h3_connections(0)
         yield _h3_handshakes()
         yield _gpu_memory()
@@ -213,12 +215,19 @@ class _StateCollector(Collector):
         depth = _queue_depth()
         live = _live_sequences()
         restarts: dict[str, int] = {}
+        breaches: dict[str, int] = {}
+        dropped: dict[str, int] = {}
         for v in versions:
             queue = v.queue()
             depth.add_metric([v.name, str(v.version)], queue.queued if queue else 0)
             if v.sequences is not None:
                 live.add_metric([v.name, str(v.version)], v.sequences.live)
-            restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
+            instances = list(v.instances)
+            restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in instances)
+            breaches[v.name] = breaches.get(v.name, 0) + sum(i.refused_messages for i in instances)
+            # The version's instances share one budget.
+            outputs = {id(i.output): i.output for i in instances}
+            dropped[v.name] = dropped.get(v.name, 0) + sum(o.dropped for o in outputs.values())
         yield depth
         yield live
         breakers = _breaker_state()
@@ -231,6 +240,14 @@ class _StateCollector(Collector):
         for name, count in sorted(restarts.items()):
             worker_restarts.add_metric([name], count)
         yield worker_restarts
+        worker_breaches = _worker_breaches()
+        for name, count in sorted(breaches.items()):
+            worker_breaches.add_metric([name], count)
+        yield worker_breaches
+        output_dropped = _output_dropped()
+        for name, count in sorted(dropped.items()):
+            output_dropped.add_metric([name], count)
+        yield output_dropped
         if self.h3 is not None:
             stats = self.h3.stats
             yield _h3_connections(stats.connections)
@@ -282,6 +299,24 @@ def _breaker_state() -> GaugeMetricFamily:
 def _worker_restarts() -> CounterMetricFamily:
     return CounterMetricFamily(
         "paddlequic_worker_restarts", "worker processes restarted after dying", labels=["model"]
+    )
+
+
+def _worker_breaches() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_worker_protocol_breaches",
+        "worker processes killed for breaking the worker protocol (a message larger than it "
+        "may send, one the front-end cannot read); their requests failed, not retried",
+        labels=["model"],
+    )
+
+
+def _output_dropped() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_model_output_dropped_lines",
+        "lines a Python model printed beyond its budget (--model-output-lines, "
+        "--model-output-bytes), dropped from the log",
+        labels=["model"],
     )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.workers import protocol
+from service.workers.message_bounds import bls_inline_bytes
 from service.workers.tensor_io import inline_arrays, input_array
 
 _Future = concurrent.futures.Future[pb_utils.InferenceResponse]
@@ -29,8 +30,12 @@ _Future = concurrent.futures.Future[pb_utils.InferenceResponse]
 class BlsLink:
     """The worker's socket and its model's BLS calls (pb_utils.ModelCaller)."""
 
-    def __init__(self, sock: socket.socket, recv: Callable[[], protocol.Message | None]) -> None:
+    def __init__(
+        self, sock: socket.socket, recv: Callable[[], protocol.Message | None], max_message: int
+    ) -> None:
         self._sock = sock
+        # More input bytes in one call and the front-end kills the worker (message_bounds.py).
+        self._max_bytes = bls_inline_bytes(max_message)
         self._recv = recv
         self._send_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[protocol.Message | None] = queue.SimpleQueue()
@@ -54,10 +59,10 @@ class BlsLink:
     def submit(self, request: pb_utils.InferenceRequest) -> _Future:
         arrays = [(t.name(), _wire_array(t.as_numpy())) for t in request.inputs()]
         refs, data = inline_arrays(arrays)
-        if len(data) > protocol.BLS_MAX_BYTES:
+        if len(data) > self._max_bytes:
             raise pb_utils.TritonModelException(
                 f"the BLS call to model '{request.model_name}' carries {len(data)} bytes of "
-                f"inputs; at most {protocol.BLS_MAX_BYTES} may travel in one call"
+                f"inputs; at most {self._max_bytes} may travel in one call"
             )
         if not request.model_name:
             raise pb_utils.TritonModelException("a BLS call needs model_name")

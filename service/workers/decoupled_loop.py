@@ -25,12 +25,17 @@ from service.workers.tensor_io import inline_arrays, input_array
 
 
 def serve_decoupled(
-    model: PythonModel, recv: Callable[[], protocol.Message | None], sock: socket.socket
+    model: PythonModel,
+    recv: Callable[[], protocol.Message | None],
+    sock: socket.socket,
+    max_message: int,
 ) -> NoReturn:
     """Never returns: after Shutdown (finalize() first) or the server's end of the socket
     closing, the process exits, whatever threads model.py still runs; requests still open
     get nothing more."""
-    requests = DecoupledRequests(model, protocol.RESPONSE_WINDOW, encoded)
+    requests = DecoupledRequests(
+        model, protocol.RESPONSE_WINDOW, lambda reply: encoded(reply, max_message)
+    )
     submits: queue.SimpleQueue[protocol.Submit | None] = queue.SimpleQueue()
     runner = _thread("execute", lambda: _run(requests, submits))
     writer = _thread("write", lambda: _write(requests, sock))
@@ -88,11 +93,18 @@ def _write(requests: DecoupledRequests, sock: socket.socket) -> None:
         sock.sendall(message)
 
 
-def encoded(reply: Reply) -> bytes:
+def encoded(reply: Reply, max_message: int) -> bytes:
     """The reply as a Response, its outputs encoded as the worker encodes any output
-    (tensor_io.wire_form), inline."""
+    (tensor_io.wire_form), inline; outputs of more than `max_message` bytes (what the caller
+    may receive, and all the front-end reads of one response) become the request's error."""
     refs, data = inline_arrays(reply.outputs.items())
     response = protocol.Response(
         reply.request_id, refs, data, reply.final, reply.error, reply.error_code
     )
+    if len(data) > max_message:
+        error = (
+            f"the model's response holds {len(data)} bytes of outputs, more than the "
+            f"{max_message} a caller may receive (--max-message-bytes)"
+        )
+        response = protocol.Response(reply.request_id, (), b"", reply.final, error)
     return protocol.encode(response)

@@ -8,7 +8,9 @@ while the worker computes the current one.
 A worker runs its requests one after the other, so the oldest one it holds is the one it is
 running. A watchdog gives that one `execution_timeout_s`; a worker still on it after that is
 hung (or stopped) and is killed, which ends like any other death: the requests it held fail
-with WorkerDied, which the batcher answers by queueing them again.
+with WorkerDied, which the batcher answers by queueing them again. A worker that breaks the
+protocol (a message larger than message_bounds allows it now, one that cannot be read) is
+killed too, but its requests fail for good: its model would do it again.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
-from service.workers import bls_calls, launch, protocol, restarts, results, streams
+from service.workers import (
+    bls_calls,
+    launch,
+    message_bounds,
+    model_output,
+    protocol,
+    restarts,
+    results,
+    streams,
+)
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
@@ -60,8 +71,13 @@ class _Pending:
 
 
 class WorkerInstance:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, output: model_output.ModelOutput | None = None) -> None:
+        """`output`: where its Python model's prints go, within their budget (shared by the
+        version's instances); by default a budget of its own."""
         self.spec = spec
+        self.output = output or model_output.ModelOutput(
+            spec.model_name, model_output.OutputBudget()
+        )
         self.state = State.STARTING
         self.pid = 0
         self.restarts = 0
@@ -79,7 +95,7 @@ class WorkerInstance:
         self._segments: SegmentChannel | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._reader_task: asyncio.Task[None] | None = None
-        self._output_tasks: set[asyncio.Task[None]] = set()
+        self._output_readers: set[model_output.OutputReader] = set()
         self._restart_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._started_at = 0.0
@@ -87,6 +103,10 @@ class WorkerInstance:
         self.execution_timeout_s = spec.execution_timeout_s
         self._watchdog = Watchdog(self._kill_hung)
         self._killed_hung = False
+        # Why the worker was killed for breaking the protocol: its requests then fail, never
+        # run again (what a model sends on purpose it would send again).
+        self._misbehaved: str | None = None
+        self.refused_messages = 0  # workers killed for breaking the protocol (metrics)
         self._answered = 0  # results since the worker (re)started
         # Why the last restart failed (e.g. its files are gone); None once one succeeds.
         # Requests then fail at once instead of waiting for a restart that may never come.
@@ -165,6 +185,9 @@ class WorkerInstance:
                 refs,
                 outputs,
                 retired,
+                message_bounds.result_inline_bytes(
+                    len(batch.row_counts), self.spec.max_message_bytes
+                ),
             )
             future: asyncio.Future[InferResult] = loop.create_future()
             queue_ns = time.perf_counter_ns() - started
@@ -287,12 +310,12 @@ class WorkerInstance:
                 await self._reader_task
         self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
         self.streams.died("stopped (the server is shutting down)")
-        if self._output_tasks:
-            # What the worker printed as it stopped is still in its pipes: read to their end
-            # (bounded, in case something the worker started keeps them open).
-            await asyncio.wait(set(self._output_tasks), timeout=OUTPUT_DRAIN_S)
-        for task in list(self._output_tasks):
-            task.cancel()
+        if self._output_readers:
+            # What the worker printed as it stopped is still in its pipe: read to its end
+            # (bounded, in case something the worker started keeps it open).
+            await asyncio.wait({r.done for r in self._output_readers}, timeout=OUTPUT_DRAIN_S)
+        for reader in list(self._output_readers):
+            reader.stop()
         for slot in self._slots:
             slot.release()
         if self._segments is not None:
@@ -310,15 +333,15 @@ class WorkerInstance:
             self._segments.close()
         self._segments = SegmentChannel(spawned.segments)
         self._process = spawned.process
-        for stream in (self._process.stdout, self._process.stderr):
-            if stream is not None:
-                task = asyncio.create_task(launch.forward_output(stream, self.spec.model_name))
-                self._output_tasks.add(task)
-                task.add_done_callback(self._output_tasks.discard)
+        if spawned.output is not None:
+            output = model_output.OutputReader(spawned.output, self.output)
+            self._output_readers.add(output)
+            output.done.add_done_callback(lambda _: self._output_readers.discard(output))
         self.pid = self._process.pid
         self._started_at = time.monotonic()
         self._answered = 0
         self._killed_hung = False
+        self._misbehaved = None
         reader, writer = await asyncio.open_unix_connection(sock=spawned.messages)
         self._writer = writer
         first = await launch.load(self.spec, reader, writer, self._process)
@@ -331,7 +354,7 @@ class WorkerInstance:
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                message = await launch.read_message(reader)
+                message = await launch.read_message(reader, self._largest_message)
                 if message is None:
                     break
                 if isinstance(message, protocol.Result | protocol.Failed):
@@ -346,17 +369,35 @@ class WorkerInstance:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
         except Exception as exc:
             # A Python model can write anything to its socket: whatever breaks the protocol
-            # (a class the unpickler refuses, a field of the wrong type) ends that worker,
-            # never the front-end.
-            log.warning(
-                "worker %s broke the protocol (%r); killing it", self.spec.instance_name, exc
-            )
-            if self._process is not None and self._process.returncode is None:
-                self._process.kill()
+            # (a header declaring more than it may send, a class the unpickler refuses, a
+            # field of the wrong type) ends that worker, never the front-end.
+            self._kill_misbehaving(exc)
         finally:
             writer.close()
         if self.state is not State.STOPPED:
             await self._on_death()
+
+    def _largest_message(self) -> int:
+        """The most bytes the worker may send in its next message (message_bounds.py)."""
+        holding = message_bounds.Holding(
+            loaded=True,
+            decoupled=self.spec.decoupled,
+            bls=self.spec.python,
+            batches=tuple(len(p.batch.row_counts) for p in self._pending.values()),
+        )
+        return message_bounds.largest_message(holding, self.spec.max_message_bytes)
+
+    def _kill_misbehaving(self, exc: Exception) -> None:
+        log.error(
+            "worker %s (pid %d) broke the protocol (%r); killing it and failing its requests",
+            self.spec.instance_name,
+            self.pid,
+            exc,
+        )
+        self.refused_messages += 1
+        self._misbehaved = f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc)
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
 
     def _complete(self, message: protocol.Result | protocol.Failed) -> None:
         pending = self._pending.pop(message.request_id, None)
@@ -414,7 +455,10 @@ class WorkerInstance:
         self._attempted.clear()
         self._writer = None
         code = await self._process.wait() if self._process else None
-        if self._killed_hung:
+        misbehaved = self._misbehaved
+        if misbehaved is not None:
+            how = f"broke the worker protocol ({misbehaved}) and was killed"
+        elif self._killed_hung:
             how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s"
         elif code is not None and code < 0:
             how = f"was killed by signal {-code}"
@@ -423,11 +467,12 @@ class WorkerInstance:
         lived = time.monotonic() - self._started_at
         self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
         log.error(
-            "worker %s (pid %d) %s; %d request(s) in it go back to the queue; restarting in %.1f s",
+            "worker %s (pid %d) %s; %d request(s) in it %s; restarting in %.1f s",
             self.spec.instance_name,
             self.pid,
             how,
             len(self._pending) + len(self.streams),
+            "fail" if misbehaved else "go back to the queue",
             self._restart_delay,
         )
         if self.on_death is not None:
@@ -436,9 +481,13 @@ class WorkerInstance:
             f"the worker process for model '{self.spec.model_name}' {how} while holding this "
             "request; it is being restarted"
         )
-        self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+        if misbehaved is not None:
+            refused = errors.internal(f"{message}; the request is not run again")
+            self._fail_pending(lambda _: refused)
+        else:
+            self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
         self.bls.cancel_all()
-        self.streams.died(how)
+        self.streams.died(how, retry=misbehaved is None)
         self._restart_task = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:

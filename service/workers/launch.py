@@ -1,21 +1,19 @@
 """Starting one worker process: its environment, the sockets it is handed (messages, and
-shared-memory segments as descriptors), a Python model's output into the server's log, and
-the load handshake, bounded by LOAD_TIMEOUT_S."""
+shared-memory segments as descriptors), a pipe for a Python model's output (model_output.py
+logs it), and the load handshake, bounded by LOAD_TIMEOUT_S."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.backend.load import Load
-from service.workers import protocol
+from service.workers import message_bounds, protocol
 from service.workers.spec import WorkerSpec
-
-model_log = logging.getLogger("paddlequic.model")
 
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
 # tokens, ticket keys) can reach model.py through it. The numeric libraries' kernel choices
@@ -26,7 +24,6 @@ PYTHON_ENV_ALLOWED = (
     "PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
     "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
 )  # fmt: skip
-MAX_LOG_LINE = 4096  # characters of one line a Python model prints, in the server's log
 LOAD_TIMEOUT_S = 600.0
 
 
@@ -37,6 +34,7 @@ class Spawned:
     process: asyncio.subprocess.Process
     messages: socket.socket
     segments: socket.socket  # non-blocking
+    output: int | None  # a Python model's stdout and stderr: the pipe's end to read
 
 
 async def spawn(spec: WorkerSpec) -> Spawned:
@@ -53,8 +51,9 @@ async def spawn(spec: WorkerSpec) -> Spawned:
         # numpy's OpenBLAS would start its threads at import, before the sandbox, which
         # holds only for the thread that enters it (python_sandbox.py).
         env["OPENBLAS_NUM_THREADS"] = "1"
-    # A Python model's prints go to the server's log, tagged with the model's name.
-    output = asyncio.subprocess.PIPE if python else asyncio.subprocess.DEVNULL
+    # A Python model's prints go to the server's log, tagged with the model's name
+    # (model_output.py reads them).
+    output, output_child = os.pipe() if python else (None, asyncio.subprocess.DEVNULL)
     try:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -66,18 +65,22 @@ async def spawn(spec: WorkerSpec) -> Spawned:
             str(segments_child.fileno()),
             pass_fds=(child.fileno(), segments_child.fileno()),
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=output,
-            stderr=output if python else None,
+            stdout=output_child,
+            stderr=output_child if python else None,
             env=env,
         )
     except BaseException:
         parent.close()
         segments.close()
+        if output is not None:
+            os.close(output)
         raise
     finally:
         child.close()
         segments_child.close()
-    return Spawned(process, parent, segments)
+        if output is not None:
+            os.close(output_child)
+    return Spawned(process, parent, segments, output)
 
 
 async def load(
@@ -101,13 +104,18 @@ async def load(
                 spec.shapes,
                 spec.backend,
                 spec.config,
+                spec.max_message_bytes,
             )
         )
     )
     try:
-        first = await asyncio.wait_for(read_message(reader), LOAD_TIMEOUT_S)
+        first = await asyncio.wait_for(
+            read_message(reader, lambda: message_bounds.DESCRIPTOR_MAX), LOAD_TIMEOUT_S
+        )
     except TimeoutError:
         first = protocol.LoadFailed(f"loading took longer than {LOAD_TIMEOUT_S:.0f} s")
+    except protocol.Oversized as exc:
+        first = protocol.LoadFailed(f"the worker broke the protocol: it sent {exc}")
     if not isinstance(first, protocol.Loaded):
         writer.close()
         if process.returncode is None:
@@ -120,25 +128,15 @@ async def load(
     return first
 
 
-async def forward_output(stream: asyncio.StreamReader, model: str) -> None:
-    """Each line a Python model's worker prints, into the server's log (bounded per line)."""
-    pending = b""
-    while chunk := await stream.read(1 << 16):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        if len(pending) > MAX_LOG_LINE:
-            lines.append(pending)
-            pending = b""
-        for line in lines:
-            model_log.info("model %s: %s", model, line.decode(errors="replace")[:MAX_LOG_LINE])
-    if pending:
-        model_log.info("model %s: %s", model, pending.decode(errors="replace")[:MAX_LOG_LINE])
-
-
-async def read_message(reader: asyncio.StreamReader) -> protocol.Message | None:
+async def read_message(
+    reader: asyncio.StreamReader, largest: Callable[[], int]
+) -> protocol.Message | None:
+    """The worker's next message; protocol.Oversized, with only its header read, when it
+    declares more than `largest()` (asked once the header is in: what the worker holds may
+    have changed while this waited)."""
     try:
         header = await reader.readexactly(protocol.header_size())
-        body = await reader.readexactly(protocol.body_size(header))
+        body = await reader.readexactly(protocol.body_size(header, largest()))
     except asyncio.IncompleteReadError:
         return None
     return protocol.decode(body)

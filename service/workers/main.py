@@ -52,7 +52,7 @@ def _recv(sock: socket.socket) -> protocol.Message | None:
 
 def _infer(
     model: Any, maps: MappingCache, msg: protocol.Infer, crash_on: float | None
-) -> protocol.Result:
+) -> protocol.Result | protocol.Failed:
     maps.retire(msg.retired)
     in_map = maps.get(msg.input_segment)
     inputs = {ref.name: input_array(in_map, ref) for ref in msg.inputs}
@@ -62,6 +62,14 @@ def _infer(
     encoded = {name: wire_form(a) for name, a in arrays.items()}
     offsets, total = layout(data.nbytes for _, data in encoded.values())
     if total > msg.output_capacity:
+        if total > msg.inline_capacity:
+            # The front-end would kill a worker that sent them (message_bounds.py).
+            return protocol.Failed(
+                msg.request_id,
+                f"the outputs take {total} bytes, more than the {msg.inline_capacity} this "
+                "batch's callers may receive (--max-message-bytes each)",
+                too_large=True,
+            )
         inline = {name: data.tobytes() for name, (_, data) in encoded.items()}
         refs = tuple(
             protocol.TensorRef(n, dtype, arrays[n].shape, 0, data.nbytes)
@@ -91,12 +99,12 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     if getattr(model, "decoupled", False):  # its own loop, which ends the process
         from service.workers.decoupled_loop import serve_decoupled
 
-        serve_decoupled(model, lambda: _recv(sock), sock)
+        serve_decoupled(model, lambda: _recv(sock), sock, load.max_message_bytes)
     maps = MappingCache(segments)
     # The front-end passes this parameter on only when it runs with --testing-service.
     crash_text = load.parameters.get(TESTING_CRASH_ON)
     crash_on = None if crash_text is None else float(crash_text)
-    link = _bls_link(sock) if load.backend == PYTHON_BACKEND else None
+    link = _bls_link(sock, load.max_message_bytes) if load.backend == PYTHON_BACKEND else None
     recv = link.recv if link is not None else lambda: _recv(sock)
     while True:
         msg = recv()
@@ -119,13 +127,13 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
             sock.sendall(protocol.encode(reply))
 
 
-def _bls_link(sock: socket.socket) -> BlsLink:
+def _bls_link(sock: socket.socket, max_message: int) -> BlsLink:
     """A Python model's socket, read by a thread of its own so that the model can make BLS
     calls (bls_link.py); Paddle workers read theirs in the main loop."""
     from service.backend.python_runtime import triton_python_backend_utils as pb_utils
     from service.workers.bls_link import BlsLink
 
-    link = BlsLink(sock, lambda: _recv(sock))
+    link = BlsLink(sock, lambda: _recv(sock), max_message)
     pb_utils.set_model_caller(link)
     return link
 

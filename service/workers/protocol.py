@@ -2,7 +2,9 @@
 
 Only small descriptors cross the socket; tensor bytes live in shared memory (shm.py). Messages
 are pickles, but a worker may run untrusted model.py code that writes to its socket, so they are
-read back with an unpickler that builds only the classes below (no callable, no import).
+read back with an unpickler that builds only the classes below (no callable, no import), and
+each header is checked against the most the worker may send now (message_bounds.py) before its
+body is read.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Infer:
     inputs: tuple[TensorRef, ...]
     outputs: tuple[str, ...]
     retired: tuple[str, ...] = ()  # segments the front-end released: unmap them
+    # The most output bytes the Result may carry inline (message_bounds.py): more fails the
+    # batch in the worker, as the front-end would kill a worker that sent them.
+    inline_capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class Result:
 class Failed:
     request_id: int
     message: str
+    # The outputs were more than the batch's callers may receive (Infer.inline_capacity):
+    # RESOURCE_EXHAUSTED, as a response over --max-message-bytes is.
+    too_large: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,10 +189,20 @@ def header_size() -> int:
     return _HEADER.size
 
 
-def body_size(header: bytes) -> int:
+class Oversized(ValueError):
+    """A header declaring more than its reader takes; nothing after the header was read."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"a message of {size} bytes, more than the {limit} it may send now")
+        self.size = size
+        self.limit = limit
+
+
+def body_size(header: bytes, limit: int = MAX_MESSAGE) -> int:
+    """The size the header declares; Oversized above `limit`."""
     (size,) = _HEADER.unpack(header)
-    if size > MAX_MESSAGE:
-        raise ValueError(f"worker message of {size} bytes exceeds {MAX_MESSAGE}")
+    if size > min(limit, MAX_MESSAGE):
+        raise Oversized(size, min(limit, MAX_MESSAGE))
     return int(size)
 
 

@@ -101,9 +101,10 @@ class Outputs:
 
 
 def failure(message: protocol.Failed, model_name: str) -> errors.ServiceError:
+    text = f"model '{model_name}' failed: {message.message}"
+    if message.too_large:
+        return errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, text)
     # Paddle's InvalidArgument/OutOfRange errors are about the request's values
     # (e.g. embedding ids out of range), which validation cannot see.
     bad_input = any(k in message.message for k in _BAD_INPUT_ERRORS)
-    return (errors.invalid if bad_input else errors.internal)(
-        f"model '{model_name}' failed: {message.message}"
-    )
+    return (errors.invalid if bad_input else errors.internal)(text)

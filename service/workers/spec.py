@@ -26,6 +26,8 @@ class WorkerSpec:
     shapes: ShapeBuckets = field(default_factory=ShapeBuckets)
     backend: str = ""  # "python" for a model.py; otherwise Paddle
     config: bytes = b""  # the serialized ModelConfig, for Python models
+    decoupled: bool = False  # answers through Responses (streams.py), not Results
+    max_message_bytes: int = 64 << 20  # the server's --max-message-bytes (message_bounds.py)
 
     @property
     def python(self) -> bool:

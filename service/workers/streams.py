@@ -98,14 +98,16 @@ class StreamRequest:
         self._forget = forget
         self._wake: asyncio.Future[None] | None = None
         self._died: str | None = None  # how the worker ended, if it did
+        self._retry = True  # whether a request with no response yet may run again
         self._closed = False
 
     def deliver(self, response: protocol.Response) -> None:
         self.line.push(response)
         self._wakeup()
 
-    def died(self, how: str) -> None:
+    def died(self, how: str, retry: bool = True) -> None:
         self._died = how
+        self._retry = retry
         self._wakeup()
 
     def _wakeup(self) -> None:
@@ -158,8 +160,10 @@ class StreamRequest:
         message = (
             f"the worker process for model '{self._model}' {self._died} while running this request"
         )
-        if self.line.received == 0:
+        if self.line.received == 0 and self._retry:
             return WorkerDied(f"{message}; it is being restarted", running=True)
+        if self.line.received == 0:
+            return errors.internal(f"{message}; the request is not run again")
         return errors.unavailable(
             f"{message}, after {self.line.taken} response(s) were delivered; the rest are lost"
         )
@@ -210,7 +214,9 @@ class Streams:
         if request is not None:
             request.deliver(response)
 
-    def died(self, how: str) -> None:
+    def died(self, how: str, retry: bool = True) -> None:
+        """The worker ended; `retry`: a request it had sent nothing for may run again (False
+        when the worker was killed for breaking the protocol)."""
         requests, self._requests = self._requests, {}
         for request in requests.values():
-            request.died(how)
+            request.died(how, retry)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import re
 import shutil
 import time
 import urllib.request
@@ -44,6 +45,9 @@ GOOD_MODEL = "mlp"
 BYTES_MODEL = "tokenizer"  # the example's Python model: one BYTES input of dims [1]
 GENERATION_MODEL = "generate"  # the decoupled example: one response per token
 SEQUENCE_MODEL = "kws"  # the stateful example: sequence batching with implicit state
+# A Python model that attacks the front-end through its worker (tests/fixtures/python_hostile).
+HOSTILE_MODEL = "hostile"
+HOSTILE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_hostile"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -109,6 +113,8 @@ class Scale:
     generation_kills: int  # generation worker kills, each with a generation per transport
     abandoned_sequences: int  # sequences started and abandoned, per transport
     region_misuse: int  # rounds of another user's calls on a region, per transport
+    worker_messages: int  # oversized messages the hostile model writes to its worker socket
+    output_flood: int  # empty lines, and as many lines of text, the hostile model prints
     attack_limit_s: float
 
 
@@ -141,6 +147,8 @@ SHORT = Scale(
     generation_kills=1,
     abandoned_sequences=150,
     region_misuse=25,
+    worker_messages=1,
+    output_flood=100_000,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -173,6 +181,8 @@ FULL = Scale(
     generation_kills=3,
     abandoned_sequences=3000,
     region_misuse=500,
+    worker_messages=3,
+    output_flood=1_000_000,
     attack_limit_s=240.0,
 )
 
@@ -195,6 +205,13 @@ class Target:
         if transport == "h2":
             return grpc.aio.insecure_channel(self.address, options=H2_OPTIONS)
         return QuicChannel(self.address, ca_file=str(self.ca_file), server_name="localhost")
+
+    def model_counter(self, name: str, model: str) -> float:
+        """A counter of /metrics labelled by model alone (0 before its first count)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        found = re.search(rf'^{name}_total\{{model="{model}"\}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
 
     def metrics_bytes(self) -> int:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
@@ -497,13 +514,15 @@ async def run_row(
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
     killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
-    `generate`, a decoupled one, and `kws`, a sequence-batched one."""
+    `generate`, a decoupled one, `kws`, a sequence-batched one, and `hostile`, a Python model
+    that attacks through its worker."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
     shutil.copytree(EXAMPLE_MODELS / BYTES_MODEL, repository / BYTES_MODEL)
     shutil.copytree(EXAMPLE_MODELS / GENERATION_MODEL, repository / GENERATION_MODEL)
     shutil.copytree(EXAMPLE_MODELS / SEQUENCE_MODEL, repository / SEQUENCE_MODEL)
+    shutil.copytree(HOSTILE_FIXTURE, repository / HOSTILE_MODEL)
     return repository
 
 

@@ -96,6 +96,12 @@ ATTACKS = (
     ),
     AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
     AttackSpec(
+        "oversized worker message",
+        workers.oversized_worker_message,
+        frozenset({"INTERNAL", "replaced"}),
+    ),
+    AttackSpec("model output flood", workers.model_output_flood, frozenset({"OK"})),
+    AttackSpec(
         "cancelled-stream storm (generation)",
         generations.cancelled_stream_storm,
         _both("cancelled after a token", "RESOURCE_EXHAUSTED"),

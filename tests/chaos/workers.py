@@ -1,5 +1,7 @@
 """Attacks on the worker processes behind the front-end: SIGKILL and SIGSTOP under load, an
-input that crashes the predictor, hot reload under load."""
+input that crashes the predictor, hot reload under load, and a hostile Python model that
+attacks the front-end from its worker (an oversized message on its socket, a flood of
+printed lines)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
 from tests.chaos.harness import (
     EXECUTION_TIMEOUT_MS,
     GOOD_MODEL,
+    HOSTILE_MODEL,
     POISON_VALUE,
     AttackResult,
     Scale,
@@ -30,6 +33,11 @@ RESTART_LIMIT_S = 60.0
 RELOAD_TIMEOUT_S = 120.0
 STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in seconds
 POLL_S = 0.05
+HOSTILE_CALL_S = 60.0
+# What a flood of printed lines may add to the server's log: the model's budget (100 lines and
+# 64 KiB per second by default, 10 s' worth at once) and the lines saying what was dropped,
+# far below the flood (over 100 bytes a line once logged).
+LOG_GROWTH_LIMIT = 1 << 20
 
 
 async def instances(target: Target, model: str = GOOD_MODEL) -> list[control_pb2.Instance]:
@@ -156,4 +164,71 @@ async def hot_reload(target: Target, scale: Scale) -> AttackResult:
             after = {i.pid for i in await instances(target)}
             if outcome == "OK" and not after - before:
                 result.problems.append("the reload started no new worker process")
+    return result
+
+
+def _hostile(action: str) -> pb.ModelInferRequest:
+    return build_request(HOSTILE_MODEL, {"action": np.array([action.encode()], np.object_)})
+
+
+async def oversized_worker_message(target: Target, scale: Scale) -> AttackResult:
+    """The hostile model writes a header declaring 1 GiB to its own worker socket, then zeros:
+    the front-end reads the header alone (its RSS stays within the goal), fails the call with
+    INTERNAL, kills the worker and counts it, and never runs the call again (one breach per
+    call: a retry would meet a second)."""
+    result = AttackResult()
+    before = await asyncio.to_thread(
+        target.model_counter, "paddlequic_worker_protocol_breaches", HOSTILE_MODEL
+    )
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(scale.worker_messages):
+            victim = await _victim(target, HOSTILE_MODEL)
+            call = stub.ModelInfer(_hostile("oversized"), timeout=HOSTILE_CALL_S)
+            result.outcomes[await outcome_of(call, HOSTILE_CALL_S)] += 1
+            if await _replaced(target, victim, RESTART_LIMIT_S, HOSTILE_MODEL):
+                result.outcomes["replaced"] += 1
+            else:
+                result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
+    breaches = await asyncio.to_thread(
+        target.model_counter, "paddlequic_worker_protocol_breaches", HOSTILE_MODEL
+    )
+    result.notes["breaches"] = breaches - before
+    if breaches - before != scale.worker_messages:
+        result.problems.append(
+            f"{breaches - before:g} protocol breaches counted for {scale.worker_messages} calls"
+        )
+    return result
+
+
+async def model_output_flood(target: Target, scale: Scale) -> AttackResult:
+    """The hostile model prints `scale.output_flood` empty lines and as many lines of text in
+    one call: the call answers, every line is logged or counted as dropped, and the server's
+    log grows by at most LOG_GROWTH_LIMIT."""
+    result = AttackResult()
+    name = "paddlequic_model_output_dropped_lines"
+    before = await asyncio.to_thread(target.model_counter, name, HOSTILE_MODEL)
+    log_before = target.log_path.stat().st_size
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        call = stub.ModelInfer(_hostile(f"flood:{scale.output_flood}"), timeout=HOSTILE_CALL_S)
+        result.outcomes[await outcome_of(call, HOSTILE_CALL_S)] += 1
+    printed = 2 * scale.output_flood
+    deadline = time.monotonic() + HOSTILE_CALL_S
+    dropped = 0.0
+    # The reader thread may still be on its way through the pipe: until (nearly) every line
+    # is counted, bounded.
+    while time.monotonic() < deadline:
+        dropped = await asyncio.to_thread(target.model_counter, name, HOSTILE_MODEL) - before
+        growth = target.log_path.stat().st_size - log_before
+        if dropped >= printed - growth // 16:  # a line logged takes more than 16 bytes
+            break
+        await asyncio.sleep(POLL_S)
+    growth = target.log_path.stat().st_size - log_before
+    result.notes["dropped lines"] = dropped
+    result.notes["log growth kB"] = round(growth / 1024, 1)
+    if growth > LOG_GROWTH_LIMIT:
+        result.problems.append(f"the log grew by {growth} bytes for {printed} lines printed")
+    if dropped < printed - growth // 16:
+        result.problems.append(f"{dropped:g} of {printed} lines counted as dropped")
     return result

@@ -25,6 +25,7 @@ from service.backend.python_runtime import triton_python_backend_utils as pb_uti
 from service.backend.sandbox import landlock, seccomp
 from service.model.files import PYTHON_BACKEND, ModelFiles
 from service.workers import launch, protocol
+from service.workers.model_output import ModelOutput, OutputBudget, OutputReader
 from service.workers.spec import WorkerSpec
 from service.workers.tensor_io import input_array, wire_form
 
@@ -101,10 +102,9 @@ class Worker:
     async def _start(self) -> protocol.Loaded:
         spawned = await launch.spawn(self.spec)
         self.process = spawned.process
-        streams = (spawned.process.stdout, spawned.process.stderr)
-        self._output = [
-            asyncio.ensure_future(launch.forward_output(s, "decoupled")) for s in streams if s
-        ]
+        assert spawned.output is not None
+        output = ModelOutput("decoupled", OutputBudget())
+        self._output = OutputReader(spawned.output, output).done
         self._reader, self._writer = await asyncio.open_unix_connection(sock=spawned.messages)
         return await launch.load(self.spec, self._reader, self._writer, spawned.process)
 
@@ -134,7 +134,7 @@ class Worker:
         return message
 
     def _read(self) -> protocol.Message | None:
-        return self._call(launch.read_message(self._reader))
+        return self._call(launch.read_message(self._reader, lambda: protocol.MAX_MESSAGE))
 
     def submit(
         self,
@@ -186,7 +186,7 @@ class Worker:
         while (message := self._read()) is not None:
             left.append(message)
         assert self._call(self.process.wait()) == 0
-        self._call(asyncio.wait(self._output))
+        self._call(asyncio.wait([self._output]))
         self._loop.call_soon_threadsafe(self._loop.stop)
         return left
 

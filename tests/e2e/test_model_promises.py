@@ -33,6 +33,9 @@ from tests.servers import ServerProcess, free_port, model_repository, running_se
 TIMEOUT_S = 60.0
 LONG_LINE = 10_000  # characters gate's initialize() prints on one line
 FINAL_LINES = 20_000  # lines its finalize() prints as it stops: more than a pipe holds
+# A budget (10 s' worth at once) that takes every line finalize() prints, so that its last
+# line shows the output was read to its end (test_hostile_workers.py floods past a budget).
+OUTPUT_BUDGET = ["--model-output-lines", str(FINAL_LINES // 5)]
 MAX_LOG_LINE = 4096  # what the docs promise the server logs of it
 WAIT_S = 60.0  # generous, for an event on a loaded machine (models loaded and checked, a line)
 GATES = {"h2": "gate", "h3": "gate_h3"}  # a model to hold requests on, per transport
@@ -184,6 +187,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         *("--metrics-port", str(metrics_port), "--model-control-mode", "explicit"),
         *("--certs-dir", str(root / "certs")),
         *("--load-model", "*", "--log-sample-ratio", "0", "--slow-request-ms", "0"),
+        *OUTPUT_BUDGET,
     ]
     with running_server(repository, root / "server.log", args, wait=False) as server:
         server.wait_loaded()
@@ -355,7 +359,7 @@ def test_no_metrics_opens_no_metrics_port_serves_and_finalizes_at_stop(tmp_path:
     (repository / "gate" / "config.pbtxt").write_text(GATE)
     (repository / "gate" / "1" / "model.py").write_text(GATED_MODEL)
     metrics_port = free_port()
-    args = ["--no-metrics", "--metrics-port", str(metrics_port), "--no-h3"]
+    args = ["--no-metrics", "--metrics-port", str(metrics_port), "--no-h3", *OUTPUT_BUDGET]
     with running_server(repository, tmp_path / "server.log", args) as server:
         response = server.stub.ModelInfer(gate_request(2.0, "unmetered"), timeout=TIMEOUT_S)
         assert parse_response(response)["y"].tolist() == [[4.0]]

@@ -157,8 +157,8 @@ def test_only_an_explicit_off_lifts_the_sandbox(sandboxed: Sandboxed) -> None:
 
 def test_a_message_from_a_model_runs_no_code_in_the_front_end(sandboxed: Sandboxed) -> None:
     """The worker's socket is model.py's too: what it writes there is read with an allowlist
-    of classes, and a worker that breaks the protocol is killed (its batch retried, then
-    refused as poison); the server serves on."""
+    of classes, and a worker that breaks the protocol is killed (its batch failed, not
+    retried); the server serves on."""
     target = sandboxed.root / "made-by-the-front-end"
     with pytest.raises(grpc.RpcError) as refused:
         attack(sandboxed, "pickler", {"pickle": str(target)})
