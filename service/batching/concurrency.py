@@ -1,6 +1,13 @@
 """How many requests of one version run at once, for requests that hold their place for long (a
 decoupled model's generations, which never share a batch): at most `limit` run, at most
-`queued` more wait in arrival order, and beyond that a request is refused at once.
+`queued` more wait, and beyond that a request is refused at once.
+
+Places are shared fairly between clients (a client: whoever a caller key names, the peer's
+address or its certificate's identity, service/api/callers.py): a place that frees while
+others wait goes to the waiting client that holds the fewest places, its oldest request first
+(arrival order between clients that hold as many). So while others wait, a client that holds
+more than its share gains no place, and its share falls to an even one as its requests end.
+A newcomer runs at once only if a place is free and nobody waits.
 
 `WaitLine` decides (pure, like queue.py's BatchQueue); `ConcurrencyLimit` is its asyncio
 driver, whose waiters leave the line the moment their caller goes away or their deadline
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Hashable
 from typing import Generic, TypeVar
 
@@ -19,6 +27,7 @@ from service.inference import errors
 from service.inference.timers import fail_at
 
 T = TypeVar("T", bound=Hashable)
+Client = Hashable  # who a request belongs to, for the fair share of places
 
 
 class LineFull(Exception):
@@ -30,33 +39,52 @@ class WaitLine(Generic[T]):
         self.limit = limit
         self.queued_limit = queued
         self.running = 0
-        self._waiting: dict[T, None] = {}  # insertion order: arrival order
+        self.held: Counter[Client] = Counter()  # places each client holds
+        self._waiting: dict[T, Client] = {}  # insertion order: arrival order
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def arrive(self, ticket: T) -> bool:
+    def arrive(self, ticket: T, client: Client) -> bool:
         """True: it runs now; False: it waits for finish() to name it. LineFull: refused."""
         if self.running < self.limit and not self._waiting:
-            self.running += 1
+            self._start(client)
             return True
         if len(self._waiting) >= self.queued_limit:
             raise LineFull
-        self._waiting[ticket] = None
+        self._waiting[ticket] = client
         return False
 
     def leave(self, ticket: T) -> None:
         """A waiter gave up (cancelled, deadline): it no longer holds a place in the line."""
         self._waiting.pop(ticket, None)
 
-    def finish(self) -> T | None:
-        """A running request ended: the waiter that runs in its place, if any."""
-        for ticket in self._waiting:
-            del self._waiting[ticket]
-            return ticket
+    def finish(self, client: Client) -> tuple[T, Client] | None:
+        """A running request of `client` ended: the waiter that runs in its place and its
+        client, if any (the oldest of the waiting client that holds the fewest places)."""
+        self._end(client)
+        if not self._waiting:
+            return None
+        fewest = min(self.held[waiter] for waiter in self._waiting.values())
+        ticket, chosen = next(
+            (ticket, waiter)
+            for ticket, waiter in self._waiting.items()
+            if self.held[waiter] == fewest
+        )
+        del self._waiting[ticket]
+        self._start(chosen)
+        return ticket, chosen
+
+    def _start(self, client: Client) -> None:
+        self.running += 1
+        self.held[client] += 1
+
+    def _end(self, client: Client) -> None:
         self.running -= 1
-        return None
+        self.held[client] -= 1
+        if not self.held[client]:
+            del self.held[client]
 
 
 class ConcurrencyLimit:
@@ -73,11 +101,11 @@ class ConcurrencyLimit:
         return self._line.running
 
     @contextlib.asynccontextmanager
-    async def held(self, deadline: float | None) -> AsyncIterator[None]:
-        """A place among the running requests for the duration of the block."""
+    async def held(self, deadline: float | None, client: Client) -> AsyncIterator[None]:
+        """A place among the running requests, for `client`, for the duration of the block."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
-            runs = self._line.arrive(future)
+            runs = self._line.arrive(future, client)
         except LineFull:
             line = self._line
             raise errors.ServiceError(
@@ -99,7 +127,7 @@ class ConcurrencyLimit:
                 await future
             except BaseException:
                 if future.done() and not future.cancelled() and future.exception() is None:
-                    self._finish()  # given the place just as its caller left: pass it on
+                    self._finish(client)  # given the place just as its caller left: pass it on
                 else:
                     self._line.leave(future)
                 raise
@@ -109,12 +137,13 @@ class ConcurrencyLimit:
         try:
             yield
         finally:
-            self._finish()
+            self._finish(client)
 
-    def _finish(self) -> None:
-        """The place goes to the first waiter still waiting (one whose deadline just failed
-        it has not left yet), or back to the line."""
-        while (following := self._line.finish()) is not None:
-            if not following.done():
-                following.set_result(None)
+    def _finish(self, client: Client) -> None:
+        """The place goes to the waiter the line names that is still waiting (one whose
+        deadline just failed it has not left yet), or back to the line."""
+        while (following := self._line.finish(client)) is not None:
+            future, client = following
+            if not future.done():
+                future.set_result(None)
                 return

@@ -6,6 +6,7 @@ bound fire after everything that could run first, however slow the machine)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from service.workers.streams import CreditExceeded, ResponseLine, StreamRequest,
 from tests.virtual_time import VirtualTimePolicy
 
 WINDOW = protocol.RESPONSE_WINDOW
+CLIENT = "address 127.0.0.1"
 
 
 @pytest.fixture(scope="module")
@@ -33,45 +35,82 @@ def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
     return VirtualTimePolicy()
 
 
-# ---- the wait line: a model of it, and every sequence of arrivals, departures and ends ----
+# ---- the wait line: a model of it, and every sequence of arrivals, departures and ends of
+# requests of a few clients ----
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["arrive", "leave", "finish"]), st.integers(0, 30)), max_size=60
+    st.tuples(
+        st.sampled_from(["arrive", "leave", "finish"]), st.integers(0, 30), st.integers(0, 3)
+    ),
+    max_size=60,
 )
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(limit=st.integers(1, 4), queued=st.integers(0, 4), ops=operations)
-def test_wait_line_runs_at_most_limit_and_starts_waiters_in_arrival_order(
-    limit: int, queued: int, ops: list[tuple[str, int]]
+def test_wait_line_runs_at_most_limit_and_hands_places_to_the_client_holding_fewest(
+    limit: int, queued: int, ops: list[tuple[str, int, int]]
 ) -> None:
     line: WaitLine[int] = WaitLine(limit, queued)
-    running, tickets = 0, iter(range(10_000))
-    waiting: list[int] = []
-    for op, pick in ops:
+    held: Counter[int] = Counter()  # places each client holds
+    tickets = iter(range(10_000))
+    waiting: list[tuple[int, int]] = []  # (ticket, client), arrival order
+    for op, pick, client in ops:
+        running = sum(held.values())
         if op == "arrive":
             ticket = next(tickets)
-            full = running == limit and len(waiting) == queued
-            if full:
+            if running == limit and len(waiting) == queued:
                 with pytest.raises(LineFull):
-                    line.arrive(ticket)
+                    line.arrive(ticket, client)
                 continue
-            if line.arrive(ticket):
-                assert running < limit and not waiting
-                running += 1
+            if line.arrive(ticket, client):
+                assert running < limit and not waiting  # nobody is overtaken
+                held[client] += 1
             else:
-                waiting.append(ticket)
+                waiting.append((ticket, client))
         elif op == "leave" and waiting:
-            line.leave(waiting.pop(pick % len(waiting)))
+            line.leave(waiting.pop(pick % len(waiting))[0])
         elif op == "finish" and running:
-            started = line.finish()
-            if waiting:
-                assert started == waiting.pop(0)  # the place passes to the oldest waiter
-            else:
+            ending = sorted(held)[pick % len(held)]
+            held[ending] -= 1
+            held += Counter()  # drop clients that hold none
+            started = line.finish(ending)
+            if not waiting:
                 assert started is None
-                running -= 1
-        assert line.running == running <= limit
+            else:
+                assert started is not None
+                ticket, chosen = started
+                assert isinstance(chosen, int)
+                index = waiting.index((ticket, chosen))
+                # Fair: no waiting client holds fewer places than the chosen one, and of
+                # those that hold as many, none arrived earlier.
+                assert all(held[c] > held[chosen] for _, c in waiting[:index])
+                assert all(held[c] >= held[chosen] for _, c in waiting)
+                waiting.pop(index)
+                held[chosen] += 1
+        assert line.running == sum(held.values()) <= limit
+        assert line.held == held
         assert line.waiting == len(waiting) <= queued
+
+
+def test_a_client_over_its_share_gains_no_place_while_another_waits() -> None:
+    """One client took every place before anyone else came (many connections from one
+    address are one client): as its requests end, the places go to the other client until
+    both hold as many."""
+    line: WaitLine[str] = WaitLine(4, 16)
+    for index in range(4):
+        assert line.arrive(f"a{index}", "address 10.0.0.1")
+    for index in range(4, 8):
+        assert not line.arrive(f"a{index}", "address 10.0.0.1")
+    for index in range(3):
+        assert not line.arrive(f"b{index}", "certificate bob")
+    started = [line.finish("address 10.0.0.1") for _ in range(3)]
+    assert [ticket for ticket, _ in filter(None, started)] == ["b0", "b1", "a4"]
+    assert line.held == {"address 10.0.0.1": 2, "certificate bob": 2}
+    # Even: whoever's request ends, the client holding fewer gets the place.
+    assert line.finish("certificate bob") == ("b2", "certificate bob")
+    assert line.finish("address 10.0.0.1") == ("a5", "address 10.0.0.1")
+    assert line.held == {"address 10.0.0.1": 2, "certificate bob": 2}
 
 
 async def test_a_cancelled_waiter_leaves_the_line_at_once() -> None:
@@ -79,7 +118,7 @@ async def test_a_cancelled_waiter_leaves_the_line_at_once() -> None:
     holder_in, release = asyncio.Event(), asyncio.Event()
 
     async def hold() -> None:
-        async with limit.held(None):
+        async with limit.held(None, CLIENT):
             holder_in.set()
             await release.wait()
 
@@ -102,13 +141,13 @@ async def test_the_line_refuses_beyond_its_queue_naming_the_parameters() -> None
     release = asyncio.Event()
 
     async def hold() -> None:
-        async with limit.held(None):
+        async with limit.held(None, CLIENT):
             await release.wait()
 
     tasks = [asyncio.create_task(hold()) for _ in range(2)]
     await asyncio.sleep(0)
     with pytest.raises(errors.ServiceError) as refused:
-        async with limit.held(None):
+        async with limit.held(None, CLIENT):
             pass
     assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_concurrent_requests" in refused.value.message
@@ -123,7 +162,7 @@ async def test_a_waiters_deadline_passes_and_its_place_goes_to_the_next() -> Non
     release, order = asyncio.Event(), []
 
     async def hold(name: str, deadline: float | None) -> None:
-        async with limit.held(deadline):
+        async with limit.held(deadline, CLIENT):
             order.append(name)
             await release.wait()
 
