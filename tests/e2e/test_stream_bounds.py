@@ -21,8 +21,14 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
 from tests.conformance.conftest import EOF, H2_OPTIONS, new_channel
-from tests.e2e.test_generate import MODEL, generate
-from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository, running_server
+from tests.e2e.test_generate import MODEL, generate, generated_tokens
+from tests.servers import (
+    EXAMPLE_MODELS,
+    ServerProcess,
+    held_still,
+    model_repository,
+    running_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -34,6 +40,11 @@ HOGGED = 32  # the example's generation_max_batch: every batch slot
 HOG_ID_BYTES = 8 << 10
 LONG = 200  # tokens: near the model's context with the prompt
 FAIR_PLACES = 4  # max_concurrent_requests of the fairness test's model
+LARGE_ID_BYTES = 2 << 20
+# The outbox's 4 MiB and one response, the one the transport sends, and what grpcio and
+# aioquic copy on the way; a window of 65 such responses would be 260 MiB.
+LARGE_ID_RSS_LIMIT = 48 << 20
+QUIET_LOOKS = 25
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +134,37 @@ async def test_a_never_reading_stream_holds_generations_only_until_the_stall_bou
     # Each cancelled generation counts as a failure of the model.
     failed = await asyncio.to_thread(_failures, server) - failures_before
     assert cancelled - 1 <= failed <= cancelled
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_large_id_in_every_token_response_does_not_multiply_in_memory(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    """Every token response repeats the request's id: for a caller that does not read, the
+    stream holds --stream-buffer-bytes of them (4 MiB) plus one, not a window of 65."""
+    pid = server.process.pid
+    peak, before = 0, _rss(pid)
+    tokens_before = await held_still(lambda: generated_tokens(server), QUIET_LOOKS, CALL_TIMEOUT_S)
+
+    def tokens() -> float:
+        nonlocal peak
+        peak = max(peak, _rss(pid))
+        return generated_tokens(server)
+
+    async with new_channel(transport, server, certs_dir / "ca.pem") as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(generate("Once upon a time", LONG, "x" * LARGE_ID_BYTES))
+        # Until the generation stopped (held, or cancelled at the stall bound), RSS sampled.
+        held = await held_still(tokens, QUIET_LOOKS, CALL_TIMEOUT_S)
+        call.cancel()
+    assert held > tokens_before
+    assert peak - before < LARGE_ID_RSS_LIMIT, f"front-end grew {(peak - before) >> 20} MiB"
 
 
 @pytest.fixture(scope="module")
