@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service import settings as server_settings
-from service.api.callers import peer_host
+from service.api.callers import client_of, peer_host
 from service.api.stream_outbox import Outbox, StallWatch
 from tests.virtual_time import VirtualTimePolicy
 
@@ -115,6 +115,36 @@ async def test_a_send_that_waits_stall_s_is_a_stall_and_sends_that_move_are_not(
 )
 def test_every_connection_from_one_address_is_one_client(peer: str, host: str) -> None:
     assert peer_host(peer) == host
+
+
+class _Context:
+    """What client_of reads of a servicer context."""
+
+    def __init__(self, peer: str, identities: list[bytes] | None) -> None:
+        self._peer, self._identities = peer, identities
+
+    def peer(self) -> str:
+        return self._peer
+
+    def peer_identities(self) -> list[bytes] | None:
+        return self._identities
+
+
+def test_one_certificate_is_one_client_from_any_address() -> None:
+    alice = [b"alice.example", b"alice"]
+    clients = {
+        client_of(_Context(peer, identities))  # type: ignore[arg-type]
+        for peer, identities in [
+            ("ipv4:10.1.2.3:5555", alice),
+            ("ipv6:[2001:db8::7]:443", alice),
+            ("ipv4:10.9.9.9:1", alice),
+        ]
+    }
+    assert clients == {"certificate alice.example, alice"}
+    bob = client_of(_Context("ipv4:10.1.2.3:5555", [b"bob"]))  # type: ignore[arg-type]
+    anonymous = client_of(_Context("ipv4:10.1.2.3:6666", None))  # type: ignore[arg-type]
+    assert len({*clients, bob, anonymous}) == 3
+    assert anonymous == "address 10.1.2.3"
 
 
 def test_stream_bounds_options(
