@@ -7,7 +7,10 @@ address or its certificate's identity, service/api/callers.py): a place that fre
 others wait goes to the waiting client that holds the fewest places, its oldest request first
 (arrival order between clients that hold as many). So while others wait, a client that holds
 more than its share gains no place, and its share falls to an even one as its requests end.
-A newcomer runs at once only if a place is free and nobody waits.
+A newcomer runs at once only if a place is free and nobody waits. The waiting line is shared
+the same way: when it is full, a newcomer whose client would still have fewer requests
+waiting than the client with the most takes the place of that client's newest waiter (which
+is refused), so no client can fill the line to keep the others out.
 
 `WaitLine` decides (pure, like queue.py's BatchQueue); `ConcurrencyLimit` is its asyncio
 driver, whose waiters leave the line the moment their caller goes away or their deadline
@@ -46,15 +49,22 @@ class WaitLine(Generic[T]):
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def arrive(self, ticket: T, client: Client) -> bool:
-        """True: it runs now; False: it waits for finish() to name it. LineFull: refused."""
+    def arrive(self, ticket: T, client: Client) -> tuple[bool, T | None]:
+        """Whether it runs now (else it waits for finish() to name it), and the waiter it
+        displaced from a full line, if any. LineFull: refused."""
         if self.running < self.limit and not self._waiting:
             self._start(client)
-            return True
+            return True, None
+        displaced = None
         if len(self._waiting) >= self.queued_limit:
-            raise LineFull
+            waiting = Counter(self._waiting.values())
+            most, count = max(waiting.items(), key=lambda item: item[1], default=(None, 0))
+            if waiting[client] + 1 >= count:
+                raise LineFull
+            displaced = next(t for t in reversed(self._waiting) if self._waiting[t] == most)
+            del self._waiting[displaced]
         self._waiting[ticket] = client
-        return False
+        return False, displaced
 
     def leave(self, ticket: T) -> None:
         """A waiter gave up (cancelled, deadline): it no longer holds a place in the line."""
@@ -105,7 +115,7 @@ class ConcurrencyLimit:
         """A place among the running requests, for `client`, for the duration of the block."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         try:
-            runs = self._line.arrive(future, client)
+            runs, displaced = self._line.arrive(future, client)
         except LineFull:
             line = self._line
             raise errors.ServiceError(
@@ -114,6 +124,15 @@ class ConcurrencyLimit:
                 f"max_concurrent_requests) and holds at most {line.queued_limit} waiting "
                 "(parameter max_queued_requests); retry later",
             ) from None
+        if displaced is not None and not displaced.done():
+            displaced.set_exception(
+                errors.ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._name} holds at most {self._line.queued_limit} requests waiting "
+                    "(parameter max_queued_requests), shared between clients: this one gave "
+                    "its place to a client with fewer waiting; retry later",
+                )
+            )
         if not runs:
             timer = fail_at(
                 future,

@@ -59,15 +59,28 @@ def test_wait_line_runs_at_most_limit_and_hands_places_to_the_client_holding_few
         running = sum(held.values())
         if op == "arrive":
             ticket = next(tickets)
-            if running == limit and len(waiting) == queued:
-                with pytest.raises(LineFull):
+            full = running == limit and len(waiting) == queued
+            counts = Counter(c for _, c in waiting)
+            most = max(counts.values(), default=0)
+            if full and counts[client] + 1 >= most:
+                with pytest.raises(LineFull):  # its client has its share of the line
                     line.arrive(ticket, client)
                 continue
-            if line.arrive(ticket, client):
+            runs, displaced = line.arrive(ticket, client)
+            if runs:
                 assert running < limit and not waiting  # nobody is overtaken
                 held[client] += 1
+                continue
+            if full:
+                # The newest waiter of a client with the most waiting gives its place up.
+                assert displaced is not None
+                victim = next(c for t, c in waiting if t == displaced)
+                assert counts[victim] == most and victim != client
+                assert displaced == max(t for t, c in waiting if c == victim)
+                waiting.remove((displaced, victim))
             else:
-                waiting.append((ticket, client))
+                assert displaced is None
+            waiting.append((ticket, client))
         elif op == "leave" and waiting:
             line.leave(waiting.pop(pick % len(waiting))[0])
         elif op == "finish" and running:
@@ -99,11 +112,11 @@ def test_a_client_over_its_share_gains_no_place_while_another_waits() -> None:
     both hold as many."""
     line: WaitLine[str] = WaitLine(4, 16)
     for index in range(4):
-        assert line.arrive(f"a{index}", "address 10.0.0.1")
+        assert line.arrive(f"a{index}", "address 10.0.0.1") == (True, None)
     for index in range(4, 8):
-        assert not line.arrive(f"a{index}", "address 10.0.0.1")
+        assert line.arrive(f"a{index}", "address 10.0.0.1") == (False, None)
     for index in range(3):
-        assert not line.arrive(f"b{index}", "certificate bob")
+        assert line.arrive(f"b{index}", "certificate bob") == (False, None)
     started = [line.finish("address 10.0.0.1") for _ in range(3)]
     assert [ticket for ticket, _ in filter(None, started)] == ["b0", "b1", "a4"]
     assert line.held == {"address 10.0.0.1": 2, "certificate bob": 2}
@@ -111,6 +124,21 @@ def test_a_client_over_its_share_gains_no_place_while_another_waits() -> None:
     assert line.finish("certificate bob") == ("b2", "certificate bob")
     assert line.finish("address 10.0.0.1") == ("a5", "address 10.0.0.1")
     assert line.held == {"address 10.0.0.1": 2, "certificate bob": 2}
+
+
+async def test_a_client_that_filled_the_waiting_line_gives_up_its_newest_places_in_it() -> None:
+    line: WaitLine[str] = WaitLine(1, 4)
+    assert line.arrive("a0", "address 10.0.0.1") == (True, None)
+    for index in range(1, 5):
+        assert line.arrive(f"a{index}", "address 10.0.0.1") == (False, None)
+    with pytest.raises(LineFull):
+        line.arrive("a5", "address 10.0.0.1")
+    assert line.arrive("b0", "address 10.0.0.2") == (False, "a4")
+    assert line.arrive("b1", "address 10.0.0.2") == (False, "a3")
+    with pytest.raises(LineFull):  # two each: even
+        line.arrive("b2", "address 10.0.0.2")
+    # Both hold no place then: the older waiter runs.
+    assert line.finish("address 10.0.0.1") == ("a1", "address 10.0.0.1")
 
 
 async def test_a_cancelled_waiter_leaves_the_line_at_once() -> None:
@@ -154,6 +182,29 @@ async def test_the_line_refuses_beyond_its_queue_naming_the_parameters() -> None
     assert "max_queued_requests" in refused.value.message
     release.set()
     await asyncio.gather(*tasks)
+
+
+async def test_a_displaced_waiter_is_refused_naming_the_shared_line() -> None:
+    limit = ConcurrencyLimit(1, 2, "model 'm' version 1")
+    release = asyncio.Event()
+
+    async def hold(client: str) -> None:
+        async with limit.held(None, client):
+            await release.wait()
+
+    crowd = []
+    for _ in range(3):  # one runs, two wait: the line is full
+        crowd.append(asyncio.create_task(hold("address 10.0.0.1")))
+        await asyncio.sleep(0)
+    other = asyncio.create_task(hold("address 10.0.0.2"))
+    with pytest.raises(errors.ServiceError) as refused:
+        await crowd[2]  # the newest of the client with the most waiting
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queued_requests" in refused.value.message
+    assert "shared between clients" in refused.value.message
+    release.set()
+    await asyncio.gather(*crowd[:2], other)
+    assert (limit.queued, limit.in_flight_requests) == (0, 0)
 
 
 async def test_a_waiters_deadline_passes_and_its_place_goes_to_the_next() -> None:
