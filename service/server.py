@@ -17,6 +17,7 @@ from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
 from service.api.shared_memory import SharedMemory
+from service.api.stream_outbox import StreamBounds
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
 from service.frontends.listeners import (
@@ -127,6 +128,7 @@ async def serve(settings: ServerSettings) -> None:
                 listener=(settings.host, settings.grpc_port),
             ),
             settings.max_message_bytes,
+            StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
         ),
         ControlServicer(models),
         health.servicer,

@@ -21,6 +21,7 @@ MAX_FRONTENDS = 64
 MAX_AUTO_FRONTENDS = 8
 MAX_ALT_SVC_MAX_AGE = 7 * 86400  # what a client is told to remember, at most a week
 MAX_H3_TOKEN_LIFETIME = 7 * 86400.0
+MAX_STREAM_STALL_TIMEOUT = 3600.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class ServerSettings:
     require_client_cert: bool = False
     frontends: str = "1"
     shared_memory: str = "local"
+    stream_stall_timeout: float = 10.0
+    stream_buffer_bytes: int = 4 << 20
 
 
 _HELP = {
@@ -164,6 +167,11 @@ _HELP = {
     "frontends": "front-end processes accepting on the same TCP and UDP port (SO_REUSEPORT) "
     f"and feeding one set of model workers, 1 to {MAX_FRONTENDS}; auto: one per two usable "
     f"cores, at most {MAX_AUTO_FRONTENDS}",
+    "stream_stall_timeout": "seconds a ModelStreamInfer caller may take no response while one "
+    "waits to be sent; then every request of its stream is cancelled (places and batch slots "
+    "freed) and the stream ends RESOURCE_EXHAUSTED",
+    "stream_buffer_bytes": "bytes of built responses one ModelStreamInfer stream holds for a "
+    "caller that has not taken them (one larger response is held alone)",
     "shared_memory": "Triton's system shared-memory extension (tensors in POSIX shared memory "
     "on the server's host): local (served to loopback callers only), any, or off",
 }
@@ -245,6 +253,12 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error("--model-output-lines and --model-output-bytes must be at least 0")
     if not 0 <= settings.alt_svc_max_age <= MAX_ALT_SVC_MAX_AGE:
         parser.error(f"--alt-svc-max-age must be from 0 to {MAX_ALT_SVC_MAX_AGE}")
+    if not 0 < settings.stream_stall_timeout <= MAX_STREAM_STALL_TIMEOUT:
+        parser.error(
+            f"--stream-stall-timeout must be above 0, at most {MAX_STREAM_STALL_TIMEOUT:g} s"
+        )
+    if settings.stream_buffer_bytes < 1:
+        parser.error("--stream-buffer-bytes must be at least 1")
     if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:
         parser.error(f"--h3-token-lifetime must be from 0 to {MAX_H3_TOKEN_LIFETIME:g}")
     try:

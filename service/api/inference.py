@@ -8,7 +8,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from importlib import metadata
 
 import grpc
@@ -17,7 +17,9 @@ from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
+from service.api.callers import client_of
 from service.api.shared_memory import SharedMemory
+from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
 from service.inference import errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
@@ -45,6 +47,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         control_mode: str,
         shared_memory: SharedMemory,
         max_message_bytes: int,
+        stream_bounds: StreamBounds,
     ) -> None:
         self.models = models
         self.runner = runner
@@ -52,6 +55,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.control_mode = control_mode
         self.shared_memory = shared_memory
         self.max_message_bytes = max_message_bytes
+        self.stream_bounds = stream_bounds
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -212,20 +216,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         A request holds its slot in the window until its final response was taken by the
         transport (the generator resumes only then), so a client that stops reading stops
-        being read: the request iterator waits for a slot, and the response queue never
-        holds more than the window. A decoupled request takes its next response from its
-        model only once the queue has room for it, so its model is held too."""
+        being read: the request iterator waits for a slot, and the outbox never holds more
+        than the window nor, but for one response, more than --stream-buffer-bytes. A
+        decoupled request takes its next response from its model only once the outbox has
+        room for it, so its model is held too, but not for long: a caller that takes no
+        response for --stream-stall-timeout has every request of the stream cancelled
+        (their places and batch slots free), and the stream ends RESOURCE_EXHAUSTED once
+        the transport takes what it was sending."""
         # (response or None: nothing to send, whether it was the request's last)
-        responses: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None] = (
-            asyncio.Queue(STREAM_WINDOW + 1)
+        outbox: Outbox[tuple[pb.ModelStreamInferResponse | None, bool] | None] = Outbox(
+            STREAM_WINDOW + 1, self.stream_bounds.buffer_bytes, response_bytes
         )
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
         deadline = call_deadline(context)
+        client = client_of(context)
 
         # The last request of each sequence on this stream: the next one of it waits for it,
         # so a sequence's requests reach its batcher in the order the stream sent them.
         chains: dict[tuple[str, int | str], asyncio.Task[None]] = {}
+
+        async def put(item: tuple[pb.ModelStreamInferResponse | None, bool]) -> None:
+            await outbox.room()
+            outbox.put(item)
 
         async def run_one(
             request: pb.ModelInferRequest, previous: asyncio.Task[None] | None
@@ -235,7 +248,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 served = self.models.resolve(request.model_name, request.model_version)
                 if served.decoupled:
-                    await self._generate(served, request, deadline, responses.put)
+                    await self._generate(served, request, deadline, client, outbox)
                     return
                 response = pb.ModelStreamInferResponse(
                     infer_response=await self._infer(request, deadline, context)
@@ -244,7 +257,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
                 if _served_decoupled(self.models, request):
                     stream_responses.mark_final(response, True)
-            await responses.put((response, True))
+            await put((response, True))
 
         async def read_requests() -> None:
             try:
@@ -265,18 +278,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if tasks:
                     await asyncio.gather(*list(tasks))
             finally:
-                await responses.put(None)
+                outbox.put(None)
+
+        cancelled: list[int] = []  # how many requests the stall cancelled
+
+        def stall() -> None:
+            """The caller took nothing for stall_s: its requests end now, not when it leaves."""
+            cancelled.append(len(tasks))
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            outbox.clear()
 
         reader = asyncio.create_task(read_requests())
+        watch = StallWatch(self.stream_bounds.stall_s, stall)
         try:
-            while (item := await responses.get()) is not None:
+            while (item := await outbox.get()) is not None:
                 response, last = item
                 if response is not None:
+                    watch.sending()
                     yield response
+                    watch.sent()
+                if watch.stalled:
+                    break
                 if last:
                     window.release()
+            if watch.stalled:
+                await errors.abort(context, stalled(self.stream_bounds.stall_s, cancelled[0]))
             await reader
         finally:
+            watch.close()
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
@@ -286,22 +317,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         served: ServedVersion,
         request: pb.ModelInferRequest,
         deadline: float | None,
-        put: Callable[[tuple[pb.ModelStreamInferResponse | None, bool]], Awaitable[None]],
+        client: str,
+        outbox: Outbox[tuple[pb.ModelStreamInferResponse | None, bool] | None],
     ) -> None:
         """A decoupled model's responses to one request, put as they come; the last one put
         is final. A ServiceError before or between them ends the request (the caller turns
-        it into the request's final error_message)."""
+        it into the request's final error_message). Each response is built only once the
+        outbox has room for it: a response repeats the request's id, and one built per token
+        while the caller does not read would hold that id once per token."""
         empty_final = stream_responses.empty_final_wanted(request)
         job = await _decode(served, request)
         stream = self.runner.stream(
-            served, job, request.id, stream_responses.parameters(request), deadline
+            served, job, request.id, stream_responses.parameters(request), deadline, client
         )
         async with contextlib.aclosing(stream) as answers:
             async for answer in answers:
+                await outbox.room()
                 response = stream_responses.decoupled(
                     served.name, str(served.version), request, answer, empty_final
                 )
-                await put((response, answer.final))
+                outbox.put((response, answer.final))
 
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: float | None, context: ServicerContext
@@ -365,6 +400,14 @@ def _unchain(
 ) -> None:
     if chains.get(key) is task:
         del chains[key]
+
+
+def stalled(stall_s: float, cancelled: int) -> errors.ServiceError:
+    return errors.ServiceError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the caller took no response of this stream for {stall_s:g} s "
+        f"(--stream-stall-timeout); its {cancelled} request(s) in flight were cancelled",
+    )
 
 
 def call_deadline(context: ServicerContext) -> float | None:

@@ -126,9 +126,12 @@ class RequestRunner:
         caller_id: str,
         parameters: str,
         deadline: float | None,
+        client: str,
     ) -> AsyncGenerator[StreamAnswer, None]:
         """A decoupled model's responses to the request (service/serving/streaming.py)."""
-        return streaming.responses(served, job, caller_id, parameters, deadline, self.observer)
+        return streaming.responses(
+            served, job, caller_id, parameters, deadline, client, self.observer
+        )
 
     async def _recorded(
         self,

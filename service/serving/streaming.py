@@ -39,10 +39,12 @@ async def responses(
     caller_id: str,
     parameters: str,
     deadline: float | None,
+    client: str,
     observer: StreamObserver,
 ) -> AsyncGenerator[StreamAnswer, None]:
     """The request's responses, the last one final; ServiceError ends it otherwise. The
-    caller closes the iterator (contextlib.aclosing) when it stops early."""
+    caller closes the iterator (contextlib.aclosing) when it stops early. `client`: whom the
+    request counts against for the fair share of the version's places."""
     breaker = served.breaker
     admission, failure = admit(served)
     if admission is None:
@@ -55,7 +57,7 @@ async def responses(
     refused: str | None = None  # the status of the model's error response, if it sent one
     try:
         with observer.generation_span(served.name, caller_id) as span:
-            async with served.generations.held(deadline):
+            async with served.generations.held(deadline, client):
                 queue_ns = time.perf_counter_ns() - started
                 observer.on_generation(served.name, 1)
                 try:

@@ -1,7 +1,9 @@
 """Attacks on streaming generation (the `generate` example, a decoupled model): a storm of
 streams cancelled after their first token, clients that start generations and never read
-them, and the generation worker killed mid-generation. Each checks, from the server's own
-metrics, that the model's work stopped with the stream."""
+them (while another caller must keep being served), a large request id repeated in every
+token response of a stream nobody reads, and the generation worker killed mid-generation.
+Each checks, from the server's own metrics, that the model's work stopped with the
+stream."""
 
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ CALL_TIMEOUT_S = 60.0
 SETTLE_LIMIT_S = 60.0
 POLL_S = 0.05
 HOLD_CHECK_S = 1.0  # the token counter unchanged this long: every generation finished or held
+# A never-reading client's request ids: each token response repeats its id, so a few hundred
+# tokens fill the transports' flow-control windows and its generations are held.
+HOG_ID_BYTES = 8 << 10
+GOOD_MAX_TOKENS = 8
+GOOD_GENERATIONS = 2  # per transport, while never-read generations are held
+# A large id that is allowed (the message stays far below the chaos server's limit); 65
+# token responses of it held for one stream would be 65 MiB.
+LARGE_ID_BYTES = 1 << 20
 
 
 def _request(max_tokens: int, request_id: str = "") -> Any:
@@ -126,17 +136,35 @@ async def _quiet(target: Target, limit_s: float) -> tuple[bool, float]:
 async def _write_generations(call: Any, count: int, prefix: str) -> None:
     with contextlib.suppress(Exception):  # the stream is cancelled while writes wait
         for index in range(count):
-            await call.write(_request(LONG_MAX_TOKENS, f"{prefix}-{index}"))
+            await call.write(_request(LONG_MAX_TOKENS, f"{prefix}-{index}".ljust(HOG_ID_BYTES)))
+
+
+async def _good_generations(target: Target, result: AttackResult) -> None:
+    """GOOD_GENERATIONS generations of another caller per transport, one after another: each
+    must get all its tokens (never-read generations hold no batch slot for long)."""
+    for _ in range(GOOD_GENERATIONS):
+        for transport in TRANSPORTS:
+            async with target.channel(transport) as channel:
+                call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                    timeout=CALL_TIMEOUT_S
+                )
+                await call.write(_request(GOOD_MAX_TOKENS, f"good-{transport}"))
+                await call.done_writing()
+                tokens, outcome = await _read_to_end(call)
+            result.outcomes[f"{transport} good generation {outcome}"] += 1
+            if outcome != "OK" or tokens != GOOD_MAX_TOKENS:
+                result.problems.append(
+                    f"a good generation on {transport} got {tokens} token(s), {outcome}"
+                )
 
 
 async def never_reading_generations(target: Target, scale: Scale) -> AttackResult:
     """`never_reading` streams per transport, each writing `never_read_generations` long
-    generations and never reading a response. Each generation either ends into the
-    transports' flow-control windows or, once those are full, is held (its sender blocks):
-    the token counter must come to rest while the streams stay open, and once they are
-    cancelled no generation may be left running. The RSS goal bounds what the server
-    buffered meanwhile (at most the stream's window of requests, each at most its
-    max_tokens)."""
+    generations (ids of HOG_ID_BYTES, so the transports' windows fill) and never reading a
+    response. Once their generations are held (the token counter at rest), another caller's
+    generations must get all their tokens: the never-read ones are cancelled at the server's
+    stall bound (--stream-stall-timeout), and no generation may be left running while their
+    streams stay open. The RSS goal bounds what the server buffered meanwhile."""
     result = AttackResult()
     _, before = await _settled(target)
     limit_s = scale.attack_limit_s / 2
@@ -151,7 +179,8 @@ async def never_reading_generations(target: Target, scale: Scale) -> AttackResul
                 count, prefix = scale.never_read_generations, f"{transport}-{index}"
                 writers.append(asyncio.create_task(_write_generations(call, count, prefix)))
         quiet, held = await _quiet(target, limit_s)
-        active = await _metric_async(target, "paddlequic_active_generations")
+        await _good_generations(target, result)
+        settled, _ = await _settled(target)  # the never-read streams still open
         for transport, call in calls:
             outcome = "held, never read" if not call.done() else f"ended {await call.code()}"
             result.outcomes[f"{transport} {outcome}"] += 1
@@ -159,14 +188,36 @@ async def never_reading_generations(target: Target, scale: Scale) -> AttackResul
         await asyncio.gather(*writers)
     asked = len(calls) * scale.never_read_generations
     result.notes["tokens_while_held"] = held - before
-    result.notes["generations_held"] = active
     if not quiet:
         result.problems.append(f"never-read generations still running after {limit_s:.0f} s")
+    if not settled:
+        result.problems.append("never-read generations still held while their streams are open")
     if held - before > asked * (LONG_MAX_TOKENS + 1):
         result.problems.append(f"{held - before:.0f} tokens for {asked} generations")
+    return result
+
+
+async def large_id_amplification(target: Target, scale: Scale) -> AttackResult:
+    """A generation whose request id is LARGE_ID_BYTES (allowed: the message is far below
+    --max-message-bytes), from a client that never reads, one transport after the other:
+    every token response repeats the id, and the RSS goal bounds what the server holds of
+    them (a stream's responses are bounded in bytes, not only in count)."""
+    result = AttackResult()
+    for transport in TRANSPORTS:
+        async with target.channel(transport) as channel:
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                timeout=scale.attack_limit_s + CALL_TIMEOUT_S
+            )
+            await call.write(_request(LONG_MAX_TOKENS, "x" * LARGE_ID_BYTES))
+            quiet, _ = await _quiet(target, scale.attack_limit_s / 2)
+            outcome = "held, never read" if not call.done() else f"ended {await call.code()}"
+            result.outcomes[f"{transport} {outcome}"] += 1
+            call.cancel()
+        if not quiet:
+            result.problems.append(f"the {transport} generation never came to rest")
     settled, _ = await _settled(target)
     if not settled:
-        result.problems.append("generations still active after the never-read streams closed")
+        result.problems.append("generations still active after the streams closed")
     return result
 
 

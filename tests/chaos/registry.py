@@ -107,8 +107,13 @@ ATTACKS = (
         _both("cancelled after a token", "RESOURCE_EXHAUSTED"),
     ),
     AttackSpec(
-        "never-reading generation clients",
+        "stalled generation reader",
         generations.never_reading_generations,
+        _both("held, never read", "good generation OK"),
+    ),
+    AttackSpec(
+        "large-id amplification",
+        generations.large_id_amplification,
         _both("held, never read"),
     ),
     AttackSpec(

@@ -43,6 +43,9 @@ def new_channel(transport: str, server: ServerProcess, ca_file: Path) -> Channel
     return QuicChannel(f"localhost:{server.port}", ca_file=str(ca_file))
 
 
+STALL_ALLOWED = ("--stream-stall-timeout", "600")
+
+
 @contextlib.contextmanager
 def conformance_server_process(
     directory: Path,
@@ -70,8 +73,12 @@ def conformance_server(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
 ) -> Iterator[ServerProcess]:
     """One server for the session's tests. Tests that read high-water counters or stop the
-    server start their own."""
-    with conformance_server_process(tmp_path_factory.mktemp("conformance"), certs_dir) as server:
+    server start their own. A stream's caller may pause its reading for long here
+    (test_stream_backpressure pauses until the server has been quiet for many looks, longer
+    than the default --stream-stall-timeout on a loaded machine)."""
+    with conformance_server_process(
+        tmp_path_factory.mktemp("conformance"), certs_dir, args=STALL_ALLOWED
+    ) as server:
         yield server
 
 

@@ -6,6 +6,7 @@ bound fire after everything that could run first, however slow the machine)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from service.workers.streams import CreditExceeded, ResponseLine, StreamRequest,
 from tests.virtual_time import VirtualTimePolicy
 
 WINDOW = protocol.RESPONSE_WINDOW
+CLIENT = "address 127.0.0.1"
 
 
 @pytest.fixture(scope="module")
@@ -33,45 +35,110 @@ def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
     return VirtualTimePolicy()
 
 
-# ---- the wait line: a model of it, and every sequence of arrivals, departures and ends ----
+# ---- the wait line: a model of it, and every sequence of arrivals, departures and ends of
+# requests of a few clients ----
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["arrive", "leave", "finish"]), st.integers(0, 30)), max_size=60
+    st.tuples(
+        st.sampled_from(["arrive", "leave", "finish"]), st.integers(0, 30), st.integers(0, 3)
+    ),
+    max_size=60,
 )
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(limit=st.integers(1, 4), queued=st.integers(0, 4), ops=operations)
-def test_wait_line_runs_at_most_limit_and_starts_waiters_in_arrival_order(
-    limit: int, queued: int, ops: list[tuple[str, int]]
+def test_wait_line_runs_at_most_limit_and_hands_places_to_the_client_holding_fewest(
+    limit: int, queued: int, ops: list[tuple[str, int, int]]
 ) -> None:
     line: WaitLine[int] = WaitLine(limit, queued)
-    running, tickets = 0, iter(range(10_000))
-    waiting: list[int] = []
-    for op, pick in ops:
+    held: Counter[int] = Counter()  # places each client holds
+    tickets = iter(range(10_000))
+    waiting: list[tuple[int, int]] = []  # (ticket, client), arrival order
+    for op, pick, client in ops:
+        running = sum(held.values())
         if op == "arrive":
             ticket = next(tickets)
             full = running == limit and len(waiting) == queued
-            if full:
-                with pytest.raises(LineFull):
-                    line.arrive(ticket)
+            counts = Counter(c for _, c in waiting)
+            most = max(counts.values(), default=0)
+            if full and counts[client] + 1 >= most:
+                with pytest.raises(LineFull):  # its client has its share of the line
+                    line.arrive(ticket, client)
                 continue
-            if line.arrive(ticket):
-                assert running < limit and not waiting
-                running += 1
+            runs, displaced = line.arrive(ticket, client)
+            if runs:
+                assert running < limit and not waiting  # nobody is overtaken
+                held[client] += 1
+                continue
+            if full:
+                # The newest waiter of a client with the most waiting gives its place up.
+                assert displaced is not None
+                victim = next(c for t, c in waiting if t == displaced)
+                assert counts[victim] == most and victim != client
+                assert displaced == max(t for t, c in waiting if c == victim)
+                waiting.remove((displaced, victim))
             else:
-                waiting.append(ticket)
+                assert displaced is None
+            waiting.append((ticket, client))
         elif op == "leave" and waiting:
-            line.leave(waiting.pop(pick % len(waiting)))
+            line.leave(waiting.pop(pick % len(waiting))[0])
         elif op == "finish" and running:
-            started = line.finish()
-            if waiting:
-                assert started == waiting.pop(0)  # the place passes to the oldest waiter
-            else:
+            ending = sorted(held)[pick % len(held)]
+            held[ending] -= 1
+            held += Counter()  # drop clients that hold none
+            started = line.finish(ending)
+            if not waiting:
                 assert started is None
-                running -= 1
-        assert line.running == running <= limit
+            else:
+                assert started is not None
+                ticket, chosen = started
+                assert isinstance(chosen, int)
+                index = waiting.index((ticket, chosen))
+                # Fair: no waiting client holds fewer places than the chosen one, and of
+                # those that hold as many, none arrived earlier.
+                assert all(held[c] > held[chosen] for _, c in waiting[:index])
+                assert all(held[c] >= held[chosen] for _, c in waiting)
+                waiting.pop(index)
+                held[chosen] += 1
+        assert line.running == sum(held.values()) <= limit
+        assert line.held == held
         assert line.waiting == len(waiting) <= queued
+
+
+def test_a_client_over_its_share_gains_no_place_while_another_waits() -> None:
+    """One client took every place before anyone else came (many connections from one
+    address are one client): as its requests end, the places go to the other client until
+    both hold as many."""
+    line: WaitLine[str] = WaitLine(4, 16)
+    for index in range(4):
+        assert line.arrive(f"a{index}", "address 10.0.0.1") == (True, None)
+    for index in range(4, 8):
+        assert line.arrive(f"a{index}", "address 10.0.0.1") == (False, None)
+    for index in range(3):
+        assert line.arrive(f"b{index}", "certificate bob") == (False, None)
+    started = [line.finish("address 10.0.0.1") for _ in range(3)]
+    assert [ticket for ticket, _ in filter(None, started)] == ["b0", "b1", "a4"]
+    assert line.held == {"address 10.0.0.1": 2, "certificate bob": 2}
+    # Even: whoever's request ends, the client holding fewer gets the place.
+    assert line.finish("certificate bob") == ("b2", "certificate bob")
+    assert line.finish("address 10.0.0.1") == ("a5", "address 10.0.0.1")
+    assert line.held == {"address 10.0.0.1": 2, "certificate bob": 2}
+
+
+async def test_a_client_that_filled_the_waiting_line_gives_up_its_newest_places_in_it() -> None:
+    line: WaitLine[str] = WaitLine(1, 4)
+    assert line.arrive("a0", "address 10.0.0.1") == (True, None)
+    for index in range(1, 5):
+        assert line.arrive(f"a{index}", "address 10.0.0.1") == (False, None)
+    with pytest.raises(LineFull):
+        line.arrive("a5", "address 10.0.0.1")
+    assert line.arrive("b0", "address 10.0.0.2") == (False, "a4")
+    assert line.arrive("b1", "address 10.0.0.2") == (False, "a3")
+    with pytest.raises(LineFull):  # two each: even
+        line.arrive("b2", "address 10.0.0.2")
+    # Both hold no place then: the older waiter runs.
+    assert line.finish("address 10.0.0.1") == ("a1", "address 10.0.0.1")
 
 
 async def test_a_cancelled_waiter_leaves_the_line_at_once() -> None:
@@ -79,7 +146,7 @@ async def test_a_cancelled_waiter_leaves_the_line_at_once() -> None:
     holder_in, release = asyncio.Event(), asyncio.Event()
 
     async def hold() -> None:
-        async with limit.held(None):
+        async with limit.held(None, CLIENT):
             holder_in.set()
             await release.wait()
 
@@ -102,13 +169,13 @@ async def test_the_line_refuses_beyond_its_queue_naming_the_parameters() -> None
     release = asyncio.Event()
 
     async def hold() -> None:
-        async with limit.held(None):
+        async with limit.held(None, CLIENT):
             await release.wait()
 
     tasks = [asyncio.create_task(hold()) for _ in range(2)]
     await asyncio.sleep(0)
     with pytest.raises(errors.ServiceError) as refused:
-        async with limit.held(None):
+        async with limit.held(None, CLIENT):
             pass
     assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_concurrent_requests" in refused.value.message
@@ -117,13 +184,36 @@ async def test_the_line_refuses_beyond_its_queue_naming_the_parameters() -> None
     await asyncio.gather(*tasks)
 
 
+async def test_a_displaced_waiter_is_refused_naming_the_shared_line() -> None:
+    limit = ConcurrencyLimit(1, 2, "model 'm' version 1")
+    release = asyncio.Event()
+
+    async def hold(client: str) -> None:
+        async with limit.held(None, client):
+            await release.wait()
+
+    crowd = []
+    for _ in range(3):  # one runs, two wait: the line is full
+        crowd.append(asyncio.create_task(hold("address 10.0.0.1")))
+        await asyncio.sleep(0)
+    other = asyncio.create_task(hold("address 10.0.0.2"))
+    with pytest.raises(errors.ServiceError) as refused:
+        await crowd[2]  # the newest of the client with the most waiting
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queued_requests" in refused.value.message
+    assert "shared between clients" in refused.value.message
+    release.set()
+    await asyncio.gather(*crowd[:2], other)
+    assert (limit.queued, limit.in_flight_requests) == (0, 0)
+
+
 async def test_a_waiters_deadline_passes_and_its_place_goes_to_the_next() -> None:
     loop = asyncio.get_running_loop()
     limit = ConcurrencyLimit(1, 2, "model 'm' version 1")
     release, order = asyncio.Event(), []
 
     async def hold(name: str, deadline: float | None) -> None:
-        async with limit.held(deadline):
+        async with limit.held(deadline, CLIENT):
             order.append(name)
             await release.wait()
 
