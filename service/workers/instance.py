@@ -6,9 +6,10 @@ through a few shared-memory slots per worker (slots.py), so the next request can
 while the worker computes the current one.
 
 A worker runs its requests one after the other, so the oldest one it holds is the one it is
-running. A watchdog gives that one `execution_timeout_s`; a worker still on it after that is
-hung (or stopped) and is killed, which ends like any other death: the requests it held fail
-with WorkerDied, which the batcher answers by queueing them again.
+running. A watchdog gives that one `execution_timeout_s` of execution time (its waits on its
+BLS calls not counted); a worker still on it after that is hung (or stopped) and is killed,
+which ends like any other death: the requests it held fail with WorkerDied, which the batcher
+answers by queueing them again.
 """
 
 from __future__ import annotations
@@ -387,20 +388,18 @@ class WorkerInstance:
         return bls_calls.Caller(pending.batch.chain, pending.deadline, self.execution_timeout_s)
 
     def _watch_oldest(self) -> None:
-        """Time the batch the worker runs, except while it waits for its BLS calls (timed
-        afresh once they are answered)."""
+        """Time the batch the worker runs, its clock stopped while it waits for its BLS calls."""
         oldest = next(iter(self._pending), None)
-        if oldest is not None and self.bls.waiting(oldest):
-            oldest = None
-        self._watchdog.watch(oldest, self.execution_timeout_s)
+        waiting = oldest is not None and self.bls.waiting(oldest)
+        self._watchdog.watch(oldest, waiting, self.execution_timeout_s)
 
     def _kill_hung(self, request_id: int) -> None:
         process = self._process
         if request_id not in self._pending or process is None or process.returncode is not None:
             return
         log.error(
-            "worker %s (pid %d) has run one batch for more than %.1f s (execution_timeout_ms); "
-            "killing it",
+            "worker %s (pid %d) has run one batch for more than %.1f s, its BLS calls' waits "
+            "not counted (execution_timeout_ms); killing it",
             self.spec.instance_name,
             self.pid,
             self.execution_timeout_s,
@@ -415,7 +414,7 @@ class WorkerInstance:
         self._writer = None
         code = await self._process.wait() if self._process else None
         if self._killed_hung:
-            how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s"
+            how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s of execution"
         elif code is not None and code < 0:
             how = f"was killed by signal {-code}"
         else:
