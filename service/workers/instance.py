@@ -30,6 +30,7 @@ from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
+from service.inference.waits import Wait, WaitGraph
 from service.workers import bls_calls, launch, protocol, restarts, results, streams
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
@@ -61,8 +62,11 @@ class _Pending:
 
 
 class WorkerInstance:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, waits: WaitGraph) -> None:
         self.spec = spec
+        # The process's waits: a batch sent here holds its callers until it is answered.
+        self._waits = waits
+        self._me = frozenset({id(self)})
         self.state = State.STARTING
         self.pid = 0
         self.restarts = 0
@@ -141,6 +145,16 @@ class WorkerInstance:
         """Run the batch; its result holds each request's outputs, already copied out of the
         slot. `worker`: only in that worker process (the pid a sequence's state lives in);
         WorkerDied when it is gone, even if the instance runs again in another."""
+        holds = tuple(Wait(waiter, self._me) for waiter in batch.chain.waiting)
+        with self._waits.added(holds):
+            return await self._infer(batch, deadline, worker)
+
+    def would_wait_for_itself(self, batch: Batch) -> bool:
+        """Whether this batch, sent here, would wait behind a batch waiting (through its BLS
+        calls) for this one."""
+        return self._waits.blocks(tuple(Wait(w, self._me) for w in batch.chain.waiting))
+
+    async def _infer(self, batch: Batch, deadline: float | None, worker: int | None) -> InferResult:
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         slot = await self._ready_slot(deadline)

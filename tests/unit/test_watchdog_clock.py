@@ -70,7 +70,12 @@ def test_the_driver_never_fires_while_the_batch_waits() -> None:
     async def scenario() -> list[int]:
         fired: list[int] = []
         done = asyncio.Event()
-        watchdog = Watchdog(lambda request: (fired.append(request), done.set()))
+
+        def expired(request: int) -> None:
+            fired.append(request)
+            done.set()
+
+        watchdog = Watchdog(expired)
         watchdog.watch(3, False, 0.05)
         watchdog.watch(3, True, 0.05)
         await asyncio.sleep(0.2)  # well past the limit, all of it waiting
