@@ -22,6 +22,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
 from service.inference.calls import BLS_MAX_DEPTH
 from tests.e2e.test_worker_restart import only_instance
@@ -174,20 +175,23 @@ def wait_dispatched(server: ServerProcess, model: str, count: int) -> None:
 
 
 def held_at_once(
-    server: ServerProcess, model: str, count: int, rows: np.ndarray[Any, Any]
+    server: ServerProcess,
+    model: str,
+    rows: np.ndarray[Any, Any],
+    stubs: list[pb_grpc.GRPCInferenceServiceStub],
 ) -> list[tuple[str, int]]:
-    """`count` probes of `model` sent while its workers are stopped, each instance holding
-    one before any runs, so that their calls are in flight at once; each one's outcome."""
+    """A probe of `model` through each stub, sent while its workers are stopped, each instance
+    holding one before any runs, so that their calls are in flight at once; their outcomes."""
     with contextlib.ExitStack() as stopped:
         for instance in server.instances(model):
             stopped.enter_context(paused(instance.pid))
         calls = [
-            server.stub.ModelInfer.future(
+            stub.ModelInfer.future(
                 build_request(model, {"input": rows}), timeout=DEADLOCK_TIMEOUT_S
             )
-            for _ in range(count)
+            for stub in stubs
         ]
-        wait_dispatched(server, model, count)
+        wait_dispatched(server, model, len(stubs))
     outcomes = []
     for call in calls:
         try:
@@ -207,10 +211,35 @@ def test_a_model_with_two_instances_calling_itself_twice_at_once_is_refused_at_o
     behind its own caller). It is refused at once, its request ends, the first call runs on the
     freed instance and is refused there in turn: both answer with the refusal, not
     DEADLINE_EXCEEDED."""
-    outcomes = held_at_once(server, "loop_twice", 2, np.ones((1, 2), np.float32))
+    check_refused_at_once(server, [server.stub] * 2)
+
+
+def check_refused_at_once(
+    server: ServerProcess, stubs: list[pb_grpc.GRPCInferenceServiceStub]
+) -> None:
+    outcomes = held_at_once(server, "loop_twice", np.ones((1, 2), np.float32), stubs)
     for status, code in outcomes:
         assert code == UNAVAILABLE
         assert "no instance that could run this BLS call" in status
+
+
+def test_with_front_ends_calls_from_each_meet_in_one_graph(tmp_path: Path, certs_dir: Path) -> None:
+    """With --frontends 2 the workers and their BLS calls live in the parent, whichever
+    front-end took each request: two requests on connections of their own are refused as on
+    one process."""
+    repository = tmp_path / "models"
+    install_probe(repository, "loop_twice")
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        channels = [
+            grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(2)
+        ]
+        try:
+            check_refused_at_once(server, [pb_grpc.GRPCInferenceServiceStub(c) for c in channels])
+        finally:
+            for channel in channels:
+                channel.close()
 
 
 def test_a_chain_of_calls_that_ends_is_served_however_many_at_once(server: ServerProcess) -> None:
@@ -218,7 +247,7 @@ def test_a_chain_of_calls_that_ends_is_served_however_many_at_once(server: Serve
     requests held until both instances have theirs, then all answered by mlp."""
     rows = np.ones((1, 256), np.float32)
     direct = infer(server, "mlp", {"input": rows})["probabilities"]
-    outcomes = held_at_once(server, "chain_a", 4, rows)
+    outcomes = held_at_once(server, "chain_a", rows, [server.stub] * 4)
     assert [code for _, code in outcomes] == [-1] * 4
     assert [status for status, _ in outcomes] == ["ok"] * 4
     assert probe(server, "chain_a", rows)[0] == "ok"
