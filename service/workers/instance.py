@@ -6,10 +6,10 @@ through a few shared-memory slots per worker (slots.py), so the next request can
 while the worker computes the current one.
 
 A worker runs its requests one after the other, so the oldest one it holds is the one it is
-running. A watchdog gives that one `execution_timeout_s` of execution time (its waits on its
-BLS calls not counted); a worker still on it after that is hung (or stopped) and is killed,
-which ends like any other death: the requests it held fail with WorkerDied, which the batcher
-answers by queueing them again.
+running. A watchdog gives that one `execution_timeout_s` of execution time (while it waits on
+its BLS calls, only its CPU time counts); a worker still on it after that is hung (or stopped)
+and is killed, which ends like any other death: the requests it held fail with WorkerDied,
+which the batcher answers by queueing them again.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from service.workers import bls_calls, launch, protocol, restarts, results, stre
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
-from service.workers.watchdog import Watchdog
+from service.workers.watchdog import Watchdog, process_cpu_s
 
 log = logging.getLogger("paddlequic.worker")
 _T = TypeVar("_T")
@@ -90,7 +90,7 @@ class WorkerInstance:
         self._started_at = 0.0
         self._restart_delay = 0.0
         self.execution_timeout_s = spec.execution_timeout_s
-        self._watchdog = Watchdog(self._kill_hung)
+        self._watchdog = Watchdog(self._kill_hung, lambda: process_cpu_s(self.pid))
         self._killed_hung = False
         self._answered = 0  # results since the worker (re)started
         # Why the last restart failed (e.g. its files are gone); None once one succeeds.
@@ -409,11 +409,16 @@ class WorkerInstance:
 
     def _kill_hung(self, request_id: int) -> None:
         process = self._process
-        if request_id not in self._pending or process is None or process.returncode is not None:
+        if (
+            self._killed_hung
+            or request_id not in self._pending
+            or process is None
+            or process.returncode is not None
+        ):
             return
         log.error(
-            "worker %s (pid %d) has run one batch for more than %.1f s, its BLS calls' waits "
-            "not counted (execution_timeout_ms); killing it",
+            "worker %s (pid %d) has computed one batch for more than %.1f s (execution_timeout_ms"
+            "; while it waits on BLS calls only its CPU time counts); killing it",
             self.spec.instance_name,
             self.pid,
             self.execution_timeout_s,
