@@ -402,7 +402,7 @@ class WorkerInstance:
         return bls_calls.Caller(pending.batch.chain, pending.deadline, self.execution_timeout_s)
 
     def _watch_oldest(self) -> None:
-        """Time the batch the worker runs, its clock stopped while it waits for its BLS calls."""
+        """Time the batch the worker runs, by its CPU time while it waits for its BLS calls."""
         oldest = next(iter(self._pending), None)
         waiting = oldest is not None and self.bls.waiting(oldest)
         self._watchdog.watch(oldest, waiting, self.execution_timeout_s)
@@ -417,8 +417,9 @@ class WorkerInstance:
         ):
             return
         log.error(
-            "worker %s (pid %d) has computed one batch for more than %.1f s (execution_timeout_ms"
-            "; while it waits on BLS calls only its CPU time counts); killing it",
+            "worker %s (pid %d) has run one batch for more than %.1f s of execution "
+            "(execution_timeout_ms; while it waits on BLS calls only its CPU time counts); "
+            "killing it",
             self.spec.instance_name,
             self.pid,
             self.execution_timeout_s,
