@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 from hypothesis import given
@@ -107,9 +108,10 @@ def test_the_limit_is_the_computing_whatever_the_waits(
 
 
 def test_a_processs_cpu_time_is_read_and_a_gone_one_has_none() -> None:
-    ours = process_cpu_s(os.getpid())
-    spin = sum(range(200_000))
-    assert spin and process_cpu_s(os.getpid()) >= ours > 0.0
+    """What /proc says of this process is what Python counts for it (to its 10 ms ticks)."""
+    spin = sum(range(2_000_000))
+    before, read, after = time.process_time(), process_cpu_s(os.getpid()), time.process_time()
+    assert spin and before - 0.05 <= read <= after + 0.05
     assert process_cpu_s(2**22 + 1) == 0.0  # above the largest pid Linux hands out
 
 
@@ -142,3 +144,15 @@ async def test_the_driver_fires_while_the_batch_computes_during_its_wait() -> No
     await asyncio.sleep(TIMEOUT_S + 2 * WAITING_LOOK_S)
     assert len(fired) == 1
     assert started + TIMEOUT_S <= fired[0] <= started + TIMEOUT_S + WAITING_LOOK_S
+
+
+async def test_the_driver_never_fires_for_a_request_that_ended_or_without_a_limit() -> None:
+    fired: list[int] = []
+    watchdog = Watchdog(fired.append, lambda: 0.0)
+    watchdog.watch(3, False, TIMEOUT_S)
+    await asyncio.sleep(TIMEOUT_S - 1)
+    watchdog.watch(None, False, TIMEOUT_S)  # answered in time
+    await asyncio.sleep(2 * TIMEOUT_S)
+    watchdog.watch(4, False, None)  # a model without a limit
+    await asyncio.sleep(2 * TIMEOUT_S)
+    assert fired == []
