@@ -75,6 +75,10 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_validation.py",
         "tests/unit/test_bytes_tensors.py",
     ),
+    # A model's BLS calls: the wait-for graph that refuses a call waiting for itself, and the
+    # watchdog's count of a batch's computing around its calls.
+    "service/inference/waits.py": ("tests/unit/test_wait_graph.py",),
+    "service/workers/watchdog.py": ("tests/unit/test_watchdog_clock.py",),
 }
 DEFAULT_CAP = 25
 PYTEST = (

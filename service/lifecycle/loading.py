@@ -17,6 +17,7 @@ from service.batching.concurrency import ConcurrencyLimit
 from service.batching.sequence_batcher import SequenceBatcher
 from service.batching.sequence_queue import SequencePolicy
 from service.inference.validation import RequestValidator
+from service.inference.waits import WaitGraph
 from service.lifecycle.repository import RepositoryError, complete_config, fetch_names
 from service.lifecycle.retiring import Fail
 from service.lifecycle.signing import SignatureError
@@ -88,7 +89,10 @@ class VersionLoader:
         # --testing-service: honour test-only model parameters (a worker that crashes on cue).
         self.testing = testing
         self.limits = limits
-        self.bls = BlsRunner(runner)  # runs Python models' BLS calls
+        # Who waits for whom across every BLS call this process runs (all of them: with
+        # front-end processes too, workers and their calls live here).
+        self.waits = WaitGraph()
+        self.bls = BlsRunner(runner, self.waits)  # runs Python models' BLS calls
 
     async def start(self, served: ServedVersion, files: ModelFiles) -> None:
         """Place and start a version of its own (a reload's)."""
@@ -159,6 +163,7 @@ class VersionLoader:
                     decoupled=is_decoupled(config),
                     max_message_bytes=self.limits.max_message_bytes,
                 ),
+                self.waits,
                 output,
             )
             for p in placements

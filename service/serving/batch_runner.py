@@ -45,7 +45,7 @@ class BatchRunner:
     ) -> InferResult:
         """Statistics and metrics count the rows requests brought (the batch sizes formed);
         the engine runs `batch` padded to its bucket."""
-        return await self._on(self._pick_instance(), batch, requests, deadline)
+        return await self._on(self._pick_instance(batch), batch, requests, deadline)
 
     async def run_on(
         self,
@@ -78,7 +78,9 @@ class BatchRunner:
         self._observer.on_batch(served.name, rows, result.timings)
         return result
 
-    def _pick_instance(self) -> WorkerInstance:
+    def _pick_instance(self, batch: Batch) -> WorkerInstance:
         instances = self._served.instances
         ready = [i for i in instances if i.state is State.READY] or instances
+        if batch.chain.waiting:  # a BLS call's: never behind a batch that waits for it
+            ready = [i for i in ready if not i.would_wait_for_itself(batch)] or ready
         return routing.choose(ready, self._served.local_numa, self._random)

@@ -1,7 +1,8 @@
 """BLS calls (a Python model calling another model, service/workers/bls_calls.py) on the request
 path: the target resolved and the call checked by its validator like an ensemble's step, then
 run by RequestRunner.infer (its breaker, fallback and batcher) under the call's deadline. Two
-checks end a call that would loop or wait for itself with an error instead of a hang."""
+checks end a call that would loop or wait for itself with an error instead of a hang: its depth,
+and the process's wait-for graph across every call in flight (service/inference/waits.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import grpc
 from service.inference import errors
 from service.inference.calls import BLS_MAX_DEPTH
 from service.inference.jobs import OutputTensor
+from service.inference.waits import Wait, WaitGraph
 from service.serving.requests import RequestRunner
 from service.workers.bls_calls import ModelCall
 
@@ -17,8 +19,9 @@ from service.workers.bls_calls import ModelCall
 class BlsRunner:
     """The handler of every worker instance's BLS calls (bls_calls.Handler)."""
 
-    def __init__(self, runner: RequestRunner) -> None:
+    def __init__(self, runner: RequestRunner, waits: WaitGraph) -> None:
         self._runner = runner
+        self._waits = waits
 
     async def __call__(self, call: ModelCall) -> tuple[OutputTensor, ...]:
         if call.chain.depth > BLS_MAX_DEPTH:
@@ -29,14 +32,17 @@ class BlsRunner:
                 "each other in a loop?",
             )
         served = self._runner.registry.resolve(call.model, call.version)
-        # A worker runs one batch at a time: an instance blocked in one of this call's callers
-        # can never run it.
-        if served.instances and all(id(i) in call.chain.waiting for i in served.instances):
+        # The caller's batch waits until one of the target's instances runs the call (an
+        # ensemble's steps go through their own batchers, whose batches hold their waits).
+        targets = frozenset(id(i) for i in served.instances)
+        waits = (Wait(call.instance, targets),) if targets else ()
+        if self._waits.blocks(waits):
             raise errors.failed_precondition(
                 f"model '{served.name}' has no instance that could run this BLS call: each "
-                "one runs a request that waits for it (a model calling itself, directly or "
-                "through others)"
+                "one runs a request that waits for it, directly or through other calls in "
+                "flight (a model calling itself, or models calling each other in a cycle)"
             )
-        job = await self._runner.validated(served, call.inputs, call.outputs, call.chain)
-        _, answer = await self._runner.infer(served, job, call.deadline)
+        with self._waits.added(waits):
+            job = await self._runner.validated(served, call.inputs, call.outputs, call.chain)
+            _, answer = await self._runner.infer(served, job, call.deadline)
         return answer.outputs

@@ -30,6 +30,7 @@ BLS_MAX_IN_FLIGHT = 16
 class ModelCall:
     """One BLS call as the request path runs it."""
 
+    instance: int  # the calling instance (its id, as in CallChain.waiting)
     model: str
     version: str  # "": the newest ready version
     inputs: tuple[InputTensor, ...]
@@ -54,7 +55,7 @@ class Caller:
 
 class BlsCalls:
     """The BLS calls of one worker instance. `changed` is called whenever the calls a batch
-    has out change (the instance's watchdog does not time a batch that waits on the server)."""
+    has out change (the instance's watchdog stops a batch's clock while it waits on them)."""
 
     def __init__(
         self, instance: int, send: Callable[[protocol.Message], None], changed: Callable[[], None]
@@ -96,6 +97,7 @@ class BlsCalls:
             self._refuse(call_id, exc.message, exc.code)
             return
         call = ModelCall(
+            self._instance,
             message.model,
             message.version,
             inputs,

@@ -6,11 +6,12 @@ through a few shared-memory slots per worker (slots.py), so the next request can
 while the worker computes the current one.
 
 A worker runs its requests one after the other, so the oldest one it holds is the one it is
-running. A watchdog gives that one `execution_timeout_s`; a worker still on it after that is
-hung (or stopped) and is killed, which ends like any other death: the requests it held fail
-with WorkerDied, which the batcher answers by queueing them again. A worker that breaks the
-protocol (a message larger than message_bounds allows it now, one that cannot be read) is
-killed too, but its requests fail for good: its model would do it again.
+running. A watchdog gives that one `execution_timeout_s` of execution time (while it waits on
+its BLS calls, only its CPU time counts); a worker still on it after that is hung (or stopped)
+and is killed, which ends like any other death: the requests it held fail with WorkerDied,
+which the batcher answers by queueing them again. A worker that breaks the protocol (a message
+larger than message_bounds allows it now, one that cannot be read) is killed too, but its
+requests fail for good: its model would do it again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
+from service.inference.waits import Wait, WaitGraph
 from service.workers import (
     bls_calls,
     launch,
@@ -44,7 +46,7 @@ from service.workers import (
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
-from service.workers.watchdog import Watchdog
+from service.workers.watchdog import Watchdog, process_cpu_s
 
 log = logging.getLogger("paddlequic.worker")
 _T = TypeVar("_T")
@@ -71,13 +73,22 @@ class _Pending:
 
 
 class WorkerInstance:
-    def __init__(self, spec: WorkerSpec, output: model_output.ModelOutput | None = None) -> None:
-        """`output`: where its Python model's prints go, within their budget (shared by the
-        version's instances); by default a budget of its own."""
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        waits: WaitGraph,
+        output: model_output.ModelOutput | None = None,
+    ) -> None:
+        """`waits`: the process's wait-for graph; `output`: where its Python model's prints
+        go, within their budget (shared by the version's instances); by default a budget of
+        its own."""
         self.spec = spec
         self.output = output or model_output.ModelOutput(
             spec.model_name, model_output.OutputBudget()
         )
+        # The process's waits: a batch sent here holds its callers until it is answered.
+        self._waits = waits
+        self._me = frozenset({id(self)})
         self.state = State.STARTING
         self.pid = 0
         self.restarts = 0
@@ -101,7 +112,7 @@ class WorkerInstance:
         self._started_at = 0.0
         self._restart_delay = 0.0
         self.execution_timeout_s = spec.execution_timeout_s
-        self._watchdog = Watchdog(self._kill_hung)
+        self._watchdog = Watchdog(self._kill_hung, lambda: process_cpu_s(self.pid))
         self._killed_hung = False
         # Why the worker was killed for breaking the protocol: its requests then fail, never
         # run again (what a model sends on purpose it would send again).
@@ -160,6 +171,16 @@ class WorkerInstance:
         """Run the batch; its result holds each request's outputs, already copied out of the
         slot. `worker`: only in that worker process (the pid a sequence's state lives in);
         WorkerDied when it is gone, even if the instance runs again in another."""
+        holds = tuple(Wait(waiter, self._me) for waiter in batch.chain.waiting)
+        with self._waits.added(holds):
+            return await self._infer(batch, deadline, worker)
+
+    def would_wait_for_itself(self, batch: Batch) -> bool:
+        """Whether this batch, sent here, would wait behind a batch waiting (through its BLS
+        calls) for this one."""
+        return self._waits.blocks(tuple(Wait(w, self._me) for w in batch.chain.waiting))
+
+    async def _infer(self, batch: Batch, deadline: float | None, worker: int | None) -> InferResult:
         loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         slot = await self._ready_slot(deadline)
@@ -428,19 +449,23 @@ class WorkerInstance:
         return bls_calls.Caller(pending.batch.chain, pending.deadline, self.execution_timeout_s)
 
     def _watch_oldest(self) -> None:
-        """Time the batch the worker runs, except while it waits for its BLS calls (timed
-        afresh once they are answered)."""
+        """Time the batch the worker runs, by its CPU time while it waits for its BLS calls."""
         oldest = next(iter(self._pending), None)
-        if oldest is not None and self.bls.waiting(oldest):
-            oldest = None
-        self._watchdog.watch(oldest, self.execution_timeout_s)
+        waiting = oldest is not None and self.bls.waiting(oldest)
+        self._watchdog.watch(oldest, waiting, self.execution_timeout_s)
 
     def _kill_hung(self, request_id: int) -> None:
         process = self._process
-        if request_id not in self._pending or process is None or process.returncode is not None:
+        if (
+            self._killed_hung
+            or request_id not in self._pending
+            or process is None
+            or process.returncode is not None
+        ):
             return
         log.error(
-            "worker %s (pid %d) has run one batch for more than %.1f s (execution_timeout_ms); "
+            "worker %s (pid %d) has run one batch for more than %.1f s of execution "
+            "(execution_timeout_ms; while it waits on BLS calls only its CPU time counts); "
             "killing it",
             self.spec.instance_name,
             self.pid,
@@ -459,7 +484,7 @@ class WorkerInstance:
         if misbehaved is not None:
             how = f"broke the worker protocol ({misbehaved}) and was killed"
         elif self._killed_hung:
-            how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s"
+            how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s of execution"
         elif code is not None and code < 0:
             how = f"was killed by signal {-code}"
         else:
