@@ -16,6 +16,7 @@ from service.api.health import Health
 from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
+from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
@@ -119,6 +120,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.model_control_mode,
             SharedMemory(settings.shared_memory),
             settings.max_message_bytes,
+            SequenceCallers(settings.sequence_callers),
         ),
         ControlServicer(models),
         health.servicer,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from service.api.restricted import RESTRICTABLE
+from service.api.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.api.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.observability.logs import LOG_FORMATS
 
@@ -77,6 +78,7 @@ class ServerSettings:
     require_client_cert: bool = False
     frontends: str = "1"
     shared_memory: str = "local"
+    sequence_callers: str = "any"
 
 
 _HELP = {
@@ -159,6 +161,10 @@ _HELP = {
     f"cores, at most {MAX_AUTO_FRONTENDS}",
     "shared_memory": "Triton's system shared-memory extension (tensors in POSIX shared memory "
     "on the server's host): local (served to loopback callers only), any, or off",
+    "sequence_callers": "who may use sequence models: any (a caller without a client "
+    "certificate holds its sequences by their ids alone, a capability) or certified (callers "
+    "with a client certificate from --tls-client-ca only); a certified caller's sequences are "
+    "its certificate identity's alone either way",
 }
 
 
@@ -167,6 +173,7 @@ _CHOICES = {
     "h3_retry": ("auto", "always", "never"),
     "log_format": LOG_FORMATS,
     "shared_memory": SHARED_MEMORY_MODES,
+    "sequence_callers": SEQUENCE_CALLER_MODES,
 }
 
 
@@ -238,6 +245,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(f"--alt-svc-max-age must be from 0 to {MAX_ALT_SVC_MAX_AGE}")
     if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:
         parser.error(f"--h3-token-lifetime must be from 0 to {MAX_H3_TOKEN_LIFETIME:g}")
+    if settings.sequence_callers == "certified" and not settings.tls_client_ca:
+        parser.error("--sequence-callers certified needs --tls-client-ca")
     try:
         frontend_count(settings.frontends)
     except ValueError as exc:

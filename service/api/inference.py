@@ -17,6 +17,7 @@ from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
+from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.inference import errors
 from service.inference.errors import ServicerContext
@@ -45,6 +46,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         control_mode: str,
         shared_memory: SharedMemory,
         max_message_bytes: int,
+        sequence_callers: SequenceCallers,
     ) -> None:
         self.models = models
         self.runner = runner
@@ -52,6 +54,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.control_mode = control_mode
         self.shared_memory = shared_memory
         self.max_message_bytes = max_message_bytes
+        self.sequence_callers = sequence_callers
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -311,6 +314,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         raw = shared.read_inputs(request, context, self.max_message_bytes)
         with shared.output_targets(request, context) as targets:
             job = await _decode(served, request, raw)
+            if served.sequences is not None:
+                job = self.sequence_callers.owned(served.name, job, context)
             answered, result = await self.runner.infer(served, job, deadline)
             outputs = shared.write_outputs(result.outputs, targets)
         with self.runner.encode_span():
