@@ -9,8 +9,11 @@ present the same CORRID to a model that keeps state by it."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -26,7 +29,7 @@ from clients.inference_client import InferenceClient
 from clients.sequences import new_sequence_id
 from tests.e2e.test_sequences import FEATURES, FRAMES, RUNNING_SUM_FIXTURE
 from tests.reference import kws_reference
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 from transport.tls.certs import issue_client_certificate
 
 MODEL = "kws"
@@ -227,3 +230,32 @@ def test_certified_sequences_refuse_callers_without_a_certificate(optional: Cert
         optional.client("h3", optional.bob) as bob,
     ):
         hijack(alice, bob, seed=5)
+
+
+def test_the_cli_sends_one_sequence_under_a_random_id(required: Certified) -> None:
+    """`paddlequic infer --sequence`: its --repeat requests are one kws sequence (a second
+    start or a request outside it would be refused), under a random 63-bit id."""
+    alice_cert, alice_key = required.alice
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "infer",
+            MODEL,
+            "--random",
+            "--repeat",
+            "3",
+            "--sequence",
+            *("--url", f"h3://localhost:{required.server.port}", "--ca-file", required.ca),
+            *("--client-cert", alice_cert, "--client-key", alice_key),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    found = re.search(r"^sequence id: (\d+)$", run.stdout, re.M)
+    assert found is not None and 0 < int(found.group(1)) < 2**63
+    assert "scores: float32 [1, 12]" in run.stdout
