@@ -245,8 +245,6 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(f"--alt-svc-max-age must be from 0 to {MAX_ALT_SVC_MAX_AGE}")
     if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:
         parser.error(f"--h3-token-lifetime must be from 0 to {MAX_H3_TOKEN_LIFETIME:g}")
-    if settings.sequence_callers == "certified" and not settings.tls_client_ca:
-        parser.error("--sequence-callers certified needs --tls-client-ca")
     try:
         frontend_count(settings.frontends)
     except ValueError as exc:
