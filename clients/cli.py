@@ -102,6 +102,7 @@ def random_inputs(
 
 
 def _infer(args: argparse.Namespace) -> int:
+    from clients.sequences import SequenceParameters
     from clients.tickets import SessionTicketCache
     from clients.transport_policy import TransportPolicy
 
@@ -123,12 +124,18 @@ def _infer(args: argparse.Namespace) -> int:
                 inputs[name] = np.load(Path(path))
         else:
             raise SystemExit("give --input NAME=FILE.npy (one per input) or --random")
+        sequence = SequenceParameters() if args.sequence else None
+        if sequence is not None:
+            print(f"sequence id: {sequence.sequence_id}")
         for call in range(1, args.repeat + 1):
             if args.reconnect and call > 1:
                 client.close()
                 client = _client(args, tickets, policy)
             started = time.perf_counter()
-            outputs = client.infer(args.model, inputs, version=args.model_version)
+            parameters = None if sequence is None else sequence.next(end=call == args.repeat)
+            outputs = client.infer(
+                args.model, inputs, version=args.model_version, parameters=parameters
+            )
             if args.repeat > 1:
                 elapsed = (time.perf_counter() - started) * 1e3
                 mode = client.connect_mode
@@ -276,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--batch", type=int, default=1, help="batch size for --random")
     infer.add_argument("--seq-len", type=int, default=8, help="variable dims for --random")
     infer.add_argument("--repeat", type=int, default=1, help="send the request N times")
+    infer.add_argument(
+        "--sequence",
+        action="store_true",
+        help="the --repeat requests are one sequence of a sequence model (first starts it, last "
+        "ends it), under a random 63-bit id: without a client certificate the id is the "
+        "sequence's only key",
+    )
     infer.add_argument(
         "--reconnect", action="store_true", help="a new connection for every call (with --repeat)"
     )

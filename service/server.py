@@ -16,6 +16,7 @@ from service.api.health import Health
 from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
+from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import StreamBounds
 from service.api.testing import TestingServicer
@@ -129,6 +130,7 @@ async def serve(settings: ServerSettings) -> None:
             ),
             settings.max_message_bytes,
             StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
+            SequenceCallers(settings.sequence_callers),
         ),
         ControlServicer(models),
         health.servicer,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from service.api.restricted import RESTRICTABLE
+from service.api.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.api.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.observability.logs import LOG_FORMATS
 
@@ -82,6 +83,7 @@ class ServerSettings:
     shared_memory: str = "local"
     stream_stall_timeout: float = 10.0
     stream_buffer_bytes: int = 4 << 20
+    sequence_callers: str = "any"
 
 
 _HELP = {
@@ -174,6 +176,10 @@ _HELP = {
     "caller that has not taken them (one larger response is held alone)",
     "shared_memory": "Triton's system shared-memory extension (tensors in POSIX shared memory "
     "on the server's host): local (served to loopback callers only), any, or off",
+    "sequence_callers": "who may use sequence models: any (a caller without a client "
+    "certificate holds its sequences by their ids alone, a capability) or certified (callers "
+    "with a client certificate from --tls-client-ca only); a certified caller's sequences are "
+    "its certificate identity's alone either way",
 }
 
 
@@ -182,6 +188,7 @@ _CHOICES = {
     "h3_retry": ("auto", "always", "never"),
     "log_format": LOG_FORMATS,
     "shared_memory": SHARED_MEMORY_MODES,
+    "sequence_callers": SEQUENCE_CALLER_MODES,
 }
 
 

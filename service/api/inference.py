@@ -18,6 +18,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
 from service.api.callers import client_of
+from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
 from service.inference import errors
@@ -48,6 +49,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         shared_memory: SharedMemory,
         max_message_bytes: int,
         stream_bounds: StreamBounds,
+        sequence_callers: SequenceCallers,
     ) -> None:
         self.models = models
         self.runner = runner
@@ -56,6 +58,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.shared_memory = shared_memory
         self.max_message_bytes = max_message_bytes
         self.stream_bounds = stream_bounds
+        self.sequence_callers = sequence_callers
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -348,6 +351,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         raw = shared.read_inputs(request, caller, self.max_message_bytes)
         with shared.output_targets(request, caller) as targets:
             job = await _decode(served, request, raw)
+            if served.sequences is not None:
+                job = self.sequence_callers.owned(served.name, job, context)
             answered, result = await self.runner.infer(served, job, deadline)
             outputs = shared.write_outputs(result.outputs, targets, caller)
         with self.runner.encode_span():

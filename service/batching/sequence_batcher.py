@@ -18,9 +18,10 @@ from opentelemetry.trace import SpanContext
 from service.batching.assemble import Batch, plan
 from service.batching.scheduler_loop import SchedulerLoop
 from service.batching.sequence_queue import SequencePolicy, SequenceQueue, Step
-from service.batching.sequence_tensors import taken_state, with_sequence_inputs
+from service.batching.sequence_tensors import check_corrid, taken_state, with_sequence_inputs
 from service.inference import errors
 from service.inference.errors import WorkerDied
+from service.inference.identity import Identity
 from service.inference.jobs import Answer, InferJob, InferResult
 from service.inference.timers import fail_at
 from service.model.sequences import SequenceSettings
@@ -62,8 +63,8 @@ class SequenceBatcher:
     def live(self) -> int:
         return self._queue.live
 
-    def holds(self, corrid: int | str) -> bool:
-        return self._queue.holds(corrid)
+    def holds(self, corrid: int | str, owner: Identity) -> bool:
+        return self._queue.holds(corrid, owner)
 
     async def submit(self, job: InferJob, deadline: float | None) -> Answer:
         flags = job.sequence
@@ -82,8 +83,9 @@ class SequenceBatcher:
         now = loop.time()
         limits = [t for t in (deadline, _timeout_at(job, now)) if t is not None]
         future: asyncio.Future[Answer] = loop.create_future()
+        check_corrid(flags.corrid, self.settings, self.policy.name)
         step = Step(job, flags.corrid, flags.start, flags.end, now, min(limits, default=None))
-        step.deadline, step.ticket = deadline, future
+        step.deadline, step.ticket, step.owner = deadline, future, flags.owner
         step.trace = trace.get_current_span().get_span_context()
         if self._queue.push(step, now):
             self._on_sequences("start", 1)
@@ -166,7 +168,7 @@ class SequenceBatcher:
         """Run the requests together; one whose values fail the batch runs again alone, so
         only it fails (and its sequence's state stays as it was)."""
         started = asyncio.get_running_loop().time()
-        gone = [s for s in steps if self._queue.sequence(s.corrid) is None]
+        gone = [s for s in steps if self._queue.sequence(s.corrid, s.owner) is None]
         for step in gone:  # ended since it was chosen (its worker died meanwhile)
             _fail(step, self._lost(step))
         steps = [s for s in steps if s not in gone]
@@ -176,10 +178,10 @@ class SequenceBatcher:
             result = await self._run(instance, steps)
         except WorkerDied:
             # The worker holding their state died (lose_instance may not have heard yet).
-            lost = [s for s in steps if self._queue.sequence(s.corrid) is not None]
+            lost = [s for s in steps if self._queue.sequence(s.corrid, s.owner) is not None]
             for step in steps:
                 for waiting in self._queue.drop(
-                    step.corrid, grpc.StatusCode.UNAVAILABLE, "lost its state when its worker died"
+                    step, grpc.StatusCode.UNAVAILABLE, "lost its state when its worker died"
                 ):
                     _fail(waiting, self._lost(waiting))
                 _fail(step, self._lost(step))
@@ -200,7 +202,7 @@ class SequenceBatcher:
             try:
                 visible, state = taken_state(outputs, self.settings)
             except errors.ServiceError as exc:
-                for waiting in self._queue.drop(step.corrid, exc.code, "ended: " + exc.message):
+                for waiting in self._queue.drop(step, exc.code, "ended: " + exc.message):
                     _fail(waiting, exc)
                 _fail(step, exc)
                 self._on_sequences("end", 1)
@@ -215,7 +217,7 @@ class SequenceBatcher:
         their state (any, for sequences that have not run yet)."""
         jobs, worker = [], None
         for step in steps:
-            live = self._queue.sequence(step.corrid)
+            live = self._queue.sequence(step.corrid, step.owner)
             held = None if step.start or live is None else live.state
             if live is not None and not step.start and live.worker is not None:
                 worker = live.worker

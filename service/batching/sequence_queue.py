@@ -10,6 +10,12 @@ only sequences of one instance; `oldest` forms batches oldest request first, wit
 sizes and a queue delay; `direct` sends as soon as a slot is ready unless
 minimum_slot_utilization asks it to wait (up to its delay) for fuller batches.
 
+A sequence belongs to whoever started it (its owner: the identity of the caller's client
+certificate, or anyone for a caller without one, to whom the id is a capability). A request
+of another caller naming it is refused NOT_FOUND in the words of a sequence that never
+started; a start naming it is refused ALREADY_EXISTS (ids are unique among live sequences, so
+two never present the same CORRID to the model), and neither changes it.
+
 Bounds: live sequences (direct: its slots; oldest: max_candidate_sequences; beyond:
 RESOURCE_EXHAUSTED at the start request), requests waiting per sequence, and the ids of ended
 sequences remembered to tell a late caller why its sequence is gone."""
@@ -27,6 +33,7 @@ import grpc
 from service.batching.queue import bucket_of
 from service.batching.sequence_tensors import State
 from service.inference import errors
+from service.inference.identity import ANYONE, Identity
 from service.inference.jobs import InferJob
 from service.model.shapes import ShapeBuckets
 
@@ -79,11 +86,13 @@ class Step:
     ticket: Any = None  # what the driver needs to answer it
     trace: Any = None
     bucket: Hashable = None
+    owner: Identity = ANYONE  # the caller's identity
 
 
 @dataclass(eq=False)
 class Live:
     corrid: CorrId
+    owner: Identity
     instance: int
     slot: int  # direct: its slot in the instance (its row order in a batch); oldest: -1
     last_active: float
@@ -96,6 +105,7 @@ class Live:
 
 @dataclass(frozen=True)
 class Ended:
+    owner: Identity  # told why only to it
     code: grpc.StatusCode
     why: str
 
@@ -115,21 +125,33 @@ class SequenceQueue:
     def queued(self) -> int:
         return sum(len(s.waiting) for s in self._live.values())
 
-    def holds(self, corrid: CorrId) -> bool:
-        return corrid in self._live
+    def holds(self, corrid: CorrId, owner: Identity) -> bool:
+        return self.sequence(corrid, owner) is not None
 
-    def sequence(self, corrid: CorrId) -> Live | None:
-        return self._live.get(corrid)
+    def sequence(self, corrid: CorrId, owner: Identity) -> Live | None:
+        """`owner`'s live sequence of that id (another's is none of its business)."""
+        live = self._live.get(corrid)
+        return live if live is not None and live.owner == owner else None
 
     def push(self, step: Step, now: float) -> bool:
         """Queue a request behind its sequence's others; True when it started a sequence.
-        ServiceError when it cannot be taken (no such sequence, too many, too many waiting)."""
+        ServiceError when it cannot be taken (no such sequence of its caller, an id another
+        caller's live sequence holds, too many, too many waiting)."""
         live = self._live.get(step.corrid)
         started = False
+        if live is not None and live.owner != step.owner:
+            if step.start:
+                raise errors.ServiceError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"sequence id {step.corrid!r} of {self.policy.name} is held by another "
+                    "caller's live sequence; start yours with another id (a random 63-bit "
+                    "integer, as the clients pick)",
+                )
+            raise self._unknown(step.corrid, step.owner)
         if live is None:
             if not step.start:
-                raise self._unknown(step.corrid)
-            live = self._open(step.corrid, now)
+                raise self._unknown(step.corrid, step.owner)
+            live = self._open(step.corrid, step.owner, now)
             started = True
         elif live.closing and not step.start:
             raise errors.invalid(
@@ -150,7 +172,7 @@ class SequenceQueue:
 
     def remove(self, step: Step) -> None:
         """A waiting request whose caller went away (or whose time ran out)."""
-        live = self._live.get(step.corrid)
+        live = self.sequence(step.corrid, step.owner)
         if live is not None and step in live.waiting:
             live.waiting.remove(step)
 
@@ -182,7 +204,7 @@ class SequenceQueue:
     ) -> bool:
         """The request ran (in `worker`); `state` is what it left (None: it failed, the state
         stays as it was). True when that ended its sequence."""
-        live = self._live.get(step.corrid)
+        live = self.sequence(step.corrid, step.owner)
         if live is None:
             return False
         live.running = False
@@ -190,16 +212,20 @@ class SequenceQueue:
         if state is not None:
             live.state, live.worker = state, worker
         if step.end and not live.waiting:
-            self._close(live, Ended(grpc.StatusCode.INVALID_ARGUMENT, "has ended"))
+            self._close(live, Ended(live.owner, grpc.StatusCode.INVALID_ARGUMENT, "has ended"))
             return True
         return False
 
-    def drop(self, corrid: CorrId, code: grpc.StatusCode, why: str) -> list[Step]:
-        """End a sequence now (its state is gone or wrong); its waiting requests, to fail."""
-        live = self._live.get(corrid)
+    def drop(self, step: Step, code: grpc.StatusCode, why: str) -> list[Step]:
+        """End the step's sequence now (its state is gone or wrong); its waiting requests,
+        to fail."""
+        live = self.sequence(step.corrid, step.owner)
         if live is None:
             return []
-        self._close(live, Ended(code, why))
+        return self._dropped(live, code, why)
+
+    def _dropped(self, live: Live, code: grpc.StatusCode, why: str) -> list[Step]:
+        self._close(live, Ended(live.owner, code, why))
         return list(live.waiting)
 
     def lose(self, instance: int, why: str) -> tuple[list[Step], int]:
@@ -208,7 +234,7 @@ class SequenceQueue:
         lost = [s for s in self._live.values() if s.instance == instance]
         steps: list[Step] = []
         for live in lost:
-            steps += self.drop(live.corrid, grpc.StatusCode.UNAVAILABLE, why)
+            steps += self._dropped(live, grpc.StatusCode.UNAVAILABLE, why)
         return steps, len(lost)
 
     def expire(self, now: float) -> tuple[list[Step], int]:
@@ -231,6 +257,7 @@ class SequenceQueue:
             self._close(
                 live,
                 Ended(
+                    live.owner,
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"expired after {self.policy.idle_s:g} s without a request "
                     "(max_sequence_idle_microseconds)",
@@ -259,7 +286,7 @@ class SequenceQueue:
         self._live.clear()
         return steps
 
-    def _open(self, corrid: CorrId, now: float) -> Live:
+    def _open(self, corrid: CorrId, owner: Identity, now: float) -> Live:
         policy = self.policy
         if len(self._live) >= policy.live_bound:
             how = (
@@ -280,7 +307,7 @@ class SequenceQueue:
         if not policy.oldest:
             slot = next(i for i in range(policy.batch_limit) if i not in taken[instance])
         self._ended.pop(corrid, None)
-        live = Live(corrid, instance, slot, now)
+        live = Live(corrid, owner, instance, slot, now)
         self._live[corrid] = live
         return live
 
@@ -291,15 +318,17 @@ class SequenceQueue:
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
 
-    def _unknown(self, corrid: CorrId) -> errors.ServiceError:
+    def _unknown(self, corrid: CorrId, owner: Identity) -> errors.ServiceError:
+        """Why the caller has no live sequence of that id: the same words whether none ever
+        started or another caller's is live, or ended."""
         ended = self._ended.get(corrid)
-        if ended is not None:
+        if ended is not None and ended.owner == owner:
             return errors.ServiceError(
                 ended.code,
                 f"sequence {corrid!r} of {self.policy.name} {ended.why}; start it again with "
                 "sequence_start",
             )
-        return errors.invalid(
+        return errors.not_found(
             f"inference request for sequence {corrid!r} to {self.policy.name} must specify the "
             "sequence_start flag on the first request of the sequence"
         )

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from oip.bytes_tensor import serialize_bytes
-from oip.datatypes import Datatype
+from oip.datatypes import Datatype, config_type_name
 from service.inference import errors
 from service.inference.jobs import InferJob, InputTensor, OutputTensor
 from service.model.sequences import Control, ControlSpec, SequenceSettings
@@ -83,15 +83,38 @@ def _control(
     return InputTensor(control.name, control.datatype, shape, data)
 
 
+def check_corrid(corrid: int | str, settings: SequenceSettings, model: str) -> None:
+    """INVALID_ARGUMENT when the model's CORRID control cannot hold the id exactly: two ids
+    would present the same CORRID (7 and 2**32 + 7 in a UINT32, 42 and "42" in a STRING), and
+    a model keeping state by CORRID would mix their sequences. Triton writes an integer id's
+    bytes into a STRING CORRID as they come (not a string): an integer id is refused there."""
+    for control in settings.controls:
+        if control.kind != Control.CONTROL_SEQUENCE_CORRID:
+            continue
+        kind = config_type_name(control.datatype.config_type)
+        if control.datatype.name == "BYTES":
+            if not isinstance(corrid, str):
+                raise errors.invalid(
+                    f"the CORRID control of {model} is a string ({kind}); send sequence_id "
+                    "as a string, not an integer"
+                )
+            continue
+        if isinstance(corrid, str):
+            raise errors.invalid(
+                f"the CORRID control of {model} is an integer ({kind}); send sequence_id as "
+                "an integer, not a string"
+            )
+        info = np.iinfo(control.datatype.numpy)
+        if not int(info.min) <= corrid <= int(info.max):
+            raise errors.invalid(
+                f"sequence_id {corrid} does not fit the CORRID control of {model} ({kind}: "
+                f"at most {int(info.max)}); send a smaller one"
+            )
+
+
 def corrid_bytes(corrid: int | str, datatype: Datatype) -> bytes:
-    """The correlation id as the CORRID control's tensor: a string id in a BYTES tensor, an
-    integer one truncated to the tensor's width (Triton: 32-bit types keep the low bits)."""
+    """The correlation id as the CORRID control's tensor: a BYTES element (warm-up's 0 as
+    "0"), or an integer in the tensor's type (check_corrid: a request's id fits)."""
     if datatype.name == "BYTES":
         return serialize_bytes([str(corrid).encode()])
-    if isinstance(corrid, str):
-        raise errors.invalid(
-            "this model's CORRID control is an integer; send sequence_id as an integer"
-        )
-    bits = datatype.numpy.itemsize * 8
-    low = np.array([corrid & ((1 << bits) - 1)], np.uint64)
-    return low.astype(datatype.numpy).tobytes()
+    return np.array([corrid], datatype.numpy).tobytes()

@@ -283,6 +283,15 @@ class DispatchContext(CallContext):
         self.call = call
         self.datagram_peer = opened.transport == "h3"
 
+    def peer_identities(self) -> list[bytes] | None:  # type: ignore[override]
+        """The client certificate's identities, as the front-end's TLS saw them."""
+        identity = self.call.opened.identity
+        return list(identity[1:]) if identity else None
+
+    def peer_identity_key(self) -> str | None:  # type: ignore[override]
+        identity = self.call.opened.identity
+        return identity[0].decode() if identity else None
+
     async def read(self) -> Any:
         data = await self.call.inbox.get()
         return EOF if data is None else _deserialize(self._deserialize, data)

@@ -48,6 +48,7 @@ from service.frontends.protocol import (
 )
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
 from service.frontends.stats import Report
+from service.inference.identity import identity_of
 from service.observability.logs import configure_logging
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
@@ -252,6 +253,7 @@ def _opened(method: str, transport: str, context: Any) -> Open:
         context.peer(),
         context.time_remaining(),
         tuple(context.invocation_metadata() or ()),
+        identity_of(context),
     )
 
 

@@ -196,6 +196,9 @@ def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
     if not settings.tls_client_ca:
         if settings.require_client_cert:
             raise ClientAuthError("--require-client-cert needs --tls-client-ca")
+        if settings.sequence_callers == "certified":
+            # No caller could have a certificate: no one could use a sequence model.
+            raise ClientAuthError("--sequence-callers certified needs --tls-client-ca")
         return None
     ca_file = Path(settings.tls_client_ca)
     try:

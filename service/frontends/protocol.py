@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from service.inference.identity import ANYONE, Identity
+
 WINDOW = 8  # messages of one call, per direction, sent before the receiver gives credit
 HEADER = struct.Struct(">IBI")
 _U16 = struct.Struct(">H")
@@ -61,6 +63,7 @@ class Open:
     peer: str
     timeout: float | None
     metadata: Metadata
+    identity: Identity = ANYONE  # the client certificate's, as the front-end's TLS saw it
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ def encode_open(call: Open) -> bytes:
             encode_text(call.peer),
             _OPEN.pack(timeout, len(call.metadata)),
             encode_metadata_entries(call.metadata),
+            _U16.pack(len(call.identity)),
+            *(_U32.pack(len(part)) + part for part in call.identity),
         )
     )
 
@@ -95,8 +100,10 @@ def decode_open(payload: bytes) -> Open:
     method, transport, peer = reader.text(), reader.text(), reader.text()
     timeout, count = reader.unpack(_OPEN)
     metadata = reader.metadata(count)
+    (parts,) = reader.unpack(_U16)
+    identity = tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(parts))
     reader.end()
-    return Open(method, transport, peer, None if timeout < 0 else timeout, metadata)
+    return Open(method, transport, peer, None if timeout < 0 else timeout, metadata, identity)
 
 
 def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:

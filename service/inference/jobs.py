@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from oip.datatypes import Datatype
 from service.inference.calls import ROOT, CallChain
+from service.inference.identity import ANYONE, Identity
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SequenceFlags:
     corrid: int | str
     start: bool = False
     end: bool = False
+    owner: Identity = ANYONE  # the caller's identity: a sequence is its starter's alone
 
 
 @dataclass(frozen=True)

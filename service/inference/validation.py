@@ -394,4 +394,5 @@ def request_sequence(request: pb.ModelInferRequest) -> SequenceFlags | None:
             raise invalid(f"request parameter '{key}' must be a boolean")
     if not corrid:
         return None
-    return SequenceFlags(corrid, *flags)
+    start, end = flags
+    return SequenceFlags(corrid, start, end)

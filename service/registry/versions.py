@@ -15,6 +15,7 @@ from service.batching.batcher import DynamicBatcher
 from service.batching.concurrency import ConcurrencyLimit
 from service.batching.sequence_batcher import SequenceBatcher
 from service.inference import errors
+from service.inference.identity import Identity
 from service.inference.validation import RequestValidator
 from service.model import ensemble
 from service.model.decoupled import is_decoupled
@@ -184,11 +185,13 @@ class ModelRegistry:
         if replaced.sequences is not None and replaced.sequences.live:
             self._holding.setdefault(replaced.name, []).append(replaced)
 
-    def sequence_holder(self, served: ServedVersion, corrid: int | str) -> ServedVersion:
-        """The version running a live sequence of `served`'s model: `served` itself, another
-        served version, or one replaced by a reload; `served` when none does (it then says
-        why the sequence is unknown)."""
-        if served.sequences is None or served.sequences.holds(corrid):
+    def sequence_holder(
+        self, served: ServedVersion, corrid: int | str, owner: Identity
+    ) -> ServedVersion:
+        """The version running `owner`'s live sequence of `served`'s model: `served` itself,
+        another served version, or one replaced by a reload; `served` when none does (it then
+        says why the sequence is unknown)."""
+        if served.sequences is None or served.sequences.holds(corrid, owner):
             return served
         holding = [
             v
@@ -197,7 +200,7 @@ class ModelRegistry:
         ]
         self._holding[served.name] = holding
         for version in [*self._models.get(served.name, {}).values(), *holding]:
-            if version.sequences is not None and version.sequences.holds(corrid):
+            if version.sequences is not None and version.sequences.holds(corrid, owner):
                 return version
         return served
 

@@ -83,7 +83,7 @@ class RequestRunner:
                 "ModelStreamInfer",
             )
         if job.sequence is not None and not job.sequence.start:
-            served = self.registry.sequence_holder(served, job.sequence.corrid)
+            served = self.registry.sequence_holder(served, job.sequence.corrid, job.sequence.owner)
         admission, failure = admit(served)
         if admission is None:
             fallback = self._fallback(served, failure)

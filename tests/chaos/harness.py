@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import re
 import shutil
@@ -30,6 +31,7 @@ from tests.reference import call_inputs, example_inputs, output_names, run_refer
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
 from transport.h3.client import DEFAULT_UNRESPONSIVE_S
 from transport.h3.stream_state import StreamClosed
+from transport.tls.certs import issue_client_certificate
 
 TRANSPORTS = ("h2", "h3")
 GOAL_RSS_MB = 32.0
@@ -48,6 +50,8 @@ SEQUENCE_MODEL = "kws"  # the stateful example: sequence batching with implicit 
 # A Python model that attacks the front-end through its worker (tests/fixtures/python_hostile).
 HOSTILE_MODEL = "hostile"
 HOSTILE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_hostile"
+# Client certificates from the server's CA (--tls-client-ca; callers without one are served).
+CLIENT_NAMES = ("victim", "intruder")
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -115,6 +119,7 @@ class Scale:
     region_misuse: int  # rounds of another user's calls on a region, per transport
     worker_messages: int  # oversized messages the hostile model writes to its worker socket
     output_flood: int  # empty lines, and as many lines of text, the hostile model prints
+    hijacked_sequences: int  # a certified caller's sequences others try to take over
     attack_limit_s: float
 
 
@@ -149,6 +154,7 @@ SHORT = Scale(
     region_misuse=25,
     worker_messages=1,
     output_flood=100_000,
+    hijacked_sequences=3,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -183,6 +189,7 @@ FULL = Scale(
     region_misuse=500,
     worker_messages=3,
     output_flood=1_000_000,
+    hijacked_sequences=40,
     attack_limit_s=240.0,
 )
 
@@ -200,11 +207,19 @@ class Target:
     repository: Path
     log_path: Path  # the server's log (stdout and stderr)
 
-    def channel(self, transport: str) -> grpc.aio.Channel | QuicChannel:
-        """A new channel; create it inside the event loop that uses it."""
+    def channel(self, transport: str, client: str = "") -> grpc.aio.Channel | QuicChannel:
+        """A new channel; create it inside the event loop that uses it. `client`: one of
+        CLIENT_NAMES, whose certificate an HTTP/3 channel presents (HTTP/2 has no TLS)."""
         if transport == "h2":
             return grpc.aio.insecure_channel(self.address, options=H2_OPTIONS)
-        return QuicChannel(self.address, ca_file=str(self.ca_file), server_name="localhost")
+        certs = self.ca_file.parent
+        return QuicChannel(
+            self.address,
+            ca_file=str(self.ca_file),
+            server_name="localhost",
+            client_cert=str(certs / f"client-{client}.pem") if client else None,
+            client_key=str(certs / f"client-{client}-key.pem") if client else None,
+        )
 
     def model_counter(self, name: str, model: str) -> float:
         """A counter of /metrics labelled by model alone (0 before its first count)."""
@@ -412,6 +427,10 @@ async def _sample_peak(pid: int, peak: list[float]) -> None:
 def _attack(run: Attack, target: Target, scale: Scale) -> AttackResult:
     """In the attacker's process: one attack, bounded in time."""
 
+    # As __main__ does: aioquic logs every connection at INFO once Paddle (imported by the
+    # attacks that compute references) has configured the root logger.
+    logging.getLogger("quic").setLevel(logging.WARNING)
+
     async def bounded() -> AttackResult:
         try:
             return await asyncio.wait_for(run(target, scale), scale.attack_limit_s)
@@ -529,18 +548,22 @@ def chaos_repository(directory: Path) -> Path:
 @contextlib.contextmanager
 def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerProcess, Target]]:
     """The server every attack runs against: explicit model control (for hot reload), the
-    testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only;
-    `frontends` front-end processes (1: a single process)."""
+    testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only,
+    client certificates asked for (HTTP/3) and not required; `frontends` front-end processes
+    (1: a single process)."""
     directory = directory / f"frontends-{frontends}"
     directory.mkdir(parents=True, exist_ok=True)
     repository = chaos_repository(directory)
     metrics_port = free_port()
     certs = directory / "certs"
+    for name in CLIENT_NAMES:
+        issue_client_certificate(certs, name)
     args = [
         *("--model-control-mode", "explicit", "--load-model", "*", "--testing-service"),
         *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
         *("--log-sample-ratio", "0", "--frontends", str(frontends)),
         *("--max-message-bytes", str(MAX_MESSAGE)),
+        *("--tls-client-ca", str(certs / "ca.pem")),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (

@@ -132,6 +132,11 @@ ATTACKS = (
         _both("PERMISSION_DENIED", "NOT_FOUND", "unregistered nothing"),
     ),
     AttackSpec(
+        "sequence hijack",
+        sequences.sequence_hijack,
+        frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
+    ),
+    AttackSpec(
         "front-end SIGKILL under load (--frontends 2)",
         frontends.frontend_sigkill,
         frozenset({"killed", "replaced"}),
@@ -154,6 +159,12 @@ ATTACKS = (
         "BYTES element bomb (--frontends 2)",
         messages.bytes_element_bombs,
         _both("INVALID_ARGUMENT"),
+        frontends=2,
+    ),
+    AttackSpec(
+        "sequence hijack (--frontends 2)",
+        sequences.sequence_hijack,
+        frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
         frontends=2,
     ),
 )

@@ -339,6 +339,7 @@ def test_the_cli_takes_a_client_certificate(mutual: Mutual) -> None:
             "'health' can not be specified in multiple config groups",
         ),
         (["--require-client-cert"], "--require-client-cert needs --tls-client-ca"),
+        (["--sequence-callers", "certified"], "--sequence-callers certified needs --tls-client-ca"),
         (["--tls-client-ca", "no-such-ca.pem"], "--tls-client-ca no-such-ca.pem: no PEM"),
         (["--tls-client-ca", "README.md"], "--tls-client-ca README.md: no PEM"),
         (

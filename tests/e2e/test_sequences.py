@@ -205,8 +205,9 @@ def test_a_request_outside_a_sequence_is_refused(server: ServerProcess) -> None:
             client.infer(MODEL, {"features": chunk}, parameters={"sequence_id": "a string id"})
         # The model and the server are fine: a good sequence still runs.
         assert client.sequence(MODEL).infer({"features": chunk})["scores"].shape == (1, 12)
-    for error in (missing, unknown, rows, kind, ended):
+    for error in (missing, rows, kind, ended):
         assert status(error)[0] == grpc.StatusCode.INVALID_ARGUMENT, status(error)[1]
+    assert status(unknown)[0] == grpc.StatusCode.NOT_FOUND
     assert "correlation ID" in status(missing)[1]
     assert "sequence_start" in status(unknown)[1]
     assert "batch size 1" in status(rows)[1]

@@ -41,6 +41,9 @@ def test_a_call_opening_survives_the_round_trip() -> None:
     assert decode_open(encode_open(opened)) == opened
     endless = Open("/a/b", "h2", "", None, ())
     assert decode_open(encode_open(endless)) == endless
+    # The client certificate's identity, which sequences are bound to.
+    certified = Open("/a/b", "h3", "", None, (), (b"x509_common_name", b"alice", b"\x00"))
+    assert decode_open(encode_open(certified)) == certified
 
 
 def test_status_and_metadata_survive_the_round_trip() -> None:

@@ -21,6 +21,7 @@ from service.batching.sequence_queue import (
     Step,
 )
 from service.inference import errors
+from service.inference.identity import ANYONE
 from service.inference.jobs import InferJob, InputTensor
 
 FP32 = BY_NAME["FP32"]
@@ -98,13 +99,13 @@ def test_batches_keep_each_sequence_in_order_one_at_a_time(
                 corrids = [s.corrid for s in batch]
                 assert len(set(corrids)) == len(corrids), "two requests of one sequence"
                 for item in batch:
-                    live = queue.sequence(item.corrid)
+                    live = queue.sequence(item.corrid, ANYONE)
                     assert live is not None and live.instance == instance
                     assert item.corrid not in running, "a sequence ran two requests at once"
                     running[item.corrid] = numbers[id(item)]
                     handed[item.corrid].append(numbers[id(item)])
                 if not oldest:
-                    slots = [queue.sequence(c).slot for c in corrids]  # type: ignore[union-attr]
+                    slots = [queue.sequence(c, ANYONE).slot for c in corrids]  # type: ignore[union-attr]
                     assert slots == sorted(slots)
                 in_flight.append((instance, batch))
         elif in_flight:  # a batch ends
@@ -120,7 +121,7 @@ def test_direct_gives_each_live_sequence_its_own_slot() -> None:
     queue = SequenceQueue(policy(instances=2, max_batch_size=3))
     for corrid in range(1, 7):
         queue.push(step(corrid, 0.0, start=True), 0.0)
-    places = {(s.instance, s.slot) for c in range(1, 7) if (s := queue.sequence(c))}
+    places = {(s.instance, s.slot) for c in range(1, 7) if (s := queue.sequence(c, ANYONE))}
     assert places == {(i, slot) for i in range(2) for slot in range(3)}
     with pytest.raises(errors.ServiceError) as full:
         queue.push(step(7, 0.0, start=True), 0.0)
@@ -159,7 +160,7 @@ def test_never_started_expired_and_lost_sequences_are_told_apart() -> None:
     queue = SequenceQueue(policy(idle_s=0.5, instances=1))
     with pytest.raises(errors.ServiceError) as never:
         queue.push(step(1, 0.0), 0.0)
-    assert never.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert never.value.code == grpc.StatusCode.NOT_FOUND
     assert "sequence_start flag" in never.value.message
     queue.push(step(2, 0.0, start=True), 0.0)
     queue.push(step(3, 0.0, start=True), 0.0)
