@@ -7,31 +7,39 @@ IPv6 address)."""
 from __future__ import annotations
 
 import ipaddress
-from urllib.parse import unquote
+import urllib.parse
 
 from service.inference.errors import ServicerContext
+from service.inference.identity import identity_of
+from service.inference.socket_owners import Address, canonical
 
 
 def client_of(context: ServicerContext) -> str:
-    identities = context.peer_identities()
-    if identities:
-        return "certificate " + b", ".join(identities).decode(errors="replace")
+    identity = identity_of(context)
+    if identity:
+        return "certificate " + b", ".join(identity).decode(errors="replace")
     return "address " + peer_host(context.peer())
 
 
 def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string (`ipv4:HOST:PORT`, `ipv6:[HOST]:PORT`, percent-encoded
-    or not, `unix:PATH`); the whole string when it has none."""
-    kind, _, address = unquote(peer).partition(":")
+    """The host of a gRPC peer string, an IPv4-mapped address as IPv4; the whole string when
+    it has none (`unix:PATH`)."""
+    socket = peer_socket(peer)
+    return str(canonical(socket[0])) if socket else peer
+
+
+def peer_socket(peer: str) -> tuple[Address, int] | None:
+    """The address and port of a gRPC peer string: `ipv4:HOST:PORT` or `ipv6:[HOST]:PORT`,
+    which grpcio percent-encodes (`ipv6:%5B::1%5D:PORT`); None for any other (`unix:`)."""
+    kind, _, rest = peer.partition(":")
+    host, _, port = urllib.parse.unquote(rest).rpartition(":")
     if kind == "ipv6":
-        host = address.rpartition("]")[0].lstrip("[")
-    elif kind == "ipv4":
-        host = address.rpartition(":")[0]
-    else:
-        return peer
+        if not (host.startswith("[") and host.endswith("]")):
+            return None
+        host = host[1:-1]
+    elif kind != "ipv4":
+        return None
     try:
-        parsed = ipaddress.ip_address(host)
+        return ipaddress.ip_address(host), int(port)
     except ValueError:
-        return peer
-    mapped = parsed.ipv4_mapped if isinstance(parsed, ipaddress.IPv6Address) else None
-    return str(mapped or parsed)
+        return None

@@ -22,7 +22,6 @@ import ipaddress
 import math
 import os
 import pwd
-import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ import grpc
 
 from oip.datatypes import BY_NAME
 from protos.inference import grpc_service_pb2 as pb
+from service.api.callers import peer_socket
 from service.api.restricted import Restriction
 from service.inference import errors
 from service.inference.errors import ServicerContext
@@ -268,23 +268,6 @@ def local_peer(peer: str) -> bool:
     loopback address mapped into IPv6 (an IPv4 caller of a dual-stack listener)."""
     socket = peer_socket(peer)
     return socket is not None and canonical(socket[0]).is_loopback
-
-
-def peer_socket(peer: str) -> tuple[Address, int] | None:
-    """The address and port of a gRPC peer string: `ipv4:HOST:PORT` or `ipv6:[HOST]:PORT`,
-    which grpcio percent-encodes (`ipv6:%5B::1%5D:PORT`); None for any other (`unix:`)."""
-    kind, _, rest = peer.partition(":")
-    host, _, port = urllib.parse.unquote(rest).rpartition(":")
-    if kind == "ipv6":
-        if not (host.startswith("[") and host.endswith("]")):
-            return None
-        host = host[1:-1]
-    elif kind != "ipv4":
-        return None
-    try:
-        return ipaddress.ip_address(host), int(port)
-    except ValueError:
-        return None
 
 
 def _one_address(host: str, port: int) -> tuple[Address, int] | None:

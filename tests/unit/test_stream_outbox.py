@@ -129,6 +129,9 @@ class _Context:
     def peer_identities(self) -> list[bytes] | None:
         return self._identities
 
+    def peer_identity_key(self) -> str | None:
+        return "x509_subject_alternative_name" if self._identities else None
+
 
 def test_one_certificate_is_one_client_from_any_address() -> None:
     alice = [b"alice.example", b"alice"]
@@ -140,7 +143,7 @@ def test_one_certificate_is_one_client_from_any_address() -> None:
             ("ipv4:10.9.9.9:1", alice),
         ]
     }
-    assert clients == {"certificate alice.example, alice"}
+    assert clients == {"certificate x509_subject_alternative_name, alice.example, alice"}
     bob = client_of(_Context("ipv4:10.1.2.3:5555", [b"bob"]))  # type: ignore[arg-type]
     anonymous = client_of(_Context("ipv4:10.1.2.3:6666", None))  # type: ignore[arg-type]
     assert len({*clients, bob, anonymous}) == 3
