@@ -204,6 +204,7 @@ class _StateCollector(Collector):
         yield _live_sequences()
         yield _breaker_state()
         yield _worker_restarts()
+        yield _worker_limit_kills()
         yield _h3_connections(0)
         yield _h3_handshakes()
         yield _gpu_memory()
@@ -213,12 +214,17 @@ class _StateCollector(Collector):
         depth = _queue_depth()
         live = _live_sequences()
         restarts: dict[str, int] = {}
+        limit_kills: dict[tuple[str, str], int] = {}
         for v in versions:
             queue = v.queue()
             depth.add_metric([v.name, str(v.version)], queue.queued if queue else 0)
             if v.sequences is not None:
                 live.add_metric([v.name, str(v.version)], v.sequences.live)
             restarts[v.name] = restarts.get(v.name, 0) + sum(i.restarts for i in list(v.instances))
+            for instance in list(v.instances):
+                for limit, count in instance.limit_kills.items():
+                    key = (v.name, limit)
+                    limit_kills[key] = limit_kills.get(key, 0) + count
         yield depth
         yield live
         breakers = _breaker_state()
@@ -231,6 +237,10 @@ class _StateCollector(Collector):
         for name, count in sorted(restarts.items()):
             worker_restarts.add_metric([name], count)
         yield worker_restarts
+        kills = _worker_limit_kills()
+        for labels, count in sorted(limit_kills.items()):
+            kills.add_metric(list(labels), count)
+        yield kills
         if self.h3 is not None:
             stats = self.h3.stats
             yield _h3_connections(stats.connections)
@@ -282,6 +292,16 @@ def _breaker_state() -> GaugeMetricFamily:
 def _worker_restarts() -> CounterMetricFamily:
     return CounterMetricFamily(
         "paddlequic_worker_restarts", "worker processes restarted after dying", labels=["model"]
+    )
+
+
+def _worker_limit_kills() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_worker_limit_kills",
+        "workers killed for going past a limit of their model's: memory (its cgroup's "
+        "memory.max) or processes (python_child_processes); their requests failed with "
+        "RESOURCE_EXHAUSTED, not retried",
+        labels=["model", "limit"],
     )
 
 

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from oip.datatypes import Datatype
@@ -29,7 +30,8 @@ from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
-from service.workers import bls_calls, launch, protocol, restarts, results, streams
+from service.model.parameters import MEMORY_MB, PYTHON_MEMORY_MB, child_processes, worker_memory_mb
+from service.workers import bls_calls, launch, protocol, restarts, results, streams, subreaper
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
@@ -77,7 +79,8 @@ class WorkerInstance:
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
         self._segments: SegmentChannel | None = None
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: asyncio.subprocess.Process | None = None  # the worker's launcher
+        self._cgroup: Path | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._output_tasks: set[asyncio.Task[None]] = set()
         self._restart_task: asyncio.Task[None] | None = None
@@ -98,6 +101,8 @@ class WorkerInstance:
         # Told how the worker died, before its requests fail (a sequence model's batcher:
         # the state the worker held for its sequences is gone).
         self.on_death: Callable[[str], None] | None = None
+        # Deaths for going past a limit of the model's ("memory", "processes"): metrics.
+        self.limit_kills: dict[str, int] = {}
 
     @property
     def outstanding(self) -> int:
@@ -116,16 +121,36 @@ class WorkerInstance:
         """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
         loaded = await self._launch()
         self.loaded = loaded
-        if self.spec.python:
-            self._warn_unprotected(loaded.unprotected)
+        self._warn_unprotected(loaded.unprotected if self.spec.python else ())
         return loaded
 
     @property
     def unprotected(self) -> tuple[str, ...]:
-        """What a Python model's sandbox lacks (ListInstances); () for Paddle models."""
-        if not self.spec.python or self.loaded is None:
+        """What a Python model's sandbox lacks, and for every worker, its cgroup when the host
+        offers none (ListInstances)."""
+        if self.loaded is None:
             return ()
-        return SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
+        bounds = self._bounds_missing()
+        if not self.spec.python:
+            return bounds
+        sandbox = SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
+        return (*sandbox, *bounds)
+
+    def _bounds_missing(self) -> tuple[str, ...]:
+        why = launch.worker_cgroups().unavailable
+        if not why:
+            return ()
+        if not self.spec.python:
+            return (
+                f"a cgroup of its own ({why}): the worker and what it starts are bounded in "
+                f"neither memory ({MEMORY_MB}) nor processes; the launcher still kills them all "
+                "when it ends",
+            )
+        return (
+            f"a cgroup of its own ({why}): memory is bounded per process ({PYTHON_MEMORY_MB} "
+            "of address space each), not in total; processes by seccomp and the launcher's "
+            "count; the launcher kills them all when the worker ends",
+        )
 
     def _warn_unprotected(self, unprotected: tuple[str, ...] | None) -> None:
         name = self.spec.model_name
@@ -133,6 +158,8 @@ class WorkerInstance:
             log.warning("model %s runs without the Python sandbox (%s)", name, *SANDBOX_OFF)
         for missing in unprotected or ():
             log.warning("model %s: this host lacks a Python sandbox protection: %s", name, missing)
+        for missing in self._bounds_missing():
+            log.warning("model %s: this host lacks a worker protection: %s", name, missing)
 
     async def infer(
         self, batch: Batch, deadline: float | None, worker: int | None = None
@@ -195,8 +222,8 @@ class WorkerInstance:
         try:
             self._segments.send(slot)
         except OSError as exc:
-            if self._process is not None and self._process.returncode is None:
-                self._process.kill()
+            if self._process is not None:
+                launch.end(self._process)
             raise errors.unavailable(
                 f"the worker for model '{self.spec.model_name}' takes no shared memory "
                 f"({exc.strerror or exc}); it is being restarted"
@@ -279,8 +306,10 @@ class WorkerInstance:
             try:
                 await asyncio.wait_for(self._process.wait(), 5)
             except TimeoutError:
-                self._process.kill()
+                launch.end(self._process)
                 await self._process.wait()
+        if self._process is not None:
+            launch.worker_cgroups().remove(self._cgroup)
         if self._reader_task:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -310,6 +339,7 @@ class WorkerInstance:
             self._segments.close()
         self._segments = SegmentChannel(spawned.segments)
         self._process = spawned.process
+        self._cgroup = spawned.cgroup
         for stream in (self._process.stdout, self._process.stderr):
             if stream is not None:
                 task = asyncio.create_task(launch.forward_output(stream, self.spec.model_name))
@@ -321,7 +351,12 @@ class WorkerInstance:
         self._killed_hung = False
         reader, writer = await asyncio.open_unix_connection(sock=spawned.messages)
         self._writer = writer
-        first = await launch.load(self.spec, reader, writer, self._process)
+        try:
+            first = await launch.load(self.spec, reader, writer, self._process)
+        except BaseException:
+            launch.worker_cgroups().remove(self._cgroup)
+            raise
+        self.pid = launch.worker_pid(self._process.pid)
         self.state = State.READY
         self._ready.set()
         self._attempted.set()
@@ -351,8 +386,8 @@ class WorkerInstance:
             log.warning(
                 "worker %s broke the protocol (%r); killing it", self.spec.instance_name, exc
             )
-            if self._process is not None and self._process.returncode is None:
-                self._process.kill()
+            if self._process is not None:
+                launch.end(self._process)
         finally:
             writer.close()
         if self.state is not State.STOPPED:
@@ -406,7 +441,7 @@ class WorkerInstance:
             self.execution_timeout_s,
         )
         self._killed_hung = True
-        process.kill()
+        launch.end(process)
 
     async def _on_death(self) -> None:
         self.state = State.RESTARTING
@@ -414,7 +449,12 @@ class WorkerInstance:
         self._attempted.clear()
         self._writer = None
         code = await self._process.wait() if self._process else None
-        if self._killed_hung:
+        launch.worker_cgroups().remove(self._cgroup)
+        exceeded = self._exceeded(code)
+        if exceeded is not None:
+            limit, how = exceeded
+            self.limit_kills[limit] = self.limit_kills.get(limit, 0) + 1
+        elif self._killed_hung:
             how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s"
         elif code is not None and code < 0:
             how = f"was killed by signal {-code}"
@@ -423,11 +463,12 @@ class WorkerInstance:
         lived = time.monotonic() - self._started_at
         self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
         log.error(
-            "worker %s (pid %d) %s; %d request(s) in it go back to the queue; restarting in %.1f s",
+            "worker %s (pid %d) %s; %d request(s) in it %s; restarting in %.1f s",
             self.spec.instance_name,
             self.pid,
             how,
             len(self._pending) + len(self.streams),
+            "go back to the queue" if exceeded is None else "fail (RESOURCE_EXHAUSTED)",
             self._restart_delay,
         )
         if self.on_death is not None:
@@ -436,10 +477,28 @@ class WorkerInstance:
             f"the worker process for model '{self.spec.model_name}' {how} while holding this "
             "request; it is being restarted"
         )
-        self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+        if exceeded is not None:
+            # The model's own doing: its requests fail, none is retried on the next worker.
+            self._fail_pending(lambda _: errors.resource_exhausted(message))
+        else:
+            self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
         self.bls.cancel_all()
         self.streams.died(how)
         self._restart_task = asyncio.create_task(self._restart())
+
+    def _exceeded(self, code: int | None) -> tuple[str, str] | None:
+        """(limit, how it died) for a worker killed for going past a limit of its model's."""
+        params = self.spec.parameters
+        if code == subreaper.EXCEEDED_MEMORY:
+            mb = worker_memory_mb(params, self.spec.python)
+            name = MEMORY_MB if MEMORY_MB in params or not self.spec.python else PYTHON_MEMORY_MB
+            return "memory", f"was killed for exceeding its memory limit ({name} {mb} MiB)"
+        if code == subreaper.EXCEEDED_CHILDREN and self.spec.python:
+            count = child_processes(params)
+            return "processes", (
+                f"was killed for running more than python_child_processes ({count}) processes"
+            )
+        return None
 
     async def _restart(self) -> None:
         while self.state is State.RESTARTING:

@@ -1,18 +1,25 @@
-"""Starting one worker process: its environment, the sockets it is handed (messages, and
-shared-memory segments as descriptors), a Python model's output into the server's log, and
-the load handshake, bounded by LOAD_TIMEOUT_S."""
+"""Starting one worker process: its launcher (subreaper.py) and cgroup (cgroups.py), its
+environment, the sockets it is handed (messages, and shared-memory segments as descriptors), a
+Python model's output into the server's log, and the load handshake, bounded by
+LOAD_TIMEOUT_S."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from service.backend import python_sandbox
 from service.backend.load import Load
-from service.workers import protocol
+from service.backend.sandbox import seccomp
+from service.model.parameters import child_processes, worker_memory_mb
+from service.workers import cgroups, protocol, subreaper
 from service.workers.spec import WorkerSpec
 
 model_log = logging.getLogger("paddlequic.model")
@@ -26,11 +33,37 @@ LOAD_TIMEOUT_S = 600.0
 
 @dataclass
 class Spawned:
-    """A started worker process and the front-end's ends of its two sockets."""
+    """A started worker's launcher, its cgroup and the front-end's ends of its two sockets."""
 
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process  # the launcher: it exits with the worker's status
     messages: socket.socket
     segments: socket.socket  # non-blocking
+    cgroup: Path | None
+
+
+@functools.cache
+def worker_cgroups() -> cgroups.WorkerCgroups:
+    """Decided once per server process, at its first worker."""
+    return cgroups.detect()
+
+
+def end(process: asyncio.subprocess.Process) -> None:
+    """Kill the worker and every process it started: its launcher's SIGTERM."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+
+
+def launcher_options(spec: WorkerSpec, cgroup: Path | None) -> list[str]:
+    """The count of a sandboxed Python model's processes, where seccomp does not refuse them
+    all already; the cgroup to enter."""
+    options = []
+    if spec.python and python_sandbox.wanted(spec.parameters):
+        children = child_processes(spec.parameters)
+        if children or not seccomp.supported():
+            options += ["--children", str(children)]
+    if cgroup is not None:
+        options += ["--cgroup", str(cgroup)]
+    return options
 
 
 async def spawn(spec: WorkerSpec) -> Spawned:
@@ -49,8 +82,18 @@ async def spawn(spec: WorkerSpec) -> Spawned:
         env["OPENBLAS_NUM_THREADS"] = "1"
     # A Python model's prints go to the server's log, tagged with the model's name.
     output = asyncio.subprocess.PIPE if python else asyncio.subprocess.DEVNULL
+    memory_mb = worker_memory_mb(spec.parameters, python)
+    cgroup = None
     try:
+        cgroup = worker_cgroups().create(
+            spec.instance_name, None if memory_mb is None else memory_mb << 20
+        )
         process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            subreaper.__name__,
+            *launcher_options(spec, cgroup),
+            "--",
             sys.executable,
             "-m",
             "service.workers.main",
@@ -67,11 +110,26 @@ async def spawn(spec: WorkerSpec) -> Spawned:
     except BaseException:
         parent.close()
         segments.close()
+        cgroups.WorkerCgroups.remove(cgroup)
         raise
     finally:
         child.close()
         segments_child.close()
-    return Spawned(process, parent, segments)
+    return Spawned(process, parent, segments, cgroup)
+
+
+def worker_pid(launcher: int) -> int:
+    """The worker's pid: the launcher's first child (any other started after it)."""
+    children = list(subreaper.children_of(launcher))
+    return min(children, key=_start_time, default=launcher)
+
+
+def _start_time(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return 1 << 62
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 async def load(
@@ -104,8 +162,7 @@ async def load(
         first = protocol.LoadFailed(f"loading took longer than {LOAD_TIMEOUT_S:.0f} s")
     if not isinstance(first, protocol.Loaded):
         writer.close()
-        if process.returncode is None:
-            process.kill()
+        end(process)
         code = await process.wait()
         reason = (
             first.reason if isinstance(first, protocol.LoadFailed) else f"worker exited ({code})"
