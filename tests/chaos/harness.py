@@ -44,6 +44,10 @@ GOOD_MODEL = "mlp"
 BYTES_MODEL = "tokenizer"  # the example's Python model: one BYTES input of dims [1]
 GENERATION_MODEL = "generate"  # the decoupled example: one response per token
 SEQUENCE_MODEL = "kws"  # the stateful example: sequence batching with implicit state
+# A hostile Python model (tests/fixtures/python_processes) that may run PROCESS_COUNT processes.
+PROCESSES_MODEL = "processes"
+PROCESSES_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_processes"
+PROCESS_COUNT = 4
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -109,6 +113,9 @@ class Scale:
     generation_kills: int  # generation worker kills, each with a generation per transport
     abandoned_sequences: int  # sequences started and abandoned, per transport
     attack_limit_s: float
+    fork_bombs: int = 2  # fork bombs from a Python model, each past its process count
+    memfd_bombs: int = 2  # memfd_create files of 1,500 MiB asked for
+    orphans: int = 2  # double-forked children whose worker then ends
 
 
 SHORT = Scale(
@@ -171,6 +178,9 @@ FULL = Scale(
     generation_kills=3,
     abandoned_sequences=3000,
     attack_limit_s=240.0,
+    fork_bombs=5,
+    memfd_bombs=5,
+    orphans=5,
 )
 
 
@@ -494,13 +504,18 @@ async def run_row(
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
     killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
-    `generate`, a decoupled one, and `kws`, a sequence-batched one."""
+    `generate`, a decoupled one, `kws`, a sequence-batched one, and `processes`, a hostile
+    Python model that may run PROCESS_COUNT processes."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
     shutil.copytree(EXAMPLE_MODELS / BYTES_MODEL, repository / BYTES_MODEL)
     shutil.copytree(EXAMPLE_MODELS / GENERATION_MODEL, repository / GENERATION_MODEL)
     shutil.copytree(EXAMPLE_MODELS / SEQUENCE_MODEL, repository / SEQUENCE_MODEL)
+    shutil.copytree(PROCESSES_FIXTURE, repository / PROCESSES_MODEL)
+    with (repository / PROCESSES_MODEL / "config.pbtxt").open("a") as config:
+        value = f'{{ string_value: "{PROCESS_COUNT}" }}'
+        config.write(f'parameters {{ key: "python_child_processes" value: {value} }}\n')
     return repository
 
 
