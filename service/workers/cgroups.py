@@ -4,8 +4,9 @@ delegated subtree, a container's namespace, or root on a host without systemd's 
 
 The server moves itself into a leaf of its cgroup (`paddlequic-server`: a cgroup with
 controllers enabled for its children may hold no process) and makes one child per worker with
-`memory.max` (swap off) and `pids.max`; the worker's launcher enters it before starting the
-worker (subreaper.py), so whatever the worker starts is counted there, in total.
+`memory.max` (swap off; the whole group killed when it runs out, memory.oom.group) and
+`pids.max`; the worker's launcher starts the worker in it (subreaper.py), so whatever the worker
+starts is counted there, in total.
 Where this fails, `unavailable` says why, and the fallback (seccomp, limits, the launcher's
 count) bounds workers instead.
 """
@@ -21,8 +22,8 @@ from pathlib import Path
 MOUNTINFO = Path("/proc/self/mountinfo")
 OWN_CGROUP = Path("/proc/self/cgroup")
 SERVER_LEAF = "paddlequic-server"
-# Tasks (threads and processes) of one worker, its launcher included: Paddle's and oneDNN's
-# thread pools, OpenMP's, BLS threads, and the processes a Python model may run.
+# Tasks (threads and processes) of one worker: Paddle's and oneDNN's thread pools, OpenMP's,
+# BLS threads, and the processes a Python model may run.
 MAX_WORKER_TASKS = 1024
 _NEEDED = ("memory", "pids")
 
@@ -48,6 +49,9 @@ class WorkerCgroups:
         if swap.exists():
             _write(swap, "0")  # else memory.max would move to swap, not end the worker
         _write(path / "pids.max", str(MAX_WORKER_TASKS))
+        group = path / "memory.oom.group"
+        if group.exists():
+            _write(group, "1")  # out of memory, the whole worker goes, not one of its children
         return path
 
     @staticmethod
@@ -58,12 +62,12 @@ class WorkerCgroups:
                 path.rmdir()
 
 
-def detect() -> WorkerCgroups:
+def detect(mountinfo: Path = MOUNTINFO, own_cgroup: Path = OWN_CGROUP) -> WorkerCgroups:
     """Workers' cgroups under this process's own, set up for them, or why not."""
-    mount = _cgroup2_mount()
+    mount = _cgroup2_mount(mountinfo)
     if mount is None:
         return WorkerCgroups(None, "no cgroup2 file system is mounted")
-    relative = _own_cgroup()
+    relative = _own_cgroup(own_cgroup)
     if relative is None:
         return WorkerCgroups(None, "this process is in no cgroup v2 (only v1 hierarchies)")
     base = mount / relative.lstrip("/")
@@ -99,8 +103,8 @@ def detect() -> WorkerCgroups:
     return WorkerCgroups(base)
 
 
-def _cgroup2_mount() -> Path | None:
-    for line in MOUNTINFO.read_text().splitlines():
+def _cgroup2_mount(mountinfo: Path) -> Path | None:
+    for line in mountinfo.read_text().splitlines():
         fields = line.split()
         separator = fields.index("-")
         if fields[separator + 1] == "cgroup2":
@@ -108,8 +112,8 @@ def _cgroup2_mount() -> Path | None:
     return None
 
 
-def _own_cgroup() -> str | None:
-    for line in OWN_CGROUP.read_text().splitlines():
+def _own_cgroup(own_cgroup: Path) -> str | None:
+    for line in own_cgroup.read_text().splitlines():
         if line.startswith("0::"):
             return line[3:]
     return None

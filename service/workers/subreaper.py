@@ -10,9 +10,10 @@ with the worker's status. The front-end ends a worker by sending its launcher SI
 
 With `--children N` (a Python model's python_child_processes) the launcher counts the
 processes beneath the worker every CHECK_INTERVAL_S and kills them all, the worker with them,
-past N; it then exits with EXCEEDED_CHILDREN. With `--cgroup DIR` it enters that cgroup first
-(its limits set by the front-end, cgroups.py), so everything the worker starts is counted there,
-and it exits with EXCEEDED_MEMORY when the kernel killed something in it for memory.
+past N; it then exits with EXCEEDED_CHILDREN. With `--cgroup DIR` the worker starts in that
+cgroup (its limits set by the front-end, cgroups.py), so everything it starts is counted there;
+the launcher stays outside, so that it outlives the kernel's killing the whole group for memory
+(memory.oom.group), and then exits with EXCEEDED_MEMORY.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from service.backend.sandbox._libc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
@@ -146,17 +148,13 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front-end owns shutdown
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if args.cgroup is not None:
-        (args.cgroup / "cgroup.procs").write_text(str(os.getpid()))
     status = int(
         signal.SIGKILL
     )  # a wait status: as if killed, should SIGTERM come before the worker's end
     try:
         worker = os.fork()
         if worker == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # should the launcher be killed
-            os.execv(command[0], command)
+            _become_worker(command, args.cgroup)
         _close_inherited()
         status = wait_for(worker, args.children)
     except _Stop:
@@ -172,6 +170,18 @@ def main(argv: list[str]) -> int:
             signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     return os.waitstatus_to_exitcode(status)
+
+
+def _become_worker(command: list[str], cgroup: Path | None) -> NoReturn:
+    """In the forked child: never returns into the launcher's code, whatever fails."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # should the launcher be killed
+        if cgroup is not None:  # the worker's alone: the launcher outlives its OOM kill
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        os.execv(command[0], command)
+    finally:
+        os._exit(127)
 
 
 def _close_inherited() -> None:

@@ -129,6 +129,20 @@ def test_a_fork_bomb_past_the_count_fails_its_request(server: ServerProcess) -> 
     eventually(lambda: bool(attack(server, "forking", attack="popen")), "the restarted worker")
 
 
+def test_forked_children_count_in_the_workers_memory(server: ServerProcess) -> None:
+    """Three children of 700 MiB each, under python_memory_mb 1024: each within its own
+    address-space limit, all three past the worker's cgroup, which the kernel then kills
+    whole; the request fails RESOURCE_EXHAUSTED naming the limit."""
+    (instance,) = server.instances("forking")
+    if any(u.startswith("a cgroup of its own") for u in instance.unprotected):
+        pytest.skip("no cgroup per worker on this host: memory is bounded per process only")
+    with pytest.raises(grpc.RpcError) as failed:
+        attack(server, "forking", attack="forked memory")
+    assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeding its memory limit (python_memory_mb 1024 MiB)" in str(failed.value.details())
+    eventually(lambda: bool(attack(server, "forking", attack="popen")), "the restarted worker")
+
+
 def test_no_process_outlives_its_worker(server: ServerProcess) -> None:
     """A double-forked child in its own session, reparented away from the worker, dies with
     it."""
