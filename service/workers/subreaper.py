@@ -84,15 +84,20 @@ def kill_all(cgroup: Path | None) -> None:
     """Kill and reap every process beneath this one, and every other one in its cgroup.
     Orphans of the ones killed become this process's children too: repeat until none is
     left."""
+    me = os.getpid()
     while True:
-        remaining = set(children_of(os.getpid())) | _members(cgroup)
-        remaining.discard(os.getpid())
+        children = set(children_of(me))
+        remaining = (children | _members(cgroup)) - {me}
         if not remaining:
-            break
+            return
         for pid in remaining:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _reap_all()
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # quick: SIGKILL cannot be caught or ignored
+        if not children:
+            time.sleep(0.001)  # only members of the cgroup this process cannot wait for
 
 
 def _members(cgroup: Path | None) -> set[int]:
@@ -102,19 +107,6 @@ def _members(cgroup: Path | None) -> set[int]:
         return {int(pid) for pid in (cgroup / "cgroup.procs").read_text().split()}
     except OSError:
         return set()
-
-
-def _reap_all() -> None:
-    """Wait for every child that has exited or is exiting after SIGKILL."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            if not children_of(os.getpid()):
-                return
-            time.sleep(0.001)
 
 
 def wait_for(worker: int, children: int | None) -> int:
