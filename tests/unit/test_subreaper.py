@@ -93,3 +93,24 @@ def test_within_the_count_nothing_happens() -> None:
         FORKING.format(count=3).replace("time.sleep(30)", "time.sleep(1)"), "--children", "4"
     )
     assert launcher.wait(LIMIT_S) == 0
+
+
+def test_the_front_ends_death_ends_everything() -> None:
+    """A front-end killed outright (SIGKILL: no cleanup of its own) leaves no worker and no
+    process of one: the kernel sends its launcher SIGTERM (PR_SET_PDEATHSIG)."""
+    worker = ORPHANING.format(code="time.sleep(60)")
+    front_end = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-m', {subreaper.__name__!r}, '--', sys.executable,"
+        f" '-c', {worker!r}])\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", front_end], stdout=subprocess.PIPE, text=True)
+    orphan = orphan_of(parent)
+    (launcher,) = subreaper.children_of(parent.pid)
+    parent.kill()
+    parent.wait(LIMIT_S)
+    deadline = time.monotonic() + LIMIT_S
+    while (alive(orphan) or alive(launcher)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(orphan) and not alive(launcher)
