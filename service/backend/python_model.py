@@ -26,9 +26,13 @@ from service.backend.load import Load
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.inference.jobs import Timings
 from service.inference.tensors import TensorSpec
+from service.model.parameters import (
+    DEFAULT_PYTHON_MEMORY_MB,
+    PYTHON_MEMORY_MB,
+    child_processes,
+)
 from service.model.sequences import sequence_settings, with_sequence_tensors
 
-DEFAULT_MEMORY_MB = 4096
 DEFAULT_OPEN_FILES = 256
 
 
@@ -40,7 +44,9 @@ class PythonModel:
         model_file = Path(load.model_file)
         # What the host could not confine, for the front-end's warning; None: sandbox off.
         self.unprotected: tuple[str, ...] | None = (
-            tuple(python_sandbox.enter(model_file.parent.parent))
+            tuple(
+                python_sandbox.enter(model_file.parent.parent, child_processes(load.parameters) > 0)
+            )
             if python_sandbox.wanted(load.parameters)
             else None
         )
@@ -165,7 +171,7 @@ class PythonModel:
 
 def _limit(parameters: Mapping[str, str]) -> None:
     """Soft and hard limits both, so model.py cannot raise them again."""
-    memory = int(parameters.get("python_memory_mb", DEFAULT_MEMORY_MB)) << 20
+    memory = int(parameters.get(PYTHON_MEMORY_MB, DEFAULT_PYTHON_MEMORY_MB)) << 20
     files = int(parameters.get("python_open_files", DEFAULT_OPEN_FILES))
     for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_NOFILE, files)):
         _, hard = resource.getrlimit(limit)

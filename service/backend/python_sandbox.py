@@ -11,8 +11,11 @@ imported (model parameter `python_sandbox`, `on` unless a trusted model says `of
   description (/proc/cpuinfo, /sys/devices/system/cpu); no TCP connect or
   bind (ABI 4); no signals to or abstract sockets of outside processes (ABI 6). The server's
   environment in /proc, its TLS keys, ticket keys and trusted keys are outside all of these.
-- seccomp: no socket() of any family, no io_uring, ptrace, process_vm_*, mounts, namespaces,
-  kernel modules, keys, BPF or perf events.
+- RLIMIT_FSIZE: the only files it can write (memfd_create ones: memory outside its address
+  space) hold at most MAX_FILE_MB each; RLIMIT_NOFILE bounds how many.
+- seccomp: no socket() of any family, no io_uring, ptrace, process_vm_*, mounts, namespaces
+  (clone's namespace flags included), kernel modules, keys, BPF or perf events; no new process
+  unless the model asks for child processes (python_child_processes).
 
 Shared memory needs no rule: the worker gets its own segments as file descriptors and no
 segment has a name anyone could open (service/workers/shm.py).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import resource
 import site
 import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
@@ -48,6 +52,13 @@ _SYSTEM_READ = (
     "/proc/cpuinfo", "/sys/devices/system/cpu",
 )  # fmt: skip
 _SYSTEM_READ_WRITE = ("/dev/null",)
+# What of its own /proc/PID a model may read: not net/ (every socket of the host's network
+# namespace), mountinfo or mounts (the host's mounts), environ. Directories it may only list
+# (their files stay closed: task/TID holds net/ and mountinfo again).
+_OWN_PROC_FILES = ("stat", "statm", "status", "maps", "cmdline", "comm", "limits")
+_OWN_PROC_LISTS = ("fd", "task")
+# The largest file a sandboxed model may write (all it can write is a memfd_create file).
+MAX_FILE_MB = 16
 
 
 def wanted(parameters: Mapping[str, str]) -> bool:
@@ -56,8 +67,9 @@ def wanted(parameters: Mapping[str, str]) -> bool:
     return parameters.get(PYTHON_SANDBOX, "on") != "off"
 
 
-def enter(model_dir: Path) -> list[str]:
-    """Confine this (single-threaded) process for good; returns what is missing, and why."""
+def enter(model_dir: Path, children: bool) -> list[str]:
+    """Confine this (single-threaded) process for good; returns what is missing, and why.
+    `children`: the model may start processes."""
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         # Landlock and capabilities hold for the calling thread only.
@@ -66,6 +78,11 @@ def enter(model_dir: Path) -> list[str]:
     allowed = list(_allowed(model_dir))
     if privileges.is_root():
         missing.extend(_leave_root(p for p, _ in allowed))
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    file_size = (
+        MAX_FILE_MB << 20 if hard == resource.RLIM_INFINITY else min(MAX_FILE_MB << 20, hard)
+    )
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
     privileges.no_new_privileges()
     privileges.undumpable()
     version = landlock.abi()
@@ -84,10 +101,13 @@ def enter(model_dir: Path) -> list[str]:
     if not seccomp.supported():
         missing.append(
             f"seccomp filter (x86_64 and aarch64 only, not {os.uname().machine}): model.py can "
-            "open network sockets"
+            "open network sockets, start processes and create namespaces"
         )
-    elif not seccomp.install():
-        missing.append("seccomp filter (CONFIG_SECCOMP_FILTER): model.py can open network sockets")
+    elif not seccomp.install(children):
+        missing.append(
+            "seccomp filter (CONFIG_SECCOMP_FILTER): model.py can open network sockets, start "
+            "processes and create namespaces"
+        )
     return missing
 
 
@@ -122,7 +142,11 @@ def _allowed(model_dir: Path) -> Iterator[tuple[Path, int]]:
     yield Path(oip.__file__).parent, landlock.READ
     yield Path(protos_init).parent, landlock.READ
     yield model_dir, landlock.READ
-    yield Path(f"/proc/{os.getpid()}"), landlock.READ
+    own = Path(f"/proc/{os.getpid()}")
+    for name in _OWN_PROC_FILES:
+        yield own / name, landlock.READ
+    for name in _OWN_PROC_LISTS:
+        yield own / name, landlock.READ_DIR
     for system in _SYSTEM_READ:
         yield Path(system), landlock.READ
     for device in _SYSTEM_READ_WRITE:

@@ -60,6 +60,10 @@ def deadline_exceeded(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, message)
 
 
+def resource_exhausted(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
 async def abort(context: ServicerContext, exc: ServiceError) -> NoReturn:
     await context.abort(exc.code, exc.message)
 

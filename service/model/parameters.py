@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 from protos.inference import model_config_pb2 as mc
 
+# How many processes a Python model's code may run beside its worker at once (seccomp refuses
+# any when 0, the default; its launcher kills the worker past the count).
+PYTHON_CHILD_PROCESSES = "python_child_processes"
+MEMORY_MB = "memory_mb"
+PYTHON_MEMORY_MB = "python_memory_mb"
+DEFAULT_PYTHON_MEMORY_MB = 4096
+MAX_CHILD_PROCESSES = 64
 # name -> smallest accepted value
 _INTEGERS = {
     "cpu_math_threads": 1,
@@ -24,7 +31,11 @@ _INTEGERS = {
     "tensorrt_min_subgraph_size": 1,
     "breaker_min_requests": 1,
     "python_memory_mb": 256,
+    # All of a worker's memory, its processes' together (its cgroup's memory.max).
+    MEMORY_MB: 64,
     "python_open_files": 32,
+    # Processes a Python model may start (Paddle's CPU check runs three: sh, cat, grep).
+    PYTHON_CHILD_PROCESSES: 0,
     # A decoupled model's (service/model/decoupled.py).
     "max_concurrent_requests": 1,
     "max_queued_requests": 0,
@@ -93,6 +104,11 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
             raise ParameterError(
                 f"parameter {TESTING_CRASH_ON} must be a number, not {params[TESTING_CRASH_ON]!r}"
             ) from None
+    if numbers.get(PYTHON_CHILD_PROCESSES, 0) > MAX_CHILD_PROCESSES:
+        raise ParameterError(
+            f"parameter {PYTHON_CHILD_PROCESSES} must be <= {MAX_CHILD_PROCESSES}, "
+            f"not {numbers[PYTHON_CHILD_PROCESSES]}"
+        )
     sandbox = params.get(PYTHON_SANDBOX, "on")
     if sandbox not in PYTHON_SANDBOX_CHOICES:
         raise ParameterError(f"parameter {PYTHON_SANDBOX} must be on or off, not {sandbox!r}")
@@ -144,6 +160,21 @@ def engine_options(params: Mapping[str, str]) -> EngineOptions:
             "tensorrt_min_subgraph_size", default.tensorrt_min_subgraph_size
         ),
     )
+
+
+def child_processes(params: Mapping[str, str]) -> int:
+    """The processes a Python model may run beside its worker (checked by check_parameters)."""
+    return int(params.get(PYTHON_CHILD_PROCESSES, "0"))
+
+
+def worker_memory_mb(params: Mapping[str, str], python: bool) -> int | None:
+    """What one worker may hold in total (with a cgroup): memory_mb, else a Python model's
+    python_memory_mb; None: a Paddle model that names no limit."""
+    if MEMORY_MB in params:
+        return int(params[MEMORY_MB])
+    if python:
+        return int(params.get(PYTHON_MEMORY_MB, DEFAULT_PYTHON_MEMORY_MB))
+    return None
 
 
 def boolean(params: Mapping[str, str], name: str, default: bool) -> bool:

@@ -206,6 +206,7 @@ class _StateCollector(Collector):
         yield _worker_restarts()
         yield _worker_breaches()
         yield _output_dropped()
+        yield _worker_limit_kills()
         yield _h3_connections(0)
         yield _h3_handshakes()
         yield _gpu_memory()
@@ -217,6 +218,7 @@ class _StateCollector(Collector):
         restarts: dict[str, int] = {}
         breaches: dict[str, int] = {}
         dropped: dict[str, int] = {}
+        limit_kills: dict[tuple[str, str], int] = {}
         for v in versions:
             queue = v.queue()
             depth.add_metric([v.name, str(v.version)], queue.queued if queue else 0)
@@ -228,6 +230,10 @@ class _StateCollector(Collector):
             # The version's instances share one budget.
             outputs = {id(i.output): i.output for i in instances}
             dropped[v.name] = dropped.get(v.name, 0) + sum(o.dropped for o in outputs.values())
+            for instance in instances:
+                for limit, count in instance.limit_kills.items():
+                    key = (v.name, limit)
+                    limit_kills[key] = limit_kills.get(key, 0) + count
         yield depth
         yield live
         breakers = _breaker_state()
@@ -248,6 +254,10 @@ class _StateCollector(Collector):
         for name, count in sorted(dropped.items()):
             output_dropped.add_metric([name], count)
         yield output_dropped
+        kills = _worker_limit_kills()
+        for labels, count in sorted(limit_kills.items()):
+            kills.add_metric(list(labels), count)
+        yield kills
         if self.h3 is not None:
             stats = self.h3.stats
             yield _h3_connections(stats.connections)
@@ -317,6 +327,16 @@ def _output_dropped() -> CounterMetricFamily:
         "lines a Python model printed beyond its budget (--model-output-lines, "
         "--model-output-bytes), dropped from the log",
         labels=["model"],
+    )
+
+
+def _worker_limit_kills() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_worker_limit_kills",
+        "workers killed for going past a limit of their model's: memory (its cgroup's "
+        "memory.max) or processes (python_child_processes); their requests failed with "
+        "RESOURCE_EXHAUSTED, not retried",
+        labels=["model", "limit"],
     )
 
 

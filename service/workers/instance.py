@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from oip.datatypes import Datatype
@@ -33,6 +34,7 @@ from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
 from service.inference.waits import Wait, WaitGraph
+from service.model.parameters import MEMORY_MB, PYTHON_MEMORY_MB, child_processes, worker_memory_mb
 from service.workers import (
     bls_calls,
     launch,
@@ -42,6 +44,7 @@ from service.workers import (
     restarts,
     results,
     streams,
+    subreaper,
 )
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
@@ -104,7 +107,8 @@ class WorkerInstance:
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
         self._segments: SegmentChannel | None = None
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: asyncio.subprocess.Process | None = None  # the worker's launcher
+        self._cgroup: Path | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._output_readers: set[model_output.OutputReader] = set()
         self._restart_task: asyncio.Task[None] | None = None
@@ -129,6 +133,8 @@ class WorkerInstance:
         # Told how the worker died, before its requests fail (a sequence model's batcher:
         # the state the worker held for its sequences is gone).
         self.on_death: Callable[[str], None] | None = None
+        # Deaths for going past a limit of the model's ("memory", "processes"): metrics.
+        self.limit_kills: dict[str, int] = {}
 
     @property
     def outstanding(self) -> int:
@@ -147,16 +153,36 @@ class WorkerInstance:
         """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
         loaded = await self._launch()
         self.loaded = loaded
-        if self.spec.python:
-            self._warn_unprotected(loaded.unprotected)
+        self._warn_unprotected(loaded.unprotected if self.spec.python else ())
         return loaded
 
     @property
     def unprotected(self) -> tuple[str, ...]:
-        """What a Python model's sandbox lacks (ListInstances); () for Paddle models."""
-        if not self.spec.python or self.loaded is None:
+        """What a Python model's sandbox lacks, and for every worker, its cgroup when the host
+        offers none (ListInstances)."""
+        if self.loaded is None:
             return ()
-        return SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
+        bounds = self._bounds_missing()
+        if not self.spec.python:
+            return bounds
+        sandbox = SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
+        return (*sandbox, *bounds)
+
+    def _bounds_missing(self) -> tuple[str, ...]:
+        why = launch.worker_cgroups().unavailable
+        if not why:
+            return ()
+        if not self.spec.python:
+            return (
+                f"a cgroup of its own ({why}): the worker and what it starts are bounded in "
+                f"neither memory ({MEMORY_MB}) nor processes; the launcher still kills them all "
+                "when it ends",
+            )
+        return (
+            f"a cgroup of its own ({why}): memory is bounded per process ({PYTHON_MEMORY_MB} "
+            "of address space each), not in total; processes by seccomp and the launcher's "
+            "count; the launcher kills them all when the worker ends",
+        )
 
     def _warn_unprotected(self, unprotected: tuple[str, ...] | None) -> None:
         name = self.spec.model_name
@@ -164,6 +190,8 @@ class WorkerInstance:
             log.warning("model %s runs without the Python sandbox (%s)", name, *SANDBOX_OFF)
         for missing in unprotected or ():
             log.warning("model %s: this host lacks a Python sandbox protection: %s", name, missing)
+        for missing in self._bounds_missing():
+            log.warning("model %s: this host lacks a worker protection: %s", name, missing)
 
     async def infer(
         self, batch: Batch, deadline: float | None, worker: int | None = None
@@ -239,8 +267,8 @@ class WorkerInstance:
         try:
             self._segments.send(slot)
         except OSError as exc:
-            if self._process is not None and self._process.returncode is None:
-                self._process.kill()
+            if self._process is not None:
+                launch.end(self._process)
             raise errors.unavailable(
                 f"the worker for model '{self.spec.model_name}' takes no shared memory "
                 f"({exc.strerror or exc}); it is being restarted"
@@ -323,8 +351,10 @@ class WorkerInstance:
             try:
                 await asyncio.wait_for(self._process.wait(), 5)
             except TimeoutError:
-                self._process.kill()
+                launch.end(self._process)
                 await self._process.wait()
+        if self._process is not None:
+            launch.worker_cgroups().remove(self._cgroup)
         if self._reader_task:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -354,6 +384,7 @@ class WorkerInstance:
             self._segments.close()
         self._segments = SegmentChannel(spawned.segments)
         self._process = spawned.process
+        self._cgroup = spawned.cgroup
         if spawned.output is not None:
             output = model_output.OutputReader(spawned.output, self.output)
             self._output_readers.add(output)
@@ -365,7 +396,12 @@ class WorkerInstance:
         self._misbehaved = None
         reader, writer = await asyncio.open_unix_connection(sock=spawned.messages)
         self._writer = writer
-        first = await launch.load(self.spec, reader, writer, self._process)
+        try:
+            first = await launch.load(self.spec, reader, writer, self._process)
+        except BaseException:
+            launch.worker_cgroups().remove(self._cgroup)
+            raise
+        self.pid = launch.worker_pid(self._process.pid)
         self.state = State.READY
         self._ready.set()
         self._attempted.set()
@@ -417,8 +453,8 @@ class WorkerInstance:
         )
         self.refused_messages += 1
         self._misbehaved = f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc)
-        if self._process is not None and self._process.returncode is None:
-            self._process.kill()
+        if self._process is not None:
+            launch.end(self._process)
 
     def _complete(self, message: protocol.Result | protocol.Failed) -> None:
         pending = self._pending.pop(message.request_id, None)
@@ -472,7 +508,7 @@ class WorkerInstance:
             self.execution_timeout_s,
         )
         self._killed_hung = True
-        process.kill()
+        launch.end(process)
 
     async def _on_death(self) -> None:
         self.state = State.RESTARTING
@@ -480,9 +516,14 @@ class WorkerInstance:
         self._attempted.clear()
         self._writer = None
         code = await self._process.wait() if self._process else None
+        launch.worker_cgroups().remove(self._cgroup)
         misbehaved = self._misbehaved
+        exceeded = self._exceeded(code) if misbehaved is None else None
         if misbehaved is not None:
             how = f"broke the worker protocol ({misbehaved}) and was killed"
+        elif exceeded is not None:
+            limit, how = exceeded
+            self.limit_kills[limit] = self.limit_kills.get(limit, 0) + 1
         elif self._killed_hung:
             how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s of execution"
         elif code is not None and code < 0:
@@ -497,7 +538,11 @@ class WorkerInstance:
             self.pid,
             how,
             len(self._pending) + len(self.streams),
-            "fail" if misbehaved else "go back to the queue",
+            "fail"
+            if misbehaved
+            else "go back to the queue"
+            if exceeded is None
+            else "fail (RESOURCE_EXHAUSTED)",
             self._restart_delay,
         )
         if self.on_death is not None:
@@ -509,11 +554,28 @@ class WorkerInstance:
         if misbehaved is not None:
             refused = errors.internal(f"{message}; the request is not run again")
             self._fail_pending(lambda _: refused)
+        elif exceeded is not None:
+            # The model's own doing: its requests fail, none is retried on the next worker.
+            self._fail_pending(lambda _: errors.resource_exhausted(message))
         else:
             self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
         self.bls.cancel_all()
-        self.streams.died(how, retry=misbehaved is None)
+        self.streams.died(how, retry=misbehaved is None and exceeded is None)
         self._restart_task = asyncio.create_task(self._restart())
+
+    def _exceeded(self, code: int | None) -> tuple[str, str] | None:
+        """(limit, how it died) for a worker killed for going past a limit of its model's."""
+        params = self.spec.parameters
+        if code == subreaper.EXCEEDED_MEMORY:
+            mb = worker_memory_mb(params, self.spec.python)
+            name = MEMORY_MB if MEMORY_MB in params or not self.spec.python else PYTHON_MEMORY_MB
+            return "memory", f"was killed for exceeding its memory limit ({name} {mb} MiB)"
+        if code == subreaper.EXCEEDED_CHILDREN and self.spec.python:
+            count = child_processes(params)
+            return "processes", (
+                f"was killed for running more than python_child_processes ({count}) processes"
+            )
+        return None
 
     async def _restart(self) -> None:
         while self.state is State.RESTARTING:

@@ -1,18 +1,25 @@
-"""Starting one worker process: its environment, the sockets it is handed (messages, and
-shared-memory segments as descriptors), a pipe for a Python model's output (model_output.py
-logs it), and the load handshake, bounded by LOAD_TIMEOUT_S."""
+"""Starting one worker process: its launcher (subreaper.py) and cgroup (cgroups.py), its
+environment, the sockets it is handed (messages, and shared-memory segments as descriptors), a
+pipe for a Python model's output (model_output.py logs it), and the load handshake, bounded by
+LOAD_TIMEOUT_S."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from service.backend import python_sandbox
 from service.backend.load import Load
-from service.workers import message_bounds, protocol
+from service.backend.sandbox import seccomp
+from service.model.parameters import child_processes, worker_memory_mb
+from service.workers import cgroups, message_bounds, protocol, subreaper
 from service.workers.spec import WorkerSpec
 
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
@@ -29,12 +36,38 @@ LOAD_TIMEOUT_S = 600.0
 
 @dataclass
 class Spawned:
-    """A started worker process and the front-end's ends of its two sockets."""
+    """A started worker's launcher, its cgroup and the front-end's ends of its two sockets."""
 
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process  # the launcher: it exits with the worker's status
     messages: socket.socket
     segments: socket.socket  # non-blocking
     output: int | None  # a Python model's stdout and stderr: the pipe's end to read
+    cgroup: Path | None
+
+
+@functools.cache
+def worker_cgroups() -> cgroups.WorkerCgroups:
+    """Decided once per server process, at its first worker."""
+    return cgroups.detect()
+
+
+def end(process: asyncio.subprocess.Process) -> None:
+    """Kill the worker and every process it started: its launcher's SIGTERM."""
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+
+
+def launcher_options(spec: WorkerSpec, cgroup: Path | None) -> list[str]:
+    """The count of a sandboxed Python model's processes, where seccomp does not refuse them
+    all already; the cgroup to enter."""
+    options = []
+    if spec.python and python_sandbox.wanted(spec.parameters):
+        children = child_processes(spec.parameters)
+        if children or not seccomp.supported():
+            options += ["--children", str(children)]
+    if cgroup is not None:
+        options += ["--cgroup", str(cgroup)]
+    return options
 
 
 async def spawn(spec: WorkerSpec) -> Spawned:
@@ -54,8 +87,18 @@ async def spawn(spec: WorkerSpec) -> Spawned:
     # A Python model's prints go to the server's log, tagged with the model's name
     # (model_output.py reads them).
     output, output_child = os.pipe() if python else (None, asyncio.subprocess.DEVNULL)
+    memory_mb = worker_memory_mb(spec.parameters, python)
+    cgroup = None
     try:
+        cgroup = worker_cgroups().create(
+            spec.instance_name, None if memory_mb is None else memory_mb << 20
+        )
         process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            subreaper.__name__,
+            *launcher_options(spec, cgroup),
+            "--",
             sys.executable,
             "-m",
             "service.workers.main",
@@ -74,13 +117,28 @@ async def spawn(spec: WorkerSpec) -> Spawned:
         segments.close()
         if output is not None:
             os.close(output)
+        cgroups.WorkerCgroups.remove(cgroup)
         raise
     finally:
         child.close()
         segments_child.close()
         if output is not None:
             os.close(output_child)
-    return Spawned(process, parent, segments, output)
+    return Spawned(process, parent, segments, output, cgroup)
+
+
+def worker_pid(launcher: int) -> int:
+    """The worker's pid: the launcher's first child (any other started after it)."""
+    children = list(subreaper.children_of(launcher))
+    return min(children, key=_start_time, default=launcher)
+
+
+def _start_time(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return 1 << 62
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 async def load(
@@ -118,8 +176,7 @@ async def load(
         first = protocol.LoadFailed(f"the worker broke the protocol: it sent {exc}")
     if not isinstance(first, protocol.Loaded):
         writer.close()
-        if process.returncode is None:
-            process.kill()
+        end(process)
         code = await process.wait()
         reason = (
             first.reason if isinstance(first, protocol.LoadFailed) else f"worker exited ({code})"

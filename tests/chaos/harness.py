@@ -52,6 +52,10 @@ HOSTILE_MODEL = "hostile"
 HOSTILE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_hostile"
 # Client certificates from the server's CA (--tls-client-ca; callers without one are served).
 CLIENT_NAMES = ("victim", "intruder")
+# A hostile Python model (tests/fixtures/python_processes) that may run PROCESS_COUNT processes.
+PROCESSES_MODEL = "processes"
+PROCESSES_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_processes"
+PROCESS_COUNT = 4
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.name
 RETRY_BACKOFF_S = 0.1  # as a gRPC retry policy's initial backoff: the channel notices the loss
 GOOD_TIMEOUT_S = 60.0  # longer than a worker restart on a busy 2-core machine
@@ -121,6 +125,9 @@ class Scale:
     output_flood: int  # empty lines, and as many lines of text, the hostile model prints
     hijacked_sequences: int  # a certified caller's sequences others try to take over
     attack_limit_s: float
+    fork_bombs: int = 2  # fork bombs from a Python model, each past its process count
+    memfd_bombs: int = 2  # memfd_create files of 1,500 MiB asked for
+    orphans: int = 2  # double-forked children whose worker then ends
 
 
 SHORT = Scale(
@@ -191,6 +198,9 @@ FULL = Scale(
     output_flood=1_000_000,
     hijacked_sequences=40,
     attack_limit_s=240.0,
+    fork_bombs=5,
+    memfd_bombs=5,
+    orphans=5,
 )
 
 
@@ -533,8 +543,9 @@ async def run_row(
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
     killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
-    `generate`, a decoupled one, `kws`, a sequence-batched one, and `hostile`, a Python model
-    that attacks through its worker."""
+    `generate`, a decoupled one, `kws`, a sequence-batched one, `hostile`, a Python model
+    that attacks through its worker, and `processes`, a hostile Python model that may run
+    PROCESS_COUNT processes."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
@@ -542,6 +553,10 @@ def chaos_repository(directory: Path) -> Path:
     shutil.copytree(EXAMPLE_MODELS / GENERATION_MODEL, repository / GENERATION_MODEL)
     shutil.copytree(EXAMPLE_MODELS / SEQUENCE_MODEL, repository / SEQUENCE_MODEL)
     shutil.copytree(HOSTILE_FIXTURE, repository / HOSTILE_MODEL)
+    shutil.copytree(PROCESSES_FIXTURE, repository / PROCESSES_MODEL)
+    with (repository / PROCESSES_MODEL / "config.pbtxt").open("a") as config:
+        value = f'{{ string_value: "{PROCESS_COUNT}" }}'
+        config.write(f'parameters {{ key: "python_child_processes" value: {value} }}\n')
     return repository
 
 

@@ -95,6 +95,17 @@ ATTACKS = (
         frozenset({"UNAVAILABLE", "INTERNAL", "INVALID_ARGUMENT"}),
     ),
     AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
+    AttackSpec("fork bomb", workers.fork_bomb, frozenset({"RESOURCE_EXHAUSTED"})),
+    AttackSpec(
+        "memfd bomb",
+        workers.memfd_bomb,
+        frozenset({f"stopped at {workers.MEMFD_BOUND_MB} MiB"}),
+    ),
+    AttackSpec(
+        "orphaned child",
+        workers.orphaned_child,
+        frozenset({"orphaned", "worker killed", "orphan ended with its worker"}),
+    ),
     AttackSpec(
         "oversized worker message",
         workers.oversized_worker_message,

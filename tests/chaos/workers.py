@@ -6,6 +6,7 @@ printed lines)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from clients.inference_client import build_request
+from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
@@ -23,6 +24,8 @@ from tests.chaos.harness import (
     GOOD_MODEL,
     HOSTILE_MODEL,
     POISON_VALUE,
+    PROCESS_COUNT,
+    PROCESSES_MODEL,
     AttackResult,
     Scale,
     Target,
@@ -48,14 +51,19 @@ async def instances(target: Target, model: str = GOOD_MODEL) -> list[control_pb2
     return list(response.instances)
 
 
-def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
-    """Signal `pid` only while it is still a child of the server (never a reused pid)."""
+def _parent(pid: int) -> str:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return False
-    parent = next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
-    if parent != str(target.pid):
+        return ""
+    return next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
+
+
+def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
+    """Signal `pid` only while it is still a worker of the server, under its launcher (never a
+    reused pid)."""
+    launcher = _parent(pid)
+    if not launcher or _parent(int(launcher)) != str(target.pid):
         return False
     os.kill(pid, sig)
     return True
@@ -232,3 +240,82 @@ async def model_output_flood(target: Target, scale: Scale) -> AttackResult:
     if dropped < printed - growth // 16:
         result.problems.append(f"{dropped:g} of {printed} lines counted as dropped")
     return result
+
+
+MEMFD_ASKED_MB = 1500
+MEMFD_BOUND_MB = 16  # RLIMIT_FSIZE in the sandbox (service/backend/python_sandbox.py)
+
+
+async def _processes_call(target: Target, **probe: object) -> tuple[str, dict[str, str]]:
+    """One call to the hostile model: its status, and its report when it answered."""
+    text = np.array([json.dumps(probe).encode()], dtype=np.object_)
+    request = build_request(PROCESSES_MODEL, {"probe": text})
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            response = await stub.ModelInfer(request, timeout=RESTART_LIMIT_S)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name, {}
+    (report,) = parse_response(response)["report"].tolist()
+    return "OK", json.loads(report)
+
+
+async def fork_bomb(target: Target, scale: Scale) -> AttackResult:
+    """300 forks from a model that may run PROCESS_COUNT processes: its launcher kills the
+    worker and every one of them, and the request fails RESOURCE_EXHAUSTED (not retried)."""
+    result = AttackResult()
+    for _ in range(scale.fork_bombs):
+        status, report = await _processes_call(target, attack="fork bomb", count=300)
+        result.outcomes[status] += 1
+        if status == "OK":
+            result.problems.append(f"{report.get('forks')} forks past a count of {PROCESS_COUNT}")
+    return result
+
+
+async def memfd_bomb(target: Target, scale: Scale) -> AttackResult:
+    """1,500 MiB asked of a memfd_create file: it stops at MEMFD_BOUND_MB."""
+    result = AttackResult()
+    for _ in range(scale.memfd_bombs):
+        status, report = await _processes_call(target, attack="memfd bomb", mb=MEMFD_ASKED_MB)
+        held = int(report.get("written mb", "0"))
+        result.outcomes[f"stopped at {held} MiB" if status == "OK" else status] += 1
+        if held > MEMFD_BOUND_MB:
+            result.problems.append(f"a memfd file held {held} MiB")
+    return result
+
+
+async def orphaned_child(target: Target, scale: Scale) -> AttackResult:
+    """A double-forked child in a session of its own, then its worker is killed: the child
+    must end with it (the worker's launcher is its subreaper), and the worker come back."""
+    result = AttackResult()
+    for _ in range(scale.orphans):
+        status, report = await _processes_call(target, attack="orphan")
+        if status != "OK":
+            result.outcomes[status] += 1
+            continue
+        orphan = int(report["orphan"])
+        result.outcomes["orphaned"] += 1
+        victim = await _victim(target, PROCESSES_MODEL)
+        if not _signal_worker(target, victim.pid, signal.SIGKILL):
+            result.problems.append(f"worker {victim.pid} vanished before the kill")
+            continue
+        result.outcomes["worker killed"] += 1
+        deadline = time.monotonic() + RESTART_LIMIT_S
+        while _alive(orphan) and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        if _alive(orphan):
+            result.problems.append(f"orphan {orphan} outlived its worker")
+        else:
+            result.outcomes["orphan ended with its worker"] += 1
+        if not await _replaced(target, victim, RESTART_LIMIT_S, PROCESSES_MODEL):
+            result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
+    return result
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

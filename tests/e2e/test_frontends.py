@@ -41,7 +41,7 @@ from tests.servers import (
 pytestmark = pytest.mark.e2e
 
 FRONTEND = "service.frontends.frontend"
-WORKER = "service.workers.main"
+LAUNCHER = "service.workers.subreaper"
 WAIT_S = 60.0
 MAX_CONNECTIONS = 200  # new connections tried until both front-ends got one
 REBINDS = 20  # new client ports: the chance that none reaches the other front-end is 2^-20
@@ -168,7 +168,9 @@ async def test_new_connections_reach_both_frontends(server: ServerProcess, certs
 
 def test_one_set_of_workers_under_the_parent(server: ServerProcess) -> None:
     processes = children(server.process.pid)
-    workers = {pid for pid, cmd in processes.items() if WORKER in cmd}
+    # Each worker runs under a launcher of its own (service/workers/subreaper.py).
+    launchers = {pid for pid, cmd in processes.items() if LAUNCHER in cmd}
+    workers = {pid for launcher in launchers for pid in children(launcher)}
     assert workers == {i.pid for i in server.instances("mlp")}
     assert len(frontends(server)) == 2
     for frontend in frontends(server):

@@ -92,6 +92,14 @@ def text_of(responses: list[pb.ModelInferResponse | str]) -> tuple[str, str]:
     return text, outputs[-1]["finish_reason"][0].decode()
 
 
+def test_paddle_reads_the_cpu_inside_the_sandbox(server: ServerProcess) -> None:
+    """The example imports paddle in its sandbox: Paddle's `cat /proc/cpuinfo` (its CPU
+    feature check) is allowed, not refused."""
+    log = server.log_text()
+    assert "model generate" in log
+    assert "/proc/cpuinfo" not in log
+
+
 async def test_each_token_is_a_response_and_the_last_says_why_it_ended(
     server: ServerProcess, transport: str, certs_dir: Path
 ) -> None:
