@@ -129,6 +129,7 @@ async def serve(settings: ServerSettings) -> None:
             ),
             settings.max_message_bytes,
             StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
+            settings.server_name,
         ),
         ControlServicer(models),
         health.servicer,

@@ -181,13 +181,18 @@ class Lifecycle:
         have replaced serving, and the error says why."""
         check_model_name(name)
         if not (self.repository.root / name).is_dir():
-            raise errors.not_found(f"model '{name}' not found in {self.repository.root}")
+            raise errors.not_found(
+                f"failed to load '{name}', failed to poll from model repository: the "
+                "repository has no such model"
+            )
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
                 model = self.repository.load(name)
             except (RepositoryError, OSError) as exc:
                 self._repository_failed(name, str(exc))
-                raise errors.internal(f"model '{name}' cannot be loaded: {exc}") from exc
+                raise errors.internal(
+                    f"failed to load '{name}', failed to poll from model repository: {exc}"
+                ) from exc
             current = self.registry.serving(name)
             result: dict[int, ServedVersion] = {}
             failures: list[ServedVersion] = []
@@ -239,7 +244,7 @@ class Lifecycle:
                 self.retiring.retire_soon(version, "replaced")
             if failures:
                 first = failures[0]
-                message = f"model '{name}' version {first.version}: {first.reason}"
+                message = f"load failed for model '{name}': version {first.version}: {first.reason}"
                 raise (
                     errors.failed_precondition(message)
                     if first.refused
