@@ -207,6 +207,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         shared.regions.unregister(await shared.caller(context), request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
+    @errors.reports_errors
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: ServicerContext
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return self.shared_memory.cuda_status(context, request.name)
+
+    @errors.reports_errors
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: ServicerContext
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        self.shared_memory.cuda_register(context, request.name)
+
+    @errors.reports_errors
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: ServicerContext
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        """Nothing is registered, so nothing is left registered (Triton's answer)."""
+        self.shared_memory.check_mode(context)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     def _check_explicit_control(self) -> None:
         if self.control_mode != "explicit":
             raise errors.ServiceError(

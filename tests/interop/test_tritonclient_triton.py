@@ -81,3 +81,23 @@ def test_error_texts_start_as_tritons(summary: dict[str, Any]) -> None:
     assert texts["load_unknown"].startswith(
         "failed to load 'wrong_model_name', failed to poll from model repository"
     )
+
+
+def test_cuda_shared_memory_answers_as_triton_without_a_gpu(summary: dict[str, Any]) -> None:
+    cuda = summary["cuda"]
+    assert cuda["unregister"] is None
+    assert cuda["status"] == {} and cuda["status_after"] == {}
+    assert cuda["register"].startswith(
+        "failed to register CUDA shared memory region: 'gpu_region', GPUs not supported"
+    )
+
+
+def test_bytes_tensors_travel_in_system_shared_memory(summary: dict[str, Any]) -> None:
+    """A BYTES input read from the caller's region, a BYTES and an INT32 output written into
+    theirs, each element a 4-byte little-endian length and its bytes, as tritonclient writes
+    and reads them."""
+    served = summary["bytes_shm"]
+    assert served["upper"] == ["PADDLE", "QUIC", "", "H\u00c9"]
+    assert served["length"] == [6, 4, 0, 2]
+    assert served["raw_lengths"] == [0, 0]  # both outputs travelled in shared memory only
+    assert served["left"] == {}
