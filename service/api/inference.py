@@ -159,7 +159,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: ServicerContext
     ) -> pb.RepositoryIndexResponse:
-        entries = self.models.index()
+        entries = await self.lifecycle.index()
         if request.ready:
             entries = [e for e in entries if e.state == "READY"]
         return pb.RepositoryIndexResponse(models=entries)

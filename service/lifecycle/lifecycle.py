@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from protos.inference import grpc_service_pb2 as pb
 from service.inference import errors
 from service.lifecycle.consistency import check_ensembles, check_fallbacks
 from service.lifecycle.fingerprint import Fingerprint, fingerprint
@@ -169,6 +170,21 @@ class Lifecycle:
         await self._check_consistency()
         self.registry.loading_done = True
         self.registry.changed()
+
+    async def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        """Every model of the repository, in every control mode, as Triton lists them: what
+        the registry serves or why not, and each other model by its name alone (never
+        loaded); sorted by name."""
+        entries = self.registry.index()
+        listed = {entry.name for entry in entries}
+        try:
+            names = await asyncio.to_thread(self.repository.model_names)
+        except (RepositoryError, OSError):
+            names = []  # a repository that went away: what the registry knows
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=name) for name in names if name not in listed
+        ]
+        return sorted(entries, key=lambda entry: entry.name)
 
     async def _check_consistency(self) -> None:
         await check_ensembles(self.registry, self.fail)

@@ -83,6 +83,13 @@ def test_error_texts_start_as_tritons(summary: dict[str, Any]) -> None:
     )
 
 
+def test_repository_index_lists_every_model_in_explicit_mode(summary: dict[str, Any]) -> None:
+    """Loaded models with their versions and state; `mlp`, never loaded, with its name only
+    (as Triton lists it)."""
+    listed = {(m["name"], m.get("version", ""), m.get("state", "")) for m in summary["index"]}
+    assert listed == {("simple", "1", "READY"), ("upper", "1", "READY"), ("mlp", "", "")}
+
+
 def test_cuda_shared_memory_answers_as_triton_without_a_gpu(summary: dict[str, Any]) -> None:
     cuda = summary["cuda"]
     assert cuda["unregister"] is None
