@@ -131,6 +131,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.max_message_bytes,
             StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
             SequenceCallers(settings.sequence_callers),
+            settings.server_name,
         ),
         ControlServicer(models),
         health.servicer,

@@ -23,6 +23,7 @@ MAX_AUTO_FRONTENDS = 8
 MAX_ALT_SVC_MAX_AGE = 7 * 86400  # what a client is told to remember, at most a week
 MAX_H3_TOKEN_LIFETIME = 7 * 86400.0
 MAX_STREAM_STALL_TIMEOUT = 3600.0
+MAX_SERVER_NAME = 128
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class ServerSettings:
     stream_stall_timeout: float = 10.0
     stream_buffer_bytes: int = 4 << 20
     sequence_callers: str = "any"
+    server_name: str = "paddlequic"
 
 
 _HELP = {
@@ -174,6 +176,8 @@ _HELP = {
     "freed) and the stream ends RESOURCE_EXHAUSTED",
     "stream_buffer_bytes": "bytes of built responses one ModelStreamInfer stream holds for a "
     "caller that has not taken them (one larger response is held alone)",
+    "server_name": "the name ServerMetadata answers (`triton` for clients that check it), "
+    f"1 to {MAX_SERVER_NAME} printable ASCII characters",
     "shared_memory": "Triton's system shared-memory extension (tensors in POSIX shared memory "
     "on the server's host): local (served to loopback callers only), any, or off",
     "sequence_callers": "who may use sequence models: any (a caller without a client "
@@ -266,6 +270,9 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         )
     if settings.stream_buffer_bytes < 1:
         parser.error("--stream-buffer-bytes must be at least 1")
+    name = settings.server_name
+    if not (0 < len(name) <= MAX_SERVER_NAME and name.isascii() and name.isprintable()):
+        parser.error(f"--server-name takes 1 to {MAX_SERVER_NAME} printable ASCII characters")
     if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:
         parser.error(f"--h3-token-lifetime must be from 0 to {MAX_H3_TOKEN_LIFETIME:g}")
     try:

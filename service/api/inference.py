@@ -26,16 +26,27 @@ from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
 from service.inference.validation import decoded, request_sequence
 from service.lifecycle.lifecycle import Lifecycle
-from service.registry.versions import ModelRegistry, ServedVersion
+from service.registry.versions import ModelRegistry, ServedVersion, unknown_model
 from service.serving.requests import RequestRunner
 
 log = logging.getLogger("paddlequic.api")
 
-SERVER_NAME = "paddlequic"
 # The installed distribution's version (set from clients.__version__ at build time): the server
 # never imports the client package.
 SERVER_VERSION = metadata.version("paddlequic")
-EXTENSIONS = ("model_configuration", "model_repository", "statistics", "binary_tensor_data")
+# Triton's extensions this server implements, in Triton's order; system_shared_memory is
+# added unless --shared-memory is off. Not listed: classification, cuda_shared_memory (its
+# RPCs answer as Triton without a GPU does: nothing registers), trace and logging (no
+# settings RPCs), model_repository(unload_dependents).
+EXTENSIONS = (
+    "sequence",
+    "model_repository",
+    "schedule_policy",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+)
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
 
 
@@ -50,7 +61,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         max_message_bytes: int,
         stream_bounds: StreamBounds,
         sequence_callers: SequenceCallers,
+        server_name: str,
     ) -> None:
+        """`server_name`: what ServerMetadata answers (--server-name)."""
         self.models = models
         self.runner = runner
         self.lifecycle = lifecycle
@@ -59,6 +72,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.max_message_bytes = max_message_bytes
         self.stream_bounds = stream_bounds
         self.sequence_callers = sequence_callers
+        self.server_name = server_name
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -73,8 +87,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: ServicerContext
     ) -> pb.ServerMetadataResponse:
+        extensions = list(EXTENSIONS)
+        if self.shared_memory.mode != "off":
+            extensions.insert(extensions.index("binary_tensor_data"), "system_shared_memory")
         return pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
+            name=self.server_name, version=SERVER_VERSION, extensions=extensions
         )
 
     async def ModelReady(
@@ -135,7 +152,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 else self.models.versions_of(request.name)
             )
             if not chosen:
-                raise errors.not_found(f"unknown model '{request.name}'")
+                raise unknown_model(f"'{request.name}'", "it has no version loaded")
         else:
             chosen = self.models.all_versions()
         return pb.ModelStatisticsResponse(
@@ -145,7 +162,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: ServicerContext
     ) -> pb.RepositoryIndexResponse:
-        entries = self.models.index()
+        entries = await self.lifecycle.index()
         if request.ready:
             entries = [e for e in entries if e.state == "READY"]
         return pb.RepositoryIndexResponse(models=entries)
@@ -192,6 +209,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         shared = self.shared_memory
         shared.regions.unregister(await shared.caller(context), request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
+
+    @errors.reports_errors
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: ServicerContext
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return self.shared_memory.cuda_status(context, request.name)
+
+    @errors.reports_errors
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: ServicerContext
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        self.shared_memory.cuda_register(context, request.name)
+
+    @errors.reports_errors
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: ServicerContext
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        """Nothing is registered, so nothing is left registered (Triton's answer)."""
+        self.shared_memory.check_mode(context)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     def _check_explicit_control(self) -> None:
         if self.control_mode != "explicit":

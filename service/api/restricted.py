@@ -56,6 +56,9 @@ _METHOD_CATEGORIES = {
     _INFERENCE + "SystemSharedMemoryStatus": "shared-memory",
     _INFERENCE + "SystemSharedMemoryRegister": "shared-memory",
     _INFERENCE + "SystemSharedMemoryUnregister": "shared-memory",
+    _INFERENCE + "CudaSharedMemoryStatus": "shared-memory",
+    _INFERENCE + "CudaSharedMemoryRegister": "shared-memory",
+    _INFERENCE + "CudaSharedMemoryUnregister": "shared-memory",
 }
 # Every method of these services; reflection (only the public schema) and the test-only
 # Testing service belong to no category and stay open.

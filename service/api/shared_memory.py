@@ -10,8 +10,12 @@ beside the server, and only such callers can have made one; `any` also serves pe
 addresses (a trusted network, behind the `shared-memory` restricted-protocol category, which
 covers every request whose tensors name a region); `off` refuses them all. Whatever the mode,
 a caller is the uid that owns its socket on this host (socket_owners.py): one whose socket is
-not on this host, or whose owner cannot be told, uses no region. CUDA shared memory needs a
-GPU and is not served."""
+not on this host, or whose owner cannot be told, uses no region.
+
+CUDA shared memory is answered as Triton built without GPU support answers it (its clients
+unregister every CUDA region before they start): no region ever registers, so the status lists
+none and unregistering succeeds; registering fails, naming the region. The same modes and
+category admit these RPCs."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import os
 import pwd
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -74,7 +78,7 @@ class SharedMemory:
 
     async def caller(self, context: ServicerContext) -> Caller:
         """Who calls, if it may use shared memory: the uid that owns its socket."""
-        self._check_mode(context)
+        self.check_mode(context)
         peer = context.peer()
         socket = peer_socket(peer)
         # Our own servicer contexts say whether the call came over UDP (HTTP/3); grpc.aio's,
@@ -111,7 +115,8 @@ class SharedMemory:
             )
         return await self.caller(context)
 
-    def _check_mode(self, context: ServicerContext) -> None:
+    def check_mode(self, context: ServicerContext) -> None:
+        """Whether this caller may use shared memory at all (--shared-memory)."""
         if self.mode == "off":
             raise errors.failed_precondition(
                 "system shared memory is off on this server (--shared-memory off)"
@@ -136,13 +141,34 @@ class SharedMemory:
             )
         return response
 
+    def cuda_status(self, context: ServicerContext, name: str) -> pb.CudaSharedMemoryStatusResponse:
+        """No CUDA region is ever registered: every one, or the one named, in Triton's words."""
+        self.check_mode(context)
+        if name:
+            raise errors.not_found(
+                f"Unable to find cuda shared memory region: '{errors.echoed(name)}' (this "
+                "server registers no CUDA shared memory)"
+            )
+        return pb.CudaSharedMemoryStatusResponse()
+
+    def cuda_register(self, context: ServicerContext, name: str) -> NoReturn:
+        self.check_mode(context)
+        raise errors.invalid(
+            f"failed to register CUDA shared memory region: '{errors.echoed(name)}', GPUs not "
+            "supported; this server takes tensors in system shared memory "
+            "(SystemSharedMemoryRegister)"
+        )
+
     def read_inputs(
         self, request: pb.ModelInferRequest, caller: Caller | None, max_bytes: int
     ) -> list[bytes] | None:
         """Every input's bytes, those that name a region read from it, the others as the
         message carried them (None: no input names a region); the request is then validated
-        like any other. The bytes read are what its shape and datatype declare, at most
-        `max_bytes` (what a message may carry). `caller`: `tensor_caller`'s answer."""
+        like any other. The bytes read are what a numeric input's shape and datatype declare,
+        and a BYTES input's `shared_memory_byte_size` (its elements serialized as tritonclient
+        writes them, each a 4-byte little-endian length and its bytes, which the validator
+        then walks as it walks raw contents); either at most `max_bytes` (what a message may
+        carry). `caller`: `tensor_caller`'s answer."""
         if caller is None:
             return None
         placements = [placement(t.parameters, "input") for t in request.inputs]
@@ -161,12 +187,7 @@ class SharedMemory:
             if where is None:
                 filled.append(next(contents))
                 continue
-            size = _declared_bytes(tensor, max_bytes)
-            if where.byte_size != size:
-                raise errors.invalid(
-                    f"input '{errors.echoed(tensor.name)}' declares {size} bytes, its "
-                    f"{BYTE_SIZE} is {where.byte_size}"
-                )
+            size = _bytes_to_read(tensor, where, max_bytes)
             with self.regions.using(caller, where.region) as region:
                 filled.append(region.read(where.offset, size))
         return filled
@@ -239,28 +260,55 @@ def placement(parameters: Mapping[str, Any], what: str) -> Placement | None:
     return Placement(region.string_param, numbers[0], numbers[1])
 
 
-def _declared_bytes(tensor: pb.ModelInferRequest.InferInputTensor, max_bytes: int) -> int:
-    """The bytes an input's shape and datatype declare, refused beyond `max_bytes` before
-    anything is read."""
+def _bytes_to_read(
+    tensor: pb.ModelInferRequest.InferInputTensor, where: Placement, max_bytes: int
+) -> int:
+    """The bytes of an input to read from its region, refused beyond `max_bytes` before
+    anything is read: a BYTES tensor's are its byte size (its elements' lengths are in the
+    region), a numeric one's are what its shape and datatype declare, which its byte size
+    must equal."""
     datatype = BY_NAME.get(tensor.datatype)
-    if datatype is None or datatype.name == "BYTES":
+    if datatype is None:
         raise errors.invalid(
-            f"input '{errors.echoed(tensor.name)}': datatype "
-            f"'{errors.echoed(tensor.datatype)}' cannot be read from shared memory here "
-            "(numeric datatypes only)"
+            f"input '{errors.echoed(tensor.name)}': unknown datatype "
+            f"'{errors.echoed(tensor.datatype)}'"
         )
+    if datatype.name == "BYTES":
+        if where.byte_size > max_bytes:
+            raise _too_large(tensor, max_bytes)
+        return where.byte_size
+    size = _declared_bytes(tensor, datatype.numpy.itemsize, max_bytes)
+    if where.byte_size != size:
+        raise errors.invalid(
+            f"input '{errors.echoed(tensor.name)}' declares {size} bytes, its "
+            f"{BYTE_SIZE} is {where.byte_size}"
+        )
+    return size
+
+
+def _declared_bytes(
+    tensor: pb.ModelInferRequest.InferInputTensor, itemsize: int, max_bytes: int
+) -> int:
+    """The bytes a numeric input's shape declares, refused beyond `max_bytes` as soon as the
+    product passes it."""
     if any(d < 0 for d in tensor.shape):
         raise errors.invalid(f"input '{errors.echoed(tensor.name)}' has a negative dimension")
-    size = datatype.numpy.itemsize
+    size = itemsize
     for dim in tensor.shape:
         size *= dim
         if size > max_bytes:
-            raise errors.ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"input '{errors.echoed(tensor.name)}' declares more than {max_bytes} bytes "
-                "(--max-message-bytes)",
-            )
-    return math.prod(tensor.shape) * datatype.numpy.itemsize
+            raise _too_large(tensor, max_bytes)
+    return math.prod(tensor.shape) * itemsize
+
+
+def _too_large(
+    tensor: pb.ModelInferRequest.InferInputTensor, max_bytes: int
+) -> errors.ServiceError:
+    return errors.ServiceError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"input '{errors.echoed(tensor.name)}' declares more than {max_bytes} bytes in shared "
+        "memory (--max-message-bytes)",
+    )
 
 
 def local_peer(peer: str) -> bool:

@@ -145,6 +145,8 @@ class RequestValidator:
         that fails. `raw_contents`: the inputs' bytes when they did not come in the message
         (read from shared memory), in the order of its inputs."""
         raw = request.raw_input_contents if raw_contents is None else raw_contents
+        if raw:
+            _check_no_contents(request, self.model)
         if raw and len(raw) != len(request.inputs):
             raise invalid(
                 f"model '{self.model}': {len(raw)} raw_input_contents for "
@@ -155,11 +157,6 @@ class RequestValidator:
             declared = self._declared(tensor.name, seen)
             shape = self._check_shape(tensor.name, tensor.datatype, tensor.shape, declared)
             if raw:
-                if tensor.HasField("contents"):
-                    raise invalid(
-                        f"input '{tensor.name}': both raw_input_contents and contents are set; "
-                        "use one"
-                    )
                 seen[tensor.name] = _raw(tensor.name, raw[index], declared, shape)
             else:
                 seen[tensor.name] = _typed(tensor, declared, shape)
@@ -334,6 +331,18 @@ def _converted(name: str, values: Sequence[float], datatype: Datatype) -> bytes:
     except OverflowError as exc:
         raise invalid(f"input '{name}': a value does not fit {datatype.name}") from exc
     return out.tobytes()
+
+
+def _check_no_contents(request: pb.ModelInferRequest, model: str) -> None:
+    """A request with raw_input_contents has no typed contents, in Triton's words (which its
+    clients compare), checked before the raw contents are counted, as Triton does."""
+    for tensor in request.inputs:
+        if tensor.HasField("contents"):
+            raise invalid(
+                "contents field must not be specified when using raw_input_contents for "
+                f"'{echoed(tensor.name)}' for model '{model}'; send every input in "
+                "raw_input_contents or every one in contents"
+            )
 
 
 def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float | None]:

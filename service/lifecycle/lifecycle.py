@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from protos.inference import grpc_service_pb2 as pb
 from service.inference import errors
 from service.lifecycle.consistency import check_ensembles, check_fallbacks
 from service.lifecycle.fingerprint import Fingerprint, fingerprint
@@ -170,6 +171,21 @@ class Lifecycle:
         self.registry.loading_done = True
         self.registry.changed()
 
+    async def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        """Every model of the repository, in every control mode, as Triton lists them: what
+        the registry serves or why not, and each other model by its name alone (never
+        loaded); sorted by name."""
+        entries = self.registry.index()
+        listed = {entry.name for entry in entries}
+        try:
+            names = await asyncio.to_thread(self.repository.model_names)
+        except (RepositoryError, OSError):
+            names = []  # a repository that went away: what the registry knows
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=name) for name in names if name not in listed
+        ]
+        return sorted(entries, key=lambda entry: entry.name)
+
     async def _check_consistency(self) -> None:
         await check_ensembles(self.registry, self.fail)
         await check_fallbacks(self.registry, self.fail)
@@ -181,13 +197,18 @@ class Lifecycle:
         have replaced serving, and the error says why."""
         check_model_name(name)
         if not (self.repository.root / name).is_dir():
-            raise errors.not_found(f"model '{name}' not found in {self.repository.root}")
+            raise errors.not_found(
+                f"failed to load '{name}', failed to poll from model repository: the "
+                "repository has no such model"
+            )
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
                 model = self.repository.load(name)
             except (RepositoryError, OSError) as exc:
                 self._repository_failed(name, str(exc))
-                raise errors.internal(f"model '{name}' cannot be loaded: {exc}") from exc
+                raise errors.internal(
+                    f"failed to load '{name}', failed to poll from model repository: {exc}"
+                ) from exc
             current = self.registry.serving(name)
             result: dict[int, ServedVersion] = {}
             failures: list[ServedVersion] = []
@@ -239,7 +260,7 @@ class Lifecycle:
                 self.retiring.retire_soon(version, "replaced")
             if failures:
                 first = failures[0]
-                message = f"model '{name}' version {first.version}: {first.reason}"
+                message = f"load failed for model '{name}': version {first.version}: {first.reason}"
                 raise (
                     errors.failed_precondition(message)
                     if first.refused

@@ -23,7 +23,8 @@ def check_model_name(name: str) -> str:
 
 
 def parse_version(version: str) -> int | None:
-    """'' means "the newest ready version"; otherwise a non-negative decimal integer."""
+    """'' means "the newest ready version"; otherwise a non-negative decimal integer. The
+    refusal starts with Triton's words, which its clients compare."""
     if version == "":
         return None
     digits = version.lstrip("0") or "0"
@@ -33,5 +34,9 @@ def parse_version(version: str) -> int | None:
         or len(digits) > len(str(MAX_VERSION))  # before int(), whose cost grows with them
         or int(digits) > MAX_VERSION
     ):
-        raise errors.invalid(f"model version {errors.echoed(version)!r} is not a version number")
+        raise errors.invalid(
+            "failed to get model version from specified version string "
+            f"'{errors.echoed(version)}' is not a version number (a decimal integer from 0 to "
+            f"{MAX_VERSION})"
+        )
     return int(digits)

@@ -163,7 +163,7 @@ class ModelRegistry:
         if versions is None:
             if name in self._failed:
                 raise errors.unavailable(f"model '{name}' failed to load: {self._failed[name]}")
-            raise errors.not_found(f"unknown model '{name}'; served models: {sorted(self._models)}")
+            raise unknown_model(f"'{name}'", f"served models: {sorted(self._models)}")
         # A loaded version whose workers are restarting still takes requests: they wait for
         # the restart (bounded), which ModelReady reports as not ready meanwhile.
         if number is None:
@@ -173,8 +173,8 @@ class ModelRegistry:
             raise _not_ready(versions[max(versions)])
         served = versions.get(number)
         if served is None:
-            raise errors.not_found(
-                f"model '{name}' has no version {number}; served versions: {sorted(versions)}"
+            raise unknown_model(
+                f"'{name}' version {number}", f"served versions: {sorted(versions)}"
             )
         if served.state is not VersionState.READY:
             raise _not_ready(served)
@@ -252,6 +252,12 @@ class ModelRegistry:
             for n in sorted(self._unloaded)
         ]
         return entries
+
+
+def unknown_model(named: str, detail: str) -> errors.ServiceError:
+    """NOT_FOUND in Triton's words, which its clients compare ("Request for unknown model:
+    'NAME' is not found", "... 'NAME' version N is not found"), then what is served."""
+    return errors.not_found(f"Request for unknown model: {named} is not found; {detail}")
 
 
 def _not_ready(served: ServedVersion) -> errors.ServiceError:

@@ -93,9 +93,19 @@ TRAVERSAL_NAMES = ("../x", "x/../../y", "..", "/etc/passwd")
 
 CASES: tuple[Case, ...] = (
     # Which model and version.
-    Case("unknown model", request("no_such_model", MLP), NOT_FOUND, ("'no_such_model'", "mlp")),
-    Case("unknown version", request("mlp", MLP, version="2"), NOT_FOUND, ("no version 2", "[1]")),
-    Case("version zero", request("mlp", MLP, version="0"), NOT_FOUND, ("no version 0",)),
+    Case(
+        "unknown model",
+        request("no_such_model", MLP),
+        NOT_FOUND,
+        ("Request for unknown model: 'no_such_model' is not found", "mlp"),
+    ),
+    Case(
+        "unknown version",
+        request("mlp", MLP, version="2"),
+        NOT_FOUND,
+        ("Request for unknown model: 'mlp' version 2 is not found", "[1]"),
+    ),
+    Case("version zero", request("mlp", MLP, version="0"), NOT_FOUND, ("'mlp' version 0 is not",)),
     *(
         Case(f"version {v!r}", request("mlp", MLP, version=v), INVALID, (repr(v), _VERSION))
         for v in ("one", "-1", "1.0", " 1", "1 ", "+1", "0x1", "\uff11", "9" * 20)
@@ -233,7 +243,12 @@ CASES: tuple[Case, ...] = (
         INVALID,
         ("1 raw_input_contents for 2 inputs",),
     ),
-    Case("raw and typed", typed("mlp", MLP, 512, raw=True), INVALID, ("input 'input'", "both")),
+    Case(
+        "raw and typed",
+        typed("mlp", MLP, 512, raw=True),
+        INVALID,
+        ("contents field must not be specified when using raw_input_contents for 'input'",),
+    ),
     *(
         Case(
             f"typed {n} values",
@@ -383,7 +398,10 @@ NAMED_RPCS: dict[str, Callable[[ServerProcess, str, str], object]] = {
 
 @pytest.mark.parametrize(
     ("name", "version", "expected"),
-    [("no_such_model", "", "unknown model 'no_such_model'"), ("mlp", "2", "no version 2")],
+    [
+        ("no_such_model", "", "Request for unknown model: 'no_such_model' is not found"),
+        ("mlp", "2", "Request for unknown model: 'mlp' version 2 is not found"),
+    ],
 )
 @pytest.mark.parametrize("rpc", sorted(NAMED_RPCS))
 def test_unknown_model_or_version_is_not_found(

@@ -149,7 +149,7 @@ def test_errors_come_back_as_error_responses(server: ServerProcess) -> None:
     status, code = probe(server, "to_mlp_async", np.ones((1, 3)))
     assert code == INVALID_ARG
     status, code = probe(server, "to_nowhere", np.ones((1, 3)))
-    assert (code, "unknown model 'nosuch'" in status) == (NOT_FOUND, True)
+    assert (code, "Request for unknown model: 'nosuch'" in status) == (NOT_FOUND, True)
     assert probe(server, "to_mlp", np.ones((1, 256)))[0] == "ok"  # the server is still up
 
 

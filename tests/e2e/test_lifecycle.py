@@ -155,3 +155,19 @@ def test_polling_picks_up_a_new_version(tmp_path: Path) -> None:
         assert serving_version(server) == "1"
         publish(repo, 2)
         eventually(lambda: serving_version(server) == "2", "version 2 serves after a poll")
+
+
+def test_the_index_lists_every_model_of_the_repository_in_every_mode(tmp_path: Path) -> None:
+    """As Triton lists them: a model added after start (control mode none, no SIGHUP yet) by
+    its name alone, a served one with its version and state; `ready` keeps only the ready.
+    (Explicit mode: tests/interop/test_tritonclient_triton.py.)"""
+    repo = repository(tmp_path / "models")
+    with running_server(repo, tmp_path / "log", ["--no-h3"]) as server:
+        (repo / "later").symlink_to(EXAMPLE_MODELS / "mlp")
+        every = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10).models
+        ready = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=10)
+    assert [(m.name, m.version, m.state) for m in every] == [
+        ("later", "", ""),
+        ("mlp", "1", "READY"),
+    ]
+    assert [m.name for m in ready.models] == ["mlp"]

@@ -3,7 +3,8 @@ tensor in a registered region in and out, the caller's mistakes refused one by o
 server goes on, `--shared-memory off`, the `shared-memory` restricted-protocol category on
 every request that names a region, objects used only as far as the calling user could open
 them and regions known only to the user that registered them (callers started as uid 65534),
-and local callers of a dual-stack listener."""
+local callers of a dual-stack listener, BYTES tensors in regions and their bounds, and the
+CUDA shared-memory RPCs answered as Triton without a GPU answers them."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ import pytest
 
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
+from oip.bytes_tensor import serialize_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.inference.shared_memory import SHM_DIR
 from tests.call_as import run_as
 from tests.conformance.conftest import H2_OPTIONS, new_channel
+from tests.e2e.test_python_model import python_repository
 from tests.reference import example_inputs, output_names, run_reference
 from tests.servers import ServerProcess, model_repository, running_server
 
@@ -391,3 +394,159 @@ async def test_local_serves_both_loopbacks_on_a_dual_stack_listener(
         status = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
         await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(name="r"))
     assert list(status.regions) == ["r"]
+
+
+STRING_LIMIT = 1 << 20  # the strings server's --max-message-bytes
+
+
+@pytest.fixture(scope="module")
+def strings(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
+    """A server with the `upper` Python model (BYTES in; BYTES and INT32 out), whose messages
+    and shared-memory tensors are bounded at 1 MiB."""
+    root = tmp_path_factory.mktemp("shm-strings")
+    repository = python_repository(root / "models")
+    args = ["--certs-dir", str(certs_dir), "--max-message-bytes", str(STRING_LIMIT)]
+    with running_server(repository, root / "log", args) as process:
+        yield process
+
+
+def text_request(
+    region: str, byte_size: int, rows: int, outputs: dict[str, tuple[str, int]]
+) -> Any:
+    """`upper`'s BYTES input [rows, 1] in `region`; each output in the region named for it."""
+    request = pb.ModelInferRequest(model_name="upper")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[rows, 1])
+    tensor.parameters["shared_memory_region"].string_param = region
+    tensor.parameters["shared_memory_byte_size"].int64_param = byte_size
+    for name, (out_region, size) in outputs.items():
+        output = request.outputs.add(name=name)
+        output.parameters["shared_memory_region"].string_param = out_region
+        output.parameters["shared_memory_byte_size"].int64_param = size
+    return request
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_bytes_tensors_travel_in_shared_memory(
+    strings: ServerProcess, certs_dir: Path, segments: list[Segment], transport: str
+) -> None:
+    """Each element a 4-byte little-endian length and its bytes, as tritonclient's
+    serialize_byte_tensor writes them: read from the caller's region, written into its
+    regions, the message carrying neither."""
+    words = [b"paddle", b"", "h\u00e9".encode(), b"quic"]
+    serialized = serialize_bytes(words)
+    text, upper, length = (
+        Segment(len(serialized)),
+        Segment(len(serialized)),
+        Segment(4 * len(words)),
+    )
+    segments += [text, upper, length]
+    text.write(serialized)
+    names = {f"{part}-{transport}": part for part in ("text", "upper", "length")}
+    regions = dict(zip(names, (text, upper, length), strict=True))
+    async with new_channel(transport, strings, certs_dir / "ca.pem") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for name, segment in regions.items():
+            await stub.SystemSharedMemoryRegister(
+                pb.SystemSharedMemoryRegisterRequest(
+                    name=name, key=segment.key, byte_size=segment.path.stat().st_size
+                )
+            )
+        request = text_request(
+            f"text-{transport}",
+            len(serialized),
+            len(words),
+            {
+                "upper": (f"upper-{transport}", len(serialized)),
+                "length": (f"length-{transport}", 4 * len(words)),
+            },
+        )
+        response = await stub.ModelInfer(request, timeout=60)
+        await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+    assert list(response.raw_output_contents) == [b"", b""]
+    assert [list(o.shape) for o in response.outputs] == [[len(words), 1]] * 2
+    expected = [w.decode().upper().encode() for w in words]
+    assert upper.read(len(serialized)) == serialize_bytes(expected)
+    assert np.frombuffer(length.read(16), np.int32).tolist() == [6, 0, 2, 4]
+
+
+def test_bytes_in_shared_memory_keep_the_regions_bounds(
+    strings: ServerProcess, segments: list[Segment]
+) -> None:
+    """A BYTES input's byte size is bounded by --max-message-bytes and by its region before
+    anything is read; its elements must be what its shape declares; an output that does not
+    fit its region is refused; the server goes on."""
+    stub = strings.stub
+    big = Segment(2 * STRING_LIMIT)
+    segments.append(big)
+    big.write(serialize_bytes([b"x" * 8]))
+    stub.SystemSharedMemoryRegister(
+        pb.SystemSharedMemoryRegisterRequest(name="big", key=big.key, byte_size=2 * STRING_LIMIT),
+        timeout=10,
+    )
+    small = Segment(8)
+    segments.append(small)
+    stub.SystemSharedMemoryRegister(
+        pb.SystemSharedMemoryRegisterRequest(name="small", key=small.key, byte_size=8),
+        timeout=10,
+    )
+
+    def refusal(request: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(request, timeout=60)
+        return failure(refused)
+
+    over_limit = refusal(text_request("big", STRING_LIMIT + 1, 1, {}))
+    assert over_limit[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-message-bytes" in over_limit[1]
+    past_region = refusal(text_request("small", 12, 1, {}))
+    assert past_region[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lies outside shared-memory region 'small'" in past_region[1]
+    two_declared = refusal(text_request("big", 12, 2, {}))  # one element in the bytes
+    assert two_declared[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input 'text'" in two_declared[1]
+    too_small = refusal(text_request("big", 12, 1, {"upper": ("small", 8)}))
+    assert too_small[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "output 'upper' has 12 bytes; its region offers 8" in too_small[1]
+    assert small.read(8) == bytes(8)  # nothing written
+    stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest(), timeout=10)
+    text = np.array([[b"still"]], dtype=np.object_)
+    answer = stub.ModelInfer(build_request("upper", {"text": text}), timeout=60)
+    assert answer.raw_output_contents[0] == serialize_bytes([b"STILL"])
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_cuda_shared_memory_answers_as_triton_without_a_gpu(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    """Status and unregister succeed on nothing (Triton's clients unregister every CUDA
+    region first); registering fails, naming the region."""
+    async with new_channel(transport, server, certs_dir / "ca.pem") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest())
+        await stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="gpu"))
+        status = await stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as named:
+            await stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest(name="gpu"))
+        with pytest.raises(grpc.aio.AioRpcError) as registered:
+            await stub.CudaSharedMemoryRegister(
+                pb.CudaSharedMemoryRegisterRequest(
+                    name="gpu", raw_handle=bytes(64), device_id=0, byte_size=1024
+                )
+            )
+    assert status.regions == {}
+    assert named.value.code() == grpc.StatusCode.NOT_FOUND
+    assert (named.value.details() or "").startswith(
+        "Unable to find cuda shared memory region: 'gpu'"
+    )
+    assert registered.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (registered.value.details() or "").startswith(
+        "failed to register CUDA shared memory region: 'gpu', GPUs not supported"
+    )
+
+
+def test_off_refuses_the_cuda_shared_memory_rpcs_too(guarded: dict[str, ServerProcess]) -> None:
+    stub = guarded["off"].stub
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(), timeout=10)
+    code, details = failure(refused)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "--shared-memory off" in details

@@ -116,7 +116,10 @@ def test_anything_else_is_not_a_version(text: str) -> None:
     with pytest.raises(ServiceError) as info:
         parse_version(text)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"{echoed(text)!r} is not a version number" in info.value.message
+    assert info.value.message.startswith(
+        f"failed to get model version from specified version string '{echoed(text)}' is not a "
+        "version number"
+    )
 
 
 def test_leading_zeros_do_not_count_as_digits() -> None:

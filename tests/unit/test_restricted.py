@@ -99,6 +99,9 @@ def test_every_served_rpc_has_tritons_category() -> None:
         "SystemSharedMemoryStatus": "shared-memory",
         "SystemSharedMemoryRegister": "shared-memory",
         "SystemSharedMemoryUnregister": "shared-memory",
+        "CudaSharedMemoryStatus": "shared-memory",
+        "CudaSharedMemoryRegister": "shared-memory",
+        "CudaSharedMemoryUnregister": "shared-memory",
     }
     control = control_pb2.DESCRIPTOR.services_by_name["Control"]
     assert {category_of(f"/{control.full_name}/{m.name}") for m in control.methods} == {"control"}

@@ -56,3 +56,17 @@ def test_h3_token_lifetime_flag(
         with pytest.raises(SystemExit):
             settings.parse(["--h3-token-lifetime", bad])
         assert "--h3-token-lifetime must be from 0" in capsys.readouterr().err
+
+
+def test_server_name_flag_and_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ServerMetadata answers: `triton` for Triton's clients that compare it."""
+    assert settings.parse([]).server_name == "paddlequic"
+    monkeypatch.setenv("PADDLEQUIC_SERVER_NAME", "triton")
+    assert settings.parse([]).server_name == "triton"
+    assert settings.parse(["--server-name", "edge-1"]).server_name == "edge-1"
+    for bad in ("", "x" * (settings.MAX_SERVER_NAME + 1), "tab\there", "caf\u00e9"):
+        with pytest.raises(SystemExit):
+            settings.parse(["--server-name", bad])
+        assert "--server-name takes 1 to 128 printable ASCII" in capsys.readouterr().err

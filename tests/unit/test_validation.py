@@ -312,7 +312,10 @@ def test_raw_count_differs_from_inputs(count: int) -> None:
 def test_both_raw_and_typed() -> None:
     request = raw_request("mlp", [("input", "FP32", (1, 256))])
     request.inputs[0].contents.fp32_contents.extend([0.0] * 256)
-    assert "input 'input': both raw_input_contents and contents" in refusal(MLP, request)
+    assert refusal(MLP, request).startswith(
+        "contents field must not be specified when using raw_input_contents for 'input' for "
+        "model 'mlp'"
+    )
 
 
 @pytest.mark.parametrize("count", [0, 255, 257])
