@@ -36,6 +36,9 @@ GOAL_RSS_MB = 32.0
 # that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
 # refuses) from one that holds what a message inflates to.
 MAX_MESSAGE = 16 << 20
+# What the HTTP/3 streams of one address may hold (--h3-receive-budget-per-address): below the
+# RSS goal too, so that an attacker's many connections from one address stay under it.
+RECEIVE_BUDGET_PER_ADDRESS = 16 << 20
 H2_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -108,6 +111,8 @@ class Scale:
     never_read_generations: int  # generations each of those streams starts
     generation_kills: int  # generation worker kills, each with a generation per transport
     abandoned_sequences: int  # sequences started and abandoned, per transport
+    partial_connections: int  # HTTP/3 connections from one address with partial messages
+    partial_hold_s: float  # how long they hold them
     attack_limit_s: float
 
 
@@ -139,6 +144,8 @@ SHORT = Scale(
     never_read_generations=8,
     generation_kills=1,
     abandoned_sequences=150,
+    partial_connections=16,
+    partial_hold_s=3.0,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -170,6 +177,8 @@ FULL = Scale(
     never_read_generations=64,
     generation_kills=3,
     abandoned_sequences=3000,
+    partial_connections=64,
+    partial_hold_s=20.0,
     attack_limit_s=240.0,
 )
 
@@ -519,6 +528,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
         *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
         *("--log-sample-ratio", "0", "--frontends", str(frontends)),
         *("--max-message-bytes", str(MAX_MESSAGE)),
+        *("--h3-receive-budget-per-address", str(RECEIVE_BUDGET_PER_ADDRESS)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (
