@@ -254,3 +254,18 @@ async def test_a_stream_message_over_the_wire_limits_ends_the_stream_invalid(
         assert BOMBS[bomb][1][0] in (ended.value.details() or "")
         after = await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
         assert after.live
+
+
+async def test_a_flood_of_failures_quoting_huge_names_grows_the_log_by_kilobytes(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Each failing call names a 2 MiB model: its log line quotes a bounded part of the name,
+    and the failure budget counts the bytes of the lines it lets through."""
+    before = server.log_path.stat().st_size
+    async with channel(server, certs_dir, "h2") as opened:
+        stub = pb_grpc.GRPCInferenceServiceStub(opened)
+        for _ in range(60):
+            refused = await refusal(stub.ModelInfer(model_name(), timeout=TIMEOUT_S))
+            assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
+    assert server.log_path.stat().st_size - before < 256 << 10
