@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicStreamFrame
+from aioquic.quic.stream import QuicStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,6 +92,19 @@ def test_streams_past_the_address_budget_are_refused_and_others_admitted() -> No
     assert connection_credit(shared, "b").admit(0)  # another address is not
     second.forget(0)
     assert second.admit(4)
+
+
+def test_a_stream_whose_end_arrived_with_its_headers_reserves_its_size() -> None:
+    """A unary request usually arrives whole in one packet: it takes what it holds from the
+    budget, not a window, so many concurrent calls fit a budget of a few windows."""
+    shared = SharedReceiveBudget(ReceiveBudget(total=10 * WINDOW, per_address=WINDOW))
+    credit = connection_credit(shared, "a")
+    for stream_id in range(0, 400, 4):
+        stream = QuicStream(stream_id, max_stream_data_local=WINDOW, max_stream_data_remote=0)
+        stream.receiver.handle_frame(QuicStreamFrame(offset=0, data=bytes(1000), fin=True))
+        credit.quic._streams[stream_id] = stream
+        assert credit.admit(stream_id)
+    assert shared.budget.held("a") == 100 * 1000
 
 
 def test_a_large_message_waits_for_all_of_itself_then_completes() -> None:

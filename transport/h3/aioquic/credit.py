@@ -149,14 +149,19 @@ class ReceiveCredit:
         self._on_credit = on_credit
 
     def admit(self, stream_id: int) -> bool:
-        """A request stream opened: reserve its window. False: the budget has no room, the
-        stream must be refused (nothing was reserved). A stream cannot wait instead: its
-        peer already holds its window (the transport parameters gave it)."""
+        """A request stream opened: reserve its window, or all of it if its end already
+        arrived (a unary call's request usually comes whole in one packet: it reserves its
+        size only). False: the budget has no room, the stream must be refused (nothing was
+        reserved). A stream cannot wait instead: its peer already holds its window (the
+        transport parameters gave it)."""
         if self._share is None:
             return True
-        if not self._share.reserve(self.stream_window):
+        stream = self.quic._streams.get(stream_id)
+        final_size = None if stream is None else stream.receiver._final_size
+        size = self.stream_window if final_size is None else min(final_size, self.stream_window)
+        if not self._share.reserve(size):
             return False
-        self._reserved[stream_id] = self.stream_window
+        self._reserved[stream_id] = size
         return True
 
     def received(self, stream_id: int, size: int) -> None:
