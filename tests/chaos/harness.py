@@ -144,7 +144,7 @@ SHORT = Scale(
     never_read_generations=8,
     generation_kills=1,
     abandoned_sequences=150,
-    partial_connections=16,
+    partial_connections=40,
     partial_hold_s=3.0,
     attack_limit_s=60.0,
 )

@@ -10,7 +10,7 @@ from aioquic.quic.stream import QuicStream
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.h3.aioquic.credit import FRAMING_SLACK, ReceiveCredit
+from transport.h3.aioquic.credit import FRAMING_SLACK, NARROW_STREAM_WINDOW, ReceiveCredit
 from transport.h3.receive_budget import AddressShare, ReceiveBudget, SharedReceiveBudget
 
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -84,14 +84,20 @@ def connection_credit(shared: SharedReceiveBudget, address: str) -> ReceiveCredi
     return credit
 
 
-def test_streams_past_the_address_budget_are_refused_and_others_admitted() -> None:
-    shared = SharedReceiveBudget(ReceiveBudget(total=10 * WINDOW, per_address=3 * WINDOW))
+def test_streams_get_windows_then_narrow_ones_then_are_refused_across_connections() -> None:
+    """Full windows up to half the address's budget, narrow ones in the rest: many streams
+    still run when some hold full windows, and no address takes another's share."""
+    shared = SharedReceiveBudget(ReceiveBudget(total=10 * WINDOW, per_address=2 * WINDOW))
     first, second = connection_credit(shared, "a"), connection_credit(shared, "a")
-    assert first.admit(0) and first.admit(4) and second.admit(0)
-    assert not second.admit(4)  # the address's three windows are taken, across connections
-    assert connection_credit(shared, "b").admit(0)  # another address is not
+    assert first.admit(0) and first.reserved() == WINDOW
+    narrow = WINDOW // NARROW_STREAM_WINDOW
+    for stream_id in range(0, 4 * narrow, 4):
+        assert second.admit(stream_id)
+    assert second.reserved() == WINDOW  # narrow windows, across connections
+    assert not second.admit(4 * narrow) and not first.admit(4)
+    assert connection_credit(shared, "b").admit(0)  # another address is not refused
     second.forget(0)
-    assert second.admit(4)
+    assert second.admit(4 * narrow)
 
 
 def test_a_stream_whose_end_arrived_with_its_headers_reserves_its_size() -> None:

@@ -31,10 +31,15 @@ class ReceiveBudget:
     reserved_total: int = 0
     reserved: dict[str, int] = field(default_factory=dict)
 
-    def reserve(self, address: str, size: int) -> bool:
-        """Reserve `size` bytes for `address`; False (nothing reserved) past either limit."""
+    def reserve(self, address: str, size: int, share: float = 1.0) -> bool:
+        """Reserve `size` bytes for `address`; False (nothing reserved) past either limit, or
+        past that `share` of it (what may be reserved for the asking: the rest is kept for
+        smaller requests)."""
         held = self.reserved.get(address, 0)
-        if held + size > self.per_address or self.reserved_total + size > self.total:
+        if (
+            held + size > self.per_address * share
+            or self.reserved_total + size > self.total * share
+        ):
             return False
         if size:
             self.reserved[address] = held + size
@@ -65,8 +70,8 @@ class SharedReceiveBudget:
         self._waiting: dict[object, Callable[[], None]] = {}
         self._waking = False
 
-    def reserve(self, address: str, size: int) -> bool:
-        granted = self.budget.reserve(address, size)
+    def reserve(self, address: str, size: int, share: float = 1.0) -> bool:
+        granted = self.budget.reserve(address, size, share)
         self.peak_total = max(self.peak_total, self.budget.reserved_total)
         return granted
 
@@ -98,8 +103,8 @@ class AddressShare:
     shared: SharedReceiveBudget
     address: str
 
-    def reserve(self, size: int) -> bool:
-        return self.shared.reserve(self.address, size)
+    def reserve(self, size: int, share: float = 1.0) -> bool:
+        return self.shared.reserve(self.address, size, share)
 
     def release(self, size: int) -> None:
         self.shared.release(self.address, size)

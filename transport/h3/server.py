@@ -27,6 +27,7 @@ from transport.h3.address_tokens import AddressTokens, TokenVerdict
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.connection_ids import tag_connection_ids
+from transport.h3.aioquic.credit import NARROW_STREAM_WINDOW
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
 from transport.h3.aioquic.migration import resend_after_migration
 from transport.h3.aioquic.new_token import send_new_token
@@ -273,7 +274,8 @@ class H3Server:
             alpn_protocols=H3_ALPN,
             idle_timeout=self._idle_timeout_s,
             max_data=self.settings.connection_window,
-            max_stream_data=self.settings.stream_window,
+            # Request streams get their full window once the receive budget reserved it.
+            max_stream_data=min(NARROW_STREAM_WINDOW, self.settings.stream_window),
             max_datagram_size=self.settings.max_datagram_size,
         )
         configuration.load_cert_chain(certfile, keyfile)

@@ -21,6 +21,14 @@ from transport.h3.receive_budget import AddressShare
 
 DEFAULT_STREAM_WINDOW = 1 << 20
 DEFAULT_CONNECTION_WINDOW = 16 << 20
+# A server's request streams start with this much credit (its transport parameters), and get
+# their full window once their receive budget reserved it: a stream that cannot have it still
+# runs within this one, so a burst of calls whose requests span several packets (the headers
+# arrive before the end) reserves 64 KiB each until their end arrives, not a window each.
+NARROW_STREAM_WINDOW = 64 << 10
+# Full windows are granted while they keep an address's (and the total) reservations within
+# this share of its budget; the rest is for narrow windows, 16 times as many streams.
+WIDE_SHARE = 0.5
 # Credit beyond a message in progress, for the HTTP/3 framing around its payload (a DATA frame
 # header is at most 9 bytes) and a few frames more: what lets the peer finish the message,
 # however it frames it.
@@ -98,6 +106,8 @@ class ReceiveCredit:
         self._promoted: int | None = None
         self._share: AddressShare | None = None
         self._reserved: dict[int, int] = {}  # admitted stream -> bytes reserved for it
+        self._base: dict[int, int] = {}  # admitted stream -> its window (unless promoted)
+        bases = self._base
         self._on_credit: Callable[[], None] | None = None
         original_stream_limits = quic._write_stream_limits
         unconsumed = self._unconsumed
@@ -114,9 +124,11 @@ class ReceiveCredit:
                 return None
             need = in_progress.get(stream_id, 0)
             held = unconsumed.get(stream_id, 0)
-            window = need if need > stream_window and stream_id == self._promoted else stream_window
+            base = bases.get(stream_id, stream_window)
+            window = need if need > base and stream_id == self._promoted else base
+            batch = half_window if window >= stream_window else window // 2
             return credit_limit(
-                local, stream.receiver.highest_offset, held, window, half_window, held <= need
+                local, stream.receiver.highest_offset, held, window, batch, held <= need
             )
 
         def write_stream_limits(
@@ -150,18 +162,25 @@ class ReceiveCredit:
 
     def admit(self, stream_id: int) -> bool:
         """A request stream opened: reserve its window, or all of it if its end already
-        arrived (a unary call's request usually comes whole in one packet: it reserves its
-        size only). False: the budget has no room, the stream must be refused (nothing was
-        reserved). A stream cannot wait instead: its peer already holds its window (the
-        transport parameters gave it)."""
+        arrived (a unary call's request often comes whole in one packet: it reserves its size
+        only), or, once windows take WIDE_SHARE of the budget, NARROW_STREAM_WINDOW (the
+        credit it started with) and it keeps that window. False: the budget has no room even
+        for that, the stream must be refused (nothing was reserved). A stream cannot wait
+        instead: its peer already holds its first credit (the transport parameters gave it)."""
         if self._share is None:
             return True
         stream = self.quic._streams.get(stream_id)
         final_size = None if stream is None else stream.receiver._final_size
-        size = self.stream_window if final_size is None else min(final_size, self.stream_window)
+        if final_size is not None:
+            size = min(final_size, self.stream_window)
+        elif self._share.reserve(self.stream_window, WIDE_SHARE):
+            self._reserved[stream_id] = self._base[stream_id] = self.stream_window
+            return True
+        else:
+            size = min(NARROW_STREAM_WINDOW, self.stream_window)
         if not self._share.reserve(size):
             return False
-        self._reserved[stream_id] = size
+        self._reserved[stream_id] = self._base[stream_id] = size
         return True
 
     def received(self, stream_id: int, size: int) -> None:
@@ -198,6 +217,7 @@ class ReceiveCredit:
         self._in_progress.pop(stream_id, None)
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
         reserved = self._reserved.pop(stream_id, 0)
+        self._base.pop(stream_id, None)
         self._promote()
         if self._share is not None:
             self._share.release(reserved)
@@ -208,6 +228,7 @@ class ReceiveCredit:
             self._share.stop_waiting(self)
             reserved = sum(self._reserved.values())
             self._reserved.clear()
+            self._base.clear()
             self._share.release(reserved)
 
     def settle(self, stream_id: int) -> None:
@@ -224,7 +245,7 @@ class ReceiveCredit:
         if final_size is None:
             limit = stream.max_stream_data_local
             promoted = self._in_progress.get(stream_id, 0) if stream_id == self._promoted else 0
-            floor = max(self.stream_window, promoted)
+            floor = max(self._base.get(stream_id, self.stream_window), promoted)
         else:
             limit, floor = final_size, 0
         keep = max(limit - consumed, floor)
