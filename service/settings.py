@@ -123,9 +123,9 @@ _HELP = {
     "lets it skip the Retry on later connections from the same IP address; sealed with "
     "--ticket-key-file when given, so every server sharing that file accepts it (0: no tokens)",
     "h3_receive_budget": "bytes the HTTP/3 request streams of all clients may hold received "
-    "and not yet read, per front-end process: each open stream reserves its 1 MiB window, a "
-    "larger message all of itself when its turn comes; a new stream past it is refused with "
-    "RESOURCE_EXHAUSTED, a large message waits",
+    "and not yet read, per front-end process: each open stream reserves its 1 MiB window (64 "
+    "KiB past half the budget), a larger message all of itself when its turn comes; a new "
+    "stream past it is refused with RESOURCE_EXHAUSTED, a large message waits",
     "h3_receive_budget_per_address": "the same budget for the streams of one IP address, "
     "all its connections together",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
