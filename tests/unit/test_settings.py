@@ -56,3 +56,18 @@ def test_h3_token_lifetime_flag(
         with pytest.raises(SystemExit):
             settings.parse(["--h3-token-lifetime", bad])
         assert "--h3-token-lifetime must be from 0" in capsys.readouterr().err
+
+
+def test_h3_receive_budgets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    defaults = settings.parse([])
+    assert (defaults.h3_receive_budget, defaults.h3_receive_budget_per_address) == (
+        1 << 30,
+        256 << 20,
+    )
+    monkeypatch.setenv("PADDLEQUIC_H3_RECEIVE_BUDGET_PER_ADDRESS", str(32 << 20))
+    assert settings.parse([]).h3_receive_budget_per_address == 32 << 20
+    with pytest.raises(SystemExit):
+        settings.parse(["--h3-receive-budget", "1000"])
+    assert "--h3-receive-budget must be at least one stream window" in capsys.readouterr().err
