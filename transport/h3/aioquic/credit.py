@@ -79,8 +79,9 @@ class ReceiveCredit:
     what their windows allow (a stream window per open stream) plus that maximum message.
 
     With a budget (`use_budget`, the server), what the streams hold is bounded across
-    connections too: a request stream is admitted only if its window can be reserved from the
-    budget of its peer's address, and a message larger than the window is promoted only once
+    connections too: a request stream is admitted only if its window (or, `admit`, its size or
+    a narrow window) can be reserved from the budget of its peer's address, and gets no more
+    credit than it reserved; a message larger than its window is promoted only once
     all of it (plus `FRAMING_SLACK`) is reserved; till then it waits, within its window, and
     the connection retries when another connection releases. A reservation shrinks as the
     stream's unused credit does (what it consumed, what it can no longer receive) and is
