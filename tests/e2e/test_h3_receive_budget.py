@@ -12,6 +12,7 @@ from protos.inference import grpc_service_pb2 as pb
 from tests.conformance.conftest import eventually
 from tests.e2e.test_h3_admission import h3_server, refusals
 from tests.framed_h3 import connect_from, framed_call_on
+from tests.servers import ServerProcess
 from transport.grpc import headers as wire
 from transport.grpc.framing import encode_message
 from transport.h3.aioquic.connection import send_buffered
@@ -53,40 +54,50 @@ async def live(connection: H3ClientConnection, port: int) -> tuple[grpc.StatusCo
     return answer.status, answer.message
 
 
+async def hold_partial_messages(
+    server: ServerProcess, ca_file: str
+) -> tuple[list[H3ClientConnection], list[tuple[H3ClientConnection, H3Stream]]]:
+    """CONNECTIONS connections from 127.0.0.1, STREAMS partial messages each, until every
+    stream was refused or took what it sent; the connections and the admitted streams."""
+    configuration = client_configuration("localhost", ca_file)
+    attackers = [
+        await H3ClientConnection.connect("127.0.0.1", server.port, configuration)
+        for _ in range(CONNECTIONS)
+    ]
+    streams = []
+    for connection in attackers:
+        await connection.wait_connected()
+        for _ in range(STREAMS):
+            stream = connection.open_stream()
+            await partial_message(stream, server.port)
+            streams.append((connection, stream))
+
+    async def all_settled() -> bool:
+        return all(settled(c, s) for c, s in streams)
+
+    await eventually(all_settled, "every stream refused or its data taken", 600, 0.1)
+    for connection in attackers:  # credit sent with the last acknowledgements arrives
+        await connection.protocol.ping()
+    refused = [s for _, s in streams if s.headers is not None]
+    assert len(refused) == refusals(server).get("receive_budget", 0)
+    for stream in refused:
+        status = wire.parse_trailers(stream.headers or [])
+        assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{BUDGET} bytes not yet read" in status.message
+    return attackers, [(c, s) for c, s in streams if s.headers is None and s.error is None]
+
+
 async def test_many_connections_of_one_address_hold_no_more_than_its_budget(
     tmp_path: Path, certs_dir: Path
 ) -> None:
     args = ["--h3-receive-budget-per-address", str(BUDGET), "--h3-retry", "never"]
     ca_file = str(certs_dir / "ca.pem")
     with h3_server(tmp_path, certs_dir, args) as server:
-        configuration = client_configuration("localhost", ca_file)
-        attackers = [
-            await H3ClientConnection.connect("127.0.0.1", server.port, configuration)
-            for _ in range(CONNECTIONS)
-        ]
-        streams = []
-        for connection in attackers:
-            await connection.wait_connected()
-            for _ in range(STREAMS):
-                stream = connection.open_stream()
-                await partial_message(stream, server.port)
-                streams.append((connection, stream))
-
-        async def all_settled() -> bool:
-            return all(settled(c, s) for c, s in streams)
-
-        await eventually(all_settled, "every stream refused or its data taken", 600, 0.1)
-        for connection in attackers:  # credit sent with the last acknowledgements arrives
-            await connection.protocol.ping()
-        admitted = [(c, s) for c, s in streams if s.headers is None and s.error is None]
+        attackers, admitted = await hold_partial_messages(server, ca_file)
         held = sum(credit(c, s) for c, s in admitted)
         assert held <= BUDGET + len(admitted) * HEADERS_ROOM, f"{held} bytes allowed"
         assert len(admitted) == ADMITTED
-        refused = [s for _, s in streams if s.headers is not None]
-        assert len(refused) == refusals(server)["receive_budget"] == len(streams) - len(admitted)
-        status = wire.parse_trailers(refused[0].headers or [])
-        assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"{BUDGET} bytes not yet read" in status.message
+        assert refusals(server)["receive_budget"] == CONNECTIONS * STREAMS - ADMITTED
 
         # Another address is served; the attacker's own gets RESOURCE_EXHAUSTED, until its
         # connections are gone and give back what they reserved.
@@ -103,4 +114,22 @@ async def test_many_connections_of_one_address_hold_no_more_than_its_budget(
 
         await eventually(served_again, "the address served once its connections left", 100, 0.1)
         for connection in (other, same):
+            await connection.close()
+
+
+async def test_with_frontends_each_front_end_has_its_own_budget(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """`--frontends 2`: an address's connections spread over the front-ends (by their
+    datagrams' hash), each holding at most its own budget for it."""
+    args = ["--h3-receive-budget-per-address", str(BUDGET), "--h3-retry", "never"]
+    ca_file = str(certs_dir / "ca.pem")
+    with h3_server(tmp_path, certs_dir, [*args, "--frontends", "2"]) as server:
+        attackers, admitted = await hold_partial_messages(server, ca_file)
+        held = sum(credit(c, s) for c, s in admitted)
+        assert held <= 2 * BUDGET + len(admitted) * HEADERS_ROOM, f"{held} bytes allowed"
+        assert ADMITTED <= len(admitted) <= 2 * ADMITTED
+        other = await connect_from("127.0.0.2", server.port, ca_file)
+        assert (await live(other, server.port))[0] == grpc.StatusCode.OK
+        for connection in [*attackers, other]:
             await connection.close()
