@@ -14,6 +14,8 @@ from service.api.restricted import RESTRICTABLE
 from service.api.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.api.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.observability.logs import LOG_FORMATS
+from transport.h3.receive_budget import DEFAULT_PER_ADDRESS, DEFAULT_TOTAL
+from transport.h3.settings import H3Settings
 
 ENV_PREFIX = "PADDLEQUIC_"
 # Environment variables of repeatable options hold their values separated by this.
@@ -55,6 +57,8 @@ class ServerSettings:
     h3_handshake_timeout: float = 10.0
     h3_retry: str = "auto"
     h3_token_lifetime: float = 86400.0
+    h3_receive_budget: int = DEFAULT_TOTAL
+    h3_receive_budget_per_address: int = DEFAULT_PER_ADDRESS
     testing_service: bool = False
     model_control_mode: str = "none"
     load_model: str = ""
@@ -127,6 +131,12 @@ _HELP = {
     "h3_token_lifetime": "seconds a NEW_TOKEN address token, sent to every HTTP/3 client, "
     "lets it skip the Retry on later connections from the same IP address; sealed with "
     "--ticket-key-file when given, so every server sharing that file accepts it (0: no tokens)",
+    "h3_receive_budget": "bytes the HTTP/3 request streams of all clients may hold received "
+    "and not yet read, per front-end process: each open stream reserves its 1 MiB window (64 "
+    "KiB past half the budget), a larger message all of itself when its turn comes; a new "
+    "stream past it is refused with RESOURCE_EXHAUSTED, a large message waits",
+    "h3_receive_budget_per_address": "the same budget for the streams of one IP address, "
+    "all its connections together",
     "topology": "a recorded host (JSON) to place workers on instead of discovering GPUs with "
     "NVML; its GPU instances run CPU predictors, logged as simulated",
     "model_control_mode": "none: load every model at start, reload on SIGHUP; poll: also "
@@ -275,6 +285,13 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(f"--server-name takes 1 to {MAX_SERVER_NAME} printable ASCII characters")
     if not 0 <= settings.h3_token_lifetime <= MAX_H3_TOKEN_LIFETIME:
         parser.error(f"--h3-token-lifetime must be from 0 to {MAX_H3_TOKEN_LIFETIME:g}")
+    window = H3Settings().stream_window
+    for flag, value in (
+        ("--h3-receive-budget", settings.h3_receive_budget),
+        ("--h3-receive-budget-per-address", settings.h3_receive_budget_per_address),
+    ):
+        if value < window:
+            parser.error(f"{flag} must be at least one stream window ({window} bytes)")
     try:
         frontend_count(settings.frontends)
     except ValueError as exc:

@@ -7,16 +7,20 @@ the first may end inside the 5-byte message prefix. The credit rule must let bot
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
+from aioquic.quic.connection import QuicConnection
 from hypothesis import strategies as st
 
 from transport.grpc import headers as wire
 from transport.h3.aioquic.credit import FRAMING_SLACK
-from transport.h3.client import H3ClientConnection, client_configuration
+from transport.h3.client import H3ClientConnection, _ClientProtocol, client_configuration
 from transport.h3.settings import H3Settings
 
 CALL_TIMEOUT_S = 60.0
@@ -66,19 +70,47 @@ async def framed_call(
     connection = await H3ClientConnection.connect(host, port, configuration)
     try:
         await connection.wait_connected()
-        stream = connection.open_stream()
-        stream.send_headers(wire.request_headers(f"localhost:{port}", path, CALL_TIMEOUT_S))
-        sent = 0
-        for piece in frames(body, head, chunk):
-            await stream.send_data(piece)
-            sent += 1
-        await stream.send_data(b"", end=True)
-        head_block = await stream.wait_headers()
-        responses: list[bytes] = []
-        if not wire.is_trailers_only(head_block):
-            while (message := await stream.read_message()) is not None:
-                responses.append(message)
-        status = wire.parse_trailers(stream.trailers or head_block)
-        return Answer(status.code, status.message, responses, sent)
+        return await framed_call_on(connection, port, path, body, head, chunk)
     finally:
         await connection.close()
+
+
+async def framed_call_on(
+    connection: H3ClientConnection, port: int, path: str, body: bytes, head: int, chunk: int
+) -> Answer:
+    """`framed_call` on a connection that is already open."""
+    stream = connection.open_stream()
+    stream.send_headers(wire.request_headers(f"localhost:{port}", path, CALL_TIMEOUT_S))
+    sent = 0
+    for piece in frames(body, head, chunk):
+        await stream.send_data(piece)
+        sent += 1
+    await stream.send_data(b"", end=True)
+    head_block = await stream.wait_headers()
+    responses: list[bytes] = []
+    if not wire.is_trailers_only(head_block):
+        while (message := await stream.read_message()) is not None:
+            responses.append(message)
+    status = wire.parse_trailers(stream.trailers or head_block)
+    return Answer(status.code, status.message, responses, sent)
+
+
+async def connect_from(source: str, port: int, ca_file: str) -> H3ClientConnection:
+    """A connection to the server on 127.0.0.1:`port` from the loopback address `source`
+    (127.0.0.2, ...: another client as far as per-address limits go), handshake done."""
+    loop = asyncio.get_running_loop()
+    quic = QuicConnection(configuration=client_configuration("localhost", ca_file))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((source, 0))
+    transport, protocol = await loop.create_datagram_endpoint(
+        lambda: _ClientProtocol(quic, settings=H3Settings()), sock=sock
+    )
+    assert isinstance(protocol, _ClientProtocol)
+    stack = contextlib.AsyncExitStack()
+    stack.callback(transport.close)
+    stack.callback(protocol.close)
+    protocol.connect(("127.0.0.1", port), transmit=True)
+    protocol.ensure_h3()
+    connection = H3ClientConnection(protocol, stack, resuming=False)
+    await connection.wait_connected()
+    return connection

@@ -5,7 +5,8 @@ an empty `inputs` entry is 2 bytes and becomes a message object (8 MiB of them t
 350 MB to parse on the event loop; requested outputs and parameter map entries are alike, and
 a packed shape of 8M dimensions took 0.5 s). So the entries that parse into objects are counted
 first, reading tags and lengths only (never the contents), and a request holding more than any
-model takes is refused with INVALID_ARGUMENT before it is parsed. The scan reads at most
+model takes is refused with INVALID_ARGUMENT before it is parsed; so is an `id` longer than
+MAX_ID_BYTES. The scan reads at most
 MAX_FIELDS tags, whatever the message's size (8 MiB of empty inputs: 1,025 tags, a few ms).
 With `--frontends N` the parent, which parses for every front-end, checks first too."""
 
@@ -23,11 +24,15 @@ MAX_TENSORS = 1024  # inputs, requested outputs, raw_input_contents: each, per r
 MAX_PARAMETERS = 1024  # entries of one parameters map
 MAX_RANK = 64  # dimensions of one input's shape
 MAX_FIELDS = 1 << 13  # tags the scan reads in all: its own work, bounded
+# A request's `id` is the caller's text, echoed in every response (each token of a generation)
+# and quoted in logs: an id of 16 MiB grew a front-end by 1.2 GB. Triton's ids are short.
+MAX_ID_BYTES = 256
 _VARINT_BYTES = 10  # the longest varint
 
 _REQUEST = pb.ModelInferRequest.DESCRIPTOR.fields_by_name
 _INPUT = pb.ModelInferRequest.InferInputTensor.DESCRIPTOR.fields_by_name
 _OUTPUT = pb.ModelInferRequest.InferRequestedOutputTensor.DESCRIPTOR.fields_by_name
+_ID = _REQUEST["id"].number
 _LENGTH_DELIMITED, _VARINT, _FIXED64, _FIXED32 = 2, 0, 1, 5
 
 
@@ -123,7 +128,9 @@ def _scan_request(scan: WireScan) -> None:
     for number, _, start, end in scan.fields(0, len(scan.data), _REQUEST_LIMITS):
         if scan.problem:
             return
-        if number == _REQUEST["inputs"].number:
+        if number == _ID and end - start > MAX_ID_BYTES:
+            scan.problem = f"the request's id has {end - start} bytes, more than {MAX_ID_BYTES}"
+        elif number == _REQUEST["inputs"].number:
             _scan_input(scan, scan.fields(start, end, _INPUT_LIMITS))
         elif number == _REQUEST["outputs"].number:
             scan.fields(start, end, _OUTPUT_LIMITS)

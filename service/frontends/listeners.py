@@ -176,6 +176,8 @@ async def start_h3(
             max_connections_per_address=settings.h3_max_connections_per_address,
             handshake_timeout_s=settings.h3_handshake_timeout,
             retry=RetryMode(settings.h3_retry),
+            receive_budget_per_address=settings.h3_receive_budget_per_address,
+            receive_budget_total=settings.h3_receive_budget,
         ),
         router=router,
         address_tokens=open_address_tokens(settings.ticket_key_file, settings.h3_token_lifetime),

@@ -48,6 +48,7 @@ class _Declared:
     datatype: Datatype
     dims: tuple[int, ...]  # without the batch dimension when the model batches
     max_elements: int | None  # per request; None: the fixed dims bound it
+    max_bytes: int | None  # its contents, serialized, per request: config's max_input_bytes
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,13 @@ class RequestValidator:
     def __init__(self, config: mc.ModelConfig) -> None:
         self.model = config.name
         self.max_batch_size = config.max_batch_size
+        max_bytes = check_parameters(config).max_input_bytes
         self.inputs = {
             i.name: _Declared(
-                BY_CONFIG_TYPE[i.data_type], tuple(i.dims), element_limit(config, tuple(i.dims))
+                BY_CONFIG_TYPE[i.data_type],
+                tuple(i.dims),
+                element_limit(config, tuple(i.dims)),
+                max_bytes,
             )
             for i in config.input
         }
@@ -157,9 +162,9 @@ class RequestValidator:
             declared = self._declared(tensor.name, seen)
             shape = self._check_shape(tensor.name, tensor.datatype, tensor.shape, declared)
             if raw:
-                seen[tensor.name] = _raw(tensor.name, raw[index], declared, shape)
+                seen[tensor.name] = _raw(tensor.name, raw[index], declared, shape, self.model)
             else:
-                seen[tensor.name] = _typed(tensor, declared, shape)
+                seen[tensor.name] = _typed(tensor, declared, shape, self.model)
         inputs = self._complete(seen)
         outputs = self._outputs(o.name for o in request.outputs)
         batch_size = self._batch(inputs)
@@ -180,7 +185,7 @@ class RequestValidator:
         for tensor in inputs:
             declared = self._declared(tensor.name, seen)
             shape = self._check_shape(tensor.name, tensor.datatype.name, tensor.shape, declared)
-            seen[tensor.name] = _raw(tensor.name, tensor.data, declared, shape)
+            seen[tensor.name] = _raw(tensor.name, tensor.data, declared, shape, self.model)
         checked = self._complete(seen)
         return Decoding(checked, self._outputs(outputs), self._batch(checked), priority, timeout_s)
 
@@ -264,9 +269,23 @@ class RequestValidator:
         return sizes.pop()
 
 
-def _raw(name: str, data: bytes, declared: _Declared, shape: tuple[int, ...]) -> _Contents:
-    """Raw contents: a fixed-size datatype's byte count is checked now, and its bytes are used
-    as they came (no copy); a BYTES tensor's elements are walked when decoding."""
+def _within_bytes(name: str, size: int, declared: _Declared, model: str) -> None:
+    """The model declared the largest input it takes (max_input_bytes): it is never handed
+    more."""
+    if declared.max_bytes is not None and size > declared.max_bytes:
+        raise invalid(
+            f"input '{name}' has {size} bytes, more than max_input_bytes {declared.max_bytes} "
+            f"of model '{model}'"
+        )
+
+
+def _raw(
+    name: str, data: bytes, declared: _Declared, shape: tuple[int, ...], model: str
+) -> _Contents:
+    """Raw contents: their size is checked against max_input_bytes, a fixed-size datatype's
+    byte count too, and its bytes are used as they came (no copy); a BYTES tensor's elements
+    are walked when decoding."""
+    _within_bytes(name, len(data), declared, model)
     count = math.prod(shape)
     datatype = declared.datatype
     if datatype.name == "BYTES":
@@ -297,10 +316,14 @@ def _walked(name: str, data: bytes, shape: tuple[int, ...]) -> bytes:
 
 
 def _typed(
-    tensor: pb.ModelInferRequest.InferInputTensor, declared: _Declared, shape: tuple[int, ...]
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    declared: _Declared,
+    shape: tuple[int, ...],
+    model: str,
 ) -> _Contents:
     """Typed contents: the value count is checked now (a list's length costs nothing), the
-    values are converted when decoding."""
+    values are converted when decoding; their size (serialized, as raw contents would be) is
+    checked against max_input_bytes now when the datatype fixes it, else once serialized."""
     datatype = declared.datatype
     field = datatype.contents_field
     if field is None:
@@ -316,10 +339,17 @@ def _typed(
             f"contents.{field}, got {len(values)}"
         )
     if datatype.name == "BYTES":
-        decode = functools.partial(serialize_bytes, values)
+        decode = functools.partial(_serialized, tensor.name, values, declared, model)
     else:
+        _within_bytes(tensor.name, count * datatype.numpy.itemsize, declared, model)
         decode = functools.partial(_converted, tensor.name, values, datatype)
     return _Contents(tensor.name, datatype, shape, count, decode)
+
+
+def _serialized(name: str, values: Sequence[bytes], declared: _Declared, model: str) -> bytes:
+    data = serialize_bytes(values)
+    _within_bytes(name, len(data), declared, model)
+    return data
 
 
 def _converted(name: str, values: Sequence[float], datatype: Datatype) -> bytes:

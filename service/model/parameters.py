@@ -26,6 +26,7 @@ _INTEGERS = {
     "gpus_per_instance": 1,
     "execution_timeout_ms": 1,
     "max_input_elements": 1,
+    "max_input_bytes": 1,
     "onednn_cache_capacity": 1,
     "tensorrt_workspace_mb": 1,
     "tensorrt_min_subgraph_size": 1,
@@ -67,6 +68,7 @@ class ParameterError(ValueError):
 class ModelLimits:
     execution_timeout_s: float | None  # None: derived from the warm-up batch time
     max_input_elements: int | None  # None: derived from the model's dims (validation.py)
+    max_input_bytes: int | None  # None: no bound but the elements' and the message's
     breaker: BreakerPolicy
     fallback_model: str | None
 
@@ -131,6 +133,7 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
     return ModelLimits(
         None if timeout_ms is None else timeout_ms / 1000,
         numbers.get("max_input_elements"),
+        numbers.get("max_input_bytes"),
         breaker,
         fallback,
     )

@@ -39,6 +39,9 @@ GOAL_RSS_MB = 32.0
 # that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
 # refuses) from one that holds what a message inflates to.
 MAX_MESSAGE = 16 << 20
+# What the HTTP/3 streams of one address may hold (--h3-receive-budget-per-address): below the
+# RSS goal too, so that an attacker's many connections from one address stay under it.
+RECEIVE_BUDGET_PER_ADDRESS = 16 << 20
 H2_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -124,6 +127,8 @@ class Scale:
     worker_messages: int  # oversized messages the hostile model writes to its worker socket
     output_flood: int  # empty lines, and as many lines of text, the hostile model prints
     hijacked_sequences: int  # a certified caller's sequences others try to take over
+    partial_connections: int  # HTTP/3 connections from one address with partial messages
+    partial_hold_s: float  # how long they hold them
     attack_limit_s: float
     fork_bombs: int = 2  # fork bombs from a Python model, each past its process count
     memfd_bombs: int = 2  # memfd_create files of 1,500 MiB asked for
@@ -162,6 +167,8 @@ SHORT = Scale(
     worker_messages=1,
     output_flood=100_000,
     hijacked_sequences=3,
+    partial_connections=40,
+    partial_hold_s=3.0,
     attack_limit_s=60.0,
 )
 FULL = Scale(
@@ -197,6 +204,8 @@ FULL = Scale(
     worker_messages=3,
     output_flood=1_000_000,
     hijacked_sequences=40,
+    partial_connections=64,
+    partial_hold_s=20.0,
     attack_limit_s=240.0,
     fork_bombs=5,
     memfd_bombs=5,
@@ -579,6 +588,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
         *("--log-sample-ratio", "0", "--frontends", str(frontends)),
         *("--max-message-bytes", str(MAX_MESSAGE)),
         *("--tls-client-ca", str(certs / "ca.pem")),
+        *("--h3-receive-budget-per-address", str(RECEIVE_BUDGET_PER_ADDRESS)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (

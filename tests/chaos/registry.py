@@ -10,6 +10,7 @@ from tests.chaos import (
     large_messages,
     malformed,
     messages,
+    partial_messages,
     regions,
     sequences,
     streams,
@@ -63,6 +64,11 @@ ATTACKS = (
         "large HTTP/3 messages in many DATA frames",
         large_messages.many_data_frames,
         frozenset({"h3 OK"}),
+    ),
+    AttackSpec(
+        "many-connection partial messages (HTTP/3)",
+        partial_messages.many_connection_partial_messages,
+        frozenset({"h3 RESOURCE_EXHAUSTED", "h3 held, unfinished"}),
     ),
     AttackSpec(
         "HTTP/3 Initial flood",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conformance.conftest import EOF, new_channel
-from tests.servers import ServerProcess, held_still, model_repository, running_server
+from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, held_still, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +36,24 @@ FINAL = "triton_final_response"
 PROMPTS = ("Hello", "a longer prompt, with punctuation!", "x", "0123456789", "The quick fox")
 
 
+def example_repository(target: Path) -> Path:
+    """`generate` as this tree's examples/ has it (config.pbtxt, model.py, vocabulary), with
+    the LM `make models` exported (3.7 MB, copied: the sandbox sees the model's directory
+    only)."""
+    model = target / MODEL
+    (model / "1").mkdir(parents=True)
+    example = REPO_ROOT / "examples" / MODEL / MODEL
+    shutil.copy(example / "config.pbtxt", model)
+    for name in ("model.py", "vocab.json"):
+        shutil.copy(example / "1" / name, model / "1")
+    shutil.copytree(EXAMPLE_MODELS / MODEL / "1" / "lm", model / "1" / "lm")
+    return target
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("generate")
-    repository = model_repository(root / "models", [MODEL])
+    repository = example_repository(root / "models")
     with running_server(repository, root / "server.log", ["--certs-dir", str(certs_dir)]) as s:
         yield s
 
@@ -153,6 +168,31 @@ async def test_a_request_the_model_cannot_run_is_an_error_and_the_stream_goes_on
         assert len(answers[request_id]) == 1
         message = str(answers[request_id][0])
         assert message.startswith("INVALID_ARGUMENT: model 'generate'") and word in message
+    assert text_of(answers["ok"])[1] == "length"
+
+
+async def test_a_prompt_past_the_largest_input_is_refused_before_the_model_tokenizes_it(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    """The model declares the largest input it takes (max_input_bytes): the server refuses
+    a larger prompt before handing it over. Within that, the model checks a prompt's length
+    before tokenizing it (a 60 MB prompt, tokenized first, held every stream for 3.6 s)."""
+    answers = await stream(
+        server,
+        transport,
+        certs_dir,
+        [
+            generate("x" * (1 << 20), 3, "huge"),
+            generate("y" * 600, 3, "long"),
+            generate("ok", 3, "ok"),
+        ],
+    )
+    assert [str(a) for a in answers["huge"]] == [
+        "INVALID_ARGUMENT: input 'text' has 1048580 bytes, more than max_input_bytes 2052 of "
+        "model 'generate'"
+    ]
+    (long,) = answers["long"]
+    assert "the prompt has 600 characters, more than the token budget of a step" in str(long)
     assert text_of(answers["ok"])[1] == "length"
 
 

@@ -101,6 +101,14 @@ def model_version() -> pb.ModelInferRequest:
     return request
 
 
+def request_id() -> pb.ModelInferRequest:
+    """A valid request but for its id, which every response would echo."""
+    request = text_request()
+    request.raw_input_contents.append(EMPTY)
+    request.id = "i" * BOMB_ENTRIES
+    return request
+
+
 BOMBS: dict[str, tuple[Callable[[], pb.ModelInferRequest], tuple[str, ...]]] = {
     "raw BYTES elements": (
         raw_elements,
@@ -117,6 +125,10 @@ BOMBS: dict[str, tuple[Callable[[], pb.ModelInferRequest], tuple[str, ...]]] = {
     "input name": (input_name, ("has no input", f"({len(LONG_NAME)} characters)")),
     "model name": (model_name, ("is not a plain name", f"({len(LONG_NAME)} characters)")),
     "model version": (model_version, ("is not a version number", f"({BOMB_ENTRIES} characters)")),
+    "request id": (
+        request_id,
+        (f"the request's id has {BOMB_ENTRIES} bytes, more than 256", "refused before parsing"),
+    ),
 }
 
 
@@ -142,7 +154,7 @@ def frontends_server(
 # parsing, while validating), so the parent's decoding is shown to be the same.
 CASES = [
     *(("server", bomb) for bomb in sorted(BOMBS)),
-    *(("frontends_server", bomb) for bomb in ("inputs", "raw BYTES elements")),
+    *(("frontends_server", bomb) for bomb in ("inputs", "raw BYTES elements", "request id")),
 ]
 
 
@@ -219,8 +231,9 @@ async def test_a_bomb_in_a_stream_gets_its_error_and_the_stream_goes_on(
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
+@pytest.mark.parametrize("bomb", ["inputs", "request id"])
 async def test_a_stream_message_over_the_wire_limits_ends_the_stream_invalid(
-    server: ServerProcess, certs_dir: Path, transport: str
+    server: ServerProcess, certs_dir: Path, transport: str, bomb: str
 ) -> None:
     """Refused before parsing, the message has no id to answer it under: the stream ends with
     INVALID_ARGUMENT, and the server goes on."""
@@ -230,7 +243,7 @@ async def test_a_stream_message_over_the_wire_limits_ends_the_stream_invalid(
 
     async def requests() -> AsyncIterator[pb.ModelInferRequest]:
         yield good
-        yield inputs()
+        yield BOMBS[bomb][0]()
 
     async with channel(server, certs_dir, transport) as opened:
         stub = pb_grpc.GRPCInferenceServiceStub(opened)
@@ -238,6 +251,21 @@ async def test_a_stream_message_over_the_wire_limits_ends_the_stream_invalid(
             async for _ in stub.ModelStreamInfer(requests(), timeout=TIMEOUT_S):
                 pass
         assert ended.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "more than 1024 inputs" in (ended.value.details() or "")
+        assert BOMBS[bomb][1][0] in (ended.value.details() or "")
         after = await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
         assert after.live
+
+
+async def test_a_flood_of_failures_quoting_huge_names_grows_the_log_by_kilobytes(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """Each failing call names a 2 MiB model: its log line quotes a bounded part of the name,
+    and the failure budget counts the bytes of the lines it lets through."""
+    before = server.log_path.stat().st_size
+    async with channel(server, certs_dir, "h2") as opened:
+        stub = pb_grpc.GRPCInferenceServiceStub(opened)
+        for _ in range(60):
+            refused = await refusal(stub.ModelInfer(model_name(), timeout=TIMEOUT_S))
+            assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+        await stub.ServerLive(pb.ServerLiveRequest(), timeout=TIMEOUT_S)
+    assert server.log_path.stat().st_size - before < 256 << 10

@@ -17,11 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.observability.logs import (
+    FIELD_BYTES,
+    LINE_BYTES,
+    MESSAGE_BYTES,
     JsonFormatter,
     LineBudget,
     RequestLog,
     TextFormatter,
     make_formatter,
+    quoted,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -167,3 +171,48 @@ def test_the_request_log_leaves_failures_out_past_the_budget_and_says_how_many(
         ("OK", None),
         ("INVALID_ARGUMENT", 3),
     ]
+
+
+@settings(derandomize=True, max_examples=200, deadline=None)
+@given(text=st.text(max_size=3000), limit=st.integers(16, 2048))
+def test_a_quote_is_bounded_in_bytes_and_whole_when_it_fits(text: str, limit: int) -> None:
+    shown = quoted(text, limit)
+    if len(text.encode()) <= limit:
+        assert shown == text
+    else:
+        head, _, rest = shown.rpartition("... (")
+        assert len(head.encode()) <= limit and text.startswith(head)
+        assert rest == f"{len(text)} characters)"
+
+
+@pytest.mark.parametrize("formatter", [JsonFormatter(), TextFormatter(colour=False)])
+def test_a_flood_of_failures_quoting_a_huge_id_costs_kilobytes(
+    formatter: logging.Formatter,
+) -> None:
+    """The measured flood: 366 failing calls with a 4 MiB id in 10 s grew the log by
+    116 MiB. Each line now quotes a bounded part of it, and big lines cost more budget."""
+    clock = FakeClock()
+    log = RequestLog(1000.0, 0.0, None, LineBudget(20, 1.0, clock))
+    written: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: written.append(formatter.format(record))  # type: ignore[method-assign]
+    logger = logging.getLogger("paddlequic.requests")
+    logger.addHandler(handler)
+    try:
+        huge = "i" * (4 << 20)
+        for call in range(366):
+            clock.now = call * 10 / 366
+            fields = {"transport": "h2", "rpc": "ModelInfer", "model": huge, "request_id": huge}
+            log.emit(grpc.StatusCode.INVALID_ARGUMENT, 1.0, {**fields, "error": huge})
+    finally:
+        logger.removeHandler(handler)
+    assert written
+    assert all(len(line.encode()) < 5 * FIELD_BYTES + MESSAGE_BYTES for line in written)
+    # 20 lines of burst plus one a second, each costing its size in LINE_BYTES
+    assert sum(len(line.encode()) for line in written) < (20 + 10) * 2 * LINE_BYTES
+
+
+def test_a_log_message_is_bounded_too() -> None:
+    line = json.loads(JsonFormatter().format(record("x" * (1 << 20), {"model": "m" * 5000})))
+    assert len(line["message"].encode()) < MESSAGE_BYTES + 64
+    assert len(line["model"].encode()) < FIELD_BYTES + 64

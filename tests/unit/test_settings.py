@@ -70,3 +70,18 @@ def test_server_name_flag_and_environment(
         with pytest.raises(SystemExit):
             settings.parse(["--server-name", bad])
         assert "--server-name takes 1 to 128 printable ASCII" in capsys.readouterr().err
+
+
+def test_h3_receive_budgets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    defaults = settings.parse([])
+    assert (defaults.h3_receive_budget, defaults.h3_receive_budget_per_address) == (
+        1 << 30,
+        256 << 20,
+    )
+    monkeypatch.setenv("PADDLEQUIC_H3_RECEIVE_BUDGET_PER_ADDRESS", str(32 << 20))
+    assert settings.parse([]).h3_receive_budget_per_address == 32 << 20
+    with pytest.raises(SystemExit):
+        settings.parse(["--h3-receive-budget", "1000"])
+    assert "--h3-receive-budget must be at least one stream window" in capsys.readouterr().err

@@ -605,3 +605,45 @@ def test_every_valid_request_is_accepted_unchanged(
             assert field is not None
             values = getattr(sent.contents, field)
             assert tensor.data == np.asarray(values, dtype=tensor.datatype.numpy).tobytes()
+
+
+PROMPT = text_format.Parse(
+    """
+    name: "prompt"
+    max_batch_size: 0
+    input [
+      { name: "text" data_type: TYPE_STRING dims: [ 1 ] },
+      { name: "ids" data_type: TYPE_INT32 dims: [ -1 ] }
+    ]
+    output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+    parameters { key: "max_input_bytes" value: { string_value: "64" } }
+    """,
+    mc.ModelConfig(),
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(size=st.integers(0, 200), raw=st.booleans())
+def test_an_input_over_max_input_bytes_is_never_handed_to_the_model(size: int, raw: bool) -> None:
+    """Serialized as raw contents count it (a BYTES element with its 4-byte length), raw or
+    typed, text or numbers. Typed text is measured once serialized, after the checks that
+    cost nothing (typed numbers' size is their count)."""
+    request = pb.ModelInferRequest(model_name="prompt")
+    text = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    ids = request.inputs.add(name="ids", datatype="INT32", shape=[max(1, size // 4)])
+    if raw:
+        request.raw_input_contents.extend(
+            [len(b"t" * size).to_bytes(4, "little") + b"t" * size, bytes(4 * max(1, size // 4))]
+        )
+    else:
+        text.contents.bytes_contents.append(b"t" * size)
+        ids.contents.int_contents.extend([0] * max(1, size // 4))
+    text_bytes, ids_bytes = 4 + size, 4 * max(1, size // 4)
+    if max(text_bytes, ids_bytes) <= 64:
+        RequestValidator(PROMPT).validate(request)
+        return
+    text_first = text_bytes > 64 and (raw or ids_bytes <= 64)
+    name, held = ("text", text_bytes) if text_first else ("ids", ids_bytes)
+    assert refusal(PROMPT, request) == (
+        f"input '{name}' has {held} bytes, more than max_input_bytes 64 of model 'prompt'"
+    )

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from protos.inference import grpc_service_pb2 as pb
 from service.api.wire_limits import (
     MAX_FIELDS,
+    MAX_ID_BYTES,
     MAX_PARAMETERS,
     MAX_RANK,
     MAX_TENSORS,
@@ -127,3 +128,15 @@ def test_malformed_wire_is_left_to_the_parser(cut: int) -> None:
     assert request_problem(data)[0] == ""
     with pytest.raises(DecodeError):
         pb.ModelInferRequest.FromString(data)
+
+
+@property_settings(60)
+@given(size=st.one_of(st.integers(MAX_ID_BYTES - 3, MAX_ID_BYTES + 3), st.integers(0, 1 << 16)))
+def test_an_id_is_refused_exactly_past_its_limit(size: int) -> None:
+    request = request_with("inputs", 1)
+    request.id = "é" * (size // 2) + "x" * (size % 2)  # bytes, not characters, count
+    problem, _ = request_problem(request.SerializeToString())
+    if size > MAX_ID_BYTES:
+        assert problem == f"the request's id has {size} bytes, more than {MAX_ID_BYTES}"
+    else:
+        assert problem == ""

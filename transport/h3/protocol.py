@@ -139,6 +139,7 @@ class GrpcH3Protocol(QuicConnectionProtocol):
         self.terminated = StreamClosed(grpc.StatusCode.UNAVAILABLE, f"connection closed: {reason}")
         for stream in list(self.streams.values()):
             stream.fail(self.terminated)
+        self.credit.close()
         if self._keepalive is not None:
             self._keepalive.cancel()
         self.connection_lost_hook()

@@ -27,6 +27,7 @@ from transport.h3.address_tokens import AddressTokens, TokenVerdict
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.connection_ids import tag_connection_ids
+from transport.h3.aioquic.credit import NARROW_STREAM_WINDOW
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
 from transport.h3.aioquic.migration import resend_after_migration
 from transport.h3.aioquic.new_token import send_new_token
@@ -36,6 +37,13 @@ from transport.h3.calls import TransportAnswer, run_call
 from transport.h3.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.h3.protocol import GrpcH3Protocol
+from transport.h3.receive_budget import (
+    DEFAULT_PER_ADDRESS,
+    DEFAULT_TOTAL,
+    AddressShare,
+    ReceiveBudget,
+    SharedReceiveBudget,
+)
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
 from transport.tls.peer_auth import PeerAuth
@@ -53,7 +61,9 @@ class H3ServerStats:
     handshakes: dict[str, int] = field(default_factory=dict)
     # "connections", "connections_per_address": new connections refused at a limit;
     # "handshake_timeout": dropped before completing the handshake; "metadata": streams
-    # refused for a header block over the limit; "retry": Retry packets sent.
+    # refused for a header block over the limit; "receive_budget": streams refused because
+    # their address, or all addresses, reserved the whole receive budget (receive_budget.py);
+    # "retry": Retry packets sent.
     refusals: dict[str, int] = field(default_factory=dict)
 
 
@@ -76,6 +86,10 @@ class H3Limits:
     handshake_timeout_s: float = 10.0
     retry: RetryMode = RetryMode.AUTO
     retry_above_half_open: int = 64  # auto: Retry while this many handshakes are unfinished
+    # Bytes request streams may hold (received, not yet consumed), reserved per address and in
+    # total across this server's connections (transport/h3/receive_budget.py).
+    receive_budget_per_address: int = DEFAULT_PER_ADDRESS
+    receive_budget_total: int = DEFAULT_TOTAL
 
 
 class _ServerProtocol(GrpcH3Protocol):
@@ -105,6 +119,9 @@ class _ServerProtocol(GrpcH3Protocol):
         if server.address_tokens is not None:
             send_new_token(quic, server.issue_address_token)
         self.address = server.connection_opened(self)
+        self.credit.use_budget(
+            AddressShare(server.receive_budget, self.address), self.transmit_soon
+        )
         self._handshake_timer = self._loop.call_later(
             server.limits.handshake_timeout_s, self._handshake_expired
         )
@@ -133,6 +150,20 @@ class _ServerProtocol(GrpcH3Protocol):
         ):
             self.server.stats.rejected_streams += 1
             self.reset(stream_id, H3_REQUEST_REJECTED)
+            return None
+        if not self.credit.admit(stream_id):
+            self.server.count_refusal("receive_budget")
+            limits = self.server.limits
+            self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
+            message = (
+                "receive budget exhausted: the streams of one address may hold "
+                f"{limits.receive_budget_per_address} bytes not yet read, of all addresses "
+                f"{limits.receive_budget_total}; retry later"
+            )
+            with contextlib.suppress(Exception):
+                self.h3_send_headers(
+                    stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
+                )
             return None
         stream = H3Stream(self, stream_id)
         stream.early = not self.handshake_done.is_set()
@@ -207,6 +238,9 @@ class H3Server:
         self.router = router
         self.address_tokens = address_tokens
         self._per_address: Counter[str] = Counter()
+        self.receive_budget = SharedReceiveBudget(
+            ReceiveBudget(self.limits.receive_budget_total, self.limits.receive_budget_per_address)
+        )
         self._admitted: str = ""  # the address of the connection being created
         self.handlers = HandlerTable()
         self._connections: set[_ServerProtocol] = set()
@@ -240,7 +274,8 @@ class H3Server:
             alpn_protocols=H3_ALPN,
             idle_timeout=self._idle_timeout_s,
             max_data=self.settings.connection_window,
-            max_stream_data=self.settings.stream_window,
+            # Request streams get their full window once the receive budget reserved it.
+            max_stream_data=min(NARROW_STREAM_WINDOW, self.settings.stream_window),
             max_datagram_size=self.settings.max_datagram_size,
         )
         configuration.load_cert_chain(certfile, keyfile)

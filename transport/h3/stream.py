@@ -84,6 +84,8 @@ class H3Stream:
         self.state.headers_received(headers, ended)
         if self.state.error is not None:
             self._failed()
+        elif ended:
+            self.protocol.credit.settle(self.stream_id)
         if self.on_headers is not None:
             self.on_headers()
         self._changed.set()
@@ -91,6 +93,8 @@ class H3Stream:
     def data_received(self, data: bytes, ended: bool) -> None:
         if self.state.data_received(data, ended):
             self._sync_credit()
+            if ended:  # the peer can send no more: its stream reserves only what it holds
+                self.protocol.credit.settle(self.stream_id)
         elif self.state.error is not None:
             self._failed()
         self._changed.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 from collections import defaultdict
+from collections.abc import Callable
 
 from aioquic.quic.connection import (
     CONNECTION_LIMIT_FRAME_CAPACITY,
@@ -16,8 +17,18 @@ from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
 from aioquic.quic.stream import QuicStream
 
+from transport.h3.receive_budget import AddressShare
+
 DEFAULT_STREAM_WINDOW = 1 << 20
 DEFAULT_CONNECTION_WINDOW = 16 << 20
+# A server's request streams start with this much credit (its transport parameters), and get
+# their full window once their receive budget reserved it: a stream that cannot have it still
+# runs within this one, so a burst of calls whose requests span several packets (the headers
+# arrive before the end) reserves 64 KiB each until their end arrives, not a window each.
+NARROW_STREAM_WINDOW = 64 << 10
+# Full windows are granted while they keep an address's (and the total) reservations within
+# this share of its budget; the rest is for narrow windows, 16 times as many streams.
+WIDE_SHARE = 0.5
 # Credit beyond a message in progress, for the HTTP/3 framing around its payload (a DATA frame
 # header is at most 9 bytes) and a few frames more: what lets the peer finish the message,
 # however it frames it.
@@ -66,6 +77,17 @@ class ReceiveCredit:
     Memory bound: a connection holds at most its window plus one maximum message + 5 +
     `FRAMING_SLACK`, except while other streams hold partial messages beyond the window: then
     what their windows allow (a stream window per open stream) plus that maximum message.
+
+    With a budget (`use_budget`, the server), what the streams hold is bounded across
+    connections too: a request stream is admitted only if its window (or, `admit`, its size or
+    a narrow window) can be reserved from the budget of its peer's address, and gets no more
+    credit than it reserved; a message larger than its window is promoted only once
+    all of it (plus `FRAMING_SLACK`) is reserved; till then it waits, within its window, and
+    the connection retries when another connection releases. A reservation shrinks as the
+    stream's unused credit does (what it consumed, what it can no longer receive) and is
+    released when the stream is stopped or forgotten. A stream's unused credit (its limit, or
+    final size, minus what it consumed) never exceeds its reservation, so neither do the bytes
+    it holds.
     """
 
     def __init__(
@@ -83,6 +105,11 @@ class ReceiveCredit:
         # stream -> its message's size + FRAMING_SLACK, oldest first; the first is promoted
         self._in_progress: dict[int, int] = {}
         self._promoted: int | None = None
+        self._share: AddressShare | None = None
+        self._reserved: dict[int, int] = {}  # admitted stream -> bytes reserved for it
+        self._base: dict[int, int] = {}  # admitted stream -> its window (unless promoted)
+        bases = self._base
+        self._on_credit: Callable[[], None] | None = None
         original_stream_limits = quic._write_stream_limits
         unconsumed = self._unconsumed
         stopped = self._stopped
@@ -98,9 +125,11 @@ class ReceiveCredit:
                 return None
             need = in_progress.get(stream_id, 0)
             held = unconsumed.get(stream_id, 0)
-            window = need if need > stream_window and stream_id == self._promoted else stream_window
+            base = bases.get(stream_id, stream_window)
+            window = need if need > base and stream_id == self._promoted else base
+            batch = half_window if window >= stream_window else window // 2
             return credit_limit(
-                local, stream.receiver.highest_offset, held, window, half_window, held <= need
+                local, stream.receiver.highest_offset, held, window, batch, held <= need
             )
 
         def write_stream_limits(
@@ -126,6 +155,35 @@ class ReceiveCredit:
         quic._write_stream_limits = types.MethodType(write_stream_limits, quic)  # type: ignore[method-assign]
         quic._write_connection_limits = types.MethodType(write_connection_limits, quic)  # type: ignore[method-assign]
 
+    def use_budget(self, share: AddressShare, on_credit: Callable[[], None]) -> None:
+        """Reserve what request streams may hold from `share`; `on_credit`: credit became due
+        because a wait for the budget ended (send a packet)."""
+        self._share = share
+        self._on_credit = on_credit
+
+    def admit(self, stream_id: int) -> bool:
+        """A request stream opened: reserve its window, or all of it if its end already
+        arrived (a unary call's request often comes whole in one packet: it reserves its size
+        only), or, once windows take WIDE_SHARE of the budget, NARROW_STREAM_WINDOW (the
+        credit it started with) and it keeps that window. False: the budget has no room even
+        for that, the stream must be refused (nothing was reserved). A stream cannot wait
+        instead: its peer already holds its first credit (the transport parameters gave it)."""
+        if self._share is None:
+            return True
+        stream = self.quic._streams.get(stream_id)
+        final_size = None if stream is None else stream.receiver._final_size
+        if final_size is not None:
+            size = min(final_size, self.stream_window)
+        elif self._share.reserve(self.stream_window, WIDE_SHARE):
+            self._reserved[stream_id] = self._base[stream_id] = self.stream_window
+            return True
+        else:
+            size = min(NARROW_STREAM_WINDOW, self.stream_window)
+        if not self._share.reserve(size):
+            return False
+        self._reserved[stream_id] = self._base[stream_id] = size
+        return True
+
     def received(self, stream_id: int, size: int) -> None:
         """The stream now holds `size` more payload bytes nobody has consumed yet."""
         self._unconsumed[stream_id] += size
@@ -136,6 +194,7 @@ class ReceiveCredit:
         size = min(size, self._unconsumed.get(stream_id, 0))
         self._unconsumed[stream_id] -= size
         self._total_unconsumed -= size
+        self.settle(stream_id)
 
     def message_in_progress(self, stream_id: int, size: int) -> None:
         """The stream is receiving a message of `size` bytes on the wire (0: none)."""
@@ -144,25 +203,81 @@ class ReceiveCredit:
         else:
             self._in_progress.pop(stream_id, None)
         self._promote()
+        self.settle(stream_id)
 
     def stop(self, stream_id: int) -> None:
         """Nobody reads this stream any more: no more credit for it, what it holds is freed."""
         if len(self._stopped) >= _PRUNE_STOPPED:
             self._stopped.intersection_update(self.quic._streams)  # those aioquic still has
         self._stopped.add(stream_id)
-        self._in_progress.pop(stream_id, None)
-        self._promote()
-        self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
+        self.forget(stream_id)
 
     def forget(self, stream_id: int) -> None:
         """The call is over; whatever it left unread no longer holds credit back (a stopped
         stream stays stopped while aioquic keeps it)."""
         self._in_progress.pop(stream_id, None)
-        self._promote()
         self._total_unconsumed -= self._unconsumed.pop(stream_id, 0)
+        reserved = self._reserved.pop(stream_id, 0)
+        self._base.pop(stream_id, None)
+        self._promote()
+        if self._share is not None:
+            self._share.release(reserved)
+
+    def close(self) -> None:
+        """The connection is gone: whatever its streams reserved goes back to the budget."""
+        if self._share is not None:
+            self._share.stop_waiting(self)
+            reserved = sum(self._reserved.values())
+            self._reserved.clear()
+            self._base.clear()
+            self._share.release(reserved)
+
+    def settle(self, stream_id: int) -> None:
+        """Shrink the stream's reservation to what it may still come to hold: what it holds
+        plus the credit it has not used, and, while the peer may send more, its window (or
+        its promoted message) for the credit still to come."""
+        reserved = self._reserved.get(stream_id)
+        stream = self.quic._streams.get(stream_id)
+        if reserved is None or stream is None or self._share is None:
+            return
+        receiver = stream.receiver
+        final_size = receiver._final_size
+        consumed = receiver.highest_offset - self._unconsumed.get(stream_id, 0)
+        if final_size is None:
+            limit = stream.max_stream_data_local
+            promoted = self._in_progress.get(stream_id, 0) if stream_id == self._promoted else 0
+            floor = max(self._base.get(stream_id, self.stream_window), promoted)
+        else:
+            limit, floor = final_size, 0
+        keep = max(limit - consumed, floor)
+        if keep < reserved:
+            self._reserved[stream_id] = keep
+            self._share.release(reserved - keep)
 
     def _promote(self) -> None:
-        self._promoted = next(iter(self._in_progress), None)
+        """Promote the oldest message in progress; with a budget, once all of it is
+        reserved (else it waits for a release, and no message is promoted)."""
+        candidate = next(iter(self._in_progress), None)
+        share = self._share
+        if candidate is not None and share is not None and candidate in self._reserved:
+            extra = self._in_progress[candidate] - self._reserved[candidate]
+            if extra > 0 and not share.reserve(extra):
+                self._promoted = None
+                share.wait(self, self._retry_promotion)
+                return
+            self._reserved[candidate] += max(0, extra)
+        if share is not None:
+            share.stop_waiting(self)
+        self._promoted = candidate
+
+    def _retry_promotion(self) -> None:
+        self._promote()
+        if self._promoted is not None and self._on_credit is not None:
+            self._on_credit()
+
+    def reserved(self) -> int:
+        """Bytes this connection's streams reserved from the budget."""
+        return sum(self._reserved.values())
 
     @property
     def unconsumed(self) -> int:

@@ -44,6 +44,10 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         limits = limits_from(parameters)
+        # One token per character (CharTokenizer), and a step takes at most token_budget of
+        # them: a longer prompt is refused by its size, before it is decoded or tokenized (a
+        # 60 MB one, tokenized first, once held every generation stream for 3.6 s).
+        self.max_prompt_chars = limits.token_budget
         self.tokenizer = CharTokenizer(HERE / "vocab.json")
         decoder = PaddleDecoder(HERE / "lm", parameters, limits.max_batch, args["model_name"])
         self.engine = GenerationEngine(decoder, limits, Responses(self.tokenizer))
@@ -67,15 +71,24 @@ class TritonPythonModel:
         text, max_tokens = _scalar(request, "text"), _scalar(request, "max_tokens")
         if text is None or max_tokens is None:
             raise ValueError("inputs text and max_tokens are required")
+        most = self.max_prompt_chars
         if isinstance(text, bytes):
+            if len(text) > 4 * most:  # UTF-8: at most 4 bytes a character
+                raise ValueError(f"the prompt has {len(text)} bytes, more than {4 * most}")
             try:
                 text = text.decode("utf-8")
             except UnicodeDecodeError:
                 raise ValueError("text must be UTF-8") from None
+        text = str(text)
+        if len(text) > most:
+            raise ValueError(
+                f"the prompt has {len(text)} characters, more than the token budget of a step "
+                f"({most})"
+            )
         temperature = _scalar(request, "temperature")
         seed = _scalar(request, "seed")
         return (
-            self.tokenizer.encode(str(text)),
+            self.tokenizer.encode(text),
             int(max_tokens),
             0.0 if temperature is None else float(temperature),
             None if seed is None else int(seed),

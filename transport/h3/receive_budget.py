@@ -1,0 +1,124 @@
+"""How many bytes the HTTP/3 peers of one server process may make it hold (received, not yet
+consumed): per address and in all, shared by every connection of the process.
+
+Receive credit (aioquic/credit.py) bounds what one connection holds; an address may open many
+connections. Here each request stream reserves, from its peer's address and from the whole,
+the credit it may still use: its stream window when it is admitted, a whole large message when
+that message's turn comes. `ReceiveBudget` is the accounting alone (no I/O, no clock);
+`SharedReceiveBudget` adds the connections waiting for a release."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Defaults: a quarter of a GiB from one address (an open request stream reserves its 1 MiB
+# window, so 256 open streams, or a few messages near the 64 MiB maximum); 1 GiB in all.
+DEFAULT_PER_ADDRESS = 256 << 20
+DEFAULT_TOTAL = 1 << 30
+
+
+@dataclass
+class ReceiveBudget:
+    """Bytes reserved per address and in total, each within its limit.
+
+    A reservation is granted whole or not at all: nobody holds part of what it needs while
+    waiting for the rest, which is what keeps streams waiting on the budget from deadlocking
+    (the holders need nothing more to finish, and release when they do)."""
+
+    total: int = DEFAULT_TOTAL
+    per_address: int = DEFAULT_PER_ADDRESS
+    reserved_total: int = 0
+    reserved: dict[str, int] = field(default_factory=dict)
+
+    def reserve(self, address: str, size: int, share: float = 1.0) -> bool:
+        """Reserve `size` bytes for `address`; False (nothing reserved) past either limit, or
+        past that `share` of it (what may be reserved for the asking: the rest is kept for
+        smaller requests)."""
+        held = self.reserved.get(address, 0)
+        if (
+            held + size > self.per_address * share
+            or self.reserved_total + size > self.total * share
+        ):
+            return False
+        if size:
+            self.reserved[address] = held + size
+            self.reserved_total += size
+        return True
+
+    def release(self, address: str, size: int) -> None:
+        """Give back `size` bytes reserved for `address` (never more than it holds)."""
+        held = self.reserved.get(address, 0)
+        size = min(size, held)
+        if held == size:
+            self.reserved.pop(address, None)
+        else:
+            self.reserved[address] = held - size
+        self.reserved_total -= size
+
+    def held(self, address: str) -> int:
+        return self.reserved.get(address, 0)
+
+
+class SharedReceiveBudget:
+    """The process's budget and whoever waits for part of it: each release retries the
+    waiters, oldest first (a waiter that still cannot reserve waits again)."""
+
+    def __init__(self, budget: ReceiveBudget) -> None:
+        self.budget = budget
+        self.peak_total = 0
+        self._waiting: dict[object, Callable[[], None]] = {}
+        self._waking = False
+
+    def reserve(self, address: str, size: int, share: float = 1.0) -> bool:
+        granted = self.budget.reserve(address, size, share)
+        self.peak_total = max(self.peak_total, self.budget.reserved_total)
+        return granted
+
+    def release(self, address: str, size: int) -> None:
+        if size <= 0:
+            return
+        self.budget.release(address, size)
+        if self._waiting and not self._waking:
+            self._waking = True
+            try:
+                waiting, self._waiting = self._waiting, {}
+                for retry in waiting.values():
+                    retry()
+            finally:
+                self._waking = False
+
+    def wait(self, key: object, retry: Callable[[], None]) -> None:
+        """Call `retry` after the next release (once)."""
+        self._waiting[key] = retry
+
+    def stop_waiting(self, key: object) -> None:
+        self._waiting.pop(key, None)
+
+
+@dataclass
+class AddressShare:
+    """What one connection uses of the shared budget: reservations for its peer's address."""
+
+    shared: SharedReceiveBudget
+    address: str
+
+    def reserve(self, size: int, share: float = 1.0) -> bool:
+        return self.shared.reserve(self.address, size, share)
+
+    def release(self, size: int) -> None:
+        self.shared.release(self.address, size)
+
+    def wait(self, key: object, retry: Callable[[], None]) -> None:
+        self.shared.wait(key, retry)
+
+    def stop_waiting(self, key: object) -> None:
+        self.shared.stop_waiting(key)
+
+    @property
+    def per_address(self) -> int:
+        return self.shared.budget.per_address
+
+    @property
+    def total(self) -> int:
+        return self.shared.budget.total
