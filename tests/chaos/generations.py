@@ -39,7 +39,7 @@ POLL_S = 0.05
 HOLD_CHECK_S = 1.0  # the token counter unchanged this long: every generation finished or held
 # A never-reading client's request ids: each token response repeats its id, so a few hundred
 # tokens fill the transports' flow-control windows and its generations are held.
-HOG_ID_BYTES = 8 << 10
+HOG_ID_BYTES = 256  # the bound on ids
 GOOD_MAX_TOKENS = 8
 GOOD_GENERATIONS = 2  # per transport, while never-read generations are held
 # A large id that is allowed (the message stays far below the chaos server's limit); 65
@@ -198,10 +198,9 @@ async def never_reading_generations(target: Target, scale: Scale) -> AttackResul
 
 
 async def large_id_amplification(target: Target, scale: Scale) -> AttackResult:
-    """A generation whose request id is LARGE_ID_BYTES (allowed: the message is far below
-    --max-message-bytes), from a client that never reads, one transport after the other:
-    every token response repeats the id, and the RSS goal bounds what the server holds of
-    them (a stream's responses are bounded in bytes, not only in count)."""
+    """A generation whose request id is LARGE_ID_BYTES, which every token response would
+    repeat, from a client that never reads, one transport after the other: the id is refused
+    at its bound (256 bytes) before the request is parsed, and nothing is generated for it."""
     result = AttackResult()
     for transport in TRANSPORTS:
         async with target.channel(transport) as channel:
@@ -210,7 +209,7 @@ async def large_id_amplification(target: Target, scale: Scale) -> AttackResult:
             )
             await call.write(_request(LONG_MAX_TOKENS, "x" * LARGE_ID_BYTES))
             quiet, _ = await _quiet(target, scale.attack_limit_s / 2)
-            outcome = "held, never read" if not call.done() else f"ended {await call.code()}"
+            outcome = "held, never read" if not call.done() else (await call.code()).name
             result.outcomes[f"{transport} {outcome}"] += 1
             call.cancel()
         if not quiet:

@@ -131,7 +131,7 @@ ATTACKS = (
     AttackSpec(
         "large-id amplification",
         generations.large_id_amplification,
-        _both("held, never read"),
+        _both("INVALID_ARGUMENT"),
     ),
     AttackSpec(
         "generation worker SIGKILL mid-generation",
