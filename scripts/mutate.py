@@ -55,6 +55,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "transport/h3/aioquic/credit.py": (
         "tests/unit/test_receive_credit.py",
         "tests/unit/test_receive_credit_accounting.py",
+        "tests/unit/test_receive_credit_peers.py",
     ),
     "service/batching/assemble.py": (
         "tests/unit/test_batching.py",
