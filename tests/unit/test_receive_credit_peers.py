@@ -190,7 +190,8 @@ def test_max_streams_is_due_once_finished_streams_outnumber_what_the_peer_has_le
     peers: tuple[Peer, Server],
 ) -> None:
     """aioquic's batching of MAX_STREAMS: with every stream the client may open in use,
-    one stream discarded makes the raise due; with one left to open, two must be."""
+    one stream discarded makes the raise due; with one left to open, two must be; for
+    unidirectional streams, one more than the client has left."""
     client, server = peers
     for _ in range(STREAM_LIMIT - 1):
         send(client, server, 10)
