@@ -28,7 +28,7 @@ help:
 	@echo "make mutate  mutation testing of the security and data-integrity modules, surviving mutants per module"
 	@echo "             (unit tests only; at most 25 mutants per module, a fixed sample: ARGS='--cap 0' for all,"
 	@echo "             ARGS='--only poison,credit' for some, ARGS='--module PATH=TEST,...' for one not listed;"
-	@echo "             about 40 min on 2 shared cores; writes bench-results/)"
+	@echo "             about 45 min on 2 shared cores; writes bench-results/)"
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide), and tensors in shared memory vs raw (writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
