@@ -31,18 +31,21 @@ STREAM_LIMIT = 4
 
 
 class Server(Peer):
-    """The server end, whose application holds every byte that arrives until the test says
-    it consumed them (as GrpcH3Protocol reports what its streams hold)."""
+    """The server end, whose application holds every byte that arrives on a request stream
+    until the test says it consumed them (as GrpcH3Protocol reports what its streams hold),
+    or, with `hold` off, takes each byte as it arrives."""
 
     def __init__(self, quic: QuicConnection) -> None:
         super().__init__(quic)
         self.credit = ReceiveCredit(quic, WINDOW, CONNECTION_WINDOW)
+        self.hold = True
 
     def pump(self) -> None:
         while (event := self.quic.next_event()) is not None:
-            if isinstance(event, events.StreamDataReceived):
+            if not isinstance(event, events.StreamDataReceived):
+                assert not isinstance(event, events.ConnectionTerminated), event
+            elif self.hold and not event.stream_id & 2:  # a request stream
                 self.credit.received(event.stream_id, len(event.data))
-            assert not isinstance(event, events.ConnectionTerminated), event
 
 
 @pytest.fixture
@@ -98,6 +101,28 @@ def test_stream_credit_is_granted_in_half_windows_of_what_was_consumed(
     assert stream_credit(client, stream_id) == WINDOW + BATCH  # consumed + the window
     assert arrived(server, stream_id) == WINDOW + BATCH
     assert not server.credit.due(stream_id)  # sent: nothing more is due
+
+
+def test_a_stream_whose_data_is_taken_as_it_arrives_gets_the_window_beyond_it(
+    peers: tuple[Peer, Server],
+) -> None:
+    """Small messages taken whole as they arrive are never held: the credit is what arrived
+    plus the window, from the first batch on."""
+    client, server = peers
+    server.hold = False
+    stream_id = send(client, server, BATCH)
+    assert stream_credit(client, stream_id) == BATCH + WINDOW
+
+
+def test_a_unidirectional_stream_keeps_aioquics_credit(peers: tuple[Peer, Server]) -> None:
+    """HTTP/3's own streams (control, QPACK) are read by the H3 layer as they arrive:
+    aioquic's rule (the limit doubles once half of it arrived) still grants their credit."""
+    client, server = peers
+    stream_id = client.quic.get_next_available_stream_id(is_unidirectional=True)
+    client.quic.send_stream_data(stream_id, b"x" * (BATCH + 1))
+    settle(client, server)
+    assert arrived(server, stream_id) == BATCH + 1
+    assert stream_credit(client, stream_id) == 2 * WINDOW
 
 
 def test_a_stopped_stream_gets_no_more_credit(peers: tuple[Peer, Server]) -> None:
