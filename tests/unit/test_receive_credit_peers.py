@@ -150,6 +150,26 @@ def test_a_waiting_reader_unblocks_a_message_larger_than_the_window(
     assert arrived(server, stream_id) == message
 
 
+def test_a_reader_holding_its_message_and_the_slack_at_most_waits_for_the_rest(
+    peers: tuple[Peer, Server],
+) -> None:
+    """With less than the framing slack left to the peer, a stream that holds no more than
+    its message in progress plus the slack gets credit at once, below a batch; one byte
+    more held and the reader has something to take: the credit waits for the batch."""
+    client, server = peers
+    message = 20 << 10
+    stream_id = send(client, server, WINDOW - (4 << 10))  # 4 KiB left: less than the slack
+    server.credit.message_in_progress(stream_id, message)
+    sent = arrived(server, stream_id)
+    server.credit.consumed(stream_id, sent - (message + FRAMING_SLACK) - 1)
+    settle(client, server)
+    assert stream_credit(client, stream_id) == WINDOW
+    server.credit.consumed(stream_id, 1)
+    settle(client, server)
+    assert stream_credit(client, stream_id) == sent - (message + FRAMING_SLACK) + WINDOW
+    assert stream_credit(client, stream_id) - WINDOW < BATCH
+
+
 @pytest.mark.parametrize("turn_ends", ["message_in_progress", "stop", "forget"])
 def test_only_the_oldest_message_in_progress_grows_its_window_until_its_turn_ends(
     peers: tuple[Peer, Server], turn_ends: str
