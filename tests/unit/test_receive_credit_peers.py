@@ -14,6 +14,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from tests.unit.test_h3_limits import (
+    CLIENT_ADDRESS,
     SERVER_ADDRESS,
     Peer,
     client_quic,
@@ -213,6 +214,43 @@ def test_connection_credit_follows_what_the_streams_hold(peers: tuple[Peer, Serv
     assert not server.credit.connection_due(0, 0)
 
 
+def test_connection_credit_is_granted_in_half_windows_while_the_client_has_room(
+    peers: tuple[Peer, Server],
+) -> None:
+    """Far from its limit, the client gets more connection credit (MAX_DATA) once half the
+    connection window was consumed, not a byte before."""
+    client, server = peers
+    first, second = send(client, server, WINDOW), send(client, server, WINDOW)
+    half = CONNECTION_WINDOW // 2
+    assert server.quic._local_max_data.used == half  # half the window left to the client
+    server.credit.consumed(first, WINDOW)
+    server.credit.consumed(second, WINDOW - 1)
+    settle(client, server)
+    assert client.quic._remote_max_data == CONNECTION_WINDOW
+    server.credit.consumed(second, 1)
+    settle(client, server)
+    assert client.quic._remote_max_data == CONNECTION_WINDOW + half
+
+
+def test_max_streams_raises_are_batched_as_aioquic_batches_them(
+    peers: tuple[Peer, Server],
+) -> None:
+    """A finished stream lets the client open one more, announced once it has fewer left
+    than the raise would add: not after the first finished stream, later in one frame."""
+    client, server = peers
+    announced = []
+    for _ in range(STREAM_LIMIT - 1):
+        stream_id = client.quic.get_next_available_stream_id()
+        client.quic.send_stream_data(stream_id, b"request", end_stream=True)
+        settle(client, server)
+        server.quic.send_stream_data(stream_id, b"answer", end_stream=True)
+        settle(client, server)
+        settle(client, server)  # the server discards the stream as it builds its next packet
+        announced.append(client.quic._remote_max_streams_bidi)
+    assert announced[0] == STREAM_LIMIT
+    assert announced[-1] > STREAM_LIMIT
+
+
 def test_the_promoted_message_is_not_held_back_by_what_other_streams_hold(
     peers: tuple[Peer, Server],
 ) -> None:
@@ -246,9 +284,33 @@ def test_max_streams_is_due_once_finished_streams_outnumber_what_the_peer_has_le
     assert not server.credit.connection_due(0, 0)
     assert not server.credit.due(stream_id)  # nothing consumed, no stream discarded
     assert server.credit.connection_due(1, 0)
-    uni_left = server.quic._local_max_streams_uni.sent - server.quic._local_max_streams_uni.used
-    assert not server.credit.connection_due(0, uni_left)
-    assert server.credit.connection_due(0, uni_left + 1)
+    uni = server.quic._local_max_streams_uni
+    while uni.used < uni.sent:  # every unidirectional stream the client may open
+        client.quic.send_stream_data(client.quic.get_next_available_stream_id(True), b"u")
+        settle(client, server)
+    assert not server.credit.connection_due(0, 0)
+    assert not server.credit.due(stream_id)
+    assert server.credit.connection_due(0, 1)
+
+
+def test_a_unidirectional_stream_is_due_by_aioquics_rule(peers: tuple[Peer, Server]) -> None:
+    """What `due` says for such a stream is what aioquic's writer then does: nothing at
+    exactly half its limit, a raise one byte past it."""
+    client, server = peers
+    stream_id = client.quic.get_next_available_stream_id(is_unidirectional=True)
+    client.quic.send_stream_data(stream_id, b"x" * BATCH)
+    settle(client, server)
+    stream = server.quic._streams[stream_id]
+    assert stream_credit(client, stream_id) == WINDOW and not server.credit.stream_due(stream)
+    client.quic.send_stream_data(stream_id, b"x")
+    client.now = server.now = client.now + 0.01  # past aioquic's pacing
+    for data, _ in client.quic.datagrams_to_send(now=client.now):  # to the server only
+        server.quic.receive_datagram(data, CLIENT_ADDRESS, now=server.now)
+    server.pump()
+    assert arrived(server, stream_id) == BATCH + 1 and server.credit.stream_due(stream)
+    settle(client, server)
+    assert stream_credit(client, stream_id) == 2 * WINDOW
+    assert not server.credit.stream_due(stream)
 
 
 @pytest.mark.parametrize("opened_by", ["client", "server"])
