@@ -92,10 +92,14 @@ def test_a_locked_database_refuses_instead_of_blocking(
     other.execute("BEGIN EXCLUSIVE")
     with caplog.at_level(logging.WARNING):
         tickets.add(ticket(b"lost"))
+        assert "ticket store failing" in caplog.text  # the add alone says so
         assert tickets.pop(b"kept") is None  # that client gets a full handshake
     assert caplog.text.count("ticket store failing") == 1
     other.execute("ROLLBACK")
     other.close()
+    with caplog.at_level(logging.WARNING):
+        tickets.add(ticket(b"new"))
+    assert "ticket store working again" in caplog.text  # the add that worked says so
     assert tickets.pop(b"kept") == kept
     assert tickets.pop(b"lost") is None
 
@@ -256,3 +260,34 @@ def test_a_store_directory_of_any_other_user_is_refused(tmp_path: Path, uid: int
     os.chown(directory, uid, uid)
     with pytest.raises(PermissionError, match=f"uid {uid}.*lets other users replace"):
         store(directory / "tickets.db")
+
+
+def test_a_ticket_redeemed_at_its_expiry_is_refused_as_expired_not_as_edited(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Expired at its expiry time: refused as any expired ticket is, not with the warning
+    that says the store was edited."""
+    clock = FakeClock()
+    tickets = store(tmp_path / "tickets.db", ttl_s=60, clock=clock)
+    tickets.add(ticket(b"due"))
+    clock.now += 60
+    with caplog.at_level(logging.WARNING):
+        assert tickets.pop(b"due") is None
+    assert "outlived its sealed expiry" not in caplog.text
+    assert tickets.counters.refused == 1
+
+
+def test_the_lock_wait_journal_and_purge_defaults(tmp_path: Path) -> None:
+    """A lock is waited for at most 50 ms (docs/http3.md); the journal is a WAL (readers and
+    the writer overlap) and no add waits for the disk (the packet path calls it; a power cut
+    costs the last tickets' clients a full handshake); surplus tickets are purged every 256
+    adds of a process."""
+    tickets = store(tmp_path / "tickets.db", max_tickets=1)
+    assert tickets._db.execute("PRAGMA busy_timeout").fetchone() == (50,)
+    assert tickets._db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert tickets._db.execute("PRAGMA synchronous").fetchone() == (0,)  # OFF
+    for label in range(255):
+        tickets.add(ticket(b"%d" % label))
+    assert tickets.counters.evicted == 0
+    tickets.add(ticket(b"last"))
+    assert tickets.counters.evicted == 255
