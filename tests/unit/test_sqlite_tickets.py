@@ -251,6 +251,15 @@ def test_a_new_store_is_created_private_not_made_private_afterwards(
     assert modes(tmp_path / "tickets.db") == ["0600"]
 
 
+def test_claiming_the_store_keeps_no_file_open(tmp_path: Path) -> None:
+    path = tmp_path / "tickets.db"
+    store(path).add(ticket(b"a"))  # the store and its side files exist
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        sqlite_store.claim_private(path)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user takes root")
 @pytest.mark.parametrize("uid", [1, 1000, 65534])
 def test_a_store_directory_of_any_other_user_is_refused(tmp_path: Path, uid: int) -> None:
