@@ -39,7 +39,9 @@ _TICKET_TESTS = (
     "tests/unit/test_sqlite_ticket_links.py",
     "tests/unit/test_sqlite_ticket_counters.py",
 )
-# Module -> its fast unit tests (e2e tests are too slow to run once per mutant).
+# Module -> its fast unit tests (e2e tests are too slow to run once per mutant). A new module
+# is one row here: its path and the unit tests that exercise it; `--module PATH=TEST,...` runs
+# one without a row. tests/unit/test_mutate_modules.py checks every path exists.
 MODULES: dict[str, tuple[str, ...]] = {
     "service/api/restricted.py": ("tests/unit/test_restricted.py",),
     "service/resilience/poison.py": (
@@ -55,6 +57,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "transport/h3/aioquic/credit.py": (
         "tests/unit/test_receive_credit.py",
         "tests/unit/test_receive_credit_accounting.py",
+        "tests/unit/test_receive_credit_peers.py",
     ),
     "service/batching/assemble.py": (
         "tests/unit/test_batching.py",
@@ -68,7 +71,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "service/tickets/store.py": _TICKET_TESTS,
     "service/tickets/outage.py": _TICKET_TESTS,
     "service/lifecycle/signing.py": ("tests/unit/test_signing.py",),
-    "service/lifecycle/verified_copies.py": ("tests/unit/test_signing.py",),
+    "service/lifecycle/verified_copies.py": ("tests/unit/test_verified_copies.py",),
     # Not test_decoding_cost.py: it counts allocations with tracemalloc, and the traced run's
     # line tracer allocates too.
     "service/inference/validation.py": (
@@ -190,6 +193,8 @@ def trace(module: str, tests: list[str]) -> Coverage:
         raise SystemExit(f"{module}: the unmutated tests did not pass ({outcome}): {tests}")
     data = json.loads(out.read_text())
     lines = {test: set(hit) for test, hit in data["lines"].items()}
+    for test, reason in data["skipped"].items():
+        print(f"  SKIPPED {test} ({reason}): the lines only it reaches count as unreached")
     if not lines:
         print(f"  no test ran any line of {module}: every mutant is unreached")
     return Coverage(lines, data["durations"])
@@ -210,8 +215,30 @@ def previous_survivors(path: Path) -> dict[str, set[tuple[int, str]]]:
     }
 
 
-def mutate_module(module: str, cap: int, only: set[tuple[int, str]] | None) -> ModuleResult:
-    tests = [t for t in MODULES[module] if (ROOT / t).exists()]
+def module_table(extra: list[str]) -> dict[str, tuple[str, ...]]:
+    """MODULES with the `--module PATH=TEST[,TEST...]` rows added (a listed module's tests
+    replaced); SystemExit naming any path that does not exist, so a misspelt row is never
+    run with fewer tests than it names."""
+    rows = dict(MODULES)
+    for row in extra:
+        module, _, tests = row.partition("=")
+        rows[module] = tuple(t for t in tests.split(",") if t)
+        if not rows[module]:
+            raise SystemExit(f"--module {row!r}: expected PATH=TEST[,TEST...]")
+    missing = [
+        path
+        for module, tests in rows.items()
+        for path in (module, *tests)
+        if not (ROOT / path).is_file()
+    ]
+    if missing:
+        raise SystemExit(f"not found in {ROOT}: {' '.join(sorted(set(missing)))}")
+    return rows
+
+
+def mutate_module(
+    module: str, tests: list[str], cap: int, only: set[tuple[int, str]] | None
+) -> ModuleResult:
     result = ModuleResult(module, tests)
     started = time.monotonic()
     target = COPY / module
@@ -280,16 +307,34 @@ def main() -> None:
         type=Path,
         help="an earlier report: run only the mutants that survived there (after adding tests)",
     )
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        metavar="PATH=TEST[,TEST...]",
+        help="a module and its unit tests, listed in MODULES or not (repeatable); "
+        "without --only, only these run",
+    )
+    parser.add_argument("--list", action="store_true", help="print the modules and their tests")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "mutate.json")
     args = parser.parse_args()
+    listed = module_table(args.module)
+    if args.list:
+        for module, tests in listed.items():
+            print(f"{module}: {' '.join(tests)}")
+        return
     wanted = [w for w in args.only.split(",") if w]
-    modules = [m for m in MODULES if not wanted or any(w in m for w in wanted)]
+    if not wanted and args.module:
+        wanted = [row.partition("=")[0] for row in args.module]
+    modules = [m for m in listed if not wanted or any(w in m for w in wanted)]
     earlier = previous_survivors(args.survivors_of) if args.survivors_of else None
     if earlier is not None:
         modules = [m for m in modules if m in earlier]
     make_copy()
     results = [
-        mutate_module(module, args.cap, None if earlier is None else earlier[module])
+        mutate_module(
+            module, list(listed[module]), args.cap, None if earlier is None else earlier[module]
+        )
         for module in modules
     ]
     print()

@@ -2,7 +2,7 @@
 each mutant's: a deterministic hypothesis profile without a database (a failing example saved
 for one mutant must not decide another's fate), and, when MUTATE_TRACE_FILE names a source file,
 the lines of it each test runs, written as JSON to MUTATE_TRACE_OUT ("" holds the lines run
-outside any test: imports, module fixtures)."""
+outside any test: imports, module fixtures) with the tests that were skipped and why."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ settings.load_profile("mutate")
 _TARGET = os.environ.get("MUTATE_TRACE_FILE", "")
 _lines: dict[str, set[int]] = {}
 _durations: dict[str, float] = {}
+_skipped: dict[str, str] = {}  # test -> why (a redis-server that is not installed, say)
 _current = ""
 _is_target: dict[str, bool] = {}
 
@@ -63,9 +64,16 @@ def pytest_runtest_protocol(
     _current = ""
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped[report.nodeid] = reason.removeprefix("Skipped: ")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     out = os.environ.get("MUTATE_TRACE_OUT")
     if _TARGET and out:
         sys.settrace(None)
         lines = {test: sorted(hit) for test, hit in _lines.items()}
-        Path(out).write_text(json.dumps({"lines": lines, "durations": _durations}))
+        report = {"lines": lines, "durations": _durations, "skipped": _skipped}
+        Path(out).write_text(json.dumps(report))

@@ -151,3 +151,16 @@ def test_small_increments_wait_while_the_peer_has_room() -> None:
     """Consumption of less than the batch, the peer far from its limit: no update."""
     assert credit_limit(WINDOW, 1000, 0, WINDOW, BATCH, True) == WINDOW
     assert credit_limit(WINDOW, BATCH + 1000, 0, WINDOW, BATCH, True) == BATCH + 1000 + WINDOW
+
+
+def test_a_batch_is_granted_from_its_first_byte_and_the_slack_is_a_strict_bound() -> None:
+    """Exactly a batch consumed is granted; the peer's last `FRAMING_SLACK` bytes count as
+    running out while the reader waits, one byte more left does not."""
+    assert credit_limit(WINDOW, BATCH - 1, 0, WINDOW, BATCH, False) == WINDOW
+    assert credit_limit(WINDOW, BATCH, 0, WINDOW, BATCH, False) == BATCH + WINDOW
+    left = WINDOW - FRAMING_SLACK  # received: the peer has FRAMING_SLACK bytes left
+    moved = 1000  # the reader holds all but 1000 bytes of it: far less than a batch
+    assert credit_limit(WINDOW, left, left - moved, WINDOW, BATCH, True) == WINDOW
+    grown = WINDOW + moved
+    assert credit_limit(WINDOW, left + 1, left + 1 - moved, WINDOW, BATCH, True) == grown
+    assert credit_limit(WINDOW, left + 1, left + 1 - moved, WINDOW, BATCH, False) == WINDOW

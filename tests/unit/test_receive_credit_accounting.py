@@ -62,3 +62,19 @@ def test_the_windows_docs_http3_states() -> None:
     tracked = credit()
     assert (tracked.stream_window, tracked.connection_window) == (1 << 20, 16 << 20)
     assert FRAMING_SLACK == 16 << 10
+
+
+def test_at_most_64_stopped_streams_are_remembered_none_that_aioquic_keeps_forgotten() -> None:
+    """A peer that opens and resets streams for the life of a connection must not grow what
+    the connection remembers: at 64, the stopped streams aioquic has discarded are
+    forgotten, and those it still has stay stopped."""
+    tracked = credit()
+    tracked.quic.send_stream_data(0, b"x")  # a stream aioquic keeps
+    tracked.stop(0)
+    sizes = []
+    for stream_id in range(4, 4 * 200, 4):  # streams aioquic no longer has
+        tracked.stop(stream_id)
+        sizes.append(len(tracked._stopped))
+    assert max(sizes) == 64
+    assert sizes[:64] == [*range(2, 65), 2]
+    assert 0 in tracked._stopped

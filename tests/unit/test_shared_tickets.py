@@ -117,14 +117,17 @@ def test_unreachable_redis_turns_0rtt_off_until_it_answers_again(
         RedisTicketStore.from_url(url, TicketSealer(KEY)).client, TicketSealer(KEY), clock=clock
     )
     with caplog.at_level(logging.WARNING):
-        assert not store.check()
+        assert store.check() is False
+        assert not store.available  # the failed PING starts the back-off
         store.add(ticket(b"lost"))  # nothing stored: that client will do a full handshake
         assert store.pop(b"lost") is None
     assert caplog.text.count("ticket store unreachable") == 1  # warned once per outage
     assert not store.available
     with running_redis(tmp_path / "redis", port):
         assert store.pop(b"any") is None  # still inside the back-off: no network round trip
+        assert store.check() is False
         clock.now += store.retry_after_s
+        assert store.check() is True
         back = ticket(b"back")
         store.add(back)
         assert store.pop(b"back") == back
@@ -143,6 +146,7 @@ def test_ticket_store_configuration(tmp_path: Path, key_file: Path, redis_url: s
         open_ticket_store(redis_url, str(tmp_path / "short.key"), 60)
     store = open_ticket_store(redis_url, str(key_file), 60)
     assert isinstance(store, RedisTicketStore) and store.available
+    assert store.check() is True
 
 
 def test_redis_is_only_reached_through_its_short_timeout(redis_url: str) -> None:
@@ -236,3 +240,60 @@ def test_servers_sharing_the_ticket_key_accept_each_others_address_tokens(
     other_file.write_bytes(b"short")
     with pytest.raises(TicketStoreError, match="at least 32 bytes"):
         open_address_tokens(str(other_file), 60)
+
+
+@pytest.mark.parametrize("call", ["add", "pop"])
+def test_an_outage_starts_and_ends_with_any_call(
+    call: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not only the PING at start: an add or a pop that fails turns the store off for
+    `retry_after_s` (5 s, as docs/http3.md says; warned once), a failed pop and every pop
+    meanwhile count as refused, and the first call that succeeds after it ends the outage
+    (warned)."""
+    clock = FakeClock()
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    store = RedisTicketStore(
+        RedisTicketStore.from_url(url, TicketSealer(KEY)).client, TicketSealer(KEY), clock=clock
+    )
+    assert store.retry_after_s == 5.0
+
+    def run() -> None:
+        if call == "add":
+            store.add(ticket(b"t"))
+        else:
+            assert store.pop(b"t") is None
+
+    with caplog.at_level(logging.WARNING):
+        run()
+        assert not store.available
+        assert store.pop(b"t") is None
+    assert caplog.text.count("ticket store unreachable") == 1
+    assert (store.counters.issued, store.counters.refused) == (0, 1 + (call == "pop"))
+    with running_redis(tmp_path / "redis", port):
+        clock.now += store.retry_after_s
+        with caplog.at_level(logging.WARNING):
+            run()
+        assert store.available
+    assert "ticket store reachable again" in caplog.text
+    assert store.counters.issued == (call == "add")
+
+
+def test_the_sealed_expiry_is_the_ttl_redis_keeps_the_entry_for(redis_url: str) -> None:
+    wall = FakeClock()
+    store = RedisTicketStore(replica(redis_url).client, TicketSealer(KEY), 30, wall_clock=wall)
+    stored = ticket(b"timed")
+    store.add(stored)
+    name = store.sealer.name(b"timed")
+    raw = store.client.get(name)
+    assert isinstance(raw, bytes)
+    assert store.sealer.open(b"timed", raw) == (stored, wall.now + 30)
+    assert 0 < store.client.pttl(name) <= 30_000
+
+
+def test_a_ttl_under_a_millisecond_still_stores_the_ticket(redis_url: str) -> None:
+    """Redis refuses an expiry of 0 ms: the store asks for 1 ms instead of failing."""
+    store = RedisTicketStore(replica(redis_url).client, TicketSealer(KEY), 0.0001)
+    store.add(ticket(b"brief"))
+    assert store.available and store.counters.issued == 1
+    assert store.ttl_ms == 1

@@ -92,10 +92,14 @@ def test_a_locked_database_refuses_instead_of_blocking(
     other.execute("BEGIN EXCLUSIVE")
     with caplog.at_level(logging.WARNING):
         tickets.add(ticket(b"lost"))
+        assert "ticket store failing" in caplog.text  # the add alone says so
         assert tickets.pop(b"kept") is None  # that client gets a full handshake
     assert caplog.text.count("ticket store failing") == 1
     other.execute("ROLLBACK")
     other.close()
+    with caplog.at_level(logging.WARNING):
+        tickets.add(ticket(b"new"))
+    assert "ticket store working again" in caplog.text  # the add that worked says so
     assert tickets.pop(b"kept") == kept
     assert tickets.pop(b"lost") is None
 
@@ -192,3 +196,107 @@ def test_the_expiry_is_sealed_so_an_edited_row_is_refused(
         assert tickets.pop(b"edited") is None
     assert "outlived its sealed expiry" in caplog.text
     assert (tickets.counters.redeemed, tickets.counters.refused) == (2, 1)
+
+
+def test_surplus_tickets_are_purged_every_purge_every_adds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between purges the file may hold max_tickets plus what was added since the last one;
+    the PURGE_EVERY-th add (and not before) brings it back to max_tickets."""
+    monkeypatch.setattr(sqlite_store, "PURGE_EVERY", 4)
+    clock = FakeClock()
+    path = tmp_path / "tickets.db"
+    tickets = store(path, max_tickets=1, clock=clock)
+    seen = []
+    for label in b"abcdefgh":
+        clock.now += 1
+        tickets.add(ticket(bytes([label])))
+        rows = sqlite3.connect(path).execute("SELECT count(*) FROM tickets").fetchone()[0]
+        seen.append((rows, tickets.counters.evicted))
+    assert seen == [(1, 0), (2, 0), (3, 0), (1, 3), (2, 3), (3, 3), (4, 3), (1, 7)]
+    assert tickets.pop(b"h") is not None  # the newest is kept
+
+
+def test_a_redemption_that_fails_is_warned_and_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "tickets.db"
+    tickets = store(path, busy_timeout_s=0.01)
+    tickets.add(kept := ticket(b"kept"))
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    with caplog.at_level(logging.WARNING):
+        assert tickets.pop(b"kept") is None
+    assert caplog.text.count("ticket store failing") == 1
+    assert (tickets.counters.refused, tickets.counters.redeemed) == (1, 0)
+    other.execute("ROLLBACK")
+    other.close()
+    with caplog.at_level(logging.WARNING):
+        assert tickets.pop(b"kept") == kept
+    assert "ticket store working again" in caplog.text
+
+
+def test_a_new_store_is_created_private_not_made_private_afterwards(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Created 0600 by the open itself: no moment in which it had a wider mode (which would
+    be warned about and fixed, as for an existing store)."""
+    umask = os.umask(0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            store(tmp_path / "tickets.db")
+    finally:
+        os.umask(umask)
+    assert "had mode" not in caplog.text
+    assert modes(tmp_path / "tickets.db") == ["0600"]
+
+
+def test_claiming_the_store_keeps_no_file_open(tmp_path: Path) -> None:
+    path = tmp_path / "tickets.db"
+    store(path).add(ticket(b"a"))  # the store and its side files exist
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        sqlite_store.claim_private(path)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user takes root")
+@pytest.mark.parametrize("uid", [1, 1000, 65534])
+def test_a_store_directory_of_any_other_user_is_refused(tmp_path: Path, uid: int) -> None:
+    """This user's or root's only (here they are the same)."""
+    directory = tmp_path / "store"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, uid, uid)
+    with pytest.raises(PermissionError, match=f"uid {uid}.*lets other users replace"):
+        store(directory / "tickets.db")
+
+
+def test_a_ticket_redeemed_at_its_expiry_is_refused_as_expired_not_as_edited(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Expired at its expiry time: refused as any expired ticket is, not with the warning
+    that says the store was edited."""
+    clock = FakeClock()
+    tickets = store(tmp_path / "tickets.db", ttl_s=60, clock=clock)
+    tickets.add(ticket(b"due"))
+    clock.now += 60
+    with caplog.at_level(logging.WARNING):
+        assert tickets.pop(b"due") is None
+    assert "outlived its sealed expiry" not in caplog.text
+    assert tickets.counters.refused == 1
+
+
+def test_the_lock_wait_journal_and_purge_defaults(tmp_path: Path) -> None:
+    """A lock is waited for at most 50 ms (docs/http3.md); the journal is a WAL (readers and
+    the writer overlap) and no add waits for the disk (the packet path calls it; a power cut
+    costs the last tickets' clients a full handshake); surplus tickets are purged every 256
+    adds of a process."""
+    tickets = store(tmp_path / "tickets.db", max_tickets=1)
+    assert tickets._db.execute("PRAGMA busy_timeout").fetchone() == (50,)
+    assert tickets._db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert tickets._db.execute("PRAGMA synchronous").fetchone() == (0,)  # OFF
+    for label in range(255):
+        tickets.add(ticket(b"%d" % label))
+    assert tickets.counters.evicted == 0
+    tickets.add(ticket(b"last"))
+    assert tickets.counters.evicted == 255
