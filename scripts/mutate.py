@@ -82,6 +82,17 @@ MODULES: dict[str, tuple[str, ...]] = {
     # watchdog's count of a batch's computing around its calls.
     "service/inference/waits.py": ("tests/unit/test_wait_graph.py",),
     "service/workers/watchdog.py": ("tests/unit/test_watchdog_clock.py",),
+    # The bounds of the second outside review (issues 41 and 42).
+    "service/workers/message_bounds.py": ("tests/unit/test_message_bounds.py",),
+    "service/workers/model_output.py": ("tests/unit/test_model_output.py",),
+    "transport/h3/receive_budget.py": ("tests/unit/test_receive_budget.py",),
+    "service/inference/object_access.py": ("tests/unit/test_object_access.py",),
+    "service/api/stream_outbox.py": ("tests/unit/test_stream_outbox.py",),
+    "service/batching/concurrency.py": ("tests/unit/test_decoupled_bookkeeping.py",),
+    "service/batching/sequence_queue.py": (
+        "tests/unit/test_sequence_queue.py",
+        "tests/unit/test_sequence_owners.py",
+    ),
 }
 DEFAULT_CAP = 25
 PYTEST = (

@@ -141,7 +141,8 @@ ATTACKS = (
     AttackSpec(
         "abandoned sequences beyond the live bound",
         sequences.abandoned_sequences,
-        frozenset({"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"}),
+        # NOT_FOUND: a request naming a sequence that expired (or never started).
+        frozenset({"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "NOT_FOUND"}),
     ),
     AttackSpec(
         "region misuse",
