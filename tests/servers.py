@@ -267,6 +267,15 @@ async def gather_held(
     return list(await gathered)
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def eventually(check: Callable[[], bool], what: str, limit_s: float = 60.0) -> None:
     """Until `check()` holds, failing with `what` after `limit_s` (a restart that loads Paddle
     again on a busy 2-core machine can take a minute)."""

@@ -31,6 +31,7 @@ from tests.chaos.harness import (
     Target,
     outcome_of,
 )
+from tests.servers import alive
 
 RESTART_LIMIT_S = 60.0
 RELOAD_TIMEOUT_S = 120.0
@@ -301,21 +302,12 @@ async def orphaned_child(target: Target, scale: Scale) -> AttackResult:
             continue
         result.outcomes["worker killed"] += 1
         deadline = time.monotonic() + RESTART_LIMIT_S
-        while _alive(orphan) and time.monotonic() < deadline:
+        while alive(orphan) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        if _alive(orphan):
+        if alive(orphan):
             result.problems.append(f"orphan {orphan} outlived its worker")
         else:
             result.outcomes["orphan ended with its worker"] += 1
         if not await _replaced(target, victim, RESTART_LIMIT_S, PROCESSES_MODEL):
             result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
     return result
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"

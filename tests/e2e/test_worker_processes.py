@@ -22,7 +22,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from service.backend.sandbox import landlock, seccomp
-from tests.servers import ServerProcess, eventually, running_server
+from tests.servers import ServerProcess, alive, eventually, running_server
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_processes"
 TIMEOUT_S = 60.0
@@ -62,15 +62,6 @@ def attack(server: ServerProcess, model: str, **probe: object) -> dict[str, str]
     (report,) = parse_response(response)["report"].tolist()
     result: dict[str, str] = json.loads(report)
     return result
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_a_model_starts_no_process_by_default(server: ServerProcess) -> None:

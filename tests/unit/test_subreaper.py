@@ -9,9 +9,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from service.workers import subreaper
+from tests.servers import alive
 
 # A worker that leaves a grandchild in a session of its own, prints its pid, then runs CODE.
 ORPHANING = """
@@ -40,14 +40,6 @@ LIMIT_S = 30.0
 def launch(code: str, *options: str) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", subreaper.__name__, *options, "--", sys.executable, "-c"]
     return subprocess.Popen([*command, code], stdout=subprocess.PIPE, text=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def orphan_of(launcher: subprocess.Popen[str]) -> int:
