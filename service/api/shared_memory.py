@@ -70,11 +70,13 @@ class SharedMemory:
         listener: tuple[str, int] = ("0.0.0.0", 0),
     ) -> None:
         """`listener`: the HTTP/2 listener's host and port; bound to one address (and a port
-        given), a caller's socket is found by one exact lookup."""
+        given), a caller's socket is found by one exact lookup; on a wildcard address, first by
+        the lookup of a connection from the caller's address to that same address."""
         self.mode = mode
         self.restriction = restriction  # the `shared-memory` category's, if restricted
         self.regions = regions or SharedMemoryRegions()
         self._server = _one_address(*listener)
+        self._listener_port = listener[1]
 
     async def caller(self, context: ServicerContext) -> Caller:
         """Who calls, if it may use shared memory: the uid that owns its socket."""
@@ -87,7 +89,13 @@ class SharedMemory:
         uid = (
             None
             if socket is None
-            else await asyncio.to_thread(socket_owner, *socket, datagram, self._server)
+            else await asyncio.to_thread(
+                socket_owner,
+                *socket,
+                datagram,
+                self._server,
+                listener_port=self._listener_port,
+            )
         )
         if uid is None:
             raise errors.ServiceError(

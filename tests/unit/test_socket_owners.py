@@ -10,6 +10,7 @@ import ipaddress
 import os
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,31 @@ def test_a_connection_is_found_by_its_four_ends() -> None:
         with client, accepted:
             ipv6 = ipaddress.ip_address("::1")
             assert connected_owner(ipv6, client.getsockname()[1], ipv6, server_port) == uid
+
+
+def test_a_wildcard_listeners_local_caller_is_found_by_one_lookup(tmp_path: Path) -> None:
+    """On a wildcard listener a local caller's connection comes from the address it reached:
+    found by its four ends without the tables (an empty directory stands for them here);
+    one from another source address falls back to the tables."""
+    uid = os.geteuid()
+    loopback = ipaddress.ip_address("127.0.0.1")
+    with socket.create_server(("0.0.0.0", 0)) as server:
+        server_port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", server_port))
+        accepted, _ = server.accept()
+        with client, accepted:
+            port = client.getsockname()[1]
+            assert socket_owner(loopback, port, False, root=tmp_path) is None  # no tables
+            found = socket_owner(loopback, port, False, root=tmp_path, listener_port=server_port)
+            assert found == uid
+        elsewhere = socket.create_connection(
+            ("127.0.0.1", server_port), source_address=("127.0.0.3", 0)
+        )
+        accepted, _ = server.accept()
+        with elsewhere, accepted:
+            source = ipaddress.ip_address("127.0.0.3")
+            port = elsewhere.getsockname()[1]
+            assert (
+                socket_owner(source, port, False, root=tmp_path, listener_port=server_port) is None
+            )
+            assert socket_owner(source, port, False, listener_port=server_port) == uid
