@@ -8,6 +8,7 @@ starts, so it is in force before paddle is imported.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import numpy as np
 from service.backend.load import Load
 from service.backend.sandbox.privileges import undumpable
 from service.model.files import PYTHON_BACKEND
-from service.model.parameters import TESTING_CRASH_ON
+from service.model.parameters import PYTHON_CHILD_PROCESSES, TESTING_CRASH_ON, child_processes
 from service.placement.cpulist import CPU_AFFINITY_ENV, parse_cpulist
 from service.workers import protocol
 from service.workers.shm import MappingCache, layout
@@ -91,7 +92,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     try:
         model = _load(load)
     except Exception as exc:
-        sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc))))
+        sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc) + _process_hint(load, exc))))
         return 1
     unprotected = getattr(model, "unprotected", None)
     loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
@@ -156,6 +157,24 @@ def _reason(exc: BaseException) -> str:
             return line.strip()[:2000]
     lines = text.splitlines() or traceback.format_exception_only(exc)
     return f"{type(exc).__name__}: {lines[0].strip()}"[:2000]
+
+
+def _process_hint(load: Load, exc: BaseException) -> str:
+    """What to set when a sandboxed Python model was refused a new process (EPERM from
+    seccomp): importing paddle, or any subprocess, needs python_child_processes."""
+    if load.backend != PYTHON_BACKEND or child_processes(load.parameters):
+        return ""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno == errno.EPERM:
+            break
+        cause = cause.__cause__ or cause.__context__
+    if cause is None and "Operation not permitted" not in str(exc):
+        return ""
+    return (
+        " (a sandboxed Python model starts no process unless its config sets the parameter "
+        f"{PYTHON_CHILD_PROCESSES}: importing paddle needs 4)"
+    )
 
 
 def _pin_cpus() -> None:

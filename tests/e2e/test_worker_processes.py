@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
+from protos.inference import grpc_service_pb2 as pb
 from service.backend.sandbox import landlock, seccomp
 from tests.servers import ServerProcess, alive, eventually, running_server
 
@@ -47,7 +48,12 @@ def serve(root: Path) -> Iterator[ServerProcess]:
     repository.mkdir()
     processes_model(repository, "hostile", None)
     processes_model(repository, "forking", CHILDREN)
-    with running_server(repository, root / "server.log", ["--testing-service"]) as server:
+    processes_model(repository, "spawner", None)
+    with (repository / "spawner" / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "spawn_at_load" value: { string_value: "1" } }\n')
+    args = ["--testing-service"]
+    with running_server(repository, root / "server.log", args, wait=False) as server:
+        server.wait_loaded()  # spawner fails to load: ServerReady stays false
         yield server
 
 
@@ -168,3 +174,14 @@ def test_what_bounds_the_workers_is_said(server: ServerProcess) -> None:
         "/sys/fs/cgroup/cgroup.controllers"
     ):  # a hybrid host: memory and pids are bound to cgroup v1
         assert CGROUP_MISSING in log
+
+
+def test_a_model_refused_a_process_at_load_is_told_which_parameter_allows_it(
+    server: ServerProcess,
+) -> None:
+    """Importing paddle starts processes: a model that does so without python_child_processes
+    fails to load, and the reason names the parameter (not only EPERM)."""
+    index = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=TIMEOUT_S).models
+    (spawner,) = [m for m in index if m.name == "spawner"]
+    assert spawner.state == "UNAVAILABLE"
+    assert "python_child_processes" in spawner.reason, spawner.reason
