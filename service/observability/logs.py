@@ -34,7 +34,8 @@ _CONTINUATION = "\n    "
 # error that answered it), the message, a traceback. A caller's text is the caller's size: 366
 # failing calls with a 4 MiB id once grew the log by 116 MiB within the line budget.
 FIELD_BYTES = 1024
-MESSAGE_BYTES = 4096
+# A Python model's printed line (up to 4096 characters, model_output.py) with its prefix.
+MESSAGE_BYTES = 20 << 10
 EXCEPTION_BYTES = 16 << 10
 # A failing request's line costs one line of its budget per this many bytes of fields.
 LINE_BYTES = 1024
