@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import resource
 import sys
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format
 
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
@@ -26,10 +24,19 @@ from service.backend.load import Load
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.inference.jobs import Timings
 from service.inference.tensors import TensorSpec
+from service.model.config_json import config_json
 from service.model.sequences import sequence_settings, with_sequence_tensors
 
 DEFAULT_MEMORY_MB = 4096
 DEFAULT_OPEN_FILES = 256
+# Of one failure's text, per request: a gRPC status message travels in a trailer, which
+# clients cap (grpc's default: 8 KiB of metadata in all).
+MAX_FAILURE_BYTES = 4096
+
+
+class ErrorResponse(RuntimeError):
+    """execute() answered the request with an error response: its message goes to the caller
+    as it is."""
 
 
 class PythonModel:
@@ -79,7 +86,7 @@ class PythonModel:
         if hasattr(self._model, "initialize"):
             self._model.initialize(
                 {
-                    "model_config": json.dumps(config_json(config)),
+                    "model_config": config_json(config),
                     "model_instance_kind": "CPU",
                     "model_instance_name": f"{load.model_name}_0",
                     "model_instance_device_id": "0",
@@ -116,7 +123,7 @@ class PythonModel:
             )
         error = response.error()
         if error is not None:
-            raise RuntimeError(error.message())
+            raise ErrorResponse(error.message())
         given = {t.name(): t.as_numpy() for t in response.output_tensors()}
         result = {name: self._checked(name, given.get(name)) for name in outputs}
         return result, Timings(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
@@ -163,6 +170,17 @@ class PythonModel:
         return array
 
 
+def failure_text(exc: BaseException) -> str:
+    """The whole message of what failed in model.py (not only its first line, as Triton
+    passes it on), cut at MAX_FAILURE_BYTES, saying so."""
+    text = str(exc) if isinstance(exc, ErrorResponse) else f"{type(exc).__name__}: {exc}"
+    encoded = text.encode(errors="replace")
+    if len(encoded) <= MAX_FAILURE_BYTES:
+        return text
+    kept = encoded[: MAX_FAILURE_BYTES - 64].decode(errors="ignore")
+    return f"{kept} ... ({len(encoded) - len(kept.encode())} more bytes)"
+
+
 def _limit(parameters: Mapping[str, str]) -> None:
     """Soft and hard limits both, so model.py cannot raise them again."""
     memory = int(parameters.get("python_memory_mb", DEFAULT_MEMORY_MB)) << 20
@@ -171,8 +189,3 @@ def _limit(parameters: Mapping[str, str]) -> None:
         _, hard = resource.getrlimit(limit)
         bounded = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (bounded, bounded))
-
-
-def config_json(config: mc.ModelConfig) -> dict[str, Any]:
-    """As Triton passes it: proto field names, enum names, int64 dims as strings."""
-    return json_format.MessageToDict(config, preserving_proto_field_name=True)

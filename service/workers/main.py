@@ -91,7 +91,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     try:
         model = _load(load)
     except Exception as exc:
-        sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc))))
+        sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc, load.backend))))
         return 1
     unprotected = getattr(model, "unprotected", None)
     loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
@@ -120,7 +120,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
         try:
             reply = _infer(model, maps, msg, crash_on)
         except Exception as exc:
-            reply = protocol.Failed(msg.request_id, _reason(exc))
+            reply = protocol.Failed(msg.request_id, _reason(exc, load.backend))
         if link is not None:
             link.send(reply)
         else:
@@ -148,8 +148,13 @@ def _load(load: Load) -> Any:
     return PaddleModel(load)
 
 
-def _reason(exc: BaseException) -> str:
-    """Paddle's exceptions carry a C++ stack; the useful line names the error class."""
+def _reason(exc: BaseException, backend: str) -> str:
+    """A Python model's message whole, as Triton passes it on; Paddle's exceptions carry a C++
+    stack, whose useful line names the error class."""
+    if backend == PYTHON_BACKEND:
+        from service.backend.python_model import failure_text
+
+        return failure_text(exc)
     text = str(exc).strip()
     for line in text.splitlines():
         if "Error:" in line or "Error]" in line:

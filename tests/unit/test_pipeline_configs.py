@@ -10,9 +10,9 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.backend.python_model import config_json
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.lifecycle.repository import ModelRepository, RepositoryError
+from service.model.config_json import config_json
 
 PYTHON = """backend: "python" max_batch_size: 4
 input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
@@ -89,7 +89,7 @@ def test_triton_utils_read_the_config_as_triton_passes_it() -> None:
 )
 def test_triton_utils_tell_a_decoupled_config(text: str, decoupled: bool) -> None:
     """From the config JSON Python models are given (Triton's function, Triton's field)."""
-    config = json.dumps(config_json(text_format.Parse(text, mc.ModelConfig())))
+    config = config_json(text_format.Parse(f'name: "m" {text}', mc.ModelConfig()))
     assert pb_utils.using_decoupled_model_transaction_policy(config) is decoupled
     assert pb_utils.using_decoupled_model_transaction_policy(json.loads(config)) is decoupled
 

@@ -1,0 +1,106 @@
+"""What a Triton Python model is given and what reaches its callers, on a real server with the
+models of tests/fixtures/python_api: initialize()'s `args` as Triton builds them (the config
+JSON with its 64-bit integers as numbers, so a model that checks `dims == [1]` loads), a
+failure's whole message, and a warm-up only where config.pbtxt asks for one (model_warmup)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request, parse_response
+from protos.inference import grpc_service_pb2 as pb
+from service.backend.python_model import MAX_FAILURE_BYTES
+from tests.servers import ServerProcess, running_server
+
+pytestmark = pytest.mark.e2e
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "python_api"
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("python_api")
+    repository = root / "models"
+    shutil.copytree(FIXTURES, repository)
+    with running_server(repository, root / "server.log", wait=False) as s:
+        s.wait_loaded()  # each test asks its own models: one that failed to load fails it
+        yield s
+
+
+def infer(
+    server: ServerProcess, model: str, inputs: dict[str, np.ndarray[Any, Any]]
+) -> dict[str, np.ndarray[Any, Any]]:
+    request = build_request(model, inputs)
+    return parse_response(server.stub.ModelInfer(request, timeout=TIMEOUT_S))
+
+
+def ask(server: ServerProcess, what: str) -> str:
+    text = infer(server, "args", {"what": np.array([what.encode()], dtype=np.object_)})["text"]
+    return bytes(text[0]).decode()
+
+
+def failure(server: ServerProcess, what: str) -> str:
+    with pytest.raises(grpc.RpcError) as raised:
+        ask(server, what)
+    return raised.value.details() or ""
+
+
+def test_initialize_is_given_the_args_triton_gives(server: ServerProcess) -> None:
+    args = json.loads(ask(server, "args"))
+    assert set(args) == {
+        "model_config",
+        "model_instance_kind",
+        "model_instance_name",
+        "model_instance_device_id",
+        "model_repository",
+        "model_version",
+        "model_name",
+    }
+    assert (args["model_name"], args["model_version"]) == ("args", "1")
+    assert (args["model_instance_kind"], args["model_instance_device_id"]) == ("CPU", "0")
+    assert Path(args["model_repository"]).name == "args"
+    config = json.loads(args["model_config"])
+    assert config["input"] == [
+        {"name": "what", "data_type": "TYPE_STRING", "dims": [1], "optional": False}
+    ]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert config["max_batch_size"] == 0 and config["backend"] == "python"
+
+
+def test_a_model_that_checks_its_dims_as_triton_examples_do_loads(server: ServerProcess) -> None:
+    """square (Triton's decoupled example's checks): `dims == [1]`; 3 responses for IN=3."""
+    request = build_request("square", {"IN": np.array([3], dtype=np.int32)})
+    responses = list(server.stub.ModelStreamInfer(iter([request]), timeout=TIMEOUT_S))
+    assert [r.error_message for r in responses if r.error_message] == []
+    outs = [parse_response(r.infer_response).get("OUT") for r in responses]
+    assert [o.tolist() for o in outs if o is not None] == [[3], [3], [3]]
+
+
+def test_a_failure_reaches_the_caller_whole(server: ServerProcess) -> None:
+    assert "line one\nline two\nline three" in failure(server, "raise")
+    assert "first line\nsecond line" in failure(server, "error")
+    long = failure(server, "long")
+    assert len(long.encode()) <= MAX_FAILURE_BYTES
+    assert long.endswith("more bytes)") and "ValueError: xxxx" in long
+    assert ask(server, "fine") == "fine"
+
+
+def test_python_models_are_warmed_by_model_warmup_only(server: ServerProcess) -> None:
+    """nonzero refuses zeros and caller calls the model its input names: both are READY,
+    never run with zero-filled inputs; warmed ran its model_warmup sample 3 times."""
+    for model in ("nonzero", "caller", "warmed"):
+        ready = server.stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=5)
+        assert ready.ready, model
+    assert infer(server, "warmed", {"x": np.array([1], dtype=np.int32)})["runs"].tolist() == [4]
+    inputs = {"model": np.array([b"nonzero"], dtype=np.object_), "x": np.array([3], np.int32)}
+    got = infer(server, "caller", inputs)
+    assert got["y"].tolist() == [6]
