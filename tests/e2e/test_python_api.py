@@ -18,7 +18,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from service.backend.python_model import MAX_FAILURE_BYTES
-from tests.servers import ServerProcess, running_server
+from tests.servers import ServerProcess, eventually, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -104,3 +104,36 @@ def test_python_models_are_warmed_by_model_warmup_only(server: ServerProcess) ->
     inputs = {"model": np.array([b"nonzero"], dtype=np.object_), "x": np.array([3], np.int32)}
     got = infer(server, "caller", inputs)
     assert got["y"].tolist() == [6]
+
+
+def model_records(server: ServerProcess, model: str) -> list[tuple[str, str]]:
+    """(level, message) of each line the server logged of the model's output."""
+    records = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+    prefix = f"model {model}: "
+    return [
+        (r["level"], r["message"].removeprefix(prefix))
+        for r in records
+        if r["logger"] == "paddlequic.model" and r["message"].startswith(prefix)
+    ]
+
+
+def test_logger_lines_reach_the_server_log_at_their_level_within_the_budget(
+    server: ServerProcess,
+) -> None:
+    assert ask(server, "log") == "log"
+    logged = model_records(server, "args")
+    for line in [
+        ("info", "an info line"),
+        ("warning", "a warning"),
+        ("warning", "of two lines"),
+        ("error", "an error line"),
+        ("error", "an error through log()"),
+    ]:
+        assert line in logged
+    assert not any("verbose" in message for _, message in logged)  # DEBUG: not logged
+    assert ask(server, "flood") == "flood"
+    eventually(
+        lambda: any("of its output dropped" in m for _, m in model_records(server, "args")),
+        "the flood's dropped lines reported",
+    )
+    assert len([m for _, m in model_records(server, "args") if m.startswith("flood")]) < 3000

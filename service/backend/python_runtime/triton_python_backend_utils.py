@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import sys
 import threading
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
+from service.backend import model_log
 
 _NUMPY_OF_TYPE = {
     "TYPE_BOOL": np.bool_,
@@ -265,6 +268,51 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+
+class _LogLevel:
+    """Triton's levels of Logger.log (Logger.LogLevel.INFO, or Logger.INFO)."""
+
+    INFO = "I"
+    WARNING = "W"
+    ERROR = "E"
+    VERBOSE = "V"
+
+
+class Logger:
+    """Triton's logger of model.py: into the server's log, named for the model, at the level
+    given (VERBOSE is the server's DEBUG), within the model's output budget."""
+
+    LogLevel = _LogLevel
+    INFO, WARNING, ERROR, VERBOSE = (
+        _LogLevel.INFO,
+        _LogLevel.WARNING,
+        _LogLevel.ERROR,
+        _LogLevel.VERBOSE,
+    )
+
+    @staticmethod
+    def log(message: str, level: str = _LogLevel.INFO) -> None:
+        if level not in model_log.LEVELS:
+            raise TritonModelException(f"Logger.log: unknown level {level!r}; use Logger.LogLevel")
+        sys.stderr.write(model_log.marked(level, str(message)))
+        sys.stderr.flush()
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, _LogLevel.INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, _LogLevel.WARNING)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, _LogLevel.ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, _LogLevel.VERBOSE)
 
 
 def using_decoupled_model_transaction_policy(model_config: Any) -> bool:
