@@ -7,7 +7,7 @@ as it does under Triton."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -37,7 +37,7 @@ def config_dict(config: Message) -> dict[str, Any]:
     printed = json_format.MessageToDict(
         config, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
     )
-    return _numbers(config.DESCRIPTOR, printed)
+    return _numbers(cast(Descriptor, config.DESCRIPTOR), printed)
 
 
 def _numbers(descriptor: Descriptor, printed: dict[str, Any]) -> dict[str, Any]:

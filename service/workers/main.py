@@ -135,6 +135,7 @@ def _bls_link(sock: socket.socket, max_message: int) -> BlsLink:
 
     link = BlsLink(sock, lambda: _recv(sock), max_message)
     pb_utils.set_model_caller(link)
+    pb_utils.set_metric_sink(lambda op: link.send(protocol.MetricUpdate(*op)))
     return link
 
 

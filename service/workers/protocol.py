@@ -157,6 +157,20 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class MetricUpdate:
+    """One change to a Python model's custom metric (pb_utils.MetricFamily / Metric): what the
+    worker checked, which the front-end checks again (service/workers/model_metrics.py)."""
+
+    family: str
+    kind: str  # "counter", "gauge", "histogram"
+    description: str
+    labels: tuple[tuple[str, str], ...]
+    buckets: tuple[float, ...]
+    op: str  # "family", "metric" (declared), "increment", "set", "observe"
+    value: float = 0.0
+
+
 # Data responses of one decoupled request the worker may have sent and the server not yet
 # taken (Credits return them); the final Response needs no credit.
 RESPONSE_WINDOW = 8
@@ -177,6 +191,7 @@ Message = (
     | BlsCall
     | BlsAnswer
     | Shutdown
+    | MetricUpdate
 )
 
 
@@ -220,6 +235,7 @@ _MESSAGES = (
     BlsCall,
     BlsAnswer,
     Shutdown,
+    MetricUpdate,
 )
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls

@@ -18,6 +18,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from service.backend.python_model import MAX_FAILURE_BYTES
+from service.backend.python_runtime.triton_python_backend_utils import MAX_METRICS
 from tests.servers import ServerProcess, eventually, running_server
 
 pytestmark = pytest.mark.e2e
@@ -83,6 +84,8 @@ def test_a_model_that_checks_its_dims_as_triton_examples_do_loads(server: Server
     assert [r.error_message for r in responses if r.error_message] == []
     outs = [parse_response(r.infer_response).get("OUT") for r in responses]
     assert [o.tolist() for o in outs if o is not None] == [[3], [3], [3]]
+    counted = [s.value for s in server.metrics() if s.name == "square_responses"]
+    assert counted == [3.0]  # the worker sent its updates before its final response
 
 
 def test_a_failure_reaches_the_caller_whole(server: ServerProcess) -> None:
@@ -132,8 +135,35 @@ def test_logger_lines_reach_the_server_log_at_their_level_within_the_budget(
         assert line in logged
     assert not any("verbose" in message for _, message in logged)  # DEBUG: not logged
     assert ask(server, "flood") == "flood"
-    eventually(
-        lambda: any("of its output dropped" in m for _, m in model_records(server, "args")),
-        "the flood's dropped lines reported",
-    )
+
+    def reported() -> bool:
+        """The drop is reported before the next line logged: log one, once the budget let it."""
+        ask(server, "log")
+        return any("of its output dropped" in m for _, m in model_records(server, "args"))
+
+    eventually(reported, "the flood's dropped lines reported")
     assert len([m for _, m in model_records(server, "args") if m.startswith("flood")]) < 3000
+
+
+def test_custom_metrics_are_exported_beside_the_servers_own(server: ServerProcess) -> None:
+    """Triton's MetricFamily / Metric: a counter, a gauge and a histogram with buckets,
+    labelled, on the server's metrics endpoint; a model making metrics without end is refused
+    at the bound, naming it."""
+    for x, seen in ((0.5, 1.0), (5.0, 2.0), (50.0, 3.0)):
+        got = infer(server, "metered", {"x": np.array([x])})
+        assert got["seen"].tolist() == [seen]
+    labels = {"model": "metered", "version": "1"}
+
+    def sample(name: str, **extra: str) -> float | None:
+        wanted = {**labels, **extra}
+        found = [s.value for s in server.metrics() if s.name == name and s.labels == wanted]
+        return found[0] if found else None
+
+    eventually(lambda: sample("metered_requests") == 3.0, "the counter at 3")
+    assert sample("metered_last_x") == 50.0
+    assert [sample("metered_x_bucket", le=le) for le in ("1.0", "10.0", "+Inf")] == [1, 2, 3]
+    assert (sample("metered_x_count"), sample("metered_x_sum")) == (3, 55.5)
+    with pytest.raises(grpc.RpcError) as raised:
+        infer(server, "metered", {"x": np.array([-1.0])})
+    assert f"at most {MAX_METRICS} metrics" in (raised.value.details() or "")
+    assert any(s.name.startswith("paddlequic_") for s in server.metrics())  # the server's own

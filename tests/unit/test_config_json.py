@@ -6,7 +6,7 @@ ModelConfig."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from protos.inference import model_config_pb2 as mc
 from service.model.config_json import config_json
 
+CONFIG = cast(Descriptor, mc.ModelConfig.DESCRIPTOR)
 INT64 = st.integers(-(2**63), 2**63 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
 SCALARS: dict[int, st.SearchStrategy[Any]] = {
@@ -102,12 +103,12 @@ def _check_value(field: FieldDescriptor, value: Any, path: str) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(messages(mc.ModelConfig.DESCRIPTOR))
+@given(messages(CONFIG))
 def test_64_bit_integers_are_numbers_and_the_text_parses_back(config: mc.ModelConfig) -> None:
     config.name = config.name or "m"  # an empty config prints as "" (Triton's too)
     text = config_json(config)
     printed = json.loads(text)
-    _check(mc.ModelConfig.DESCRIPTOR, printed, "ModelConfig")
+    _check(CONFIG, printed, "ModelConfig")
     assert json_format.Parse(text, mc.ModelConfig()) == config
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import math
+import re
 import sys
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -313,6 +315,199 @@ class Logger:
     @staticmethod
     def log_verbose(message: str) -> None:
         Logger.log(message, _LogLevel.VERBOSE)
+
+
+# A model's custom metrics, per worker (the front-end bounds them per model again).
+MAX_METRIC_FAMILIES = 32
+MAX_METRICS = 1024  # label sets, over all of its families
+MAX_LABELS = 16  # per metric
+MAX_METRIC_TEXT = 256  # characters of a name, label name or label value
+MAX_DESCRIPTION = 1024
+MAX_BUCKETS = 64
+RESERVED_PREFIXES = ("paddlequic_", "process_", "python_")  # the server's own families
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+class MetricOp(NamedTuple):
+    """One change to a custom metric, as the worker sends it to the front-end."""
+
+    family: str
+    kind: str
+    description: str
+    labels: tuple[tuple[str, str], ...]
+    buckets: tuple[float, ...]
+    op: str  # "family", "metric" (declared), "increment", "set", "observe"
+    value: float = 0.0
+
+
+_metric_ops: list[MetricOp] = []  # made before the worker could send them (initialize)
+_metric_sink: Callable[[MetricOp], None] | None = None
+_metric_lock = threading.Lock()
+_families: dict[str, MetricFamily] = {}
+_metric_count = 0
+
+
+def set_metric_sink(sink: Callable[[MetricOp], None]) -> None:
+    """The worker's, once it may send: the ops made so far go first."""
+    global _metric_sink
+    with _metric_lock:
+        _metric_sink = sink
+        pending = list(_metric_ops)
+        _metric_ops.clear()
+    for op in pending:
+        sink(op)
+
+
+def _send_metric(op: MetricOp) -> None:
+    with _metric_lock:
+        sink = _metric_sink
+        if sink is None:
+            if len(_metric_ops) >= MAX_METRICS * 4:
+                raise TritonModelException(
+                    f"more than {MAX_METRICS * 4} metric updates before the model loaded"
+                )
+            _metric_ops.append(op)
+            return
+    sink(op)
+
+
+def _checked_text(what: str, text: Any, pattern: re.Pattern[str] | None) -> str:
+    if not isinstance(text, str) or len(text) > MAX_METRIC_TEXT:
+        raise TritonModelException(
+            f"{what} must be a string of at most {MAX_METRIC_TEXT} characters"
+        )
+    if pattern is not None and not pattern.fullmatch(text):
+        raise TritonModelException(f"{what} {text!r} is not a valid Prometheus name")
+    return text
+
+
+class MetricFamily:
+    """Triton's custom metric family, exported on the server's metrics endpoint beside the
+    server's own families. Families are the server's, as in Triton: one of the same name and
+    kind in another instance (or model) is the same family."""
+
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        _checked_text("MetricFamily name", name, _METRIC_NAME)
+        if name.startswith(RESERVED_PREFIXES):
+            raise TritonModelException(
+                f"MetricFamily name {name!r} starts with one of the server's own prefixes "
+                f"{list(RESERVED_PREFIXES)}"
+            )
+        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
+            raise TritonModelException(
+                "MetricFamily kind must be MetricFamily.COUNTER, GAUGE or HISTOGRAM"
+            )
+        if not isinstance(description, str) or len(description) > MAX_DESCRIPTION:
+            raise TritonModelException(
+                f"MetricFamily description must be a string of at most {MAX_DESCRIPTION} characters"
+            )
+        self.name: str = name
+        self.description: str = description
+        self.kind: str = kind
+        with _metric_lock:
+            known = _families.get(name)
+            if known is None and len(_families) >= MAX_METRIC_FAMILIES:
+                raise TritonModelException(
+                    f"a model may define at most {MAX_METRIC_FAMILIES} metric families"
+                )
+            if known is not None and known.kind != kind:
+                raise TritonModelException(
+                    f"metric family {name!r} already exists as a {known.kind}, not a {kind}"
+                )
+            _families[name] = self
+        _send_metric(MetricOp(name, kind, description, (), (), "family"))
+
+    def Metric(
+        self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None
+    ) -> _Metric:
+        """Triton's name: the metric of these labels (a histogram's with its buckets)."""
+        return Metric(self, labels or {}, buckets)
+
+
+class Metric:
+    """One label set of a family. value() is what this model instance has counted, set or
+    observed (a histogram's: the sum of its observations)."""
+
+    def __init__(
+        self, family: MetricFamily, labels: Mapping[str, str], buckets: Sequence[float] | None
+    ) -> None:
+        global _metric_count
+        if len(labels) > MAX_LABELS:
+            raise TritonModelException(f"a metric may have at most {MAX_LABELS} labels")
+        pairs = tuple(
+            sorted(
+                (_checked_text("label name", k, _LABEL_NAME), _checked_text("label value", v, None))
+                for k, v in labels.items()
+            )
+        )
+        if family.kind == MetricFamily.HISTOGRAM:
+            if buckets is None:
+                raise TritonModelException("a HISTOGRAM metric needs buckets")
+            bounds = tuple(float(b) for b in buckets)
+            finite = all(math.isfinite(b) for b in bounds)
+            if (
+                not finite
+                or not 0 < len(bounds) <= MAX_BUCKETS
+                or list(bounds) != sorted(set(bounds))
+            ):
+                raise TritonModelException(
+                    f"buckets must be 1 to {MAX_BUCKETS} increasing finite numbers"
+                )
+        elif buckets is not None:
+            raise TritonModelException("only a HISTOGRAM metric has buckets")
+        else:
+            bounds = ()
+        with _metric_lock:
+            if _metric_count >= MAX_METRICS:
+                raise TritonModelException(f"a model may create at most {MAX_METRICS} metrics")
+            _metric_count += 1
+        self._family, self._labels, self._buckets = family, pairs, bounds
+        self._value = 0.0
+        self._lock = threading.Lock()
+        self._send("metric", 0.0)
+
+    def increment(self, value: float) -> None:
+        kind = self._family.kind
+        if kind == MetricFamily.HISTOGRAM or (kind == MetricFamily.COUNTER and value < 0):
+            raise TritonModelException(f"increment() of a {kind} takes a non-negative value")
+        self._change("increment", float(value))
+
+    def set(self, value: float) -> None:
+        if self._family.kind != MetricFamily.GAUGE:
+            raise TritonModelException(f"set() is for a gauge, not a {self._family.kind}")
+        self._change("set", float(value))
+
+    def observe(self, value: float) -> None:
+        if self._family.kind != MetricFamily.HISTOGRAM:
+            raise TritonModelException(f"observe() is for a histogram, not a {self._family.kind}")
+        self._change("observe", float(value))
+
+    def value(self) -> float:
+        with self._lock:
+            return self._value
+
+    def _change(self, op: str, value: float) -> None:
+        if not math.isfinite(value):
+            raise TritonModelException(f"{op}() takes a finite number, not {value}")
+        with self._lock:
+            self._value = value if op == "set" else self._value + value
+        self._send(op, value)
+
+    def _send(self, op: str, value: float) -> None:
+        family = self._family
+        _send_metric(
+            MetricOp(
+                family.name, family.kind, family.description, self._labels, self._buckets, op, value
+            )
+        )
+
+
+_Metric = Metric  # MetricFamily.Metric's type (its name is the method's in that class)
 
 
 def using_decoupled_model_transaction_policy(model_config: Any) -> bool:
