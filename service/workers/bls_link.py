@@ -81,7 +81,7 @@ class BlsLink:
             refs,
             data,
             tuple(request.requested_output_names()),
-            max(int(request.timeout), 0),
+            max(int(request.timeout()), 0),
         )
         self.send(call)
         return future

@@ -94,6 +94,7 @@ def test_a_failure_reaches_the_caller_whole(server: ServerProcess) -> None:
     long = failure(server, "long")
     assert len(long.encode()) <= MAX_FAILURE_BYTES
     assert long.endswith("more bytes)") and "ValueError: xxxx" in long
+    assert "pb_utils.load_model is not implemented by paddlequic" in failure(server, "load_model")
     assert ask(server, "fine") == "fine"
 
 

@@ -77,7 +77,7 @@ def test_a_bls_request_takes_tritons_keywords() -> None:
         timeout=1000,
         parameters={"key": "value"},
     )
-    assert (request.model_name, request.model_version, request.timeout) == ("mlp", 2, 1000)
+    assert (request.model_name, request.model_version, request.timeout()) == ("mlp", 2, 1000)
     assert request.parameters() == '{"key": "value"}'
     assert request.requested_output_names() == ["probabilities"]
 

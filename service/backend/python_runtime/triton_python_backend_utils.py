@@ -12,16 +12,17 @@ import concurrent.futures
 import json
 import math
 import re
+import struct
 import sys
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 
 from service.backend import model_log
 
-_NUMPY_OF_TYPE = {
+TRITON_STRING_TO_NUMPY: dict[str, Any] = {
     "TYPE_BOOL": np.bool_,
     "TYPE_UINT8": np.uint8,
     "TYPE_UINT16": np.uint16,
@@ -38,8 +39,25 @@ _NUMPY_OF_TYPE = {
 }
 
 
+_NUMBER_OF_TYPE = {name: number for number, name in enumerate(TRITON_STRING_TO_NUMPY, 1)}
+_NUMPY_OF_NUMBER = {_NUMBER_OF_TYPE[n]: t for n, t in TRITON_STRING_TO_NUMPY.items()}
+
 # Triton's flag values (tritonserver.h)
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_GPU = 2
+
+
+class PreferredMemory:
+    """Where a BLS call's outputs should be: accepted, and always CPU here."""
+
+    def __init__(self, preferred_memory_type: int, preferred_device_id: int = 0) -> None:
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
 
 
 class TritonError:
@@ -87,6 +105,23 @@ class Tensor:
 
     def is_cpu(self) -> bool:
         return True
+
+    def triton_dtype(self) -> int | None:
+        return numpy_to_triton_type(self._array.dtype.type)
+
+    def to_dlpack(self) -> Any:
+        return self._array.__dlpack__()
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self._array.__dlpack__()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
+    @staticmethod
+    def from_dlpack(name: str, capsule: Any) -> Tensor:
+        """A tensor of any DLPack producer on the CPU (numpy reads it without a copy)."""
+        return Tensor(name, np.from_dlpack(capsule))
 
 
 class ResponseChannel(Protocol):
@@ -172,8 +207,9 @@ class InferenceRequest:
         preferred_memory: Any = None,
         trace: Any = None,
     ) -> None:
-        """Triton's keywords; a BLS call's `timeout` is in microseconds (0: none of its own),
-        and flags, correlation_id, preferred_memory and trace are accepted and ignored."""
+        """Triton's keywords; a BLS call's `timeout` is in microseconds (0: none of its own);
+        flags and correlation_id are kept (a BLS call does not pass them on), preferred_memory
+        and trace are accepted and ignored."""
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
         self._request_id = request_id
@@ -183,7 +219,9 @@ class InferenceRequest:
         self._channel = channel
         self.model_name = model_name
         self.model_version = model_version
-        self.timeout = timeout
+        self._timeout = timeout
+        self._flags = flags
+        self._correlation_id = correlation_id
         self._sender: InferenceResponseSender | None = None
         self._sender_lock = threading.Lock()
 
@@ -198,6 +236,27 @@ class InferenceRequest:
 
     def request_id(self) -> str:
         return self._request_id
+
+    def timeout(self) -> int:
+        """Microseconds (0: none of its own)."""
+        return self._timeout
+
+    def flags(self) -> int:
+        return self._flags
+
+    def set_flags(self, flags: int) -> None:
+        self._flags = flags
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def trace(self) -> Any:
+        _not_implemented("InferenceRequest.trace", "traces are the server's (--trace-*)")
+
+    def set_release_flags(self, flags: int) -> None:
+        _not_implemented(
+            "InferenceRequest.set_release_flags", "a request cannot be rescheduled here"
+        )
 
     def parameters(self) -> str:
         """The request's parameters as a JSON object, as Triton gives them."""
@@ -257,10 +316,17 @@ def _model_caller(decoupled: bool) -> ModelCaller:
 
 class InferenceResponse:
     def __init__(
-        self, output_tensors: Iterable[Tensor] = (), error: TritonError | None = None
+        self,
+        output_tensors: Iterable[Tensor] = (),
+        error: TritonError | None = None,
+        parameters: str | Mapping[str, Any] | None = None,
     ) -> None:
+        """`parameters` are kept for parameters() and not sent to the caller."""
         self._outputs = list(output_tensors)
         self._error = error
+        self._parameters = (
+            parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+        )
 
     def output_tensors(self) -> list[Tensor]:
         return list(self._outputs)
@@ -270,6 +336,9 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
 
 
 class _LogLevel:
@@ -532,7 +601,64 @@ def get_output_config_by_name(model_config: Any, name: str) -> dict[str, Any] | 
 
 
 def triton_string_to_numpy(triton_type: str) -> Any:
-    return _NUMPY_OF_TYPE[triton_type]
+    return TRITON_STRING_TO_NUMPY[triton_type]
+
+
+def triton_to_numpy_type(data_type: int) -> Any:
+    """A TRITONSERVER data type number's numpy type (None for one numpy lacks)."""
+    return _NUMPY_OF_NUMBER.get(data_type)
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """A numpy type's TRITONSERVER data type number (bytes_ is BYTES, as object_ is)."""
+    if data_type in (np.object_, np.bytes_):
+        return _NUMBER_OF_TYPE["TYPE_STRING"]
+    return next((n for n, t in _NUMPY_OF_NUMBER.items() if t == data_type), None)
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray[Any, Any]) -> Any:
+    """Triton's BYTES wire form: each element, in C order, after its length as 4 bytes
+    little-endian (str elements UTF-8 encoded); () for an empty tensor, None for one that
+    is not of bytes."""
+    if input_tensor.size == 0:
+        return ()
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
+        return None
+    parts = []
+    for item in input_tensor.flatten(order="C"):
+        data = item if isinstance(item, bytes) else str(item).encode()
+        parts += [struct.pack("<I", len(data)), data]
+    return b"".join(parts)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray[Any, Any]:
+    """serialize_byte_tensor's inverse: a 1-D object array of bytes."""
+    items, offset = [], 0
+    while offset < len(encoded_tensor):
+        (size,) = struct.unpack_from("<I", encoded_tensor, offset)
+        items.append(bytes(encoded_tensor[offset + 4 : offset + 4 + size]))
+        offset += 4 + size
+    array = np.empty(len(items), dtype=np.object_)
+    array[:] = items
+    return array
+
+
+def load_model(model_name: str, config: str = "", files: Any = None) -> None:
+    _not_implemented("load_model", "models are loaded by the server (its control API)")
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    _not_implemented("unload_model", "models are unloaded by the server (its control API)")
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    _not_implemented("is_model_ready", "a BLS call to a model that is not ready fails")
+
+
+def _not_implemented(name: str, instead: str) -> NoReturn:
+    """A part of Triton's API paddlequic does not implement, named when it is called (never
+    an AttributeError when model.py is imported)."""
+    raise TritonModelException(f"pb_utils.{name} is not implemented by paddlequic: {instead}")
 
 
 def _config_entry(model_config: Any, kind: str, name: str) -> dict[str, Any] | None:
