@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from google.protobuf import json_format
 
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
@@ -51,25 +52,6 @@ class PythonModel:
             if python_sandbox.wanted(load.parameters)
             else None
         )
-        batch = (-1,) if config.max_batch_size > 0 else ()
-        # What execute() takes and answers: a sequence model's control and state inputs and
-        # its state outputs too (the server sets and keeps those; callers never see them).
-        settings = sequence_settings(config)
-        declared = config if settings is None else with_sequence_tensors(config, settings)
-        self.inputs = tuple(
-            TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
-            for t in declared.input
-        )
-        self.outputs = tuple(
-            TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
-            for t in declared.output
-        )
-        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in declared.output}
-        self.device = "cpu"
-        self.name = load.model_name
-        # Decoupled: each request is answered through its response sender (decoupled.py).
-        self.decoupled = config.model_transaction_policy.decoupled
-        self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
         sys.modules["triton_python_backend_utils"] = pb_utils
         # No __pycache__ beside model.py: the repository's files (and their fingerprint,
         # which decides reloads) stay as they were deployed.
@@ -82,6 +64,25 @@ class PythonModel:
         model_class = getattr(module, "TritonPythonModel", None)
         if model_class is None:
             raise RuntimeError(f"{model_file} defines no class TritonPythonModel")
+        # The config auto_complete_config completed (empty: the model has none), for the
+        # front-end, which checks it as it checks config.pbtxt.
+        self.completed_config = b""
+        if hasattr(model_class, "auto_complete_config"):
+            config = _auto_completed(model_class, config)
+            self.completed_config = config.SerializeToString()
+        batch = (-1,) if config.max_batch_size > 0 else ()
+        # What execute() takes and answers: a sequence model's control and state inputs and
+        # its state outputs too (the server sets and keeps those; callers never see them).
+        settings = sequence_settings(config)
+        declared = config if settings is None else with_sequence_tensors(config, settings)
+        self.inputs = tuple(_spec(t, batch) for t in declared.input)
+        self.outputs = tuple(_spec(t, batch) for t in declared.output)
+        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in declared.output}
+        self.device = "cpu"
+        self.name = load.model_name
+        # Decoupled: each request is answered through its response sender (decoupled.py).
+        self.decoupled = config.model_transaction_policy.decoupled
+        self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
         self._model = model_class()
         if hasattr(self._model, "initialize"):
             self._model.initialize(
@@ -168,6 +169,27 @@ class PythonModel:
         if array.dtype != datatype.numpy:
             raise ValueError(f"output '{name}' is {array.dtype}, its config says {datatype.name}")
         return array
+
+
+def _auto_completed(model_class: Any, config: mc.ModelConfig) -> mc.ModelConfig:
+    """Triton's auto_complete_config(auto_complete_model_config), a static method of the
+    model's class, run before its instance is made; what it answers is the config."""
+    answered = model_class.auto_complete_config(pb_utils.ModelConfig(config_json(config)))
+    if not isinstance(answered, pb_utils.ModelConfig):
+        raise RuntimeError("auto_complete_config must return the pb_utils.ModelConfig it was given")
+    try:
+        return json_format.ParseDict(answered.as_dict(), mc.ModelConfig())
+    except json_format.ParseError as exc:
+        raise RuntimeError(
+            f"the config auto_complete_config answered does not parse: {exc}"
+        ) from None
+
+
+def _spec(tensor: mc.ModelInput | mc.ModelOutput, batch: tuple[int, ...]) -> TensorSpec:
+    datatype = BY_CONFIG_TYPE.get(tensor.data_type)
+    if datatype is None:
+        raise ValueError(f"tensor {tensor.name!r} has no data_type paddlequic serves")
+    return TensorSpec(tensor.name, datatype.name, batch + tuple(tensor.dims))
 
 
 def failure_text(exc: BaseException) -> str:

@@ -94,7 +94,8 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
         sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc, load.backend))))
         return 1
     unprotected = getattr(model, "unprotected", None)
-    loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
+    completed = getattr(model, "completed_config", b"")
+    loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected, completed)
     sock.sendall(protocol.encode(loaded))
     if getattr(model, "decoupled", False):  # its own loop, which ends the process
         from service.workers.decoupled_loop import serve_decoupled

@@ -41,6 +41,8 @@ class Loaded:
     device: str
     # A Python model's sandbox: what the host could not provide; None: not sandboxed.
     unprotected: tuple[str, ...] | None = None
+    # A Python model's config as its auto_complete_config completed it (empty: it has none).
+    config: bytes = b""
 
 
 @dataclass(frozen=True)

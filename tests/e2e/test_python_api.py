@@ -168,3 +168,19 @@ def test_custom_metrics_are_exported_beside_the_servers_own(server: ServerProces
         infer(server, "metered", {"x": np.array([-1.0])})
     assert f"at most {MAX_METRICS} metrics" in (raised.value.details() or "")
     assert any(s.name.startswith("paddlequic_") for s in server.metrics())  # the server's own
+
+
+def test_auto_complete_config_completes_a_missing_or_partial_config(server: ServerProcess) -> None:
+    """`completed` has no config.pbtxt (a model.py makes it a Python model); `half_config`'s
+    lists only its input. ModelConfig answers what auto_complete_config added."""
+    config = server.stub.ModelConfig(pb.ModelConfigRequest(name="completed"), timeout=5).config
+    assert (config.backend, config.max_batch_size) == ("python", 4)
+    assert config.HasField("dynamic_batching")
+    assert [(t.name, list(t.dims)) for t in config.input] == [("INPUT0", [4]), ("INPUT1", [4])]
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got = infer(server, "completed", {"INPUT0": a, "INPUT1": np.ones_like(a)})
+    assert got["OUTPUT0"].tolist() == (a + 1).tolist() and got["OUTPUT1"].shape == (2, 4)
+    half = server.stub.ModelConfig(pb.ModelConfigRequest(name="half_config"), timeout=5).config
+    assert [t.name for t in half.output] == ["y"]
+    x = np.array([1, 2], dtype=np.int32)
+    assert infer(server, "half_config", {"x": x})["y"].tolist() == [3, 6]

@@ -576,6 +576,96 @@ class Metric:
         )
 
 
+class ModelConfig:
+    """Triton's config as auto_complete_config(auto_complete_model_config) receives it: the
+    config JSON, completed by the model's calls and returned. What it may set: max_batch_size,
+    inputs, outputs, dynamic batching and the transaction policy; what config.pbtxt says
+    already wins, and a contradiction is a ValueError that fails the load."""
+
+    def __init__(self, model_config: str | Mapping[str, Any]) -> None:
+        self._model_config: dict[str, Any] = (
+            json.loads(model_config) if isinstance(model_config, str) else dict(model_config)
+        )
+        self._model_config.setdefault("input", [])
+        self._model_config.setdefault("output", [])
+        self._model_config.setdefault("max_batch_size", 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._model_config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        configured = self._model_config["max_batch_size"]
+        if configured > max_batch_size:
+            raise ValueError(
+                f"model '{self._name()}': config.pbtxt sets max_batch_size {configured}, "
+                f"auto_complete_config sets {max_batch_size}"
+            )
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._model_config:
+                raise ValueError(
+                    f"model '{self._name()}': config.pbtxt sets {other}, auto_complete_config "
+                    "sets dynamic_batching"
+                )
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: Mapping[str, Any]) -> None:
+        self._add("input", input, ("name", "data_type", "dims", "optional"))
+
+    def add_output(self, output: Mapping[str, Any]) -> None:
+        self._add("output", output, ("name", "data_type", "dims"))
+
+    def set_model_transaction_policy(self, transaction_policy_dict: Mapping[str, Any]) -> None:
+        unknown = set(transaction_policy_dict) - {"decoupled"}
+        if unknown:
+            raise ValueError(
+                f"model '{self._name()}': model_transaction_policy has no {sorted(unknown)}"
+            )
+        current = self._model_config.setdefault("model_transaction_policy", {})
+        wanted = bool(transaction_policy_dict.get("decoupled", False))
+        if "decoupled" in current and bool(current["decoupled"]) != wanted:
+            raise ValueError(
+                f"model '{self._name()}': config.pbtxt sets decoupled "
+                f"{bool(current['decoupled'])}, auto_complete_config sets {wanted}"
+            )
+        current["decoupled"] = wanted
+
+    def _add(self, kind: str, entry: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+        extra = sorted(set(entry) - set(allowed))
+        missing = [p for p in allowed[:3] if p not in entry]
+        if extra or missing:
+            raise ValueError(
+                f"model '{self._name()}': {kind} {entry.get('name')!r} of auto_complete_config "
+                f"must have {list(allowed[:3])}"
+                + (" (and may have 'optional')" if kind == "input" else "")
+                + f"; it has {sorted(entry)}"
+            )
+        added = dict(entry)
+        added["dims"] = [int(d) for d in added["dims"]]
+        for current in self._model_config[kind]:
+            if current["name"] != added["name"]:
+                continue
+            for prop in allowed[1:]:
+                given = current.get(prop)
+                if (
+                    prop in added
+                    and given not in (None, "TYPE_INVALID", [])
+                    and given != added[prop]
+                ):
+                    raise ValueError(
+                        f"model '{self._name()}': {kind} {added['name']!r} has {prop} {given} "
+                        f"in config.pbtxt, {added[prop]} in auto_complete_config"
+                    )
+            current.update(added)
+            return
+        self._model_config[kind].append(added)
+
+    def _name(self) -> str:
+        return str(self._model_config.get("name", ""))
+
+
 _Metric = Metric  # MetricFamily.Metric's type (its name is the method's in that class)
 
 
