@@ -141,17 +141,29 @@ class BlsCall:
     data: bytes
     outputs: tuple[str, ...]
     timeout_us: int  # Triton's `timeout`; 0: none of its own (the caller's deadline holds)
+    decoupled: bool = False  # exec(decoupled=True): answered with every response of the call
+
+
+@dataclass(frozen=True)
+class BlsPart:
+    """One response of a decoupled BLS call (its outputs in its BlsAnswer's `data`)."""
+
+    outputs: tuple[TensorRef, ...]
+    error: str | None = None
+    error_code: int = 1
 
 
 @dataclass(frozen=True)
 class BlsAnswer:
-    """The answer to a BlsCall: the target's outputs, or its error."""
+    """The answer to a BlsCall: the target's outputs, or its error; a decoupled call's every
+    response (`parts`, in order, the last one final) unless the call failed as a whole."""
 
     call_id: int
     outputs: tuple[TensorRef, ...]  # offsets into `data`
     data: bytes
     error: str | None = None
     error_code: int = 1  # pb_utils.TritonError's code (TRITONSERVER_Error_Code)
+    parts: tuple[BlsPart, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -241,7 +253,7 @@ _MESSAGES = (
 )
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls
-    for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets)
+    for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets, BlsPart)
 }
 
 

@@ -19,6 +19,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from service.backend.python_model import MAX_FAILURE_BYTES
 from service.backend.python_runtime.triton_python_backend_utils import MAX_METRICS
+from service.workers.bls_calls import BLS_MAX_RESPONSES
 from tests.servers import ServerProcess, eventually, running_server
 
 pytestmark = pytest.mark.e2e
@@ -184,3 +185,30 @@ def test_auto_complete_config_completes_a_missing_or_partial_config(server: Serv
     assert [t.name for t in half.output] == ["y"]
     x = np.array([1, 2], dtype=np.int32)
     assert infer(server, "half_config", {"x": x})["y"].tolist() == [3, 6]
+
+
+@pytest.mark.parametrize(("how", "calls"), [("sync", 1), ("async", 2)])
+def test_bls_calls_to_a_decoupled_model_answer_every_response(
+    server: ServerProcess, how: str, calls: int
+) -> None:
+    """square answers IN=3 with 3 responses of 3 and a final empty one, per call."""
+    inputs = {"n": np.array([3], dtype=np.int32), "how": np.array([how.encode()], np.object_)}
+    got = infer(server, "square_caller", inputs)
+    assert (got["total"].tolist(), got["responses"].tolist()) == ([9 * calls], [4 * calls])
+
+
+def test_a_decoupled_bls_call_that_fails_answers_its_error(server: ServerProcess) -> None:
+    """An unknown model; more responses than one call may gather (BLS_MAX_RESPONSES)."""
+    inputs = {"n": np.array([1], dtype=np.int32), "how": np.array([b"nowhere"], np.object_)}
+    with pytest.raises(grpc.RpcError) as raised:
+        infer(server, "square_caller", inputs)
+    assert "nowhere" in (raised.value.details() or "")
+    inputs = {
+        "n": np.array([BLS_MAX_RESPONSES], dtype=np.int32),
+        "how": np.array([b"sync"], np.object_),
+    }
+    with pytest.raises(grpc.RpcError) as raised:
+        infer(server, "square_caller", inputs)
+    assert f"more than {BLS_MAX_RESPONSES} responses" in (raised.value.details() or "")
+    inputs["n"] = np.array([2], dtype=np.int32)
+    assert infer(server, "square_caller", inputs)["total"].tolist() == [4]

@@ -84,5 +84,5 @@ def test_a_bls_request_takes_tritons_keywords() -> None:
 
 def test_exec_needs_a_model_that_can_call() -> None:
     request = pb_utils.InferenceRequest([], ["y"], model_name="mlp")
-    with pytest.raises(pb_utils.TritonModelException, match="decoupled models"):
+    with pytest.raises(pb_utils.TritonModelException, match="that is not decoupled"):
         request.exec(decoupled=True)

@@ -144,9 +144,12 @@ class ResponseChannel(Protocol):
 class ModelCaller(Protocol):
     """Where BLS calls go (the worker's side of them)."""
 
-    def submit(self, request: InferenceRequest) -> concurrent.futures.Future[InferenceResponse]:
-        """Send the call; the future holds its response (an error response if it failed),
-        from any thread. Raises TritonModelException for a call that cannot be sent."""
+    def submit(
+        self, request: InferenceRequest, decoupled: bool
+    ) -> concurrent.futures.Future[InferenceResponse | ResponseIterator]:
+        """Send the call; the future holds its response (an error response if it failed), or
+        for a decoupled call an iterator of its responses, from any thread. Raises
+        TritonModelException for a call that cannot be sent."""
 
 
 _caller: ModelCaller | None = None
@@ -277,13 +280,14 @@ class InferenceRequest:
                 self._sender = InferenceResponseSender(self._channel)
             return self._sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Call `model_name` with this request and wait for its response (BLS)."""
-        return _model_caller(decoupled).submit(self).result()
+    def exec(self, decoupled: bool = False) -> Any:
+        """Call `model_name` with this request and wait for its response (BLS); with
+        `decoupled`, an iterator of every response it answered (the last one final)."""
+        return _model_caller().submit(self, decoupled).result()
 
     def async_exec(self, decoupled: bool = False) -> _Awaitable:
         """Call `model_name` without waiting: await the result (in `async def execute`)."""
-        return _Awaitable(_model_caller(decoupled).submit(self))
+        return _Awaitable(_model_caller().submit(self, decoupled))
 
     def __del__(self) -> None:
         # Released without a sender ever taken: nothing can answer it any more.
@@ -294,18 +298,34 @@ class InferenceRequest:
 class _Awaitable:
     """What async_exec() returns: awaitable on any event loop, once."""
 
-    def __init__(self, future: concurrent.futures.Future[InferenceResponse]) -> None:
+    def __init__(
+        self, future: concurrent.futures.Future[InferenceResponse | ResponseIterator]
+    ) -> None:
         self._future = future
 
-    def __await__(self) -> Generator[Any, None, InferenceResponse]:
+    def __await__(self) -> Generator[Any, None, InferenceResponse | ResponseIterator]:
         return asyncio.wrap_future(self._future).__await__()
 
 
-def _model_caller(decoupled: bool) -> ModelCaller:
-    if decoupled:
-        raise TritonModelException(
-            "BLS calls to decoupled models (exec(decoupled=True)) are not supported"
-        )
+class ResponseIterator:
+    """Triton's answer to exec(decoupled=True): the call's responses, the last one final
+    (possibly without outputs). The call has ended when it is given, so cancel() has
+    nothing left to stop."""
+
+    def __init__(self, responses: Iterable[InferenceResponse]) -> None:
+        self._responses = iter(list(responses))
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        return next(self._responses)
+
+    def cancel(self) -> None:
+        pass
+
+
+def _model_caller() -> ModelCaller:
     if _caller is None:
         raise TritonModelException(
             "BLS calls (InferenceRequest.exec) can be made from the execute() of a model "
