@@ -82,6 +82,11 @@ def test_a_bls_request_takes_tritons_keywords() -> None:
     assert request.requested_output_names() == ["probabilities"]
 
 
+def test_a_model_name_may_be_bytes_as_a_bytes_input_gives_it() -> None:
+    request = pb_utils.InferenceRequest([], ["y"], model_name=np.array([b"mlp"], np.object_)[0])
+    assert request.model_name == "mlp"
+
+
 def test_exec_needs_a_model_that_can_call() -> None:
     request = pb_utils.InferenceRequest([], ["y"], model_name="mlp")
     with pytest.raises(pb_utils.TritonModelException, match="that is not decoupled"):

@@ -202,7 +202,7 @@ class InferenceRequest:
         parameters: str | Mapping[str, Any] | None = "{}",
         channel: ResponseChannel | None = None,
         *,
-        model_name: str = "",
+        model_name: str | bytes = "",
         model_version: int = -1,
         flags: int = 0,
         timeout: int = 0,
@@ -220,7 +220,8 @@ class InferenceRequest:
             parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
         )
         self._channel = channel
-        self.model_name = model_name
+        # bytes as a BYTES input gives it (Triton's bls example passes as_numpy()[0]).
+        self.model_name = model_name.decode() if isinstance(model_name, bytes) else model_name
         self.model_version = model_version
         self._timeout = timeout
         self._flags = flags
