@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import resource
 import sys
 import time
@@ -26,6 +25,7 @@ from service.backend.load import Load
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.inference.jobs import Timings
 from service.inference.tensors import TensorSpec
+from service.model.config_json import config_json
 from service.model.parameters import (
     DEFAULT_PYTHON_MEMORY_MB,
     PYTHON_MEMORY_MB,
@@ -34,6 +34,14 @@ from service.model.parameters import (
 from service.model.sequences import sequence_settings, with_sequence_tensors
 
 DEFAULT_OPEN_FILES = 256
+# Of one failure's text, per request: a gRPC status message travels in a trailer, which
+# clients cap (grpc's default: 8 KiB of metadata in all).
+MAX_FAILURE_BYTES = 4096
+
+
+class ErrorResponse(RuntimeError):
+    """execute() answered the request with an error response: its message goes to the caller
+    as it is."""
 
 
 class PythonModel:
@@ -50,25 +58,6 @@ class PythonModel:
             if python_sandbox.wanted(load.parameters)
             else None
         )
-        batch = (-1,) if config.max_batch_size > 0 else ()
-        # What execute() takes and answers: a sequence model's control and state inputs and
-        # its state outputs too (the server sets and keeps those; callers never see them).
-        settings = sequence_settings(config)
-        declared = config if settings is None else with_sequence_tensors(config, settings)
-        self.inputs = tuple(
-            TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
-            for t in declared.input
-        )
-        self.outputs = tuple(
-            TensorSpec(t.name, BY_CONFIG_TYPE[t.data_type].name, batch + tuple(t.dims))
-            for t in declared.output
-        )
-        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in declared.output}
-        self.device = "cpu"
-        self.name = load.model_name
-        # Decoupled: each request is answered through its response sender (decoupled.py).
-        self.decoupled = config.model_transaction_policy.decoupled
-        self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
         sys.modules["triton_python_backend_utils"] = pb_utils
         # No __pycache__ beside model.py: the repository's files (and their fingerprint,
         # which decides reloads) stay as they were deployed.
@@ -81,11 +70,30 @@ class PythonModel:
         model_class = getattr(module, "TritonPythonModel", None)
         if model_class is None:
             raise RuntimeError(f"{model_file} defines no class TritonPythonModel")
+        # The config auto_complete_config completed (empty: the model has none), for the
+        # front-end, which checks it as it checks config.pbtxt.
+        self.completed_config = b""
+        if hasattr(model_class, "auto_complete_config"):
+            config = _auto_completed(model_class, config)
+            self.completed_config = config.SerializeToString()
+        batch = (-1,) if config.max_batch_size > 0 else ()
+        # What execute() takes and answers: a sequence model's control and state inputs and
+        # its state outputs too (the server sets and keeps those; callers never see them).
+        settings = sequence_settings(config)
+        declared = config if settings is None else with_sequence_tensors(config, settings)
+        self.inputs = tuple(_spec(t, batch) for t in declared.input)
+        self.outputs = tuple(_spec(t, batch) for t in declared.output)
+        self._output_types = {t.name: BY_CONFIG_TYPE[t.data_type] for t in declared.output}
+        self.device = "cpu"
+        self.name = load.model_name
+        # Decoupled: each request is answered through its response sender (decoupled.py).
+        self.decoupled = config.model_transaction_policy.decoupled
+        self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
         self._model = model_class()
         if hasattr(self._model, "initialize"):
             self._model.initialize(
                 {
-                    "model_config": json.dumps(config_json(config)),
+                    "model_config": config_json(config),
                     "model_instance_kind": "CPU",
                     "model_instance_name": f"{load.model_name}_0",
                     "model_instance_device_id": "0",
@@ -122,7 +130,7 @@ class PythonModel:
             )
         error = response.error()
         if error is not None:
-            raise RuntimeError(error.message())
+            raise ErrorResponse(error.message())
         given = {t.name(): t.as_numpy() for t in response.output_tensors()}
         result = {name: self._checked(name, given.get(name)) for name in outputs}
         return result, Timings(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
@@ -164,9 +172,48 @@ class PythonModel:
             encoded = np.empty(len(values), dtype=object)
             encoded[:] = values
             return encoded.reshape(array.shape)
-        if array.dtype != datatype.numpy:
-            raise ValueError(f"output '{name}' is {array.dtype}, its config says {datatype.name}")
-        return array
+        if array.dtype == datatype.numpy:
+            return array
+        # Triton's examples answer np.array([0]) (int64) for an INT32 output: numbers that
+        # the config's type holds exactly are answered in it.
+        if array.dtype.kind in "biuf" and datatype.numpy.kind in "biuf":
+            with np.errstate(all="ignore"):
+                converted = array.astype(datatype.numpy)
+            if np.array_equal(converted, array):
+                return converted
+        raise ValueError(f"output '{name}' is {array.dtype}, its config says {datatype.name}")
+
+
+def _auto_completed(model_class: Any, config: mc.ModelConfig) -> mc.ModelConfig:
+    """Triton's auto_complete_config(auto_complete_model_config), a static method of the
+    model's class, run before its instance is made; what it answers is the config."""
+    answered = model_class.auto_complete_config(pb_utils.ModelConfig(config_json(config)))
+    if not isinstance(answered, pb_utils.ModelConfig):
+        raise RuntimeError("auto_complete_config must return the pb_utils.ModelConfig it was given")
+    try:
+        return json_format.ParseDict(answered.as_dict(), mc.ModelConfig())
+    except json_format.ParseError as exc:
+        raise RuntimeError(
+            f"the config auto_complete_config answered does not parse: {exc}"
+        ) from None
+
+
+def _spec(tensor: mc.ModelInput | mc.ModelOutput, batch: tuple[int, ...]) -> TensorSpec:
+    datatype = BY_CONFIG_TYPE.get(tensor.data_type)
+    if datatype is None:
+        raise ValueError(f"tensor {tensor.name!r} has no data_type paddlequic serves")
+    return TensorSpec(tensor.name, datatype.name, batch + tuple(tensor.dims))
+
+
+def failure_text(exc: BaseException) -> str:
+    """The whole message of what failed in model.py (not only its first line, as Triton
+    passes it on), cut at MAX_FAILURE_BYTES, saying so."""
+    text = str(exc) if isinstance(exc, ErrorResponse) else f"{type(exc).__name__}: {exc}"
+    encoded = text.encode(errors="replace")
+    if len(encoded) <= MAX_FAILURE_BYTES:
+        return text
+    kept = encoded[: MAX_FAILURE_BYTES - 64].decode(errors="ignore")
+    return f"{kept} ... ({len(encoded) - len(kept.encode())} more bytes)"
 
 
 def _limit(parameters: Mapping[str, str]) -> None:
@@ -177,8 +224,3 @@ def _limit(parameters: Mapping[str, str]) -> None:
         _, hard = resource.getrlimit(limit)
         bounded = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (bounded, bounded))
-
-
-def config_json(config: mc.ModelConfig) -> dict[str, Any]:
-    """As Triton passes it: proto field names, enum names, int64 dims as strings."""
-    return json_format.MessageToDict(config, preserving_proto_field_name=True)

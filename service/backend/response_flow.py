@@ -42,6 +42,10 @@ class Outbox:
     def put(self, reply: Reply) -> None:
         self._queue.put(self._encode(reply))
 
+    def post(self, message: bytes) -> None:
+        """A message of the worker's own (a metric update), in order with the replies."""
+        self._queue.put(message)
+
     def abandoned(self, flow: ResponseFlow) -> None:
         self._queue.put(flow)
 

@@ -18,7 +18,13 @@ from service.batching.sequence_batcher import SequenceBatcher
 from service.batching.sequence_queue import SequencePolicy
 from service.inference.validation import RequestValidator
 from service.inference.waits import WaitGraph
-from service.lifecycle.repository import RepositoryError, complete_config, fetch_names
+from service.lifecycle.repository import (
+    RepositoryError,
+    auto_completed,
+    check_python_tensors,
+    complete_config,
+    fetch_names,
+)
 from service.lifecycle.retiring import Fail
 from service.lifecycle.signing import SignatureError
 from service.lifecycle.verified_copies import VerifiedCopies
@@ -178,6 +184,10 @@ class VersionLoader:
                 raise RepositoryError(f"loading {files.path} failed: {failure}")
             loaded = results[0]
             assert not isinstance(loaded, BaseException)
+            if loaded.config:
+                config = auto_completed(config, loaded.config)
+            if config.backend == PYTHON_BACKEND:
+                check_python_tensors(config)
             # A sequence model's engine also takes its control and state inputs and gives its
             # state outputs; callers see neither.
             settings = sequence_settings(config)  # checked when the config was read

@@ -80,6 +80,9 @@ class ModelRepository:
 
 
 def read_config(path: Path, name: str) -> mc.ModelConfig:
+    """config.pbtxt, checked; a directory with a model.py in a version directory and no
+    config.pbtxt is a Python model (Triton's auto-complete: its auto_complete_config, if it
+    has one, completes the config when it loads)."""
     config = mc.ModelConfig()
     config_file = path / "config.pbtxt"
     if config_file.is_file():
@@ -87,6 +90,8 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
             text_format.Parse(config_file.read_text(), config)
         except text_format.ParseError as exc:
             raise RepositoryError(f"{config_file}: {exc}") from exc
+    elif any((d / "model.py").is_file() for d in _version_dirs(path).values()):
+        config.backend = PYTHON_BACKEND
     if config.name and config.name != name:
         raise RepositoryError(
             f"{config_file}: name {config.name!r} differs from the directory name {name!r}"
@@ -103,30 +108,61 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
             f"{config_file}: backend {config.backend!r} is not served here; leave it out for "
             f"Paddle models, or use backend: {PYTHON_BACKEND!r} with a model.py"
         )
-    if config.backend == PYTHON_BACKEND:
-        if config.platform == ENSEMBLE:
-            raise RepositoryError(f"{config_file}: an ensemble has no backend")
-        if not config.input or not config.output:
-            raise RepositoryError(f"{config_file}: a Python model must list its inputs and outputs")
+    if config.backend == PYTHON_BACKEND and config.platform == ENSEMBLE:
+        raise RepositoryError(f"{config_file}: an ensemble has no backend")
     if (config.platform == ENSEMBLE) != config.HasField("ensemble_scheduling"):
         raise RepositoryError(
             f"{config_file}: ensemble_scheduling goes with platform {ENSEMBLE!r}, and only there"
         )
+    check_config(config, str(config_file))
+    return config
+
+
+def check_config(config: mc.ModelConfig, where: str) -> None:
+    """What config.pbtxt, or a Python model's auto_complete_config, must get right; the
+    RepositoryError names `where`."""
     if config.max_batch_size < 0:
-        raise RepositoryError(f"{config_file}: max_batch_size must be >= 0")
+        raise RepositoryError(f"{where}: max_batch_size must be >= 0")
     refused = decoupled.refusal(config)
     if refused is not None:
-        raise RepositoryError(f"{config_file}: {refused}")
+        raise RepositoryError(f"{where}: {refused}")
     try:
         sequence_settings(config)
     except SequenceConfigError as exc:
-        raise RepositoryError(f"{config_file}: sequence_batching: {exc}") from None
+        raise RepositoryError(f"{where}: sequence_batching: {exc}") from None
     try:
         check_parameters(config)
         shape_buckets(config)
     except ParameterError as exc:
-        raise RepositoryError(f"{config_file}: {exc}") from None
-    return config
+        raise RepositoryError(f"{where}: {exc}") from None
+
+
+def auto_completed(config: mc.ModelConfig, completed: bytes) -> mc.ModelConfig:
+    """A Python model's config as its auto_complete_config completed it: it may add inputs,
+    outputs, max_batch_size and dynamic batching; the scheduler, and whether the model is
+    decoupled, were fixed when its workers started, from config.pbtxt."""
+    done = mc.ModelConfig()
+    done.ParseFromString(completed)
+    where = f"model {config.name!r}: the config its auto_complete_config answered"
+    if done.name != config.name or done.backend != config.backend:
+        raise RepositoryError(f"{where} changes its name or backend")
+    if done.model_transaction_policy.decoupled != config.model_transaction_policy.decoupled:
+        raise RepositoryError(
+            f"{where} changes model_transaction_policy; set it in config.pbtxt "
+            "(paddlequic starts a decoupled model's workers differently)"
+        )
+    if done.HasField("sequence_batching") != config.HasField("sequence_batching"):
+        raise RepositoryError(f"{where} changes sequence_batching; set it in config.pbtxt")
+    check_config(done, where)
+    return done
+
+
+def check_python_tensors(config: mc.ModelConfig) -> None:
+    if not config.input or not config.output:
+        raise RepositoryError(
+            f"model {config.name!r}: a Python model must list its inputs and outputs, in "
+            "config.pbtxt or through auto_complete_config"
+        )
 
 
 def select_versions(policy: mc.ModelVersionPolicy, available: Sequence[int]) -> list[int]:

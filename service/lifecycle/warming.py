@@ -21,8 +21,8 @@ WARM_UP_MULTIPLE = 20
 
 
 async def warm_up(served: ServedVersion, runner: RequestRunner) -> None:
-    """Every shape bucket, then the model_warmup samples, before the version takes
-    traffic (service/lifecycle/warmup.py); the slowest bucket (the largest) sets the
+    """Every shape bucket (Paddle models), then the model_warmup samples, before the version
+    takes traffic (service/lifecycle/warmup.py); the slowest bucket (the largest) sets the
     watchdog's limit where config.pbtxt sets none. Then the version is READY; a failure
     raises WarmUpError with the reason."""
     if served.generations is not None:

@@ -1,6 +1,7 @@
 """The inferences a version runs before it reports READY: one per shape bucket, so the engine
-has built its kernels for every shape it will see before the first caller waits on it, then
-the samples of config.pbtxt's `model_warmup` (Triton's: zero or random data, `count` times)."""
+has built its kernels for every shape it will see before the first caller waits on it (Paddle
+models only), then the samples of config.pbtxt's `model_warmup` (Triton's: zero or random
+data, `count` times)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from oip.bytes_tensor import serialize_bytes
 from oip.datatypes import BY_CONFIG_TYPE, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.inference.jobs import InferJob, InputTensor
+from service.model.files import PYTHON_BACKEND
 from service.model.shapes import ShapeBuckets
 
 MAX_WARMUP_COUNT = 1000  # per sample: a typo must not keep a version loading for hours
@@ -34,7 +36,15 @@ class WarmUp:
 
 def warm_ups(config: mc.ModelConfig, shapes: ShapeBuckets) -> list[WarmUp]:
     """Every bucket (smallest first), then the configured samples; raises WarmUpError naming
-    a sample that does not fit the model."""
+    a sample that does not fit the model. A Python model runs its samples only, as Triton runs
+    it: its execute() may need real inputs or call models still loading, and it has no
+    kernels to build per shape."""
+    plan = [] if config.backend == PYTHON_BACKEND else _buckets(config, shapes)
+    plan.extend(_sample(config, sample) for sample in config.model_warmup)
+    return plan
+
+
+def _buckets(config: mc.ModelConfig, shapes: ShapeBuckets) -> list[WarmUp]:
     batches: Sequence[int | None] = shapes.batch or ([1] if config.max_batch_size > 0 else [None])
     variable = any(d < 0 for t in config.input for d in t.dims)
     lengths = shapes.sequence if variable and shapes.sequence else (1,)
@@ -43,8 +53,6 @@ def warm_ups(config: mc.ModelConfig, shapes: ShapeBuckets) -> list[WarmUp]:
         dims = {t.name: [length if d < 0 else d for d in t.dims] for t in config.input}
         label = f"bucket {rows or 'unbatched'}" + (f" x {length}" if variable else "")
         plan.append(WarmUp(label, _job(config, rows, dims, zero=True), bucket=True))
-    for sample in config.model_warmup:
-        plan.append(_sample(config, sample))
     return plan
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from service.observability.children import Children
 from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry
 from service.resilience.breaker import BreakerState
+from service.workers.model_metrics import SERVER_METRICS
 from transport.h3.server_state import H3State
 
 log = logging.getLogger("paddlequic.metrics")
@@ -267,6 +269,7 @@ class _StateCollector(Collector):
             yield handshakes
         if self._gpus is not None:
             yield self._gpus.collect()
+        yield from _custom_families()
 
 
 class _NvmlMemory:
@@ -282,6 +285,26 @@ class _NvmlMemory:
         for index, handle in self._handles.items():
             family.add_metric([str(index)], self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
         return family
+
+
+def _custom_families() -> Iterator[Metric]:
+    """Python models' own families (pb_utils.MetricFamily), named as the models named them."""
+    for family in SERVER_METRICS.families():
+        metric = Metric(family.name, family.description, family.kind)
+        metric.name = family.name  # a counter keeps its name as given (Triton's)
+        for labels, series in family.series.items():
+            names = dict(labels)
+            if family.kind != "histogram":
+                metric.add_sample(family.name, names, series.value)
+                continue
+            cumulative = 0
+            for bound, count in zip((*series.buckets, math.inf), series.counts, strict=True):
+                cumulative += count
+                le = "+Inf" if bound == math.inf else str(bound)
+                metric.add_sample(f"{family.name}_bucket", {**names, "le": le}, cumulative)
+            metric.add_sample(f"{family.name}_count", names, series.count)
+            metric.add_sample(f"{family.name}_sum", names, series.value)
+        yield metric
 
 
 def _queue_depth() -> GaugeMetricFamily:

@@ -17,13 +17,14 @@ import numpy as np
 from oip.datatypes import from_numpy
 from service.inference import errors
 from service.inference.calls import CallChain
-from service.inference.jobs import InputTensor, OutputTensor
+from service.inference.jobs import InputTensor, OutputTensor, StreamAnswer
 from service.workers import protocol
 from service.workers.results import triton_code
 from service.workers.streams import inline
 
 log = logging.getLogger("paddlequic.worker")
 BLS_MAX_IN_FLIGHT = 16
+BLS_MAX_RESPONSES = 1024  # of one decoupled call (their bytes: protocol.BLS_MAX_BYTES in all)
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,12 @@ class ModelCall:
     outputs: tuple[str, ...]
     chain: CallChain
     deadline: float | None  # event-loop time
+    decoupled: bool = False  # exec(decoupled=True): every response the target answers
 
 
-# Runs a call through the request path (service/serving/bls.py): the target's outputs, or a
-# ServiceError.
-Handler = Callable[[ModelCall], Awaitable[tuple[OutputTensor, ...]]]
+# Runs a call through the request path (service/serving/bls.py): the target's outputs (a
+# decoupled call: its responses, at most BLS_MAX_RESPONSES), or a ServiceError.
+Handler = Callable[[ModelCall], Awaitable[tuple[OutputTensor, ...] | tuple[StreamAnswer, ...]]]
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class BlsCalls:
             message.outputs,
             caller.chain.called_from(self._instance),
             call_deadline(asyncio.get_running_loop().time(), message.timeout_us, caller),
+            message.decoupled is True,
         )
         task = asyncio.create_task(self._run(call_id, self.handler, call))
         self._calls[call_id] = (message.caller, task)
@@ -133,15 +136,7 @@ class BlsCalls:
             log.exception("BLS call to model %r failed", call.model)
             answer = _error(call_id, f"internal error: {exc}", grpc.StatusCode.INTERNAL)
         else:
-            refs, data = inline(outputs)
-            if len(data) > protocol.BLS_MAX_BYTES:
-                message = (
-                    f"the answer of model '{call.model}' holds {len(data)} bytes of outputs; "
-                    f"at most {protocol.BLS_MAX_BYTES} may travel back in one BLS call"
-                )
-                answer = _error(call_id, message, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            else:
-                answer = protocol.BlsAnswer(call_id, refs, data)
+            answer = _answer(call_id, call.model, outputs)
         finally:
             self._calls.pop(call_id, None)
             self._changed()
@@ -179,6 +174,29 @@ def call_deadline(now: float, timeout_us: int, caller: Caller) -> float | None:
     if caller.execution_timeout_s is None:
         return None
     return now + caller.execution_timeout_s
+
+
+def _answer(
+    call_id: int, model: str, outputs: tuple[OutputTensor, ...] | tuple[StreamAnswer, ...]
+) -> protocol.BlsAnswer:
+    """The outputs inline; a decoupled call's responses each with its own (one buffer)."""
+    answers = [a for a in outputs if isinstance(a, StreamAnswer)]
+    tensors = [t for t in outputs if isinstance(t, OutputTensor)]
+    refs, data = inline([*tensors, *(t for a in answers for t in a.outputs)])
+    if len(data) > protocol.BLS_MAX_BYTES:
+        message = (
+            f"the answer of model '{model}' holds {len(data)} bytes of outputs; "
+            f"at most {protocol.BLS_MAX_BYTES} may travel back in one BLS call"
+        )
+        return _error(call_id, message, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    if not answers:
+        return protocol.BlsAnswer(call_id, refs, data)
+    parts, at = [], 0
+    for a in answers:
+        mine, at = refs[at : at + len(a.outputs)], at + len(a.outputs)
+        code = triton_code(grpc.StatusCode[a.status]) if a.error is not None else 1
+        parts.append(protocol.BlsPart(mine, a.error, code))
+    return protocol.BlsAnswer(call_id, (), data, parts=tuple(parts))
 
 
 def _error(call_id: int, message: str, status: grpc.StatusCode) -> protocol.BlsAnswer:

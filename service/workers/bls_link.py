@@ -24,7 +24,7 @@ from service.workers import protocol
 from service.workers.message_bounds import bls_inline_bytes
 from service.workers.tensor_io import inline_arrays, input_array
 
-_Future = concurrent.futures.Future[pb_utils.InferenceResponse]
+_Future = concurrent.futures.Future[pb_utils.InferenceResponse | pb_utils.ResponseIterator]
 
 
 class BlsLink:
@@ -39,7 +39,7 @@ class BlsLink:
         self._recv = recv
         self._send_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[protocol.Message | None] = queue.SimpleQueue()
-        self._calls: dict[int, _Future] = {}
+        self._calls: dict[int, tuple[_Future, bool]] = {}  # id -> future, decoupled
         self._calls_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -56,7 +56,7 @@ class BlsLink:
         with self._send_lock:
             self._sock.sendall(encoded)
 
-    def submit(self, request: pb_utils.InferenceRequest) -> _Future:
+    def submit(self, request: pb_utils.InferenceRequest, decoupled: bool) -> _Future:
         arrays = [(t.name(), _wire_array(t.as_numpy())) for t in request.inputs()]
         refs, data = inline_arrays(arrays)
         if len(data) > self._max_bytes:
@@ -71,7 +71,7 @@ class BlsLink:
         with self._calls_lock:
             if self._closed:
                 raise pb_utils.TritonModelException("the server closed the worker's connection")
-            self._calls[call_id] = future
+            self._calls[call_id] = (future, decoupled)
         version = "" if request.model_version < 0 else str(request.model_version)
         call = protocol.BlsCall(
             call_id,
@@ -81,7 +81,8 @@ class BlsLink:
             refs,
             data,
             tuple(request.requested_output_names()),
-            max(int(request.timeout), 0),
+            max(int(request.timeout()), 0),
+            decoupled,
         )
         self.send(call)
         return future
@@ -101,23 +102,44 @@ class BlsLink:
         with self._calls_lock:
             self._closed = True
             calls, self._calls = self._calls, {}
-        for future in calls.values():
-            future.set_result(_error("the server closed the worker's connection"))
+        for future, decoupled in calls.values():
+            future.set_result(
+                _whole(_error("the server closed the worker's connection"), decoupled)
+            )
 
     def _answer(self, answer: protocol.BlsAnswer) -> None:
         with self._calls_lock:
-            future = self._calls.pop(answer.call_id, None)
+            future, decoupled = self._calls.pop(answer.call_id, (None, False))
         if future is None:
             return
         if answer.error is not None:
-            future.set_result(_error(answer.error, answer.error_code))
+            future.set_result(_whole(_error(answer.error, answer.error_code), decoupled))
             return
         try:
-            tensors = [pb_utils.Tensor(r.name, input_array(answer.data, r)) for r in answer.outputs]
+            if not decoupled:
+                future.set_result(_response(answer.data, answer.outputs))
+                return
+            responses = [
+                _error(p.error, p.error_code)
+                if p.error is not None
+                else _response(answer.data, p.outputs)
+                for p in answer.parts or ()
+            ]
         except (ValueError, TypeError) as exc:
-            future.set_result(_error(f"the BLS answer cannot be read ({exc})"))
+            future.set_result(_whole(_error(f"the BLS answer cannot be read ({exc})"), decoupled))
             return
-        future.set_result(pb_utils.InferenceResponse(tensors))
+        future.set_result(pb_utils.ResponseIterator(responses))
+
+
+def _whole(
+    response: pb_utils.InferenceResponse, decoupled: bool
+) -> pb_utils.InferenceResponse | pb_utils.ResponseIterator:
+    """A call's one response, as its kind of call answers it."""
+    return pb_utils.ResponseIterator([response]) if decoupled else response
+
+
+def _response(data: bytes, refs: tuple[protocol.TensorRef, ...]) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(r.name, input_array(data, r)) for r in refs])
 
 
 def _wire_array(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

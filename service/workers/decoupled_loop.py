@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from service.backend.decoupled import DecoupledRequests
 from service.backend.python_model import PythonModel
+from service.backend.python_runtime import triton_python_backend_utils as pb_utils
 from service.backend.response_flow import Reply
 from service.workers import protocol
 from service.workers.tensor_io import inline_arrays, input_array
@@ -35,6 +36,9 @@ def serve_decoupled(
     get nothing more."""
     requests = DecoupledRequests(
         model, protocol.RESPONSE_WINDOW, lambda reply: encoded(reply, max_message)
+    )
+    pb_utils.set_metric_sink(
+        lambda op: requests.outbox.post(protocol.encode(protocol.MetricUpdate(*op)))
     )
     submits: queue.SimpleQueue[protocol.Submit | None] = queue.SimpleQueue()
     runner = _thread("execute", lambda: _run(requests, submits))

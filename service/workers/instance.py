@@ -46,6 +46,7 @@ from service.workers import (
     streams,
     subreaper,
 )
+from service.workers.model_metrics import SERVER_METRICS
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
@@ -422,6 +423,8 @@ class WorkerInstance:
                     self.streams.deliver(message)
                 elif isinstance(message, protocol.BlsCall):
                     self.bls.start(message, self._caller(message.caller))
+                elif isinstance(message, protocol.MetricUpdate) and self.spec.python:
+                    SERVER_METRICS.apply(self.spec.model_name, message)
         except ConnectionError as exc:
             log.warning("worker %s: %s", self.spec.instance_name, exc)
         except Exception as exc:

@@ -92,10 +92,12 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     try:
         model = _load(load)
     except Exception as exc:
-        sock.sendall(protocol.encode(protocol.LoadFailed(_reason(exc) + _process_hint(load, exc))))
+        reason = _reason(exc, load.backend) + _process_hint(load, exc)
+        sock.sendall(protocol.encode(protocol.LoadFailed(reason)))
         return 1
     unprotected = getattr(model, "unprotected", None)
-    loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected)
+    completed = getattr(model, "completed_config", b"")
+    loaded = protocol.Loaded(model.inputs, model.outputs, model.device, unprotected, completed)
     sock.sendall(protocol.encode(loaded))
     if getattr(model, "decoupled", False):  # its own loop, which ends the process
         from service.workers.decoupled_loop import serve_decoupled
@@ -121,7 +123,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
         try:
             reply = _infer(model, maps, msg, crash_on)
         except Exception as exc:
-            reply = protocol.Failed(msg.request_id, _reason(exc))
+            reply = protocol.Failed(msg.request_id, _reason(exc, load.backend))
         if link is not None:
             link.send(reply)
         else:
@@ -136,6 +138,7 @@ def _bls_link(sock: socket.socket, max_message: int) -> BlsLink:
 
     link = BlsLink(sock, lambda: _recv(sock), max_message)
     pb_utils.set_model_caller(link)
+    pb_utils.set_metric_sink(lambda op: link.send(protocol.MetricUpdate(*op)))
     return link
 
 
@@ -149,8 +152,13 @@ def _load(load: Load) -> Any:
     return PaddleModel(load)
 
 
-def _reason(exc: BaseException) -> str:
-    """Paddle's exceptions carry a C++ stack; the useful line names the error class."""
+def _reason(exc: BaseException, backend: str) -> str:
+    """A Python model's message whole, as Triton passes it on; Paddle's exceptions carry a C++
+    stack, whose useful line names the error class."""
+    if backend == PYTHON_BACKEND:
+        from service.backend.python_model import failure_text
+
+        return failure_text(exc)
     text = str(exc).strip()
     for line in text.splitlines():
         if "Error:" in line or "Error]" in line:

@@ -4,7 +4,8 @@ model.py is untrusted and may print without end: a thread per worker reads the p
 event loop never splits or logs a line of it, and the lines logged stay within a budget per
 model version of lines and bytes per second (`OutputBudget`: pure, with an injected clock, as
 CircuitBreaker is). Lines beyond it are counted (a metric) and dropped; the next line logged
-is preceded by one saying how many were dropped, and so is the end of the output."""
+is preceded by one saying how many were dropped, and so is the end of the output. Lines of
+`pb_utils.Logger` are logged at their level (service/backend/model_log.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import select
 import threading
 import time
 from collections.abc import Callable
+
+from service.backend.model_log import level_of
 
 model_log = logging.getLogger("paddlequic.model")
 
@@ -92,7 +95,10 @@ class ModelOutput:
         if dropped is None:
             return
         self._report(dropped)
-        model_log.info("model %s: %s", self.model, raw.decode(errors="replace")[:MAX_LOG_LINE])
+        level, text = level_of(raw)
+        model_log.log(
+            level, "model %s: %s", self.model, text.decode(errors="replace")[:MAX_LOG_LINE]
+        )
 
     def ended(self) -> None:
         with self._lock:

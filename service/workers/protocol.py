@@ -41,6 +41,8 @@ class Loaded:
     device: str
     # A Python model's sandbox: what the host could not provide; None: not sandboxed.
     unprotected: tuple[str, ...] | None = None
+    # A Python model's config as its auto_complete_config completed it (empty: it has none).
+    config: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -139,22 +141,48 @@ class BlsCall:
     data: bytes
     outputs: tuple[str, ...]
     timeout_us: int  # Triton's `timeout`; 0: none of its own (the caller's deadline holds)
+    decoupled: bool = False  # exec(decoupled=True): answered with every response of the call
+
+
+@dataclass(frozen=True)
+class BlsPart:
+    """One response of a decoupled BLS call (its outputs in its BlsAnswer's `data`)."""
+
+    outputs: tuple[TensorRef, ...]
+    error: str | None = None
+    error_code: int = 1
 
 
 @dataclass(frozen=True)
 class BlsAnswer:
-    """The answer to a BlsCall: the target's outputs, or its error."""
+    """The answer to a BlsCall: the target's outputs, or its error; a decoupled call's every
+    response (`parts`, in order, the last one final) unless the call failed as a whole."""
 
     call_id: int
     outputs: tuple[TensorRef, ...]  # offsets into `data`
     data: bytes
     error: str | None = None
     error_code: int = 1  # pb_utils.TritonError's code (TRITONSERVER_Error_Code)
+    parts: tuple[BlsPart, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class MetricUpdate:
+    """One change to a Python model's custom metric (pb_utils.MetricFamily / Metric): what the
+    worker checked, which the front-end checks again (service/workers/model_metrics.py)."""
+
+    family: str
+    kind: str  # "counter", "gauge", "histogram"
+    description: str
+    labels: tuple[tuple[str, str], ...]
+    buckets: tuple[float, ...]
+    op: str  # "family", "metric" (declared), "increment", "set", "observe"
+    value: float = 0.0
 
 
 # Data responses of one decoupled request the worker may have sent and the server not yet
@@ -177,6 +205,7 @@ Message = (
     | BlsCall
     | BlsAnswer
     | Shutdown
+    | MetricUpdate
 )
 
 
@@ -220,10 +249,11 @@ _MESSAGES = (
     BlsCall,
     BlsAnswer,
     Shutdown,
+    MetricUpdate,
 )
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls
-    for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets)
+    for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets, BlsPart)
 }
 
 

@@ -389,7 +389,7 @@ def test_the_models_error_response_is_not_final_unless_flagged(worker: Worker) -
     ("name", "dtype", "value", "message"),
     [
         ("index", "float64", 1.5, "output 'index' is float64, its config says INT32"),
-        ("index", "int64", 1, "output 'index' is int64, its config says INT32"),
+        ("index", "int64", 1 << 40, "output 'index' is int64, its config says INT32"),
         ("report", "int32", 1, "output 'report' must hold bytes or str, not int32"),
         ("report", "object", 1.5, "cannot convert 'float' object to bytes"),
         ("nope", "int32", 1, "the response has output 'nope', which the config does not"),

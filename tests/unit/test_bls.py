@@ -77,12 +77,17 @@ def test_a_bls_request_takes_tritons_keywords() -> None:
         timeout=1000,
         parameters={"key": "value"},
     )
-    assert (request.model_name, request.model_version, request.timeout) == ("mlp", 2, 1000)
+    assert (request.model_name, request.model_version, request.timeout()) == ("mlp", 2, 1000)
     assert request.parameters() == '{"key": "value"}'
     assert request.requested_output_names() == ["probabilities"]
 
 
+def test_a_model_name_may_be_bytes_as_a_bytes_input_gives_it() -> None:
+    request = pb_utils.InferenceRequest([], ["y"], model_name=np.array([b"mlp"], np.object_)[0])
+    assert request.model_name == "mlp"
+
+
 def test_exec_needs_a_model_that_can_call() -> None:
     request = pb_utils.InferenceRequest([], ["y"], model_name="mlp")
-    with pytest.raises(pb_utils.TritonModelException, match="decoupled models"):
+    with pytest.raises(pb_utils.TritonModelException, match="that is not decoupled"):
         request.exec(decoupled=True)

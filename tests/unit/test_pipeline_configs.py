@@ -7,12 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.backend.python_model import config_json
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.lifecycle.repository import ModelRepository, RepositoryError
+from service.lifecycle.repository import (
+    ModelRepository,
+    RepositoryError,
+    auto_completed,
+    check_python_tensors,
+)
+from service.model.config_json import config_json
 
 PYTHON = """backend: "python" max_batch_size: 4
 input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
@@ -37,7 +42,6 @@ def test_a_python_model_is_its_model_py(tmp_path: Path) -> None:
     ("config", "files", "message"),
     [
         (PYTHON, {"1/other.py": ""}, "holds no model.py"),
-        ('backend: "python" max_batch_size: 4', {"1/model.py": ""}, "must list its inputs"),
         ('backend: "onnxruntime"', {}, "backend 'onnxruntime' is not served here"),
         ('platform: "ensemble"', {}, "ensemble_scheduling goes with platform 'ensemble'"),
         (
@@ -53,6 +57,58 @@ def test_bad_configs_are_refused_with_the_reason(
     write(tmp_path, "m", config, files)
     with pytest.raises(RepositoryError, match=message):
         ModelRepository(tmp_path).load("m")
+
+
+def test_a_directory_with_a_model_py_and_no_config_is_a_python_model(tmp_path: Path) -> None:
+    """Its tensors may come from auto_complete_config when it loads (checked then)."""
+    (tmp_path / "auto" / "1").mkdir(parents=True)
+    (tmp_path / "auto" / "1" / "model.py").write_text("class TritonPythonModel: ...\n")
+    model = ModelRepository(tmp_path).load("auto")
+    assert (model.config.backend, len(model.config.input)) == ("python", 0)
+    with pytest.raises(RepositoryError, match="must list its inputs and outputs"):
+        check_python_tensors(model.config)
+
+
+def completed(config: mc.ModelConfig, change: str) -> bytes:
+    done = mc.ModelConfig()
+    done.CopyFrom(config)
+    text_format.Merge(change, done)
+    return done.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("model_transaction_policy { decoupled: true }", "changes model_transaction_policy"),
+        ('name: "other"', "changes its name or backend"),
+        ("max_batch_size: -1", "max_batch_size must be >= 0"),
+    ],
+)
+def test_what_auto_complete_config_may_not_change(change: str, reason: str) -> None:
+    config = text_format.Parse(f'name: "m" {PYTHON}', mc.ModelConfig())
+    with pytest.raises(RepositoryError, match=reason):
+        auto_completed(config, completed(config, change))
+
+
+def test_auto_complete_config_adds_and_agrees_as_tritons() -> None:
+    """pb_utils.ModelConfig: what config.pbtxt says wins; a contradiction fails the load."""
+    given = pb_utils.ModelConfig(
+        config_json(text_format.Parse(f'name: "m" {PYTHON}', mc.ModelConfig()))
+    )
+    given.add_input({"name": "text", "data_type": "TYPE_STRING", "dims": [1]})  # the same
+    with pytest.raises(ValueError, match="has dims"):
+        given.add_input({"name": "text", "data_type": "TYPE_STRING", "dims": [2]})
+    with pytest.raises(ValueError, match="must have"):
+        given.add_output({"name": "extra", "data_type": "TYPE_FP32"})
+    with pytest.raises(ValueError, match="sets max_batch_size 4"):
+        given.set_max_batch_size(2)
+    given.add_output({"name": "score", "data_type": "TYPE_FP32", "dims": [1]})
+    given.set_dynamic_batching()
+    done = auto_completed(
+        text_format.Parse(f'name: "m" {PYTHON}', mc.ModelConfig()),
+        json_format.ParseDict(given.as_dict(), mc.ModelConfig()).SerializeToString(),
+    )
+    assert [o.name for o in done.output] == ["ids", "score"] and done.HasField("dynamic_batching")
 
 
 def test_an_ensemble_needs_no_version_directory(tmp_path: Path) -> None:
@@ -89,7 +145,7 @@ def test_triton_utils_read_the_config_as_triton_passes_it() -> None:
 )
 def test_triton_utils_tell_a_decoupled_config(text: str, decoupled: bool) -> None:
     """From the config JSON Python models are given (Triton's function, Triton's field)."""
-    config = json.dumps(config_json(text_format.Parse(text, mc.ModelConfig())))
+    config = config_json(text_format.Parse(f'name: "m" {text}', mc.ModelConfig()))
     assert pb_utils.using_decoupled_model_transaction_policy(config) is decoupled
     assert pb_utils.using_decoupled_model_transaction_policy(json.loads(config)) is decoupled
 
