@@ -1,0 +1,105 @@
+"""RepositoryModelLoad's parameters as Triton takes them, with tritonclient itself
+(tritonclient_load_check.py, in its own process): `config` (a ModelConfig in JSON) replaces
+config.pbtxt for the load, and `file:PATH` sends the model's files, which are bounded per
+request, confined to a fresh private directory and under the signing policy like files on
+disk; the server stays up through every refusal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import REPO_ROOT, running_server
+
+SCRIPT = Path(__file__).with_name("tritonclient_load_check.py")
+SIMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "simple"
+CHECK_TIMEOUT_S = 300
+MAX_UPLOAD_BYTES = 4096  # the fixture's model.py fits; the oversized upload does not
+MAX_UPLOAD_FILES = 4
+
+
+def checked(root: Path, extra_args: list[str], signed: bool) -> dict[str, Any]:
+    repository = root / "models"
+    (repository / "simple" / "1").mkdir(parents=True)
+    shutil.copy(SIMPLE / "config.pbtxt", repository / "simple" / "config.pbtxt")
+    shutil.copy(SIMPLE / "model.py", repository / "simple" / "1" / "model.py")
+    args = ["--no-h3", "--model-control-mode", "explicit", *extra_args]
+    with running_server(repository, root / "server.log", args) as server:
+        out = root / "summary.json"
+        command = [sys.executable, str(SCRIPT), "--url", server.address, "--out", str(out)]
+        command += ["--model-py", str(SIMPLE / "model.py")] + (["--signed"] if signed else [])
+        finished = subprocess.run(
+            command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
+        )
+        assert finished.returncode == 0, finished.stderr
+        assert server.process.poll() is None
+        return dict(json.loads(out.read_text()))
+
+
+@pytest.fixture(scope="module")
+def summary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    limits = ["--max-upload-bytes", str(MAX_UPLOAD_BYTES)]
+    limits += ["--max-upload-files", str(MAX_UPLOAD_FILES), "--load-model", "simple"]
+    return checked(tmp_path_factory.mktemp("load-parameters"), limits, signed=False)
+
+
+def test_a_good_config_override_applies(summary: dict[str, Any]) -> None:
+    assert summary["good"] is None
+    assert summary["good_max_batch_size"] == 4  # config.pbtxt says 8
+    assert summary["good_sums"] == [i + 1 for i in range(16)]
+
+
+def test_a_bad_config_override_fails_to_load(summary: dict[str, Any]) -> None:
+    """Malformed JSON (Triton's simple_grpc_model_control.py sends this one) and a config
+    that cannot be served; `simple` serves on, with the override that applied."""
+    for key in ("bad_json", "bad_config"):
+        assert summary[key]["message"].startswith("failed to load 'simple'"), summary[key]
+    assert "onnxruntime" in summary["bad_config"]["message"]
+
+
+def test_uploaded_files_load_as_the_models_directory(summary: dict[str, Any]) -> None:
+    assert summary["upload"] is None
+    assert summary["upload_max_batch_size"] == 2
+    assert summary["upload_sums"] == [i + 1 for i in range(16)]
+
+
+def test_uploaded_paths_stay_inside_the_models_directory(summary: dict[str, Any]) -> None:
+    for key in ("traversal", "absolute", "dot"):
+        refused = summary[key]
+        assert refused["status"] == "StatusCode.INVALID_ARGUMENT", refused
+        assert refused["message"].startswith(
+            "failed to load 'uploaded', failed to poll from model repository: uploaded path"
+        ), refused
+    assert not summary["refused_left_unloaded"]
+    assert summary["live"]
+
+
+def test_uploads_are_bounded_in_bytes_and_count(summary: dict[str, Any]) -> None:
+    """Past a bound, Triton's answer to an upload too large: INTERNAL, failed to poll."""
+    for key, flag in (("oversized", "--max-upload-bytes"), ("too_many", "--max-upload-files")):
+        refused = summary[key]
+        assert refused["status"] == "StatusCode.INTERNAL", refused
+        assert refused["message"].startswith(
+            "failed to load 'uploaded', failed to poll from model repository"
+        )
+        assert flag in refused["message"]
+
+
+def test_files_need_the_config_parameter(summary: dict[str, Any]) -> None:
+    refused = summary["files_without_config"]
+    assert refused["message"].startswith("failed to load 'uploaded'")
+    assert "`config`" in refused["message"]
+
+
+def test_an_unsigned_upload_is_refused_where_signatures_are_required(tmp_path: Path) -> None:
+    answered = checked(tmp_path, ["--require-signed"], signed=True)
+    assert answered["upload"]["message"].startswith("load failed for model 'uploaded'")
+    assert "signature refused" in answered["upload"]["message"]
+    assert answered["ready"] is False
+    assert answered["live"]

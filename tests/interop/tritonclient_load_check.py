@@ -1,0 +1,139 @@
+"""RepositoryModelLoad's `config` and `file:` parameters with tritonclient itself, as
+Triton's simple_grpc_model_control.py sends them, against a server in explicit model control
+with `simple` in its repository: run as a separate process (tritonclient's protos and ours
+cannot share one descriptor pool), so this file imports nothing from ``protos``, ``service``
+or ``tests``.
+
+Writes JSON to ``--out``: for each step, what the server answered (a value, or the message of
+the error tritonclient raised, with its status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+
+def simple_config(name: str, max_batch_size: str) -> str:
+    """The `simple` model's config in JSON, as Triton's clients send it (int as strings)."""
+    tensor = {"data_type": "TYPE_INT32", "dims": ["16"]}
+    return json.dumps(
+        {
+            "name": name,
+            "backend": "python",
+            "max_batch_size": max_batch_size,
+            "input": [{"name": "INPUT0", **tensor}, {"name": "INPUT1", **tensor}],
+            "output": [{"name": "OUTPUT0", **tensor}, {"name": "OUTPUT1", **tensor}],
+            "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+        }
+    )
+
+
+def error_of(call: Callable[[], Any]) -> dict[str, Any] | None:
+    """The status and message of the error a tritonclient call raised (None: it succeeded)."""
+    try:
+        call()
+    except InferenceServerException as exc:
+        return {"status": str(exc.status()), "message": str(exc.message())}
+    return None
+
+
+def sums(client: grpcclient.InferenceServerClient, model: str) -> list[int]:
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    inputs[0].set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+    inputs[1].set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    result = client.infer(model, inputs)
+    return [int(v) for v in result.as_numpy("OUTPUT0").ravel()]
+
+
+def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str, Any]:
+    good = simple_config("simple", "4")
+    uploaded = simple_config("uploaded", "2")
+    answers: dict[str, Any] = {
+        # simple_grpc_model_control.py's malformed config
+        "bad_json": error_of(
+            lambda: client.load_model(
+                "simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}'
+            )
+        ),
+        "bad_config": error_of(
+            lambda: client.load_model("simple", config='{"backend": "onnxruntime"}')
+        ),
+        "good": error_of(lambda: client.load_model("simple", config=good)),
+    }
+    answers["good_max_batch_size"] = client.get_model_config("simple").config.max_batch_size
+    answers["good_sums"] = sums(client, "simple")
+    answers["files_without_config"] = error_of(
+        lambda: client.load_model("uploaded", files={"file:1/model.py": model_py})
+    )
+    for label, path in (
+        ("traversal", "file:../../1/model.py"),
+        ("absolute", "file:/tmp/model.py"),
+        ("dot", "file:1/./model.py"),
+    ):
+        answers[label] = error_of(
+            lambda path=path: client.load_model("uploaded", config=uploaded, files={path: b"x"})
+        )
+    answers["oversized"] = error_of(
+        lambda: client.load_model(
+            "uploaded", config=uploaded, files={"file:1/model.py": model_py + b"#" * 4096}
+        )
+    )
+    answers["too_many"] = error_of(
+        lambda: client.load_model(
+            "uploaded",
+            config=uploaded,
+            files={f"file:1/extra{i}.txt": b"x" for i in range(5)} | {"file:1/model.py": b""},
+        )
+    )
+    answers["refused_left_unloaded"] = client.is_model_ready("uploaded")
+    answers["upload"] = error_of(
+        lambda: client.load_model("uploaded", config=uploaded, files={"file:1/model.py": model_py})
+    )
+    answers["upload_max_batch_size"] = client.get_model_config("uploaded").config.max_batch_size
+    answers["upload_sums"] = sums(client, "uploaded")
+    answers["live"] = client.is_server_live()
+    return answers
+
+
+def signed(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str, Any]:
+    return {
+        "upload": error_of(
+            lambda: client.load_model(
+                "uploaded",
+                config=simple_config("uploaded", "2"),
+                files={"file:1/model.py": model_py},
+            )
+        ),
+        "ready": client.is_model_ready("uploaded"),
+        "live": client.is_server_live(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--model-py", required=True, type=Path)
+    parser.add_argument("--signed", action="store_true")
+    args = parser.parse_args(argv)
+    client = grpcclient.InferenceServerClient(args.url)
+    try:
+        run = signed if args.signed else plain
+        summary = run(client, args.model_py.read_bytes())
+    finally:
+        client.close()
+    args.out.write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
