@@ -11,6 +11,7 @@ the error tritonclient raised, with its status).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -80,7 +81,7 @@ def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str
         ("dot", "file:1/./model.py"),
     ):
         answers[label] = error_of(
-            lambda path=path: client.load_model("uploaded", config=uploaded, files={path: b"x"})
+            functools.partial(client.load_model, "uploaded", config=uploaded, files={path: b"x"})
         )
     answers["oversized"] = error_of(
         lambda: client.load_model(
@@ -100,6 +101,8 @@ def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str
     )
     answers["upload_max_batch_size"] = client.get_model_config("uploaded").config.max_batch_size
     answers["upload_sums"] = sums(client, "uploaded")
+    client.load_model("simple")  # no override: config.pbtxt again
+    answers["reloaded_max_batch_size"] = client.get_model_config("simple").config.max_batch_size
     answers["live"] = client.is_server_live()
     return answers
 
