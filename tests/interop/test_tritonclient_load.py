@@ -24,7 +24,7 @@ MAX_UPLOAD_BYTES = 4096  # the fixture's model.py fits; the oversized upload doe
 MAX_UPLOAD_FILES = 4
 
 
-def checked(root: Path, extra_args: list[str], signed: bool) -> dict[str, Any]:
+def checked(root: Path, extra_args: list[str], mode: str) -> dict[str, Any]:
     repository = root / "models"
     (repository / "simple" / "1").mkdir(parents=True)
     shutil.copy(SIMPLE / "config.pbtxt", repository / "simple" / "config.pbtxt")
@@ -33,7 +33,7 @@ def checked(root: Path, extra_args: list[str], signed: bool) -> dict[str, Any]:
     with running_server(repository, root / "server.log", args) as server:
         out = root / "summary.json"
         command = [sys.executable, str(SCRIPT), "--url", server.address, "--out", str(out)]
-        command += ["--model-py", str(SIMPLE / "model.py")] + (["--signed"] if signed else [])
+        command += ["--model-py", str(SIMPLE / "model.py"), "--mode", mode]
         finished = subprocess.run(
             command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
         )
@@ -46,7 +46,7 @@ def checked(root: Path, extra_args: list[str], signed: bool) -> dict[str, Any]:
 def summary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     limits = ["--max-upload-bytes", str(MAX_UPLOAD_BYTES)]
     limits += ["--max-upload-files", str(MAX_UPLOAD_FILES), "--load-model", "simple"]
-    return checked(tmp_path_factory.mktemp("load-parameters"), limits, signed=False)
+    return checked(tmp_path_factory.mktemp("load-parameters"), limits, "plain")
 
 
 def test_a_good_config_override_applies(summary: dict[str, Any]) -> None:
@@ -100,8 +100,17 @@ def test_files_need_the_config_parameter(summary: dict[str, Any]) -> None:
 
 
 def test_an_unsigned_upload_is_refused_where_signatures_are_required(tmp_path: Path) -> None:
-    answered = checked(tmp_path, ["--require-signed"], signed=True)
+    answered = checked(tmp_path, ["--require-signed"], "signed")
     assert answered["upload"]["message"].startswith("load failed for model 'uploaded'")
     assert "signature refused" in answered["upload"]["message"]
     assert answered["ready"] is False
     assert answered["live"]
+
+
+def test_uploads_only_where_the_model_repository_category_is_allowed(tmp_path: Path) -> None:
+    restriction = ["--restricted-protocol", "model-repository:admin-key=SECRET"]
+    answered = checked(tmp_path, restriction, "restricted")
+    assert answered["without_key"]["status"] == "StatusCode.UNAUTHENTICATED"
+    assert answered["ready_without_key"] is False
+    assert answered["with_key"] is None
+    assert answered["ready_with_key"] is True

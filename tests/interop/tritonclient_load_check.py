@@ -121,16 +121,35 @@ def signed(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[st
     }
 
 
+def restricted(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str, Any]:
+    """Under --restricted-protocol model-repository:admin-key=SECRET."""
+
+    def upload(headers: dict[str, str] | None) -> None:
+        client.load_model(
+            "uploaded",
+            config=simple_config("uploaded", "2"),
+            files={"file:1/model.py": model_py},
+            headers=headers,
+        )
+
+    return {
+        "without_key": error_of(lambda: upload(None)),
+        "ready_without_key": client.is_model_ready("uploaded"),
+        "with_key": error_of(lambda: upload({"triton-grpc-protocol-admin-key": "SECRET"})),
+        "ready_with_key": client.is_model_ready("uploaded"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model-py", required=True, type=Path)
-    parser.add_argument("--signed", action="store_true")
+    parser.add_argument("--mode", choices=("plain", "signed", "restricted"), default="plain")
     args = parser.parse_args(argv)
     client = grpcclient.InferenceServerClient(args.url)
     try:
-        run = signed if args.signed else plain
+        run = {"plain": plain, "signed": signed, "restricted": restricted}[args.mode]
         summary = run(client, args.model_py.read_bytes())
     finally:
         client.close()
