@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import json_format, text_format
 
+from protos.inference import model_config_pb2 as mc
+from service.lifecycle.signing import generate_keys, sign
 from tests.servers import REPO_ROOT, running_server
 
 SCRIPT = Path(__file__).with_name("tritonclient_load_check.py")
@@ -24,7 +27,9 @@ MAX_UPLOAD_BYTES = 4096  # the fixture's model.py fits; the oversized upload doe
 MAX_UPLOAD_FILES = 4
 
 
-def checked(root: Path, extra_args: list[str], mode: str) -> dict[str, Any]:
+def checked(
+    root: Path, extra_args: list[str], mode: str, more: tuple[str, ...] = ()
+) -> dict[str, Any]:
     repository = root / "models"
     (repository / "simple" / "1").mkdir(parents=True)
     shutil.copy(SIMPLE / "config.pbtxt", repository / "simple" / "config.pbtxt")
@@ -33,7 +38,7 @@ def checked(root: Path, extra_args: list[str], mode: str) -> dict[str, Any]:
     with running_server(repository, root / "server.log", args) as server:
         out = root / "summary.json"
         command = [sys.executable, str(SCRIPT), "--url", server.address, "--out", str(out)]
-        command += ["--model-py", str(SIMPLE / "model.py"), "--mode", mode]
+        command += ["--model-py", str(SIMPLE / "model.py"), "--mode", mode, *more]
         finished = subprocess.run(
             command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
         )
@@ -99,11 +104,43 @@ def test_files_need_the_config_parameter(summary: dict[str, Any]) -> None:
     assert "`config`" in refused["message"]
 
 
-def test_an_unsigned_upload_is_refused_where_signatures_are_required(tmp_path: Path) -> None:
-    answered = checked(tmp_path, ["--require-signed"], "signed")
-    assert answered["upload"]["message"].startswith("load failed for model 'uploaded'")
-    assert "signature refused" in answered["upload"]["message"]
-    assert answered["ready"] is False
+def signed_upload(root: Path, key: Path) -> Path:
+    """config.json for the load, and the model.sig of the directory the server writes from
+    it: config.pbtxt (the JSON as text format) and 1/model.py."""
+    config = {
+        "name": "uploaded",
+        "backend": "python",
+        "max_batch_size": 2,
+        "input": [{"name": f"INPUT{i}", "data_type": "TYPE_INT32", "dims": [16]} for i in (0, 1)],
+        "output": [{"name": f"OUTPUT{i}", "data_type": "TYPE_INT32", "dims": [16]} for i in (0, 1)],
+    }
+    model = root / "staging" / "uploaded"
+    (model / "1").mkdir(parents=True)
+    shutil.copy(SIMPLE / "model.py", model / "1" / "model.py")
+    parsed = json_format.Parse(json.dumps(config), mc.ModelConfig())
+    (model / "config.pbtxt").write_text(text_format.MessageToString(parsed))
+    sign(model, key)
+    (root / "signed").mkdir()
+    (root / "signed" / "config.json").write_text(json.dumps(config))
+    shutil.copy(model / "model.sig", root / "signed" / "model.sig")
+    return root / "signed"
+
+
+def test_uploads_are_under_the_signing_policy(tmp_path: Path) -> None:
+    """Under --require-signed: refused unsigned, or with a file changed since signing; loaded
+    with a model.sig by a trusted key, as a model on disk."""
+    trusted = tmp_path / "trusted"
+    trusted.mkdir()
+    generate_keys(tmp_path / "release.key", trusted / "release.pub")
+    signed_dir = signed_upload(tmp_path, tmp_path / "release.key")
+    args = ["--trusted-keys", str(trusted), "--require-signed"]
+    answered = checked(tmp_path, args, "signed", ("--signed-dir", str(signed_dir)))
+    for key in ("upload", "tampered"):
+        assert answered[key]["message"].startswith("load failed for model 'uploaded'")
+        assert "signature refused" in answered[key]["message"], answered[key]
+    assert answered["ready"] is False and answered["ready_tampered"] is False
+    assert answered["signed"] is None
+    assert answered["ready_signed"] is True
     assert answered["live"]
 
 

@@ -107,18 +107,39 @@ def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str
     return answers
 
 
-def signed(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str, Any]:
-    return {
+def signed(
+    client: grpcclient.InferenceServerClient, model_py: bytes, signed_dir: Path
+) -> dict[str, Any]:
+    """Under --require-signed: `signed_dir` holds config.json and the model.sig that signs
+    the config.pbtxt the server writes from it, with `model_py` as 1/model.py."""
+    config = (signed_dir / "config.json").read_text()
+    signature = (signed_dir / "model.sig").read_bytes()
+    answers = {
         "upload": error_of(
             lambda: client.load_model(
-                "uploaded",
-                config=simple_config("uploaded", "2"),
-                files={"file:1/model.py": model_py},
+                "uploaded", config=config, files={"file:1/model.py": model_py}
             )
         ),
         "ready": client.is_model_ready("uploaded"),
-        "live": client.is_server_live(),
+        "tampered": error_of(
+            lambda: client.load_model(
+                "uploaded",
+                config=config,
+                files={"file:1/model.py": model_py + b"#", "file:model.sig": signature},
+            )
+        ),
+        "ready_tampered": client.is_model_ready("uploaded"),
     }
+    answers["signed"] = error_of(
+        lambda: client.load_model(
+            "uploaded",
+            config=config,
+            files={"file:1/model.py": model_py, "file:model.sig": signature},
+        )
+    )
+    answers["ready_signed"] = client.is_model_ready("uploaded")
+    answers["live"] = client.is_server_live()
+    return answers
 
 
 def restricted(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str, Any]:
@@ -146,11 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model-py", required=True, type=Path)
     parser.add_argument("--mode", choices=("plain", "signed", "restricted"), default="plain")
+    parser.add_argument("--signed-dir", type=Path)
     args = parser.parse_args(argv)
     client = grpcclient.InferenceServerClient(args.url)
     try:
-        run = {"plain": plain, "signed": signed, "restricted": restricted}[args.mode]
-        summary = run(client, args.model_py.read_bytes())
+        model_py = args.model_py.read_bytes()
+        if args.mode == "signed":
+            summary = signed(client, model_py, args.signed_dir)
+        else:
+            summary = {"plain": plain, "restricted": restricted}[args.mode](client, model_py)
     finally:
         client.close()
     args.out.write_text(json.dumps(summary))
