@@ -58,6 +58,9 @@ def test_a_good_config_override_applies(summary: dict[str, Any]) -> None:
     assert summary["good"] is None
     assert summary["good_max_batch_size"] == 4  # config.pbtxt says 8
     assert summary["good_sums"] == [i + 1 for i in range(16)]
+    # Triton's simple_grpc_model_control.py's override, which leaves the tensors out
+    assert summary["example"] is None
+    assert summary["example_max_batch_size"] == 16
     # The next load without a `config` loads config.pbtxt again, though no file changed.
     assert summary["reloaded_max_batch_size"] == 8
 

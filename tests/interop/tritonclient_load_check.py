@@ -101,6 +101,11 @@ def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str
     )
     answers["upload_max_batch_size"] = client.get_model_config("uploaded").config.max_batch_size
     answers["upload_sums"] = sums(client, "uploaded")
+    # simple_grpc_model_control.py's override: the model completes the rest
+    answers["example"] = error_of(
+        lambda: client.load_model("simple", config='{"max_batch_size":"16"}')
+    )
+    answers["example_max_batch_size"] = client.get_model_config("simple").config.max_batch_size
     client.load_model("simple")  # no override: config.pbtxt again
     answers["reloaded_max_batch_size"] = client.get_model_config("simple").config.max_batch_size
     answers["live"] = client.is_server_live()
