@@ -234,9 +234,15 @@ class Lifecycle:
             if isinstance(plan, Refused):
                 poll = f"{failed}, failed to poll from model repository: {plan.reason}"
                 raise errors.internal(poll) if plan.too_large else errors.invalid(poll)
-            upload = await asyncio.to_thread(
-                write_upload, name, plan, files, text_format.MessageToString(override)
-            )
+            try:
+                upload = await asyncio.to_thread(
+                    write_upload, name, plan, files, text_format.MessageToString(override)
+                )
+            except OSError as exc:
+                raise errors.internal(
+                    f"{failed}, failed to poll from model repository: the uploaded files "
+                    f"cannot be written: {exc}"
+                ) from exc
         elif not (self.repository.root / name).is_dir():
             raise errors.not_found(
                 f"{failed}, failed to poll from model repository: the repository has no such model"

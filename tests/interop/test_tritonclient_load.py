@@ -154,3 +154,19 @@ def test_uploads_only_where_the_model_repository_category_is_allowed(tmp_path: P
     assert answered["ready_without_key"] is False
     assert answered["with_key"] is None
     assert answered["ready_with_key"] is True
+
+
+def test_uploaded_directories_go_when_nothing_serves_from_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One directory held while its version serves; a failed load's removed at once; the
+    first removed once a later load replaced its version; none after the unload, or after
+    the server stops."""
+    watch = tmp_path / "tmp"
+    watch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(watch))
+    answered = checked(tmp_path, [], "lifetime", ("--watch", str(watch)))
+    assert answered["broken"]["message"].startswith("load failed for model 'uploaded'")
+    assert answered["ready_after_broken"] is True  # the first upload serves on
+    assert [answered[k] for k in ("loaded", "after_broken", "replaced", "unloaded")] == [1, 1, 1, 0]
+    assert list(watch.glob("paddlequic-upload-*")) == []

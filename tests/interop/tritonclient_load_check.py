@@ -14,6 +14,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
+
+WIND_DOWN_S = 60.0
 
 
 def simple_config(name: str, max_batch_size: str) -> str:
@@ -166,19 +169,54 @@ def restricted(client: grpcclient.InferenceServerClient, model_py: bytes) -> dic
     }
 
 
+def lifetime(
+    client: grpcclient.InferenceServerClient, model_py: bytes, watch: Path
+) -> dict[str, Any]:
+    """How many uploaded directories the server holds (under `watch`, its TMPDIR) after each
+    step: a load from one, a failed load, a load replacing the first, an unload."""
+    config = simple_config("uploaded", "2")
+
+    def held(expected: int) -> int:
+        deadline = time.monotonic() + WIND_DOWN_S  # a replaced version winds down first
+        while True:
+            count = len(list(watch.glob("paddlequic-upload-*")))
+            if count == expected or time.monotonic() > deadline:
+                return count
+            time.sleep(0.1)
+
+    client.load_model("uploaded", config=config, files={"file:1/model.py": model_py})
+    answers: dict[str, Any] = {"loaded": held(1)}
+    answers["broken"] = error_of(
+        lambda: client.load_model(
+            "uploaded", config=config, files={"file:1/model.py": b"this is not python"}
+        )
+    )
+    answers["after_broken"] = held(1)
+    answers["ready_after_broken"] = client.is_model_ready("uploaded")
+    client.load_model("uploaded", config=config, files={"file:1/model.py": model_py})
+    answers["replaced"] = held(1)
+    client.unload_model("uploaded")
+    answers["unloaded"] = held(0)
+    return answers
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model-py", required=True, type=Path)
-    parser.add_argument("--mode", choices=("plain", "signed", "restricted"), default="plain")
+    modes = ("plain", "signed", "restricted", "lifetime")
+    parser.add_argument("--mode", choices=modes, default="plain")
     parser.add_argument("--signed-dir", type=Path)
+    parser.add_argument("--watch", type=Path)
     args = parser.parse_args(argv)
     client = grpcclient.InferenceServerClient(args.url)
     try:
         model_py = args.model_py.read_bytes()
         if args.mode == "signed":
             summary = signed(client, model_py, args.signed_dir)
+        elif args.mode == "lifetime":
+            summary = lifetime(client, model_py, args.watch)
         else:
             summary = {"plain": plain, "restricted": restricted}[args.mode](client, model_py)
     finally:
