@@ -254,6 +254,11 @@ class Lifecycle:
                 remove_upload(upload)
             raise
 
+    def loaded_with_its_own(self, name: str) -> bool:
+        """Whether the model's last load had a config or files of its own (a rescan leaves
+        it as it is: its repository directory is not what serves)."""
+        return name in self._overridden
+
     async def _load(self, name: str, override: mc.ModelConfig | None, upload: Path | None) -> None:
         """load_model's work, under the model's lock: from the repository, or from `upload`."""
         repository = self.repository if upload is None else ModelRepository(upload)

@@ -39,6 +39,7 @@ def checked(
         out = root / "summary.json"
         command = [sys.executable, str(SCRIPT), "--url", server.address, "--out", str(out)]
         command += ["--model-py", str(SIMPLE / "model.py"), "--mode", mode, *more]
+        command += ["--server-log", str(server.log_path), "--server-pid", str(server.process.pid)]
         finished = subprocess.run(
             command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
         )
@@ -58,6 +59,9 @@ def test_a_good_config_override_applies(summary: dict[str, Any]) -> None:
     assert summary["good"] is None
     assert summary["good_max_batch_size"] == 4  # config.pbtxt says 8
     assert summary["good_sums"] == [i + 1 for i in range(16)]
+    # A rescan (SIGHUP) leaves a model loaded with its own config as it is.
+    assert summary["rescan_kept"] is True
+    assert summary["rescanned_max_batch_size"] == 4
     # Triton's simple_grpc_model_control.py's override, which leaves the tensors out
     assert summary["example"] is None
     assert summary["example_max_batch_size"] == 16

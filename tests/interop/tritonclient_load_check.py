@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -58,7 +60,21 @@ def sums(client: grpcclient.InferenceServerClient, model: str) -> list[int]:
     return [int(v) for v in result.as_numpy("OUTPUT0").ravel()]
 
 
-def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str, Any]:
+def waited_for(log: Path, text: str) -> bool:
+    deadline = time.monotonic() + WIND_DOWN_S
+    while text not in log.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def plain(
+    client: grpcclient.InferenceServerClient,
+    model_py: bytes,
+    server_log: Path | None = None,
+    server_pid: int = 0,
+) -> dict[str, Any]:
     good = simple_config("simple", "4")
     uploaded = simple_config("uploaded", "2")
     answers: dict[str, Any] = {
@@ -75,6 +91,12 @@ def plain(client: grpcclient.InferenceServerClient, model_py: bytes) -> dict[str
     }
     answers["good_max_batch_size"] = client.get_model_config("simple").config.max_batch_size
     answers["good_sums"] = sums(client, "simple")
+    if server_log is not None:  # a rescan (SIGHUP) keeps the override
+        os.kill(server_pid, signal.SIGHUP)
+        answers["rescan_kept"] = waited_for(server_log, "rescan: simple keeps")
+        answers["rescanned_max_batch_size"] = client.get_model_config(
+            "simple"
+        ).config.max_batch_size
     answers["files_without_config"] = error_of(
         lambda: client.load_model("uploaded", files={"file:1/model.py": model_py})
     )
@@ -209,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=modes, default="plain")
     parser.add_argument("--signed-dir", type=Path)
     parser.add_argument("--watch", type=Path)
+    parser.add_argument("--server-log", type=Path)
+    parser.add_argument("--server-pid", type=int, default=0)
     args = parser.parse_args(argv)
     client = grpcclient.InferenceServerClient(args.url)
     try:
@@ -217,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             summary = signed(client, model_py, args.signed_dir)
         elif args.mode == "lifetime":
             summary = lifetime(client, model_py, args.watch)
+        elif args.mode == "plain":
+            summary = plain(client, model_py, args.server_log, args.server_pid)
         else:
-            summary = {"plain": plain, "restricted": restricted}[args.mode](client, model_py)
+            summary = restricted(client, model_py)
     finally:
         client.close()
     args.out.write_text(json.dumps(summary))
