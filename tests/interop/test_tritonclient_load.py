@@ -48,9 +48,12 @@ def checked(
         return dict(json.loads(out.read_text()))
 
 
-@pytest.fixture(scope="module")
-def summary(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    limits = ["--max-upload-bytes", str(MAX_UPLOAD_BYTES)]
+@pytest.fixture(scope="module", params=["1", "2"], ids=["frontends-1", "frontends-2"])
+def summary(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    """The parameters travel through front-end processes (--frontends 2) as they do without."""
+    limits = ["--frontends", request.param, "--max-upload-bytes", str(MAX_UPLOAD_BYTES)]
     limits += ["--max-upload-files", str(MAX_UPLOAD_FILES), "--load-model", "simple"]
     return checked(tmp_path_factory.mktemp("load-parameters"), limits, "plain")
 
