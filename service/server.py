@@ -32,6 +32,7 @@ from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.loading import WorkerLimits
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
+from service.lifecycle.uploads import UploadLimits
 from service.lifecycle.watching import RepositoryWatcher
 from service.observability.logs import LineBudget, RequestLog, configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
@@ -71,6 +72,7 @@ async def serve(settings: ServerSettings) -> None:
         workers=WorkerLimits(
             settings.max_message_bytes, settings.model_output_lines, settings.model_output_bytes
         ),
+        uploads=UploadLimits(settings.max_upload_files, settings.max_upload_bytes),
     )
     signing: SigningPolicy | None = None
     if settings.trusted_keys or settings.trusted_ca or settings.require_signed:

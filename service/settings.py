@@ -66,6 +66,8 @@ class ServerSettings:
     trusted_keys: str = ""
     trusted_ca: str = ""
     require_signed: bool = False
+    max_upload_files: int = 64
+    max_upload_bytes: int = 32 << 20
     topology: str = ""
     metrics: bool = True
     metrics_port: int = 8002
@@ -150,6 +152,10 @@ _HELP = {
     "trusted_ca": "PEM file of CA certificates: models signed with a certificate chaining to "
     "one are trusted too",
     "require_signed": "refuse unsigned models too (without it they load with a warning)",
+    "max_upload_files": "files one RepositoryModelLoad may send (`file:` parameters), per "
+    "request (0: none may be sent)",
+    "max_upload_bytes": "bytes of files one RepositoryModelLoad may send, all its `file:` "
+    "parameters together, per request; more is refused INTERNAL (as Triton answers)",
     "testing_service": "also serve paddlequic.v1.Testing (transport conformance tests only)",
     "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
     "metrics_port": "TCP port for /metrics (0: any free port, logged)",
@@ -278,6 +284,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(
             f"--stream-stall-timeout must be above 0, at most {MAX_STREAM_STALL_TIMEOUT:g} s"
         )
+    if settings.max_upload_files < 0 or settings.max_upload_bytes < 0:
+        parser.error("--max-upload-files and --max-upload-bytes must be at least 0")
     if settings.stream_buffer_bytes < 1:
         parser.error("--stream-buffer-bytes must be at least 1")
     name = settings.server_name

@@ -26,6 +26,7 @@ from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
 from service.inference.validation import decoded, request_sequence
 from service.lifecycle.lifecycle import Lifecycle
+from service.lifecycle.uploads import FILE_PREFIX
 from service.registry.versions import ModelRegistry, ServedVersion, unknown_model
 from service.serving.requests import RequestRunner
 
@@ -171,9 +172,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
-        """Load or reload; answers once the new versions serve (or why they do not)."""
+        """Load or reload; answers once the new versions serve (or why they do not). Triton's
+        parameters: `config` (a ModelConfig in JSON, in place of config.pbtxt) and
+        `file:PATH` (the model's files, with `config`)."""
         self._check_explicit_control()
-        await self.lifecycle.load_model(request.model_name)
+        params = request.parameters
+        config = params["config"].string_param if "config" in params else None
+        files = {
+            key.removeprefix(FILE_PREFIX): value.bytes_param
+            for key, value in params.items()
+            if key.startswith(FILE_PREFIX)
+        }
+        await self.lifecycle.load_model(request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 
     @errors.reports_errors

@@ -5,12 +5,17 @@ goes into the registry (service/registry/versions.py), which the request path re
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+from google.protobuf import json_format, text_format
+
 from protos.inference import grpc_service_pb2 as pb
+from protos.inference import model_config_pb2 as mc
 from service.inference import errors
 from service.lifecycle.consistency import check_ensembles, check_fallbacks
 from service.lifecycle.fingerprint import Fingerprint, fingerprint
@@ -18,6 +23,13 @@ from service.lifecycle.loading import VersionLoader, WorkerLimits, placement_key
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.retiring import Retiring, wind_down
 from service.lifecycle.signing import SigningPolicy
+from service.lifecycle.uploads import (
+    Refused,
+    UploadLimits,
+    plan_upload,
+    remove_upload,
+    write_upload,
+)
 from service.lifecycle.verified_copies import VerifiedCopies
 from service.model.files import ENSEMBLE
 from service.placement.instance_groups import instance_requests, place_all
@@ -39,6 +51,7 @@ class LifecycleOptions:
     load_model: str  # explicit mode: the models loaded at start, comma-separated (* = all)
     testing_service: bool  # honour test-only model parameters
     workers: WorkerLimits = field(default_factory=WorkerLimits)
+    uploads: UploadLimits = field(default_factory=UploadLimits)  # files sent with a load
 
     def __post_init__(self) -> None:
         mode = self.model_control_mode
@@ -72,7 +85,7 @@ class Lifecycle:
         self.repository = repository
         self.topology = topology
         self.observer = observer
-        self.copies = VerifiedCopies(repository.root, signing)
+        self.copies = VerifiedCopies(signing)
         self.loader = VersionLoader(
             registry,
             runner,
@@ -84,6 +97,11 @@ class Lifecycle:
             options.workers,
         )
         self.retiring = Retiring()
+        self.uploads = options.uploads
+        # Per model: the private directories of uploaded files its versions serve from.
+        self._uploads: dict[str, list[Path]] = {}
+        # Models whose last load had a config or files of their own.
+        self._overridden: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         # The files a version last failed to load from, and that failed version.
         self._tried: dict[tuple[str, int], tuple[Fingerprint, ServedVersion]] = {}
@@ -111,6 +129,9 @@ class Lifecycle:
         for served in versions:
             served.state = VersionState.UNAVAILABLE
         self.copies.remove_all()
+        for uploads in self._uploads.values():
+            _remove_all(uploads)
+        self._uploads.clear()
 
     async def load_all(self, only: Sequence[str] | None = None) -> None:
         """Read every model (or those in `only`), place all their instances in one pass, then
@@ -190,28 +211,76 @@ class Lifecycle:
         await check_ensembles(self.registry, self.fail)
         await check_fallbacks(self.registry, self.fail)
 
-    async def load_model(self, name: str) -> None:
+    async def load_model(
+        self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
         """Load a model, or reload it: versions that are new or whose files changed start in
         new workers and are warmed up, then take over in one step; the versions they replace
         finish what they hold, then stop. A version that fails to load leaves the one it would
-        have replaced serving, and the error says why."""
+        have replaced serving, and the error says why. `config` (JSON) replaces the model's
+        config.pbtxt for this load; `files` (path -> bytes, with `config`) are the model's
+        files, written to a fresh private directory that serves as its directory, as Triton's
+        RepositoryModelLoad parameters do."""
         check_model_name(name)
-        if not (self.repository.root / name).is_dir():
+        failed = f"failed to load '{name}'"
+        override = None if config is None else parse_config_override(config, failed)
+        upload: Path | None = None
+        if files:
+            if override is None:
+                raise errors.invalid(
+                    f"{failed}: file: parameters (the model's files) need the `config` parameter"
+                )
+            plan = plan_upload({path: len(data) for path, data in files.items()}, self.uploads)
+            if isinstance(plan, Refused):
+                poll = f"{failed}, failed to poll from model repository: {plan.reason}"
+                raise errors.internal(poll) if plan.too_large else errors.invalid(poll)
+            try:
+                upload = await asyncio.to_thread(
+                    write_upload, name, plan, files, text_format.MessageToString(override)
+                )
+            except OSError as exc:
+                raise errors.internal(
+                    f"{failed}, failed to poll from model repository: the uploaded files "
+                    f"cannot be written: {exc}"
+                ) from exc
+        elif not (self.repository.root / name).is_dir():
             raise errors.not_found(
-                f"failed to load '{name}', failed to poll from model repository: the "
-                "repository has no such model"
+                f"{failed}, failed to poll from model repository: the repository has no such model"
             )
+        try:
+            await self._load(name, override, upload)
+        except BaseException:
+            if upload is not None and upload not in self._uploads.get(name, ()):
+                remove_upload(upload)
+            raise
+
+    def loaded_with_its_own(self, name: str) -> bool:
+        """Whether the model's last load had a config or files of its own (a rescan leaves
+        it as it is: its repository directory is not what serves)."""
+        return name in self._overridden
+
+    async def _load(self, name: str, override: mc.ModelConfig | None, upload: Path | None) -> None:
+        """load_model's work, under the model's lock: from the repository, or from `upload`."""
+        repository = self.repository if upload is None else ModelRepository(upload)
         async with self._locks.setdefault(name, asyncio.Lock()):
             try:
-                model = self.repository.load(name)
+                model = repository.load(name, override)
             except (RepositoryError, OSError) as exc:
                 self._repository_failed(name, str(exc))
                 raise errors.internal(
                     f"failed to load '{name}', failed to poll from model repository: {exc}"
                 ) from exc
+            # A load with a config or files of its own always starts new versions, and so does
+            # the next load after it (its files were not the repository's).
+            forced = override is not None or name in self._overridden
+            if override is None:
+                self._overridden.discard(name)
+            else:
+                self._overridden.add(name)
             current = self.registry.serving(name)
             result: dict[int, ServedVersion] = {}
             failures: list[ServedVersion] = []
+            fresh: list[ServedVersion] = []  # the versions this load started
             for files in model.versions:
                 old = current.get(files.version)
                 try:
@@ -220,11 +289,11 @@ class Lifecycle:
                     raise errors.internal(
                         f"model '{name}' version {files.version} cannot be read: {exc}"
                     ) from exc
-                unchanged = old is not None and old.fingerprint == prints
+                unchanged = not forced and old is not None and old.fingerprint == prints
                 if unchanged and old is not None and old.state is VersionState.READY:
                     result[files.version] = old
                     continue
-                tried = self._tried.get((name, files.version))
+                tried = None if forced else self._tried.get((name, files.version))
                 if tried is not None and tried[0] == prints and old is not None:
                     # Failed before with these very files: not loaded again, and the load
                     # answers with the same failure (whatever serves goes on serving).
@@ -233,6 +302,7 @@ class Lifecycle:
                     continue
                 candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
                 await self.loader.start(candidate, files)
+                fresh.append(candidate)
                 if candidate.state is VersionState.READY:
                     self._tried.pop((name, files.version), None)
                     result[files.version] = candidate
@@ -257,7 +327,9 @@ class Lifecycle:
             await self._check_consistency()
             for version in retired:
                 self.registry.hold_sequences(version)
-                self.retiring.retire_soon(version, "replaced")
+            self.retiring.retire_soon(
+                retired, "replaced", self._uploads_after(name, current, result, upload)
+            )
             if failures:
                 first = failures[0]
                 message = f"load failed for model '{name}': version {first.version}: {first.reason}"
@@ -266,6 +338,35 @@ class Lifecycle:
                     if first.refused
                     else errors.internal(message)
                 )
+
+    def _uploads_after(
+        self,
+        name: str,
+        current: Mapping[int, ServedVersion],
+        result: Mapping[int, ServedVersion],
+        upload: Path | None,
+    ) -> Callable[[], None] | None:
+        """Which uploaded directories the model keeps once `result` is published: `upload`
+        while a version this load started serves from it (else it goes now: those versions
+        have stopped); the earlier ones until none of the versions they served is kept, then
+        they go once those versions have wound down (what the answer says to do then)."""
+        before = list(current.values())
+        started = any(
+            v.state is VersionState.READY and all(v is not old for old in before)
+            for v in result.values()
+        )
+        if not started:
+            if upload is not None:
+                remove_upload(upload)
+            return None
+        kept = any(result.get(old.version) is old for old in before)
+        earlier = self._uploads.pop(name, [])
+        now = (earlier if kept else []) + ([upload] if upload is not None else [])
+        if now:
+            self._uploads[name] = now
+        if kept or not earlier:
+            return None
+        return functools.partial(_remove_all, earlier)
 
     def _repository_failed(self, name: str, reason: str) -> None:
         """A reload that cannot read the model: what serves keeps serving, with the reason;
@@ -287,3 +388,20 @@ class Lifecycle:
             if versions is None:
                 raise errors.not_found(f"model '{name}' is not loaded")
             await asyncio.gather(*(self.retiring.retire(v, "unloaded") for v in versions.values()))
+            _remove_all(self._uploads.pop(name, []))
+            self._overridden.discard(name)
+
+
+def parse_config_override(text: str, failed: str) -> mc.ModelConfig:
+    """A load's `config` parameter: a ModelConfig in JSON, as Triton takes it."""
+    try:
+        return json_format.Parse(text, mc.ModelConfig())
+    except json_format.ParseError as exc:
+        raise errors.invalid(
+            f"{failed}: the `config` parameter is not a ModelConfig in JSON: {exc}"
+        ) from exc
+
+
+def _remove_all(uploads: Sequence[Path]) -> None:
+    for upload in uploads:
+        remove_upload(upload)

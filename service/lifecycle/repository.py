@@ -49,12 +49,14 @@ class ModelRepository:
             p.name for p in self.root.iterdir() if p.is_dir() and NAME_RE.fullmatch(p.name)
         )
 
-    def load(self, name: str) -> RepositoryModel:
+    def load(self, name: str, override: mc.ModelConfig | None = None) -> RepositoryModel:
+        """The model's config and the versions it serves; `override` (a load's `config`
+        parameter) replaces its config.pbtxt, as Triton's does."""
         check_model_name(name)
         path = self.root / name
         if not path.is_dir():
             raise RepositoryError(f"model {name!r} not found in repository {self.root}")
-        config = read_config(path, name)
+        config = read_config(path, name, override)
         available = _version_dirs(path)
         if config.platform == ENSEMBLE:
             # An ensemble has no files: version 1 (or its version directories, as Triton
@@ -79,18 +81,26 @@ class ModelRepository:
         return RepositoryModel(name, path, config, tuple(files(available[v], v) for v in chosen))
 
 
-def read_config(path: Path, name: str) -> mc.ModelConfig:
-    """config.pbtxt, checked; a directory with a model.py in a version directory and no
-    config.pbtxt is a Python model (Triton's auto-complete: its auto_complete_config, if it
-    has one, completes the config when it loads)."""
+def read_config(path: Path, name: str, override: mc.ModelConfig | None = None) -> mc.ModelConfig:
+    """config.pbtxt (or `override` in its place), checked; a directory with a model.py in a
+    version directory and no config.pbtxt is a Python model (Triton's auto-complete: its
+    auto_complete_config, if it has one, completes the config when it loads)."""
     config = mc.ModelConfig()
-    config_file = path / "config.pbtxt"
-    if config_file.is_file():
+    path_of_config = path / "config.pbtxt"
+    config_file = str(path_of_config)
+    if override is not None:
+        config.CopyFrom(override)
+        config_file = "the load's `config` parameter"
+    elif path_of_config.is_file():
         try:
-            text_format.Parse(config_file.read_text(), config)
+            text_format.Parse(path_of_config.read_text(), config)
         except text_format.ParseError as exc:
             raise RepositoryError(f"{config_file}: {exc}") from exc
-    elif any((d / "model.py").is_file() for d in _version_dirs(path).values()):
+    if (
+        not (config.backend or config.platform)
+        and (override is not None or not path_of_config.is_file())
+        and any((d / "model.py").is_file() for d in _version_dirs(path).values())
+    ):
         config.backend = PYTHON_BACKEND
     if config.name and config.name != name:
         raise RepositoryError(
@@ -114,7 +124,7 @@ def read_config(path: Path, name: str) -> mc.ModelConfig:
         raise RepositoryError(
             f"{config_file}: ensemble_scheduling goes with platform {ENSEMBLE!r}, and only there"
         )
-    check_config(config, str(config_file))
+    check_config(config, config_file)
     return config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from service.lifecycle.verified_copies import drop_copy
 from service.registry.versions import ServedVersion, VersionState
@@ -43,10 +43,20 @@ class Retiring:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def retire_soon(self, served: ServedVersion, why: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.retire(served, why))
+    def retire_soon(
+        self, versions: Sequence[ServedVersion], why: str, then: Callable[[], None] | None = None
+    ) -> None:
+        """Retire `versions` in the background, then call `then` (what their files need)."""
+        task = asyncio.get_running_loop().create_task(self._retire_all(versions, why, then))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _retire_all(
+        self, versions: Sequence[ServedVersion], why: str, then: Callable[[], None] | None
+    ) -> None:
+        await asyncio.gather(*(self.retire(v, why) for v in versions))
+        if then is not None:
+            then()
 
     async def retire(self, served: ServedVersion, why: str) -> None:
         """UNLOADING while it winds down, then UNAVAILABLE for `why`."""

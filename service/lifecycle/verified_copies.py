@@ -20,8 +20,7 @@ from service.registry.versions import ServedVersion
 class VerifiedCopies:
     """The signing policy's checks, and the private copies of the versions it verified."""
 
-    def __init__(self, repository_root: Path, signing: SigningPolicy | None) -> None:
-        self.repository_root = repository_root
+    def __init__(self, signing: SigningPolicy | None) -> None:
         self.signing = signing
         self._copies: Path | None = None  # the private copies of verified versions (0700)
         self._copies_made = threading.Lock()
@@ -48,8 +47,9 @@ class VerifiedCopies:
                 self._copies = Path(tempfile.mkdtemp(prefix="paddlequic-verified-"))  # mode 0700
         copy = Path(tempfile.mkdtemp(prefix=f"{served.name}-{served.version}-", dir=self._copies))
         served.copy = copy
-        model_dir = self.repository_root / served.name
         ensemble = served.config.platform == ENSEMBLE
+        # The model's directory: the repository's, or the one a load's uploaded files went to.
+        model_dir = files.path if ensemble else files.path.parent
         if not self.signing.check(model_dir, served.name, served.version, copy, ensemble=ensemble):
             drop_copy(served)
             return files, served.config
@@ -58,7 +58,10 @@ class VerifiedCopies:
         except RepositoryError as exc:
             raise SignatureError(f"the signed {CONFIG_FILE} cannot be served: {exc}") from exc
         if config != served.config:
-            raise SignatureError(f"{served.name}/{CONFIG_FILE} changed while being loaded")
+            raise SignatureError(
+                f"{served.name}/{CONFIG_FILE} changed while being loaded, or the load's `config` "
+                "parameter differs from the signed one"
+            )
         version_dir = copy / str(served.version)
         relocated = ModelFiles(
             files.version,

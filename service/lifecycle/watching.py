@@ -71,6 +71,10 @@ class RepositoryWatcher:
         for name in targets:
             if name not in names:
                 continue
+            if lifecycle.loaded_with_its_own(name):
+                # Its config or files came with its last RepositoryModelLoad, not from here.
+                log.info("rescan: %s keeps the config and files of its last load", name)
+                continue
             try:
                 await lifecycle.load_model(name)
             except errors.ServiceError as exc:

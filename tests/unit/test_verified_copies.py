@@ -54,7 +54,7 @@ def temporary(root: Path) -> list[Path]:
 
 def test_without_a_signing_policy_the_repository_is_loaded(root: Path) -> None:
     served, files = version(root, "mlp")
-    loaded, config = checked(VerifiedCopies(root, None), served, files)
+    loaded, config = checked(VerifiedCopies(None), served, files)
     assert loaded is files and config is served.config
     assert served.copy is None and temporary(root) == []
 
@@ -64,7 +64,7 @@ def test_a_signed_version_loads_from_a_private_copy_of_what_was_checked(
     key: Path,  # noqa: F811
 ) -> None:
     sign(root / "mlp", key)
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=True))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=True))
     served, files = version(root, "mlp")
     loaded, config = checked(copies, served, files)
     assert served.copy is not None and served.copy.is_dir()
@@ -93,7 +93,7 @@ def test_versions_checked_at_once_share_one_private_directory(
     """An ensemble's copy is its config; its files are the copy's version directory."""
     for name in ("mlp", "pair"):
         sign(root / name, key)
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=True))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=True))
     (mlp, mlp_files), (pair, pair_files) = version(root, "mlp"), version(root, "pair")
 
     async def both() -> list[tuple[ModelFiles, object]]:
@@ -117,7 +117,7 @@ def test_an_unsigned_model_loads_from_the_repository_when_allowed(
     key: Path,  # noqa: F811
 ) -> None:
     """The copy made for the check goes at once: nothing is left behind."""
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=False))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=False))
     served, files = version(root, "mlp")
     loaded, config = checked(copies, served, files)
     assert loaded is files and config is served.config
@@ -130,7 +130,7 @@ def test_an_unsigned_model_is_refused_when_signatures_are_required(
     root: Path,
     key: Path,  # noqa: F811
 ) -> None:
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=True))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=True))
     served, files = version(root, "mlp")
     with pytest.raises(SignatureError, match="not signed"):
         checked(copies, served, files)
@@ -148,7 +148,7 @@ def test_a_config_signed_after_it_was_read_is_refused(
         config_file.read_text().replace("max_batch_size: 64", "max_batch_size: 3")
     )
     sign(root / "mlp", key)
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=True))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=True))
     with pytest.raises(SignatureError, match=r"mlp/config\.pbtxt changed while being loaded"):
         checked(copies, served, files)
 
@@ -161,7 +161,7 @@ def test_a_signed_config_that_cannot_be_served_is_refused(
     config_file = root / "mlp" / "config.pbtxt"
     config_file.write_text(config_file.read_text().replace('name: "mlp"', 'name: "other"'))
     sign(root / "mlp", key)
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=True))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=True))
     with pytest.raises(SignatureError, match=r"signed config\.pbtxt cannot be served.*'other'"):
         checked(copies, served, files)
 
@@ -172,7 +172,7 @@ def test_a_dropped_copy_is_gone_and_dropping_it_again_is_harmless(
 ) -> None:
     """A version retired after the shutdown removed every copy drops its own again."""
     sign(root / "mlp", key)
-    copies = VerifiedCopies(root, SigningPolicy(trusted(key), required=True))
+    copies = VerifiedCopies(SigningPolicy(trusted(key), required=True))
     served, files = version(root, "mlp")
     checked(copies, served, files)
     copy = served.copy
@@ -184,4 +184,4 @@ def test_a_dropped_copy_is_gone_and_dropping_it_again_is_harmless(
     assert served.copy is None
     copies.remove_all()
     copies.remove_all()
-    VerifiedCopies(root, None).remove_all()  # nothing was ever copied
+    VerifiedCopies(None).remove_all()  # nothing was ever copied
