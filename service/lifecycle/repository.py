@@ -6,6 +6,7 @@ is joined to a path.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +16,14 @@ from google.protobuf import text_format
 from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.inference.tensors import TensorSpec
-from service.model import decoupled
+from service.model import decoupled, tuning
 from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import ParameterError, check_parameters
 from service.model.sequences import SequenceConfigError, sequence_settings
 from service.model.shapes import shape_buckets
 from service.registry.names import MAX_VERSION, NAME_RE, check_model_name
+
+log = logging.getLogger("paddlequic.models")
 
 
 class RepositoryError(Exception):
@@ -55,6 +58,13 @@ class ModelRepository:
         if not path.is_dir():
             raise RepositoryError(f"model {name!r} not found in repository {self.root}")
         config = read_config(path, name)
+        if ignored := tuning.tuning_fields(config):
+            log.warning(
+                "model %s: config fields that tune Triton's own engines are accepted and not "
+                "applied here: %s",
+                name,
+                ", ".join(ignored),
+            )
         available = _version_dirs(path)
         if config.platform == ENSEMBLE:
             # An ensemble has no files: version 1 (or its version directories, as Triton
@@ -123,7 +133,7 @@ def check_config(config: mc.ModelConfig, where: str) -> None:
     RepositoryError names `where`."""
     if config.max_batch_size < 0:
         raise RepositoryError(f"{where}: max_batch_size must be >= 0")
-    refused = decoupled.refusal(config)
+    refused = decoupled.refusal(config) or tuning.unserved(config)
     if refused is not None:
         raise RepositoryError(f"{where}: {refused}")
     try:
