@@ -21,7 +21,7 @@ from service.api.callers import client_of
 from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
-from service.inference import errors
+from service.inference import classification, errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
 from service.inference.validation import decoded, request_sequence
@@ -35,10 +35,11 @@ log = logging.getLogger("paddlequic.api")
 # never imports the client package.
 SERVER_VERSION = metadata.version("paddlequic")
 # Triton's extensions this server implements, in Triton's order; system_shared_memory is
-# added unless --shared-memory is off. Not listed: classification, cuda_shared_memory (its
+# added unless --shared-memory is off. Not listed: cuda_shared_memory (its
 # RPCs answer as Triton without a GPU does: nothing registers), trace and logging (no
 # settings RPCs), model_repository(unload_dependents).
 EXTENSIONS = (
+    "classification",
     "sequence",
     "model_repository",
     "schedule_policy",
@@ -383,6 +384,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """Tensors that name shared-memory regions are read from and written to them."""
         served = self.models.resolve(request.model_name, request.model_version)
+        counts = classification.class_counts(request)
         shared = self.shared_memory
         caller = await shared.tensor_caller(request, context)
         raw = shared.read_inputs(request, caller, self.max_message_bytes)
@@ -391,7 +393,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if served.sequences is not None:
                 job = self.sequence_callers.owned(served.name, job, context)
             answered, result = await self.runner.infer(served, job, deadline)
-            outputs = shared.write_outputs(result.outputs, targets, caller)
+            produced = result.outputs
+            if counts:
+                batched = answered.config.max_batch_size > 0
+                produced = classification.classified(produced, counts, batched, answered.labels)
+            outputs = shared.write_outputs(produced, targets, caller)
         with self.runner.encode_span():
             response = stream_responses.infer_response(
                 answered.name, str(answered.version), request.id, outputs

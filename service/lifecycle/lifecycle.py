@@ -151,7 +151,11 @@ class Lifecycle:
         for model in models:
             versions = {
                 f.version: ServedVersion(
-                    model.name, f.version, model.config, fingerprint=prints[model.name][f.version]
+                    model.name,
+                    f.version,
+                    model.config,
+                    fingerprint=prints[model.name][f.version],
+                    labels=model.labels,
                 )
                 for f in model.versions
             }
@@ -231,7 +235,9 @@ class Lifecycle:
                     result[files.version] = old
                     failures.append(tried[1])
                     continue
-                candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
+                candidate = ServedVersion(
+                    name, files.version, model.config, fingerprint=prints, labels=model.labels
+                )
                 await self.loader.start(candidate, files)
                 if candidate.state is VersionState.READY:
                     self._tried.pop((name, files.version), None)

@@ -7,14 +7,15 @@ is joined to a path.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
 
 from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, config_type_name
 from protos.inference import model_config_pb2 as mc
+from service.inference.classification import LabelFileError, read_labels
 from service.inference.tensors import TensorSpec
 from service.model import decoupled, tuning
 from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
@@ -36,6 +37,7 @@ class RepositoryModel:
     path: Path
     config: mc.ModelConfig
     versions: tuple[ModelFiles, ...]  # the versions the version policy serves, oldest first
+    labels: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)  # by output name
 
 
 class ModelRepository:
@@ -65,6 +67,10 @@ class ModelRepository:
                 name,
                 ", ".join(ignored),
             )
+        try:
+            labels = read_labels(path, config)
+        except LabelFileError as exc:
+            raise RepositoryError(f"model {name!r}: {exc}") from None
         available = _version_dirs(path)
         if config.platform == ENSEMBLE:
             # An ensemble has no files: version 1 (or its version directories, as Triton
@@ -72,7 +78,11 @@ class ModelRepository:
             versions = sorted(available) or [1]
             chosen = select_versions(config.version_policy, versions)
             return RepositoryModel(
-                name, path, config, tuple(ModelFiles(v, path, path, path) for v in chosen)
+                name,
+                path,
+                config,
+                tuple(ModelFiles(v, path, path, path) for v in chosen),
+                labels,
             )
         if not available:
             raise RepositoryError(
@@ -86,7 +96,9 @@ class ModelRepository:
                 f"model {name!r}: version_policy selects none of the versions "
                 f"{sorted(available)} under {path}"
             )
-        return RepositoryModel(name, path, config, tuple(files(available[v], v) for v in chosen))
+        return RepositoryModel(
+            name, path, config, tuple(files(available[v], v) for v in chosen), labels
+        )
 
 
 def read_config(path: Path, name: str) -> mc.ModelConfig:

@@ -105,6 +105,7 @@ def _model(root: Path, config: str, name: str = "densenet") -> Path:
     (root / name / "config.pbtxt").write_text(config)
     (root / name / "1" / "inference.json").write_text("{}")
     (root / name / "1" / "inference.pdiparams").write_bytes(b"")
+    (root / name / "densenet_labels.txt").write_text("tench\ngoldfish\n")
     return root / name
 
 
