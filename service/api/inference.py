@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -367,12 +368,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         outbox has room for it: a response repeats the request's id, and one built per token
         while the caller does not read would hold that id once per token."""
         empty_final = stream_responses.empty_final_wanted(request)
+        counts = classification.class_counts(request)
         job = await _decode(served, request)
         stream = self.runner.stream(
             served, job, request.id, stream_responses.parameters(request), deadline, client
         )
         async with contextlib.aclosing(stream) as answers:
             async for answer in answers:
+                if counts and answer.outputs:
+                    ranked = classification.classified(
+                        answer.outputs, counts, served.config.max_batch_size > 0, served.labels
+                    )
+                    answer = dataclasses.replace(answer, outputs=ranked)
                 await outbox.room()
                 response = stream_responses.decoupled(
                     served.name, str(served.version), request, answer, empty_final
