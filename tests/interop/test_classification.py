@@ -39,6 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     (model / "labels.txt").write_text("".join(f"{label}\n" for label in LABELS))
     (model / "config.pbtxt").write_text(
         CONFIG.replace("dims: [ 10 ]", 'dims: [ 10 ], label_filename: "labels.txt"')
+        + "response_cache { enable: true }\n"
     )
     with running_server(root / "models", root / "log", ["--certs-dir", str(certs_dir)]) as s:
         yield s
@@ -54,6 +55,18 @@ def test_tritonclient_class_count_answers_top_k_with_labels(server: ServerProces
     assert summary["datatype"] == "BYTES"
     assert summary["top"] == [_top(row, 3) for row in summary["probabilities"]]
     assert "classification" in summary["extensions"]
+
+
+def test_model_config_answers_the_fields_as_written_and_the_load_names_the_tuning_ones(
+    server: ServerProcess,
+) -> None:
+    config = server.stub.ModelConfig(pb.ModelConfigRequest(name="mlp_labels"), timeout=30).config
+    assert config.output[0].label_filename == "labels.txt"
+    assert config.response_cache.enable
+    assert (
+        "model mlp_labels: config fields that tune Triton's own engines are accepted and not "
+        "applied here: response_cache"
+    ) in server.log_text()
 
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
