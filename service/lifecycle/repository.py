@@ -17,7 +17,7 @@ from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.inference.classification import LabelFileError, read_labels
 from service.inference.tensors import TensorSpec
-from service.model import decoupled, tuning
+from service.model import decoupled, reshape, tuning
 from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import ParameterError, check_parameters
 from service.model.sequences import SequenceConfigError, sequence_settings
@@ -145,7 +145,7 @@ def check_config(config: mc.ModelConfig, where: str) -> None:
     RepositoryError names `where`."""
     if config.max_batch_size < 0:
         raise RepositoryError(f"{where}: max_batch_size must be >= 0")
-    refused = decoupled.refusal(config) or tuning.unserved(config)
+    refused = decoupled.refusal(config) or tuning.unserved(config) or reshape.refusal(config)
     if refused is not None:
         raise RepositoryError(f"{where}: {refused}")
     try:
@@ -272,9 +272,10 @@ def complete_config(
                     f"{config_type_name(entry.data_type)} in config.pbtxt but "
                     f"{config_type_name(want)} in the model"
                 )
-            if kind == "input" and len(entry.dims) + batched != len(spec.shape):
+            dims = list(reshape.model_dims(entry))
+            if kind == "input" and len(dims) + batched != len(spec.shape):
                 raise RepositoryError(
-                    f"model {config.name!r}: input {entry.name!r} has dims {list(entry.dims)} in "
+                    f"model {config.name!r}: input {entry.name!r} has dims {dims} in "
                     f"config.pbtxt but shape {list(spec.shape)} in the model"
                     + (" (the batch dimension is implied by max_batch_size)" if batched else "")
                 )
@@ -334,9 +335,10 @@ def _check_renamed_outputs(config: mc.ModelConfig, outputs: Sequence[TensorSpec]
                 f"{model}: {mapped} is {config_type_name(entry.data_type)} in config.pbtxt but "
                 f"{config_type_name(want)} in the model"
             )
-        if spec.shape and len(entry.dims) + batched != len(spec.shape):
+        dims = list(reshape.model_dims(entry))
+        if spec.shape and len(dims) + batched != len(spec.shape):
             raise RepositoryError(
-                f"{model}: {mapped} has dims {list(entry.dims)} in config.pbtxt but shape "
+                f"{model}: {mapped} has dims {dims} in config.pbtxt but shape "
                 f"{list(spec.shape)} in the model"
                 + (" (the batch dimension is implied by max_batch_size)" if batched else "")
             )

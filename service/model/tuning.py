@@ -54,13 +54,6 @@ def unserved(config: mc.ModelConfig) -> str | None:
     for field, why in _UNSERVED.items():
         if getattr(config, field):
             return f"{why}; remove {field}"
-    tensors: list[mc.ModelInput | mc.ModelOutput] = [*config.input, *config.output]
-    for tensor in tensors:
-        if tensor.HasField("reshape"):
-            return (
-                f"{tensor.name!r}: reshape (a shape for the model other than dims) is not "
-                "implemented; export the model with the shape clients send"
-            )
     return None
 
 

@@ -1,6 +1,7 @@
 """The classification extension end to end: a copy of the example mlp with a label file
 (`label_filename`), asked for its top 3 by tritonclient's real gRPC client and by ours over
-HTTP/2 and HTTP/3, answers Triton's BYTES `score:index:label`, best first."""
+HTTP/2 and HTTP/3, answers Triton's BYTES `score:index:label`, best first; and a copy with
+`reshape` on its input and output (clients see `dims`, the model its own shape)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ def server(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     (model / "config.pbtxt").write_text(
         CONFIG.replace("dims: [ 10 ]", 'dims: [ 10 ], label_filename: "labels.txt"')
         + "response_cache { enable: true }\n"
+    )
+    reshaped = root / "models" / "mlp_reshaped"
+    reshaped.mkdir()
+    (reshaped / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
+    (reshaped / "config.pbtxt").write_text(
+        CONFIG.replace('"mlp_labels"', '"mlp_reshaped"')
+        .replace("dims: [ 256 ]", "dims: [ 16, 16 ], reshape { shape: [ 256 ] }")
+        .replace("dims: [ 10 ]", "dims: [ 2, 5 ], reshape { shape: [ 10 ] }")
     )
     with running_server(root / "models", root / "log", ["--certs-dir", str(certs_dir)]) as s:
         yield s
@@ -102,3 +111,28 @@ def test_unranked_class_count_refused_as_triton(server: ServerProcess) -> None:
     assert "invalid value for 'classification' parameter, expected >= 0" in str(
         refused.value.details()
     )
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_reshape_clients_send_and_get_dims_the_model_sees_its_shape(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    batch = np.random.default_rng(5).standard_normal((3, 256)).astype(np.float32)
+
+    async def call() -> tuple[pb.ModelInferResponse, pb.ModelInferResponse]:
+        async with AsyncInferenceClient(**client_args(server, certs_dir, transport)) as client:
+            plain = build_request("mlp_labels", {"input": batch})
+            shaped = build_request("mlp_reshaped", {"input": batch.reshape(3, 16, 16)})
+            return (
+                await client.stub.ModelInfer(plain, timeout=60),
+                await client.stub.ModelInfer(shaped, timeout=60),
+            )
+
+    plain, shaped = asyncio.run(call())
+    assert list(shaped.outputs[0].shape) == [3, 2, 5]
+    assert shaped.raw_output_contents[0] == plain.raw_output_contents[0]
+    metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp_reshaped"))
+    assert [list(t.shape) for t in (*metadata.inputs, *metadata.outputs)] == [
+        [-1, 16, 16],
+        [-1, 2, 5],
+    ]

@@ -149,11 +149,31 @@ def test_unimplemented_tensor_fields_refused(tmp_path: Path, extra: str, named: 
         read_config(_model(tmp_path, TRITON_CONFIG + extra), "densenet")
 
 
-def test_reshape_refused_until_served(tmp_path: Path) -> None:
+def test_reshape_of_equal_elements_accepted(tmp_path: Path) -> None:
     config = TRITON_CONFIG.replace(
         "dims: [ 1000 ]", "dims: [ 1000 ] reshape { shape: [ 1, 1000 ] }"
     )
-    with pytest.raises(RepositoryError, match="'fc6_1': reshape"):
+    assert list(read_config(_model(tmp_path, config), "densenet").output[0].reshape.shape) == [
+        1,
+        1000,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("reshape", "extra", "why"),
+    [
+        ("[ 999 ]", "", "holds 999 elements but dims \\[1000\\] hold 1000"),
+        ("[ -1 ]", "", "needs fixed dims and shape"),
+        ("[ 1000 ]", 'backend: "python"', "Paddle models only"),
+    ],
+)
+def test_reshape_that_cannot_be_served_refused(
+    tmp_path: Path, reshape: str, extra: str, why: str
+) -> None:
+    config = TRITON_CONFIG.replace(
+        "dims: [ 1000 ]", f"dims: [ 1000 ] reshape {{ shape: {reshape} }}"
+    ).replace('platform: "paddle_inference"', extra)
+    with pytest.raises(RepositoryError, match=f"'fc6_1': reshape.*{why}|'fc6_1': {why}"):
         read_config(_model(tmp_path, config), "densenet")
 
 
