@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -21,7 +22,7 @@ from service.api.callers import client_of
 from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
-from service.inference import errors
+from service.inference import classification, errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import InferJob
 from service.inference.validation import decoded, request_sequence
@@ -36,10 +37,11 @@ log = logging.getLogger("paddlequic.api")
 # never imports the client package.
 SERVER_VERSION = metadata.version("paddlequic")
 # Triton's extensions this server implements, in Triton's order; system_shared_memory is
-# added unless --shared-memory is off. Not listed: classification, cuda_shared_memory (its
+# added unless --shared-memory is off. Not listed: cuda_shared_memory (its
 # RPCs answer as Triton without a GPU does: nothing registers), trace and logging (no
 # settings RPCs), model_repository(unload_dependents).
 EXTENSIONS = (
+    "classification",
     "sequence",
     "model_repository",
     "schedule_policy",
@@ -376,12 +378,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         outbox has room for it: a response repeats the request's id, and one built per token
         while the caller does not read would hold that id once per token."""
         empty_final = stream_responses.empty_final_wanted(request)
+        counts = classification.class_counts(request)
         job = await _decode(served, request)
         stream = self.runner.stream(
             served, job, request.id, stream_responses.parameters(request), deadline, client
         )
         async with contextlib.aclosing(stream) as answers:
             async for answer in answers:
+                if counts and answer.outputs:
+                    ranked = classification.classified(
+                        answer.outputs, counts, served.config.max_batch_size > 0, served.labels
+                    )
+                    answer = dataclasses.replace(answer, outputs=ranked)
                 await outbox.room()
                 response = stream_responses.decoupled(
                     served.name, str(served.version), request, answer, empty_final
@@ -393,6 +401,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """Tensors that name shared-memory regions are read from and written to them."""
         served = self.models.resolve(request.model_name, request.model_version)
+        counts = classification.class_counts(request)
         shared = self.shared_memory
         caller = await shared.tensor_caller(request, context)
         raw = shared.read_inputs(request, caller, self.max_message_bytes)
@@ -401,7 +410,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if served.sequences is not None:
                 job = self.sequence_callers.owned(served.name, job, context)
             answered, result = await self.runner.infer(served, job, deadline)
-            outputs = shared.write_outputs(result.outputs, targets, caller)
+            produced = result.outputs
+            if counts:
+                batched = answered.config.max_batch_size > 0
+                produced = classification.classified(produced, counts, batched, answered.labels)
+            outputs = shared.write_outputs(produced, targets, caller)
         with self.runner.encode_span():
             response = stream_responses.infer_response(
                 answered.name, str(answered.version), request.id, outputs

@@ -11,11 +11,13 @@ from typing import Any
 import numpy as np
 
 from oip.datatypes import PADDLE_NAMES
+from protos.inference import model_config_pb2 as mc
 from service.backend.engine import Call, config_calls
 from service.backend.load import Load
 from service.inference.jobs import Timings
 from service.inference.tensors import TensorSpec
 from service.model.parameters import engine_options
+from service.model.reshape import reshaped
 
 os.environ.setdefault("GLOG_minloglevel", "2")
 os.environ.setdefault("GLOG_v", "0")
@@ -55,6 +57,7 @@ class PaddleModel:
             self.outputs = tuple(
                 TensorSpec(n, o.datatype, o.shape) for n, o in zip(names, self.outputs, strict=True)
             )
+        self._in_shapes, self._out_shapes = _reshapes(mc.ModelConfig.FromString(load.config), names)
 
     def run(
         self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: tuple[str, ...]
@@ -63,6 +66,8 @@ class PaddleModel:
         and copy the requested outputs out."""
         t0 = time.perf_counter_ns()
         for name, array in inputs.items():
+            if name in self._in_shapes:
+                array = reshaped(array, *self._in_shapes[name])
             handle = self.predictor.get_input_handle(name)
             handle.reshape(list(array.shape))
             handle.copy_from_cpu(array)
@@ -70,6 +75,9 @@ class PaddleModel:
         self.predictor.run()
         t2 = time.perf_counter_ns()
         result = {name: self.predictor.get_output_handle(name).copy_to_cpu() for name in outputs}
+        for name, (have, want) in self._out_shapes.items():
+            if name in result:
+                result[name] = reshaped(result[name], have, want)
         t3 = time.perf_counter_ns()
         return result, Timings(t1 - t0, t2 - t1, t3 - t2)
 
@@ -124,3 +132,23 @@ def _spec(name: str, shape: Any, dtype: Any) -> TensorSpec:
     if paddle_name not in PADDLE_NAMES:
         raise RuntimeError(f"tensor {name!r} has dtype {dtype}, which paddlequic cannot serve")
     return TensorSpec(name, PADDLE_NAMES[paddle_name], tuple(int(d) for d in shape))
+
+
+Shapes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _reshapes(config: mc.ModelConfig, fetch_names: list[str]) -> tuple[Shapes, Shapes]:
+    """Input name -> (dims as sent, shape the model sees); fetch name -> (shape the model
+    produces, dims as answered). Renamed outputs map to the program's in order."""
+    inputs = {
+        e.name: (tuple(e.dims), tuple(e.reshape.shape))
+        for e in config.input
+        if e.HasField("reshape")
+    }
+    renamed = any(e.name not in fetch_names for e in config.output)
+    outputs = {
+        (fetch_names[i] if renamed else e.name): (tuple(e.reshape.shape), tuple(e.dims))
+        for i, e in enumerate(config.output)
+        if e.HasField("reshape") and i < len(fetch_names)
+    }
+    return inputs, outputs

@@ -172,7 +172,11 @@ class Lifecycle:
         for model in models:
             versions = {
                 f.version: ServedVersion(
-                    model.name, f.version, model.config, fingerprint=prints[model.name][f.version]
+                    model.name,
+                    f.version,
+                    model.config,
+                    fingerprint=prints[model.name][f.version],
+                    labels=model.labels,
                 )
                 for f in model.versions
             }
@@ -300,7 +304,9 @@ class Lifecycle:
                     result[files.version] = old
                     failures.append(tried[1])
                     continue
-                candidate = ServedVersion(name, files.version, model.config, fingerprint=prints)
+                candidate = ServedVersion(
+                    name, files.version, model.config, fingerprint=prints, labels=model.labels
+                )
                 await self.loader.start(candidate, files)
                 fresh.append(candidate)
                 if candidate.state is VersionState.READY:

@@ -6,21 +6,25 @@ is joined to a path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
 
 from oip.datatypes import BY_CONFIG_TYPE, BY_NAME, config_type_name
 from protos.inference import model_config_pb2 as mc
+from service.inference.classification import LabelFileError, read_labels
 from service.inference.tensors import TensorSpec
-from service.model import decoupled
+from service.model import decoupled, reshape, tuning
 from service.model.files import ENSEMBLE, PLATFORM, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import ParameterError, check_parameters
 from service.model.sequences import SequenceConfigError, sequence_settings
 from service.model.shapes import shape_buckets
 from service.registry.names import MAX_VERSION, NAME_RE, check_model_name
+
+log = logging.getLogger("paddlequic.models")
 
 
 class RepositoryError(Exception):
@@ -33,6 +37,7 @@ class RepositoryModel:
     path: Path
     config: mc.ModelConfig
     versions: tuple[ModelFiles, ...]  # the versions the version policy serves, oldest first
+    labels: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)  # by output name
 
 
 class ModelRepository:
@@ -57,6 +62,17 @@ class ModelRepository:
         if not path.is_dir():
             raise RepositoryError(f"model {name!r} not found in repository {self.root}")
         config = read_config(path, name, override)
+        if ignored := tuning.tuning_fields(config):
+            log.warning(
+                "model %s: config fields that tune Triton's own engines are accepted and not "
+                "applied here: %s",
+                name,
+                ", ".join(ignored),
+            )
+        try:
+            labels = read_labels(path, config)
+        except LabelFileError as exc:
+            raise RepositoryError(f"model {name!r}: {exc}") from None
         available = _version_dirs(path)
         if config.platform == ENSEMBLE:
             # An ensemble has no files: version 1 (or its version directories, as Triton
@@ -64,7 +80,11 @@ class ModelRepository:
             versions = sorted(available) or [1]
             chosen = select_versions(config.version_policy, versions)
             return RepositoryModel(
-                name, path, config, tuple(ModelFiles(v, path, path, path) for v in chosen)
+                name,
+                path,
+                config,
+                tuple(ModelFiles(v, path, path, path) for v in chosen),
+                labels,
             )
         if not available:
             raise RepositoryError(
@@ -78,7 +98,9 @@ class ModelRepository:
                 f"model {name!r}: version_policy selects none of the versions "
                 f"{sorted(available)} under {path}"
             )
-        return RepositoryModel(name, path, config, tuple(files(available[v], v) for v in chosen))
+        return RepositoryModel(
+            name, path, config, tuple(files(available[v], v) for v in chosen), labels
+        )
 
 
 def read_config(path: Path, name: str, override: mc.ModelConfig | None = None) -> mc.ModelConfig:
@@ -133,7 +155,7 @@ def check_config(config: mc.ModelConfig, where: str) -> None:
     RepositoryError names `where`."""
     if config.max_batch_size < 0:
         raise RepositoryError(f"{where}: max_batch_size must be >= 0")
-    refused = decoupled.refusal(config)
+    refused = decoupled.refusal(config) or tuning.unserved(config) or reshape.refusal(config)
     if refused is not None:
         raise RepositoryError(f"{where}: {refused}")
     try:
@@ -260,9 +282,10 @@ def complete_config(
                     f"{config_type_name(entry.data_type)} in config.pbtxt but "
                     f"{config_type_name(want)} in the model"
                 )
-            if kind == "input" and len(entry.dims) + batched != len(spec.shape):
+            dims = list(reshape.model_dims(entry))
+            if kind == "input" and len(dims) + batched != len(spec.shape):
                 raise RepositoryError(
-                    f"model {config.name!r}: input {entry.name!r} has dims {list(entry.dims)} in "
+                    f"model {config.name!r}: input {entry.name!r} has dims {dims} in "
                     f"config.pbtxt but shape {list(spec.shape)} in the model"
                     + (" (the batch dimension is implied by max_batch_size)" if batched else "")
                 )
@@ -322,9 +345,10 @@ def _check_renamed_outputs(config: mc.ModelConfig, outputs: Sequence[TensorSpec]
                 f"{model}: {mapped} is {config_type_name(entry.data_type)} in config.pbtxt but "
                 f"{config_type_name(want)} in the model"
             )
-        if spec.shape and len(entry.dims) + batched != len(spec.shape):
+        dims = list(reshape.model_dims(entry))
+        if spec.shape and len(dims) + batched != len(spec.shape):
             raise RepositoryError(
-                f"{model}: {mapped} has dims {list(entry.dims)} in config.pbtxt but shape "
+                f"{model}: {mapped} has dims {dims} in config.pbtxt but shape "
                 f"{list(spec.shape)} in the model"
                 + (" (the batch dimension is implied by max_batch_size)" if batched else "")
             )

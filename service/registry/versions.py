@@ -5,7 +5,7 @@ it."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +57,8 @@ class ServedVersion:
     # A sequence model's batcher (it has no dynamic batcher).
     sequences: SequenceBatcher | None = None
     steps_ready: Callable[[], bool] | None = None  # an ensemble: whether all its steps are
+    # Each output's labels (its label_filename's lines), for the classification extension.
+    labels: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The config was checked when it was read, so its parameters parse.

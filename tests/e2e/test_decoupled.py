@@ -670,3 +670,26 @@ def test_a_paddle_model_and_an_ensemble_step_cannot_be_decoupled(tmp_path: Path)
     assert state == "UNAVAILABLE" and "step 1 (model 'repeat') is decoupled" in reason
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     assert "step 1 (model 'repeat') is decoupled" in (refused.value.details() or "")
+
+
+async def test_class_count_ranks_each_response_of_a_decoupled_model(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    """Triton's classification extension on a stream: each response's tensor as its top k
+    (equal scores in index order), the other outputs as they are."""
+    request = repeat(3, "ranked", size=4)
+    request.outputs.add(name="index")
+    request.outputs.add(name="data").parameters["classification"].int64_param = 2
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(request)
+        await call.done_writing()
+        responses = await read_all(call)
+    assert [r.error_message for r in responses] == [""] * 3
+    for i, response in enumerate(responses):
+        data = next(t for t in response.infer_response.outputs if t.name == "data")
+        assert (data.datatype, list(data.shape)) == ("BYTES", [2])
+        assert parse_response(response.infer_response)["data"].tolist() == [
+            f"{i}:0".encode(),
+            f"{i}:1".encode(),
+        ]

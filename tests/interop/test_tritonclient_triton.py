@@ -53,6 +53,7 @@ def test_server_metadata_name_is_configurable_and_extensions_true(
     metadata = summary["server_metadata"]
     assert metadata["name"] == "triton"  # simple_grpc_health_metadata.py compares it
     assert set(metadata["extensions"]) == {
+        "classification",
         "sequence",
         "model_repository",
         "schedule_policy",

@@ -28,6 +28,7 @@ SCALARS: dict[int, st.SearchStrategy[Any]] = {
     FieldDescriptor.TYPE_BOOL: st.booleans(),
     FieldDescriptor.TYPE_STRING: st.text(max_size=4),
     FieldDescriptor.TYPE_FLOAT: st.sampled_from([0.0, 0.5, -2.0]),
+    FieldDescriptor.TYPE_DOUBLE: st.sampled_from([0.0, 0.25, 1e6]),
 }
 
 
@@ -122,7 +123,16 @@ def test_dims_as_triton_example_models_compare_them() -> None:
     )
     printed = json.loads(config_json(config))
     assert printed["input"] == [
-        {"name": "IN", "data_type": "TYPE_INT32", "dims": [1], "optional": False}
+        {
+            "name": "IN",
+            "data_type": "TYPE_INT32",
+            "format": "FORMAT_NONE",
+            "dims": [1],
+            "is_shape_tensor": False,
+            "allow_ragged_batch": False,
+            "optional": False,
+            "is_non_linear_format_io": False,
+        }
     ]
     assert printed["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     assert printed["version_policy"] == {"specific": {"versions": [3]}}
