@@ -72,7 +72,16 @@ def test_initialize_is_given_the_args_triton_gives(server: ServerProcess) -> Non
     assert Path(args["model_repository"]).name == "args"
     config = json.loads(args["model_config"])
     assert config["input"] == [
-        {"name": "what", "data_type": "TYPE_STRING", "dims": [1], "optional": False}
+        {
+            "name": "what",
+            "data_type": "TYPE_STRING",
+            "format": "FORMAT_NONE",
+            "dims": [1],
+            "is_shape_tensor": False,
+            "allow_ragged_batch": False,
+            "optional": False,
+            "is_non_linear_format_io": False,
+        }
     ]
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     assert config["max_batch_size"] == 0 and config["backend"] == "python"
