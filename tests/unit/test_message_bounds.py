@@ -130,3 +130,8 @@ def test_a_decoupled_response_over_the_limit_becomes_its_error(
         f"the model's response holds {nbytes} bytes of outputs, more than the {max_message} a "
         "caller may receive (--max-message-bytes)"
     )
+
+
+def test_a_descriptor_may_take_64_kib() -> None:
+    """docs/security.md's bound for a message without tensor bytes."""
+    assert 64 * KiB == DESCRIPTOR_MAX
