@@ -4,6 +4,9 @@ predictor built with them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,3 +153,31 @@ def test_a_worker_predictor_runs_in_bf16_or_says_why_not() -> None:
     (probabilities,) = outputs.values()
     assert probabilities.dtype == np.float32 and probabilities.shape == (2, 10)
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=0.02)
+
+
+def test_a_worker_predictor_gathers_its_frees_unless_the_operator_says_otherwise() -> None:
+    """Freed intermediates are gathered (paddle_model.GARBAGE_BATCH_GB): freeing each one
+    through Paddle's thread pool doubled a small model's CPU per run."""
+    import paddle
+
+    from service.backend.paddle_model import GARBAGE_BATCH_GB, GARBAGE_FLAG, PaddleModel
+
+    model = EXAMPLE_MODELS / "mlp" / "1"
+    files = (str(model / "inference.json"), str(model / "inference.pdiparams"))
+    script = (
+        "import paddle\n"
+        "from service.backend.load import Load\n"
+        "from service.backend.paddle_model import PaddleModel\n"
+        "from tests.unit.test_engine_options import BUCKETS\n"
+        f"PaddleModel(Load('mlp', 1, {files[0]!r}, {files[1]!r}, {{}}, 'cpu', BUCKETS))\n"
+        f"print(paddle.get_flags({GARBAGE_FLAG!r})[{GARBAGE_FLAG!r}])\n"
+    )
+    env = {**os.environ, GARBAGE_FLAG: "0.5"}
+    chosen = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert float(chosen.stdout.split()[-1]) == 0.5
+    if GARBAGE_FLAG in os.environ:
+        pytest.skip(f"{GARBAGE_FLAG} is set in this test's environment")
+    PaddleModel(Load("mlp", 1, *files, {}, "cpu", BUCKETS))
+    assert paddle.get_flags(GARBAGE_FLAG)[GARBAGE_FLAG] == pytest.approx(GARBAGE_BATCH_GB)
