@@ -111,7 +111,7 @@ _HELP = {
     "early_data_methods": "RPCs served from early data: /pkg.Service/Method or /pkg.Service/*, "
     "comma-separated; `default` = health, readiness, metadata, config, statistics, inference",
     "h3_port": "UDP port for HTTP/3 (0: the same number as the HTTP/2 port)",
-    "alt_svc_max_age": 'HTTP/2 responses carry `alt-svc: h3=":H3_PORT"; ma=SECONDS`, so '
+    "alt_svc_max_age": 'HTTP/2 connections are told `alt-svc: h3=":H3_PORT"; ma=SECONDS`, so '
     "clients (auto://) move to HTTP/3 and remember for that long when it fails (0: no alt-svc)",
     "tls_cert": "PEM certificate chain for HTTP/3 (empty: development certificates)",
     "tls_key": "PEM private key for --tls-cert",

@@ -16,7 +16,7 @@ from service.api.registration import Register
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
-from transport.grpc.response_headers import ResponseHeadersServer
+from transport.grpc.response_headers import PerConnection, ResponseHeadersServer
 from transport.h3.aioquic.client_auth import ClientAuth
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.early_data import parse_allowlist
@@ -27,6 +27,10 @@ from transport.tls.certs import describe_trust, ensure_dev_certificates
 from transport.tls.session_tickets import TicketStore
 
 log = logging.getLogger("paddlequic.server")
+
+# How often a connection's responses advertise HTTP/3 again (at most; half the advertised
+# lifetime when that is shorter), so a client's memory of it never lapses while it calls.
+ADVERTISE_REFRESH_S = 60.0
 
 
 class Listeners(Protocol):
@@ -115,7 +119,10 @@ async def start_grpc(
         port = server.add_insecure_port(address)
     # Registered once the port is known: alt-svc names the HTTP/3 port, by default the same.
     headers = alt_svc_headers(settings, port)
-    register(ResponseHeadersServer(server, headers) if headers else server)
+    refresh_s = min(ADVERTISE_REFRESH_S, settings.alt_svc_max_age / 2)
+    register(
+        ResponseHeadersServer(server, headers, PerConnection(refresh_s)) if headers else server
+    )
     await server.start()
     log.info(
         "listening: gRPC over HTTP/2%s on %s:%d (model repository %s)",

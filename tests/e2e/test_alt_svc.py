@@ -1,4 +1,4 @@
-"""Alt-Svc against the real server: every HTTP/2 response advertises HTTP/3 on its port, and
+"""Alt-Svc against the real server: each HTTP/2 connection is told of HTTP/3 on its port, and
 auto:// clients move there, race a new connection, and fall back to HTTP/2 when HTTP/3 does
 not answer (here a UDP socket that reads nothing; tests/lab blocks UDP on a real link)."""
 
@@ -51,21 +51,36 @@ def server(
         yield s
 
 
+# grpc core shares a connection among the channels of a process unless told not to.
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+
+
 def alt_svc(metadata: object) -> list[str]:
     return [str(v) for k, v in metadata or () if k == HEADER]  # type: ignore[attr-defined]
 
 
-async def test_every_http2_response_carries_alt_svc(server: ServerProcess, h3_port: int) -> None:
+async def test_each_http2_connection_is_told_of_http3_on_its_first_response(
+    server: ServerProcess, h3_port: int
+) -> None:
+    """Unary, failed and streamed calls each carry it as a connection's first response; later
+    responses on that connection do not (until the refresh: PerConnection)."""
     expected = [h3_header(h3_port, MAX_AGE_S)]
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    async with grpc.aio.insecure_channel(server.address, OWN_CONNECTION) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         call = stub.ModelInfer(build_request("mlp", INPUTS), timeout=30)
         await call
         assert alt_svc(await call.initial_metadata()) == expected
+        again = stub.ModelInfer(build_request("mlp", INPUTS), timeout=30)
+        await again
+        assert alt_svc(await again.initial_metadata()) == []
+    async with grpc.aio.insecure_channel(server.address, OWN_CONNECTION) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
         failed = stub.ModelInfer(build_request("no-such-model", INPUTS), timeout=30)
         with pytest.raises(grpc.aio.AioRpcError):
             await failed
         assert alt_svc(await failed.initial_metadata()) == expected
+    async with grpc.aio.insecure_channel(server.address, OWN_CONNECTION) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
         stream = stub.ModelStreamInfer(iter([build_request("mlp", INPUTS)]), timeout=30)
         assert [r.error_message async for r in stream] == [""]
         assert alt_svc(await stream.initial_metadata()) == expected
@@ -198,5 +213,7 @@ def test_front_end_processes_advertise_too(tmp_path: Path, certs_dir: Path) -> N
     with running_server(
         model_repository(tmp_path / "models", ["mlp"]), tmp_path / "log", args
     ) as s:
-        call = s.stub.ServerReady.with_call(pb.ServerReadyRequest(), timeout=10)[1]
+        with grpc.insecure_channel(s.address, OWN_CONNECTION) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            call = stub.ServerReady.with_call(pb.ServerReadyRequest(), timeout=10)[1]
         assert alt_svc(call.initial_metadata()) == [h3_header(h3_port, 60)]
