@@ -1,6 +1,6 @@
-"""The asyncio side of dynamic batching: one queue per model version, batches handed to the
-instances only while they have room (so requests accumulate into batches under load even with
-no queue delay), and every request answered exactly once.
+"""The asyncio side of dynamic batching: one queue per model version, batches handed to an
+idle instance, or to one that runs a batch only when they are full (so requests accumulate into
+batches under load even with no queue delay), and every request answered exactly once.
 
 Inference has no side effects, so a batch whose worker died is not a failure: its requests go
 back to the queue. One that was being computed in two batches whose workers both died is a
@@ -42,12 +42,17 @@ class DynamicBatcher:
         run_batch: RunBatch,
         capacity: Callable[[], int],
         name: str = "the model",
+        instances: Callable[[], int] | None = None,
     ) -> None:
+        """`capacity`: the batches the version's instances hold at once; `instances`: how
+        many of them run one (by default `capacity`: one batch each). While every instance
+        runs one, only full batches go to wait in them (BatchQueue.next_batch)."""
         self.policy = policy
         self.name = name
         self.poison = PoisonList()
         self._run_batch = run_batch
         self._capacity = capacity
+        self._instances = instances or capacity
         self._queue = BatchQueue(policy)
         self._in_flight = 0
         self.in_flight_requests = 0
@@ -81,9 +86,7 @@ class DynamicBatcher:
         except QueueFull as exc:
             raise errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         self._loop.ensure_running()
-        if self._in_flight < max(self._capacity(), 1) or _sooner(
-            pending.expires, self._loop.sleep_until
-        ):
+        if self._can_send() or _sooner(pending.expires, self._loop.sleep_until):
             # Otherwise nothing can be sent before a batch ends (which wakes the scheduler) and
             # the scheduler's next look comes before this request's queue time runs out: under
             # load that spares one scheduler turn per request.
@@ -91,6 +94,18 @@ class DynamicBatcher:
         timer = None if deadline is None else loop.call_at(deadline, self._expire, pending)
         future.add_done_callback(functools.partial(self._settled, pending, timer))
         return future
+
+    def _can_send(self) -> bool:
+        """Whether a batch could go now: an instance is idle, or one has room for a batch
+        waiting in it and the queue holds enough requests to fill one (a request holds at
+        least one row: a wake-up this misses comes when the running batch ends)."""
+        if self._in_flight < max(self._instances(), 1):
+            return True
+        policy = self.policy
+        fills = (
+            min((*policy.preferred_sizes, policy.max_batch_size)) if policy.max_batch_size else 1
+        )
+        return self._in_flight < self._capacity() and len(self._queue) >= fills
 
     def _expire(self, pending: Pending) -> None:
         """The caller's deadline passed before its batch finished."""
@@ -129,7 +144,9 @@ class DynamicBatcher:
             if self._in_flight >= max(self._capacity(), 1):
                 await self._loop.sleep(self._queue.next_expiry())
                 continue
-            action = self._queue.next_batch(now)
+            # Only-full needs a batch in flight, whose end wakes this loop again (a restarting
+            # instance counts as one: a batch sent to it waits for the restart).
+            action = self._queue.next_batch(now, self._in_flight >= max(self._instances(), 1))
             if action is None or isinstance(action, float):
                 await self._loop.sleep(action)
                 continue

@@ -218,6 +218,7 @@ class VersionLoader:
                     BatchRunner(served, self.observer),
                     served.capacity,
                     label,
+                    served.ready_instances,
                 )
         except RepositoryError as exc:
             await self.fail(served, str(exc), "load")

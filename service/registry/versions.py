@@ -87,7 +87,10 @@ class ServedVersion:
 
     def capacity(self) -> int:
         """Batches the ready instances can hold at once (one running, one queued each)."""
-        return SLOTS_PER_WORKER * sum(i.state is State.READY for i in self.instances)
+        return SLOTS_PER_WORKER * self.ready_instances()
+
+    def ready_instances(self) -> int:
+        return sum(i.state is State.READY for i in self.instances)
 
     def instance_capacity(self, index: int) -> int:
         """Batches one instance can hold at once (a sequence's requests wait for its own

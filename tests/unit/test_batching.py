@@ -270,6 +270,61 @@ async def test_requests_accumulate_while_the_instance_is_busy() -> None:
     await batcher.stop()
 
 
+async def test_behind_a_running_batch_only_a_full_one_waits_in_the_instance() -> None:
+    """An instance holds two batches (one running, one waiting in it): while it runs one, the
+    queue keeps gathering until it holds a full batch, and that one goes to wait."""
+    executor = _Executor()
+    policy = BatchPolicy(max_batch_size=4, default_timeout_s=600.0)
+    batcher = DynamicBatcher(policy, executor, lambda: 2, instances=lambda: 1)
+    answers = [batcher.enqueue(job(fill=1), None)]
+    await until(lambda: len(executor.batches) == 1, "the first request reached the instance")
+    for i in range(2, 5):
+        answers.append(batcher.enqueue(job(fill=i), None))
+        await until(lambda: batcher.queued == len(answers) - 1, f"request {i} queued")
+    await asyncio.sleep(1.0)  # virtual time: every task has run its course
+    assert len(executor.batches) == 1  # three rows of four: they gather
+    answers.append(batcher.enqueue(job(fill=5), None))
+    await until(lambda: len(executor.batches) == 2, "the full batch went to wait")
+    assert executor.batches[1].rows == 4
+    answers += [batcher.enqueue(job(fill=i), None) for i in (6, 7)]
+    await until(lambda: batcher.queued == 2, "the last two queued")
+    executor.release.set()
+    await asyncio.gather(*answers)
+    assert [b.rows for b in executor.batches] == [1, 4, 2]
+    await batcher.stop()
+
+
+async def test_while_the_only_instance_restarts_a_partial_batch_still_goes_to_wait_for_it() -> None:
+    """No instance is ready and none runs a batch: nothing in flight would wake the batcher,
+    so a partial batch goes (it waits in the instance for the restart)."""
+    executor = _Executor()
+    batcher = DynamicBatcher(
+        BatchPolicy(max_batch_size=8), executor, lambda: 0, instances=lambda: 0
+    )
+    answers = [batcher.enqueue(job(fill=i), None) for i in (1, 2)]
+    await until(lambda: len(executor.batches) == 1, "the batch went to the restarting instance")
+    executor.release.set()
+    await asyncio.gather(*answers)
+    await batcher.stop()
+
+
+def test_with_no_idle_instance_only_full_or_preferred_batches_go() -> None:
+    queue = BatchQueue(BatchPolicy(max_batch_size=4, preferred_sizes=(3,)))
+    for t in range(2):
+        queue.push(pending(t * 0.001, expires=5.0 + t))
+    assert queue.next_batch(0.01, only_full=True) == 5.0  # gather; look again at the expiry
+    queue.push(pending(0.002))
+    assert sizes(queue.next_batch(0.01, only_full=True)) == [1, 1, 1]  # the preferred size
+    for t in range(5):
+        queue.push(pending(0.01 + t * 0.001))
+    assert sizes(queue.next_batch(0.02, only_full=True)) == [1, 1, 1, 1]  # full
+    assert queue.next_batch(0.02, only_full=True) is None  # one left, no expiry: gather
+    assert sizes(queue.next_batch(0.02)) == [1]  # an instance is idle: what is there
+    unbatched = BatchQueue(BatchPolicy(max_batch_size=0))
+    unbatched.push(pending(0.0))
+    assert sizes(unbatched.next_batch(0.0, only_full=True)) == [1]  # every request is full
+
+
 async def test_a_batch_whose_requests_all_ended_is_cancelled_not_one_that_still_has_one() -> None:
     """Its run is cancelled (which ends the BLS calls a Python model makes for it), and the
     instance's place goes to the next batch."""
