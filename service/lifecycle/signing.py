@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -168,20 +169,26 @@ def check_version(
     copy_to: Path | None,
     *,
     ensemble: bool = False,
+    served_files: Sequence[str] = (),
 ) -> str:
-    """Verify config.pbtxt and version `version` of a signed model; with `copy_to`, the bytes
-    checked are written there (config.pbtxt, VERSION/...) for the workers to load. Returns
-    who signed it. An `ensemble` has no files of its own: its config.pbtxt (the steps) is what
-    is signed, and its version directory, which may be absent or empty, holds nothing unsigned."""
+    """Verify config.pbtxt and version `version` of a signed model, and `served_files` (files
+    of the model's directory the server reads, such as label files); with `copy_to`, the bytes
+    checked are written there (config.pbtxt, VERSION/..., the served files) for the workers
+    and the server to load. Returns who signed it. An `ensemble` has no files of its own: its
+    config.pbtxt (the steps) is what is signed, and its version directory, which may be absent
+    or empty, holds nothing unsigned."""
     signed, signer = signed_manifest(model_dir, name, trust)
     prefix = f"{version}/"
-    wanted = {p: d for p, d in signed.items() if p == CONFIG_FILE or p.startswith(prefix)}
+    extra = set(served_files)
+    wanted = {
+        p: d for p, d in signed.items() if p == CONFIG_FILE or p.startswith(prefix) or p in extra
+    }
     if not ensemble and not any(p.startswith(prefix) for p in wanted):
         raise SignatureError(
             f"model '{name}' version {version} is not in the signed manifest "
             f"({model_dir / SIGNATURE_FILE}); sign the model again to serve it"
         )
-    found = _read_version(model_dir, version, copy_to, optional=ensemble)
+    found = _read_version(model_dir, version, copy_to, optional=ensemble, served_files=extra)
     for path in sorted(set(wanted) | set(found)):
         where = f"{name}/{path}"
         if path not in found:
@@ -194,16 +201,23 @@ def check_version(
 
 
 def _read_version(
-    model_dir: Path, version: int, copy_to: Path | None, optional: bool
+    model_dir: Path,
+    version: int,
+    copy_to: Path | None,
+    optional: bool,
+    served_files: Iterable[str] = (),
 ) -> dict[str, str]:
-    """SHA-256 of config.pbtxt and of every file under VERSION/ (which may be missing when
-    `optional`), each read once; symlinks and anything but regular files and directories are
-    refused."""
+    """SHA-256 of config.pbtxt, of the served files beside it and of every file under
+    VERSION/ (which may be missing when `optional`), each read once; symlinks and anything but
+    regular files and directories are refused."""
     digests: dict[str, str] = {}
     root = _open_dir(model_dir, None, model_dir.name)
     try:
-        with contextlib.suppress(FileNotFoundError):
-            digests[CONFIG_FILE] = _copy_file(root, CONFIG_FILE, CONFIG_FILE, copy_to)
+        for entry in sorted({CONFIG_FILE, *served_files}):
+            if Path(entry).name != entry:  # beside config.pbtxt only (read_labels says so)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                digests[entry] = _copy_file(root, entry, entry, copy_to)
         if not optional or _lexists(str(version), root):
             _copy_tree(root, str(version), copy_to, digests)
     finally:
@@ -299,7 +313,14 @@ class SigningPolicy:
     required: bool
 
     def check(
-        self, model_dir: Path, name: str, version: int, copy_to: Path, *, ensemble: bool = False
+        self,
+        model_dir: Path,
+        name: str,
+        version: int,
+        copy_to: Path,
+        *,
+        ensemble: bool = False,
+        served_files: Sequence[str] = (),
     ) -> bool:
         """True: verified, and the checked bytes are in `copy_to`. False: unsigned, allowed."""
         if not self.required and not os.path.lexists(model_dir / SIGNATURE_FILE):
@@ -309,5 +330,13 @@ class SigningPolicy:
                 SIGNATURE_FILE,
             )
             return False
-        check_version(model_dir, name, version, self.trust, copy_to, ensemble=ensemble)
+        check_version(
+            model_dir,
+            name,
+            version,
+            self.trust,
+            copy_to,
+            ensemble=ensemble,
+            served_files=served_files,
+        )
         return True

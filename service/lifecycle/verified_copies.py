@@ -1,6 +1,7 @@
 """Signed models are loaded from a private copy of the bytes their signature was checked on:
 every worker start and restart loads the copy, so nothing written to the repository after
-the check (or a swapped symlink) ever runs."""
+the check (or a swapped symlink) ever runs, and the labels served (label_filename) are the
+signed ones."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 from pathlib import Path
 
 from protos.inference import model_config_pb2 as mc
+from service.inference.classification import LabelFileError, read_labels
 from service.lifecycle.repository import RepositoryError, read_config
 from service.lifecycle.signing import CONFIG_FILE, SignatureError, SigningPolicy
 from service.model.files import ENSEMBLE, ModelFiles
@@ -50,7 +52,10 @@ class VerifiedCopies:
         ensemble = served.config.platform == ENSEMBLE
         # The model's directory: the repository's, or the one a load's uploaded files went to.
         model_dir = files.path if ensemble else files.path.parent
-        if not self.signing.check(model_dir, served.name, served.version, copy, ensemble=ensemble):
+        labels = tuple(o.label_filename for o in served.config.output if o.label_filename)
+        if not self.signing.check(
+            model_dir, served.name, served.version, copy, ensemble=ensemble, served_files=labels
+        ):
             drop_copy(served)
             return files, served.config
         try:
@@ -62,6 +67,12 @@ class VerifiedCopies:
                 f"{served.name}/{CONFIG_FILE} changed while being loaded, or the load's `config` "
                 "parameter differs from the signed one"
             )
+        try:
+            signed_labels = read_labels(copy, config)
+        except LabelFileError as exc:
+            raise SignatureError(f"the signed label file cannot be served: {exc}") from exc
+        if signed_labels != served.labels:
+            raise SignatureError(f"a label file of {served.name} changed while being loaded")
         version_dir = copy / str(served.version)
         relocated = ModelFiles(
             files.version,

@@ -49,7 +49,8 @@ def add_model(root: Path, name: str, extra_config: str = "") -> Path:
 def repository(root: Path, key: Path) -> Path:
     """good: signed. tampered: a weight file changed after signing. config: config.pbtxt
     changed after signing (c). impostor: good's files and signature under another name (d).
-    partial: signed with version 1, then version 2 added (d). unsigned: never signed."""
+    partial: signed with version 1, then version 2 added (d). unsigned: never signed.
+    labelled: signed with a label file. relabelled: its label file changed after signing."""
     sign(add_model(root, "good"), key)
     sign(add_model(root, "tampered"), key)
     (root / "tampered" / "1" / "inference.pdiparams").write_bytes(b"\0" * 64)
@@ -62,6 +63,17 @@ def repository(root: Path, key: Path) -> Path:
     sign(add_model(root, "partial", ALL_VERSIONS), key)
     shutil.copytree(root / "partial" / "1", root / "partial" / "2")
     add_model(root, "unsigned")
+    for name in ("labelled", "relabelled"):  # a label file is served, so it is signed too
+        labelled = add_model(root, name)
+        config = labelled / "config.pbtxt"
+        config.write_text(
+            config.read_text().replace(
+                "dims: [ 10 ] }", 'dims: [ 10 ], label_filename: "labels.txt" }'
+            )
+        )
+        (labelled / "labels.txt").write_text("".join(f"class {i}\n" for i in range(10)))
+        sign(labelled, key)
+    (root / "relabelled" / "labels.txt").write_text("forged\n" * 10)
     return root
 
 
@@ -111,11 +123,13 @@ def test_signing_policy(tmp_path: Path, required: bool) -> None:
         models = index(server)
         assert models["good", "1"].state == "READY"
         assert infer(server, "good")
+        assert models["labelled", "1"].state == "READY"
         expected = {
             ("tampered", "1"): "tampered/1/inference.pdiparams was modified after signing",
             ("config", "1"): "config/config.pbtxt was modified after signing",
             ("impostor", "1"): "signed for model 'good', not 'impostor'",
             ("partial", "2"): "version 2 is not in the signed manifest",
+            ("relabelled", "1"): "relabelled/labels.txt was modified after signing",
         }
         for (name, version), reason in expected.items():
             assert models[name, version].state == "UNAVAILABLE"

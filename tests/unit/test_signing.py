@@ -399,3 +399,38 @@ def test_cli_verifies_an_ensemble(tmp_path: Path, key: Path) -> None:
     (pair / "config.pbtxt").write_text(ENSEMBLE_CONFIG.replace('"mlp"', '"other"'))
     refused = _cli("verify", str(pair), "--trusted-keys", str(key.parent / "trusted"))
     assert refused.returncode == 1 and "pair/config.pbtxt was modified" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda m: (m / "labels.txt").write_text("forged\n"), "mlp/labels.txt was modified"),
+        (lambda m: (m / "labels.txt").unlink(), "mlp/labels.txt: signed file was removed"),
+        (
+            lambda m: _replace(m / "labels.txt", lambda p: p.symlink_to("moved")),
+            "labels.txt is a symlink",
+        ),
+    ],
+)
+def test_a_served_label_file_is_signed_and_copied(
+    model: Path, key: Path, tmp_path: Path, tamper: Callable[[Path], object], message: str
+) -> None:
+    """Files of the model's directory the server reads (label_filename) are checked and copied
+    with the version; a label file added after signing is refused too."""
+    (model / "labels.txt").write_text("cat\ndog\n")
+    sign(model, key)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    check_version(model, "mlp", 1, trusted(key), copy, served_files=("labels.txt",))
+    assert (copy / "labels.txt").read_text() == "cat\ndog\n"
+    tamper(model)
+    with pytest.raises(SignatureError, match=message):
+        check_version(model, "mlp", 1, trusted(key), None, served_files=("labels.txt",))
+
+
+def test_a_label_file_added_after_signing_is_refused(model: Path, key: Path) -> None:
+    sign(model, key)
+    check_version(model, "mlp", 1, trusted(key), None, served_files=("labels.txt",))  # none yet
+    (model / "labels.txt").write_text("cat\n")
+    with pytest.raises(SignatureError, match=r"mlp/labels\.txt was added after signing"):
+        check_version(model, "mlp", 1, trusted(key), None, served_files=("labels.txt",))
