@@ -49,11 +49,20 @@ def tuning_fields(config: mc.ModelConfig) -> list[str]:
     return sorted(_walk(config, ""))
 
 
+_IMAGE_FORMATS = (mc.ModelInput.FORMAT_NHWC, mc.ModelInput.FORMAT_NCHW)
+
+
 def unserved(config: mc.ModelConfig) -> str | None:
     """Why `config` cannot be served as written, or None."""
     for field, why in _UNSERVED.items():
         if getattr(config, field):
             return f"{why}; remove {field}"
+    for tensor in config.input:  # Triton's check, in its words (an image is CHW or HWC)
+        if tensor.format in _IMAGE_FORMATS and len(tensor.dims) != 3:
+            return (
+                f"model input NHWC/NCHW require 3 dims (input {tensor.name!r} has "
+                f"{len(tensor.dims)})"
+            )
     return None
 
 

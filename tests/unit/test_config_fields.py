@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from protos.inference import model_config_pb2 as mc
 from service.lifecycle.repository import ModelRepository, RepositoryError, read_config
-from service.model.tuning import tuning_fields
+from service.model.tuning import tuning_fields, unserved
 
 # Triton's densenet_onnx config as its users write it, with the tuning fields they add.
 TRITON_CONFIG = """
@@ -147,6 +147,18 @@ def test_load_warns_naming_each_tuning_field(
 def test_unimplemented_tensor_fields_refused(tmp_path: Path, extra: str, named: str) -> None:
     with pytest.raises(RepositoryError, match=f"{named}.*not implemented"):
         read_config(_model(tmp_path, TRITON_CONFIG + extra), "densenet")
+
+
+@given(fmt=st.sampled_from(["NONE", "NHWC", "NCHW"]), rank=st.integers(1, 5))
+def test_an_image_format_needs_three_dims_as_triton_says(fmt: str, rank: int) -> None:
+    """NHWC and NCHW inputs are refused unless they have 3 dims, in Triton's words."""
+    config = mc.ModelConfig(name="m")
+    config.input.add(name="x", format=getattr(mc.ModelInput, f"FORMAT_{fmt}"), dims=[4] * rank)
+    refused = unserved(config)
+    if fmt == "NONE" or rank == 3:
+        assert refused is None
+    else:
+        assert refused == f"model input NHWC/NCHW require 3 dims (input 'x' has {rank})"
 
 
 def test_reshape_of_equal_elements_accepted(tmp_path: Path) -> None:
