@@ -58,7 +58,8 @@ class PreloadedLauncher:
             collections.deque()
         )
         self._forked: dict[int, ForkedProcess] = {}
-        self._starting: asyncio.Lock | None = None
+        self._starting = asyncio.Lock()
+        self._sending = asyncio.Lock()
         self._warned = False
         self._stopping = False
 
@@ -75,11 +76,14 @@ class PreloadedLauncher:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[dict[str, Any] | None] = loop.create_future()
             try:
-                socket.send_fds(sock, [request], [s.fileno() for s in sockets])
+                await self._send(sock, request, [s.fileno() for s in sockets])
             except OSError:
-                self._ended()
+                if self._sock is sock:
+                    self._ended()
                 continue
             self._replies.append(future)
+            # Cancelled (its caller gave up), the future's answer still comes, in order: a
+            # launcher forked for it is ended then (_readable).
             reply = await future
             if reply is None:
                 continue
@@ -92,14 +96,29 @@ class PreloadedLauncher:
         self._warn("it ended twice while starting this worker")
         return None
 
+    async def _send(self, sock: socket.socket, request: bytes, fds: list[int]) -> None:
+        """One request, waiting while the socket's buffer is full (the launcher may still be
+        importing Paddle while a repository's workers are asked for at once)."""
+        loop = asyncio.get_running_loop()
+        async with self._sending:  # one writer callback per descriptor: one sender at a time
+            while True:
+                try:
+                    socket.send_fds(sock, [request], fds)
+                    return
+                except BlockingIOError:
+                    writable = loop.create_future()
+                    loop.add_writer(sock.fileno(), writable.set_result, None)
+                    try:
+                        await writable
+                    finally:
+                        loop.remove_writer(sock.fileno())
+
     def _warn(self, why: str) -> None:
         if not self._warned:
             self._warned = True
             log.warning("starting a Paddle worker without the preloaded launcher: %s", why)
 
     async def _started(self) -> socket.socket | None:
-        if self._starting is None:
-            self._starting = asyncio.Lock()
         async with self._starting:
             if self._sock is None:
                 try:
@@ -151,7 +170,11 @@ class PreloadedLauncher:
             if forked is not None:
                 forked.ended(int(message["status"]))
         elif self._replies:
-            self._replies.popleft().set_result(message)
+            future = self._replies.popleft()
+            if future.cancelled():
+                _end_unwanted(message)
+            else:
+                future.set_result(message)
 
     def _ended(self) -> None:
         """It died (or the server stops it): the launchers it forked end with it (their
@@ -164,7 +187,9 @@ class PreloadedLauncher:
         if self._process is not None and self._process.returncode is None:
             self._process.send_signal(signal.SIGKILL)
         while self._replies:
-            self._replies.popleft().set_result(None)
+            future = self._replies.popleft()
+            if not future.done():
+                future.set_result(None)
         forked, self._forked = self._forked, {}
         for process in forked.values():
             process.ended(signal.SIGKILL)  # a wait status: killed, as its launcher will be
@@ -177,3 +202,10 @@ class PreloadedLauncher:
             self._ended()
         if self._process is not None:
             await self._process.wait()
+
+
+def _end_unwanted(reply: dict[str, Any]) -> None:
+    """A launcher forked for a worker start that was given up (its caller cancelled)."""
+    if "pid" in reply:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(reply["pid"]), signal.SIGTERM)

@@ -10,6 +10,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,17 @@ from pathlib import Path
 import pytest
 
 from clients.inference_client import build_request
+from scripts.bench_density import RESULTS
 from service.workers import preloaded
 from tests.reference import assert_matches_reference, example_inputs
-from tests.servers import ServerProcess, alive, eventually, model_repository, running_server
+from tests.servers import (
+    REPO_ROOT,
+    ServerProcess,
+    alive,
+    eventually,
+    model_repository,
+    running_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -107,3 +117,20 @@ def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread() -> None:
         for end in spare:
             end.close()
     assert not loop.is_alive()
+
+
+def test_bench_density_measures_both_launchers_and_every_copy_answers(tmp_path: Path) -> None:
+    """`make bench-density` at its smallest: two copies of mlp served each way; a worker forked
+    from the preloaded launcher holds less memory of its own than one started afresh."""
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_density", "--sizes", "2", "--no-examples"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["launcher"]: r for r in json.loads((tmp_path / RESULTS).read_text())}
+    assert {r["answered"] for r in rows.values()} == {2}
+    assert rows["preloaded"]["median_worker_uss_mb"] < rows["fresh"]["median_worker_uss_mb"]
