@@ -70,7 +70,10 @@ async def serve(settings: ServerSettings) -> None:
         load_model=settings.load_model,
         testing_service=settings.testing_service,
         workers=WorkerLimits(
-            settings.max_message_bytes, settings.model_output_lines, settings.model_output_bytes
+            settings.max_message_bytes,
+            settings.model_output_lines,
+            settings.model_output_bytes,
+            settings.preloaded_launcher,
         ),
         uploads=UploadLimits(settings.max_upload_files, settings.max_upload_bytes),
     )

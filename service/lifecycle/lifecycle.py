@@ -38,6 +38,7 @@ from service.registry.names import check_model_name
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.batch_runner import BatchObserver
 from service.serving.requests import RequestRunner
+from service.workers import launch
 
 log = logging.getLogger("paddlequic.models")
 
@@ -126,6 +127,7 @@ class Lifecycle:
             served.state = VersionState.UNLOADING
         await asyncio.gather(*(q.stop() for v in versions if (q := v.batcher or v.sequences)))
         await asyncio.gather(*(i.stop() for v in versions for i in v.instances))
+        await launch.stop_launchers()
         for served in versions:
             served.state = VersionState.UNAVAILABLE
         self.copies.remove_all()

@@ -70,6 +70,8 @@ class WorkerLimits:
     # A Python model's prints in the log, per version (--model-output-lines, -bytes).
     output_lines_per_s: float = LINES_PER_S
     output_bytes_per_s: float = BYTES_PER_S
+    # --preloaded-launcher: Paddle CPU workers forked from it (service/workers/preloaded.py).
+    preloaded: bool = True
 
 
 class VersionLoader:
@@ -168,6 +170,7 @@ class VersionLoader:
                     config=config.SerializeToString(),
                     decoupled=is_decoupled(config),
                     max_message_bytes=self.limits.max_message_bytes,
+                    preloaded=self.limits.preloaded,
                 ),
                 self.waits,
                 output,

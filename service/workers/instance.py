@@ -108,7 +108,7 @@ class WorkerInstance:
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
         self._segments: SegmentChannel | None = None
-        self._process: asyncio.subprocess.Process | None = None  # the worker's launcher
+        self._process: launch.Launcher | None = None  # the worker's launcher
         self._cgroup: Path | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._output_readers: set[model_output.OutputReader] = set()

@@ -1,4 +1,5 @@
-"""Starting one worker process: its launcher (subreaper.py) and cgroup (cgroups.py), its
+"""Starting one worker process: its launcher (subreaper.py; for a Paddle CPU worker, forked by
+the preloaded launcher, preloaded.py, where it can) and cgroup (cgroups.py), its
 environment, the sockets it is handed (messages, and shared-memory segments as descriptors), a
 pipe for a Python model's output (model_output.py logs it), and the load handshake, bounded by
 LOAD_TIMEOUT_S."""
@@ -14,12 +15,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from service.backend import python_sandbox
 from service.backend.load import Load
 from service.backend.sandbox import seccomp
 from service.model.parameters import child_processes, worker_memory_mb
 from service.workers import cgroups, message_bounds, protocol, subreaper
+from service.workers.forked import PreloadedLauncher
 from service.workers.spec import WorkerSpec
 
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
@@ -34,11 +37,26 @@ PYTHON_ENV_ALLOWED = (
 LOAD_TIMEOUT_S = 600.0
 
 
+class Launcher(Protocol):
+    """A worker's launcher process (subreaper.py): the server's child, or one the preloaded
+    launcher forked (forked.py)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+
 @dataclass
 class Spawned:
     """A started worker's launcher, its cgroup and the front-end's ends of its two sockets."""
 
-    process: asyncio.subprocess.Process  # the launcher: it exits with the worker's status
+    process: Launcher  # it exits with the worker's status
     messages: socket.socket
     segments: socket.socket  # non-blocking
     output: int | None  # a Python model's stdout and stderr: the pipe's end to read
@@ -51,7 +69,19 @@ def worker_cgroups() -> cgroups.WorkerCgroups:
     return cgroups.detect()
 
 
-def end(process: asyncio.subprocess.Process) -> None:
+@functools.cache
+def preloaded_launcher() -> PreloadedLauncher:
+    """Paddle CPU workers are forked from it (preloaded.py); Python models' workers start
+    fresh, for their sandbox, and GPU workers too, so that nothing of the GPU runtime is
+    ever initialised before their device is chosen."""
+    return PreloadedLauncher()
+
+
+async def stop_launchers() -> None:
+    await preloaded_launcher().stop()
+
+
+def end(process: Launcher) -> None:
     """Kill the worker and every process it started: its launcher's SIGTERM."""
     if process.returncode is None:
         process.send_signal(signal.SIGTERM)
@@ -93,25 +123,30 @@ async def spawn(spec: WorkerSpec) -> Spawned:
         cgroup = worker_cgroups().create(
             spec.instance_name, None if memory_mb is None else memory_mb << 20
         )
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            subreaper.__name__,
-            *launcher_options(spec, cgroup),
-            "--",
-            sys.executable,
-            "-m",
-            "service.workers.main",
-            "--fd",
-            str(child.fileno()),
-            "--segments-fd",
-            str(segments_child.fileno()),
-            pass_fds=(child.fileno(), segments_child.fileno()),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=output_child,
-            stderr=output_child if python else None,
-            env=env,
-        )
+        options = launcher_options(spec, cgroup)
+        process: Launcher | None = None
+        if spec.preloaded and not python and spec.device == "cpu":
+            process = await preloaded_launcher().spawn(options, env, (child, segments_child))
+        if process is None:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                subreaper.__name__,
+                *options,
+                "--",
+                sys.executable,
+                "-m",
+                "service.workers.main",
+                "--fd",
+                str(child.fileno()),
+                "--segments-fd",
+                str(segments_child.fileno()),
+                pass_fds=(child.fileno(), segments_child.fileno()),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=output_child,
+                stderr=output_child if python else None,
+                env=env,
+            )
     except BaseException:
         parent.close()
         segments.close()
@@ -145,7 +180,7 @@ async def load(
     spec: WorkerSpec,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    process: asyncio.subprocess.Process,
+    process: Launcher,
 ) -> protocol.Loaded:
     """Tell the worker what to load and wait for its answer; a worker that fails (or takes
     longer than LOAD_TIMEOUT_S) is ended and RuntimeError carries the reason."""

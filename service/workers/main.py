@@ -194,7 +194,8 @@ def _pin_cpus() -> None:
             os.sched_setaffinity(0, usable)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """`argv`: the options, when the preloaded launcher runs this in a forked process."""
     # The environment is the server's (a Paddle worker's) or holds placement's settings: no
     # other process of this user reads it, or this process's memory, through /proc.
     undumpable()
@@ -202,7 +203,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--segments-fd", type=int, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # What the model's code logs (and this project's code in the worker, e.g. the generation
     # engine) goes to stderr, which the server forwards into its log under the model's name.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -28,6 +28,7 @@ class WorkerSpec:
     config: bytes = b""  # the serialized ModelConfig, for Python models
     decoupled: bool = False  # answers through Responses (streams.py), not Results
     max_message_bytes: int = 64 << 20  # the server's --max-message-bytes (message_bounds.py)
+    preloaded: bool = True  # a Paddle CPU worker: forked by the preloaded launcher
 
     @property
     def python(self) -> bool:

@@ -29,6 +29,9 @@ from typing import NoReturn
 
 from service.backend.sandbox._libc import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
+# The worker command of a launcher forked from the preloaded launcher (preloaded.py): the
+# worker runs service.workers.main in the forked process, Paddle already imported, no exec.
+IN_PROCESS = "<preloaded worker>"
 CHECK_INTERVAL_S = 0.1  # a scan of /proc costs about 3 ms for 120 processes
 EXCEEDED_CHILDREN = 90  # exit status: the worker's processes went past --children
 EXCEEDED_MEMORY = 91  # exit status: the kernel killed a process of its cgroup for memory
@@ -192,6 +195,10 @@ def _become_worker(command: list[str], cgroup: Path | None) -> NoReturn:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # should the launcher be killed
         if cgroup is not None:  # the worker's alone: the launcher outlives its OOM kill
             (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+        if command[0] == IN_PROCESS:
+            from service.workers import main as worker
+
+            os._exit(worker.main(command[1:]))
         os.execv(command[0], command)
     finally:
         os._exit(127)

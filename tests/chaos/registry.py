@@ -101,6 +101,11 @@ ATTACKS = (
         frozenset({"UNAVAILABLE", "INTERNAL", "INVALID_ARGUMENT"}),
     ),
     AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
+    AttackSpec(
+        "preloaded launcher SIGKILL while a model loads",
+        workers.launcher_sigkill,
+        frozenset({"killed", "reload OK", "reload INTERNAL", "reload UNAVAILABLE"}),
+    ),
     AttackSpec("fork bomb", workers.fork_bomb, frozenset({"RESOURCE_EXHAUSTED"})),
     AttackSpec(
         "memfd bomb",

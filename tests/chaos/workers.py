@@ -6,6 +6,7 @@ printed lines)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,8 @@ from tests.servers import alive
 
 RESTART_LIMIT_S = 60.0
 RELOAD_TIMEOUT_S = 120.0
+# After a reload starts, when the preloaded launcher is killed: while it forks the new worker.
+LAUNCHER_KILL_AFTER_S = 0.2
 STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in seconds
 POLL_S = 0.05
 HOSTILE_CALL_S = 60.0
@@ -60,11 +63,24 @@ def _parent(pid: int) -> str:
     return next((line.split()[1] for line in status.splitlines() if line.startswith("PPid:")), "")
 
 
+def _preloaded_launcher(target: Target) -> int | None:
+    """The server's preloaded launcher (service/workers/preloaded.py), if it runs one."""
+    children = Path(f"/proc/{target.pid}/task/{target.pid}/children").read_text().split()
+    for child in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"service.workers.preloaded" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
+
+
 def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
-    """Signal `pid` only while it is still a worker of the server, under its launcher (never a
-    reused pid)."""
+    """Signal `pid` only while it is still a worker of the server, under its launcher, which
+    the server or its preloaded launcher started (never a reused pid)."""
     launcher = _parent(pid)
-    if not launcher or _parent(int(launcher)) != str(target.pid):
+    owner = _parent(int(launcher)) if launcher else ""
+    if not owner:
+        return False
+    if owner != str(target.pid) and _parent(int(owner)) != str(target.pid):
         return False
     os.kill(pid, sig)
     return True
@@ -173,6 +189,33 @@ async def hot_reload(target: Target, scale: Scale) -> AttackResult:
             after = {i.pid for i in await instances(target)}
             if outcome == "OK" and not after - before:
                 result.problems.append("the reload started no new worker process")
+    return result
+
+
+async def launcher_sigkill(target: Target, scale: Scale) -> AttackResult:
+    """SIGKILL the preloaded launcher while a reload of `mlp` loads its new worker from it:
+    every Paddle worker ends with it, and they come back through a new launcher (the good
+    clients' requests go back to the queue meanwhile). The reload may succeed (its worker
+    started before the kill, or after it through the new launcher) or fail naming why; the
+    version that served goes on serving either way."""
+    result = AttackResult()
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(scale.reloads):
+            launcher = _preloaded_launcher(target)
+            if launcher is None:
+                result.problems.append("the server runs no preloaded launcher")
+                return result
+            _touch_version(target)
+            load = pb.RepositoryModelLoadRequest(model_name=GOOD_MODEL)
+            call = stub.RepositoryModelLoad(load, timeout=RELOAD_TIMEOUT_S)
+            await asyncio.sleep(LAUNCHER_KILL_AFTER_S)  # the new worker is being started
+            os.kill(launcher, signal.SIGKILL)
+            result.outcomes["killed"] += 1
+            result.outcomes[f"reload {await outcome_of(call, RELOAD_TIMEOUT_S)}"] += 1
+            victim = await _victim(target)  # serving again, from a new launcher
+            if _preloaded_launcher(target) in (None, launcher):
+                result.problems.append(f"no new preloaded launcher serves (pid {victim.pid})")
     return result
 
 

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.e2e
 
 FRONTEND = "service.frontends.frontend"
 LAUNCHER = "service.workers.subreaper"
+PRELOADED = "service.workers.preloaded"
 WAIT_S = 60.0
 MAX_CONNECTIONS = 200  # new connections tried until both front-ends got one
 REBINDS = 20  # new client ports: the chance that none reaches the other front-end is 2^-20
@@ -168,8 +169,11 @@ async def test_new_connections_reach_both_frontends(server: ServerProcess, certs
 
 def test_one_set_of_workers_under_the_parent(server: ServerProcess) -> None:
     processes = children(server.process.pid)
-    # Each worker runs under a launcher of its own (service/workers/subreaper.py).
+    # Each worker runs under a launcher of its own (service/workers/subreaper.py), started
+    # by the parent or forked by its preloaded launcher (service/workers/preloaded.py).
     launchers = {pid for pid, cmd in processes.items() if LAUNCHER in cmd}
+    for preloaded in (pid for pid, cmd in processes.items() if PRELOADED in cmd):
+        launchers.update(children(preloaded))
     workers = {pid for launcher in launchers for pid in children(launcher)}
     assert workers == {i.pid for i in server.instances("mlp")}
     assert len(frontends(server)) == 2

@@ -1,0 +1,192 @@
+"""`make bench-density`: how many models one host holds. N copies of the example `mlp` (a tiny
+model) and the example repository, served with Paddle workers forked from the preloaded
+launcher and, as the reference, with every worker started afresh (`--no-preloaded-launcher`):
+time until ServerReady, each worker's private memory (USS: private clean + private dirty, from
+/proc/PID/smaps_rollup), the memory of the whole process tree (PSS, which splits each shared
+page among its sharers) and whether every copy answered a call.
+
+Goals (issue: many models on one host, 2 cores): median worker USS at most 20 MB, total PSS at
+most 25 MB x N + 300 MB and READY within 0.25 s x N + 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2 as pb
+from scripts.bench_common import write_json
+from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository
+
+SIZES = (10, 50, 200)
+# A fresh worker holds about 135 MB of its own: past this many copies the reference would not
+# fit in this machine's memory, so it is left out (and the table says so).
+FRESH_MAX_COPIES = 60
+READY_LIMIT_S = 1800.0
+RESULTS = Path("bench-results/bench_density.json")
+MLP_INPUTS = {"input": np.zeros((1, 256), np.float32)}
+
+
+@dataclass
+class Row:
+    repository: str
+    models: int
+    launcher: str  # "preloaded" or "fresh"
+    ready_s: float
+    workers: int
+    median_worker_uss_mb: float
+    total_pss_mb: float
+    answered: int
+    goal_uss: bool
+    goal_pss: bool
+    goal_ready: bool
+
+
+def copies_of_mlp(root: Path, count: int) -> tuple[Path, list[str]]:
+    """`count` models named mlp_0001..., each its own directory: a config naming it and the
+    example's version directory (symlinked)."""
+    config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
+    names = [f"mlp_{i:04d}" for i in range(1, count + 1)]
+    for name in names:
+        target = root / name
+        target.mkdir(parents=True)
+        (target / "config.pbtxt").write_text(config.replace('name: "mlp"', f'name: "{name}"'))
+        (target / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
+    return root, names
+
+
+def memory_kb(pid: int) -> tuple[int, int]:
+    """(USS, PSS) of one process, in kB."""
+    uss = pss = 0
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0, 0
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("Private_Clean", "Private_Dirty"):
+            uss += int(value.split()[0])
+        elif key == "Pss":
+            pss += int(value.split()[0])
+    return uss, pss
+
+
+def tree(root: int) -> list[int]:
+    """`root` and every process beneath it."""
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        found.append(pid)
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                frontier += map(int, (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def wait_ready(server: ServerProcess, started: float) -> float:
+    """Seconds from the server's start until ServerReady (every model loaded)."""
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited:\n{server.log_text()[-4000:]}")
+        try:
+            if server.stub.ServerReady(pb.ServerReadyRequest(), timeout=2).ready:
+                return time.monotonic() - started
+        except grpc.RpcError:
+            pass
+        if time.monotonic() - started > READY_LIMIT_S:
+            raise RuntimeError(f"not ready after {READY_LIMIT_S:.0f} s")
+        time.sleep(0.2)
+
+
+def measure(repository: Path, names: list[str], label: str, preloaded: bool) -> Row:
+    logs = Path(tempfile.mkdtemp(prefix="bench-density-"))
+    flag = "--preloaded-launcher" if preloaded else "--no-preloaded-launcher"
+    started = time.monotonic()
+    server = ServerProcess(repository, logs / "server.log", ["--no-h3", flag])
+    try:
+        ready_s = wait_ready(server, started)
+        workers = [i.pid for name in names for i in server.instances(name)]
+        uss = [memory_kb(pid)[0] / 1024 for pid in workers]
+        pss = sum(memory_kb(pid)[1] for pid in tree(server.process.pid)) / 1024
+        answered = 0
+        for name in names if label != "examples" else ():  # every copy of mlp answers
+            try:
+                server.stub.ModelInfer(build_request(name, MLP_INPUTS), timeout=60)
+                answered += 1
+            except grpc.RpcError as exc:
+                print(f"  {name}: {exc.code().name} {exc.details()}", file=sys.stderr)
+    finally:
+        server.stop()
+        shutil.rmtree(logs, ignore_errors=True)
+    count = len(names)
+    median_uss = statistics.median(uss) if uss else 0.0
+    return Row(
+        label,
+        count,
+        "preloaded" if preloaded else "fresh",
+        round(ready_s, 1),
+        len(workers),
+        round(median_uss, 1),
+        round(pss, 0),
+        answered,
+        median_uss <= 20.0,
+        pss <= 25.0 * count + 300.0,
+        ready_s <= 0.25 * count + 10.0,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="copies of mlp")
+    parser.add_argument("--no-examples", action="store_true", help="skip the example repository")
+    args = parser.parse_args()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="bench-density-") as scratch:
+        plans: list[tuple[str, Path, list[str]]] = []
+        if not args.no_examples:
+            examples = sorted(p.name for p in EXAMPLE_MODELS.iterdir() if p.is_dir())
+            repo = model_repository(Path(scratch) / "examples", examples)
+            plans.append(("examples", repo, examples))
+        for size in (int(s) for s in args.sizes.split(",") if s):
+            repo, names = copies_of_mlp(Path(scratch) / f"mlp-x{size}", size)
+            plans.append((f"mlp x {size}", repo, names))
+        for label, repo, names in plans:
+            for preloaded in (True, False):
+                if not preloaded and len(names) > FRESH_MAX_COPIES:
+                    print(f"{label}, fresh: left out ({len(names)} x ~135 MB does not fit here)")
+                    continue
+                print(f"{label}, {'preloaded' if preloaded else 'fresh'}: starting ...", flush=True)
+                row = measure(repo, names, label, preloaded)
+                print(f"  ready in {row.ready_s} s, {row.answered}/{len(names)} answered")
+                rows.append(row)
+    print()
+    header = (
+        f"{'repository':<14}{'launcher':<11}{'ready s':>9}{'workers':>9}"
+        f"{'median USS MB':>15}{'total PSS MB':>14}{'answered':>10}  goals (USS, PSS, READY)"
+    )
+    print(header)
+    for r in rows:
+        goals = " ".join("yes" if g else "NO" for g in (r.goal_uss, r.goal_pss, r.goal_ready))
+        goals = "-" if r.repository == "examples" else goals  # the goals are for N copies
+        print(
+            f"{r.repository:<14}{r.launcher:<11}{r.ready_s:>9}{r.workers:>9}"
+            f"{r.median_worker_uss_mb:>15}{r.total_pss_mb:>14.0f}{r.answered:>10}  {goals}"
+        )
+    write_json(RESULTS, rows)
+    return 0 if all(r.answered == r.models or r.repository == "examples" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

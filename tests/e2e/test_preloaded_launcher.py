@@ -1,0 +1,136 @@
+"""Paddle workers forked from the preloaded launcher (service/workers/preloaded.py): they answer
+as workers started afresh do, the launcher refuses to fork once it has a second thread, and
+when it dies its workers are started again through a new one, their requests answered."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clients.inference_client import build_request
+from scripts.bench_density import RESULTS
+from service.workers import preloaded
+from tests.reference import assert_matches_reference, example_inputs
+from tests.servers import (
+    REPO_ROOT,
+    ServerProcess,
+    alive,
+    eventually,
+    model_repository,
+    running_server,
+)
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("preloaded")
+    repository = model_repository(root / "models", ["mlp", "resnet18"])
+    with running_server(repository, root / "server.log", ["--no-h3"]) as process:
+        yield process
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def command_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def launcher_of(server: ServerProcess, model: str) -> int:
+    """The preloaded launcher a model's worker was forked from (worker <- its subreaper <-
+    the launcher)."""
+    (instance,) = server.instances(model)
+    launcher = parent_of(parent_of(instance.pid))
+    assert "service.workers.preloaded" in command_of(launcher)
+    return launcher
+
+
+def infer_matches(server: ServerProcess, model: str, seed: int) -> None:
+    inputs = example_inputs(model, seed=seed)
+    response = server.stub.ModelInfer(build_request(model, inputs), timeout=TIMEOUT_S)
+    assert_matches_reference(model, inputs, response)
+
+
+def test_paddle_workers_are_forked_from_one_launcher_and_answer_as_fresh_ones(
+    server: ServerProcess,
+) -> None:
+    """Both models' workers come from the same launcher, a child of the server, and answer
+    what Paddle in this process answers."""
+    launcher = launcher_of(server, "mlp")
+    assert launcher_of(server, "resnet18") == launcher
+    assert parent_of(launcher) == server.process.pid
+    for model in ("mlp", "resnet18"):
+        infer_matches(server, model, seed=7)
+
+
+def test_a_launcher_that_dies_is_started_again_and_its_workers_with_it(
+    server: ServerProcess,
+) -> None:
+    launcher = launcher_of(server, "mlp")
+    before = {model: server.instances(model)[0] for model in ("mlp", "resnet18")}
+    os.kill(launcher, signal.SIGKILL)
+    for model, instance in before.items():
+        ended = functools.partial(lambda pid: not alive(pid), instance.pid)
+        eventually(ended, f"{model}'s worker ended with its launcher")
+        infer_matches(server, model, seed=8)  # waits for the restart, as any request does
+        (after,) = server.instances(model)
+        assert after.restarts == instance.restarts + 1
+        assert launcher_of(server, model) not in (launcher, server.process.pid)
+    assert "the preloaded launcher of Paddle workers ended" in server.log_text()
+
+
+def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread() -> None:
+    """Its loop run here, in a test process with a second thread (the loop's own): a spawn
+    request is refused, naming why, and nothing is forked."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    wakeup, _ = socket.socketpair()
+    loop = threading.Thread(target=preloaded.serve, args=(theirs, wakeup), daemon=True)
+    loop.start()
+    spare = socket.socketpair()
+    try:
+        request = json.dumps({"argv": [], "env": {}}).encode()
+        socket.send_fds(ours, [request], [s.fileno() for s in spare])
+        reply = json.loads(ours.recv(4096))
+        assert re.fullmatch(r"the preloaded launcher runs \d+ threads; .*", reply["refused"])
+    finally:
+        ours.close()
+        loop.join(timeout=TIMEOUT_S)
+        theirs.close()
+        wakeup.close()
+        for end in spare:
+            end.close()
+    assert not loop.is_alive()
+
+
+def test_bench_density_measures_both_launchers_and_every_copy_answers(tmp_path: Path) -> None:
+    """`make bench-density` at its smallest: two copies of mlp served each way; a worker forked
+    from the preloaded launcher holds less memory of its own than one started afresh."""
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_density", "--sizes", "2", "--no-examples"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["launcher"]: r for r in json.loads((tmp_path / RESULTS).read_text())}
+    assert {r["answered"] for r in rows.values()} == {2}
+    assert rows["preloaded"]["median_worker_uss_mb"] < rows["fresh"]["median_worker_uss_mb"]
