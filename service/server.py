@@ -21,6 +21,7 @@ from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import StreamBounds
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
+from service.dataplane.plane import DataPlane
 from service.frontends.listeners import (
     ClientAuthError,
     Listeners,
@@ -119,11 +120,10 @@ async def serve(settings: ServerSettings) -> None:
             bracket(settings.metrics_host),
             metrics_server.server_port,
         )
+    plane = DataPlane(models, runner, lifecycle, settings.server_name, settings.shared_memory)
     servicers = Servicers(
         InferenceServicer(
-            models,
-            runner,
-            lifecycle,
+            plane,
             settings.model_control_mode,
             SharedMemory(
                 settings.shared_memory,
@@ -133,7 +133,6 @@ async def serve(settings: ServerSettings) -> None:
             settings.max_message_bytes,
             StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
             SequenceCallers(settings.sequence_callers),
-            settings.server_name,
         ),
         ControlServicer(models),
         health.servicer,
@@ -155,8 +154,15 @@ async def serve(settings: ServerSettings) -> None:
             models,
             runner,
         )
+        if settings.http_port:
+            log.warning(
+                "--http-port %d: the REST API is served by a single-process server only; with "
+                "--frontends %d it is off (gRPC over HTTP/2 and HTTP/3 serves every call)",
+                settings.http_port,
+                frontends,
+            )
     else:
-        public = await listen(settings, register, client_auth, tickets)
+        public = await listen(settings, register, client_auth, tickets, plane)
     servicers.control.h3 = public.h3
     servicers.control.refresh_h3 = public.refresh_h3
     if metrics is not None:

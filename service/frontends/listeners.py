@@ -1,4 +1,5 @@
-"""The public listeners (gRPC over HTTP/2 and HTTP/3, TLS): this process's, or each front-end's."""
+"""The public listeners (gRPC over HTTP/2 and HTTP/3, TLS; REST over HTTP/1.1 and HTTP/2):
+this process's, or each front-end's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import grpc
 from cryptography import x509
 
 from service.api.registration import Register
+from service.dataplane.plane import DataPlane
+from service.http.app import BodyLimits, RestApp
+from service.http.listener import HttpListener, HttpOptions, start_http
+from service.http.routes import Routes
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
@@ -48,6 +53,7 @@ class _Listeners:
 
     grpc_server: grpc.aio.Server
     h3_server: H3Server | None
+    http: HttpListener | None
 
     @property
     def h3(self) -> H3State | None:
@@ -61,6 +67,7 @@ class _Listeners:
         await asyncio.gather(
             self.grpc_server.stop(grace),
             *([self.h3_server.stop(grace)] if self.h3_server else []),
+            *([self.http.stop(grace)] if self.http else []),
         )
 
 
@@ -69,15 +76,31 @@ async def listen(
     register: Register,
     client_auth: ClientAuth | None,
     tickets: TicketStore | None,
+    plane: DataPlane,
 ) -> _Listeners:
     tls = tls_files(settings) if settings.h3 or settings.h2_tls else None
+    http = await start_rest(settings, plane) if settings.http_port else None
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
         await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
         if tls and settings.h3
         else None
     )
-    return _Listeners(server, h3_server)
+    return _Listeners(server, h3_server, http)
+
+
+async def start_rest(settings: ServerSettings, plane: DataPlane) -> HttpListener:
+    """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
+    app = RestApp(
+        Routes(plane), BodyLimits(settings.http_max_input_size, settings.http_body_timeout)
+    )
+    options = HttpOptions(
+        settings.host,
+        settings.http_port,
+        settings.max_metadata_bytes,
+        settings.http_keepalive_timeout,
+    )
+    return await start_http(app, options, settings.grace_period)
 
 
 async def start_grpc(

@@ -189,6 +189,13 @@ class RequestValidator:
         checked = self._complete(seen)
         return Decoding(checked, self._outputs(outputs), self._batch(checked), priority, timeout_s)
 
+    def declared_shape(self, name: str, datatype: str, sent: Sequence[int]) -> tuple[int, ...]:
+        """An input's shape as a request states it, checked against the model before its
+        contents are looked at (for a wire format that must convert them: JSON): the name is
+        one of its inputs, the datatype and rank are the declared ones (the rank compared
+        before the shape is read), then fixed dims, max_batch_size and max_input_elements."""
+        return self._check_shape(name, datatype, sent, self._declared(name, {}))
+
     def _declared(self, name: str, seen: dict[str, _Contents]) -> _Declared:
         if name in seen:
             raise invalid(f"input '{name}' appears more than once")

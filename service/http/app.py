@@ -1,0 +1,169 @@
+"""The REST API as a plain ASGI application: the path picks a route, a request's body is read
+within its bounds (size, time), and a route's failure becomes Triton's `{"error": ...}` with
+its HTTP status. No framework: routing is a split path, and the bounds are this module's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.http.routes import Reply, Routes
+from service.http.status import RETRY_AFTER_S, http_status
+from service.inference import errors
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int  # per request (--http-max-input-size)
+    timeout_s: float  # for all of one request's body (--http-body-timeout)
+
+
+class Refused(Exception):
+    """A request answered before its route runs (its body too large or too slow, an unknown
+    path); `close`: its connection cannot carry another request (a body left unread)."""
+
+    def __init__(self, status: int, message: str, close: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.close = close
+
+
+class RestApp:
+    def __init__(self, routes: Routes, limits: BodyLimits) -> None:
+        self.routes = routes
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        headers: list[tuple[bytes, bytes]] = [_JSON]
+        try:
+            reply = await self._route(scope, receive)
+        except Refused as exc:
+            reply = Reply(exc.status, {"error": exc.message})
+            if exc.close and scope.get("http_version") in ("1.0", "1.1"):
+                headers.append((b"connection", b"close"))
+        except errors.ServiceError as exc:
+            reply = Reply(http_status(exc.code), {"error": exc.message})
+            if reply.status == 429:
+                headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        body = b"" if reply.document is None else json.dumps(reply.document).encode()
+        if reply.document is None:
+            headers.remove(_JSON)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _route(self, scope: Scope, receive: Receive) -> Reply:
+        method = scope["method"]
+        parts = scope["path"].strip("/").split("/")
+        if parts[0] != "v2":
+            raise Refused(404, f"no route {scope['path']!r}")
+        if len(parts) == 1:
+            _method(method, "GET")
+            return self.routes.server_metadata()
+        if parts[1] == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
+            _method(method, "GET")
+            return self.routes.live() if parts[2] == "live" else self.routes.ready()
+        if parts[1] != "models" or len(parts) < 3:
+            raise Refused(404, f"no route {scope['path']!r}")
+        if parts[2:] == ["stats"]:
+            _method(method, "GET")
+            return self.routes.statistics("", "")
+        model, rest = parts[2], parts[3:]
+        version = ""
+        if rest[:1] == ["versions"] and len(rest) >= 2:
+            version, rest = rest[1], rest[2:]
+        action = rest[0] if len(rest) == 1 else "" if not rest else None
+        if action == "infer":
+            _method(method, "POST")
+            body = await read_body(scope, receive, self.limits)
+            return await self.routes.infer(model, version, body)
+        if action is not None:
+            _method(method, "GET")
+        if action == "":
+            return self.routes.model_metadata(model, version)
+        if action == "ready":
+            return self.routes.model_ready(model, version)
+        if action == "config":
+            return self.routes.model_config(model, version)
+        if action == "stats":
+            return self.routes.statistics(model, version)
+        raise Refused(404, f"no route {scope['path']!r}")
+
+
+async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes:
+    """The request's body, at most `max_bytes` (a larger Content-Length is refused before
+    anything is read, a longer chunked body as soon as it passes the limit), all of it within
+    `timeout_s`."""
+    declared = _content_length(scope)
+    if declared is not None and declared > limits.max_bytes:
+        raise Refused(
+            400,
+            f"the request body has {declared} bytes, more than --http-max-input-size "
+            f"{limits.max_bytes}; refused before reading it",
+            close=True,
+        )
+    body = bytearray()
+    try:
+        async with asyncio.timeout(limits.timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise Refused(400, "the client went away before its body ended", close=True)
+                body += message.get("body", b"")
+                if len(body) > limits.max_bytes:
+                    raise Refused(
+                        400,
+                        f"the request body has more than --http-max-input-size "
+                        f"{limits.max_bytes} bytes",
+                        close=True,
+                    )
+                if not message.get("more_body", False):
+                    return bytes(body)
+    except TimeoutError:
+        raise Refused(
+            408,
+            f"the request body took more than --http-body-timeout {limits.timeout_s:g} s "
+            f"({len(body)} bytes arrived)",
+            close=True,
+        ) from None
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                raise Refused(400, "Content-Length is not a number", close=True) from None
+    return None
+
+
+def _method(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise Refused(405, f"this route takes {allowed}, not {method[:16]}")
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,255 @@
+"""The KServe v2 REST request and response bodies (JSON tensors) as the data plane's types.
+
+Every check costs what the request declares, not what it sent, as on gRPC: an input's shape is
+checked against the model before its `data` is looked at, `data` is then walked no further than
+the shape allows (a `[1, 1]` tensor sent with a million values is refused after one length
+comparison), and only then are its values converted, a chunk at a time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from oip.bytes_tensor import deserialize_bytes, serialize_bytes
+from oip.datatypes import BY_NAME, Datatype
+from service.http.json_depth import nesting_depth
+from service.inference.classification import CLASSIFICATION
+from service.inference.errors import echoed, invalid
+from service.inference.jobs import InputTensor, OutputTensor
+from service.inference.validation import CONVERT_CHUNK, RequestValidator
+
+MAX_DEPTH = 100  # JSON nesting, as Triton bounds it
+# As gRPC's wire limits bound the same fields (service/api/wire_limits.py).
+MAX_TENSORS = 1024  # inputs and requested outputs, each, per request
+MAX_RANK = 64  # dimensions of one input's shape
+MAX_ID_CHARS = 256
+# Request parameters that would change what is computed and are not served over REST yet: a
+# request naming one is refused rather than answered as if it had not.
+UNSERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "binary_data_output")
+UNSERVED_TENSOR_PARAMETERS = (
+    "shared_memory_region",
+    "shared_memory_byte_size",
+    "shared_memory_offset",
+    "binary_data_size",
+)
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """A REST infer request's body, its structure checked, its tensors not yet converted."""
+
+    id: str
+    inputs: tuple[Mapping[str, Any], ...]
+    outputs: tuple[str, ...]
+    class_counts: Mapping[str, int]
+    priority: int | None
+    timeout_s: float | None
+
+
+def parsed(body: bytes) -> Any:
+    """The body as JSON, its nesting bounded before it is parsed."""
+    depth = nesting_depth(body)
+    if depth > MAX_DEPTH:
+        raise invalid(f"the JSON body nests {depth} deep; at most {MAX_DEPTH}")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"the body is not valid JSON: {exc}") from None
+
+
+def infer_request(document: Any) -> InferRequest:
+    """A document's infer request: `{"id"?, "parameters"?, "inputs": [...], "outputs"?: [...]}`."""
+    body = _object(document, "the request body")
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid("'id' must be a string")
+    if len(request_id) > MAX_ID_CHARS:
+        raise invalid(f"'id' has {len(request_id)} characters; at most {MAX_ID_CHARS}")
+    parameters = _object(body.get("parameters", {}), "'parameters'")
+    for name in UNSERVED_PARAMETERS:
+        if name in parameters:
+            raise invalid(f"request parameter '{name}' is not served over HTTP yet; use gRPC")
+    inputs = _array(body.get("inputs"), "'inputs'")
+    outputs = _array(body.get("outputs", []), "'outputs'")
+    chosen: list[str] = []
+    counts: dict[str, int] = {}
+    for entry in outputs:
+        output = _object(entry, "an entry of 'outputs'")
+        name = _string(output.get("name"), "an output's 'name'")
+        chosen.append(name)
+        options = _object(output.get("parameters", {}), f"output '{echoed(name)}' 'parameters'")
+        if options.get("binary_data", False) is not False:
+            raise invalid("output parameter 'binary_data' is not served over HTTP yet")
+        if CLASSIFICATION in options:
+            k = options[CLASSIFICATION]
+            if not _is_int(k) or k <= 0:
+                raise invalid("invalid value for 'classification' parameter, expected >= 0")
+            counts[name] = k
+    return InferRequest(
+        request_id,
+        tuple(_object(i, "an entry of 'inputs'") for i in inputs),
+        tuple(chosen),
+        counts,
+        _non_negative(parameters, "priority"),
+        None if (us := _non_negative(parameters, "timeout")) is None else us / 1e6,
+    )
+
+
+def input_tensor(entry: Mapping[str, Any], validator: RequestValidator) -> InputTensor:
+    """One entry of 'inputs' as a tensor, its shape checked against the model before its data
+    is walked, its data walked no further than the shape before its values are converted."""
+    name = _string(entry.get("name"), "an input's 'name'")
+    datatype = _string(entry.get("datatype"), f"input '{echoed(name)}' 'datatype'")
+    sent = _array(entry.get("shape"), f"input '{echoed(name)}' 'shape'", MAX_RANK)
+    if not all(_is_int(d) for d in sent):
+        raise invalid(f"input '{echoed(name)}': 'shape' must be a list of integers")
+    options = _object(entry.get("parameters", {}), f"input '{echoed(name)}' 'parameters'")
+    for option in UNSERVED_TENSOR_PARAMETERS:
+        if option in options:
+            raise invalid(f"input parameter '{option}' is not served over HTTP yet")
+    shape = validator.declared_shape(name, datatype, sent)
+    data = entry.get("data")
+    if not isinstance(data, list):
+        raise invalid(f"input '{name}': 'data' must be an array")
+    values = flattened(name, data, shape)
+    return InputTensor(name, BY_NAME[datatype], shape, converted(name, values, BY_NAME[datatype]))
+
+
+def flattened(name: str, data: list[Any], shape: tuple[int, ...]) -> list[Any]:
+    """`data`, flat or nested row-major, as its flat list of values: nested, every level must
+    hold exactly the shape's count (checked a level at a time, so the walk never passes what the
+    shape declares); flat, its length must be the shape's element count."""
+    count = math.prod(shape)
+    if not data or not isinstance(data[0], list):
+        if len(data) != count:
+            raise invalid(
+                f"input '{name}': shape {list(shape)} needs {count} values, 'data' holds "
+                f"{len(data)}"
+            )
+        return data
+    level: list[Any] = [data]
+    for axis, size in enumerate(shape):
+        for item in level:
+            if not isinstance(item, list) or len(item) != size:
+                raise invalid(
+                    f"input '{name}': 'data' does not have shape {list(shape)}: dimension "
+                    f"{axis} holds {len(item) if isinstance(item, list) else 'a value'}, "
+                    f"not {size}"
+                )
+        level = list(itertools.chain.from_iterable(level))
+    return level
+
+
+def converted(name: str, values: Sequence[Any], datatype: Datatype) -> bytes:
+    """The values as the datatype's little-endian bytes (BYTES: strings as UTF-8, serialized),
+    a chunk at a time. Integers must be integral and in range, BOOL true or false, floats
+    numbers: JSON cannot say more, so FP16 and BF16 are rounded from the numbers sent."""
+    if datatype.name == "BYTES":
+        if not all(isinstance(v, str) for v in values):
+            raise invalid(f"input '{name}': BYTES data must be strings")
+        return serialize_bytes(v.encode() for v in values)
+    target = np.dtype("<f4") if datatype.name == "BF16" else datatype.numpy
+    out = np.empty(len(values), target)
+    for start in range(0, len(values), CONVERT_CHUNK):
+        try:
+            chunk = np.array(values[start : start + CONVERT_CHUNK])
+        except (ValueError, OverflowError):  # values nested deeper than the shape, unevenly
+            chunk = np.array([[]])
+        if chunk.ndim != 1 or not _fits(chunk, datatype):
+            raise invalid(
+                f"input '{name}': 'data' must hold {_expected(datatype)} for {datatype.name}"
+            )
+        out[start : start + CONVERT_CHUNK] = chunk
+    if datatype.name == "BF16":
+        return _bf16(out).tobytes()
+    return out.tobytes()
+
+
+def output_json(tensor: OutputTensor) -> dict[str, Any]:
+    """`{"name", "datatype", "shape", "data"}`, data flat row-major. A BYTES element that is
+    not UTF-8 has its undecodable bytes replaced (U+FFFD): JSON carries text only."""
+    count = math.prod(tensor.shape)
+    data: list[Any]
+    if tensor.datatype.name == "BYTES":
+        data = [v.decode(errors="replace") for v in deserialize_bytes(tensor.data, count)]
+    elif tensor.datatype.name == "BF16":
+        halves = np.frombuffer(tensor.data, "<u2").astype("<u4") << 16
+        data = halves.view("<f4").tolist()
+    else:
+        data = np.frombuffer(tensor.data, tensor.datatype.numpy).tolist()
+    return {
+        "name": tensor.name,
+        "datatype": tensor.datatype.name,
+        "shape": list(tensor.shape),
+        "data": data,
+    }
+
+
+def _fits(chunk: np.ndarray[Any, Any], datatype: Datatype) -> bool:
+    kind: str = chunk.dtype.kind
+    if datatype.name == "BOOL":
+        return kind == "b"
+    if datatype.numpy.kind == "f" or datatype.name == "BF16":
+        return kind in "iuf"
+    if kind not in "iu":
+        return False
+    limits = np.iinfo(datatype.numpy)
+    return not chunk.size or (int(chunk.min()) >= limits.min and int(chunk.max()) <= limits.max)
+
+
+def _expected(datatype: Datatype) -> str:
+    if datatype.name == "BOOL":
+        return "true or false"
+    if datatype.numpy.kind == "f" or datatype.name == "BF16":
+        return "numbers"
+    limits = np.iinfo(datatype.numpy)
+    return f"integers from {limits.min} to {limits.max}"
+
+
+def _bf16(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """FP32 values rounded to BF16 (to nearest, ties to even), as uint16 bit patterns."""
+    bits = values.view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype("<u2")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _non_negative(parameters: Mapping[str, Any], key: str) -> int | None:
+    """Triton's request parameters `priority` (1 = highest) and `timeout` (microseconds)."""
+    if key not in parameters:
+        return None
+    value = parameters[key]
+    if not _is_int(value):
+        raise invalid(f"request parameter '{key}' must be an integer")
+    if value < 0:
+        raise invalid(f"request parameter '{key}' must not be negative")
+    return int(value)
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid(f"{what} must be a JSON object")
+    return value
+
+
+def _array(value: Any, what: str, most: int = MAX_TENSORS) -> list[Any]:
+    if not isinstance(value, list):
+        raise invalid(f"{what} must be a JSON array")
+    if len(value) > most:
+        raise invalid(f"{what} has {len(value)} entries; at most {most}")
+    return value
+
+
+def _string(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"{what} must be a string")
+    return value

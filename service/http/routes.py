@@ -1,0 +1,119 @@
+"""The KServe v2 REST routes, each a conversion between JSON and the data plane's calls (the
+same calls gRPC's servicer makes), with Triton's behaviour where the protocol is silent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protos.inference import grpc_service_pb2 as pb
+from service.dataplane.plane import DataPlane, TensorMetadata
+from service.http.json_tensors import infer_request, input_tensor, output_json, parsed
+from service.http.proto_json import proto_json
+from service.inference import errors
+from service.inference.validation import Decoding
+
+# Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
+REST_EXTENSIONS = frozenset(
+    {"classification", "schedule_policy", "model_configuration", "parameters", "statistics"}
+)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a route answers: a status and a JSON document, or an empty body (None)."""
+
+    status: int
+    document: Any = None
+
+
+OK = Reply(200)
+NOT_READY = Reply(400)  # Triton's health and readiness answers carry no body
+
+
+class Routes:
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    def live(self) -> Reply:
+        return OK
+
+    def ready(self) -> Reply:
+        return OK if self.plane.ready else NOT_READY
+
+    def server_metadata(self) -> Reply:
+        described = self.plane.server_metadata()
+        extensions = [e for e in described.extensions if e in REST_EXTENSIONS]
+        return Reply(
+            200,
+            {"name": described.name, "version": described.version, "extensions": extensions},
+        )
+
+    def model_ready(self, model: str, version: str) -> Reply:
+        return OK if self.plane.model_ready(model, version) else NOT_READY
+
+    def model_metadata(self, model: str, version: str) -> Reply:
+        described = self.plane.model_metadata(model, version)
+        return Reply(
+            200,
+            {
+                "name": described.name,
+                "versions": list(described.versions),
+                "platform": described.platform,
+                "inputs": [_tensor(t) for t in described.inputs],
+                "outputs": [_tensor(t) for t in described.outputs],
+            },
+        )
+
+    def model_config(self, model: str, version: str) -> Reply:
+        return Reply(200, proto_json(self.plane.model_config(model, version)))
+
+    def statistics(self, model: str, version: str) -> Reply:
+        chosen = self.plane.statistics(model, version)
+        response = pb.ModelStatisticsResponse(
+            model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
+        )
+        return Reply(200, proto_json(response))
+
+    async def infer(self, model: str, version: str, body: bytes) -> Reply:
+        served = self.plane.resolve(model, version)
+        if served.decoupled:
+            raise errors.ServiceError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"/infer doesn't support models with decoupled transaction policy: model "
+                f"'{served.name}' answers with a stream of responses; call gRPC's "
+                "ModelStreamInfer",
+            )
+        request = infer_request(parsed(body))
+        validator = served.validator
+        assert validator is not None  # a resolved version serves
+
+        def admit() -> Decoding:
+            inputs, names = [], set()
+            for entry in request.inputs:
+                name = entry.get("name")
+                if name in names:  # refused before its data is converted a second time
+                    raise errors.invalid(f"input '{name}' appears more than once")
+                inputs.append(input_tensor(entry, validator))
+                names.add(name)
+            return validator.check(inputs, request.outputs, request.priority, request.timeout_s)
+
+        job = await self.plane.admitted(served, admit)
+        inferred = await self.plane.infer(served, job, None, request.class_counts)
+        answered = inferred.answered
+        document: dict[str, Any] = {
+            "model_name": answered.name,
+            "model_version": str(answered.version),
+            "id": request.id,
+            "outputs": [output_json(t) for t in inferred.outputs],
+        }
+        if inferred.fallback:
+            # Answered by the fallback model while the one asked is open-circuited.
+            document["parameters"] = {"fallback": True}
+        return Reply(200, document)
+
+
+def _tensor(tensor: TensorMetadata) -> dict[str, Any]:
+    return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
