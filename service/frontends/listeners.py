@@ -15,7 +15,7 @@ from cryptography import x509
 
 from service.api.registration import Register
 from service.dataplane.plane import DataPlane
-from service.http.app import BodyLimits, RestApp
+from service.http.app import RequestLimits, RestApp
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.routes import Routes
 from service.settings import ServerSettings
@@ -91,9 +91,10 @@ async def listen(
 
 async def start_rest(settings: ServerSettings, plane: DataPlane) -> HttpListener:
     """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
-    app = RestApp(
-        Routes(plane), BodyLimits(settings.http_max_input_size, settings.http_body_timeout)
+    limits = RequestLimits(
+        settings.max_metadata_bytes, settings.http_max_input_size, settings.http_body_timeout
     )
+    app = RestApp(Routes(plane), limits)
     options = HttpOptions(
         settings.host,
         settings.http_port,

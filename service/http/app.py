@@ -23,9 +23,10 @@ _JSON = (b"content-type", b"application/json")
 
 
 @dataclass(frozen=True)
-class BodyLimits:
-    max_bytes: int  # per request (--http-max-input-size)
-    timeout_s: float  # for all of one request's body (--http-body-timeout)
+class RequestLimits:
+    max_header_bytes: int  # a request's header block, RFC 9114 size (--max-metadata-bytes)
+    max_body_bytes: int  # per request (--http-max-input-size)
+    body_timeout_s: float  # for all of one request's body (--http-body-timeout)
 
 
 class Refused(Exception):
@@ -40,7 +41,7 @@ class Refused(Exception):
 
 
 class RestApp:
-    def __init__(self, routes: Routes, limits: BodyLimits) -> None:
+    def __init__(self, routes: Routes, limits: RequestLimits) -> None:
         self.routes = routes
         self.limits = limits
 
@@ -69,6 +70,7 @@ class RestApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _route(self, scope: Scope, receive: Receive) -> Reply:
+        _check_headers(scope, self.limits.max_header_bytes)
         method = scope["method"]
         parts = scope["path"].strip("/").split("/")
         if parts[0] != "v2":
@@ -106,31 +108,31 @@ class RestApp:
         raise Refused(404, f"no route {scope['path']!r}")
 
 
-async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> bytes:
     """The request's body, at most `max_bytes` (a larger Content-Length is refused before
     anything is read, a longer chunked body as soon as it passes the limit), all of it within
     `timeout_s`."""
     declared = _content_length(scope)
-    if declared is not None and declared > limits.max_bytes:
+    if declared is not None and declared > limits.max_body_bytes:
         raise Refused(
             400,
             f"the request body has {declared} bytes, more than --http-max-input-size "
-            f"{limits.max_bytes}; refused before reading it",
+            f"{limits.max_body_bytes}; refused before reading it",
             close=True,
         )
     body = bytearray()
     try:
-        async with asyncio.timeout(limits.timeout_s):
+        async with asyncio.timeout(limits.body_timeout_s):
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise Refused(400, "the client went away before its body ended", close=True)
                 body += message.get("body", b"")
-                if len(body) > limits.max_bytes:
+                if len(body) > limits.max_body_bytes:
                     raise Refused(
                         400,
                         f"the request body has more than --http-max-input-size "
-                        f"{limits.max_bytes} bytes",
+                        f"{limits.max_body_bytes} bytes",
                         close=True,
                     )
                 if not message.get("more_body", False):
@@ -138,10 +140,20 @@ async def read_body(scope: Scope, receive: Receive, limits: BodyLimits) -> bytes
     except TimeoutError:
         raise Refused(
             408,
-            f"the request body took more than --http-body-timeout {limits.timeout_s:g} s "
+            f"the request body took more than --http-body-timeout {limits.body_timeout_s:g} s "
             f"({len(body)} bytes arrived)",
             close=True,
         ) from None
+
+
+def _check_headers(scope: Scope, limit: int) -> None:
+    """The server library bounds a header block while it is incomplete (h11) or by the size
+    it advertised (h2); one that arrived whole in a single read is measured here."""
+    size = sum(len(name) + len(value) + 32 for name, value in scope["headers"])
+    if size > limit:
+        raise Refused(
+            431, f"the request's headers have {size} bytes, more than {limit}", close=True
+        )
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -11,9 +11,9 @@ import grpc
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
 from service.http.json_tensors import infer_request, input_tensor, output_json, parsed
-from service.http.proto_json import proto_json
 from service.inference import errors
 from service.inference.validation import Decoding
+from service.model.config_json import config_dict
 
 # Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
 REST_EXTENSIONS = frozenset(
@@ -68,14 +68,14 @@ class Routes:
         )
 
     def model_config(self, model: str, version: str) -> Reply:
-        return Reply(200, proto_json(self.plane.model_config(model, version)))
+        return Reply(200, config_dict(self.plane.model_config(model, version)))
 
     def statistics(self, model: str, version: str) -> Reply:
         chosen = self.plane.statistics(model, version)
         response = pb.ModelStatisticsResponse(
             model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
         )
-        return Reply(200, proto_json(response))
+        return Reply(200, config_dict(response))
 
     async def infer(self, model: str, version: str, body: bytes) -> Reply:
         served = self.plane.resolve(model, version)

@@ -1,0 +1,420 @@
+"""The KServe v2 REST API against the real server process, with real clients each in its own
+process (curl over HTTP/1.1 and HTTP/2 by prior knowledge, tritonclient's HTTP client), its
+answers compared with the gRPC answer for the same input, and every bound of an untrusted
+network hit once."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request, parse_response
+from protos.inference import grpc_service_pb2 as pb
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from service.model.config_json import config_dict
+from tests.servers import REPO_ROOT, free_port, model_repository, running_server
+
+pytestmark = pytest.mark.e2e
+
+MODELS = ("mlp", "two_tower", "tokenizer", "label_postprocess", "generate")
+MAX_INPUT = 4 << 20  # --http-max-input-size: a million-value tensor fits, 8 MiB does not
+BODY_TIMEOUT_S = 1.0
+KEEPALIVE_TIMEOUT_S = 1.0
+HTTP_VERSIONS = ("1.1", "2")
+
+
+@dataclass(frozen=True)
+class Rest:
+    """The server: its REST port, and its gRPC stub for the answers to compare with."""
+
+    port: int
+    stub: pb_grpc.GRPCInferenceServiceStub
+
+
+@pytest.fixture(scope="module")
+def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
+    root = tmp_path_factory.mktemp("http")
+    repository = model_repository(root / "models", MODELS)
+    port = free_port()
+    args = (
+        *("--http-port", str(port)),
+        *("--http-max-input-size", str(MAX_INPUT)),
+        *("--http-body-timeout", str(BODY_TIMEOUT_S)),
+        *("--http-keepalive-timeout", str(KEEPALIVE_TIMEOUT_S)),
+    )
+    with running_server(repository, root / "server.log", args) as server:
+        yield Rest(port, server.stub)
+
+
+def base(server: Rest) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+def curl(
+    server: Rest, path: str, version: str, body: bytes | None = None
+) -> tuple[int, str, bytes]:
+    """curl in its own process: (status, HTTP version it spoke, body)."""
+    command = [
+        "curl",
+        "-s",
+        "--http1.1" if version == "1.1" else "--http2-prior-knowledge",
+        "-w",
+        "\n%{http_code} %{http_version}",
+        base(server) + path,
+    ]
+    if body is not None:
+        command += ["-H", "Content-Type: application/json", "--data-binary", "@-"]
+    done = subprocess.run(command, input=body, capture_output=True, timeout=60, check=True)
+    payload, _, trailer = done.stdout.rpartition(b"\n")
+    status, spoken = trailer.decode().split()
+    return int(status), spoken, payload
+
+
+def json_input(name: str, array: np.ndarray[Any, Any], datatype: str) -> dict[str, Any]:
+    data = [v.decode() for v in array.ravel()] if datatype == "BYTES" else array.tolist()
+    return {"name": name, "datatype": datatype, "shape": list(array.shape), "data": data}
+
+
+def grpc_answer(
+    server: Rest, model: str, inputs: dict[str, np.ndarray[Any, Any]]
+) -> dict[str, np.ndarray[Any, Any]]:
+    return parse_response(server.stub.ModelInfer(build_request(model, inputs), timeout=60))
+
+
+def rest_arrays(document: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
+    return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in document["outputs"]}
+
+
+@pytest.mark.parametrize("version", HTTP_VERSIONS)
+def test_health_answers_200_with_an_empty_body(rest: Rest, version: str) -> None:
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/mlp/ready"):
+        assert curl(rest, path, version) == (200, version, b"")
+    assert curl(rest, "/v2/models/nope/ready", version) == (400, version, b"")
+
+
+@pytest.mark.parametrize("version", HTTP_VERSIONS)
+def test_curl_infer_matches_grpc(rest: Rest, version: str) -> None:
+    array = np.random.default_rng(1).standard_normal((3, 256), dtype=np.float32)
+    request = {"id": "r1", "inputs": [json_input("input", array, "FP32")]}
+    status, spoken, body = curl(rest, "/v2/models/mlp/infer", version, json.dumps(request).encode())
+    assert (status, spoken) == (200, version), body
+    document = json.loads(body)
+    assert (document["model_name"], document["model_version"], document["id"]) == ("mlp", "1", "r1")
+    expected = grpc_answer(rest, "mlp", {"input": array})
+    answered = rest_arrays(document)
+    assert answered.keys() == expected.keys()
+    for name, values in expected.items():
+        np.testing.assert_allclose(answered[name], values, rtol=1e-5, atol=1e-6)
+
+
+def test_nested_and_flat_data_answer_the_same(rest: Rest) -> None:
+    array = np.random.default_rng(2).standard_normal((2, 256), dtype=np.float32)
+    nested = json_input("input", array, "FP32")
+    flat = {**nested, "data": array.ravel().tolist()}
+    answers = []
+    for entry in (nested, flat):
+        body = json.dumps({"inputs": [entry]}).encode()
+        status, _, payload = curl(rest, "/v2/models/mlp/versions/1/infer", "1.1", body)
+        assert status == 200, payload
+        answers.append(rest_arrays(json.loads(payload)))
+    for name in answers[0]:
+        np.testing.assert_allclose(answers[0][name], answers[1][name])
+
+
+def test_bytes_in_and_out_and_output_selection(rest: Rest) -> None:
+    texts = np.array([[b"a good film"], [b"dull"]], dtype=object)
+    body = json.dumps({"inputs": [json_input("text", texts, "BYTES")]}).encode()
+    status, _, payload = curl(rest, "/v2/models/tokenizer/infer", "2", body)
+    assert status == 200, payload
+    np.testing.assert_array_equal(
+        rest_arrays(json.loads(payload))["token_ids"],
+        grpc_answer(rest, "tokenizer", {"text": texts})["token_ids"],
+    )
+    logits = np.array([[0.1, 2.0, 0.3, -1.0]], dtype=np.float32)
+    body = json.dumps(
+        {"inputs": [json_input("logits", logits, "FP32")], "outputs": [{"name": "label"}]}
+    ).encode()
+    status, _, payload = curl(rest, "/v2/models/label_postprocess/infer", "1.1", body)
+    assert status == 200, payload
+    outputs = json.loads(payload)["outputs"]
+    expected = grpc_answer(rest, "label_postprocess", {"logits": logits})["label"]
+    assert [(o["name"], o["datatype"], o["shape"]) for o in outputs] == [
+        ("label", "BYTES", list(expected.shape))
+    ]
+    assert outputs[0]["data"] == [v.decode() for v in expected.ravel()]
+
+
+def test_metadata_and_config_match_grpc(rest: Rest) -> None:
+    status, _, payload = curl(rest, "/v2", "1.1")
+    server = json.loads(payload)
+    grpc_server = rest.stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert (status, server["name"], server["version"]) == (
+        200,
+        grpc_server.name,
+        grpc_server.version,
+    )
+    assert set(server["extensions"]) <= set(grpc_server.extensions)
+    status, _, payload = curl(rest, "/v2/models/two_tower/versions/1", "2")
+    metadata = json.loads(payload)
+    grpc_metadata = rest.stub.ModelMetadata(pb.ModelMetadataRequest(name="two_tower"))
+    assert metadata == {
+        "name": "two_tower",
+        "versions": list(grpc_metadata.versions),
+        "platform": grpc_metadata.platform,
+        "inputs": [
+            {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+            for t in grpc_metadata.inputs
+        ],
+        "outputs": [
+            {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+            for t in grpc_metadata.outputs
+        ],
+    }
+    status, _, payload = curl(rest, "/v2/models/mlp/config", "1.1")
+    config = rest.stub.ModelConfig(pb.ModelConfigRequest(name="mlp")).config
+    assert (status, json.loads(payload)) == (200, config_dict(config))
+    assert json.loads(payload)["max_batch_size"] == 64  # a number, as Triton writes it
+
+
+def test_statistics_count_rest_calls(rest: Rest) -> None:
+    def successes() -> int:
+        status, _, payload = curl(rest, "/v2/models/mlp/stats", "1.1")
+        assert status == 200
+        (stats,) = json.loads(payload)["model_stats"]
+        return int(stats["inference_stats"]["success"]["count"])
+
+    before = successes()
+    array = np.zeros((1, 256), np.float32)
+    body = json.dumps({"inputs": [json_input("input", array, "FP32")]}).encode()
+    assert curl(rest, "/v2/models/mlp/infer", "1.1", body)[0] == 200
+    assert successes() == before + 1
+    status, _, payload = curl(rest, "/v2/models/stats", "1.1")
+    assert status == 200
+    assert {s["name"] for s in json.loads(payload)["model_stats"]} == set(MODELS)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("/v2/models/nope", None, 404, "unknown model"),
+        ("/v2/models/mlp/versions/7", None, 404, "version 7"),
+        ("/v2/nothing/here", None, 404, "no route"),
+        ("/v2/models/mlp/infer", None, 405, "takes POST"),
+        (
+            "/v2/models/generate/infer",
+            {"inputs": []},
+            501,
+            "decoupled transaction policy",
+        ),
+        (
+            "/v2/models/mlp/infer",
+            {"inputs": [{"name": "input", "datatype": "FP64", "shape": [1, 256], "data": []}]},
+            400,
+            "expected datatype FP32",
+        ),
+        (
+            "/v2/models/mlp/infer",
+            {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 256], "data": ["x"]}]},
+            400,
+            "needs 256 values",
+        ),
+        ("/v2/models/mlp/infer", {"inputs": "none"}, 400, "'inputs' must be a JSON array"),
+        (
+            "/v2/models/mlp/infer",
+            {"inputs": [], "parameters": {"sequence_id": 5}},
+            400,
+            "'sequence_id' is not served over HTTP",
+        ),
+    ],
+)
+def test_errors_are_triton_statuses_with_an_error_body(
+    rest: Rest, path: str, body: Any, status: int, message: str
+) -> None:
+    sent = None if body is None else json.dumps(body).encode()
+    got, _, payload = curl(rest, path, "1.1", sent)
+    assert got == status, payload
+    assert message in json.loads(payload)["error"]
+
+
+def test_a_body_over_the_limit_is_refused_from_its_content_length(rest: Rest) -> None:
+    """Only the headers are sent: the answer comes without the body being read."""
+    with raw(rest) as connection:
+        connection.sendall(
+            b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {MAX_INPUT + 1}\r\n\r\n".encode()
+        )
+        status, body = response(connection)
+    assert status == 400
+    assert f"more than --http-max-input-size {MAX_INPUT}" in json.loads(body)["error"]
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(rest: Rest) -> None:
+    chunk = b"x" * (1 << 20)
+    with raw(rest) as connection:
+        connection.sendall(
+            b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        try:
+            for _ in range(MAX_INPUT // len(chunk) + 2):
+                connection.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        except OSError:
+            pass  # the server answered and closed while this was still sending
+        status, body = response(connection)
+    assert status == 400
+    assert "more than --http-max-input-size" in json.loads(body)["error"]
+
+
+def test_a_body_that_stalls_is_answered_408(rest: Rest) -> None:
+    with raw(rest) as connection:
+        connection.sendall(
+            b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+        )
+        status, body = response(connection)
+    assert status == 408
+    assert "--http-body-timeout" in json.loads(body)["error"]
+
+
+def test_a_connection_sending_no_complete_request_is_closed(rest: Rest) -> None:
+    with raw(rest) as connection:
+        connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # headers unfinished
+        started = time.monotonic()
+        assert connection.recv(1024) == b""  # closed by the server, with nothing sent
+        assert time.monotonic() - started < 60
+
+
+def test_a_header_block_over_the_limit_is_refused(rest: Rest) -> None:
+    with raw(rest) as connection:
+        connection.sendall(
+            b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 << 10) + b"\r\n\r\n"
+        )
+        status, body = response(connection)
+    assert status == 431
+    assert "more than 16384" in json.loads(body)["error"]
+
+
+def test_json_nesting_is_bounded_before_parsing(rest: Rest) -> None:
+    body = b'{"inputs": ' + b"[" * 200 + b"]" * 200 + b"}"
+    status, _, payload = curl(rest, "/v2/models/mlp/infer", "1.1", body)
+    assert status == 400
+    assert "nests 201 deep; at most 100" in json.loads(payload)["error"]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_values_past_the_shape_are_refused_before_conversion(rest: Rest, nested: bool) -> None:
+    """A [1, 256] tensor sent with a million values."""
+    values = [0] * 1_000_000
+    data = [values] if nested else values
+    tensor = {"name": "input", "datatype": "FP32", "shape": [1, 256], "data": data}
+    body = json.dumps({"inputs": [tensor]}).encode()
+    status, _, payload = curl(rest, "/v2/models/mlp/infer", "1.1", body)
+    assert status == 400
+    error = json.loads(payload)["error"]
+    assert ("dimension 1 holds 1000000, not 256" if nested else "'data' holds 1000000") in error
+
+
+TRITONCLIENT = """
+import json, sys
+import numpy as np
+import tritonclient.http as httpclient
+
+url, request = sys.argv[1], json.loads(sys.stdin.read())
+client = httpclient.InferenceServerClient(url)
+assert client.is_server_live() and client.is_server_ready()
+assert client.is_model_ready("mlp")
+metadata = client.get_model_metadata("mlp")
+config = client.get_model_config("mlp")
+inputs = []
+for name, (datatype, values) in request.items():
+    array = np.array(values, dtype=np.float32)
+    tensor = httpclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=False)
+    inputs.append(tensor)
+outputs = [httpclient.InferRequestedOutput("score", binary_data=False)]
+result = client.infer("two_tower", inputs, outputs=outputs, request_id="t1")
+try:
+    client.infer("nope", inputs)
+    failure = None
+except Exception as exc:
+    failure = str(exc)
+response = result.get_response()
+print(json.dumps({
+    "metadata": metadata, "max_batch_size": config["max_batch_size"], "id": response["id"],
+    "names": [o["name"] for o in response["outputs"]], "score": result.as_numpy("score").tolist(),
+    "failure": failure,
+}))
+"""
+
+
+def test_tritonclient_http_matches_grpc(rest: Rest) -> None:
+    rng = np.random.default_rng(3)
+    arrays = {
+        "user": rng.standard_normal((2, 32), dtype=np.float32),
+        "item": rng.standard_normal((2, 48), dtype=np.float32),
+    }
+    request = {name: ("FP32", array.tolist()) for name, array in arrays.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", TRITONCLIENT, f"127.0.0.1:{rest.port}"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["metadata"]["name"] == "mlp"
+    assert answer["max_batch_size"] == 64
+    assert (answer["id"], answer["names"]) == ("t1", ["score"])
+    np.testing.assert_allclose(
+        answer["score"], grpc_answer(rest, "two_tower", arrays)["score"], rtol=1e-5, atol=1e-6
+    )
+    assert "unknown model" in answer["failure"]
+
+
+class raw:
+    """A plain TCP connection to the REST port, for requests no client would send."""
+
+    def __init__(self, server: Rest) -> None:
+        self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+
+    def __enter__(self) -> socket.socket:
+        return self.socket
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.socket.close()
+
+
+def response(connection: socket.socket) -> tuple[int, bytes]:
+    """Status and body of an HTTP/1.1 response with a Content-Length."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        data = connection.recv(65536)
+        if not data:
+            break
+        received += data
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    length = next(
+        (
+            int(v)
+            for k, _, v in (line.partition(b":") for line in lines[1:])
+            if k.lower() == b"content-length"
+        ),
+        0,
+    )
+    while len(body) < length:
+        data = connection.recv(65536)
+        if not data:
+            break
+        body += data
+    return status, body
