@@ -27,6 +27,7 @@ from service.frontends.listeners import (
     Listeners,
     bracket,
     check_client_auth,
+    check_rest,
     listen,
 )
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
@@ -53,6 +54,8 @@ async def serve(settings: ServerSettings) -> None:
     restrictions = parse_restrictions(settings.restricted_protocol)
     client_auth = check_client_auth(settings)
     frontends = settings_module.frontend_count(settings.frontends)
+    if frontends == 1:
+        check_rest(settings)
     # With front-end processes, each opens the store they share (service/frontends).
     tickets = (
         open_ticket_store(settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl)

@@ -246,6 +246,22 @@ def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
     return ClientAuth(ca_file, settings.require_client_cert)
 
 
+def check_rest(settings: ServerSettings) -> None:
+    """The REST API applies neither restricted protocols nor client certificates yet: a server
+    told to use them does not serve REST beside them, open to anyone (checked at start)."""
+    if not settings.http_port:
+        return
+    if settings.restricted_protocol:
+        raise ClientAuthError(
+            "--restricted-protocol is not applied to the REST API yet: start with --http-port 0"
+        )
+    if settings.require_client_cert:
+        raise ClientAuthError(
+            "--require-client-cert is not applied to the REST API (plain TCP) yet: start with "
+            "--http-port 0"
+        )
+
+
 class ClientAuthError(ValueError):
     """Client certificate settings that cannot be served."""
 

@@ -14,7 +14,7 @@ _OPEN = (ord("["), ord("{"))
 _CLOSE = (ord("]"), ord("}"))
 
 
-def nesting_depth(document: bytes) -> int:
+def nesting_depth(document: bytes, chunk_bytes: int = CHUNK) -> int:
     """The deepest nesting of arrays and objects in `document`, brackets inside strings not
     counted; for a document that is not valid JSON, a number no lower than a parser would
     reach before refusing it."""
@@ -24,8 +24,8 @@ def nesting_depth(document: bytes) -> int:
     text = document.replace(b"\\\\", b"").replace(b'\\"', b"")
     deepest = depth = 0
     in_string = False
-    for start in range(0, len(text), CHUNK):
-        chunk = np.frombuffer(text, np.uint8, min(CHUNK, len(text) - start), start)
+    for start in range(0, len(text), chunk_bytes):
+        chunk = np.frombuffer(text, np.uint8, min(chunk_bytes, len(text) - start), start)
         quotes = chunk == _QUOTE
         # Inside a string from an opening quote to its closing one (inclusive of the first).
         inside = (np.cumsum(quotes, dtype=np.int64) + in_string) % 2 == 1

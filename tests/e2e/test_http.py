@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,10 +23,11 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.model.config_json import config_dict
 from tests.servers import REPO_ROOT, free_port, model_repository, running_server
+from transport.tls.certs import issue_client_certificate
 
 pytestmark = pytest.mark.e2e
 
-MODELS = ("mlp", "two_tower", "tokenizer", "label_postprocess", "generate")
+MODELS = ("mlp", "two_tower", "text_classifier", "tokenizer", "label_postprocess", "generate")
 MAX_INPUT = 4 << 20  # --http-max-input-size: a million-value tensor fits, 8 MiB does not
 BODY_TIMEOUT_S = 1.0
 KEEPALIVE_TIMEOUT_S = 1.0
@@ -92,6 +94,28 @@ def grpc_answer(
 
 def rest_arrays(document: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
     return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in document["outputs"]}
+
+
+def test_readme_curl_examples(rest: Rest) -> None:
+    """The REST section's commands, as README.md prints them, against this server's port."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## REST: KServe v2")[1].split("```sh\n")[1].split("```")[0]
+    commands = section.replace("\n  ", " ").splitlines()
+    assert len(commands) == 3
+    outputs = []
+    for command in commands:
+        local = command.replace("localhost:8000", f"127.0.0.1:{rest.port}")
+        done = subprocess.run(["bash", "-c", local], capture_output=True, timeout=60, text=True)
+        assert done.returncode == 0, (command, done.stderr)
+        outputs.append(done.stdout)
+    assert outputs[0] == "ready\n"
+    answer = json.loads(outputs[1])
+    (logits,) = answer["outputs"]
+    tokens = np.array([[12, 7, 431, 9, 2]], np.int64)
+    expected = grpc_answer(rest, "text_classifier", {"token_ids": tokens})["logits"]
+    assert (logits["name"], logits["shape"]) == ("logits", [1, 4])
+    np.testing.assert_allclose(np.array(logits["data"]).reshape(1, 4), expected, rtol=1e-5)
+    assert json.loads(outputs[2])["name"] == "text_classifier"
 
 
 @pytest.mark.parametrize("version", HTTP_VERSIONS)
@@ -319,6 +343,35 @@ def test_values_past_the_shape_are_refused_before_conversion(rest: Rest, nested:
     assert status == 400
     error = json.loads(payload)["error"]
     assert ("dimension 1 holds 1000000, not 256" if nested else "'data' holds 1000000") in error
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--restricted-protocol", "inference:k=v"], "--restricted-protocol is not applied"),
+        (
+            ["--tls-client-ca", "CA", "--require-client-cert", "--h2-tls"],
+            "--require-client-cert is not applied to the REST API",
+        ),
+    ],
+)
+def test_rest_is_not_served_beside_protections_it_does_not_apply(
+    tmp_path: Path, args: list[str], error: str
+) -> None:
+    ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
+    args = [str(ca) if a == "CA" else a for a in args]
+    started = subprocess.run(
+        [
+            *(sys.executable, "-m", "service.server", "--model-repository", str(tmp_path)),
+            *("--http-port", str(free_port()), *args),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode == 1
+    assert error in started.stderr
 
 
 TRITONCLIENT = """
