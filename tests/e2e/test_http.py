@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.events
 import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from service.http.listener import MAX_STREAMS_PER_CONNECTION
 from service.model.config_json import config_dict
 from tests.servers import REPO_ROOT, free_port, model_repository, running_server
 from transport.tls.certs import issue_client_certificate
@@ -252,6 +256,7 @@ def test_statistics_count_rest_calls(rest: Rest) -> None:
             "needs 256 values",
         ),
         ("/v2/models/mlp/infer", {"inputs": "none"}, 400, "'inputs' must be a JSON array"),
+        ("/v2/models/mlp/infer", {"id": "i" * 257, "inputs": []}, 400, "at most 256"),
         (
             "/v2/models/mlp/infer",
             {"inputs": [], "parameters": {"sequence_id": 5}},
@@ -323,6 +328,19 @@ def test_a_header_block_over_the_limit_is_refused(rest: Rest) -> None:
         status, body = response(connection)
     assert status == 431
     assert "more than 16384" in json.loads(body)["error"]
+
+
+def test_http2_streams_per_connection_are_bounded(rest: Rest) -> None:
+    """The server's SETTINGS bound a connection's concurrent streams; h2 refuses more."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    with raw(rest) as sock:
+        sock.sendall(connection.data_to_send())
+        events: list[Any] = []
+        while not any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events):
+            events += connection.receive_data(sock.recv(65536))
+    assert connection.remote_settings.max_concurrent_streams == MAX_STREAMS_PER_CONNECTION
+    assert connection.remote_settings.max_header_list_size == 16 << 10
 
 
 def test_json_nesting_is_bounded_before_parsing(rest: Rest) -> None:
