@@ -20,6 +20,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
+# Triton's binary tensor data extension: where a body's JSON ends and its binary data begins.
+_HEADER_LENGTH = b"inference-header-content-length"
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class RestApp:
         body = b"" if reply.document is None else json.dumps(reply.document).encode()
         if reply.document is None:
             headers.remove(_JSON)
+        if reply.binary:
+            headers.remove(_JSON)
+            headers.append((b"content-type", b"application/octet-stream"))
+            headers.append((_HEADER_LENGTH, str(len(body)).encode()))
+            body = b"".join((body, *reply.binary))
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -94,7 +101,7 @@ class RestApp:
         if action == "infer":
             _method(method, "POST")
             body = await read_body(scope, receive, self.limits)
-            return await self.routes.infer(model, version, body)
+            return await self.routes.infer(model, version, body, _header(scope, _HEADER_LENGTH))
         if action is not None:
             _method(method, "GET")
         if action == "":
@@ -157,12 +164,20 @@ def _check_headers(scope: Scope, limit: int) -> None:
 
 
 def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise Refused(400, "Content-Length is not a number", close=True) from None
+
+
+def _header(scope: Scope, wanted: bytes) -> str | None:
+    """A header's value (the first, if sent more than once); ASGI names are lower case."""
     for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                raise Refused(400, "Content-Length is not a number", close=True) from None
+        if name == wanted:
+            return bytes(value).decode("latin-1")
     return None
 
 

@@ -31,12 +31,11 @@ MAX_RANK = 64  # dimensions of one input's shape
 MAX_ID_CHARS = 256
 # Request parameters that would change what is computed and are not served over REST yet: a
 # request naming one is refused rather than answered as if it had not.
-UNSERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "binary_data_output")
+UNSERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 UNSERVED_TENSOR_PARAMETERS = (
     "shared_memory_region",
     "shared_memory_byte_size",
     "shared_memory_offset",
-    "binary_data_size",
 )
 
 
@@ -50,6 +49,57 @@ class InferRequest:
     class_counts: Mapping[str, int]
     priority: int | None
     timeout_s: float | None
+    binary_outputs: bool  # Triton's `binary_data_output`: outputs as binary data by default
+    binary: Mapping[str, bool]  # an output's own `binary_data`, where it says
+
+    def answers_binary(self, output: str) -> bool:
+        return self.binary.get(output, self.binary_outputs)
+
+
+class BinaryData:
+    """The binary section of a body (Triton's binary tensor data extension), taken by the
+    inputs that name a `binary_data_size`, in the order the JSON lists them."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.taken = 0
+
+    def take(self, name: str, size: Any) -> bytes:
+        if not _is_int(size) or size < 0:
+            raise invalid(f"input '{name}': 'binary_data_size' must be an integer >= 0")
+        if self.taken + size > len(self.data):
+            raise invalid(
+                f"input '{name}': 'binary_data_size' {size} runs past the binary data "
+                f"({len(self.data) - self.taken} bytes left)"
+            )
+        self.taken += size
+        return bytes(self.data[self.taken - size : self.taken])
+
+    def check_used(self) -> None:
+        if self.taken != len(self.data):
+            raise invalid(
+                f"{len(self.data) - self.taken} bytes of binary data follow the inputs that "
+                "name a 'binary_data_size'"
+            )
+
+
+def split(body: bytes, header_length: str | None) -> tuple[bytes, BinaryData]:
+    """The JSON part of a body and its binary section: `Inference-Header-Content-Length` says
+    where the JSON ends (absent: the whole body is JSON)."""
+    if header_length is None:
+        return body, BinaryData(memoryview(b""))
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise invalid("Inference-Header-Content-Length is not a number") from None
+    if length == 0:
+        raise invalid("raw binary requests (Inference-Header-Content-Length: 0) are not served")
+    if not 0 < length <= len(body):
+        raise invalid(
+            f"Inference-Header-Content-Length {length} is not within the body ({len(body)} bytes)"
+        )
+    view = memoryview(body)
+    return body[:length], BinaryData(view[length:])
 
 
 def parsed(body: bytes) -> Any:
@@ -79,13 +129,14 @@ def infer_request(document: Any) -> InferRequest:
     outputs = _array(body.get("outputs", []), "'outputs'")
     chosen: list[str] = []
     counts: dict[str, int] = {}
+    binary: dict[str, bool] = {}
     for entry in outputs:
         output = _object(entry, "an entry of 'outputs'")
         name = _string(output.get("name"), "an output's 'name'")
         chosen.append(name)
         options = _object(output.get("parameters", {}), f"output '{echoed(name)}' 'parameters'")
-        if options.get("binary_data", False) is not False:
-            raise invalid("output parameter 'binary_data' is not served over HTTP yet")
+        if "binary_data" in options:
+            binary[name] = _bool(options["binary_data"], "output parameter 'binary_data'")
         if CLASSIFICATION in options:
             k = options[CLASSIFICATION]
             if not _is_int(k) or k <= 0:
@@ -98,12 +149,18 @@ def infer_request(document: Any) -> InferRequest:
         counts,
         _non_negative(parameters, "priority"),
         None if (us := _non_negative(parameters, "timeout")) is None else us / 1e6,
+        _bool(parameters.get("binary_data_output", False), "'binary_data_output'"),
+        binary,
     )
 
 
-def input_tensor(entry: Mapping[str, Any], validator: RequestValidator) -> InputTensor:
+def input_tensor(
+    entry: Mapping[str, Any], validator: RequestValidator, binary: BinaryData
+) -> InputTensor:
     """One entry of 'inputs' as a tensor, its shape checked against the model before its data
-    is walked, its data walked no further than the shape before its values are converted."""
+    is walked, its data walked no further than the shape before its values are converted; with
+    `binary_data_size`, its bytes taken from the binary section as they came (the validator
+    compares their length with the shape, as raw contents on gRPC)."""
     name = _string(entry.get("name"), "an input's 'name'")
     datatype = _string(entry.get("datatype"), f"input '{echoed(name)}' 'datatype'")
     sent = _array(entry.get("shape"), f"input '{echoed(name)}' 'shape'", MAX_RANK)
@@ -114,6 +171,12 @@ def input_tensor(entry: Mapping[str, Any], validator: RequestValidator) -> Input
         if option in options:
             raise invalid(f"input parameter '{option}' is not served over HTTP yet")
     shape = validator.declared_shape(name, datatype, sent)
+    if "binary_data_size" in options:
+        if "data" in entry:
+            raise invalid(f"input '{name}': 'data' and 'binary_data_size' are both given")
+        return InputTensor(
+            name, BY_NAME[datatype], shape, binary.take(name, options["binary_data_size"])
+        )
     data = entry.get("data")
     if not isinstance(data, list):
         raise invalid(f"input '{name}': 'data' must be an array")
@@ -171,9 +234,18 @@ def converted(name: str, values: Sequence[Any], datatype: Datatype) -> bytes:
     return out.tobytes()
 
 
-def output_json(tensor: OutputTensor) -> dict[str, Any]:
+def output_json(tensor: OutputTensor, binary: bool) -> dict[str, Any]:
     """`{"name", "datatype", "shape", "data"}`, data flat row-major. A BYTES element that is
-    not UTF-8 has its undecodable bytes replaced (U+FFFD): JSON carries text only."""
+    not UTF-8 has its undecodable bytes replaced (U+FFFD): JSON carries text only. `binary`:
+    no `data`, but `"parameters": {"binary_data_size": N}`, the bytes following the JSON."""
+    described: dict[str, Any] = {
+        "name": tensor.name,
+        "datatype": tensor.datatype.name,
+        "shape": list(tensor.shape),
+    }
+    if binary:
+        described["parameters"] = {"binary_data_size": len(tensor.data)}
+        return described
     count = math.prod(tensor.shape)
     data: list[Any]
     if tensor.datatype.name == "BYTES":
@@ -183,12 +255,8 @@ def output_json(tensor: OutputTensor) -> dict[str, Any]:
         data = halves.view("<f4").tolist()
     else:
         data = np.frombuffer(tensor.data, tensor.datatype.numpy).tolist()
-    return {
-        "name": tensor.name,
-        "datatype": tensor.datatype.name,
-        "shape": list(tensor.shape),
-        "data": data,
-    }
+    described["data"] = data
+    return described
 
 
 def _fits(chunk: np.ndarray[Any, Any], datatype: Datatype) -> bool:
@@ -233,6 +301,12 @@ def _non_negative(parameters: Mapping[str, Any], key: str) -> int | None:
     if value < 0:
         raise invalid(f"request parameter '{key}' must not be negative")
     return int(value)
+
+
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(f"{what} must be true or false")
+    return value
 
 
 def _object(value: Any, what: str) -> Mapping[str, Any]:

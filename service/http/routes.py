@@ -10,14 +10,21 @@ import grpc
 
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
-from service.http.json_tensors import infer_request, input_tensor, output_json, parsed
+from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
 from service.inference import errors
 from service.inference.validation import Decoding
 from service.model.config_json import config_dict
 
 # Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
 REST_EXTENSIONS = frozenset(
-    {"classification", "schedule_policy", "model_configuration", "parameters", "statistics"}
+    {
+        "classification",
+        "schedule_policy",
+        "model_configuration",
+        "binary_tensor_data",
+        "parameters",
+        "statistics",
+    }
 )
 
 
@@ -27,6 +34,7 @@ class Reply:
 
     status: int
     document: Any = None
+    binary: tuple[bytes, ...] = ()  # binary data following the JSON document, in order
 
 
 OK = Reply(200)
@@ -77,7 +85,11 @@ class Routes:
         )
         return Reply(200, config_dict(response))
 
-    async def infer(self, model: str, version: str, body: bytes) -> Reply:
+    async def infer(
+        self, model: str, version: str, body: bytes, header_length: str | None
+    ) -> Reply:
+        """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
+        binary data begins (None: all JSON)."""
         served = self.plane.resolve(model, version)
         if served.decoupled:
             raise errors.ServiceError(
@@ -86,7 +98,8 @@ class Routes:
                 f"'{served.name}' answers with a stream of responses; call gRPC's "
                 "ModelStreamInfer",
             )
-        request = infer_request(parsed(body))
+        document_bytes, binary = split(body, header_length)
+        request = infer_request(parsed(document_bytes))
         validator = served.validator
         assert validator is not None  # a resolved version serves
 
@@ -96,23 +109,26 @@ class Routes:
                 name = entry.get("name")
                 if name in names:  # refused before its data is converted a second time
                     raise errors.invalid(f"input '{name}' appears more than once")
-                inputs.append(input_tensor(entry, validator))
+                inputs.append(input_tensor(entry, validator, binary))
                 names.add(name)
+            binary.check_used()
             return validator.check(inputs, request.outputs, request.priority, request.timeout_s)
 
         job = await self.plane.admitted(served, admit)
         inferred = await self.plane.infer(served, job, None, request.class_counts)
         answered = inferred.answered
+        binaries = [request.answers_binary(t.name) for t in inferred.outputs]
         document: dict[str, Any] = {
             "model_name": answered.name,
             "model_version": str(answered.version),
             "id": request.id,
-            "outputs": [output_json(t) for t in inferred.outputs],
+            "outputs": [output_json(t, b) for t, b in zip(inferred.outputs, binaries, strict=True)],
         }
         if inferred.fallback:
             # Answered by the fallback model while the one asked is open-circuited.
             document["parameters"] = {"fallback": True}
-        return Reply(200, document)
+        attached = tuple(t.data for t, b in zip(inferred.outputs, binaries, strict=True) if b)
+        return Reply(200, document, attached)
 
 
 def _tensor(tensor: TensorMetadata) -> dict[str, Any]:

@@ -451,6 +451,110 @@ def test_tritonclient_http_matches_grpc(rest: Rest) -> None:
     assert "unknown model" in answer["failure"]
 
 
+TRITONCLIENT_BINARY = """
+import json, sys
+import numpy as np
+import tritonclient.http as httpclient
+
+client = httpclient.InferenceServerClient(sys.argv[1])
+request = json.loads(sys.stdin.read())
+
+
+def inputs(model, arrays):
+    made = []
+    for name, (datatype, values) in arrays.items():
+        array = np.array(values, dtype=object if datatype == "BYTES" else np.float32)
+        if datatype == "BYTES":
+            array = np.vectorize(str.encode, otypes=[object])(array)
+        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)  # binary data: tritonclient's default
+        made.append(tensor)
+    return made
+
+
+answers = {}
+for model, arrays in request.items():
+    result = client.infer(model, inputs(model, arrays))  # no outputs named: all come as binary
+    answers[model] = {
+        o["name"]: [v.decode() if isinstance(v, bytes) else v
+                    for v in result.as_numpy(o["name"]).ravel().tolist()]
+        for o in result.get_response()["outputs"]
+    }
+    answers[model]["parameters"] = [o.get("parameters") for o in result.get_response()["outputs"]]
+print(json.dumps(answers))
+"""
+
+
+def test_tritonclient_binary_data_matches_grpc(rest: Rest) -> None:
+    """tritonclient's defaults: inputs as binary data, every output asked as binary data
+    (`binary_data_output`), BYTES in and out as 4-byte length + bytes."""
+    rng = np.random.default_rng(4)
+    arrays: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        "two_tower": {
+            "user": rng.standard_normal((2, 32), dtype=np.float32),
+            "item": rng.standard_normal((2, 48), dtype=np.float32),
+        },
+        "tokenizer": {"text": np.array([[b"a good film"], [b"\xc3\xa9t\xc3\xa9"]], dtype=object)},
+        "label_postprocess": {"logits": np.array([[0.1, 2.0, 0.3, -1.0]], dtype=np.float32)},
+    }
+    request = {
+        model: {
+            name: (
+                ("BYTES", [[v.decode() for v in row] for row in array.tolist()])
+                if array.dtype == object
+                else ("FP32", array.tolist())
+            )
+            for name, array in tensors.items()
+        }
+        for model, tensors in arrays.items()
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", TRITONCLIENT_BINARY, f"127.0.0.1:{rest.port}"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)
+    for model, tensors in arrays.items():
+        expected = grpc_answer(rest, model, tensors)
+        got = answers[model]
+        assert all("binary_data_size" in p for p in got.pop("parameters"))
+        assert got.keys() == expected.keys()
+        for name, values in expected.items():
+            if values.dtype == object:
+                assert got[name] == [v.decode() for v in values.ravel()]
+            else:
+                np.testing.assert_allclose(got[name], values.ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_binary_data_that_does_not_add_up_is_refused(rest: Rest) -> None:
+    tensor = {
+        "name": "input",
+        "datatype": "FP32",
+        "shape": [1, 256],
+        "parameters": {"binary_data_size": 1024},
+    }
+    header = json.dumps({"inputs": [tensor]}).encode()
+    for extra, message in (
+        (b"", "runs past the binary data"),
+        (b"\0" * 1028, "4 bytes of binary data follow"),
+    ):
+        body = header + extra
+        with raw(rest) as connection:
+            connection.sendall(
+                b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\n".encode()
+                + f"Inference-Header-Content-Length: {len(header)}\r\n\r\n".encode()
+                + body
+            )
+            status, payload = response(connection)
+        assert status == 400
+        assert message in json.loads(payload)["error"]
+
+
 class raw:
     """A plain TCP connection to the REST port, for requests no client would send."""
 
