@@ -114,10 +114,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: ServicerContext
     ) -> pb.RepositoryIndexResponse:
-        entries = await self.lifecycle.index()
-        if request.ready:
-            entries = [e for e in entries if e.state == "READY"]
-        return pb.RepositoryIndexResponse(models=entries)
+        return pb.RepositoryIndexResponse(models=await self.plane.repository_index(request.ready))
 
     @errors.reports_errors
     async def RepositoryModelLoad(

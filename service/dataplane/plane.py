@@ -16,6 +16,7 @@ from importlib import metadata
 import grpc
 
 from oip.datatypes import BY_CONFIG_TYPE
+from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.inference import classification, errors
 from service.inference.jobs import InferJob, OutputTensor
@@ -142,6 +143,14 @@ class DataPlane:
         if not chosen:
             raise unknown_model(f"'{name}'", "it has no version loaded")
         return chosen
+
+    async def repository_index(
+        self, ready_only: bool
+    ) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        """Every model the repository holds, with its versions' states (only those that
+        serve: `ready_only`)."""
+        entries = await self.lifecycle.index()
+        return [e for e in entries if e.state == "READY"] if ready_only else entries
 
     def resolve(self, name: str, version: str) -> ServedVersion:
         return self.models.resolve(name, version)

@@ -88,6 +88,9 @@ class RestApp:
         if parts[1] == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
             _method(method, "GET")
             return self.routes.live() if parts[2] == "live" else self.routes.ready()
+        if parts[1:] == ["repository", "index"]:
+            _method(method, "POST")
+            return await self.routes.repository_index(await read_body(scope, receive, self.limits))
         if parts[1] != "models" or len(parts) < 3:
             raise Refused(404, f"no route {scope['path']!r}")
         if parts[2:] == ["stats"]:

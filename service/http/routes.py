@@ -15,7 +15,8 @@ from service.inference import errors
 from service.inference.validation import Decoding
 from service.model.config_json import config_dict
 
-# Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
+# Extensions the REST routes serve: the data plane's, less those only gRPC serves so far
+# (model_repository: REST has the index, not load and unload).
 REST_EXTENSIONS = frozenset(
     {
         "classification",
@@ -84,6 +85,16 @@ class Routes:
             model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
         )
         return Reply(200, config_dict(response))
+
+    async def repository_index(self, body: bytes) -> Reply:
+        """Triton's `POST /v2/repository/index`, body `{"ready": bool}` or empty: a JSON array
+        of `{"name", "version", "state", "reason"}`."""
+        options = parsed(body) if body.strip() else {}
+        ready = options.get("ready", False) if isinstance(options, dict) else None
+        if not isinstance(ready, bool):
+            raise errors.invalid("the body must be a JSON object whose 'ready' is true or false")
+        entries = await self.plane.repository_index(ready)
+        return Reply(200, [config_dict(e) for e in entries])
 
     async def infer(
         self, model: str, version: str, body: bytes, header_length: str | None

@@ -213,6 +213,22 @@ def test_metadata_and_config_match_grpc(rest: Rest) -> None:
     assert json.loads(payload)["max_batch_size"] == 64  # a number, as Triton writes it
 
 
+def test_repository_index_matches_grpc(rest: Rest) -> None:
+    index = rest.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=30).models
+    expected = [
+        {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index
+    ]
+    for body in (None, b'{"ready": true}', b""):
+        status, _, payload = curl(rest, "/v2/repository/index", "2", body)
+        if body is None:
+            assert status == 405  # Triton's route is a POST
+            continue
+        assert (status, json.loads(payload)) == (200, expected)
+    status, _, payload = curl(rest, "/v2/repository/index", "1.1", b'{"ready": 1}')
+    assert status == 400
+    assert "'ready' is true or false" in json.loads(payload)["error"]
+
+
 def test_statistics_count_rest_calls(rest: Rest) -> None:
     def successes() -> int:
         status, _, payload = curl(rest, "/v2/models/mlp/stats", "1.1")
