@@ -92,7 +92,10 @@ async def listen(
 async def start_rest(settings: ServerSettings, plane: DataPlane) -> HttpListener:
     """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
     limits = RequestLimits(
-        settings.max_metadata_bytes, settings.http_max_input_size, settings.http_body_timeout
+        settings.max_metadata_bytes,
+        settings.http_max_input_size,
+        settings.http_body_timeout,
+        settings.max_concurrent_rpcs,
     )
     app = RestApp(Routes(plane), limits)
     options = HttpOptions(

@@ -29,6 +29,7 @@ class RequestLimits:
     max_header_bytes: int  # a request's header block, RFC 9114 size (--max-metadata-bytes)
     max_body_bytes: int  # per request (--http-max-input-size)
     body_timeout_s: float  # for all of one request's body (--http-body-timeout)
+    max_requests: int  # handled at once, every connection together (--max-concurrent-rpcs)
 
 
 class Refused(Exception):
@@ -46,6 +47,7 @@ class RestApp:
     def __init__(self, routes: Routes, limits: RequestLimits) -> None:
         self.routes = routes
         self.limits = limits
+        self.in_flight = 0  # requests being handled, their bodies' reading included
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -54,16 +56,19 @@ class RestApp:
         if scope["type"] != "http":
             return
         headers: list[tuple[bytes, bytes]] = [_JSON]
+        self.in_flight += 1
         try:
-            reply = await self._route(scope, receive)
+            reply = await self._admitted(scope, receive)
         except Refused as exc:
             reply = Reply(exc.status, {"error": exc.message})
             if exc.close and scope.get("http_version") in ("1.0", "1.1"):
                 headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
             reply = Reply(http_status(exc.code), {"error": exc.message})
-            if reply.status == 429:
-                headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        finally:
+            self.in_flight -= 1
+        if reply.status == 429:
+            headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         body = b"" if reply.document is None else json.dumps(reply.document).encode()
         if reply.document is None:
             headers.remove(_JSON)
@@ -75,6 +80,18 @@ class RestApp:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    async def _admitted(self, scope: Scope, receive: Receive) -> Reply:
+        """The route's reply, unless the server already handles as many REST requests as it
+        may (refused before the body is read, which the refusal's connection closes on)."""
+        if self.in_flight > self.limits.max_requests:
+            raise Refused(
+                429,
+                f"the server handles at most {self.limits.max_requests} REST requests at once "
+                "(--max-concurrent-rpcs); try again",
+                close=True,
+            )
+        return await self._route(scope, receive)
 
     async def _route(self, scope: Scope, receive: Receive) -> Reply:
         _check_headers(scope, self.limits.max_header_bytes)

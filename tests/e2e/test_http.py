@@ -33,7 +33,8 @@ pytestmark = pytest.mark.e2e
 
 MODELS = ("mlp", "two_tower", "text_classifier", "tokenizer", "label_postprocess", "generate")
 MAX_INPUT = 4 << 20  # --http-max-input-size: a million-value tensor fits, 8 MiB does not
-BODY_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 3.0
+MAX_REQUESTS = 8  # --max-concurrent-rpcs
 KEEPALIVE_TIMEOUT_S = 1.0
 HTTP_VERSIONS = ("1.1", "2")
 
@@ -56,6 +57,7 @@ def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
         *("--http-max-input-size", str(MAX_INPUT)),
         *("--http-body-timeout", str(BODY_TIMEOUT_S)),
         *("--http-keepalive-timeout", str(KEEPALIVE_TIMEOUT_S)),
+        *("--max-concurrent-rpcs", str(MAX_REQUESTS)),
     )
     with running_server(repository, root / "server.log", args) as server:
         yield Rest(port, server.stub)
@@ -316,6 +318,33 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(rest: Rest) -> None:
         status, body = response(connection)
     assert status == 400
     assert "more than --http-max-input-size" in json.loads(body)["error"]
+
+
+def test_requests_past_the_concurrency_limit_are_answered_429(rest: Rest) -> None:
+    """MAX_REQUESTS requests held reading their bodies; one more is refused at once, and once
+    they are gone requests are served again."""
+    held = [raw(rest) for _ in range(MAX_REQUESTS)]
+    try:
+        for connection in held:
+            connection.socket.sendall(
+                b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{"
+            )
+        deadline = time.monotonic() + 30
+        status = 200
+        while status == 200:  # until the server has read the held requests' headers
+            assert time.monotonic() < deadline
+            with raw(rest) as connection:
+                connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                status, body = response(connection)
+        assert status == 429
+        assert f"at most {MAX_REQUESTS} REST requests at once" in json.loads(body)["error"]
+    finally:
+        for connection in held:
+            connection.socket.close()
+    deadline = time.monotonic() + 30
+    while curl(rest, "/v2/health/live", "1.1")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def test_a_body_that_stalls_is_answered_408(rest: Rest) -> None:
