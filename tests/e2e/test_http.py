@@ -437,6 +437,16 @@ def test_rest_is_not_served_beside_protections_it_does_not_apply(
     assert error in started.stderr
 
 
+def test_frontends_serve_no_rest_and_say_so(tmp_path: Path) -> None:
+    port = free_port()
+    repository = model_repository(tmp_path / "models", ["mlp"])
+    args = ("--frontends", "2", "--http-port", str(port))
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        assert "REST API is served by a single-process server only" in server.log_text()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
+
 TRITONCLIENT = """
 import json, sys
 import numpy as np
