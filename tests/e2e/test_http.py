@@ -365,6 +365,13 @@ def test_a_connection_sending_no_complete_request_is_closed(rest: Rest) -> None:
         assert time.monotonic() - started < 60
 
 
+def test_an_idle_keep_alive_connection_is_closed(rest: Rest) -> None:
+    with raw(rest) as connection:
+        connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert response(connection)[0] == 200
+        assert connection.recv(1024) == b""  # closed after --http-keepalive-timeout
+
+
 def test_a_header_block_over_the_limit_is_refused(rest: Rest) -> None:
     with raw(rest) as connection:
         connection.sendall(
