@@ -18,6 +18,7 @@ from service.dataplane.plane import DataPlane
 from service.http.app import RequestLimits, RestApp
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.routes import Routes
+from service.observability.observer import Observer
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
@@ -77,9 +78,10 @@ async def listen(
     client_auth: ClientAuth | None,
     tickets: TicketStore | None,
     plane: DataPlane,
+    observer: Observer,
 ) -> _Listeners:
     tls = tls_files(settings) if settings.h3 or settings.h2_tls else None
-    http = await start_rest(settings, plane) if settings.http_port else None
+    http = await start_rest(settings, plane, observer) if settings.http_port else None
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
         await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
@@ -89,7 +91,9 @@ async def listen(
     return _Listeners(server, h3_server, http)
 
 
-async def start_rest(settings: ServerSettings, plane: DataPlane) -> HttpListener:
+async def start_rest(
+    settings: ServerSettings, plane: DataPlane, observer: Observer
+) -> HttpListener:
     """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
     limits = RequestLimits(
         settings.max_metadata_bytes,
@@ -97,7 +101,7 @@ async def start_rest(settings: ServerSettings, plane: DataPlane) -> HttpListener
         settings.http_body_timeout,
         settings.max_concurrent_rpcs,
     )
-    app = RestApp(Routes(plane), limits)
+    app = RestApp(Routes(plane), limits, observer)
     options = HttpOptions(
         settings.host,
         settings.http_port,

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from service.http.routes import Reply, Routes
 from service.http.status import RETRY_AFTER_S, http_status
 from service.inference import errors
+from service.observability.metrics import UNKNOWN
+from service.observability.observer import Observer
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -34,19 +39,45 @@ class RequestLimits:
 
 class Refused(Exception):
     """A request answered before its route runs (its body too large or too slow, an unknown
-    path); `close`: its connection cannot carry another request (a body left unread)."""
+    path); `close`: its connection cannot carry another request (a body left unread); `code`:
+    what metrics and the request log count it as, in gRPC's terms as every other call."""
 
-    def __init__(self, status: int, message: str, close: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        close: bool = False,
+        code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.close = close
+        self.code = code
+
+
+@dataclass
+class Call:
+    """What the request log and metrics say of one request: the gRPC method its route stands
+    for (the same labels as gRPC's calls, `transport="http"`), its model and outcome."""
+
+    rpc: str = UNKNOWN
+    model: str = ""
+    version: str = ""
+    request_id: str = ""
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    error: str = ""
+
+
+TRANSPORT = "http"  # the transport label of REST calls
 
 
 class RestApp:
-    def __init__(self, routes: Routes, limits: RequestLimits) -> None:
+    def __init__(self, routes: Routes, limits: RequestLimits, observer: Observer | None) -> None:
+        """`observer`: where each request is counted and logged (None: nowhere)."""
         self.routes = routes
         self.limits = limits
+        self.observer = observer
         self.in_flight = 0  # requests being handled, their bodies' reading included
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -55,16 +86,20 @@ class RestApp:
             return
         if scope["type"] != "http":
             return
+        started = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [_JSON]
+        call = Call()
         self.in_flight += 1
         try:
-            reply = await self._admitted(scope, receive)
+            reply = await self._admitted(scope, receive, call)
         except Refused as exc:
             reply = Reply(exc.status, {"error": exc.message})
+            call.code, call.error = exc.code, exc.message
             if exc.close and scope.get("http_version") in ("1.0", "1.1"):
                 headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
             reply = Reply(http_status(exc.code), {"error": exc.message})
+            call.code, call.error = exc.code, exc.message
         finally:
             self.in_flight -= 1
         if reply.status == 429:
@@ -80,8 +115,30 @@ class RestApp:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        if self.observer is not None:
+            self._record(call, reply, time.perf_counter() - started)
 
-    async def _admitted(self, scope: Scope, receive: Receive) -> Reply:
+    def _record(self, call: Call, reply: Reply, seconds: float) -> None:
+        assert self.observer is not None
+        fields = {
+            "model": call.model,
+            "version": reply.model_version or call.version,
+            "transport": TRANSPORT,
+            "rpc": call.rpc,
+            "request_id": reply.request_id,
+        }
+        self.observer.record(
+            TRANSPORT,
+            call.rpc,
+            call.model,
+            fields["version"],
+            call.code,
+            seconds,
+            fields,
+            lambda: call.error,
+        )
+
+    async def _admitted(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """The route's reply, unless the server already handles as many REST requests as it
         may (refused before the body is read, which the refusal's connection closes on)."""
         if self.in_flight > self.limits.max_requests:
@@ -90,49 +147,62 @@ class RestApp:
                 f"the server handles at most {self.limits.max_requests} REST requests at once "
                 "(--max-concurrent-rpcs); try again",
                 close=True,
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
-        return await self._route(scope, receive)
+        return await self._route(scope, receive, call)
 
-    async def _route(self, scope: Scope, receive: Receive) -> Reply:
+    async def _route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
+        """The route the path names, its gRPC method's name in `call` (UNKNOWN: no route)."""
         _check_headers(scope, self.limits.max_header_bytes)
         method = scope["method"]
         parts = scope["path"].strip("/").split("/")
+        rest = parts[1:]
         if parts[0] != "v2":
-            raise Refused(404, f"no route {scope['path']!r}")
-        if len(parts) == 1:
-            _method(method, "GET")
+            raise _no_route(scope)
+        if not rest:
+            call.rpc = _expect(method, "GET", "ServerMetadata")
             return self.routes.server_metadata()
-        if parts[1] == "health" and len(parts) == 3 and parts[2] in ("live", "ready"):
-            _method(method, "GET")
-            return self.routes.live() if parts[2] == "live" else self.routes.ready()
-        if parts[1:] == ["repository", "index"]:
-            _method(method, "POST")
+        if rest in (["health", "live"], ["health", "ready"]):
+            call.rpc = _expect(method, "GET", "ServerLive" if rest[1] == "live" else "ServerReady")
+            return self.routes.live() if rest[1] == "live" else self.routes.ready()
+        if rest == ["repository", "index"]:
+            call.rpc = _expect(method, "POST", "RepositoryIndex")
             return await self.routes.repository_index(await read_body(scope, receive, self.limits))
-        if parts[1] != "models" or len(parts) < 3:
-            raise Refused(404, f"no route {scope['path']!r}")
-        if parts[2:] == ["stats"]:
-            _method(method, "GET")
+        if rest == ["models", "stats"]:
+            call.rpc = _expect(method, "GET", "ModelStatistics")
             return self.routes.statistics("", "")
-        model, rest = parts[2], parts[3:]
+        if rest[0] != "models" or len(rest) < 2:
+            raise _no_route(scope)
+        model, rest = rest[1], rest[2:]
         version = ""
         if rest[:1] == ["versions"] and len(rest) >= 2:
             version, rest = rest[1], rest[2:]
         action = rest[0] if len(rest) == 1 else "" if not rest else None
+        rpc = _MODEL_ROUTES.get(action) if action is not None else None
+        if rpc is None:
+            raise _no_route(scope)
+        call.rpc = _expect(method, "POST" if action == "infer" else "GET", rpc)
+        call.model, call.version = model, version
         if action == "infer":
-            _method(method, "POST")
             body = await read_body(scope, receive, self.limits)
             return await self.routes.infer(model, version, body, _header(scope, _HEADER_LENGTH))
-        if action is not None:
-            _method(method, "GET")
-        if action == "":
-            return self.routes.model_metadata(model, version)
         if action == "ready":
             return self.routes.model_ready(model, version)
         if action == "config":
             return self.routes.model_config(model, version)
         if action == "stats":
             return self.routes.statistics(model, version)
-        raise Refused(404, f"no route {scope['path']!r}")
+        return self.routes.model_metadata(model, version)
+
+
+# The routes under /v2/models/NAME[/versions/V]/ and the gRPC methods they stand for.
+_MODEL_ROUTES = {
+    "": "ModelMetadata",
+    "ready": "ModelReady",
+    "config": "ModelConfig",
+    "stats": "ModelStatistics",
+    "infer": "ModelInfer",
+}
 
 
 async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> bytes:
@@ -146,6 +216,7 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
             f"the request body has {declared} bytes, more than --http-max-input-size "
             f"{limits.max_body_bytes}; refused before reading it",
             close=True,
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
     body = bytearray()
     try:
@@ -153,7 +224,12 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    raise Refused(400, "the client went away before its body ended", close=True)
+                    raise Refused(
+                        400,
+                        "the client went away before its body ended",
+                        close=True,
+                        code=grpc.StatusCode.CANCELLED,
+                    )
                 body += message.get("body", b"")
                 if len(body) > limits.max_body_bytes:
                     raise Refused(
@@ -161,6 +237,7 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
                         f"the request body has more than --http-max-input-size "
                         f"{limits.max_body_bytes} bytes",
                         close=True,
+                        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
                     )
                 if not message.get("more_body", False):
                     return bytes(body)
@@ -170,6 +247,7 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
             f"the request body took more than --http-body-timeout {limits.body_timeout_s:g} s "
             f"({len(body)} bytes arrived)",
             close=True,
+            code=grpc.StatusCode.DEADLINE_EXCEEDED,
         ) from None
 
 
@@ -179,7 +257,10 @@ def _check_headers(scope: Scope, limit: int) -> None:
     size = sum(len(name) + len(value) + 32 for name, value in scope["headers"])
     if size > limit:
         raise Refused(
-            431, f"the request's headers have {size} bytes, more than {limit}", close=True
+            431,
+            f"the request's headers have {size} bytes, more than {limit}",
+            close=True,
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
 
 
@@ -201,9 +282,21 @@ def _header(scope: Scope, wanted: bytes) -> str | None:
     return None
 
 
-def _method(method: str, allowed: str) -> None:
+def _expect(method: str, allowed: str, rpc: str) -> str:
+    """`rpc`, once the request's method is the one its route takes."""
     if method != allowed:
-        raise Refused(405, f"this route takes {allowed}, not {method[:16]}")
+        raise Refused(
+            405,
+            f"this route takes {allowed}, not {method[:16]}",
+            code=grpc.StatusCode.UNIMPLEMENTED,
+        )
+    return rpc
+
+
+def _no_route(scope: Scope) -> Refused:
+    return Refused(
+        404, f"no route {errors.echoed(scope['path'])!r}", code=grpc.StatusCode.UNIMPLEMENTED
+    )
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

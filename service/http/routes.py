@@ -36,6 +36,8 @@ class Reply:
     status: int
     document: Any = None
     binary: tuple[bytes, ...] = ()  # binary data following the JSON document, in order
+    request_id: str = ""  # an infer request's id, for the request log
+    model_version: str = ""  # the version that answered an infer request
 
 
 OK = Reply(200)
@@ -139,7 +141,7 @@ class Routes:
             # Answered by the fallback model while the one asked is open-circuited.
             document["parameters"] = {"fallback": True}
         attached = tuple(t.data for t, b in zip(inferred.outputs, binaries, strict=True) if b)
-        return Reply(200, document, attached)
+        return Reply(200, document, attached, request.id, str(answered.version))
 
 
 def _tensor(tensor: TensorMetadata) -> dict[str, Any]:

@@ -26,7 +26,13 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.http.listener import MAX_STREAMS_PER_CONNECTION
 from service.model.config_json import config_dict
-from tests.servers import REPO_ROOT, free_port, model_repository, running_server
+from tests.servers import (
+    REPO_ROOT,
+    ServerProcess,
+    free_port,
+    model_repository,
+    running_server,
+)
 from transport.tls.certs import issue_client_certificate
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +51,7 @@ class Rest:
 
     port: int
     stub: pb_grpc.GRPCInferenceServiceStub
+    process: ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,7 @@ def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
         *("--max-concurrent-rpcs", str(MAX_REQUESTS)),
     )
     with running_server(repository, root / "server.log", args) as server:
-        yield Rest(port, server.stub)
+        yield Rest(port, server.stub, server)
 
 
 def base(server: Rest) -> str:
@@ -213,6 +220,41 @@ def test_metadata_and_config_match_grpc(rest: Rest) -> None:
     config = rest.stub.ModelConfig(pb.ModelConfigRequest(name="mlp")).config
     assert (status, json.loads(payload)) == (200, config_dict(config))
     assert json.loads(payload)["max_batch_size"] == 64  # a number, as Triton writes it
+
+
+def test_rest_calls_are_counted_and_logged_as_grpc_calls_are(rest: Rest) -> None:
+    """The same metrics, labelled transport="http" and by the gRPC method the route stands
+    for; a failure in the request log with its error."""
+
+    def count(**labels: str) -> float:
+        wanted = {"transport": "http", **labels}
+        return sum(
+            s.value
+            for s in rest.process.metrics()
+            if s.name == "paddlequic_requests_total"
+            and all(s.labels.get(k) == v for k, v in wanted.items())
+        )
+
+    ok = {"rpc": "ModelInfer", "model": "mlp", "version": "1", "code": "OK"}
+    failed = {"rpc": "ModelMetadata", "code": "NOT_FOUND"}
+    before = count(**ok), count(**failed)
+    body = json.dumps(
+        {"id": "logged-1", "inputs": [json_input("input", np.zeros((1, 256), np.float32), "FP32")]}
+    )
+    assert curl(rest, "/v2/models/mlp/infer", "2", body.encode())[0] == 200
+    assert curl(rest, "/v2/models/absent-model", "1.1")[0] == 404
+    assert (count(**ok), count(**failed)) == (before[0] + 1, before[1] + 1)
+    lines = [
+        json.loads(line)
+        for line in rest.process.log_text().splitlines()
+        if '"transport": "http"' in line
+    ]
+    assert any(
+        line["rpc"] == "ModelMetadata"
+        and line["status"] == "NOT_FOUND"
+        and "absent-model" in line["error"]
+        for line in lines
+    )
 
 
 def test_repository_index_matches_grpc(rest: Rest) -> None:
