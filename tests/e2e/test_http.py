@@ -77,11 +77,12 @@ def base(server: Rest) -> str:
 def curl(
     server: Rest, path: str, version: str, body: bytes | None = None
 ) -> tuple[int, str, bytes]:
-    """curl in its own process: (status, HTTP version it spoke, body)."""
+    """curl in its own process: (status, HTTP version it spoke, body). `version`: 1.1, 2 (by
+    prior knowledge) or h2c (HTTP/1.1 upgraded to HTTP/2)."""
     command = [
         "curl",
         "-s",
-        "--http1.1" if version == "1.1" else "--http2-prior-knowledge",
+        {"1.1": "--http1.1", "2": "--http2-prior-knowledge", "h2c": "--http2"}[version],
         "-w",
         "\n%{http_code} %{http_version}",
         base(server) + path,
@@ -131,11 +132,12 @@ def test_readme_curl_examples(rest: Rest) -> None:
     assert json.loads(outputs[2])["name"] == "text_classifier"
 
 
-@pytest.mark.parametrize("version", HTTP_VERSIONS)
+@pytest.mark.parametrize("version", [*HTTP_VERSIONS, "h2c"])
 def test_health_answers_200_with_an_empty_body(rest: Rest, version: str) -> None:
+    spoken = "2" if version == "h2c" else version
     for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/mlp/ready"):
-        assert curl(rest, path, version) == (200, version, b"")
-    assert curl(rest, "/v2/models/nope/ready", version) == (400, version, b"")
+        assert curl(rest, path, version) == (200, spoken, b"")
+    assert curl(rest, "/v2/models/nope/ready", version) == (400, spoken, b"")
 
 
 @pytest.mark.parametrize("version", HTTP_VERSIONS)
