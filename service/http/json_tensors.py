@@ -135,6 +135,7 @@ def infer_request(document: Any) -> InferRequest:
         name = _string(output.get("name"), "an output's 'name'")
         chosen.append(name)
         options = _object(output.get("parameters", {}), f"output '{echoed(name)}' 'parameters'")
+        _check_served(options, "output")
         if "binary_data" in options:
             binary[name] = _bool(options["binary_data"], "output parameter 'binary_data'")
         if CLASSIFICATION in options:
@@ -167,9 +168,7 @@ def input_tensor(
     if not all(_is_int(d) for d in sent):
         raise invalid(f"input '{echoed(name)}': 'shape' must be a list of integers")
     options = _object(entry.get("parameters", {}), f"input '{echoed(name)}' 'parameters'")
-    for option in UNSERVED_TENSOR_PARAMETERS:
-        if option in options:
-            raise invalid(f"input parameter '{option}' is not served over HTTP yet")
+    _check_served(options, "input")
     shape = validator.declared_shape(name, datatype, sent)
     if "binary_data_size" in options:
         if "data" in entry:
@@ -301,6 +300,12 @@ def _non_negative(parameters: Mapping[str, Any], key: str) -> int | None:
     if value < 0:
         raise invalid(f"request parameter '{key}' must not be negative")
     return int(value)
+
+
+def _check_served(options: Mapping[str, Any], kind: str) -> None:
+    for option in UNSERVED_TENSOR_PARAMETERS:
+        if option in options:
+            raise invalid(f"{kind} parameter '{option}' is not served over HTTP yet; use gRPC")
 
 
 def _bool(value: Any, what: str) -> bool:

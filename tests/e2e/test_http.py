@@ -321,6 +321,12 @@ def test_statistics_count_rest_calls(rest: Rest) -> None:
         ("/v2/models/mlp/infer", {"id": "i" * 257, "inputs": []}, 400, "at most 256"),
         (
             "/v2/models/mlp/infer",
+            {"inputs": [], "outputs": [{"name": "x", "parameters": {"shared_memory_region": "r"}}]},
+            400,
+            "output parameter 'shared_memory_region' is not served over HTTP",
+        ),
+        (
+            "/v2/models/mlp/infer",
             {"inputs": [], "parameters": {"sequence_id": 5}},
             400,
             "'sequence_id' is not served over HTTP",
