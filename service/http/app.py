@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,7 +185,10 @@ class RestApp:
         call.model, call.version = model, version
         if action == "infer":
             body = await read_body(scope, receive, self.limits)
-            return await self.routes.infer(model, version, body, _header(scope, _HEADER_LENGTH))
+            header_length = _header(scope, _HEADER_LENGTH)
+            return await unless_gone(
+                receive, self.routes.infer(model, version, body, header_length)
+            )
         if action == "ready":
             return self.routes.model_ready(model, version)
         if action == "config":
@@ -249,6 +252,30 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
             close=True,
             code=grpc.StatusCode.DEADLINE_EXCEEDED,
         ) from None
+
+
+async def unless_gone(receive: Receive, work: Coroutine[Any, Any, Reply]) -> Reply:
+    """`work`'s reply; if the client goes away first (its connection closed, its HTTP/2 stream
+    reset), `work` is cancelled, so a request waiting in a batch queue leaves it at once and
+    one in a batch is no longer waited for. Its body read, the next message a request gets is
+    `http.disconnect`, whenever its client leaves."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise Refused(499, "the client went away", code=grpc.StatusCode.CANCELLED)
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _check_headers(scope: Scope, limit: int) -> None:

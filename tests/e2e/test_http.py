@@ -24,6 +24,7 @@ import pytest
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.paddlequic.v1.control_pb2 import ListInstancesRequest
 from service.http.listener import MAX_STREAMS_PER_CONNECTION
 from service.model.config_json import config_dict
 from tests.servers import (
@@ -31,6 +32,7 @@ from tests.servers import (
     ServerProcess,
     free_port,
     model_repository,
+    paused,
     running_server,
 )
 from transport.tls.certs import issue_client_certificate
@@ -257,6 +259,61 @@ def test_rest_calls_are_counted_and_logged_as_grpc_calls_are(rest: Rest) -> None
         and "absent-model" in line["error"]
         for line in lines
     )
+
+
+@pytest.mark.parametrize("leaving", ["closes its HTTP/1.1 connection", "resets its HTTP/2 stream"])
+def test_a_client_that_leaves_takes_its_request_out_of_the_queue(rest: Rest, leaving: str) -> None:
+    """With mlp's worker held still, gRPC calls fill its slots and one queues; a REST request
+    queues behind them, its client leaves, and the request leaves the queue at once (before
+    the worker moves again)."""
+    (instance,) = rest.process.instances("mlp")
+    request = build_request("mlp", {"input": np.zeros((1, 256), np.float32)})
+    body = json.dumps({"inputs": [json_input("input", np.zeros((1, 256), np.float32), "FP32")]})
+
+    def held(count: int) -> tuple[int, int]:
+        """(queued, in a worker) once the server holds `count` requests of mlp, the same in
+        5 looks in a row."""
+        seen: list[tuple[int, int]] = []
+        for _ in range(3000):
+            listed = rest.process.control.ListInstances(
+                ListInstancesRequest(model_name="mlp"), timeout=10
+            )
+            (queue,) = listed.queues
+            now = (queue.queued, queue.in_flight)
+            seen = [*seen, now] if seen and seen[-1] == now else [now]
+            if sum(now) == count and len(seen) >= 5:
+                return now
+            time.sleep(0.01)
+        raise AssertionError(f"the server never held {count} requests")
+
+    calls = []
+    with paused(instance.pid):
+        queued = 0
+        while queued == 0:  # one at a time: each fills a slot until none is left
+            calls.append(rest.stub.ModelInfer.future(request, timeout=60))
+            queued, _ = held(len(calls))
+        with raw(rest) as connection:
+            if leaving.startswith("closes"):
+                connection.sendall(
+                    b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+                )
+                assert held(len(calls) + 1) == (queued + 1, len(calls) - queued)
+            else:
+                h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+                h2c.initiate_connection()
+                path = "/v2/models/mlp/infer"
+                headers = [(":method", "POST"), (":path", path), (":scheme", "http")]
+                h2c.send_headers(1, [*headers, (":authority", "x")])
+                h2c.send_data(1, body.encode(), end_stream=True)
+                connection.sendall(h2c.data_to_send())
+                assert held(len(calls) + 1) == (queued + 1, len(calls) - queued)
+                h2c.reset_stream(1)
+                connection.sendall(h2c.data_to_send())
+                assert held(len(calls)) == (queued, len(calls) - queued)  # connection open
+        assert held(len(calls)) == (queued, len(calls) - queued)
+    for call in calls:
+        call.result()
 
 
 def test_repository_index_matches_grpc(rest: Rest) -> None:
