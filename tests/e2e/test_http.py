@@ -430,10 +430,10 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(rest: Rest) -> None:
 def test_requests_past_the_concurrency_limit_are_answered_429(rest: Rest) -> None:
     """MAX_REQUESTS requests held reading their bodies; one more is refused at once, and once
     they are gone requests are served again."""
-    held = [raw(rest) for _ in range(MAX_REQUESTS)]
+    held = [raw(rest).socket for _ in range(MAX_REQUESTS)]
     try:
-        for connection in held:
-            connection.socket.sendall(
+        for waiting in held:
+            waiting.sendall(
                 b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{"
             )
         deadline = time.monotonic() + 30
@@ -446,8 +446,8 @@ def test_requests_past_the_concurrency_limit_are_answered_429(rest: Rest) -> Non
         assert status == 429
         assert f"at most {MAX_REQUESTS} REST requests at once" in json.loads(body)["error"]
     finally:
-        for connection in held:
-            connection.socket.close()
+        for waiting in held:
+            waiting.close()
     deadline = time.monotonic() + 30
     while curl(rest, "/v2/health/live", "1.1")[0] != 200:
         assert time.monotonic() < deadline
