@@ -16,12 +16,12 @@ from service.api.health import Health
 from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
-from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import StreamBounds
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
 from service.dataplane.plane import DataPlane
+from service.dataplane.sequence_callers import SequenceCallers
 from service.frontends.listeners import (
     ClientAuthError,
     Listeners,

@@ -16,12 +16,13 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
 from service.api.callers import client_of
-from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
 from service.dataplane.plane import DataPlane, TensorMetadata
+from service.dataplane.sequence_callers import SequenceCallers
 from service.inference import classification, errors
 from service.inference.errors import ServicerContext
+from service.inference.identity import identity_of
 from service.inference.jobs import InferJob
 from service.inference.validation import request_sequence
 from service.lifecycle.uploads import FILE_PREFIX
@@ -354,7 +355,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         with shared.output_targets(request, caller) as targets:
             job = await _decode(self.plane, served, request, raw)
             if served.sequences is not None:
-                job = self.sequence_callers.owned(served.name, job, context)
+                job = self.sequence_callers.owned(served.name, job, identity_of(context))
             inferred = await self.plane.infer(served, job, deadline, counts)
             answered = inferred.answered
             outputs = shared.write_outputs(inferred.outputs, targets, caller)

@@ -15,6 +15,7 @@ from cryptography import x509
 
 from service.api.registration import Register
 from service.dataplane.plane import DataPlane
+from service.dataplane.sequence_callers import SequenceCallers
 from service.http.app import RequestLimits, RestApp
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.routes import Routes
@@ -101,7 +102,7 @@ async def start_rest(
         settings.http_body_timeout,
         settings.max_concurrent_rpcs,
     )
-    app = RestApp(Routes(plane), limits, observer)
+    app = RestApp(Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer)
     options = HttpOptions(
         settings.host,
         settings.http_port,

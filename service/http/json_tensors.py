@@ -21,17 +21,21 @@ from oip.datatypes import BY_NAME, Datatype
 from service.http.json_depth import nesting_depth
 from service.inference.classification import CLASSIFICATION
 from service.inference.errors import echoed, invalid
-from service.inference.jobs import InputTensor, OutputTensor
-from service.inference.validation import CONVERT_CHUNK, RequestValidator
+from service.inference.jobs import InputTensor, OutputTensor, SequenceFlags
+from service.inference.validation import (
+    CONVERT_CHUNK,
+    SEQUENCE_PARAMETERS,
+    RequestValidator,
+    sequence_flags,
+)
 
 MAX_DEPTH = 100  # JSON nesting, as Triton bounds it
 # As gRPC's wire limits bound the same fields (service/api/wire_limits.py).
 MAX_TENSORS = 1024  # inputs and requested outputs, each, per request
 MAX_RANK = 64  # dimensions of one input's shape
 MAX_ID_CHARS = 256
-# Request parameters that would change what is computed and are not served over REST yet: a
+# Tensor parameters that would change what is computed and are not served over REST yet: a
 # request naming one is refused rather than answered as if it had not.
-UNSERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
 UNSERVED_TENSOR_PARAMETERS = (
     "shared_memory_region",
     "shared_memory_byte_size",
@@ -51,6 +55,7 @@ class InferRequest:
     timeout_s: float | None
     binary_outputs: bool  # Triton's `binary_data_output`: outputs as binary data by default
     binary: Mapping[str, bool]  # an output's own `binary_data`, where it says
+    sequence: SequenceFlags | None  # Triton's sequence_id, sequence_start, sequence_end
 
     def answers_binary(self, output: str) -> bool:
         return self.binary.get(output, self.binary_outputs)
@@ -122,9 +127,6 @@ def infer_request(document: Any) -> InferRequest:
     if len(request_id) > MAX_ID_CHARS:
         raise invalid(f"'id' has {len(request_id)} characters; at most {MAX_ID_CHARS}")
     parameters = _object(body.get("parameters", {}), "'parameters'")
-    for name in UNSERVED_PARAMETERS:
-        if name in parameters:
-            raise invalid(f"request parameter '{name}' is not served over HTTP yet; use gRPC")
     inputs = _array(body.get("inputs"), "'inputs'")
     outputs = _array(body.get("outputs", []), "'outputs'")
     chosen: list[str] = []
@@ -152,6 +154,7 @@ def infer_request(document: Any) -> InferRequest:
         None if (us := _non_negative(parameters, "timeout")) is None else us / 1e6,
         _bool(parameters.get("binary_data_output", False), "'binary_data_output'"),
         binary,
+        sequence_flags({k: parameters[k] for k in SEQUENCE_PARAMETERS if k in parameters}),
     )
 
 

@@ -10,8 +10,10 @@ import grpc
 
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
+from service.dataplane.sequence_callers import SequenceCallers
 from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
 from service.inference import errors
+from service.inference.identity import ANYONE
 from service.inference.validation import Decoding
 from service.model.config_json import config_dict
 
@@ -20,6 +22,7 @@ from service.model.config_json import config_dict
 REST_EXTENSIONS = frozenset(
     {
         "classification",
+        "sequence",
         "schedule_policy",
         "model_configuration",
         "binary_tensor_data",
@@ -45,8 +48,10 @@ NOT_READY = Reply(400)  # Triton's health and readiness answers carry no body
 
 
 class Routes:
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, sequence_callers: SequenceCallers) -> None:
+        """`sequence_callers`: whose a sequence is (a REST caller is anyone: no certificate)."""
         self.plane = plane
+        self.sequence_callers = sequence_callers
 
     def live(self) -> Reply:
         return OK
@@ -125,9 +130,13 @@ class Routes:
                 inputs.append(input_tensor(entry, validator, binary))
                 names.add(name)
             binary.check_used()
-            return validator.check(inputs, request.outputs, request.priority, request.timeout_s)
+            return validator.check(
+                inputs, request.outputs, request.priority, request.timeout_s, request.sequence
+            )
 
         job = await self.plane.admitted(served, admit)
+        if served.sequences is not None:
+            job = self.sequence_callers.owned(served.name, job, ANYONE)
         inferred = await self.plane.infer(served, job, None, request.class_counts)
         answered = inferred.answered
         binaries = [request.answers_binary(t.name) for t in inferred.outputs]

@@ -6,6 +6,7 @@ network hit once."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from transport.tls.certs import issue_client_certificate
 
 pytestmark = pytest.mark.e2e
 
+RUNNING_SUM_FIXTURE = REPO_ROOT / "tests" / "fixtures" / "python_sequence"
 MODELS = ("mlp", "two_tower", "text_classifier", "tokenizer", "label_postprocess", "generate")
 MAX_INPUT = 4 << 20  # --http-max-input-size: a million-value tensor fits, 8 MiB does not
 BODY_TIMEOUT_S = 3.0
@@ -68,6 +70,7 @@ def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
         *("--http-keepalive-timeout", str(KEEPALIVE_TIMEOUT_S)),
         *("--max-concurrent-rpcs", str(MAX_REQUESTS)),
     )
+    shutil.copytree(RUNNING_SUM_FIXTURE, repository / "running_sum")
     with running_server(repository, root / "server.log", args) as server:
         yield Rest(port, server.stub, server)
 
@@ -192,6 +195,64 @@ def test_bytes_in_and_out_and_output_selection(rest: Rest) -> None:
         ("label", "BYTES", list(expected.shape))
     ]
     assert outputs[0]["data"] == [v.decode() for v in expected.ravel()]
+
+
+def test_sequences_over_rest(rest: Rest) -> None:
+    """Triton's sequence parameters: running_sum adds up a sequence's values in its worker, two
+    sequences interleaved, one over HTTP/1.1, one over HTTP/2; a request without a sequence is
+    refused by the sequence batcher, as on gRPC."""
+
+    def add(sequence: int, value: int, **flags: bool) -> int:
+        tensor = {"name": "value", "datatype": "INT64", "shape": [1, 1], "data": [[value]]}
+        request = {"inputs": [tensor], "parameters": {"sequence_id": sequence, **flags}}
+        version = "2" if sequence % 2 else "1.1"
+        status, _, payload = curl(
+            rest, "/v2/models/running_sum/infer", version, json.dumps(request).encode()
+        )
+        assert status == 200, payload
+        (total,) = (o for o in json.loads(payload)["outputs"] if o["name"] == "total")
+        return int(total["data"][0])
+
+    assert add(41, 1, sequence_start=True) == 1
+    assert add(42, 10, sequence_start=True) == 10
+    assert add(41, 2) == 3
+    assert add(42, 20) == 30
+    assert add(41, 3, sequence_end=True) == 6
+    assert add(42, 30, sequence_end=True) == 60
+    status, _, payload = curl(
+        rest,
+        "/v2/models/running_sum/infer",
+        "1.1",
+        json.dumps(
+            {"inputs": [{"name": "value", "datatype": "INT64", "shape": [1, 1], "data": [[1]]}]}
+        ).encode(),
+    )
+    assert status == 400
+    assert "sequence" in json.loads(payload)["error"]
+
+
+def test_certified_sequences_are_refused_to_rest_callers(tmp_path: Path) -> None:
+    """--sequence-callers certified: a REST caller has no certificate, so no sequence."""
+    ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
+    repository = tmp_path / "models"
+    repository.mkdir()
+    shutil.copytree(RUNNING_SUM_FIXTURE, repository / "running_sum")
+    port = free_port()
+    args = (
+        *("--http-port", str(port), "--certs-dir", str(tmp_path / "certs")),
+        *("--tls-client-ca", str(ca), "--sequence-callers", "certified"),
+    )
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        tensor = {"name": "value", "datatype": "INT64", "shape": [1, 1], "data": [[1]]}
+        request = {"inputs": [tensor], "parameters": {"sequence_id": 5, "sequence_start": True}}
+        status, _, payload = curl(
+            Rest(port, server.stub, server),
+            "/v2/models/running_sum/infer",
+            "1.1",
+            json.dumps(request).encode(),
+        )
+    assert status == 400
+    assert "for callers with a client certificate only" in json.loads(payload)["error"]
 
 
 def test_metadata_and_config_match_grpc(rest: Rest) -> None:
@@ -346,7 +407,7 @@ def test_statistics_count_rest_calls(rest: Rest) -> None:
     assert successes() == before + 1
     status, _, payload = curl(rest, "/v2/models/stats", "1.1")
     assert status == 200
-    assert {s["name"] for s in json.loads(payload)["model_stats"]} == set(MODELS)
+    assert {s["name"] for s in json.loads(payload)["model_stats"]} == {*MODELS, "running_sum"}
 
 
 @pytest.mark.parametrize(
@@ -384,9 +445,9 @@ def test_statistics_count_rest_calls(rest: Rest) -> None:
         ),
         (
             "/v2/models/mlp/infer",
-            {"inputs": [], "parameters": {"sequence_id": 5}},
+            {"inputs": [], "parameters": {"sequence_id": True}},
             400,
-            "'sequence_id' is not served over HTTP",
+            "'sequence_id' must be an integer or a string",
         ),
     ],
 )
