@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.routes import Reply, Routes
 from service.http.status import RETRY_AFTER_S, http_status
 from service.inference import errors
@@ -67,6 +68,7 @@ class Call:
     request_id: str = ""
     code: grpc.StatusCode = grpc.StatusCode.OK
     error: str = ""
+    encoding: str | None = None  # the response's Content-Encoding (None: identity)
 
 
 TRANSPORT = "http"  # the transport label of REST calls
@@ -112,6 +114,9 @@ class RestApp:
             headers.append((b"content-type", b"application/octet-stream"))
             headers.append((_HEADER_LENGTH, str(len(body)).encode()))
             body = b"".join((body, *reply.binary))
+        if call.encoding is not None and reply.status == 200:
+            body = await deflated(body, call.encoding)
+            headers.append((b"content-encoding", call.encoding.encode()))
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -185,6 +190,8 @@ class RestApp:
         call.model, call.version = model, version
         if action == "infer":
             body = await read_body(scope, receive, self.limits)
+            body = await _decoded(scope, body, self.limits.max_body_bytes)
+            call.encoding = preferred(_header(scope, b"accept-encoding"))
             header_length = _header(scope, _HEADER_LENGTH)
             return await unless_gone(
                 receive, self.routes.infer(model, version, body, header_length)
@@ -276,6 +283,19 @@ async def unless_gone(receive: Receive, work: Coroutine[Any, Any, Reply]) -> Rep
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _decoded(scope: Scope, body: bytes, limit: int) -> bytes:
+    """The body before its Content-Encoding (Triton's: gzip, deflate), within `limit`."""
+    encoding = _header(scope, b"content-encoding")
+    if encoding is None:
+        return body
+    try:
+        return await inflated(body, encoding, limit)
+    except EncodingError as exc:
+        if exc.unsupported:
+            raise Refused(501, str(exc), code=grpc.StatusCode.UNIMPLEMENTED) from None
+        raise Refused(400, str(exc)) from None
 
 
 def _check_headers(scope: Scope, limit: int) -> None:

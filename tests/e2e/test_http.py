@@ -5,12 +5,14 @@ network hit once."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -758,6 +760,78 @@ def test_tritonclient_binary_data_matches_grpc(rest: Rest) -> None:
                 assert got[name] == [v.decode() for v in values.ravel()]
             else:
                 np.testing.assert_allclose(got[name], values.ravel(), rtol=1e-5, atol=1e-6)
+
+
+TRITONCLIENT_COMPRESSED = """
+import json, sys
+import numpy as np
+import tritonclient.http as httpclient
+
+client = httpclient.InferenceServerClient(sys.argv[1])
+array = np.array(json.loads(sys.stdin.read()), dtype=np.float32)
+tensor = httpclient.InferInput("input", list(array.shape), "FP32")
+tensor.set_data_from_numpy(array)
+answers = {}
+for sent, asked in (("gzip", "deflate"), ("deflate", "gzip")):
+    result = client.infer(
+        "mlp", [tensor], request_compression_algorithm=sent, response_compression_algorithm=asked
+    )
+    answers[sent] = result.as_numpy("probabilities").tolist()
+print(json.dumps(answers))
+"""
+
+
+def test_tritonclient_compression_matches_grpc(rest: Rest) -> None:
+    array = np.random.default_rng(5).standard_normal((2, 256), dtype=np.float32)
+    done = subprocess.run(
+        [sys.executable, "-c", TRITONCLIENT_COMPRESSED, f"127.0.0.1:{rest.port}"],
+        input=json.dumps(array.tolist()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    expected = grpc_answer(rest, "mlp", {"input": array})["probabilities"]
+    for answer in json.loads(done.stdout).values():
+        np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
+    # The response is compressed as Accept-Encoding prefers (here deflate).
+    body = json.dumps({"inputs": [json_input("input", array, "FP32")]}).encode()
+    done = subprocess.run(
+        [
+            *("curl", "-s", "-H", "Accept-Encoding: gzip;q=0.1, deflate;q=0.5"),
+            *("-w", "\n%header{content-encoding}", "--data-binary", "@-"),
+            f"{base(rest)}/v2/models/mlp/infer",
+        ],
+        input=body,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    compressed, _, encoding = done.stdout.rpartition(b"\n")
+    assert encoding == b"deflate"
+    (output,) = json.loads(zlib.decompress(compressed))["outputs"]
+    np.testing.assert_allclose(np.reshape(output["data"], (2, 10)), expected, rtol=1e-5)
+
+
+def test_compressed_bodies_inflate_within_the_limit(rest: Rest) -> None:
+    """A small gzip body inflating past --http-max-input-size is refused once its output
+    passes the limit; an encoding not served is 501."""
+    bomb = gzip.compress(b" " * (MAX_INPUT + 1))
+    for encoding, body, status, message in (
+        ("gzip", bomb, 400, "inflates past the limit"),
+        ("br", b"{}", 501, "Content-Encoding 'br' is not served"),
+        ("gzip", b"not gzip", 400, "invalid gzip message"),
+    ):
+        with raw(rest) as connection:
+            connection.sendall(
+                b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\nContent-Encoding: {encoding}\r\n\r\n".encode()
+                + body
+            )
+            got, payload = response(connection)
+        assert got == status, payload
+        assert message in json.loads(payload)["error"]
 
 
 def test_binary_data_that_does_not_add_up_is_refused(rest: Rest) -> None:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oip.datatypes import BY_NAME
+from service.http.encoding import preferred
 from service.http.json_depth import nesting_depth
 from service.http.json_tensors import MAX_DEPTH, converted, flattened, parsed
 from service.http.status import http_status
@@ -151,3 +152,27 @@ def test_triton_status_mapping() -> None:
             grpc.StatusCode.DEADLINE_EXCEEDED,
         )
     ] == [500, 404, 503, 501, 429, 400, 400]
+
+
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [
+        (None, None),
+        ("", None),
+        ("identity", None),
+        ("gzip", "gzip"),
+        ("deflate", "deflate"),
+        ("gzip, deflate", "gzip"),
+        ("gzip;q=0.5, deflate", "deflate"),
+        ("deflate;q=0.2, gzip;q=0.1", "deflate"),
+        ("gzip;q=0, deflate;q=0", None),
+        ("br, *;q=0.3", "gzip"),
+        ("*;q=0.3, gzip;q=0", "deflate"),
+        ("GZIP ; q=1", "gzip"),
+        ("gzip;q=nonsense", None),
+    ],
+)
+def test_the_response_encoding_follows_accept_encoding_q_values(
+    accept: str | None, chosen: str | None
+) -> None:
+    assert preferred(accept) == chosen
