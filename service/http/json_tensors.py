@@ -222,10 +222,15 @@ def converted(name: str, values: Sequence[Any], datatype: Datatype) -> bytes:
     target = np.dtype("<f4") if datatype.name == "BF16" else datatype.numpy
     out = np.empty(len(values), target)
     for start in range(0, len(values), CONVERT_CHUNK):
+        piece = values[start : start + CONVERT_CHUNK]
         try:
-            chunk = np.array(values[start : start + CONVERT_CHUNK])
+            chunk = np.array(piece)
         except (ValueError, OverflowError):  # values nested deeper than the shape, unevenly
             chunk = np.array([[]])
+        if chunk.dtype.kind == "f" and datatype.numpy.kind in "iu" and _integers(piece):
+            # Integers on both sides of 2**63 have no numpy type in common (numpy makes them
+            # floats, losing digits): Python's integers compare exactly.
+            chunk = np.array(piece, dtype=object)
         if chunk.ndim != 1 or not _fits(chunk, datatype):
             raise invalid(
                 f"input '{name}': 'data' must hold {_expected(datatype)} for {datatype.name}"
@@ -267,8 +272,8 @@ def _fits(chunk: np.ndarray[Any, Any], datatype: Datatype) -> bool:
         return kind == "b"
     if datatype.numpy.kind == "f" or datatype.name == "BF16":
         return kind in "iuf"
-    if kind not in "iu":
-        return False
+    if kind not in "iuO" or (kind == "O" and not _integers(chunk.tolist())):
+        return False  # O: Python's integers, beyond what one numpy type holds
     limits = np.iinfo(datatype.numpy)
     return not chunk.size or (int(chunk.min()) >= limits.min and int(chunk.max()) <= limits.max)
 
@@ -287,6 +292,10 @@ def _bf16(values: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     bits = values.view("<u4").astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return rounded.astype("<u2")
+
+
+def _integers(values: Sequence[Any]) -> bool:
+    return all(_is_int(v) for v in values)
 
 
 def _is_int(value: Any) -> bool:

@@ -797,7 +797,7 @@ def test_tritonclient_compression_matches_grpc(rest: Rest) -> None:
         np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
     # The response is compressed as Accept-Encoding prefers (here deflate).
     body = json.dumps({"inputs": [json_input("input", array, "FP32")]}).encode()
-    done = subprocess.run(
+    fetched = subprocess.run(
         [
             *("curl", "-s", "-H", "Accept-Encoding: gzip;q=0.1, deflate;q=0.5"),
             *("-w", "\n%header{content-encoding}", "--data-binary", "@-"),
@@ -808,7 +808,7 @@ def test_tritonclient_compression_matches_grpc(rest: Rest) -> None:
         timeout=60,
         check=True,
     )
-    compressed, _, encoding = done.stdout.rpartition(b"\n")
+    compressed, _, encoding = fetched.stdout.rpartition(b"\n")
     assert encoding == b"deflate"
     (output,) = json.loads(zlib.decompress(compressed))["outputs"]
     np.testing.assert_allclose(np.reshape(output["data"], (2, 10)), expected, rtol=1e-5)

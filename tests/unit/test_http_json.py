@@ -137,6 +137,9 @@ def test_bool_and_bytes_take_their_json_types() -> None:
         converted("x", ["ab", 1], BY_NAME["BYTES"])
     with pytest.raises(ServiceError, match="numbers"):
         converted("x", [[1.0, 2.0], [3.0]], BY_NAME["FP32"])  # deeper than the shape, unevenly
+    for wrong in ([1, None], [1, "2"], [2**63, None], [1, [2]]):
+        with pytest.raises(ServiceError, match="integers from"):
+            converted("x", wrong, BY_NAME["INT64"])
 
 
 def test_triton_status_mapping() -> None:
