@@ -123,11 +123,17 @@ async def serve(settings: ServerSettings) -> None:
             bracket(settings.metrics_host),
             metrics_server.server_port,
         )
-    plane = DataPlane(models, runner, lifecycle, settings.server_name, settings.shared_memory)
+    plane = DataPlane(
+        models,
+        runner,
+        lifecycle,
+        settings.server_name,
+        settings.shared_memory,
+        settings.model_control_mode,
+    )
     servicers = Servicers(
         InferenceServicer(
             plane,
-            settings.model_control_mode,
             SharedMemory(
                 settings.shared_memory,
                 restrictions.get("shared-memory"),

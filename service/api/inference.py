@@ -41,7 +41,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
         plane: DataPlane,
-        control_mode: str,
         shared_memory: SharedMemory,
         max_message_bytes: int,
         stream_bounds: StreamBounds,
@@ -50,8 +49,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.plane = plane
         self.models = plane.models
         self.runner = plane.runner
-        self.lifecycle = plane.lifecycle
-        self.control_mode = control_mode
         self.shared_memory = shared_memory
         self.max_message_bytes = max_message_bytes
         self.stream_bounds = stream_bounds
@@ -121,10 +118,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
-        """Load or reload; answers once the new versions serve (or why they do not). Triton's
-        parameters: `config` (a ModelConfig in JSON, in place of config.pbtxt) and
-        `file:PATH` (the model's files, with `config`)."""
-        self._check_explicit_control()
+        """Load or reload (DataPlane.load); `file:PATH` parameters are the model's files."""
         params = request.parameters
         config = params["config"].string_param if "config" in params else None
         files = {
@@ -132,15 +126,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for key, value in params.items()
             if key.startswith(FILE_PREFIX)
         }
-        await self.lifecycle.load_model(request.model_name, config, files)
+        await self.plane.load(request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 
     @errors.reports_errors
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: ServicerContext
     ) -> pb.RepositoryModelUnloadResponse:
-        self._check_explicit_control()
-        await self.lifecycle.unload_model(request.model_name)
+        await self.plane.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     @errors.reports_errors
@@ -188,14 +181,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Nothing is registered, so nothing is left registered (Triton's answer)."""
         self.shared_memory.check_mode(context)
         return pb.CudaSharedMemoryUnregisterResponse()
-
-    def _check_explicit_control(self) -> None:
-        if self.control_mode != "explicit":
-            raise errors.ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"explicit model load / unload is not allowed in model control mode "
-                f"'{self.control_mode}'; start the server with --model-control-mode explicit",
-            )
 
     @errors.reports_errors
     async def ModelInfer(

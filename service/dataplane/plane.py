@@ -88,14 +88,17 @@ class DataPlane:
         lifecycle: Lifecycle,
         server_name: str,
         shared_memory_mode: str,
+        control_mode: str,
     ) -> None:
         """`server_name`: what server metadata answers (--server-name); `shared_memory_mode`:
-        --shared-memory (off: the extension is not listed)."""
+        --shared-memory (off: the extension is not listed); `control_mode`:
+        --model-control-mode (explicit: models are loaded and unloaded on request)."""
         self.models = models
         self.runner = runner
         self.lifecycle = lifecycle
         self.server_name = server_name
         self.shared_memory_mode = shared_memory_mode
+        self.control_mode = control_mode
 
     @property
     def ready(self) -> bool:
@@ -151,6 +154,25 @@ class DataPlane:
         serve: `ready_only`)."""
         entries = await self.lifecycle.index()
         return [e for e in entries if e.state == "READY"] if ready_only else entries
+
+    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+        """Load or reload; returns once the new versions serve (or raises why they do not).
+        Triton's parameters: `config` (a ModelConfig in JSON, in place of config.pbtxt) and
+        the model's files (with `config`)."""
+        self._check_explicit_control()
+        await self.lifecycle.load_model(name, config, files)
+
+    async def unload(self, name: str) -> None:
+        self._check_explicit_control()
+        await self.lifecycle.unload_model(name)
+
+    def _check_explicit_control(self) -> None:
+        if self.control_mode != "explicit":
+            raise errors.ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"explicit model load / unload is not allowed in model control mode "
+                f"'{self.control_mode}'; start the server with --model-control-mode explicit",
+            )
 
     def resolve(self, name: str, version: str) -> ServedVersion:
         return self.models.resolve(name, version)

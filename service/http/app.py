@@ -173,6 +173,12 @@ class RestApp:
         if rest == ["repository", "index"]:
             call.rpc = _expect(method, "POST", "RepositoryIndex")
             return await self.routes.repository_index(await read_body(scope, receive, self.limits))
+        if rest[:2] == ["repository", "models"] and len(rest) == 4 and rest[3] in _CONTROL:
+            call.rpc = _expect(method, "POST", _CONTROL[rest[3]])
+            call.model = rest[2]
+            body = await read_body(scope, receive, self.limits)
+            control = self.routes.load if rest[3] == "load" else self.routes.unload
+            return await control(rest[2], body)
         if rest == ["models", "stats"]:
             call.rpc = _expect(method, "GET", "ModelStatistics")
             return self.routes.statistics("", "")
@@ -205,6 +211,8 @@ class RestApp:
         return self.routes.model_metadata(model, version)
 
 
+# /v2/repository/models/NAME/... and the gRPC methods they stand for.
+_CONTROL = {"load": "RepositoryModelLoad", "unload": "RepositoryModelUnload"}
 # The routes under /v2/models/NAME[/versions/V]/ and the gRPC methods they stand for.
 _MODEL_ROUTES = {
     "": "ModelMetadata",

@@ -3,6 +3,7 @@ same calls gRPC's servicer makes), with Triton's behaviour where the protocol is
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,12 +14,13 @@ from service.dataplane.plane import DataPlane, TensorMetadata
 from service.dataplane.sequence_callers import SequenceCallers
 from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
 from service.inference import errors
+from service.inference.errors import echoed
 from service.inference.identity import ANYONE
 from service.inference.validation import Decoding
+from service.lifecycle.uploads import FILE_PREFIX
 from service.model.config_json import config_dict
 
-# Extensions the REST routes serve: the data plane's, less those only gRPC serves so far
-# (model_repository: REST has the index, not load and unload).
+# Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
 REST_EXTENSIONS = frozenset(
     {
         "classification",
@@ -28,6 +30,7 @@ REST_EXTENSIONS = frozenset(
         "binary_tensor_data",
         "parameters",
         "statistics",
+        "model_repository",
     }
 )
 
@@ -103,6 +106,30 @@ class Routes:
         entries = await self.plane.repository_index(ready)
         return Reply(200, [config_dict(e) for e in entries])
 
+    async def load(self, model: str, body: bytes) -> Reply:
+        """Triton's `POST /v2/repository/models/NAME/load`, body empty or `{"parameters":
+        {"config": "<ModelConfig JSON>", "file:PATH": "<base64>"}}`; 200, empty, once it
+        serves."""
+        parameters = _parameters(body)
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise errors.invalid("load parameter 'config' must be a string (the config's JSON)")
+        files = {}
+        for key, value in parameters.items():
+            if key.startswith(FILE_PREFIX):
+                try:
+                    files[key.removeprefix(FILE_PREFIX)] = base64.b64decode(value, validate=True)
+                except (TypeError, ValueError):
+                    raise errors.invalid(f"load parameter '{echoed(key)}' must be base64") from None
+        await self.plane.load(model, config, files)
+        return OK
+
+    async def unload(self, model: str, body: bytes) -> Reply:
+        """Triton's `POST /v2/repository/models/NAME/unload`; 200, empty, once it is unloaded."""
+        _parameters(body)
+        await self.plane.unload(model)
+        return OK
+
     async def infer(
         self, model: str, version: str, body: bytes, header_length: str | None
     ) -> Reply:
@@ -151,6 +178,15 @@ class Routes:
             document["parameters"] = {"fallback": True}
         attached = tuple(t.data for t, b in zip(inferred.outputs, binaries, strict=True) if b)
         return Reply(200, document, attached, request.id, str(answered.version))
+
+
+def _parameters(body: bytes) -> dict[str, Any]:
+    """A repository request's `parameters` (an empty body: none)."""
+    document = parsed(body) if body.strip() else {}
+    parameters = document.get("parameters", {}) if isinstance(document, dict) else None
+    if not isinstance(parameters, dict):
+        raise errors.invalid("the body must be a JSON object whose 'parameters' is an object")
+    return parameters
 
 
 def _tensor(tensor: TensorMetadata) -> dict[str, Any]:

@@ -23,10 +23,12 @@ import h2.connection
 import h2.events
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.inference import model_config_pb2 as mc
 from protos.paddlequic.v1.control_pb2 import ListInstancesRequest
 from service.http.listener import MAX_STREAMS_PER_CONNECTION
 from service.model.config_json import config_dict
@@ -255,6 +257,44 @@ def test_certified_sequences_are_refused_to_rest_callers(tmp_path: Path) -> None
         )
     assert status == 400
     assert "for callers with a client certificate only" in json.loads(payload)["error"]
+
+
+def test_repository_load_and_unload(tmp_path: Path) -> None:
+    """--model-control-mode explicit: a model loads (with a config in place of its
+    config.pbtxt), serves, and unloads over REST; without explicit mode both are refused."""
+    repository = model_repository(tmp_path / "models", ["mlp"])
+    port = free_port()
+    args = ("--http-port", str(port), "--model-control-mode", "explicit")
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        rest = Rest(port, server.stub, server)
+        assert curl(rest, "/v2/models/mlp/ready", "1.1")[0] == 400
+        config = config_dict(
+            text_format.Parse((repository / "mlp" / "config.pbtxt").read_text(), mc.ModelConfig())
+        )
+        config["max_batch_size"] = 8
+        load = {"parameters": {"config": json.dumps(config)}}
+        status, _, payload = curl(
+            rest, "/v2/repository/models/mlp/load", "2", json.dumps(load).encode()
+        )
+        assert (status, payload) == (200, b"")
+        assert curl(rest, "/v2/models/mlp/ready", "1.1")[0] == 200
+        status, _, payload = curl(rest, "/v2/models/mlp/config", "1.1")
+        assert json.loads(payload)["max_batch_size"] == 8
+        bad = {"parameters": {"config": json.dumps(config), "file:1/model.json": "%%%"}}
+        status, _, payload = curl(
+            rest, "/v2/repository/models/mlp/load", "1.1", json.dumps(bad).encode()
+        )
+        assert status == 400
+        assert "'file:1/model.json' must be base64" in json.loads(payload)["error"]
+        assert curl(rest, "/v2/repository/models/mlp/unload", "1.1", b"")[:2] == (200, "1.1")
+        assert curl(rest, "/v2/models/mlp/ready", "1.1")[0] == 400
+
+
+def test_repository_control_needs_explicit_mode(rest: Rest) -> None:
+    for action in ("load", "unload"):
+        status, _, payload = curl(rest, f"/v2/repository/models/mlp/{action}", "1.1", b"")
+        assert status == 400
+        assert "--model-control-mode explicit" in json.loads(payload)["error"]
 
 
 def test_metadata_and_config_match_grpc(rest: Rest) -> None:
