@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,13 +159,19 @@ def infer_request(document: Any) -> InferRequest:
 
 
 def input_tensor(
-    entry: Mapping[str, Any], validator: RequestValidator, binary: BinaryData
+    entry: Mapping[str, Any],
+    validator: RequestValidator,
+    binary: BinaryData,
+    seen: Collection[str] = (),
 ) -> InputTensor:
     """One entry of 'inputs' as a tensor, its shape checked against the model before its data
     is walked, its data walked no further than the shape before its values are converted; with
     `binary_data_size`, its bytes taken from the binary section as they came (the validator
-    compares their length with the shape, as raw contents on gRPC)."""
+    compares their length with the shape, as raw contents on gRPC). `seen`: the names of the
+    request's inputs before it."""
     name = _string(entry.get("name"), "an input's 'name'")
+    if name in seen:  # refused before its data is converted a second time
+        raise invalid(f"input '{echoed(name)}' appears more than once")
     datatype = _string(entry.get("datatype"), f"input '{echoed(name)}' 'datatype'")
     sent = _array(entry.get("shape"), f"input '{echoed(name)}' 'shape'", MAX_RANK)
     if not all(_is_int(d) for d in sent):

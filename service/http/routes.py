@@ -151,11 +151,9 @@ class Routes:
         def admit() -> Decoding:
             inputs, names = [], set()
             for entry in request.inputs:
-                name = entry.get("name")
-                if name in names:  # refused before its data is converted a second time
-                    raise errors.invalid(f"input '{name}' appears more than once")
-                inputs.append(input_tensor(entry, validator, binary))
-                names.add(name)
+                tensor = input_tensor(entry, validator, binary, names)
+                inputs.append(tensor)
+                names.add(tensor.name)
             binary.check_used()
             return validator.check(
                 inputs, request.outputs, request.priority, request.timeout_s, request.sequence

@@ -478,6 +478,23 @@ def test_statistics_count_rest_calls(rest: Rest) -> None:
             "needs 256 values",
         ),
         ("/v2/models/mlp/infer", {"inputs": "none"}, 400, "'inputs' must be a JSON array"),
+        (
+            "/v2/models/mlp/infer",
+            {"inputs": [{"name": ["a list"], "datatype": "FP32", "shape": [1], "data": [1]}]},
+            400,
+            "an input's 'name' must be a string",
+        ),
+        (
+            "/v2/models/mlp/infer",
+            {
+                "inputs": [
+                    {"name": "input", "datatype": "FP32", "shape": [1, 256], "data": [0] * 256}
+                ]
+                * 2
+            },
+            400,
+            "input 'input' appears more than once",
+        ),
         ("/v2/models/mlp/infer", {"id": "i" * 257, "inputs": []}, 400, "at most 256"),
         (
             "/v2/models/mlp/infer",
