@@ -16,6 +16,7 @@ from service.http.json_tensors import infer_request, input_tensor, output_json, 
 from service.inference import errors
 from service.inference.errors import echoed
 from service.inference.identity import ANYONE
+from service.inference.jobs import InputTensor
 from service.inference.validation import Decoding
 from service.lifecycle.uploads import FILE_PREFIX
 from service.model.config_json import config_dict
@@ -149,7 +150,8 @@ class Routes:
         assert validator is not None  # a resolved version serves
 
         def admit() -> Decoding:
-            inputs, names = [], set()
+            inputs: list[InputTensor] = []
+            names: set[str] = set()
             for entry in request.inputs:
                 tensor = input_tensor(entry, validator, binary, names)
                 inputs.append(tensor)
