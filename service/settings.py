@@ -34,6 +34,7 @@ class ServerSettings:
     host: str = "0.0.0.0"
     grpc_port: int = 8001
     http_port: int = 8000
+    http_tls: bool = False
     http_max_input_size: int = 64 << 20
     http_keepalive_timeout: float = 5.0
     http_body_timeout: float = 30.0
@@ -104,6 +105,8 @@ _HELP = {
     "grpc_port": "TCP port for gRPC over HTTP/2 (0: any free port)",
     "http_port": "TCP port for the KServe v2 REST API over HTTP/1.1 and HTTP/2 (h2c), single "
     "process only (0: off)",
+    "http_tls": "serve the REST port with TLS (the HTTP/3 certificate: --tls-cert or the "
+    "development certificates), HTTP/2 or HTTP/1.1 chosen by ALPN",
     "http_max_input_size": "largest HTTP request body accepted, in bytes, per request; more is "
     "refused with 400 before it is read",
     "http_keepalive_timeout": "seconds an HTTP connection may go without a request in progress "

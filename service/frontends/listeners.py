@@ -81,8 +81,8 @@ async def listen(
     plane: DataPlane,
     observer: Observer,
 ) -> _Listeners:
-    tls = tls_files(settings) if settings.h3 or settings.h2_tls else None
-    http = await start_rest(settings, plane, observer) if settings.http_port else None
+    tls = tls_files(settings) if settings.h3 or settings.h2_tls or settings.http_tls else None
+    http = await start_rest(settings, plane, observer, tls) if settings.http_port else None
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
         await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
@@ -93,7 +93,10 @@ async def listen(
 
 
 async def start_rest(
-    settings: ServerSettings, plane: DataPlane, observer: Observer
+    settings: ServerSettings,
+    plane: DataPlane,
+    observer: Observer,
+    tls: tuple[Path, Path] | None,
 ) -> HttpListener:
     """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
     limits = RequestLimits(
@@ -108,6 +111,7 @@ async def start_rest(
         settings.http_port,
         settings.max_metadata_bytes,
         settings.http_keepalive_timeout,
+        tls if settings.http_tls else None,
     )
     return await start_http(app, options, settings.grace_period)
 

@@ -1,5 +1,6 @@
 """The REST listener: hypercorn's asyncio server, embedded in this process's event loop, on
-HTTP/1.1 (h11) and HTTP/2 (h2, cleartext by prior knowledge or h2c upgrade) over TCP.
+HTTP/1.1 (h11) and HTTP/2 (h2: cleartext by prior knowledge or h2c upgrade, or over TLS by
+ALPN) over TCP.
 
 hypercorn is the one Python server that embeds in a running asyncio loop and speaks HTTP/2
 (uvicorn has no HTTP/2, granian runs its own worker processes): docs/architecture.md gives
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 from hypercorn.asyncio.run import worker_serve
@@ -32,6 +34,7 @@ class HttpOptions:
     port: int
     max_header_bytes: int  # a request's header block (--max-metadata-bytes)
     keepalive_timeout_s: float  # a connection without a request in progress
+    tls: tuple[Path, Path] | None = None  # certificate chain and key (None: clear text)
 
 
 class HttpListener:
@@ -60,11 +63,14 @@ async def start_http(app: RestApp, options: HttpOptions, grace: float) -> HttpLi
     config.h2_max_concurrent_streams = MAX_STREAMS_PER_CONNECTION
     config.keep_alive_timeout = options.keepalive_timeout_s
     config.graceful_timeout = grace
+    if options.tls is not None:
+        config.certfile, config.keyfile = (str(p) for p in options.tls)
     config.include_server_header = False
     config.errorlog = log
     config.accesslog = None
     sockets = config.create_sockets()
-    port = int(sockets.insecure_sockets[0].getsockname()[1])
+    (listening,) = sockets.secure_sockets or sockets.insecure_sockets
+    port = int(listening.getsockname()[1])
     stop = asyncio.Event()
     served = asyncio.create_task(
         # RestApp types its messages as plain dicts, hypercorn as TypedDicts: the same shapes.
@@ -73,6 +79,9 @@ async def start_http(app: RestApp, options: HttpOptions, grace: float) -> HttpLi
         )
     )
     log.info(
-        "listening: KServe v2 REST over HTTP/1.1 and HTTP/2 (h2c) on %s:%d", options.host, port
+        "listening: KServe v2 REST over HTTP/1.1 and HTTP/2 (%s) on %s:%d",
+        "TLS, ALPN" if options.tls else "h2c",
+        options.host,
+        port,
     )
     return HttpListener(served, stop, port)

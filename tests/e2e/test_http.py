@@ -671,6 +671,32 @@ def test_rest_is_not_served_beside_protections_it_does_not_apply(
     assert error in started.stderr
 
 
+def test_rest_over_tls_negotiates_http2_by_alpn(tmp_path: Path) -> None:
+    port = free_port()
+    repository = model_repository(tmp_path / "models", ["mlp"])
+    certs = tmp_path / "certs"
+    args = ("--http-port", str(port), "--http-tls", "--certs-dir", str(certs), "--no-h3")
+    with running_server(repository, tmp_path / "server.log", args):
+        for flag, spoken in (("--http2", "2"), ("--http1.1", "1.1")):
+            done = subprocess.run(
+                [
+                    *("curl", "-s", flag, "--cacert", str(certs / "ca.pem")),
+                    *("-w", "%{http_code} %{http_version}"),
+                    f"https://localhost:{port}/v2/health/ready",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.stdout == f"200 {spoken}", done.stderr
+        plain = subprocess.run(
+            ["curl", "-s", f"http://localhost:{port}/v2/health/ready"],
+            capture_output=True,
+            timeout=60,
+        )
+        assert plain.returncode != 0  # no clear text on a TLS port
+
+
 def test_frontends_serve_no_rest_and_say_so(tmp_path: Path) -> None:
     port = free_port()
     repository = model_repository(tmp_path / "models", ["mlp"])
