@@ -297,6 +297,30 @@ def test_repository_control_needs_explicit_mode(rest: Rest) -> None:
         assert "--model-control-mode explicit" in json.loads(payload)["error"]
 
 
+def test_classification_priority_and_timeout_as_on_grpc(rest: Rest) -> None:
+    """An output asked with `classification` answers Triton's "score:index" texts, as gRPC's;
+    `priority` and `timeout` are taken (and refused negative)."""
+    array = np.random.default_rng(6).standard_normal((2, 256), dtype=np.float32)
+    grpc_request = build_request("mlp", {"input": array})
+    grpc_request.outputs.add(name="probabilities").parameters["classification"].int64_param = 3
+    expected = parse_response(rest.stub.ModelInfer(grpc_request, timeout=60))["probabilities"]
+    request = {
+        "inputs": [json_input("input", array, "FP32")],
+        "outputs": [{"name": "probabilities", "parameters": {"classification": 3}}],
+        "parameters": {"priority": 1, "timeout": 60_000_000},
+    }
+    status, _, payload = curl(rest, "/v2/models/mlp/infer", "1.1", json.dumps(request).encode())
+    assert status == 200, payload
+    (output,) = json.loads(payload)["outputs"]
+    assert (output["datatype"], output["shape"]) == ("BYTES", [2, 3])
+    assert output["data"] == [v.decode() for v in expected.ravel()]
+    for key in ("priority", "timeout"):
+        bad = {**request, "parameters": {key: -1}}
+        status, _, payload = curl(rest, "/v2/models/mlp/infer", "1.1", json.dumps(bad).encode())
+        assert status == 400
+        assert f"'{key}' must not be negative" in json.loads(payload)["error"]
+
+
 def test_metadata_and_config_match_grpc(rest: Rest) -> None:
     status, _, payload = curl(rest, "/v2", "1.1")
     server = json.loads(payload)
