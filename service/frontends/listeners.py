@@ -104,6 +104,7 @@ async def start_rest(
         settings.http_max_input_size,
         settings.http_body_timeout,
         settings.max_concurrent_rpcs,
+        settings.stream_stall_timeout,
     )
     app = RestApp(Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer)
     options = HttpOptions(

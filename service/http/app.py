@@ -7,25 +7,33 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from service.http.encoding import EncodingError, deflated, inflated, preferred
+from service.http.generate import sse
 from service.http.routes import Reply, Routes
 from service.http.status import RETRY_AFTER_S, http_status
 from service.inference import errors
 from service.observability.metrics import UNKNOWN
 from service.observability.observer import Observer
 
+_T = TypeVar("_T")
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
+# A stream of events, passed on as it comes by proxies too.
+_SSE = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 # Triton's binary tensor data extension: where a body's JSON ends and its binary data begins.
 _HEADER_LENGTH = b"inference-header-content-length"
 
@@ -36,6 +44,7 @@ class RequestLimits:
     max_body_bytes: int  # per request (--http-max-input-size)
     body_timeout_s: float  # for all of one request's body (--http-body-timeout)
     max_requests: int  # handled at once, every connection together (--max-concurrent-rpcs)
+    stall_s: float  # a stream's client may take no event this long (--stream-stall-timeout)
 
 
 class Refused(Exception):
@@ -69,6 +78,7 @@ class Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
     error: str = ""
     encoding: str | None = None  # the response's Content-Encoding (None: identity)
+    client: str = ""  # its peer's address: whom it counts against for a fair share
 
 
 TRANSPORT = "http"  # the transport label of REST calls
@@ -91,6 +101,8 @@ class RestApp:
         started = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [_JSON]
         call = Call()
+        client = scope.get("client")
+        call.client = str(client[0]) if client else ""
         self.in_flight += 1
         try:
             reply = await self._admitted(scope, receive, call)
@@ -106,6 +118,11 @@ class RestApp:
             self.in_flight -= 1
         if reply.status == 429:
             headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        if reply.events is not None:
+            await self._stream(reply.events, send, receive, call)
+            if self.observer is not None:
+                self._record(call, reply, time.perf_counter() - started)
+            return
         body = b"" if reply.document is None else json.dumps(reply.document).encode()
         if reply.document is None:
             headers.remove(_JSON)
@@ -122,6 +139,35 @@ class RestApp:
         await send({"type": "http.response.body", "body": body})
         if self.observer is not None:
             self._record(call, reply, time.perf_counter() - started)
+
+    async def _stream(
+        self, events: AsyncGenerator[bytes, None], send: Send, receive: Receive, call: Call
+    ) -> None:
+        """Server-sent events as they come, until the last, an error (sent in-band: the status
+        went with the first), the client leaving (the model's request is cancelled) or the
+        client taking no event for --stream-stall-timeout (cancelled too)."""
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+
+        async def relay() -> None:
+            try:
+                async for chunk in events:
+                    async with asyncio.timeout(self.limits.stall_s):
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except errors.ServiceError as exc:
+                call.code, call.error = exc.code, exc.message
+                await send({"type": "http.response.body", "body": sse({"error": exc.message})})
+            except TimeoutError:
+                call.code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                call.error = f"the client took no event for {self.limits.stall_s:g} s"
+                return
+            finally:
+                await events.aclose()
+            await send({"type": "http.response.body", "body": b""})
+
+        try:
+            await unless_gone(receive, relay())
+        except Refused as exc:
+            call.code, call.error = exc.code, exc.message
 
     def _record(self, call: Call, reply: Reply, seconds: float) -> None:
         assert self.observer is not None
@@ -192,8 +238,14 @@ class RestApp:
         rpc = _MODEL_ROUTES.get(action) if action is not None else None
         if rpc is None:
             raise _no_route(scope)
-        call.rpc = _expect(method, "POST" if action == "infer" else "GET", rpc)
+        posted = action in ("infer", "generate", "generate_stream")
+        call.rpc = _expect(method, "POST" if posted else "GET", rpc)
         call.model, call.version = model, version
+        if action in ("generate", "generate_stream"):
+            body = await read_body(scope, receive, self.limits)
+            stream = action == "generate_stream"
+            work = self.routes.generate(model, version, body, stream, call.client)
+            return await unless_gone(receive, work)
         if action == "infer":
             body = await read_body(scope, receive, self.limits)
             body = await _decoded(scope, body, self.limits.max_body_bytes)
@@ -220,6 +272,8 @@ _MODEL_ROUTES = {
     "config": "ModelConfig",
     "stats": "ModelStatistics",
     "infer": "ModelInfer",
+    "generate": "ModelInfer",
+    "generate_stream": "ModelStreamInfer",
 }
 
 
@@ -269,7 +323,7 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
         ) from None
 
 
-async def unless_gone(receive: Receive, work: Coroutine[Any, Any, Reply]) -> Reply:
+async def unless_gone(receive: Receive, work: Coroutine[Any, Any, _T]) -> _T:
     """`work`'s reply; if the client goes away first (its connection closed, its HTTP/2 stream
     reset), `work` is cancelled, so a request waiting in a batch queue leaves it at once and
     one in a batch is no longer waited for. Its body read, the next message a request gets is

@@ -4,6 +4,8 @@ same calls gRPC's servicer makes), with Triton's behaviour where the protocol is
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,14 +14,23 @@ import grpc
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
 from service.dataplane.sequence_callers import SequenceCallers
+from service.http.generate import (
+    TextDecoder,
+    event,
+    generate_inputs,
+    generate_request,
+    single,
+    sse,
+)
 from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
 from service.inference import errors
 from service.inference.errors import echoed
 from service.inference.identity import ANYONE
-from service.inference.jobs import InputTensor
+from service.inference.jobs import InputTensor, StreamAnswer
 from service.inference.validation import Decoding
 from service.lifecycle.uploads import FILE_PREFIX
 from service.model.config_json import config_dict
+from service.registry.versions import ServedVersion
 
 # Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
 REST_EXTENSIONS = frozenset(
@@ -45,6 +56,7 @@ class Reply:
     binary: tuple[bytes, ...] = ()  # binary data following the JSON document, in order
     request_id: str = ""  # an infer request's id, for the request log
     model_version: str = ""  # the version that answered an infer request
+    events: AsyncGenerator[bytes, None] | None = None  # server-sent events, in place of a body
 
 
 OK = Reply(200)
@@ -178,6 +190,74 @@ class Routes:
             document["parameters"] = {"fallback": True}
         attached = tuple(t.data for t, b in zip(inferred.outputs, binaries, strict=True) if b)
         return Reply(200, document, attached, request.id, str(answered.version))
+
+    async def generate(
+        self, model: str, version: str, body: bytes, stream: bool, client: str
+    ) -> Reply:
+        """Triton's generate (`stream`: generate_stream). A decoupled model's responses stream
+        as they come; an error before the first is the reply's status, as for /infer. `client`:
+        whom the request counts against for the fair share of a decoupled version's places."""
+        served = self.plane.resolve(model, version)
+        request = generate_request(parsed(body))
+        validator = served.validator
+        assert validator is not None  # a resolved version serves
+
+        def admit() -> Decoding:
+            return validator.check(generate_inputs(request, validator), ())
+
+        job = await self.plane.admitted(served, admit)
+        if not served.decoupled:
+            inferred = await self.plane.infer(served, job, None, {})
+            answered = inferred.answered
+            answer = event(answered.name, str(answered.version), inferred.outputs)
+            if stream:
+                return Reply(200, events=single(sse(answer)))
+            return Reply(200, answer, model_version=str(answered.version))
+        answers = self.plane.runner.stream(served, job, "", request.parameters_json, None, client)
+        if stream:
+            return Reply(200, events=await _first_then_rest(served, answers))
+        async with contextlib.aclosing(answers) as responses:
+            collected = [a async for a in responses if _checked(a).outputs]
+        if len(collected) != 1:
+            raise errors.invalid(
+                f"model '{served.name}' answered with {len(collected)} responses; generate "
+                "takes one: use generate_stream"
+            )
+        return Reply(200, event(served.name, str(served.version), collected[0].outputs))
+
+
+async def _first_then_rest(
+    served: ServedVersion, answers: AsyncGenerator[StreamAnswer, None]
+) -> AsyncGenerator[bytes, None]:
+    """The events of a decoupled model's responses, the first one awaited here (so that a
+    refusal before it, a full queue, is the reply's status)."""
+    decoder = TextDecoder()
+    version = str(served.version)
+    try:
+        first = _checked(await anext(answers))
+    except BaseException:
+        await answers.aclose()
+        raise
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(answers) as rest:
+            answer: StreamAnswer | None = first
+            while answer is not None:
+                if answer.error is not None:
+                    yield sse({"error": answer.error})
+                    return
+                if answer.outputs:
+                    yield sse(decoder.event(served.name, version, answer.outputs, answer.final))
+                answer = None if answer.final else await anext(rest, None)
+
+    return events()
+
+
+def _checked(answer: StreamAnswer) -> StreamAnswer:
+    """The answer, unless it is the model's error: then that error, under its status."""
+    if answer.error is not None:
+        raise errors.ServiceError(grpc.StatusCode[answer.status], answer.error)
+    return answer
 
 
 def _parameters(body: bytes) -> dict[str, Any]:

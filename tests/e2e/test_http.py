@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-from clients.inference_client import build_request, parse_response
+from clients.inference_client import InferenceClient, build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
@@ -319,6 +319,88 @@ def test_classification_priority_and_timeout_as_on_grpc(rest: Rest) -> None:
         status, _, payload = curl(rest, "/v2/models/mlp/infer", "1.1", json.dumps(bad).encode())
         assert status == 400
         assert f"'{key}' must not be negative" in json.loads(payload)["error"]
+
+
+def sse_events(payload: bytes) -> list[dict[str, Any]]:
+    """The documents of a text/event-stream body, each `data: <json>` then a blank line."""
+    events = payload.split(b"\n\n")
+    assert events.pop() == b""
+    assert all(e.startswith(b"data: ") for e in events), payload
+    return [json.loads(e.removeprefix(b"data: ")) for e in events]
+
+
+@pytest.mark.parametrize("version", HTTP_VERSIONS)
+def test_generate_stream_matches_grpc_generation(rest: Rest, version: str) -> None:
+    """Triton's generate_stream: an event per response, the text as gRPC's stream gives it."""
+    request = {"text": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 7}
+    status, _, payload = curl(
+        rest, "/v2/models/generate/generate_stream", version, json.dumps(request).encode()
+    )
+    assert status == 200, payload
+    events = sse_events(payload)
+    assert all((e["model_name"], e["model_version"]) == ("generate", "1") for e in events)
+    text = "".join(e.get("text_delta", "") for e in events)
+    with InferenceClient(f"grpc://127.0.0.1:{rest.process.port}") as client:
+        chunks = list(client.generate("generate", "Once upon a time", 12, 0.8, 7))
+    assert text == "".join(c.text for c in chunks)
+    assert events[-1]["finish_reason"] == chunks[-1].finish_reason == "length"
+
+
+def test_generate_answers_one_response(rest: Rest) -> None:
+    """generate on a model that answers once (mlp: its input as a flat list, one batch row)
+    is its infer answer; on a model that answers many times, refused for generate_stream; a
+    refusal before the first event is the reply's status."""
+    array = np.random.default_rng(8).standard_normal((1, 256), dtype=np.float32)
+    body = json.dumps({"input": array.ravel().tolist()}).encode()
+    status, _, payload = curl(rest, "/v2/models/mlp/generate", "1.1", body)
+    assert status == 200, payload
+    expected = grpc_answer(rest, "mlp", {"input": array})["probabilities"]
+    np.testing.assert_allclose(json.loads(payload)["probabilities"], expected.ravel(), rtol=1e-5)
+    request = json.dumps({"text": "Once", "max_tokens": 3}).encode()
+    status, _, payload = curl(rest, "/v2/models/generate/generate", "1.1", request)
+    assert status == 400
+    assert "generate takes one: use generate_stream" in json.loads(payload)["error"]
+    request = json.dumps({"text": "Once", "max_tokens": 0}).encode()
+    status, _, payload = curl(rest, "/v2/models/generate/generate_stream", "2", request)
+    assert status == 400
+    assert "max_tokens must be at least 1" in json.loads(payload)["error"]
+    request = json.dumps({"text": "Once", "nothing": 1}).encode()
+    status, _, payload = curl(rest, "/v2/models/generate/generate_stream", "1.1", request)
+    assert status == 400
+    assert "has no input 'nothing'" in json.loads(payload)["error"]
+
+
+def test_a_stream_whose_client_leaves_stops_generating(rest: Rest) -> None:
+    """The client reads one event of a 250-token generation and closes its connection: the
+    generation stops (its step count stops growing, far short of 250) and frees its place."""
+
+    def metric(name: str) -> float:
+        return sum(
+            s.value
+            for s in rest.process.metrics()
+            if s.name == name and s.labels.get("model") == "generate"
+        )
+
+    steps = "paddlequic_inter_token_seconds_count"
+    before = metric(steps)
+    body = json.dumps({"text": "x", "max_tokens": 250}).encode()
+    with raw(rest) as connection:
+        connection.sendall(
+            b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        while b"data: " not in received:
+            received += connection.recv(65536)
+    deadline = time.monotonic() + 30
+    while metric("paddlequic_active_generations") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped = metric(steps)
+    time.sleep(0.5)
+    assert metric(steps) == stopped
+    assert stopped - before < 150
 
 
 def test_metadata_and_config_match_grpc(rest: Rest) -> None:

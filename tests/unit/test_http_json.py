@@ -14,12 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oip.bytes_tensor import serialize_bytes
 from oip.datatypes import BY_NAME
 from service.http.encoding import preferred
+from service.http.generate import TextDecoder
 from service.http.json_depth import nesting_depth
 from service.http.json_tensors import MAX_DEPTH, converted, flattened, parsed
 from service.http.status import http_status
 from service.inference.errors import ServiceError
+from service.inference.jobs import OutputTensor
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab\n'),
@@ -179,3 +182,13 @@ def test_the_response_encoding_follows_accept_encoding_q_values(
     accept: str | None, chosen: str | None
 ) -> None:
     assert preferred(accept) == chosen
+
+
+def test_a_character_split_across_stream_responses_comes_whole() -> None:
+    """A token may end inside a UTF-8 character: its bytes come whole with the next event."""
+    decoder = TextDecoder()
+    texts = []
+    for piece, final in ((b"caf\xc3", False), (b"\xa9!", False), (b"\xe2\x82", True)):
+        tensor = OutputTensor("text_delta", BY_NAME["BYTES"], (1,), serialize_bytes([piece]))
+        texts.append(decoder.event("m", "1", (tensor,), final)["text_delta"])
+    assert texts == ["caf", "\u00e9!", "\ufffd"]  # a character cut short at the end: U+FFFD
