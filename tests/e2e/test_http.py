@@ -51,6 +51,8 @@ BODY_TIMEOUT_S = 3.0
 MAX_REQUESTS = 8  # --max-concurrent-rpcs
 KEEPALIVE_TIMEOUT_S = 1.0
 HTTP_VERSIONS = ("1.1", "2")
+# A client process: its imports (tritonclient brings gevent) take long on a loaded machine.
+CLIENT_TIMEOUT_S = 240
 
 
 @dataclass(frozen=True)
@@ -847,6 +849,7 @@ print(json.dumps({
 
 
 def test_tritonclient_http_matches_grpc(rest: Rest) -> None:
+    rest.process.wait_ready()  # a worker an earlier test held still may be restarting
     rng = np.random.default_rng(3)
     arrays = {
         "user": rng.standard_normal((2, 32), dtype=np.float32),
@@ -858,7 +861,7 @@ def test_tritonclient_http_matches_grpc(rest: Rest) -> None:
         input=json.dumps(request),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=CLIENT_TIMEOUT_S,
         cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stderr
@@ -934,7 +937,7 @@ def test_tritonclient_binary_data_matches_grpc(rest: Rest) -> None:
         input=json.dumps(request),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=CLIENT_TIMEOUT_S,
         cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stderr
@@ -977,7 +980,7 @@ def test_tritonclient_compression_matches_grpc(rest: Rest) -> None:
         input=json.dumps(array.tolist()),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=CLIENT_TIMEOUT_S,
         cwd=REPO_ROOT,
     )
     assert done.returncode == 0, done.stderr
