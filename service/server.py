@@ -16,16 +16,18 @@ from service.api.health import Health
 from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
-from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import StreamBounds
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
+from service.dataplane.plane import DataPlane
+from service.dataplane.sequence_callers import SequenceCallers
 from service.frontends.listeners import (
     ClientAuthError,
     Listeners,
     bracket,
     check_client_auth,
+    check_rest,
     listen,
 )
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
@@ -52,6 +54,8 @@ async def serve(settings: ServerSettings) -> None:
     restrictions = parse_restrictions(settings.restricted_protocol)
     client_auth = check_client_auth(settings)
     frontends = settings_module.frontend_count(settings.frontends)
+    if frontends == 1:
+        check_rest(settings)
     # With front-end processes, each opens the store they share (service/frontends).
     tickets = (
         open_ticket_store(settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl)
@@ -122,12 +126,17 @@ async def serve(settings: ServerSettings) -> None:
             bracket(settings.metrics_host),
             metrics_server.server_port,
         )
+    plane = DataPlane(
+        models,
+        runner,
+        lifecycle,
+        settings.server_name,
+        settings.shared_memory,
+        settings.model_control_mode,
+    )
     servicers = Servicers(
         InferenceServicer(
-            models,
-            runner,
-            lifecycle,
-            settings.model_control_mode,
+            plane,
             SharedMemory(
                 settings.shared_memory,
                 restrictions.get("shared-memory"),
@@ -136,7 +145,6 @@ async def serve(settings: ServerSettings) -> None:
             settings.max_message_bytes,
             StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
             SequenceCallers(settings.sequence_callers),
-            settings.server_name,
         ),
         ControlServicer(models),
         health.servicer,
@@ -158,8 +166,15 @@ async def serve(settings: ServerSettings) -> None:
             models,
             runner,
         )
+        if settings.http_port:
+            log.warning(
+                "--http-port %d: the REST API is served by a single-process server only; with "
+                "--frontends %d it is off (gRPC over HTTP/2 and HTTP/3 serves every call)",
+                settings.http_port,
+                frontends,
+            )
     else:
-        public = await listen(settings, register, client_auth, tickets)
+        public = await listen(settings, register, client_auth, tickets, plane, observer)
     servicers.control.h3 = public.h3
     servicers.control.refresh_h3 = public.refresh_h3
     if metrics is not None:

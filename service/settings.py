@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from service.api.restricted import RESTRICTABLE
-from service.api.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.api.shared_memory import MODES as SHARED_MEMORY_MODES
+from service.dataplane.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.observability.logs import LOG_FORMATS
 from transport.h3.receive_budget import DEFAULT_PER_ADDRESS, DEFAULT_TOTAL
 from transport.h3.settings import H3Settings
@@ -33,6 +33,11 @@ class ServerSettings:
     model_repository: Path = Path("models")
     host: str = "0.0.0.0"
     grpc_port: int = 8001
+    http_port: int = 8000
+    http_tls: bool = False
+    http_max_input_size: int = 64 << 20
+    http_keepalive_timeout: float = 5.0
+    http_body_timeout: float = 30.0
     log_level: str = "info"
     h3: bool = True
     h2_tls: bool = False
@@ -99,6 +104,16 @@ _HELP = {
     "model_repository": "directory of models (NAME/config.pbtxt, NAME/VERSION/...)",
     "host": "address to listen on",
     "grpc_port": "TCP port for gRPC over HTTP/2 (0: any free port)",
+    "http_port": "TCP port for the KServe v2 REST API over HTTP/1.1 and HTTP/2 (h2c), single "
+    "process only (0: off)",
+    "http_tls": "serve the REST port with TLS (the HTTP/3 certificate: --tls-cert or the "
+    "development certificates), HTTP/2 or HTTP/1.1 chosen by ALPN",
+    "http_max_input_size": "largest HTTP request body accepted, in bytes, per request; more is "
+    "refused with 400 before it is read",
+    "http_keepalive_timeout": "seconds an HTTP connection may go without a request in progress "
+    "(its first request's headers included) before the server closes it",
+    "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
+    "the request is answered 408 and its connection closed",
     "log_level": "debug, info, warning or error",
     "h3": "also serve gRPC over HTTP/3 (QUIC, UDP)",
     "h2_tls": "serve HTTP/2 with TLS too, with the HTTP/3 certificate",
@@ -290,6 +305,12 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         )
     if settings.max_upload_files < 0 or settings.max_upload_bytes < 0:
         parser.error("--max-upload-files and --max-upload-bytes must be at least 0")
+    if not 0 <= settings.http_port <= 65535:
+        parser.error("--http-port must be from 0 to 65535")
+    if settings.http_max_input_size < 1:
+        parser.error("--http-max-input-size must be at least 1")
+    if settings.http_keepalive_timeout <= 0 or settings.http_body_timeout <= 0:
+        parser.error("--http-keepalive-timeout and --http-body-timeout must be above 0")
     if settings.stream_buffer_bytes < 1:
         parser.error("--stream-buffer-bytes must be at least 1")
     name = settings.server_name

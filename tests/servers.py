@@ -112,6 +112,9 @@ class ServerProcess:
                 # Servers run side by side in tests: metrics on any free port unless asked.
                 "--metrics-port",
                 "0",
+                # REST off unless a test asks for it (--http-port PORT in extra_args wins).
+                "--http-port",
+                "0",
                 *self._extra_args,
             ],
             cwd=REPO_ROOT,

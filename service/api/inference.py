@@ -8,74 +8,51 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator
-from importlib import metadata
 
 import grpc
 
-from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
 from service.api.callers import client_of
-from service.api.sequence_callers import SequenceCallers
 from service.api.shared_memory import SharedMemory
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
+from service.dataplane.plane import DataPlane, TensorMetadata
+from service.dataplane.sequence_callers import SequenceCallers
 from service.inference import classification, errors
 from service.inference.errors import ServicerContext
+from service.inference.identity import identity_of
 from service.inference.jobs import InferJob
-from service.inference.validation import decoded, request_sequence
-from service.lifecycle.lifecycle import Lifecycle
+from service.inference.validation import request_sequence
 from service.lifecycle.uploads import FILE_PREFIX
-from service.registry.versions import ModelRegistry, ServedVersion, unknown_model
-from service.serving.requests import RequestRunner
+from service.registry.versions import ModelRegistry, ServedVersion
 
 log = logging.getLogger("paddlequic.api")
 
-# The installed distribution's version (set from clients.__version__ at build time): the server
-# never imports the client package.
-SERVER_VERSION = metadata.version("paddlequic")
-# Triton's extensions this server implements, in Triton's order; system_shared_memory is
-# added unless --shared-memory is off. Not listed: cuda_shared_memory (its
-# RPCs answer as Triton without a GPU does: nothing registers), trace and logging (no
-# settings RPCs), model_repository(unload_dependents).
-EXTENSIONS = (
-    "classification",
-    "sequence",
-    "model_repository",
-    "schedule_policy",
-    "model_configuration",
-    "binary_tensor_data",
-    "parameters",
-    "statistics",
-)
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """The protocol's messages converted to and from the data plane's calls (what REST
+    routes call too), plus what only gRPC serves: streams, repository control and shared
+    memory."""
+
     def __init__(
         self,
-        models: ModelRegistry,
-        runner: RequestRunner,
-        lifecycle: Lifecycle,
-        control_mode: str,
+        plane: DataPlane,
         shared_memory: SharedMemory,
         max_message_bytes: int,
         stream_bounds: StreamBounds,
         sequence_callers: SequenceCallers,
-        server_name: str,
     ) -> None:
-        """`server_name`: what ServerMetadata answers (--server-name)."""
-        self.models = models
-        self.runner = runner
-        self.lifecycle = lifecycle
-        self.control_mode = control_mode
+        self.plane = plane
+        self.models = plane.models
+        self.runner = plane.runner
         self.shared_memory = shared_memory
         self.max_message_bytes = max_message_bytes
         self.stream_bounds = stream_bounds
         self.sequence_callers = sequence_callers
-        self.server_name = server_name
 
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: ServicerContext
@@ -85,79 +62,49 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: ServicerContext
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.models.all_ready)
+        return pb.ServerReadyResponse(ready=self.plane.ready)
 
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: ServicerContext
     ) -> pb.ServerMetadataResponse:
-        extensions = list(EXTENSIONS)
-        if self.shared_memory.mode != "off":
-            extensions.insert(extensions.index("binary_tensor_data"), "system_shared_memory")
+        described = self.plane.server_metadata()
         return pb.ServerMetadataResponse(
-            name=self.server_name, version=SERVER_VERSION, extensions=extensions
+            name=described.name, version=described.version, extensions=described.extensions
         )
 
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: ServicerContext
     ) -> pb.ModelReadyResponse:
         try:
-            served = self.models.resolve(request.name, request.version)
+            ready = self.plane.model_ready(request.name, request.version)
         except errors.ServiceError as exc:
-            if exc.code is grpc.StatusCode.INVALID_ARGUMENT:
-                await errors.abort(context, exc)
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=served.ready)
+            await errors.abort(context, exc)
+        return pb.ModelReadyResponse(ready=ready)
 
     @errors.reports_errors
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: ServicerContext
     ) -> pb.ModelMetadataResponse:
-        served = self.models.resolve(request.name, request.version)
-        config = served.config
-        batch = [-1] if config.max_batch_size > 0 else []
+        described = self.plane.model_metadata(request.name, request.version)
         return pb.ModelMetadataResponse(
-            name=served.name,
-            versions=[str(v.version) for v in self.models.versions_of(served.name)],
-            platform=config.platform,
-            inputs=[
-                pb.ModelMetadataResponse.TensorMetadata(
-                    name=t.name,
-                    datatype=BY_CONFIG_TYPE[t.data_type].name,
-                    shape=batch + list(t.dims),
-                )
-                for t in config.input
-            ],
-            outputs=[
-                pb.ModelMetadataResponse.TensorMetadata(
-                    name=t.name,
-                    datatype=BY_CONFIG_TYPE[t.data_type].name,
-                    shape=batch + list(t.dims),
-                )
-                for t in config.output
-            ],
+            name=described.name,
+            versions=described.versions,
+            platform=described.platform,
+            inputs=[_tensor_metadata(t) for t in described.inputs],
+            outputs=[_tensor_metadata(t) for t in described.outputs],
         )
 
     @errors.reports_errors
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: ServicerContext
     ) -> pb.ModelConfigResponse:
-        served = self.models.resolve(request.name, request.version)
-        return pb.ModelConfigResponse(config=served.config)
+        return pb.ModelConfigResponse(config=self.plane.model_config(request.name, request.version))
 
     @errors.reports_errors
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: ServicerContext
     ) -> pb.ModelStatisticsResponse:
-        if request.name:
-            chosen = (
-                [self.models.resolve(request.name, request.version)]
-                if request.version
-                else self.models.versions_of(request.name)
-            )
-            if not chosen:
-                raise unknown_model(f"'{request.name}'", "it has no version loaded")
-        else:
-            chosen = self.models.all_versions()
+        chosen = self.plane.statistics(request.name, request.version)
         return pb.ModelStatisticsResponse(
             model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
         )
@@ -165,19 +112,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: ServicerContext
     ) -> pb.RepositoryIndexResponse:
-        entries = await self.lifecycle.index()
-        if request.ready:
-            entries = [e for e in entries if e.state == "READY"]
-        return pb.RepositoryIndexResponse(models=entries)
+        return pb.RepositoryIndexResponse(models=await self.plane.repository_index(request.ready))
 
     @errors.reports_errors
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
-        """Load or reload; answers once the new versions serve (or why they do not). Triton's
-        parameters: `config` (a ModelConfig in JSON, in place of config.pbtxt) and
-        `file:PATH` (the model's files, with `config`)."""
-        self._check_explicit_control()
+        """Load or reload (DataPlane.load); `file:PATH` parameters are the model's files."""
         params = request.parameters
         config = params["config"].string_param if "config" in params else None
         files = {
@@ -185,15 +126,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for key, value in params.items()
             if key.startswith(FILE_PREFIX)
         }
-        await self.lifecycle.load_model(request.model_name, config, files)
+        await self.plane.load(request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 
     @errors.reports_errors
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: ServicerContext
     ) -> pb.RepositoryModelUnloadResponse:
-        self._check_explicit_control()
-        await self.lifecycle.unload_model(request.model_name)
+        await self.plane.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     @errors.reports_errors
@@ -241,14 +181,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Nothing is registered, so nothing is left registered (Triton's answer)."""
         self.shared_memory.check_mode(context)
         return pb.CudaSharedMemoryUnregisterResponse()
-
-    def _check_explicit_control(self) -> None:
-        if self.control_mode != "explicit":
-            raise errors.ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"explicit model load / unload is not allowed in model control mode "
-                f"'{self.control_mode}'; start the server with --model-control-mode explicit",
-            )
 
     @errors.reports_errors
     async def ModelInfer(
@@ -379,7 +311,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         while the caller does not read would hold that id once per token."""
         empty_final = stream_responses.empty_final_wanted(request)
         counts = classification.class_counts(request)
-        job = await _decode(served, request)
+        job = await _decode(self.plane, served, request)
         stream = self.runner.stream(
             served, job, request.id, stream_responses.parameters(request), deadline, client
         )
@@ -406,38 +338,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         caller = await shared.tensor_caller(request, context)
         raw = shared.read_inputs(request, caller, self.max_message_bytes)
         with shared.output_targets(request, caller) as targets:
-            job = await _decode(served, request, raw)
+            job = await _decode(self.plane, served, request, raw)
             if served.sequences is not None:
-                job = self.sequence_callers.owned(served.name, job, context)
-            answered, result = await self.runner.infer(served, job, deadline)
-            produced = result.outputs
-            if counts:
-                batched = answered.config.max_batch_size > 0
-                produced = classification.classified(produced, counts, batched, answered.labels)
-            outputs = shared.write_outputs(produced, targets, caller)
+                job = self.sequence_callers.owned(served.name, job, identity_of(context))
+            inferred = await self.plane.infer(served, job, deadline, counts)
+            answered = inferred.answered
+            outputs = shared.write_outputs(inferred.outputs, targets, caller)
         with self.runner.encode_span():
             response = stream_responses.infer_response(
                 answered.name, str(answered.version), request.id, outputs
             )
-        if answered is not served:
+        if inferred.fallback:
             # Answered by the fallback model while `served` is open-circuited.
             response.parameters["fallback"].bool_param = True
         return response
 
 
 async def _decode(
-    served: ServedVersion, request: pb.ModelInferRequest, raw: list[bytes] | None = None
+    plane: DataPlane,
+    served: ServedVersion,
+    request: pb.ModelInferRequest,
+    raw: list[bytes] | None = None,
 ) -> InferJob:
-    """The request as a job for `served` (decoded in a thread when its shapes declare much
-    per-element work); a refused request counts as one of its failures. `raw`: its inputs'
-    bytes when they did not come in the message."""
-    started = time.perf_counter_ns()
-    try:
-        assert served.validator is not None
-        return await decoded(served.validator.admit(request, raw))
-    except errors.ServiceError:
-        served.stats.record_failure(time.perf_counter_ns() - started)
-        raise
+    """The request as a job for `served`. `raw`: its inputs' bytes when they did not come in
+    the message."""
+    assert served.validator is not None
+    return await plane.admitted(served, functools.partial(served.validator.admit, request, raw))
 
 
 def _served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:
@@ -465,6 +391,12 @@ def _unchain(
 ) -> None:
     if chains.get(key) is task:
         del chains[key]
+
+
+def _tensor_metadata(tensor: TensorMetadata) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(
+        name=tensor.name, datatype=tensor.datatype, shape=tensor.shape
+    )
 
 
 def stalled(stall_s: float, cancelled: int) -> errors.ServiceError:

@@ -1,4 +1,5 @@
-"""The public listeners (gRPC over HTTP/2 and HTTP/3, TLS): this process's, or each front-end's."""
+"""The public listeners (gRPC over HTTP/2 and HTTP/3, TLS; REST over HTTP/1.1 and HTTP/2):
+this process's, or each front-end's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ import grpc
 from cryptography import x509
 
 from service.api.registration import Register
+from service.dataplane.plane import DataPlane
+from service.dataplane.sequence_callers import SequenceCallers
+from service.http.app import RequestLimits, RestApp
+from service.http.listener import HttpListener, HttpOptions, start_http
+from service.http.routes import Routes
+from service.observability.observer import Observer
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
@@ -52,6 +59,7 @@ class _Listeners:
 
     grpc_server: grpc.aio.Server
     h3_server: H3Server | None
+    http: HttpListener | None
 
     @property
     def h3(self) -> H3State | None:
@@ -65,6 +73,7 @@ class _Listeners:
         await asyncio.gather(
             self.grpc_server.stop(grace),
             *([self.h3_server.stop(grace)] if self.h3_server else []),
+            *([self.http.stop(grace)] if self.http else []),
         )
 
 
@@ -73,15 +82,43 @@ async def listen(
     register: Register,
     client_auth: ClientAuth | None,
     tickets: TicketStore | None,
+    plane: DataPlane,
+    observer: Observer,
 ) -> _Listeners:
-    tls = tls_files(settings) if settings.h3 or settings.h2_tls else None
+    tls = tls_files(settings) if settings.h3 or settings.h2_tls or settings.http_tls else None
+    http = await start_rest(settings, plane, observer, tls) if settings.http_port else None
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
         await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
         if tls and settings.h3
         else None
     )
-    return _Listeners(server, h3_server)
+    return _Listeners(server, h3_server, http)
+
+
+async def start_rest(
+    settings: ServerSettings,
+    plane: DataPlane,
+    observer: Observer,
+    tls: tuple[Path, Path] | None,
+) -> HttpListener:
+    """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
+    limits = RequestLimits(
+        settings.max_metadata_bytes,
+        settings.http_max_input_size,
+        settings.http_body_timeout,
+        settings.max_concurrent_rpcs,
+        settings.stream_stall_timeout,
+    )
+    app = RestApp(Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer)
+    options = HttpOptions(
+        settings.host,
+        settings.http_port,
+        settings.max_metadata_bytes,
+        settings.http_keepalive_timeout,
+        tls if settings.http_tls else None,
+    )
+    return await start_http(app, options, settings.grace_period)
 
 
 async def start_grpc(
@@ -227,6 +264,22 @@ def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
         else "optional (clients without one are served; HTTP/2 does not ask for one)",
     )
     return ClientAuth(ca_file, settings.require_client_cert)
+
+
+def check_rest(settings: ServerSettings) -> None:
+    """The REST API applies neither restricted protocols nor client certificates yet: a server
+    told to use them does not serve REST beside them, open to anyone (checked at start)."""
+    if not settings.http_port:
+        return
+    if settings.restricted_protocol:
+        raise ClientAuthError(
+            "--restricted-protocol is not applied to the REST API yet: start with --http-port 0"
+        )
+    if settings.require_client_cert:
+        raise ClientAuthError(
+            "--require-client-cert is not applied to the REST API (plain TCP) yet: start with "
+            "--http-port 0"
+        )
 
 
 class ClientAuthError(ValueError):

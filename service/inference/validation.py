@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,16 +178,27 @@ class RequestValidator:
         outputs: tuple[str, ...],
         priority: int | None = None,
         timeout_s: float | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> Decoding:
-        """A job the server put together itself (an ensemble's step) or had a front-end
-        describe, checked as strictly as a caller's request."""
+        """A job the server put together itself (an ensemble's step), had a front-end
+        describe, or decoded from a wire format of its own (REST's JSON), checked as strictly
+        as a caller's request."""
         seen: dict[str, _Contents] = {}
         for tensor in inputs:
             declared = self._declared(tensor.name, seen)
             shape = self._check_shape(tensor.name, tensor.datatype.name, tensor.shape, declared)
             seen[tensor.name] = _raw(tensor.name, tensor.data, declared, shape, self.model)
         checked = self._complete(seen)
-        return Decoding(checked, self._outputs(outputs), self._batch(checked), priority, timeout_s)
+        return Decoding(
+            checked, self._outputs(outputs), self._batch(checked), priority, timeout_s, sequence
+        )
+
+    def declared_shape(self, name: str, datatype: str, sent: Sequence[int]) -> tuple[int, ...]:
+        """An input's shape as a request states it, checked against the model before its
+        contents are looked at (for a wire format that must convert them: JSON): the name is
+        one of its inputs, the datatype and rank are the declared ones (the rank compared
+        before the shape is read), then fixed dims, max_batch_size and max_input_elements."""
+        return self._check_shape(name, datatype, sent, self._declared(name, {}))
 
     def _declared(self, name: str, seen: dict[str, _Contents]) -> _Declared:
         if name in seen:
@@ -398,23 +409,36 @@ def request_scheduling(request: pb.ModelInferRequest) -> tuple[int | None, float
 MAX_SEQUENCE_ID_CHARS = 256
 
 
+SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
+
+
 def request_sequence(request: pb.ModelInferRequest) -> SequenceFlags | None:
-    """Triton's sequence parameters as tritonclient sends them: `sequence_id` (a non-zero
-    integer or a non-empty string; 0 or "" is no sequence), `sequence_start`, `sequence_end`."""
+    """Triton's sequence parameters as tritonclient sends them over gRPC (`sequence_flags`)."""
     parameters = request.parameters
+    return sequence_flags(
+        {key: _plain(parameters[key]) for key in SEQUENCE_PARAMETERS if key in parameters}
+    )
+
+
+def _plain(parameter: pb.InferParameter) -> object:
+    """A parameter's value as Python holds it (None: it has none)."""
+    kind = parameter.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(parameter, kind)
+
+
+def sequence_flags(parameters: Mapping[str, object]) -> SequenceFlags | None:
+    """Triton's sequence parameters, as plain values whatever the protocol (an integer, a
+    string, a boolean; None: a parameter without a value): `sequence_id` (a non-zero integer or
+    a non-empty string; 0 or "" is no sequence), `sequence_start`, `sequence_end`."""
     if "sequence_id" not in parameters:
         if "sequence_start" in parameters or "sequence_end" in parameters:
             raise invalid("sequence_start / sequence_end need a sequence_id")
         return None
-    given = parameters["sequence_id"]
-    kind = given.WhichOneof("parameter_choice")
-    corrid: int | str
-    if kind in ("int64_param", "uint64_param"):
-        corrid = int(getattr(given, kind))
+    corrid = parameters["sequence_id"]
+    if isinstance(corrid, int) and not isinstance(corrid, bool):
         if corrid < 0:
             raise invalid("request parameter 'sequence_id' must not be negative")
-    elif kind == "string_param":
-        corrid = given.string_param
+    elif isinstance(corrid, str):
         if len(corrid) > MAX_SEQUENCE_ID_CHARS:
             raise invalid(
                 f"request parameter 'sequence_id' has {len(corrid)} characters; at most "
@@ -424,13 +448,10 @@ def request_sequence(request: pb.ModelInferRequest) -> SequenceFlags | None:
         raise invalid("request parameter 'sequence_id' must be an integer or a string")
     flags = []
     for key in ("sequence_start", "sequence_end"):
-        parameter = parameters.get(key)
-        if parameter is None:
-            flags.append(False)
-        elif parameter.WhichOneof("parameter_choice") == "bool_param":
-            flags.append(parameter.bool_param)
-        else:
+        value = parameters.get(key, False)
+        if not isinstance(value, bool):
             raise invalid(f"request parameter '{key}' must be a boolean")
+        flags.append(value)
     if not corrid:
         return None
     start, end = flags

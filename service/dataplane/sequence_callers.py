@@ -6,7 +6,8 @@ its sequence id is a capability: whoever knows the id may continue, end or resta
 sequence (the clients pick random 63-bit ids). `any` (the default) serves both; `certified`
 refuses sequence requests from callers without a certificate, so every sequence is bound to
 one identity. A restricted-protocol header is shared by every caller of its category: it is
-no identity, and `certified` does not take it for one."""
+no identity, and `certified` does not take it for one. A REST caller has no certificate (the
+REST port is plain TCP): it is anyone."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import dataclasses
 import grpc
 
 from service.inference import errors
-from service.inference.errors import ServicerContext
-from service.inference.identity import identity_of
+from service.inference.identity import Identity
 from service.inference.jobs import InferJob
 
 MODES = ("any", "certified")
@@ -26,10 +26,10 @@ class SequenceCallers:
     def __init__(self, mode: str) -> None:
         self.certified = mode == "certified"
 
-    def owned(self, model: str, job: InferJob, context: ServicerContext) -> InferJob:
-        """The job of a sequence model's request, its sequence owned by its caller;
-        UNAUTHENTICATED for a caller without a certificate under `certified`."""
-        identity = identity_of(context)
+    def owned(self, model: str, job: InferJob, identity: Identity) -> InferJob:
+        """The job of a sequence model's request, its sequence owned by its caller (`identity`,
+        its certificate's; ANYONE without one); UNAUTHENTICATED for a caller without a
+        certificate under `certified`."""
         if self.certified and not identity:
             raise errors.ServiceError(
                 grpc.StatusCode.UNAUTHENTICATED,

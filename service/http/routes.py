@@ -1,0 +1,273 @@
+"""The KServe v2 REST routes, each a conversion between JSON and the data plane's calls (the
+same calls gRPC's servicer makes), with Triton's behaviour where the protocol is silent."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from protos.inference import grpc_service_pb2 as pb
+from service.dataplane.plane import DataPlane, TensorMetadata
+from service.dataplane.sequence_callers import SequenceCallers
+from service.http.generate import (
+    TextDecoder,
+    event,
+    generate_inputs,
+    generate_request,
+    single,
+    sse,
+)
+from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
+from service.inference import errors
+from service.inference.errors import echoed
+from service.inference.identity import ANYONE
+from service.inference.jobs import InputTensor, StreamAnswer
+from service.inference.validation import Decoding
+from service.lifecycle.uploads import FILE_PREFIX
+from service.model.config_json import config_dict
+from service.registry.versions import ServedVersion
+
+# Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
+REST_EXTENSIONS = frozenset(
+    {
+        "classification",
+        "sequence",
+        "schedule_policy",
+        "model_configuration",
+        "binary_tensor_data",
+        "parameters",
+        "statistics",
+        "model_repository",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a route answers: a status and a JSON document, or an empty body (None)."""
+
+    status: int
+    document: Any = None
+    binary: tuple[bytes, ...] = ()  # binary data following the JSON document, in order
+    request_id: str = ""  # an infer request's id, for the request log
+    model_version: str = ""  # the version that answered an infer request
+    events: AsyncGenerator[bytes, None] | None = None  # server-sent events, in place of a body
+
+
+OK = Reply(200)
+NOT_READY = Reply(400)  # Triton's health and readiness answers carry no body
+
+
+class Routes:
+    def __init__(self, plane: DataPlane, sequence_callers: SequenceCallers) -> None:
+        """`sequence_callers`: whose a sequence is (a REST caller is anyone: no certificate)."""
+        self.plane = plane
+        self.sequence_callers = sequence_callers
+
+    def live(self) -> Reply:
+        return OK
+
+    def ready(self) -> Reply:
+        return OK if self.plane.ready else NOT_READY
+
+    def server_metadata(self) -> Reply:
+        described = self.plane.server_metadata()
+        extensions = [e for e in described.extensions if e in REST_EXTENSIONS]
+        return Reply(
+            200,
+            {"name": described.name, "version": described.version, "extensions": extensions},
+        )
+
+    def model_ready(self, model: str, version: str) -> Reply:
+        return OK if self.plane.model_ready(model, version) else NOT_READY
+
+    def model_metadata(self, model: str, version: str) -> Reply:
+        described = self.plane.model_metadata(model, version)
+        return Reply(
+            200,
+            {
+                "name": described.name,
+                "versions": list(described.versions),
+                "platform": described.platform,
+                "inputs": [_tensor(t) for t in described.inputs],
+                "outputs": [_tensor(t) for t in described.outputs],
+            },
+        )
+
+    def model_config(self, model: str, version: str) -> Reply:
+        return Reply(200, config_dict(self.plane.model_config(model, version)))
+
+    def statistics(self, model: str, version: str) -> Reply:
+        chosen = self.plane.statistics(model, version)
+        response = pb.ModelStatisticsResponse(
+            model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
+        )
+        return Reply(200, config_dict(response))
+
+    async def repository_index(self, body: bytes) -> Reply:
+        """Triton's `POST /v2/repository/index`, body `{"ready": bool}` or empty: a JSON array
+        of `{"name", "version", "state", "reason"}`."""
+        options = parsed(body) if body.strip() else {}
+        ready = options.get("ready", False) if isinstance(options, dict) else None
+        if not isinstance(ready, bool):
+            raise errors.invalid("the body must be a JSON object whose 'ready' is true or false")
+        entries = await self.plane.repository_index(ready)
+        return Reply(200, [config_dict(e) for e in entries])
+
+    async def load(self, model: str, body: bytes) -> Reply:
+        """Triton's `POST /v2/repository/models/NAME/load`, body empty or `{"parameters":
+        {"config": "<ModelConfig JSON>", "file:PATH": "<base64>"}}`; 200, empty, once it
+        serves."""
+        parameters = _parameters(body)
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise errors.invalid("load parameter 'config' must be a string (the config's JSON)")
+        files = {}
+        for key, value in parameters.items():
+            if key.startswith(FILE_PREFIX):
+                try:
+                    files[key.removeprefix(FILE_PREFIX)] = base64.b64decode(value, validate=True)
+                except (TypeError, ValueError):
+                    raise errors.invalid(f"load parameter '{echoed(key)}' must be base64") from None
+        await self.plane.load(model, config, files)
+        return OK
+
+    async def unload(self, model: str, body: bytes) -> Reply:
+        """Triton's `POST /v2/repository/models/NAME/unload`; 200, empty, once it is unloaded."""
+        _parameters(body)
+        await self.plane.unload(model)
+        return OK
+
+    async def infer(
+        self, model: str, version: str, body: bytes, header_length: str | None
+    ) -> Reply:
+        """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
+        binary data begins (None: all JSON)."""
+        served = self.plane.resolve(model, version)
+        if served.decoupled:
+            raise errors.ServiceError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"/infer doesn't support models with decoupled transaction policy: model "
+                f"'{served.name}' answers with a stream of responses; call gRPC's "
+                "ModelStreamInfer",
+            )
+        document_bytes, binary = split(body, header_length)
+        request = infer_request(parsed(document_bytes))
+        validator = served.validator
+        assert validator is not None  # a resolved version serves
+
+        def admit() -> Decoding:
+            inputs: list[InputTensor] = []
+            names: set[str] = set()
+            for entry in request.inputs:
+                tensor = input_tensor(entry, validator, binary, names)
+                inputs.append(tensor)
+                names.add(tensor.name)
+            binary.check_used()
+            return validator.check(
+                inputs, request.outputs, request.priority, request.timeout_s, request.sequence
+            )
+
+        job = await self.plane.admitted(served, admit)
+        if served.sequences is not None:
+            job = self.sequence_callers.owned(served.name, job, ANYONE)
+        inferred = await self.plane.infer(served, job, None, request.class_counts)
+        answered = inferred.answered
+        binaries = [request.answers_binary(t.name) for t in inferred.outputs]
+        document: dict[str, Any] = {
+            "model_name": answered.name,
+            "model_version": str(answered.version),
+            "id": request.id,
+            "outputs": [output_json(t, b) for t, b in zip(inferred.outputs, binaries, strict=True)],
+        }
+        if inferred.fallback:
+            # Answered by the fallback model while the one asked is open-circuited.
+            document["parameters"] = {"fallback": True}
+        attached = tuple(t.data for t, b in zip(inferred.outputs, binaries, strict=True) if b)
+        return Reply(200, document, attached, request.id, str(answered.version))
+
+    async def generate(
+        self, model: str, version: str, body: bytes, stream: bool, client: str
+    ) -> Reply:
+        """Triton's generate (`stream`: generate_stream). A decoupled model's responses stream
+        as they come; an error before the first is the reply's status, as for /infer. `client`:
+        whom the request counts against for the fair share of a decoupled version's places."""
+        served = self.plane.resolve(model, version)
+        request = generate_request(parsed(body))
+        validator = served.validator
+        assert validator is not None  # a resolved version serves
+
+        def admit() -> Decoding:
+            return validator.check(generate_inputs(request, validator), ())
+
+        job = await self.plane.admitted(served, admit)
+        if not served.decoupled:
+            inferred = await self.plane.infer(served, job, None, {})
+            answered = inferred.answered
+            answer = event(answered.name, str(answered.version), inferred.outputs)
+            if stream:
+                return Reply(200, events=single(sse(answer)))
+            return Reply(200, answer, model_version=str(answered.version))
+        answers = self.plane.runner.stream(served, job, "", request.parameters_json, None, client)
+        if stream:
+            return Reply(200, events=await _first_then_rest(served, answers))
+        async with contextlib.aclosing(answers) as responses:
+            collected = [a async for a in responses if _checked(a).outputs]
+        if len(collected) != 1:
+            raise errors.invalid(
+                f"model '{served.name}' answered with {len(collected)} responses; generate "
+                "takes one: use generate_stream"
+            )
+        return Reply(200, event(served.name, str(served.version), collected[0].outputs))
+
+
+async def _first_then_rest(
+    served: ServedVersion, answers: AsyncGenerator[StreamAnswer, None]
+) -> AsyncGenerator[bytes, None]:
+    """The events of a decoupled model's responses, the first one awaited here (so that a
+    refusal before it, a full queue, is the reply's status)."""
+    decoder = TextDecoder()
+    version = str(served.version)
+    try:
+        first = _checked(await anext(answers))
+    except BaseException:
+        await answers.aclose()
+        raise
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(answers) as rest:
+            answer: StreamAnswer | None = first
+            while answer is not None:
+                if answer.error is not None:
+                    yield sse({"error": answer.error})
+                    return
+                if answer.outputs:
+                    yield sse(decoder.event(served.name, version, answer.outputs, answer.final))
+                answer = None if answer.final else await anext(rest, None)
+
+    return events()
+
+
+def _checked(answer: StreamAnswer) -> StreamAnswer:
+    """The answer, unless it is the model's error: then that error, under its status."""
+    if answer.error is not None:
+        raise errors.ServiceError(grpc.StatusCode[answer.status], answer.error)
+    return answer
+
+
+def _parameters(body: bytes) -> dict[str, Any]:
+    """A repository request's `parameters` (an empty body: none)."""
+    document = parsed(body) if body.strip() else {}
+    parameters = document.get("parameters", {}) if isinstance(document, dict) else None
+    if not isinstance(parameters, dict):
+        raise errors.invalid("the body must be a JSON object whose 'parameters' is an object")
+    return parameters
+
+
+def _tensor(tensor: TensorMetadata) -> dict[str, Any]:
+    return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
