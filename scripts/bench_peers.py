@@ -29,6 +29,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,7 @@ CANNED = "canned"
 PEERS = ("grpcio", "mlserver", "mlserver-batching")
 SERVERS = (OURS, *PEERS, CANNED)
 LIVE = "ServerLive"
+FRONTEND_MODULE = "service.frontends.frontend"  # in a paddlequic front-end's command line
 MLSERVER_VENV = REPO_ROOT / ".venv-mlserver"
 # MLServer's adaptive batching: at most a model's max_batch_size rows (its config.pbtxt),
 # waiting at most this long for them: of 2, 10 and 50 ms, with 0 and 1 parallel workers, 10 ms
@@ -100,7 +102,8 @@ class Row:
     per_second: float
     cpu_us: float  # per call, summed over the server's whole process tree
     main_cpu_us: float  # per call, its first process (paddlequic: the server process)
-    children_cpu_us: float  # per call, every other process (paddlequic: the workers)
+    frontends_cpu_us: float  # per call, paddlequic's front-end processes (--frontends N > 1)
+    workers_cpu_us: float  # per call, every other process (paddlequic: workers, subreapers)
     processes: int
 
 
@@ -172,19 +175,26 @@ class Server(Protocol):
     def root_pid(self) -> int: ...
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (paddlequic's workers run under subreapers)."""
-    found = [pid]
-    for child in children(pid):
-        found += process_tree(child)
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (paddlequic's workers run under subreapers), with its command
+    line."""
+    found: dict[int, str] = {}
+    for child, command in children(pid).items():
+        found[child] = command
+        found |= descendants(child)
     return found
 
 
-def tree_cpu(root: int) -> dict[int, float]:
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """Each process of the tree: its part (main, frontends, workers) and its CPU seconds."""
+    parts = {root: "main"} | {
+        pid: "frontends" if FRONTEND_MODULE in command else "workers"
+        for pid, command in descendants(root).items()
+    }
     cpu = {}
-    for pid in process_tree(root):
+    for pid, part in parts.items():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            cpu[pid] = stat_cpu_seconds(pid)
+            cpu[pid] = (part, stat_cpu_seconds(pid))
     return cpu
 
 
@@ -277,6 +287,7 @@ class Setup:
     workloads: Sequence[Workload]
     mlserver_workers: int  # MLServer's parallel_workers
     mlserver_batch_time: float  # seconds
+    frontends: int  # paddlequic's --frontends
 
 
 def grpc_peer(kind: str, name: str, setup: Setup) -> Peer:
@@ -370,8 +381,9 @@ def measure(load: Load, server: Server, workload: Workload, rpc: str, index: int
     time.sleep(max(0.0, window[1] - time.monotonic()))
     after = tree_cpu(server.root_pid())
     calls = sum(job.result() for job in jobs)
-    spent = {pid: cpu - before.get(pid, 0.0) for pid, cpu in after.items()}
-    main = spent.get(server.root_pid(), 0.0)
+    spent = dict.fromkeys(("main", "frontends", "workers"), 0.0)
+    for pid, (part, cpu) in after.items():
+        spent[part] += cpu - before.get(pid, (part, 0.0))[1]
     per_call = 1e6 / max(calls, 1)
     row = Row(
         index,
@@ -383,14 +395,16 @@ def measure(load: Load, server: Server, workload: Workload, rpc: str, index: int
         load.duration,
         round(calls / load.duration, 1),
         round(sum(spent.values()) * per_call, 1),
-        round(main * per_call, 1),
-        round((sum(spent.values()) - main) * per_call, 1),
+        round(spent["main"] * per_call, 1),
+        round(spent["frontends"] * per_call, 1),
+        round(spent["workers"] * per_call, 1),
         len(after),
     )
     print(
         f"  round {index} {workload.model:<8} c={workload.concurrency:<3} {server.name:<17} "
         f"{rpc:<10} {row.per_second:>8.1f}/s  CPU per call {row.cpu_us:>6.0f} us "
-        f"({row.main_cpu_us:.0f} first process, {row.children_cpu_us:.0f} the others)",
+        f"({row.main_cpu_us:.0f} first process, {row.frontends_cpu_us:.0f} front-ends, "
+        f"{row.workers_cpu_us:.0f} the others)",
         flush=True,
     )
     return row
@@ -429,8 +443,8 @@ def _spread(values: Sequence[float]) -> str:
 def summary(rows: Sequence[Row], rounds: int) -> str:
     lines = [
         "\nCPU per call: a server's whole process tree; its first process (paddlequic's server "
-        "process, a peer's main one) and the others (paddlequic's workers and their subreapers, "
-        "MLServer's parallel workers)"
+        "process, a peer's main one), paddlequic's front-ends (--frontends N > 1) and the others "
+        "(paddlequic's workers and their subreapers, MLServer's parallel workers)"
     ]
     for workload in WORKLOADS.values():
         groups = _groups(rows, workload.model)
@@ -440,14 +454,15 @@ def summary(rows: Sequence[Row], rounds: int) -> str:
             f"\n{workload.model}, concurrency {workload.concurrency}: median [lowest-highest] "
             f"of {rounds} rounds",
             f"{'server':<22} {'calls/s':>18} {'CPU us/call, all processes':>27} "
-            f"{'first process':>15} {'the others':>15}",
+            f"{'first process':>15} {'front-ends':>15} {'the others':>15}",
         ]
         for name, group in groups.items():
             lines.append(
                 f"{name:<22} {_spread([r.per_second for r in group]):>18} "
                 f"{_spread([r.cpu_us for r in group]):>27} "
                 f"{_spread([r.main_cpu_us for r in group]):>15} "
-                f"{_spread([r.children_cpu_us for r in group]):>15}"
+                f"{_spread([r.frontends_cpu_us for r in group]):>15} "
+                f"{_spread([r.workers_cpu_us for r in group]):>15}"
             )
         ours = groups.get(OURS, [])
         peers = [groups[p] for p in PEERS if p in groups]
@@ -479,7 +494,8 @@ def started(names: Sequence[str], setup: Setup) -> Iterator[list[Server]]:
     try:
         for name in names:
             if name == OURS:
-                ours = ServerProcess(setup.repository, setup.root / "paddlequic.log", ["--no-h3"])
+                flags = ["--no-h3", "--frontends", str(setup.frontends)]
+                ours = ServerProcess(setup.repository, setup.root / "paddlequic.log", flags)
                 served = frozenset(w.model for w in setup.workloads)
             elif name in ("grpcio", CANNED):
                 peers.append(grpc_peer("predictor" if name == "grpcio" else "canned", name, setup))
@@ -526,6 +542,9 @@ def main() -> int:
         "--models", default=",".join(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}"
     )
     parser.add_argument(
+        "--frontends", type=int, default=1, help="paddlequic's --frontends (1: one process)"
+    )
+    parser.add_argument(
         "--mlserver-workers",
         type=int,
         default=MLSERVER_WORKERS,
@@ -549,6 +568,8 @@ def main() -> int:
     for workload in workloads:
         if not (EXAMPLE_MODELS / workload.model / "1").is_dir():
             raise SystemExit(f"model {workload.model} is not exported; run `make models-bench`")
+    # A TERM (a timeout, a CI runner) stops the servers on the way out, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
     cores = len(os.sched_getaffinity(0))
     print(
         f"{args.clients} client processes, the servers and this script share {cores} cores "
@@ -564,7 +585,14 @@ def main() -> int:
     ):
         root = Path(tmp)
         repository = model_repository(root / "models", [w.model for w in workloads])
-        setup = Setup(repository, root, workloads, args.mlserver_workers, args.mlserver_batch_time)
+        setup = Setup(
+            repository,
+            root,
+            workloads,
+            args.mlserver_workers,
+            args.mlserver_batch_time,
+            args.frontends,
+        )
         with started(names, setup) as servers:
             if not servers:
                 raise SystemExit("no server could be started")
