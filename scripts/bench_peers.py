@@ -454,15 +454,15 @@ def summary(rows: Sequence[Row], rounds: int) -> str:
             f"\n{workload.model}, concurrency {workload.concurrency}: median [lowest-highest] "
             f"of {rounds} rounds",
             f"{'server':<22} {'calls/s':>18} {'CPU us/call, all processes':>27} "
-            f"{'first process':>15} {'front-ends':>15} {'the others':>15}",
+            f"{'first process':>17} {'front-ends':>11} {'the others':>17}",
         ]
         for name, group in groups.items():
             lines.append(
                 f"{name:<22} {_spread([r.per_second for r in group]):>18} "
                 f"{_spread([r.cpu_us for r in group]):>27} "
-                f"{_spread([r.main_cpu_us for r in group]):>15} "
-                f"{_spread([r.frontends_cpu_us for r in group]):>15} "
-                f"{_spread([r.workers_cpu_us for r in group]):>15}"
+                f"{_spread([r.main_cpu_us for r in group]):>17} "
+                f"{_spread([r.frontends_cpu_us for r in group]):>11} "
+                f"{_spread([r.workers_cpu_us for r in group]):>17}"
             )
         ours = groups.get(OURS, [])
         peers = [groups[p] for p in PEERS if p in groups]
