@@ -246,24 +246,36 @@ class Peer:
         return self.process.pid
 
     def wait_ready(self, models: Sequence[Workload]) -> None:
+        """Raises RuntimeError with the reason (a failed ModelInfer at once, not at the
+        deadline)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            while time.monotonic() < deadline:
+            while not self._ready(stub):
                 if self.process.poll() is not None:
                     raise RuntimeError(
                         f"{self.name} exited ({self.process.returncode}): {self.log_tail()}"
                     )
-                with contextlib.suppress(grpc.RpcError):
-                    if stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready:
-                        for w in (w for w in models if w.model in self.models):
-                            row = {w.input: np.zeros((1, w.width), np.float32)}
-                            stub.ModelInfer(build_request(w.model, row), timeout=60)
-                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{self.name} not ready after {START_TIMEOUT_S:.0f} s: {self.log_tail()}"
+                    )
                 time.sleep(0.2)
-        raise RuntimeError(
-            f"{self.name} not ready after {START_TIMEOUT_S:.0f} s: {self.log_tail()}"
-        )
+            for w in (w for w in models if w.model in self.models):
+                row = {w.input: np.zeros((1, w.width), np.float32)}
+                try:
+                    stub.ModelInfer(build_request(w.model, row), timeout=60)
+                except grpc.RpcError as exc:
+                    raise RuntimeError(
+                        f"{self.name} failed a {w.model} ModelInfer: {exc}\n{self.log_tail()}"
+                    ) from None
+
+    @staticmethod
+    def _ready(stub: pb_grpc.GRPCInferenceServiceStub) -> bool:
+        try:
+            return bool(stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready)
+        except grpc.RpcError:
+            return False  # not listening yet
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-2000:]
