@@ -19,7 +19,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-rtt bench-observability bench-generate bench-sequences bench-density lab-replicas lab-udp-fallback lab-migration chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-peers bench-rtt bench-observability bench-generate bench-sequences bench-density lab-replicas lab-udp-fallback lab-migration chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -34,6 +34,7 @@ help:
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide), and tensors in shared memory vs raw (writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
+	@echo "make bench-peers  paddlequic vs a plain grpcio server, MLServer (batching on/off; .venv-mlserver, made when missing) and a canned-answer ceiling (writes bench-results/)"
 	@echo "make bench-scale-kit  wheels (.whl/) to run bench-scale on a many-core host without network or Paddle (scripts/bench_scale_host.sh)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
@@ -108,6 +109,21 @@ bench-transport: setup models
 bench-scale: setup models
 	$(BIN)/python -m scripts.bench_scale $(ARGS)
 
+# MLServer for bench-peers, in a venv of its own (its dependencies are not paddlequic's), with
+# the Paddle of pyproject's cpu extra and the protobuf the generated code needs. uvloop < 0.22:
+# MLServer 1.7.1's workers call asyncio.get_event_loop() with no loop, which newer uvloop refuses.
+PADDLE_PIN := $(shell sed -n 's/^cpu = .*"\(paddlepaddle==[^"]*\)".*/\1/p' pyproject.toml)
+MLSERVER_VENV := .venv-mlserver
+
+$(MLSERVER_VENV)/bin/mlserver:
+	@echo "==> creating $(MLSERVER_VENV) (MLServer 1.7.1, $(PADDLE_PIN); first time: a minute or two)"
+	$(PYTHON) -m venv $(MLSERVER_VENV)
+	$(MLSERVER_VENV)/bin/python -m pip install -q "mlserver==1.7.1" "$(PADDLE_PIN)" \
+		"protobuf>=6.33.5,<7" "uvloop<0.22"
+
+bench-peers: setup models-bench $(MLSERVER_VENV)/bin/mlserver
+	$(BIN)/python -m scripts.bench_peers $(ARGS)
+
 # For a many-core host without network or Paddle: docs/benchmarks.md, "On a many-core host".
 bench-scale-kit: setup
 	$(BIN)/python -m scripts.bench_scale_kit $(ARGS)
@@ -158,5 +174,5 @@ lint: setup
 	$(BIN)/lint-imports --no-cache
 
 clean:
-	rm -rf $(VENV) $(MODELS) $(STAMP_PROTO) .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(MLSERVER_VENV) $(MODELS) $(STAMP_PROTO) .pytest_cache .mypy_cache
 	find protos -name '*_pb2*.py*' -delete

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import tempfile
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,14 @@ from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
-from scripts.bench_common import closed_loop, median_range, percentiles_ms, rss_bytes, write_json
+from scripts.bench_common import (
+    closed_loop,
+    median_range,
+    percentiles_ms,
+    rss_bytes,
+    worker_predictor,
+    write_json,
+)
 from tests.servers import EXAMPLE_MODELS, ServerProcess
 
 MODELS = {"resnet18": ("image", (3, 224, 224)), "mlp_wide": ("input", (2048,))}
@@ -61,22 +66,12 @@ class RawPredictor:
     """The engine alone: a worker's predictor (same class, same config) in this process."""
 
     def __init__(self, model: str, config: mc.ModelConfig, buckets: bool = True) -> None:
-        os.environ.setdefault("GLOG_minloglevel", "2")
-        # As in the server's CPU workers: one OpenMP thread per math thread.
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        warnings.filterwarnings("ignore", message="No ccache found")
-        from service.backend.load import Load
-        from service.backend.paddle_model import PaddleModel
-        from service.model.parameters import string_parameters
         from service.model.shapes import shape_buckets
 
-        directory = EXAMPLE_MODELS / model / "1"
-        files = (str(directory / "inference.json"), str(directory / "inference.pdiparams"))
         if not buckets:
             config.parameters["batch_buckets"].string_value = "none"
         self.shapes = shape_buckets(config)
-        load = Load(model, 1, *files, string_parameters(config), "cpu", self.shapes)
-        self.model = PaddleModel(load)
+        self.model = worker_predictor(EXAMPLE_MODELS / model, config)
         self.input, self.shape = MODELS[model]
         self.outputs = tuple(o.name for o in self.model.outputs)
 

@@ -5,14 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from protos.inference import model_config_pb2 as mc
+    from service.backend.paddle_model import PaddleModel
 
 
 async def closed_loop(stub: Any, request: Any, concurrency: int, duration: float) -> list[float]:
@@ -49,6 +55,46 @@ def process_cpu_seconds(pid: int) -> float:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread just exited
             total += int((task / "schedstat").read_text().split()[0])
     return total / 1e9
+
+
+def stat_cpu_seconds(pid: int) -> float:
+    """User and system CPU time of the process from /proc/PID/stat, in clock ticks (10 ms):
+    coarser than process_cpu_seconds, but it keeps the time of threads that already exited,
+    which servers with thread pools that come and go (MLServer's, grpcio's) spend."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_predictor(directory: Path, config: mc.ModelConfig | None = None) -> PaddleModel:
+    """The Paddle predictor a CPU worker makes for the model in `directory` (its config.pbtxt,
+    or `config`, and version 1): same class, same config, in this process."""
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    # As in the server's CPU workers: one OpenMP thread per math thread.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    warnings.filterwarnings("ignore", message="No ccache found")
+    from google.protobuf import text_format
+
+    from protos.inference import model_config_pb2 as mc
+    from service.backend.load import Load
+    from service.backend.paddle_model import PaddleModel
+    from service.model.parameters import string_parameters
+    from service.model.shapes import shape_buckets
+
+    if config is None:
+        config = text_format.Parse((directory / "config.pbtxt").read_text(), mc.ModelConfig())
+    version = directory / "1"
+    files = (str(version / "inference.json"), str(version / "inference.pdiparams"))
+    load = Load(
+        config.name,
+        1,
+        *files,
+        string_parameters(config),
+        "cpu",
+        shape_buckets(config),
+        config=config.SerializeToString(),
+    )
+    return PaddleModel(load)
 
 
 def rss_bytes(pids: Sequence[int]) -> int:

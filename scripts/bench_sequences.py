@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import statistics
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,13 @@ from typing import Any
 import numpy as np
 
 from clients.inference_client import AsyncInferenceClient
-from scripts.bench_common import median_range, percentiles_ms, process_cpu_seconds, write_json
+from scripts.bench_common import (
+    median_range,
+    percentiles_ms,
+    process_cpu_seconds,
+    worker_predictor,
+    write_json,
+)
 from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository
 
 MODEL = "kws"
@@ -58,23 +62,7 @@ class Engine:
     """kws's predictor as a worker runs it (same class, same config), in this process."""
 
     def __init__(self) -> None:
-        os.environ.setdefault("GLOG_minloglevel", "2")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        warnings.filterwarnings("ignore", message="No ccache found")
-        from google.protobuf import text_format
-
-        from protos.inference import model_config_pb2 as mc
-        from service.backend.load import Load
-        from service.backend.paddle_model import PaddleModel
-        from service.model.parameters import string_parameters
-        from service.model.shapes import shape_buckets
-
-        directory = EXAMPLE_MODELS / MODEL
-        config = text_format.Parse((directory / "config.pbtxt").read_text(), mc.ModelConfig())
-        version = directory / "1"
-        files = (str(version / "inference.json"), str(version / "inference.pdiparams"))
-        load = Load(MODEL, 1, *files, string_parameters(config), "cpu", shape_buckets(config))
-        self.model = PaddleModel(load)
+        self.model = worker_predictor(EXAMPLE_MODELS / MODEL)
         self.outputs = tuple(o.name for o in self.model.outputs)
 
     def steps_per_s(self, rows: int, duration: float) -> float:
