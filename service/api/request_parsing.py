@@ -4,7 +4,13 @@ budget) like any other. grpcio answers a deserializer that raises with UNKNOWN a
 traceback per request, a log flood for anyone who sends garbage; HTTP/3 answered INTERNAL.
 
 Servicers register through `ParsingServer`, innermost of the wrapping servers: each handler's
-deserializer returns an `Unparsable` instead of raising, and its behavior aborts on it."""
+deserializer returns an `Unparsable` instead of raising, and its behavior aborts on it.
+
+A stream's message is refused by the handler's own task, never by the task that read it: a
+servicer may read its requests in a task of its own (ModelStreamInfer does), and grpc.aio's
+abort from that task while the handler's task has a send in flight (the first response, or
+the initial metadata) fails in grpc core (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS: both batches
+send the initial metadata), leaving a call that sends no status until the caller's deadline."""
 
 from __future__ import annotations
 
@@ -54,10 +60,29 @@ async def refuse_unparsable(request: Any, context: Any) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
 
 
-async def _parsed(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+class UnparsableInStream(Exception):
+    """Raised where a stream's unparsable message is read; the handler's own task refuses it."""
+
+    def __init__(self, unparsable: Unparsable) -> None:
+        super().__init__(unparsable.details)
+        self.details = unparsable.details
+
+
+async def _parsed(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async for request in requests:
-        await refuse_unparsable(request, context)
+        if isinstance(request, Unparsable):
+            raise UnparsableInStream(request)
         yield request
+
+
+@contextlib.asynccontextmanager
+async def _refusing(context: Any) -> AsyncIterator[None]:
+    """Runs the behavior; a stream message that did not parse, met anywhere in it, ends the
+    call INVALID_ARGUMENT from here (the handler's task, between sends)."""
+    try:
+        yield
+    except UnparsableInStream as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details)
 
 
 class ParsingServer(WrappingServer):
@@ -84,20 +109,23 @@ def _checking(behavior: Behavior, request_streaming: bool) -> Behavior:
 
         async def checked_stream(request: Any, context: Any) -> AsyncIterator[Any]:
             if request_streaming:
-                request = _parsed(request, context)
+                request = _parsed(request)
             else:
                 await refuse_unparsable(request, context)
-            async with contextlib.aclosing(behavior(request, context)) as responses:
+            async with (
+                _refusing(context),
+                contextlib.aclosing(behavior(request, context)) as responses,
+            ):
                 async for response in responses:
                     yield response
 
         return checked_stream
 
     async def checked(request: Any, context: Any) -> Any:
-        if request_streaming:
-            request = _parsed(request, context)
-        else:
+        if not request_streaming:
             await refuse_unparsable(request, context)
-        return await behavior(request, context)
+            return await behavior(request, context)
+        async with _refusing(context):
+            return await behavior(_parsed(request), context)
 
     return checked

@@ -104,10 +104,14 @@ TRANSPORTS = ("h2", "h3")
 
 @contextlib.asynccontextmanager
 async def serving(
-    register: Callable[[Any], None], transport: str = "h2", certs: Path | None = None
+    register: Callable[[Any], None],
+    transport: str = "h2",
+    certs: Path | None = None,
+    h2_options: Sequence[tuple[str, Any]] = (),
 ) -> AsyncIterator[Any]:
     """A server of `transport` on a free port with what `register` put on it (grpc.aio, or
-    the HTTP/3 server with development certificates in `certs`), and a channel to it."""
+    the HTTP/3 server with development certificates in `certs`), and a channel to it (a
+    grpc.aio one with `h2_options`)."""
     if transport == "h3":
         assert certs is not None
         dev, _ = ensure_dev_certificates(certs)
@@ -125,7 +129,7 @@ async def serving(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", h2_options) as channel:
             yield channel
     finally:
         await server.stop(None)
