@@ -170,7 +170,9 @@ class VersionLoader:
                     config=config.SerializeToString(),
                     decoupled=is_decoupled(config),
                     max_message_bytes=self.limits.max_message_bytes,
-                    preloaded=self.limits.preloaded,
+                    # Placed on a GPU, simulated or not: started afresh, its environment
+                    # (the device's) in force before anything is imported.
+                    preloaded=self.limits.preloaded and p.device == "cpu",
                 ),
                 self.waits,
                 output,

@@ -213,10 +213,28 @@ async def launcher_sigkill(target: Target, scale: Scale) -> AttackResult:
             os.kill(launcher, signal.SIGKILL)
             result.outcomes["killed"] += 1
             result.outcomes[f"reload {await outcome_of(call, RELOAD_TIMEOUT_S)}"] += 1
-            victim = await _victim(target)  # serving again, from a new launcher
-            if _preloaded_launcher(target) in (None, launcher):
-                result.problems.append(f"no new preloaded launcher serves (pid {victim.pid})")
+            if not await _served_by_new_launcher(target, launcher, RESTART_LIMIT_S):
+                result.problems.append(
+                    f"mlp not served from a new preloaded launcher within {RESTART_LIMIT_S} s"
+                )
     return result
+
+
+async def _served_by_new_launcher(target: Target, old: int, limit_s: float) -> bool:
+    """Until a READY `mlp` instance runs in a worker forked from a preloaded launcher other
+    than `old` (bounded): a worker forked from the old one just before the kill may still be
+    READY for a moment, until its launcher ends it."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for instance in await instances(target):
+            if instance.state != "READY" or instance.pid <= 0:
+                continue
+            launcher = _parent(instance.pid)
+            owner = int(_parent(int(launcher)) or 0) if launcher else 0
+            if owner not in (0, old) and owner == _preloaded_launcher(target):
+                return True
+        await asyncio.sleep(POLL_S)
+    return False
 
 
 def _hostile(action: str) -> pb.ModelInferRequest:
