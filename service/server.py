@@ -174,7 +174,9 @@ async def serve(settings: ServerSettings) -> None:
                 frontends,
             )
     else:
-        public = await listen(settings, register, client_auth, tickets, plane, observer)
+        public = await listen(
+            settings, register, client_auth, tickets, plane, observer, restrictions
+        )
     servicers.control.h3 = public.h3
     servicers.control.refresh_h3 = public.refresh_h3
     if metrics is not None:

@@ -199,7 +199,8 @@ _HELP = {
     "the caller's decision",
     "restricted_protocol": "CATEGORIES:KEY=VALUE, repeatable (env: `;`-separated): calls in "
     "these comma-separated categories need metadata triton-grpc-protocol-KEY: VALUE, else "
-    "UNAUTHENTICATED; categories: " + ", ".join(RESTRICTABLE),
+    "UNAUTHENTICATED (REST: the header KEY: VALUE, else 403); categories: "
+    + ", ".join(RESTRICTABLE),
     "tls_client_ca": "PEM CA certificates that client certificates must chain to (HTTP/3, "
     "HTTP/2 with --h2-tls)",
     "require_client_cert": "refuse TLS clients without a certificate from --tls-client-ca",

@@ -13,7 +13,7 @@ import contextlib
 import hmac
 import inspect
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,30 @@ class Restriction:
     def refusal(self) -> str:
         """What a call without the header is told (UNAUTHENTICATED)."""
         return f"This protocol is restricted, expecting header '{self.header}'"
+
+    @property
+    def http_header(self) -> str:
+        """The header a REST call carries instead: the key itself, as Triton's
+        --http-restricted-api takes it."""
+        return self.header.removeprefix(HEADER_PREFIX)
+
+
+def rest_guard(
+    restrictions: Mapping[str, Restriction],
+) -> Callable[[str, list[tuple[bytes, bytes]]], str | None]:
+    """The REST API's check: a route standing for inference.GRPCInferenceService's `rpc` is
+    restricted as that method is, to requests carrying the key itself as a header (as
+    Triton's --http-restricted-api has it); returns the header a request lacks."""
+
+    def missing(rpc: str, headers: list[tuple[bytes, bytes]]) -> str | None:
+        restriction = restriction_of(restrictions, _INFERENCE + rpc)
+        if restriction is None:
+            return None
+        name = restriction.http_header
+        sent = [(restriction.header, bytes(v)) for k, v in headers if k == name.encode()]
+        return None if restriction.allows(sent) else name
+
+    return missing
 
 
 def restriction_of(restrictions: Mapping[str, Restriction], method_path: str) -> Restriction | None:

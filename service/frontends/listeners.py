@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -14,6 +14,7 @@ import grpc
 from cryptography import x509
 
 from service.api.registration import Register
+from service.api.restricted import Restriction, rest_guard
 from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
 from service.http.app import RequestLimits, RestApp
@@ -84,9 +85,14 @@ async def listen(
     tickets: TicketStore | None,
     plane: DataPlane,
     observer: Observer,
+    restrictions: Mapping[str, Restriction],
 ) -> _Listeners:
     tls = tls_files(settings) if settings.h3 or settings.h2_tls or settings.http_tls else None
-    http = await start_rest(settings, plane, observer, tls) if settings.http_port else None
+    http = (
+        await start_rest(settings, plane, observer, tls, restrictions)
+        if settings.http_port
+        else None
+    )
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
         await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
@@ -101,6 +107,7 @@ async def start_rest(
     plane: DataPlane,
     observer: Observer,
     tls: tuple[Path, Path] | None,
+    restrictions: Mapping[str, Restriction],
 ) -> HttpListener:
     """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
     limits = RequestLimits(
@@ -110,7 +117,10 @@ async def start_rest(
         settings.max_concurrent_rpcs,
         settings.stream_stall_timeout,
     )
-    app = RestApp(Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer)
+    guard = rest_guard(restrictions) if restrictions else None
+    app = RestApp(
+        Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer, guard
+    )
     options = HttpOptions(
         settings.host,
         settings.http_port,
@@ -267,14 +277,10 @@ def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
 
 
 def check_rest(settings: ServerSettings) -> None:
-    """The REST API applies neither restricted protocols nor client certificates yet: a server
-    told to use them does not serve REST beside them, open to anyone (checked at start)."""
+    """The REST API asks for no client certificate yet (plain TCP): a server told to require
+    one does not serve REST beside it, open to anyone (checked at start)."""
     if not settings.http_port:
         return
-    if settings.restricted_protocol:
-        raise ClientAuthError(
-            "--restricted-protocol is not applied to the REST API yet: start with --http-port 0"
-        )
     if settings.require_client_cert:
         raise ClientAuthError(
             "--require-client-cert is not applied to the REST API (plain TCP) yet: start with "

@@ -82,14 +82,25 @@ class Call:
 
 
 TRANSPORT = "http"  # the transport label of REST calls
+# The restricted-protocol check of a route: given the name of the gRPC method it stands for and
+# the request's headers, the header it lacks (None: served).
+Guard = Callable[[str, list[tuple[bytes, bytes]]], str | None]
 
 
 class RestApp:
-    def __init__(self, routes: Routes, limits: RequestLimits, observer: Observer | None) -> None:
-        """`observer`: where each request is counted and logged (None: nowhere)."""
+    def __init__(
+        self,
+        routes: Routes,
+        limits: RequestLimits,
+        observer: Observer | None,
+        guard: Guard | None = None,
+    ) -> None:
+        """`observer`: where each request is counted and logged (None: nowhere); `guard`:
+        what --restricted-protocol asks of a route's request (None: nothing)."""
         self.routes = routes
         self.limits = limits
         self.observer = observer
+        self.guard = guard
         self.in_flight = 0  # requests being handled, their bodies' reading included
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -202,31 +213,51 @@ class RestApp:
             )
         return await self._route(scope, receive, call)
 
+    def _expect(self, scope: Scope, allowed: str, rpc: str) -> str:
+        """`rpc`, once the request's method is the one its route takes and it carries the
+        header its category is restricted to (403 in Triton's words otherwise, before its
+        body is read)."""
+        if scope["method"] != allowed:
+            raise Refused(
+                405,
+                f"this route takes {allowed}, not {scope['method'][:16]}",
+                code=grpc.StatusCode.UNIMPLEMENTED,
+            )
+        missing = self.guard(rpc, scope["headers"]) if self.guard is not None else None
+        if missing is not None:
+            raise Refused(
+                403,
+                f"This API is restricted, expecting header '{missing}'",
+                code=grpc.StatusCode.UNAUTHENTICATED,
+            )
+        return rpc
+
     async def _route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """The route the path names, its gRPC method's name in `call` (UNKNOWN: no route)."""
         _check_headers(scope, self.limits.max_header_bytes)
-        method = scope["method"]
         parts = scope["path"].strip("/").split("/")
         rest = parts[1:]
         if parts[0] != "v2":
             raise _no_route(scope)
         if not rest:
-            call.rpc = _expect(method, "GET", "ServerMetadata")
+            call.rpc = self._expect(scope, "GET", "ServerMetadata")
             return self.routes.server_metadata()
         if rest in (["health", "live"], ["health", "ready"]):
-            call.rpc = _expect(method, "GET", "ServerLive" if rest[1] == "live" else "ServerReady")
+            call.rpc = self._expect(
+                scope, "GET", "ServerLive" if rest[1] == "live" else "ServerReady"
+            )
             return self.routes.live() if rest[1] == "live" else self.routes.ready()
         if rest == ["repository", "index"]:
-            call.rpc = _expect(method, "POST", "RepositoryIndex")
+            call.rpc = self._expect(scope, "POST", "RepositoryIndex")
             return await self.routes.repository_index(await read_body(scope, receive, self.limits))
         if rest[:2] == ["repository", "models"] and len(rest) == 4 and rest[3] in _CONTROL:
-            call.rpc = _expect(method, "POST", _CONTROL[rest[3]])
+            call.rpc = self._expect(scope, "POST", _CONTROL[rest[3]])
             call.model = rest[2]
             body = await read_body(scope, receive, self.limits)
             control = self.routes.load if rest[3] == "load" else self.routes.unload
             return await control(rest[2], body)
         if rest == ["models", "stats"]:
-            call.rpc = _expect(method, "GET", "ModelStatistics")
+            call.rpc = self._expect(scope, "GET", "ModelStatistics")
             return self.routes.statistics("", "")
         if rest[0] != "models" or len(rest) < 2:
             raise _no_route(scope)
@@ -239,7 +270,7 @@ class RestApp:
         if rpc is None:
             raise _no_route(scope)
         posted = action in ("infer", "generate", "generate_stream")
-        call.rpc = _expect(method, "POST" if posted else "GET", rpc)
+        call.rpc = self._expect(scope, "POST" if posted else "GET", rpc)
         call.model, call.version = model, version
         if action in ("generate", "generate_stream"):
             body = await read_body(scope, receive, self.limits)
@@ -389,17 +420,6 @@ def _header(scope: Scope, wanted: bytes) -> str | None:
         if name == wanted:
             return bytes(value).decode("latin-1")
     return None
-
-
-def _expect(method: str, allowed: str, rpc: str) -> str:
-    """`rpc`, once the request's method is the one its route takes."""
-    if method != allowed:
-        raise Refused(
-            405,
-            f"this route takes {allowed}, not {method[:16]}",
-            code=grpc.StatusCode.UNIMPLEMENTED,
-        )
-    return rpc
 
 
 def _no_route(scope: Scope) -> Refused:

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -750,21 +752,44 @@ def test_values_past_the_shape_are_refused_before_conversion(rest: Rest, nested:
     assert ("dimension 1 holds 1000000, not 256" if nested else "'data' holds 1000000") in error
 
 
-@pytest.mark.parametrize(
-    ("args", "error"),
-    [
-        (["--restricted-protocol", "inference:k=v"], "--restricted-protocol is not applied"),
-        (
-            ["--tls-client-ca", "CA", "--require-client-cert", "--h2-tls"],
-            "--require-client-cert is not applied to the REST API",
-        ),
-    ],
-)
-def test_rest_is_not_served_beside_protections_it_does_not_apply(
-    tmp_path: Path, args: list[str], error: str
+def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> None:
+    """--restricted-protocol CATEGORIES:KEY=VALUE: a REST route of a restricted category is
+    served to requests carrying `KEY: VALUE` (Triton's --http-restricted-api header), refused
+    403 in Triton's words before its body is read otherwise; other categories stay open."""
+    port = free_port()
+    repository = model_repository(tmp_path / "models", ["mlp"])
+    args = (
+        *("--http-port", str(port)),
+        *("--restricted-protocol", "model-repository,statistics:admin-key=s3cret"),
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def status(path: str, body: bytes | None = None, **headers: str) -> tuple[int, bytes]:
+        request = urllib.request.Request(url + path, data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read()
+
+    with running_server(repository, tmp_path / "server.log", args):
+        refusal = {"error": "This API is restricted, expecting header 'admin-key'"}
+        for path, body in (("/v2/repository/index", b"{}"), ("/v2/models/mlp/stats", None)):
+            code, payload = status(path, body)
+            assert (code, json.loads(payload)) == (403, refusal)
+            assert status(path, body, **{"admin-key": "wrong"})[0] == 403
+            assert status(path, body, **{"admin-key": "s3cret"})[0] == 200
+        assert status("/v2/health/ready")[0] == 200
+        infer = {"inputs": [json_input("input", np.ones((1, 256), np.float32), "FP32")]}
+        assert status("/v2/models/mlp/infer", json.dumps(infer).encode())[0] == 200
+
+
+def test_rest_is_not_served_beside_client_certificates_it_does_not_ask_for(
+    tmp_path: Path,
 ) -> None:
     ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
-    args = [str(ca) if a == "CA" else a for a in args]
+    args = ["--tls-client-ca", str(ca), "--require-client-cert", "--h2-tls"]
+    error = "--require-client-cert is not applied to the REST API"
     started = subprocess.run(
         [
             *(sys.executable, "-m", "service.server", "--model-repository", str(tmp_path)),
