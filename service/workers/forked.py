@@ -64,11 +64,16 @@ class PreloadedLauncher:
         self._stopping = False
 
     async def spawn(
-        self, argv: Sequence[str], env: Mapping[str, str], sockets: Sequence[socket.socket]
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        sockets: Sequence[socket.socket],
+        title: str,
     ) -> ForkedProcess | None:
         """A launcher running the worker on `sockets` (messages, segments), or None: start
-        the worker as without this launcher (it refused, or it is gone)."""
-        request = json.dumps({"argv": list(argv), "env": dict(env)}).encode()
+        the worker as without this launcher (it refused, or it is gone). `title`: what ps
+        shows of both (the instance's name)."""
+        request = json.dumps({"argv": list(argv), "env": dict(env), "title": title}).encode()
         for _ in range(2):  # a launcher that died meanwhile is started again, once
             sock = await self._started()
             if sock is None:

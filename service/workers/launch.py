@@ -126,7 +126,9 @@ async def spawn(spec: WorkerSpec) -> Spawned:
         options = launcher_options(spec, cgroup)
         process: Launcher | None = None
         if spec.preloaded and not python and spec.device == "cpu":
-            process = await preloaded_launcher().spawn(options, env, (child, segments_child))
+            process = await preloaded_launcher().spawn(
+                options, env, (child, segments_child), spec.instance_name
+            )
         if process is None:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,

@@ -9,7 +9,8 @@ while it has a second thread (a fork copies one thread, and a lock another held 
 the child): it checks before every fork and refuses, and the server then starts that worker as
 it does without this launcher (launch.py).
 
-Requests and replies are JSON datagrams on a SOCK_SEQPACKET socket: `{"argv", "env"}` with the
+Requests and replies are JSON datagrams on a SOCK_SEQPACKET socket: `{"argv", "env", "title"}`
+(the title names the forked processes for ps: `paddlequic launcher|worker INSTANCE`) with the
 worker's two sockets as descriptors, answered `{"pid"}` or `{"refused"}` in order; and
 `{"exited": pid, "status": wait status}` when a launcher it forked ends (it reaps them). It ends
 with the server (PR_SET_PDEATHSIG); the launchers it forked then end their workers.
@@ -27,6 +28,8 @@ import socket
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
+
+import setproctitle
 
 from service.backend.sandbox._libc import PR_SET_PDEATHSIG, prctl
 from service.backend.sandbox.privileges import undumpable
@@ -103,10 +106,20 @@ def _become_launcher(
         sock.close()
         for end in own:
             end.close()
+        title = str(request.get("title", ""))
+        # First: it takes over the memory of argv and the environment as the process began.
+        setproctitle.setproctitle(f"paddlequic launcher {title}")
         os.environ.clear()
         os.environ.update(request["env"])
         messages, segments = fds
-        worker = [subreaper.IN_PROCESS, "--fd", str(messages), "--segments-fd", str(segments)]
+        worker = [
+            subreaper.IN_PROCESS,
+            title,
+            "--fd",
+            str(messages),
+            "--segments-fd",
+            str(segments),
+        ]
         code = subreaper.main([*request["argv"], "--", *worker])
     finally:
         os._exit(code)

@@ -195,10 +195,13 @@ def _become_worker(command: list[str], cgroup: Path | None) -> NoReturn:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # should the launcher be killed
         if cgroup is not None:  # the worker's alone: the launcher outlives its OOM kill
             (cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        if command[0] == IN_PROCESS:
+        if command[0] == IN_PROCESS:  # [IN_PROCESS, TITLE, worker options...]
+            import setproctitle
+
             from service.workers import main as worker
 
-            os._exit(worker.main(command[1:]))
+            setproctitle.setproctitle(f"paddlequic worker {command[1]}")
+            os._exit(worker.main(command[2:]))
         os.execv(command[0], command)
     finally:
         os._exit(127)

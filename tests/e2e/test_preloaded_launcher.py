@@ -71,13 +71,17 @@ def infer_matches(server: ServerProcess, model: str, seed: int) -> None:
 def test_paddle_workers_are_forked_from_one_launcher_and_answer_as_fresh_ones(
     server: ServerProcess,
 ) -> None:
-    """Both models' workers come from the same launcher, a child of the server, and answer
-    what Paddle in this process answers."""
+    """Both models' workers come from the same launcher, a child of the server, answer what
+    Paddle in this process answers, and are named for their instance."""
     launcher = launcher_of(server, "mlp")
     assert launcher_of(server, "resnet18") == launcher
     assert parent_of(launcher) == server.process.pid
     for model in ("mlp", "resnet18"):
         infer_matches(server, model, seed=7)
+        (instance,) = server.instances(model)  # ps names both processes for the instance
+        assert command_of(instance.pid).rstrip("\0 ") == f"paddlequic worker {instance.name}"
+        named = command_of(parent_of(instance.pid)).rstrip("\0 ")
+        assert named == f"paddlequic launcher {instance.name}"
 
 
 def test_a_launcher_that_dies_is_started_again_and_its_workers_with_it(
