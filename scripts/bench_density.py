@@ -26,7 +26,7 @@ import numpy as np
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from scripts.bench_common import write_json
-from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository
+from tests.servers import EXAMPLE_MODELS, ServerProcess, descendants, model_repository
 
 SIZES = (10, 50, 200)
 # A fresh worker holds about 135 MB of its own: past this many copies the reference would not
@@ -81,20 +81,6 @@ def memory_kb(pid: int) -> tuple[int, int]:
     return uss, pss
 
 
-def tree(root: int) -> list[int]:
-    """`root` and every process beneath it."""
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        found.append(pid)
-        try:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                frontier += map(int, (task / "children").read_text().split())
-        except OSError:
-            continue
-    return found
-
-
 def wait_ready(server: ServerProcess, started: float) -> float:
     """Seconds from the server's start until ServerReady (every model loaded)."""
     while True:
@@ -119,7 +105,8 @@ def measure(repository: Path, names: list[str], label: str, preloaded: bool) -> 
         ready_s = wait_ready(server, started)
         workers = [i.pid for name in names for i in server.instances(name)]
         uss = [memory_kb(pid)[0] / 1024 for pid in workers]
-        pss = sum(memory_kb(pid)[1] for pid in tree(server.process.pid)) / 1024
+        root = server.process.pid
+        pss = sum(memory_kb(pid)[1] for pid in (root, *descendants(root))) / 1024
         answered = 0
         for name in names if label != "examples" else ():  # every copy of mlp answers
             try:

@@ -53,7 +53,7 @@ from tests.servers import (
     REPO_ROOT,
     START_TIMEOUT_S,
     ServerProcess,
-    children,
+    descendants,
     free_port,
     model_repository,
 )
@@ -173,16 +173,6 @@ class Server(Protocol):
     def address(self) -> str: ...
 
     def root_pid(self) -> int: ...
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid` (paddlequic's workers run under subreapers), with its command
-    line."""
-    found: dict[int, str] = {}
-    for child, command in children(pid).items():
-        found[child] = command
-        found |= descendants(child)
-    return found
 
 
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:

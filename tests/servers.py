@@ -65,6 +65,15 @@ def children(pid: int) -> dict[int, str]:
     return found
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (workers run under launchers), with its command line."""
+    found: dict[int, str] = {}
+    for child, command in children(pid).items():
+        found[child] = command
+        found |= descendants(child)
+    return found
+
+
 def model_repository(target: Path, names: Sequence[str]) -> Path:
     """A repository holding some of the example models (symlinked, nothing copied)."""
     target.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,10 @@ class DynamicBatcher:
         self._run_batch = run_batch
         self._capacity = capacity
         self._instances = instances or capacity
+        # Requests that may fill a batch (each holds at least one row): _can_send.
+        self._fills = (
+            min((*policy.preferred_sizes, policy.max_batch_size)) if policy.max_batch_size else 1
+        )
         self._queue = BatchQueue(policy)
         self._in_flight = 0
         self.in_flight_requests = 0
@@ -101,11 +105,7 @@ class DynamicBatcher:
         least one row: a wake-up this misses comes when the running batch ends)."""
         if self._in_flight < max(self._instances(), 1):
             return True
-        policy = self.policy
-        fills = (
-            min((*policy.preferred_sizes, policy.max_batch_size)) if policy.max_batch_size else 1
-        )
-        return self._in_flight < self._capacity() and len(self._queue) >= fills
+        return self._in_flight < self._capacity() and len(self._queue) >= self._fills
 
     def _expire(self, pending: Pending) -> None:
         """The caller's deadline passed before its batch finished."""

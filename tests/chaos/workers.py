@@ -6,7 +6,6 @@ printed lines)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -32,7 +31,7 @@ from tests.chaos.harness import (
     Target,
     outcome_of,
 )
-from tests.servers import alive
+from tests.servers import alive, children
 
 RESTART_LIMIT_S = 60.0
 RELOAD_TIMEOUT_S = 120.0
@@ -65,12 +64,8 @@ def _parent(pid: int) -> str:
 
 def _preloaded_launcher(target: Target) -> int | None:
     """The server's preloaded launcher (service/workers/preloaded.py), if it runs one."""
-    children = Path(f"/proc/{target.pid}/task/{target.pid}/children").read_text().split()
-    for child in map(int, children):
-        with contextlib.suppress(OSError):
-            if b"service.workers.preloaded" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return child
-    return None
+    running = children(target.pid).items()
+    return next((pid for pid, command in running if "service.workers.preloaded" in command), None)
 
 
 def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:

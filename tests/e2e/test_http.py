@@ -840,6 +840,21 @@ def test_frontends_serve_no_rest_and_say_so(tmp_path: Path) -> None:
             socket.create_connection(("127.0.0.1", port), timeout=10).close()
 
 
+def tritonclient(rest: Rest, script: str, request: str) -> subprocess.CompletedProcess[str]:
+    """One of the scripts below in a process of its own (tritonclient's HTTP client), given
+    the server's REST address and `request` on stdin; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, f"127.0.0.1:{rest.port}"],
+        input=request,
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 TRITONCLIENT = """
 import json, sys
 import numpy as np
@@ -881,15 +896,7 @@ def test_tritonclient_http_matches_grpc(rest: Rest) -> None:
         "item": rng.standard_normal((2, 48), dtype=np.float32),
     }
     request = {name: ("FP32", array.tolist()) for name, array in arrays.items()}
-    done = subprocess.run(
-        [sys.executable, "-c", TRITONCLIENT, f"127.0.0.1:{rest.port}"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=CLIENT_TIMEOUT_S,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr
+    done = tritonclient(rest, TRITONCLIENT, json.dumps(request))
     answer = json.loads(done.stdout)
     assert answer["metadata"]["name"] == "mlp"
     assert answer["max_batch_size"] == 64
@@ -957,15 +964,7 @@ def test_tritonclient_binary_data_matches_grpc(rest: Rest) -> None:
         }
         for model, tensors in arrays.items()
     }
-    done = subprocess.run(
-        [sys.executable, "-c", TRITONCLIENT_BINARY, f"127.0.0.1:{rest.port}"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=CLIENT_TIMEOUT_S,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr
+    done = tritonclient(rest, TRITONCLIENT_BINARY, json.dumps(request))
     answers = json.loads(done.stdout)
     for model, tensors in arrays.items():
         expected = grpc_answer(rest, model, tensors)
@@ -1000,15 +999,7 @@ print(json.dumps(answers))
 
 def test_tritonclient_compression_matches_grpc(rest: Rest) -> None:
     array = np.random.default_rng(5).standard_normal((2, 256), dtype=np.float32)
-    done = subprocess.run(
-        [sys.executable, "-c", TRITONCLIENT_COMPRESSED, f"127.0.0.1:{rest.port}"],
-        input=json.dumps(array.tolist()),
-        capture_output=True,
-        text=True,
-        timeout=CLIENT_TIMEOUT_S,
-        cwd=REPO_ROOT,
-    )
-    assert done.returncode == 0, done.stderr
+    done = tritonclient(rest, TRITONCLIENT_COMPRESSED, json.dumps(array.tolist()))
     expected = grpc_answer(rest, "mlp", {"input": array})["probabilities"]
     for answer in json.loads(done.stdout).values():
         np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
