@@ -34,6 +34,7 @@ from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3 import udp
 
+_PORT_TRIES = 20  # picks of a TCP port whose UDP twin is taken
 log = logging.getLogger("paddlequic.frontends")
 
 
@@ -74,10 +75,7 @@ async def start_frontends(
     runtime_dir = make_runtime_dir()
     reserved: socket.socket | None = None
     try:
-        reserved, port = _reserve_port(settings.host, settings.grpc_port)
-        if settings.h3:
-            # Checked here: front-ends that cannot bind would only be restarted, again and again.
-            udp.bind(settings.host, settings.h3_port or port, reuse_port=True).close()
+        reserved, port = _reserve_ports(settings)
         shared = _frontend_settings(settings, runtime_dir, port)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
@@ -146,6 +144,32 @@ def _frontend_settings(settings: ServerSettings, runtime_dir: Path, port: int) -
         shared = shared_tickets(shared, runtime_dir)
         open_ticket_store(shared.ticket_store, shared.ticket_key_file, shared.ticket_ttl)
     return shared
+
+
+def _reserve_ports(settings: ServerSettings) -> tuple[socket.socket, int]:
+    """The TCP port reserved, and the UDP port HTTP/3 will use checked free. The check binds
+    without SO_REUSEPORT: with it, a socket of another process of this user on that UDP port
+    would let the front-ends join its group, and the kernel would spread clients' datagrams
+    between two servers (seen in the suite: handshakes answered with another server's
+    certificate). A port the OS picked is picked again when its UDP twin is taken; front-ends
+    that cannot bind would only be restarted, again and again."""
+    for _ in range(_PORT_TRIES):
+        reserved, port = _reserve_port(settings.host, settings.grpc_port)
+        if not settings.h3:
+            return reserved, port
+        h3_port = settings.h3_port or port
+        try:
+            udp.bind(settings.host, h3_port).close()
+        except OSError as exc:
+            reserved.close()
+            if settings.grpc_port or settings.h3_port:
+                raise OSError(
+                    f"UDP port {h3_port} (HTTP/3): {exc.strerror}: another process holds it; "
+                    "stop it or choose another --h3-port"
+                ) from exc
+            continue
+        return reserved, port
+    raise OSError(f"no port free for both TCP and UDP after {_PORT_TRIES} tries")
 
 
 def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:

@@ -11,6 +11,9 @@ import asyncio
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -31,8 +34,10 @@ from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
+    REPO_ROOT,
     ServerProcess,
     children,
+    free_port,
     gather_held,
     model_repository,
     running_server,
@@ -404,3 +409,26 @@ async def test_a_frontend_stops_when_its_parent_dies(tmp_path: Path, certs_dir: 
                 os.kill(pid, signal.SIGKILL)
     for index in (0, 1):
         assert f"front-end {index}: the parent is gone; stopping" in s.log_text()
+
+
+def test_a_udp_port_another_process_shares_stops_the_start(tmp_path: Path, certs_dir: Path) -> None:
+    """Another process's SO_REUSEPORT socket on the UDP port (a second server of this user):
+    front-ends binding with SO_REUSEPORT would join its group and the kernel would spread
+    clients' datagrams over both servers. The start stops instead, naming the port."""
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", port))
+        repository = model_repository(tmp_path / "models", [])
+        args = ["--model-repository", str(repository), "--certs-dir", str(certs_dir)]
+        args += ["--host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "0"]
+        args += ["--http-port", "0", "--frontends", "2"]
+        started = subprocess.run(
+            [sys.executable, "-m", "service.server", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert started.returncode == 1
+    assert f"UDP port {port} (HTTP/3): Address already in use" in started.stderr
