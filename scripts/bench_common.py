@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tests.servers import descendants
+
 if TYPE_CHECKING:
     from protos.inference import model_config_pb2 as mc
     from service.backend.paddle_model import PaddleModel
@@ -64,6 +66,23 @@ def stat_cpu_seconds(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+FRONTEND_MODULE = "service.frontends.frontend"  # in a paddlequic front-end's command line
+
+
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """Each process of a server's tree: its part (main, frontends, workers: every other
+    process, launchers included) and its CPU seconds (/proc/PID/stat)."""
+    parts = {root: "main"} | {
+        pid: "frontends" if FRONTEND_MODULE in command else "workers"
+        for pid, command in descendants(root).items()
+    }
+    cpu = {}
+    for pid, part in parts.items():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            cpu[pid] = (part, stat_cpu_seconds(pid))
+    return cpu
 
 
 def worker_predictor(directory: Path, config: mc.ModelConfig | None = None) -> PaddleModel:

@@ -47,13 +47,12 @@ import numpy as np
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from scripts.bench_common import median_range, stat_cpu_seconds, write_json
+from scripts.bench_common import median_range, tree_cpu, write_json
 from tests.servers import (
     EXAMPLE_MODELS,
     REPO_ROOT,
     START_TIMEOUT_S,
     ServerProcess,
-    descendants,
     free_port,
     model_repository,
 )
@@ -63,7 +62,6 @@ CANNED = "canned"
 PEERS = ("grpcio", "mlserver", "mlserver-batching")
 SERVERS = (OURS, *PEERS, CANNED)
 LIVE = "ServerLive"
-FRONTEND_MODULE = "service.frontends.frontend"  # in a paddlequic front-end's command line
 MLSERVER_VENV = REPO_ROOT / ".venv-mlserver"
 # MLServer's adaptive batching: at most a model's max_batch_size rows (its config.pbtxt),
 # waiting at most this long for them: of 2, 10 and 50 ms, with 0 and 1 parallel workers, 10 ms
@@ -173,19 +171,6 @@ class Server(Protocol):
     def address(self) -> str: ...
 
     def root_pid(self) -> int: ...
-
-
-def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """Each process of the tree: its part (main, frontends, workers) and its CPU seconds."""
-    parts = {root: "main"} | {
-        pid: "frontends" if FRONTEND_MODULE in command else "workers"
-        for pid, command in descendants(root).items()
-    }
-    cpu = {}
-    for pid, part in parts.items():
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            cpu[pid] = (part, stat_cpu_seconds(pid))
-    return cpu
 
 
 @dataclass(frozen=True)

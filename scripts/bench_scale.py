@@ -1,6 +1,8 @@
 """`make bench-scale`: what `--frontends N` buys, in one run: ModelInfer requests/s and new
 connections/s (handshake, one ModelInfer, close) on HTTP/2 and HTTP/3 against servers with
-1, 2 and 4 front-end processes, each figure also as a ratio to one front-end.
+1, 2 and 4 front-end processes, each figure also as a ratio to one front-end; the CPU each
+call costs every process of the server (main, front-ends, workers), and the calls/s that
+projects to on 16 and 64 cores.
 
 The load comes from several client processes (one Python process saturates long before a
 server with several front-ends does), each with its own connections, so the kernel spreads
@@ -30,7 +32,7 @@ import numpy as np
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from scripts.bench_common import closed_loop, process_cpu_seconds, write_json
+from scripts.bench_common import closed_loop, tree_cpu, write_json
 from tests.servers import ServerProcess, model_repository
 
 TRANSPORTS = ("h2", "h3")
@@ -41,6 +43,7 @@ CONNECTIONS_PER_CLIENT = 4
 CALLS_PER_CONNECTION = 8
 OPENERS_PER_CLIENT = 4
 WARM_UP_S = 1.0
+PROJECTED_CORES = (16, 64)
 BENCH_MODELS = Path(__file__).resolve().parent / "bench_models"
 
 
@@ -53,9 +56,19 @@ class Measurement:
     count: int
     seconds: float
     per_second: float
-    # CPU time of the server's main process (with front-ends: the parent, which deserializes,
-    # runs the servicers and the scheduler) per call or connection: what bounds the gain.
+    # CPU time per call or connection of each part of the server's process tree: the main
+    # process (with front-ends: the parent, which runs the scheduler), the front-ends, and
+    # the others (workers and their launchers); their sum; the busiest process that more
+    # front-ends would not multiply (the parent or a worker).
     main_cpu_us: float
+    frontends_cpu_us: float
+    workers_cpu_us: float
+    total_cpu_us: float
+    busiest_cpu_us: float
+    busiest: str
+    # Calls or connections per second a host with that many cores would serve: its cores over
+    # the summed CPU per item, capped by that busiest process (one process uses one core).
+    projected: dict[str, int]
 
 
 def open_channel(transport: str, port: int, ca_file: str) -> Any:
@@ -135,25 +148,64 @@ def measure(
     ]
     # The clients warm up for a moment before their measured run; the CPU is read around it.
     time.sleep(WARM_UP_S if workload == "ModelInfer" else 0.0)
-    cpu0 = process_cpu_seconds(server.process.pid)
+    before = tree_cpu(server.process.pid)
     count = sum(job.result() for job in jobs)
-    cpu = process_cpu_seconds(server.process.pid) - cpu0
-    result = Measurement(
-        load.model,
+    after = tree_cpu(server.process.pid)
+    result = per_item(load.model, frontends, transport, workload, count, duration, before, after)
+    print(
+        f"  --frontends {frontends} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
+        f"CPU each: {result.total_cpu_us:>6.0f} us in all, {result.main_cpu_us:.0f} main, "
+        f"{result.frontends_cpu_us:.0f} front-ends, {result.workers_cpu_us:.0f} workers; "
+        f"busiest {result.busiest} {result.busiest_cpu_us:.0f} us",
+        flush=True,
+    )
+    return result
+
+
+def per_item(
+    model: str,
+    frontends: int,
+    transport: str,
+    workload: str,
+    count: int,
+    duration: float,
+    before: dict[int, tuple[str, float]],
+    after: dict[int, tuple[str, float]],
+) -> Measurement:
+    """The CPU the tree spent between two readings, per call or connection, by part."""
+    scale = 1e6 / max(count, 1)
+    spent = {
+        pid: (part, (cpu - before.get(pid, (part, 0.0))[1]) * scale)
+        for pid, (part, cpu) in after.items()
+    }
+    parts = {
+        name: sum(us for part, us in spent.values() if part == name)
+        for name in ("main", "frontends", "workers")
+    }
+    total = sum(parts.values())
+    # Front-ends multiply with the cores (--frontends N); the parent and each worker do not.
+    single = [item for item in spent.values() if item[0] != "frontends"]
+    busiest_part, busiest = max(single, key=lambda item: item[1], default=("main", 0.0))
+    projected = {
+        str(cores): round(min(cores / total, 1 / busiest) * 1e6 if total and busiest else 0.0)
+        for cores in PROJECTED_CORES
+    }
+    return Measurement(
+        model,
         frontends,
         transport,
         workload,
         count,
         duration,
         round(count / duration, 1),
-        round(cpu / max(count, 1) * 1e6, 1),
+        round(parts["main"], 1),
+        round(parts["frontends"], 1),
+        round(parts["workers"], 1),
+        round(total, 1),
+        round(busiest, 1),
+        busiest_part,
+        projected,
     )
-    print(
-        f"  --frontends {frontends} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
-        f"main process {result.main_cpu_us:>6.0f} us CPU each",
-        flush=True,
-    )
-    return result
 
 
 def _grid(title: str, counts: Sequence[int], cell: Callable[[int, str, str], str]) -> str:
@@ -170,37 +222,46 @@ def _grid(title: str, counts: Sequence[int], cell: Callable[[int, str, str], str
 
 
 def table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
-    """Each figure per second, as a ratio to one front-end, and the main process's CPU time
-    per call or connection."""
+    """Each figure per second, and as a ratio to one front-end."""
     by_key = {(m.frontends, m.transport, m.workload): m for m in results}
 
     def cell(n: int, transport: str, workload: str) -> str:
         base = by_key[counts[0], transport, workload].per_second
         measured = by_key[n, transport, workload]
         ratio = measured.per_second / base if base else 0.0
-        return f"{measured.per_second:.0f} (x{ratio:.2f}) {measured.main_cpu_us:.0f}us"
+        return f"{measured.per_second:.0f} (x{ratio:.2f})"
 
-    title = "per second (ratio to the first), then the main process's CPU per item"
-    return _grid(title, counts, cell)
+    return _grid("per second (ratio to the first)", counts, cell)
 
 
 def cpu_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
-    """The main process's CPU per call or connection as a ratio to the single process's for
-    the same workload and transport, and (ModelInfer) to its HTTP/2 ModelInfer: with
-    front-ends, what is left in the one process every call passes through."""
+    """CPU per item summed over every process (and as a ratio to one front-end's sum), then
+    the main process's share: with front-ends, what every call still costs the parent."""
     by_key = {(m.frontends, m.transport, m.workload): m for m in results}
-    h2_call = by_key[counts[0], "h2", "ModelInfer"].main_cpu_us
 
     def cell(n: int, transport: str, workload: str) -> str:
-        base = by_key[counts[0], transport, workload].main_cpu_us
-        cpu = by_key[n, transport, workload].main_cpu_us
-        text = f"x{cpu / base if base else 0.0:.2f}"
-        if workload == "ModelInfer":
-            text += f" (x{cpu / h2_call if h2_call else 0.0:.2f})"
-        return text
+        base = by_key[counts[0], transport, workload].total_cpu_us
+        measured = by_key[n, transport, workload]
+        ratio = measured.total_cpu_us / base if base else 0.0
+        return f"{measured.total_cpu_us:.0f} (x{ratio:.2f}) main {measured.main_cpu_us:.0f}"
 
-    title = "main process CPU per item, as a ratio to the first (and to its h2 ModelInfer)"
+    title = "CPU us per item, all processes (ratio to the first), then the main process's"
     return _grid(title, counts, cell)
+
+
+def projection_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
+    """Per second on bigger hosts: cores over the summed CPU per item, capped by the busiest
+    process that does not multiply with front-ends, whose part is named (a worker caps as it
+    should; the parent must not)."""
+    by_key = {(m.frontends, m.transport, m.workload): m for m in results}
+
+    def cell(n: int, transport: str, workload: str) -> str:
+        measured = by_key[n, transport, workload]
+        cores = "/".join(f"{measured.projected[str(c)]}" for c in PROJECTED_CORES)
+        return f"{cores} ({measured.busiest})"
+
+    cores = " and ".join(str(c) for c in PROJECTED_CORES)
+    return _grid(f"projected per second on {cores} cores (the busiest process)", counts, cell)
 
 
 def main() -> int:
@@ -260,6 +321,8 @@ def main() -> int:
     print(table(results, counts))
     print()
     print(cpu_table(results, counts))
+    print()
+    print(projection_table(results, counts))
     write_json(args.out, results)
     return 0
 
