@@ -111,9 +111,11 @@ async def _attempts(
     served: ServedVersion, job: InferJob, caller_id: str, parameters: str, deadline: float | None
 ) -> AsyncGenerator[StreamAnswer, None]:
     """Run the request in one instance; again in another (or the restarted one) when its
-    worker died before any response, up to CRASHES_TO_POISON deaths."""
+    worker died before any response, up to CRASHES_TO_POISON deaths it is blamed for (and as
+    many that the server caused: a preloaded launcher's end)."""
     died: WorkerDied | None = None
-    for _ in range(CRASHES_TO_POISON):
+    deaths = blamed = 0
+    while blamed < CRASHES_TO_POISON and deaths < 2 * CRASHES_TO_POISON:
         instance = _pick(served)
         request = await instance.submit(job, caller_id, parameters)
         gap_s = instance.execution_timeout_s
@@ -123,12 +125,14 @@ async def _attempts(
             return
         except WorkerDied as exc:
             died = exc
+            deaths += 1
+            blamed += exc.running
         finally:
             request.close()
     assert died is not None
     raise errors.internal(
         f"suspected poison input: the workers of model '{served.name}' died "
-        f"{CRASHES_TO_POISON} times running this request before its first response "
+        f"{deaths} times running this request before its first response "
         f"({died.message})"
     )
 

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from service.workers import subreaper
+
 log = logging.getLogger("paddlequic.worker")
 
 MAX_REPLY_BYTES = 4096
@@ -197,7 +199,9 @@ class PreloadedLauncher:
                 future.set_result(None)
         forked, self._forked = self._forked, {}
         for process in forked.values():
-            process.ended(signal.SIGKILL)  # a wait status: killed, as its launcher will be
+            # Ended by PR_SET_PDEATHSIG, whatever their workers were computing: no request of
+            # theirs is to blame (none counts towards poison), and none is lost.
+            process.ended(subreaper.ENDED_WITH_PRELOADED << 8)  # a wait status
         if not self._stopping:
             log.error("the preloaded launcher of Paddle workers ended; the next worker starts it")
 

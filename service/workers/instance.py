@@ -521,12 +521,17 @@ class WorkerInstance:
         code = await self._process.wait() if self._process else None
         launch.worker_cgroups().remove(self._cgroup)
         misbehaved = self._misbehaved
+        # A death charges the request the worker was computing (poison) unless the server
+        # ended the worker: one that ended with the preloaded launcher was not ended by it.
+        blamed = code != subreaper.ENDED_WITH_PRELOADED
         exceeded = self._exceeded(code) if misbehaved is None else None
         if misbehaved is not None:
             how = f"broke the worker protocol ({misbehaved}) and was killed"
         elif exceeded is not None:
             limit, how = exceeded
             self.limit_kills[limit] = self.limit_kills.get(limit, 0) + 1
+        elif code == subreaper.ENDED_WITH_PRELOADED:
+            how = "ended with the preloaded launcher"
         elif self._killed_hung:
             how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s of execution"
         elif code is not None and code < 0:
@@ -561,9 +566,9 @@ class WorkerInstance:
             # The model's own doing: its requests fail, none is retried on the next worker.
             self._fail_pending(lambda _: errors.resource_exhausted(message))
         else:
-            self._fail_pending(lambda index: WorkerDied(message, running=index == 0))
+            self._fail_pending(lambda index: WorkerDied(message, running=blamed and index == 0))
         self.bls.cancel_all()
-        self.streams.died(how, retry=misbehaved is None and exceeded is None)
+        self.streams.died(how, misbehaved is None and exceeded is None, blamed)
         self._restart_task = asyncio.create_task(self._restart())
 
     def _exceeded(self, code: int | None) -> tuple[str, str] | None:

@@ -99,15 +99,17 @@ class StreamRequest:
         self._wake: asyncio.Future[None] | None = None
         self._died: str | None = None  # how the worker ended, if it did
         self._retry = True  # whether a request with no response yet may run again
+        self._blamed = True  # whether the death counts against the request (poison)
         self._closed = False
 
     def deliver(self, response: protocol.Response) -> None:
         self.line.push(response)
         self._wakeup()
 
-    def died(self, how: str, retry: bool = True) -> None:
+    def died(self, how: str, retry: bool = True, blamed: bool = True) -> None:
         self._died = how
         self._retry = retry
+        self._blamed = blamed
         self._wakeup()
 
     def _wakeup(self) -> None:
@@ -161,7 +163,7 @@ class StreamRequest:
             f"the worker process for model '{self._model}' {self._died} while running this request"
         )
         if self.line.received == 0 and self._retry:
-            return WorkerDied(f"{message}; it is being restarted", running=True)
+            return WorkerDied(f"{message}; it is being restarted", running=self._blamed)
         if self.line.received == 0:
             return errors.internal(f"{message}; the request is not run again")
         return errors.unavailable(
@@ -214,9 +216,10 @@ class Streams:
         if request is not None:
             request.deliver(response)
 
-    def died(self, how: str, retry: bool = True) -> None:
+    def died(self, how: str, retry: bool = True, blamed: bool = True) -> None:
         """The worker ended; `retry`: a request it had sent nothing for may run again (False
-        when the worker was killed for breaking the protocol)."""
+        when the worker was killed for breaking the protocol); `blamed`: the death counts
+        against its requests (False when the server ended it)."""
         requests, self._requests = self._requests, {}
         for request in requests.values():
-            request.died(how, retry)
+            request.died(how, retry, blamed)

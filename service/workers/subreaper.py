@@ -35,6 +35,9 @@ IN_PROCESS = "<preloaded worker>"
 CHECK_INTERVAL_S = 0.1  # a scan of /proc costs about 3 ms for 120 processes
 EXCEEDED_CHILDREN = 90  # exit status: the worker's processes went past --children
 EXCEEDED_MEMORY = 91  # exit status: the kernel killed a process of its cgroup for memory
+# Exit status the server gives a launcher that ended with the preloaded launcher which forked
+# it (forked.py): the server's doing, not the model's or the request's.
+ENDED_WITH_PRELOADED = 92
 
 
 class _Stop(Exception):

@@ -16,11 +16,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from clients.inference_client import build_request
 from scripts.bench_density import RESULTS
 from service.workers import preloaded
+from tests.e2e.test_watchdog import POISON, add_mlp_copy, parameter
 from tests.reference import assert_matches_reference, example_inputs
 from tests.servers import (
     REPO_ROOT,
@@ -28,7 +30,9 @@ from tests.servers import (
     alive,
     eventually,
     model_repository,
+    paused,
     running_server,
+    wait_arrived,
 )
 
 pytestmark = pytest.mark.e2e
@@ -98,6 +102,32 @@ def test_a_launcher_that_dies_is_started_again_and_its_workers_with_it(
         assert after.restarts == instance.restarts + 1
         assert launcher_of(server, model) not in (launcher, server.process.pid)
     assert "the preloaded launcher of Paddle workers ended" in server.log_text()
+
+
+def test_a_death_the_launcher_caused_is_not_counted_against_the_request(tmp_path: Path) -> None:
+    """A request a worker held when the preloaded launcher died goes back to the queue
+    uncharged: the server ended that worker, the request did not. The request here is also
+    poison (the worker aborts on it): it is refused after two deaths of its own, three deaths
+    in all; charged for the launcher's too, it was refused after two."""
+    models = tmp_path / "models"
+    add_mlp_copy(models, "mlp", parameter("testing_crash_on", str(POISON)))
+    with running_server(models, tmp_path / "log", ["--testing-service", "--no-h3"]) as server:
+        (instance,) = server.instances("mlp")
+        launcher = launcher_of(server, "mlp")
+        inputs = example_inputs("mlp", seed=3)
+        next(iter(inputs.values())).flat[0] = POISON
+        with paused(instance.pid):
+            call = server.stub.ModelInfer.future(build_request("mlp", inputs), timeout=120)
+            wait_arrived(server, "mlp", 1)
+            os.kill(launcher, signal.SIGKILL)
+            eventually(lambda: not alive(instance.pid), "the worker ended with its launcher")
+        with pytest.raises(grpc.RpcError) as refused:
+            call.result()
+        assert "suspected poison input" in (refused.value.details() or "")
+        eventually(lambda: server.instances("mlp")[0].restarts == 3, "a third restart")
+        assert "ended with the preloaded launcher; 1 request(s) in it go back" in (
+            server.log_text()
+        )
 
 
 def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread() -> None:
