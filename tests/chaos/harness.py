@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import re
@@ -362,6 +363,11 @@ async def outcomes_of(
     return outcomes + list(await asyncio.gather(*pending))
 
 
+# Call numbers, so inputs, never repeat over a run: an input one row got quarantined as poison
+# (rightly or not) is not sent by the good clients of every later row.
+_CALLS = itertools.count()
+
+
 class GoodClients:
     """Loops of ModelInfer on `mlp` over both transports, each call with inputs of its own and
     its response checked against in-process Paddle for them (an answer given to another call
@@ -402,7 +408,7 @@ class GoodClients:
 
     async def _loop(self, transport: str, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
         while not self._stop.is_set():
-            call = self.requests
+            call = next(_CALLS)
             self.requests += 1
             problem = await self._call(stub, call)
             if problem.startswith(UNAVAILABLE) and self._retry_unavailable:
