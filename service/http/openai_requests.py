@@ -18,7 +18,7 @@ from service.inference.errors import ServiceError, echoed
 
 # Per request.
 MAX_TOKENS = 4096  # max_tokens (the model may allow fewer: its own refusal says so)
-DEFAULT_MAX_TOKENS = 16  # OpenAI's, for completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's for completions; chat's too (the server knows no context)
 MAX_PROMPT_CHARS = 1 << 16  # a prompt, or a chat's messages once rendered
 MAX_MESSAGES = 256  # a chat's messages
 MAX_STOP = 4  # stop sequences, as OpenAI allows
@@ -257,13 +257,6 @@ def _max_tokens(document: Mapping[str, Any], chat: bool) -> int:
     key = "max_completion_tokens" if chat and "max_completion_tokens" in document else "max_tokens"
     value = document.get(key)
     if value is None:
-        if chat:
-            raise OpenAIError(
-                f"'max_tokens' is required (at most {MAX_TOKENS}): this server sets no default "
-                "for a chat",
-                "max_tokens",
-                "invalid_value",
-            )
         return DEFAULT_MAX_TOKENS
     if not _integer(value) or value < 1:
         raise OpenAIError(f"'{key}' must be an integer of at least 1", key, "invalid_value")

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import h2.config
+import h2.connection
 import httpx
 import pytest
 
@@ -218,6 +220,17 @@ def test_a_stop_sequence_ends_the_generation_in_the_engine(server: Server) -> No
     assert settled - before < 100
 
 
+def test_temperature_and_seed_reach_the_model(server: Server) -> None:
+    """A seeded sample is the one gRPC's stream gives for the same temperature and seed."""
+    request = {"model": "generate", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.8}
+    answer = post(server, "/v1/completions", request | {"seed": 7})
+    assert answer.status_code == 200, answer.text
+    with InferenceClient(f"grpc://127.0.0.1:{server.process.port}") as client:
+        sampled = "".join(c.text for c in client.generate("generate", PROMPT, 12, 0.8, 7))
+    assert answer.json()["choices"][0]["text"] == sampled
+    assert sampled != grpc_text(server, PROMPT, 12)
+
+
 def wait_idle(server: Server) -> float:
     """Once no generation runs and the step count stopped growing: the step count."""
     deadline = time.monotonic() + 30
@@ -282,10 +295,10 @@ def test_refusals_are_openai_errors_naming_the_bound(
 
 
 def test_fields_at_their_defaults_pass(server: Server) -> None:
+    """Fields not served pass at OpenAI's defaults; max_tokens is 16 unless set."""
     request = {
         "model": "generate",
         "prompt": "x",
-        "max_tokens": 2,
         "n": 1,
         "top_p": 1,
         "presence_penalty": 0,
@@ -295,6 +308,9 @@ def test_fields_at_their_defaults_pass(server: Server) -> None:
     }
     answer = post(server, "/v1/completions", request)
     assert answer.status_code == 200, answer.text
+    (choice,) = answer.json()["choices"]
+    assert choice["text"] == grpc_text(server, "x", 16)
+    assert answer.json()["usage"]["completion_tokens"] == 16
 
 
 def test_an_error_from_the_model_keeps_the_openai_shape(server: Server) -> None:
@@ -317,24 +333,79 @@ def raw_request(server: Server, path: str, body: bytes) -> socket.socket:
     return connection
 
 
+def wait_generating(server: Server) -> None:
+    deadline = time.monotonic() + 60
+    while server.generations(ACTIVE) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+class H2Stream:
+    """One HTTP/2 request (h2c by prior knowledge) on a plain socket, which the test resets
+    while the connection stays open."""
+
+    def __init__(self, server: Server, path: str) -> None:
+        self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        self.h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2c.initiate_connection()
+        headers = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "x")]
+        self.h2c.send_headers(1, headers)
+        self.flush()
+
+    def send(self, data: bytes, end: bool) -> None:
+        self.h2c.send_data(1, data, end_stream=end)
+        self.flush()
+
+    def reset(self) -> None:
+        self.h2c.reset_stream(1)
+        self.flush()
+
+    def flush(self) -> None:
+        self.socket.sendall(self.h2c.data_to_send())
+
+    def close(self) -> None:
+        self.socket.close()
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_leaves_stops_its_generation(server: Server, stream: bool) -> None:
-    """The client closes its connection (streaming: after the first chunk; not streaming:
-    while the model generates): the engine stops stepping the generation, far short of its
-    250 tokens, and frees its place."""
+@pytest.mark.parametrize("leaving", ["closes its HTTP/1.1 connection", "resets its HTTP/2 stream"])
+def test_a_client_that_leaves_stops_its_generation(
+    server: Server, stream: bool, leaving: str
+) -> None:
+    """The client leaves while the model generates (streamed or not): the engine stops
+    stepping the generation, far short of its 250 tokens, and frees its place; an HTTP/2
+    stream reset is enough, its connection open."""
     before = server.generations(STEPS)
     request = {"model": "generate", "prompt": "x", "max_tokens": 250, "stream": stream}
-    with raw_request(server, "/v1/completions", json.dumps(request).encode()) as connection:
-        if stream:
-            received = b""
-            while b"data: " not in received:
-                received += connection.recv(65536)
-        else:
-            deadline = time.monotonic() + 60
-            while server.generations(ACTIVE) == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+    body = json.dumps(request).encode()
+    if leaving.startswith("closes"):
+        with raw_request(server, "/v1/completions", body):
+            wait_generating(server)
+    else:
+        h2_stream = H2Stream(server, "/v1/completions")
+        try:
+            h2_stream.send(body, end=True)
+            wait_generating(server)
+            h2_stream.reset()
+            assert wait_idle(server) - before < 150
+        finally:
+            h2_stream.close()
     assert wait_idle(server) - before < 150
+
+
+def test_batchstream_reset_over_http2_cancels_its_requests(server: Server) -> None:
+    """A batchstream whose HTTP/2 stream is reset, its body not ended and its connection
+    open: its requests stop generating."""
+    before = server.generations(STEPS)
+    h2_stream = H2Stream(server, "/v1/inference/advanced/batchstream")
+    try:
+        line = {"prompt": "x", "max_tokens": 250, "model": "generate"}
+        h2_stream.send(lines(*({"request_id": f"r{i}", **line} for i in range(3))), end=False)
+        wait_generating(server)
+        h2_stream.reset()
+        assert wait_idle(server) - before < 3 * 250 // 4
+    finally:
+        h2_stream.close()
 
 
 class Chunked:
@@ -466,10 +537,7 @@ def test_batchstream_bounds_requests_in_flight_and_a_leaving_client_cancels_them
             "too_many_in_flight",
         )
         assert str(MAX_IN_FLIGHT) in refused["message"]
-        deadline = time.monotonic() + 60
-        while server.generations(ACTIVE) == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_generating(server)
     finally:
         stream.close()
     assert wait_idle(server) - before < MAX_IN_FLIGHT * 250 // 4
