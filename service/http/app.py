@@ -246,7 +246,7 @@ class RestApp:
         if rest in (["completions"], ["chat", "completions"]):
             call.rpc = self._expect(scope, "POST", "ModelStreamInfer")
             body = await read_body(scope, receive, self.limits)
-            work = self.openai.completions(body, rest[0] == "chat", call.client)
+            work = self.openai.completions(body, rest[0] == "chat", call.client, call)
             return await unless_gone(receive, work)
         if rest == ["inference", "advanced", "batchstream"]:
             call.rpc = self._expect(scope, "POST", "ModelStreamInfer")

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Protocol
 
 from service.dataplane.plane import DataPlane
 from service.http.json_tensors import parsed
@@ -64,6 +64,12 @@ def chunk(document: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(document).encode() + b"\n\n"
 
 
+class Labels(Protocol):
+    """What the request log and metrics say of a call (the app's Call)."""
+
+    model: str
+
+
 class OpenAIRoutes:
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
@@ -80,10 +86,12 @@ class OpenAIRoutes:
         ]
         return Reply(200, {"object": "list", "data": listed})
 
-    async def completions(self, body: bytes, chat: bool, client: str) -> Reply:
+    async def completions(self, body: bytes, chat: bool, client: str, call: Labels) -> Reply:
         """`chat`: /v1/chat/completions. `client`: whom the generation counts against for
-        the fair share of the model's places."""
+        the fair share of the model's places; `call`: where the model is named for the
+        request log and metrics."""
         request = completion_request(parsed(body), chat)
+        call.model = request.model
         served = generation_model(self.plane, request.model)
         sampling = request.sampling
         if isinstance(request.prompt, Messages):

@@ -220,6 +220,24 @@ def test_a_stop_sequence_ends_the_generation_in_the_engine(server: Server) -> No
     assert settled - before < 100
 
 
+def test_calls_are_counted_as_the_model_s_streams(server: Server) -> None:
+    """A completion is counted as the ModelStreamInfer call it stands for, on its model."""
+
+    def count() -> float:
+        labels = {"transport": "http", "rpc": "ModelStreamInfer", "model": "generate", "code": "OK"}
+        return sum(
+            s.value
+            for s in server.process.metrics()
+            if s.name == "paddlequic_requests_total"
+            and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    before = count()
+    answer = post(server, "/v1/completions", {"model": "generate", "prompt": "x", "max_tokens": 2})
+    assert answer.status_code == 200
+    assert count() == before + 1
+
+
 def test_temperature_and_seed_reach_the_model(server: Server) -> None:
     """A seeded sample is the one gRPC's stream gives for the same temperature and seed."""
     request = {"model": "generate", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.8}
