@@ -110,7 +110,9 @@ class _BatchStream:
         pending = asyncio.ensure_future(self.receive())
         try:
             while True:
-                waiting = None if self.body_done.is_set() or self.running else self.idle_s
+                # The timer runs from the last chunk and, while requests generate, starts
+                # again when it fires: silent with none generating, at most twice idle_s.
+                waiting = None if self.body_done.is_set() else self.idle_s
                 done, _ = await asyncio.wait({pending}, timeout=waiting)
                 if not done:
                     if not self.running:  # idle, nothing generating
