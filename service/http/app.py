@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 
 import grpc
 
+from service.http.batchstream import BatchStreams
 from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.generate import sse
+from service.http.openai import OpenAIRoutes, error_document
 from service.http.routes import Reply, Routes
 from service.http.status import RETRY_AFTER_S, http_status
 from service.inference import errors
@@ -101,6 +103,8 @@ class RestApp:
         self.limits = limits
         self.observer = observer
         self.guard = guard
+        self.openai = OpenAIRoutes(routes.plane)
+        self.batchstream = BatchStreams(routes.plane, limits.body_timeout_s)
         self.in_flight = 0  # requests being handled, their bodies' reading included
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -118,19 +122,20 @@ class RestApp:
         try:
             reply = await self._admitted(scope, receive, call)
         except Refused as exc:
-            reply = Reply(exc.status, {"error": exc.message})
+            reply = Reply(exc.status, _error(scope, exc.status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
             if exc.close and scope.get("http_version") in ("1.0", "1.1"):
                 headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
-            reply = Reply(http_status(exc.code), {"error": exc.message})
+            status = http_status(exc.code)
+            reply = Reply(status, _error(scope, status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
         finally:
             self.in_flight -= 1
         if reply.status == 429:
             headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         if reply.events is not None:
-            await self._stream(reply.events, send, receive, call)
+            await self._stream(reply.events, send, reply.gone or receive, call)
             if self.observer is not None:
                 self._record(call, reply, time.perf_counter() - started)
             return
@@ -232,11 +237,29 @@ class RestApp:
             )
         return rpc
 
+    async def _v1(self, scope: Scope, receive: Receive, call: Call, rest: list[str]) -> Reply:
+        """The OpenAI-compatible routes and batchstream (service/http/openai.py,
+        batchstream.py)."""
+        if rest == ["models"]:
+            call.rpc = self._expect(scope, "GET", "RepositoryIndex")
+            return self.openai.models()
+        if rest in (["completions"], ["chat", "completions"]):
+            call.rpc = self._expect(scope, "POST", "ModelStreamInfer")
+            body = await read_body(scope, receive, self.limits)
+            work = self.openai.completions(body, rest[0] == "chat", call.client, call)
+            return await unless_gone(receive, work)
+        if rest == ["inference", "advanced", "batchstream"]:
+            call.rpc = self._expect(scope, "POST", "ModelStreamInfer")
+            return self.batchstream.reply(receive, call.client)
+        raise _no_route(scope)
+
     async def _route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """The route the path names, its gRPC method's name in `call` (UNKNOWN: no route)."""
         _check_headers(scope, self.limits.max_header_bytes)
         parts = scope["path"].strip("/").split("/")
         rest = parts[1:]
+        if parts[0] == "v1":
+            return await self._v1(scope, receive, call, rest)
         if parts[0] != "v2":
             raise _no_route(scope)
         if not rest:
@@ -292,6 +315,13 @@ class RestApp:
         if action == "stats":
             return self.routes.statistics(model, version)
         return self.routes.model_metadata(model, version)
+
+
+def _error(scope: Scope, status: int, message: str, exc: Exception) -> Any:
+    """The error body in the words of the route's API: OpenAI's under /v1, Triton's else."""
+    if scope["path"].startswith("/v1/"):
+        return error_document(status, message, exc)
+    return {"error": message}
 
 
 # /v2/repository/models/NAME/... and the gRPC methods they stand for.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from service.http.generate import (
     sse,
 )
 from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
+from service.http.textgen import checked
 from service.inference import errors
 from service.inference.errors import echoed
 from service.inference.identity import ANYONE
@@ -57,6 +58,9 @@ class Reply:
     request_id: str = ""  # an infer request's id, for the request log
     model_version: str = ""  # the version that answered an infer request
     events: AsyncGenerator[bytes, None] | None = None  # server-sent events, in place of a body
+    # What says the client of a stream left, when its route reads the request itself (None:
+    # the request's own receive).
+    gone: Callable[[], Awaitable[Any]] | None = None
 
 
 OK = Reply(200)
@@ -217,7 +221,7 @@ class Routes:
         if stream:
             return Reply(200, events=await _first_then_rest(served, answers))
         async with contextlib.aclosing(answers) as responses:
-            collected = [a async for a in responses if _checked(a).outputs]
+            collected = [a async for a in responses if checked(a).outputs]
         if len(collected) != 1:
             raise errors.invalid(
                 f"model '{served.name}' answered with {len(collected)} responses; generate "
@@ -234,7 +238,7 @@ async def _first_then_rest(
     decoder = TextDecoder()
     version = str(served.version)
     try:
-        first = _checked(await anext(answers))
+        first = checked(await anext(answers))
     except BaseException:
         await answers.aclose()
         raise
@@ -251,13 +255,6 @@ async def _first_then_rest(
                 answer = None if answer.final else await anext(rest, None)
 
     return events()
-
-
-def _checked(answer: StreamAnswer) -> StreamAnswer:
-    """The answer, unless it is the model's error: then that error, under its status."""
-    if answer.error is not None:
-        raise errors.ServiceError(grpc.StatusCode[answer.status], answer.error)
-    return answer
 
 
 def _parameters(body: bytes) -> dict[str, Any]:
