@@ -52,19 +52,22 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """`generate` and `mlp` as exported, and `chat`: `generate` declaring a chat template."""
+    """`generate` and `mlp` as exported, `chat` (a copy of `generate`, which declares a chat
+    template) and `nochat` (one without it)."""
     root = tmp_path_factory.mktemp("openai")
     repository = root / "models"
     repository.mkdir()
     for name in ("generate", "mlp"):
         (repository / name).symlink_to(EXAMPLE_MODELS / name)
-    chat = repository / "chat"
-    shutil.copytree(EXAMPLE_MODELS / "generate", chat)
-    config = (chat / "config.pbtxt").read_text().replace('name: "generate"', 'name: "chat"')
-    config += (
-        f'parameters [ {{ key: "chat_template", value: {{ string_value: "{CHAT_TEMPLATE}" }} }} ]\n'
-    )
-    (chat / "config.pbtxt").write_text(config)
+    example = (EXAMPLE_MODELS / "generate" / "config.pbtxt").read_text()
+    assert f'"chat_template", value: {{ string_value: "{CHAT_TEMPLATE}" }}' in example
+    for name, config in (
+        ("chat", example),
+        ("nochat", "".join(x for x in example.splitlines(True) if "chat_template" not in x)),
+    ):
+        shutil.copytree(EXAMPLE_MODELS / "generate", repository / name)
+        named = config.replace('name: "generate"', f'name: "{name}"')
+        (repository / name / "config.pbtxt").write_text(named)
     port = free_port()
     args = (*("--http-port", str(port)), *("--http-body-timeout", str(BODY_TIMEOUT_S)))
     with running_server(repository, root / "server.log", args) as process:
@@ -114,7 +117,7 @@ def test_models_lists_the_generation_models(server: Server) -> None:
     assert answer.status_code == 200
     listed = answer.json()
     assert listed["object"] == "list"
-    assert sorted(m["id"] for m in listed["data"]) == ["chat", "generate"]  # not mlp
+    assert sorted(m["id"] for m in listed["data"]) == ["chat", "generate", "nochat"]  # not mlp
     assert all(m["object"] == "model" for m in listed["data"])
 
 
@@ -282,7 +285,7 @@ def wait_idle(server: Server) -> float:
         ),
         (
             "/v1/chat/completions",
-            {"model": "generate"},
+            {"model": "nochat"},
             400,
             "messages",
             "declares no chat template",
@@ -615,7 +618,7 @@ def test_readme_openai_examples(server: Server) -> None:
         done = subprocess.run(["bash", "-c", local], capture_output=True, timeout=60, text=True)
         assert done.returncode == 0, (command, done.stderr)
         outputs.append(done.stdout)
-    assert [m["id"] for m in json.loads(outputs[0])["data"]] == ["chat", "generate"]
+    assert [m["id"] for m in json.loads(outputs[0])["data"]] == ["chat", "generate", "nochat"]
     assert json.loads(outputs[1])["choices"][0]["text"] == grpc_text(server, PROMPT, 16)
     *chunks, done = data_events(outputs[2].encode())
     assert done == "[DONE]"
