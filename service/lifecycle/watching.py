@@ -67,6 +67,12 @@ class RepositoryWatcher:
             log.error("rescan: %s", exc)  # the models already loaded keep serving
             return
         loaded = set(lifecycle.registry.loaded_names())
+        if lifecycle.budget is not None:
+            # Under a memory budget a rescan reloads what is in memory; a new model loads on
+            # its first request.
+            only_loaded = True
+            for name in sorted(names - loaded):
+                lifecycle.registry.offer(name, "not loaded yet: loads on its first request")
         targets = sorted(loaded) if only_loaded else sorted(names)
         for name in targets:
             if name not in names:
