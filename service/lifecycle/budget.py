@@ -94,14 +94,16 @@ class MemoryBudget:
         self._held[name] = self._held.get(name, 0) + 1
         try:
             if self.registry.on_demand(name):
-                await self._loaded(name, deadline)
+                await self.loaded(name, deadline)
             yield self.registry.resolve(name, version)
         finally:
             self._held[name] -= 1
             if not self._held[name]:
                 del self._held[name]
 
-    async def _loaded(self, name: str, deadline: float | None) -> None:
+    async def loaded(self, name: str, deadline: float | None) -> None:
+        """Until the model's load (started now, or the one under way) is done, or `deadline`
+        (DEADLINE_EXCEEDED; the load goes on)."""
         self.observer.on_load_wait(name)
         load = self._loads.get(name)
         if load is None:

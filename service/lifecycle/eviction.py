@@ -2,7 +2,8 @@
 free of asyncio, processes and clocks (times are inputs), so its order and invariants can be
 tested alone (service/lifecycle/budget.py drives it).
 
-The rule, ModelMesh's: the least recently used idle models go first, as few as make room.
+The rule, ModelMesh's: the least recently used idle models go first, as few as make room
+(one that holds nothing, an ensemble, frees nothing and stays).
 A model is idle when nothing holds it: no request in flight or waiting for it, no open
 sequence. A pinned model (loaded by RepositoryModelLoad) never goes. When evicting every
 idle, unpinned model would still not make room, nothing is evicted and the load is refused
@@ -56,7 +57,7 @@ def plan_room(
     free = budget - used
     chosen: list[str] = []
     candidates = sorted(
-        (r for r in residents if r.name != loading and not r.pinned and not r.busy),
+        (r for r in residents if r.name != loading and r.bytes and not r.pinned and not r.busy),
         key=lambda r: (r.last_used, r.name),
     )
     for resident in candidates:

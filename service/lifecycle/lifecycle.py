@@ -115,6 +115,7 @@ class Lifecycle:
                 options.memory_budget_mb, registry, self.retiring.retire, self._lock, observer
             )
             self.budget.load = functools.partial(self._load, override=None, upload=None)
+            runner.load_on_demand = self.budget.loaded
 
     async def fail(self, served: ServedVersion, reason: str, stage: str | None) -> None:
         """The version serves nothing, for `reason`: UNAVAILABLE at once (requests for it are

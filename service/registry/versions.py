@@ -196,7 +196,7 @@ class ModelRegistry:
         if versions is None:
             if name in self._evicted:
                 raise errors.unavailable(
-                    f"model '{name}' is not loaded ({self._evicted[name]}); an inference "
+                    f"model '{name}' is not loaded ({self._evicted[name]}); a gRPC inference "
                     "request loads it"
                 )
             if name in self._failed:

@@ -44,6 +44,26 @@ def copy_model(repository: Path, source: str, name: str, memory_mb: int | None) 
     (target / "config.pbtxt").write_text(config)
 
 
+# An ensemble of one step, m1 (an ensemble holds no memory of its own).
+ENSEMBLE = """
+name: "ens"
+platform: "ensemble"
+max_batch_size: 64
+input [ { name: "input", data_type: TYPE_FP32, dims: [ 256 ] } ]
+output [ { name: "probabilities", data_type: TYPE_FP32, dims: [ 10 ] } ]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "m1"
+      model_version: -1
+      input_map { key: "input" value: "input" }
+      output_map { key: "probabilities" value: "probabilities" }
+    }
+  ]
+}
+"""
+
+
 def mlp_request(name: str) -> pb.ModelInferRequest:
     return build_request(name, {"input": np.linspace(-1, 1, 256, dtype=np.float32)[None, :]})
 
@@ -118,6 +138,20 @@ def test_least_recently_used_idle_model_is_evicted_and_served_again(three: Serve
     memory = "paddlequic_model_memory_bytes"
     assert counted(server, memory, model="m3") == MODEL_MB * MB
     assert counted(server, memory, model="m1") == 0  # not in memory: no series
+
+
+def test_an_ensemble_loads_its_evicted_step(tmp_path: Path) -> None:
+    repo = repository(tmp_path / "models", "m1", "m2", "m3")
+    (repo / "ens").mkdir()
+    (repo / "ens" / "config.pbtxt").write_text(ENSEMBLE)
+    with running_server(repo, tmp_path / "log", BUDGET) as server:
+        infer(server, "ens")
+        infer(server, "m2")
+        infer(server, "m3")  # m1, the ensemble's step, is the least recently used
+        assert states(server)["m1"][0] == "UNAVAILABLE"
+        infer(server, "ens")
+        assert states(server)["m1"][0] == "READY"
+        assert counted(server, "paddlequic_model_loads_total", model="m1") == 2
 
 
 def test_callers_of_a_loading_model_wait_for_its_one_load(three: ServerProcess) -> None:

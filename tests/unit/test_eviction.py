@@ -64,13 +64,13 @@ residents = st.lists(
 def test_plans_keep_the_invariants(
     models: list[Resident], needed: int, budget: int, loading: str
 ) -> None:
-    """Evicted: only idle, unpinned, other models, a prefix of them by last use (ties by name),
-    none more than needed, and then the load fits. Refused: only when evicting every one of
-    them would not make room."""
+    """Evicted: only idle, unpinned, other models that free something, a prefix of them by
+    last use (ties by name), none more than needed, and then the load fits. Refused: only
+    when evicting every one of them would not make room."""
     plan = plan_room(models, needed, budget, loading)
     used = sum(r.bytes for r in models)
     candidates = sorted(
-        (r for r in models if not r.pinned and not r.busy and r.name != loading),
+        (r for r in models if r.bytes and not r.pinned and not r.busy and r.name != loading),
         key=lambda r: (r.last_used, r.name),
     )
     if isinstance(plan, NoRoom):
