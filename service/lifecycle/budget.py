@@ -154,6 +154,13 @@ class MemoryBudget:
             if pin:
                 self._pinned.add(name)
 
+    async def stop(self) -> None:
+        """At shutdown: loads under way are cancelled (their callers get UNAVAILABLE)."""
+        loads = list(self._loads.values())
+        for load in loads:
+            load.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
+
     def forget(self, name: str) -> None:
         """The model was unloaded (RepositoryModelUnload): not charged, not pinned."""
         self._pinned.discard(name)
@@ -266,7 +273,9 @@ def _size(versions: list[ServedVersion]) -> int:
 def _relay(waiter: asyncio.Future[None], load: asyncio.Future[None]) -> None:
     """The load's outcome to one waiter (one that gave up at its deadline stays as it is)."""
     if load.cancelled():
-        error: BaseException | None = errors.unavailable("the model's load was cancelled")
+        error: BaseException | None = errors.unavailable(
+            "the model's load was cancelled: the server is shutting down"
+        )
     else:
         error = load.exception()
     if waiter.done():

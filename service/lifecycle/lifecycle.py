@@ -131,6 +131,8 @@ class Lifecycle:
 
     async def stop(self) -> None:
         """Stop every version's batcher and workers."""
+        if self.budget is not None:
+            await self.budget.stop()
         await self.retiring.finish()
         versions = self.registry.all_versions()
         for served in versions:

@@ -154,6 +154,20 @@ def test_an_ensemble_loads_its_evicted_step(tmp_path: Path) -> None:
         assert counted(server, "paddlequic_model_loads_total", model="m1") == 2
 
 
+def test_front_end_processes_load_on_demand_too(tmp_path: Path) -> None:
+    """With --frontends, a call for a model not in memory goes on to the parent, which loads
+    it; calls the front-ends describe count as uses (m1 is used again before m3 loads)."""
+    repo = repository(tmp_path / "models", "m1", "m2", "m3")
+    with running_server(repo, tmp_path / "log", [*BUDGET, "--frontends", "2"]) as server:
+        for name in ("m1", "m2", "m1", "m3"):
+            infer(server, name)
+        assert {name: state for name, (state, _) in states(server).items()} == {
+            "m1": "READY",
+            "m2": "UNAVAILABLE",
+            "m3": "READY",
+        }
+
+
 def test_callers_of_a_loading_model_wait_for_its_one_load(three: ServerProcess) -> None:
     """Concurrent requests for a model not loaded: one load, every caller answered; a caller
     whose deadline passes first fails DEADLINE_EXCEEDED and the load goes on for the next."""
