@@ -27,7 +27,7 @@ from typing import Protocol
 
 from service.inference import errors
 from service.inference.timers import fail_at
-from service.lifecycle.eviction import MB, Evict, NoRoom, Resident, plan_room
+from service.lifecycle.eviction import MB, NoRoom, Resident, plan_room
 from service.model.parameters import MEMORY_MB, string_parameters
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.workers.memory import private_bytes
@@ -184,12 +184,16 @@ class MemoryBudget:
             )
         return found
 
-    async def _make_room(self, name: str, needed: int) -> None:
+    async def _make_room(self, name: str, needed: int, charged: bool = False) -> None:
         """Evict, one at a time and looking again after each, until `needed` more bytes fit:
-        a model that became busy meanwhile stays."""
+        a model that became busy meanwhile stays. `charged`: `name` is loaded and charged
+        `needed` already; when no room can be made it is unloaded again."""
         while True:
-            plan = plan_room(self.residents(), needed, self.budget, name)
+            residents = [r for r in self.residents() if not (charged and r.name == name)]
+            plan = plan_room(residents, needed, self.budget, name)
             if isinstance(plan, NoRoom):
+                if charged:
+                    await self._evict(name, f"not loaded: {plan.reason}", force=True)
                 raise errors.resource_exhausted(plan.reason)
             if not plan.names:
                 return
@@ -214,14 +218,7 @@ class MemoryBudget:
             size / MB,
             self.budget // MB,
         )
-        others = [r for r in self.residents() if r.name != name]
-        plan = plan_room(others, size, self.budget, name)
-        if isinstance(plan, Evict):
-            for victim in plan.names:
-                await self._evict(victim, self._reason(name))
-            return
-        await self._evict(name, f"not loaded: {plan.reason}", force=True)
-        raise errors.resource_exhausted(plan.reason)
+        await self._make_room(name, size, charged=True)
 
     def _reason(self, loading: str) -> str:
         """What RepositoryIndex says of a model evicted for `loading` (Triton's words for
