@@ -16,11 +16,18 @@ import grpc
 import numpy as np
 import pytest
 
-from clients.inference_client import build_request
+from clients.inference_client import build_request, parse_response
 from clients.sequences import SequenceParameters
 from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
-from tests.servers import EXAMPLE_MODELS, ServerProcess, eventually, paused, running_server
+from tests.servers import (
+    EXAMPLE_MODELS,
+    ServerProcess,
+    eventually,
+    model_repository,
+    paused,
+    running_server,
+)
 
 MODEL_MB = 300
 BUDGET = ["--model-memory-budget", str(2 * MODEL_MB + MODEL_MB // 2)]  # room for two
@@ -152,6 +159,20 @@ def test_an_ensemble_loads_its_evicted_step(tmp_path: Path) -> None:
         infer(server, "ens")
         assert states(server)["m1"][0] == "READY"
         assert counted(server, "paddlequic_model_loads_total", model="m1") == 2
+
+
+def test_a_bls_call_loads_its_target(tmp_path: Path) -> None:
+    """mlp_router (a Python model) calls mlp for rows of norm above 1: mlp, not in memory,
+    loads for that call; a Python model's worker is measured too."""
+    repo = model_repository(tmp_path / "models", ["mlp_router", "mlp"])
+    with running_server(repo, tmp_path / "log", ["--model-memory-budget", "4000"]) as server:
+        request = build_request("mlp_router", {"input": np.ones((1, 256), dtype=np.float32)})
+        response = server.stub.ModelInfer(request, timeout=CALL_TIMEOUT_S)
+        assert parse_response(response)["routed"].tolist() == [[True]]
+        assert states(server)["mlp"][0] == "READY"
+        memory = "paddlequic_model_memory_bytes"
+        assert counted(server, memory, model="mlp_router") > MB
+        assert counted(server, memory, model="mlp") > MB
 
 
 def test_front_end_processes_load_on_demand_too(tmp_path: Path) -> None:
