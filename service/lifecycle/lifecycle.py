@@ -150,9 +150,6 @@ class Lifecycle:
     async def load_all(self, only: Sequence[str] | None = None) -> None:
         """Read every model (or those in `only`), place all their instances in one pass, then
         start them."""
-        if self.budget is not None:
-            await self._offer_all(only or ())
-            return
         names = self.repository.model_names() if only is None else list(only)
         if not names:
             log.warning(
@@ -210,19 +207,6 @@ class Lifecycle:
         self.registry.changed()
         await asyncio.gather(*loads)
         await self._check_consistency()
-        self.registry.loading_done = True
-        self.registry.changed()
-
-    async def _offer_all(self, pinned: Sequence[str]) -> None:
-        """Under a memory budget the start loads only the models explicit mode names, pinned;
-        every other model of the repository loads on its first request."""
-        for name in self.repository.model_names():
-            self.registry.offer(name, "not loaded yet: loads on its first request")
-        for name in pinned:
-            try:
-                await self.load_model(name, explicit=True)
-            except errors.ServiceError as exc:
-                log.error("model %s not loaded: %s", name, exc.message)
         self.registry.loading_done = True
         self.registry.changed()
 
