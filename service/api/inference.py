@@ -85,6 +85,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: ServicerContext
     ) -> pb.ModelMetadataResponse:
+        await self.plane.in_memory(request.name, call_deadline(context))
         described = self.plane.model_metadata(request.name, request.version)
         return pb.ModelMetadataResponse(
             name=described.name,
@@ -98,6 +99,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: ServicerContext
     ) -> pb.ModelConfigResponse:
+        await self.plane.in_memory(request.name, call_deadline(context))
         return pb.ModelConfigResponse(config=self.plane.model_config(request.name, request.version))
 
     @errors.reports_errors

@@ -178,6 +178,13 @@ class DataPlane:
     def resolve(self, name: str, version: str) -> ServedVersion:
         return self.models.resolve(name, version)
 
+    async def in_memory(self, name: str, deadline: float | None) -> None:
+        """Under --model-memory-budget, a model not in memory is loaded first (within
+        `deadline`) for what a client asks before it infers: its metadata, its config."""
+        budget = self.lifecycle.budget
+        if budget is not None and self.models.on_demand(name):
+            await budget.loaded(name, deadline)
+
     def serving(
         self, name: str, version: str, deadline: float | None
     ) -> AbstractAsyncContextManager[ServedVersion]:

@@ -189,6 +189,20 @@ def test_front_end_processes_load_on_demand_too(tmp_path: Path) -> None:
         }
 
 
+def test_metadata_and_config_load_a_model_not_in_memory(three: ServerProcess) -> None:
+    """What a client asks before it infers (tritonclient, perf_analyzer) loads the model;
+    ModelReady, a health check, does not."""
+    server = three
+    assert not server.stub.ModelReady(pb.ModelReadyRequest(name="m1"), timeout=10).ready
+    metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="m1"), timeout=CALL_TIMEOUT_S)
+    assert [t.name for t in metadata.inputs] == ["input"]
+    config = server.stub.ModelConfig(pb.ModelConfigRequest(name="m2"), timeout=CALL_TIMEOUT_S)
+    assert config.config.name == "m2"
+    assert states(server)["m1"][0] == states(server)["m2"][0] == "READY"
+    assert states(server)["m3"][0] == "UNAVAILABLE"
+    assert counted(server, "paddlequic_model_loads_total", trigger="request") == 2
+
+
 def test_callers_of_a_loading_model_wait_for_its_one_load(three: ServerProcess) -> None:
     """Concurrent requests for a model not loaded: one load, every caller answered; a caller
     whose deadline passes first fails DEADLINE_EXCEEDED and the load goes on for the next."""
