@@ -1,10 +1,11 @@
 """--model-memory-budget against the real server: copies of the example `mlp` (and `kws`, a
 sequence model) that declare memory_mb, so each costs a known amount; the budget holds two.
-Models load on their first request; a load that would go over evicts the least recently used
-idle model; an evicted model is served again on its next request; a model with a request in
-flight, an open sequence, or loaded by RepositoryModelLoad stays; what happened is counted in
-the metrics and shown by RepositoryIndex; a model larger than the whole budget is refused,
-saying so."""
+Models load on their first request (or metadata call, an ensemble's step, a BLS call, through
+front-end processes too), once whatever the callers; a load that would go over evicts the
+least recently used idle model; an evicted model is served again on its next request; a model
+with a request in flight, an open sequence, or loaded by RepositoryModelLoad stays; what
+happened is counted in the metrics and shown by RepositoryIndex; a model larger than the whole
+budget is refused, saying so."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from protos.paddlequic.v1 import control_pb2
 from tests.servers import (
     EXAMPLE_MODELS,
     ServerProcess,
+    children,
     eventually,
     model_repository,
     paused,
@@ -204,16 +206,28 @@ def test_metadata_and_config_load_a_model_not_in_memory(three: ServerProcess) ->
 
 
 def test_callers_of_a_loading_model_wait_for_its_one_load(three: ServerProcess) -> None:
-    """Concurrent requests for a model not loaded: one load, every caller answered; a caller
-    whose deadline passes first fails DEADLINE_EXCEEDED and the load goes on for the next."""
+    """Requests for a model not in memory while its load cannot finish (the preloaded launcher
+    its worker is forked from is stopped): a caller whose deadline passes fails
+    DEADLINE_EXCEEDED, the others wait, and one load answers them all."""
     server = three
-    with pytest.raises(grpc.RpcError) as early:
-        server.stub.ModelInfer(mlp_request("m1"), timeout=0.05)
-    assert early.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    infer(server, "m2")  # the preloaded launcher runs from now on
+    (launcher,) = (
+        pid
+        for pid, command in children(server.process.pid).items()
+        if "service.workers.preloaded" in command
+    )
+    waits = "paddlequic_model_load_waits_total"
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: infer(server, "m1"), range(4)))
+        with paused(launcher):
+            with pytest.raises(grpc.RpcError) as early:
+                server.stub.ModelInfer(mlp_request("m1"), timeout=0.5)
+            assert early.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            patient = [pool.submit(infer, server, "m1") for _ in range(4)]
+            eventually(lambda: counted(server, waits, model="m1") == 5, "every caller waits")
+            assert states(server)["m1"][0] == "UNAVAILABLE"
+        for call in patient:
+            call.result(timeout=CALL_TIMEOUT_S)
     assert counted(server, "paddlequic_model_loads_total", model="m1") == 1
-    assert counted(server, "paddlequic_model_load_waits_total", model="m1") >= 2
 
 
 def test_no_eviction_while_a_request_is_in_flight(three: ServerProcess) -> None:
