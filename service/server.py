@@ -80,6 +80,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.preloaded_launcher,
         ),
         uploads=UploadLimits(settings.max_upload_files, settings.max_upload_bytes),
+        memory_budget_mb=settings.model_memory_budget,
     )
     signing: SigningPolicy | None = None
     if settings.trusted_keys or settings.trusted_ca or settings.require_signed:

@@ -68,6 +68,7 @@ class ServerSettings:
     model_control_mode: str = "none"
     load_model: str = ""
     poll_repository: float = 0.0
+    model_memory_budget: int = 0
     trusted_keys: str = ""
     trusted_ca: str = ""
     require_signed: bool = False
@@ -162,6 +163,9 @@ _HELP = {
     "RepositoryModelLoad/Unload",
     "load_model": "models to load at start in explicit mode, comma-separated (* = all)",
     "poll_repository": "seconds between repository rescans in poll mode",
+    "model_memory_budget": "MB the loaded models may hold together (0: off, every model "
+    "stays loaded): models load on their first request, and a load that would go over first "
+    "unloads the least recently used idle models; RepositoryModelLoad pins a model",
     "trusted_keys": "directory of ECDSA public keys (*.pem, *.pub) trusted to sign models "
     "(OpenSSF model-signing, MODEL/model.sig): versions signed otherwise, or changed since "
     "signing, are refused",
@@ -304,6 +308,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(
             f"--stream-stall-timeout must be above 0, at most {MAX_STREAM_STALL_TIMEOUT:g} s"
         )
+    if settings.model_memory_budget < 0:
+        parser.error("--model-memory-budget must be at least 0 (0: off)")
     if settings.max_upload_files < 0 or settings.max_upload_bytes < 0:
         parser.error("--max-upload-files and --max-upload-bytes must be at least 0")
     if not 0 <= settings.http_port <= 65535:

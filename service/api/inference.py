@@ -85,6 +85,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: ServicerContext
     ) -> pb.ModelMetadataResponse:
+        await self.plane.in_memory(request.name, call_deadline(context))
         described = self.plane.model_metadata(request.name, request.version)
         return pb.ModelMetadataResponse(
             name=described.name,
@@ -98,6 +99,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: ServicerContext
     ) -> pb.ModelConfigResponse:
+        await self.plane.in_memory(request.name, call_deadline(context))
         return pb.ModelConfigResponse(config=self.plane.model_config(request.name, request.version))
 
     @errors.reports_errors
@@ -230,13 +232,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if previous is not None:
                 await asyncio.wait({previous})
             try:
-                served = self.models.resolve(request.model_name, request.model_version)
-                if served.decoupled:
-                    await self._generate(served, request, deadline, client, outbox)
-                    return
-                response = pb.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, deadline, context)
-                )
+                named = (request.model_name, request.model_version)
+                async with self.plane.serving(*named, deadline) as served:
+                    if served.decoupled:
+                        await self._generate(served, request, deadline, client, outbox)
+                        return
+                    response = pb.ModelStreamInferResponse(
+                        infer_response=await self._infer_on(served, request, deadline, context)
+                    )
             except errors.ServiceError as exc:
                 response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
                 if _served_decoupled(self.models, request):
@@ -331,8 +334,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: float | None, context: ServicerContext
     ) -> pb.ModelInferResponse:
+        named = (request.model_name, request.model_version)
+        async with self.plane.serving(*named, deadline) as served:
+            return await self._infer_on(served, request, deadline, context)
+
+    async def _infer_on(
+        self,
+        served: ServedVersion,
+        request: pb.ModelInferRequest,
+        deadline: float | None,
+        context: ServicerContext,
+    ) -> pb.ModelInferResponse:
         """Tensors that name shared-memory regions are read from and written to them."""
-        served = self.models.resolve(request.model_name, request.model_version)
         counts = classification.class_counts(request)
         shared = self.shared_memory
         caller = await shared.tensor_caller(request, context)

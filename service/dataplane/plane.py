@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -160,7 +161,7 @@ class DataPlane:
         Triton's parameters: `config` (a ModelConfig in JSON, in place of config.pbtxt) and
         the model's files (with `config`)."""
         self._check_explicit_control()
-        await self.lifecycle.load_model(name, config, files)
+        await self.lifecycle.load_model(name, config, files, explicit=True)
 
     async def unload(self, name: str) -> None:
         self._check_explicit_control()
@@ -176,6 +177,24 @@ class DataPlane:
 
     def resolve(self, name: str, version: str) -> ServedVersion:
         return self.models.resolve(name, version)
+
+    async def in_memory(self, name: str, deadline: float | None) -> None:
+        """Under --model-memory-budget, a model not in memory is loaded first (within
+        `deadline`) for what a client asks before it infers: its metadata, its config."""
+        budget = self.lifecycle.budget
+        if budget is not None and self.models.on_demand(name):
+            await budget.loaded(name, deadline)
+
+    def serving(
+        self, name: str, version: str, deadline: float | None
+    ) -> AbstractAsyncContextManager[ServedVersion]:
+        """The version an inference request names, for the duration of the request: under
+        --model-memory-budget loaded first if it is not in memory (within `deadline`), and
+        not evicted until the block ends."""
+        budget = self.lifecycle.budget
+        if budget is None:
+            return _Resolved(self.models.resolve(name, version))
+        return budget.serving(name, version, deadline)
 
     async def admitted(self, served: ServedVersion, admit: Callable[[], Decoding]) -> InferJob:
         """The request as a job for `served`, from `admit` (its wire format's checks against
@@ -204,6 +223,19 @@ class DataPlane:
             batched = answered.config.max_batch_size > 0
             produced = classification.classified(produced, class_counts, batched, answered.labels)
         return Inferred(served, answered, produced)
+
+
+class _Resolved(AbstractAsyncContextManager[ServedVersion]):
+    """A version already resolved, as `serving` answers without a budget (no generator)."""
+
+    def __init__(self, served: ServedVersion) -> None:
+        self._served = served
+
+    async def __aenter__(self) -> ServedVersion:
+        return self._served
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
 
 def _tensor(name: str, data_type: mc.DataType, shape: tuple[int, ...]) -> TensorMetadata:

@@ -17,6 +17,7 @@ from google.protobuf import json_format, text_format
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.inference import errors
+from service.lifecycle.budget import BudgetObserver, MemoryBudget
 from service.lifecycle.consistency import check_ensembles, check_fallbacks
 from service.lifecycle.fingerprint import Fingerprint, fingerprint
 from service.lifecycle.loading import VersionLoader, WorkerLimits, placement_key
@@ -53,6 +54,7 @@ class LifecycleOptions:
     testing_service: bool  # honour test-only model parameters
     workers: WorkerLimits = field(default_factory=WorkerLimits)
     uploads: UploadLimits = field(default_factory=UploadLimits)  # files sent with a load
+    memory_budget_mb: int = 0  # --model-memory-budget (0: every model stays loaded)
 
     def __post_init__(self) -> None:
         mode = self.model_control_mode
@@ -62,8 +64,9 @@ class LifecycleOptions:
             )
 
 
-class LifecycleObserver(BatchObserver, Protocol):
-    """Told of load failures, by stage, and of every batch of the versions it loads."""
+class LifecycleObserver(BatchObserver, BudgetObserver, Protocol):
+    """Told of load failures, by stage, of every batch of the versions it loads, and of what
+    the memory budget does."""
 
     def on_load_failure(self, model: str, reason: str) -> None: ...
 
@@ -106,6 +109,13 @@ class Lifecycle:
         self._locks: dict[str, asyncio.Lock] = {}
         # The files a version last failed to load from, and that failed version.
         self._tried: dict[tuple[str, int], tuple[Fingerprint, ServedVersion]] = {}
+        self.budget: MemoryBudget | None = None
+        if options.memory_budget_mb > 0:
+            self.budget = MemoryBudget(
+                options.memory_budget_mb, registry, self.retiring.retire, self._lock, observer
+            )
+            self.budget.load = functools.partial(self._load, override=None, upload=None)
+            runner.load_on_demand = self.budget.loaded
 
     async def fail(self, served: ServedVersion, reason: str, stage: str | None) -> None:
         """The version serves nothing, for `reason`: UNAVAILABLE at once (requests for it are
@@ -121,6 +131,8 @@ class Lifecycle:
 
     async def stop(self) -> None:
         """Stop every version's batcher and workers."""
+        if self.budget is not None:
+            await self.budget.stop()
         await self.retiring.finish()
         versions = self.registry.all_versions()
         for served in versions:
@@ -198,6 +210,9 @@ class Lifecycle:
         self.registry.loading_done = True
         self.registry.changed()
 
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
     async def index(self) -> list[pb.RepositoryIndexResponse.ModelIndex]:
         """Every model of the repository, in every control mode, as Triton lists them: what
         the registry serves or why not, and each other model by its name alone (never
@@ -218,7 +233,11 @@ class Lifecycle:
         await check_fallbacks(self.registry, self.fail)
 
     async def load_model(
-        self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None
+        self,
+        name: str,
+        config: str | None = None,
+        files: Mapping[str, bytes] | None = None,
+        explicit: bool = False,
     ) -> None:
         """Load a model, or reload it: versions that are new or whose files changed start in
         new workers and are warmed up, then take over in one step; the versions they replace
@@ -226,7 +245,8 @@ class Lifecycle:
         have replaced serving, and the error says why. `config` (JSON) replaces the model's
         config.pbtxt for this load; `files` (path -> bytes, with `config`) are the model's
         files, written to a fresh private directory that serves as its directory, as Triton's
-        RepositoryModelLoad parameters do."""
+        RepositoryModelLoad parameters do. `explicit` (RepositoryModelLoad): under a memory
+        budget the model is pinned, never evicted."""
         check_model_name(name)
         failed = f"failed to load '{name}'"
         override = None if config is None else parse_config_override(config, failed)
@@ -254,7 +274,11 @@ class Lifecycle:
                 f"{failed}, failed to poll from model repository: the repository has no such model"
             )
         try:
-            await self._load(name, override, upload)
+            if self.budget is None:
+                await self._load(name, override, upload)
+            else:
+                load = functools.partial(self._load, name, override, upload)
+                await self.budget.loading(name, True if explicit else None, load)
         except BaseException:
             if upload is not None and upload not in self._uploads.get(name, ()):
                 remove_upload(upload)
@@ -268,7 +292,7 @@ class Lifecycle:
     async def _load(self, name: str, override: mc.ModelConfig | None, upload: Path | None) -> None:
         """load_model's work, under the model's lock: from the repository, or from `upload`."""
         repository = self.repository if upload is None else ModelRepository(upload)
-        async with self._locks.setdefault(name, asyncio.Lock()):
+        async with self._lock(name):
             try:
                 model = repository.load(name, override)
             except (RepositoryError, OSError) as exc:
@@ -391,10 +415,12 @@ class Lifecycle:
         """Stop serving a model: new requests are refused at once; what its versions hold
         finishes; then their workers exit."""
         check_model_name(name)
-        async with self._locks.setdefault(name, asyncio.Lock()):
+        async with self._lock(name):
             versions = self.registry.withdraw(name)
             if versions is None:
                 raise errors.not_found(f"model '{name}' is not loaded")
+            if self.budget is not None:
+                self.budget.forget(name)
             await asyncio.gather(*(self.retiring.retire(v, "unloaded") for v in versions.values()))
             _remove_all(self._uploads.pop(name, []))
             self._overridden.discard(name)

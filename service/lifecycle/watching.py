@@ -13,6 +13,8 @@ from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import RepositoryError
 
 log = logging.getLogger("paddlequic.models")
+# What RepositoryIndex says of a model a memory budget has not loaded yet.
+NOT_LOADED_YET = "not loaded yet: loads on its first request"
 
 
 class RepositoryWatcher:
@@ -29,12 +31,29 @@ class RepositoryWatcher:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        if self.mode == "explicit" and "*" not in self.startup:
+        if self.lifecycle.budget is not None:
+            explicit = self.mode == "explicit" and "*" not in self.startup
+            await self._offer_all(self.startup if explicit else [])
+        elif self.mode == "explicit" and "*" not in self.startup:
             await self.lifecycle.load_all(self.startup)
         else:
             await self.lifecycle.load_all()
         if self.mode == "poll":
             self._spawn(self._poll())
+
+    async def _offer_all(self, pinned: list[str]) -> None:
+        """Under a memory budget the start loads only the models explicit mode names, pinned;
+        every other model of the repository loads on its first request."""
+        lifecycle = self.lifecycle
+        for name in lifecycle.repository.model_names():
+            lifecycle.registry.offer(name, NOT_LOADED_YET)
+        for name in pinned:
+            try:
+                await lifecycle.load_model(name, explicit=True)
+            except errors.ServiceError as exc:
+                log.error("model %s not loaded: %s", name, exc.message)
+        lifecycle.registry.loading_done = True
+        lifecycle.registry.changed()
 
     def rescan_soon(self) -> None:
         log.info("SIGHUP: rescanning the model repository")
@@ -67,6 +86,12 @@ class RepositoryWatcher:
             log.error("rescan: %s", exc)  # the models already loaded keep serving
             return
         loaded = set(lifecycle.registry.loaded_names())
+        if lifecycle.budget is not None:
+            # Under a memory budget a rescan reloads what is in memory; a new model loads on
+            # its first request.
+            only_loaded = True
+            for name in sorted(names - loaded):
+                lifecycle.registry.offer(name, NOT_LOADED_YET)
         targets = sorted(loaded) if only_loaded else sorted(names)
         for name in targets:
             if name not in names:

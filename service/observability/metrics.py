@@ -140,6 +140,33 @@ class Metrics:
             ["model", "event"],
             registry=r,
         )
+        # --model-memory-budget (service/lifecycle/budget.py). Model labels: repository
+        # directories only (a request loads only a model the registry offers).
+        self.model_loads = Counter(
+            "paddlequic_model_loads",
+            "model loads under --model-memory-budget, by trigger: request (on demand), "
+            "explicit (RepositoryModelLoad) or reload (a rescan)",
+            ["model", "trigger"],
+            registry=r,
+        )
+        self.model_evictions = Counter(
+            "paddlequic_model_evictions",
+            "models unloaded to make room within --model-memory-budget",
+            ["model"],
+            registry=r,
+        )
+        self.model_load_waits = Counter(
+            "paddlequic_model_load_waits",
+            "requests that waited for their model to load on demand",
+            ["model"],
+            registry=r,
+        )
+        self.model_memory = Gauge(
+            "paddlequic_model_memory_bytes",
+            "what each model in memory is charged against --model-memory-budget",
+            ["model"],
+            registry=r,
+        )
         self.state = _StateCollector(models, topology)
         r.register(self.state)
         self.names = ServedNames(models)

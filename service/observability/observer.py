@@ -163,6 +163,27 @@ class Observer:
         if self.metrics is not None:
             self.metrics.load_failures.labels(model, reason).inc()
 
+    def on_model_load(self, model: str, trigger: str) -> None:
+        if self.metrics is not None:
+            self.metrics.model_loads.labels(model, trigger).inc()
+
+    def on_eviction(self, model: str) -> None:
+        if self.metrics is not None:
+            self.metrics.model_evictions.labels(model).inc()
+
+    def on_load_wait(self, model: str) -> None:
+        if self.metrics is not None:
+            self.metrics.model_load_waits.labels(model).inc()
+
+    def on_model_memory(self, model: str, size: int | None) -> None:
+        if self.metrics is None:
+            return
+        if size is not None:
+            self.metrics.model_memory.labels(model).set(size)
+        else:
+            with contextlib.suppress(KeyError):
+                self.metrics.model_memory.remove(model)
+
     def on_fallback(self, model: str, fallback: str) -> None:
         if self.metrics is not None:
             self.metrics.child(self.metrics.fallbacks, model, fallback).inc()

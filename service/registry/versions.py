@@ -111,6 +111,9 @@ class ModelRegistry:
         self._models: dict[str, dict[int, ServedVersion]] = {}
         self._failed: dict[str, str] = {}  # model-level failures (no version to attach them to)
         self._unloaded: set[str] = set()
+        # Models not in memory that a request loads (--model-memory-budget): never loaded
+        # yet, or evicted; each with the reason RepositoryIndex shows.
+        self._evicted: dict[str, str] = {}
         # Replaced versions that still run live sequences (until they end, expire or the
         # version winds down).
         self._holding: dict[str, list[ServedVersion]] = {}
@@ -139,16 +142,41 @@ class ModelRegistry:
         self._models[name] = versions
         self._failed.pop(name, None)
         self._unloaded.discard(name)
+        self._evicted.pop(name, None)
         self.changed()
 
     def fail_model(self, name: str, reason: str) -> None:
         """The model has nothing to serve, for this reason."""
         self._models.pop(name, None)
         self._unloaded.discard(name)
+        self._evicted.pop(name, None)
         self._failed[name] = reason
+
+    def offer(self, name: str, reason: str) -> None:
+        """A model of the repository not loaded: a request for it loads it (on_demand); one
+        unloaded by RepositoryModelUnload stays unloaded."""
+        if name not in self._models and name not in self._failed and name not in self._unloaded:
+            self._evicted.setdefault(name, reason)
+            self.changed()
+
+    def evict(self, name: str, reason: str) -> dict[int, ServedVersion]:
+        """Out of memory until a request loads it again: new requests wait for that load.
+        The versions it had."""
+        versions = self._models.pop(name, {})
+        self._evicted[name] = reason
+        self.changed()
+        return versions
+
+    def on_demand(self, name: str) -> bool:
+        """Whether a request for the model loads it first (never loaded, or evicted)."""
+        return name in self._evicted
 
     def withdraw(self, name: str) -> dict[int, ServedVersion] | None:
         """Unload: new requests are refused from now on. The versions it had, if loaded."""
+        if self._evicted.pop(name, None) is not None:
+            self._unloaded.add(name)
+            self.changed()
+            return {}
         versions = self._models.pop(name, None)
         if versions is None or name in self._unloaded:
             return None
@@ -166,6 +194,11 @@ class ModelRegistry:
                 f"model '{name}' was unloaded; load it again with RepositoryModelLoad"
             )
         if versions is None:
+            if name in self._evicted:
+                raise errors.unavailable(
+                    f"model '{name}' is not loaded ({self._evicted[name]}); a gRPC inference "
+                    "request loads it"
+                )
             if name in self._failed:
                 raise errors.unavailable(f"model '{name}' failed to load: {self._failed[name]}")
             raise unknown_model(f"'{name}'", f"served models: {sorted(self._models)}")
@@ -255,6 +288,10 @@ class ModelRegistry:
         entries += [
             pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason="unloaded")
             for n in sorted(self._unloaded)
+        ]
+        entries += [
+            pb.RepositoryIndexResponse.ModelIndex(name=n, state="UNAVAILABLE", reason=r)
+            for n, r in sorted(self._evicted.items())
         ]
         return entries
 

@@ -37,7 +37,7 @@ class BlsRunner:
                 f"'{errors.echoed(call.model)}', more than {BLS_MAX_DEPTH}: do models call "
                 "each other in a loop?",
             )
-        served = self._runner.registry.resolve(call.model, call.version)
+        served = await self._runner.resolve_loaded(call.model, call.version, call.deadline)
         # The caller's batch waits until one of the target's instances runs the call (an
         # ensemble's steps go through their own batchers, whose batches hold their waits).
         targets = frozenset(id(i) for i in served.instances)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Protocol
@@ -51,6 +51,18 @@ class RequestRunner:
     def __init__(self, registry: ModelRegistry, observer: RequestObserver) -> None:
         self.registry = registry
         self.observer = observer
+        # --model-memory-budget: loads a model not in memory, within a deadline (the
+        # lifecycle sets it; service/lifecycle/budget.py).
+        self.load_on_demand: Callable[[str, float | None], Awaitable[None]] | None = None
+
+    async def resolve_loaded(
+        self, name: str, version: str, deadline: float | None
+    ) -> ServedVersion:
+        """The version a request the server makes names (an ensemble's step, a BLS call),
+        loaded first when it is not in memory."""
+        if self.load_on_demand is not None and self.registry.on_demand(name):
+            await self.load_on_demand(name, deadline)
+        return self.registry.resolve(name, version)
 
     async def infer(
         self, served: ServedVersion, job: InferJob, deadline: float | None, depth: int = 0
@@ -242,7 +254,7 @@ class RequestRunner:
             step: ensemble.Step, inputs: tuple[InputTensor, ...], outputs: tuple[str, ...]
         ) -> tuple[OutputTensor, ...]:
             nonlocal queue_ns
-            model = self.registry.resolve(step.model, step.version)
+            model = await self.resolve_loaded(step.model, step.version, deadline)
             step_job = await self.validated(model, inputs, outputs, job.chain)
             _, answer = await self.infer(model, step_job, deadline, depth + 1)
             queue_ns += answer.queue_ns

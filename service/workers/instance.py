@@ -145,6 +145,11 @@ class WorkerInstance:
     def numa_node(self) -> int:
         return self.spec.numa_node
 
+    @property
+    def launcher_pid(self) -> int:
+        """The worker's launcher (0 before its first start): the root of its processes."""
+        return 0 if self._process is None else self._process.pid
+
     def declare_outputs(
         self, datatypes: Mapping[str, Datatype], fetch_names: Mapping[str, str]
     ) -> None:

@@ -85,3 +85,15 @@ def test_h3_receive_budgets(
     with pytest.raises(SystemExit):
         settings.parse(["--h3-receive-budget", "1000"])
     assert "--h3-receive-budget must be at least one stream window" in capsys.readouterr().err
+
+
+def test_model_memory_budget_flag_and_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert settings.parse([]).model_memory_budget == 0  # off
+    monkeypatch.setenv("PADDLEQUIC_MODEL_MEMORY_BUDGET", "2048")
+    assert settings.parse([]).model_memory_budget == 2048
+    assert settings.parse(["--model-memory-budget", "512"]).model_memory_budget == 512
+    with pytest.raises(SystemExit):
+        settings.parse(["--model-memory-budget", "-1"])
+    assert "--model-memory-budget must be at least 0" in capsys.readouterr().err
