@@ -311,10 +311,10 @@ class RestApp:
         if action == "ready":
             return self.routes.model_ready(model, version)
         if action == "config":
-            return self.routes.model_config(model, version)
+            return await self.routes.model_config(model, version)
         if action == "stats":
             return self.routes.statistics(model, version)
-        return self.routes.model_metadata(model, version)
+        return await self.routes.model_metadata(model, version)
 
 
 def _error(scope: Scope, status: int, message: str, exc: Exception) -> Any:

@@ -204,7 +204,7 @@ class _BatchStream:
     async def _generate(self, request_id: str, number: int, fields: dict[str, Any]) -> None:
         try:
             request = completion_request(fields, chat=False)
-            served = generation_model(self.plane, request.model)
+            served = await generation_model(self.plane, request.model)
             started = await generation(self.plane, served, request.sampling, self.client)
             text, reason = await started.collected()
         except OpenAIError as exc:

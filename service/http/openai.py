@@ -92,7 +92,7 @@ class OpenAIRoutes:
         request log and metrics."""
         request = completion_request(parsed(body), chat)
         call.model = request.model
-        served = generation_model(self.plane, request.model)
+        served = await generation_model(self.plane, request.model)
         sampling = request.sampling
         if isinstance(request.prompt, Messages):
             prompt = rendered(request.prompt, chat_template(served), served.name)

@@ -90,7 +90,8 @@ class Routes:
     def model_ready(self, model: str, version: str) -> Reply:
         return OK if self.plane.model_ready(model, version) else NOT_READY
 
-    def model_metadata(self, model: str, version: str) -> Reply:
+    async def model_metadata(self, model: str, version: str) -> Reply:
+        await self.plane.in_memory(model, None)
         described = self.plane.model_metadata(model, version)
         return Reply(
             200,
@@ -103,7 +104,8 @@ class Routes:
             },
         )
 
-    def model_config(self, model: str, version: str) -> Reply:
+    async def model_config(self, model: str, version: str) -> Reply:
+        await self.plane.in_memory(model, None)
         return Reply(200, config_dict(self.plane.model_config(model, version)))
 
     def statistics(self, model: str, version: str) -> Reply:
@@ -152,7 +154,10 @@ class Routes:
     ) -> Reply:
         """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
         binary data begins (None: all JSON)."""
-        served = self.plane.resolve(model, version)
+        async with self.plane.serving(model, version, None) as served:
+            return await self._infer(served, body, header_length)
+
+    async def _infer(self, served: ServedVersion, body: bytes, header_length: str | None) -> Reply:
         if served.decoupled:
             raise errors.ServiceError(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -201,7 +206,13 @@ class Routes:
         """Triton's generate (`stream`: generate_stream). A decoupled model's responses stream
         as they come; an error before the first is the reply's status, as for /infer. `client`:
         whom the request counts against for the fair share of a decoupled version's places."""
-        served = self.plane.resolve(model, version)
+        async with self.plane.serving(model, version, None) as served:
+            # Until the request is queued (a stream's first response): not evicted meanwhile.
+            return await self._generate(served, body, stream, client)
+
+    async def _generate(
+        self, served: ServedVersion, body: bytes, stream: bool, client: str
+    ) -> Reply:
         request = generate_request(parsed(body))
         validator = served.validator
         assert validator is not None  # a resolved version serves

@@ -67,8 +67,10 @@ def serves_generation(config: mc.ModelConfig) -> bool:
     return required and others and all(outputs.get(n) == k for n, k in _OUTPUTS.items())
 
 
-def generation_model(plane: DataPlane, name: str) -> ServedVersion:
-    """The model's serving version, if it is a generation model (NOT_FOUND otherwise)."""
+async def generation_model(plane: DataPlane, name: str) -> ServedVersion:
+    """The model's serving version, if it is a generation model (NOT_FOUND otherwise); under
+    --model-memory-budget loaded first if it is not in memory."""
+    await plane.in_memory(name, None)
     served = plane.resolve(name, "")
     if not serves_generation(served.config):
         raise errors.ServiceError(

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 
@@ -26,6 +27,7 @@ from tests.servers import (
     ServerProcess,
     children,
     eventually,
+    free_port,
     model_repository,
     paused,
     running_server,
@@ -311,3 +313,25 @@ def test_a_budget_too_small_for_one_model_says_so(tmp_path: Path) -> None:
             assert state == "UNAVAILABLE"
             assert "more than the whole --model-memory-budget" in reason
             assert counted(server, "paddlequic_model_loads_total", model=name) == 1
+
+
+def test_rest_loads_on_demand_as_grpc_does(tmp_path: Path) -> None:
+    """REST infer and metadata load an evicted or never-loaded model, as ModelInfer does."""
+    repo = repository(tmp_path / "models", "m1", "m2", "m3")
+    port = free_port()
+    args = [*BUDGET, "--http-port", str(port)]
+    body = {
+        "inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]
+    }
+    with (
+        running_server(repo, tmp_path / "log", args) as server,
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=CALL_TIMEOUT_S) as rest,
+    ):
+        for name in ("m1", "m2", "m3", "m1"):  # m3 evicts m1, which is loaded again
+            answer = rest.post(f"/v2/models/{name}/infer", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model_name"] == name
+        assert states(server)["m2"][0] == "UNAVAILABLE"  # m1 made room by evicting m2
+        assert rest.get("/v2/models/m2").status_code == 200  # its metadata loads it
+        assert states(server)["m2"][0] == "READY"
+        assert counted(server, "paddlequic_model_loads_total", model="m1") == 2
