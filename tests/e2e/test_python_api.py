@@ -226,3 +226,12 @@ def test_a_decoupled_bls_call_that_fails_answers_its_error(server: ServerProcess
     assert f"more than {BLS_MAX_RESPONSES} responses" in (raised.value.details() or "")
     inputs["n"] = np.array([2], dtype=np.int32)
     assert infer(server, "square_caller", inputs)["total"].tolist() == [4]
+
+
+def test_a_decoupled_bls_call_hands_each_response_over_as_it_comes(server: ServerProcess) -> None:
+    """`held` sends its second response only once its request is cancelled, which happens
+    when square_caller's request ends: square_caller can answer only if it got the first
+    response before `held` sent the last."""
+    inputs = {"n": np.array([7], dtype=np.int32), "how": np.array([b"first"], np.object_)}
+    got = infer(server, "square_caller", inputs)
+    assert (got["total"].tolist(), got["responses"].tolist()) == ([7], [1])

@@ -309,12 +309,13 @@ class _Awaitable:
 
 
 class ResponseIterator:
-    """Triton's answer to exec(decoupled=True): the call's responses, the last one final
-    (possibly without outputs). The call has ended when it is given, so cancel() has
-    nothing left to stop."""
+    """Triton's answer to exec(decoupled=True): the call's responses, each as the called model
+    sends it (next() waits for the next one), the last one final (possibly without outputs).
+    cancel() does nothing: the call ends with its last response, or when the request that
+    made it ends."""
 
     def __init__(self, responses: Iterable[InferenceResponse]) -> None:
-        self._responses = iter(list(responses))
+        self._responses = iter(responses)
 
     def __iter__(self) -> ResponseIterator:
         return self
