@@ -7,7 +7,7 @@ and the process's wait-for graph across every call in flight (service/inference/
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -35,7 +35,7 @@ class BlsRunner:
             _, answer = await self._runner.infer(served, job, call.deadline)
         return answer.outputs
 
-    async def responses(self, call: ModelCall) -> AsyncIterator[StreamAnswer]:
+    async def responses(self, call: ModelCall) -> AsyncGenerator[StreamAnswer, None]:
         """exec(decoupled=True): each response as the target sends it (the caller bounds how
         many it takes, bls_calls.py; closing this cancels the target's request). A model that
         is not decoupled answers one final response, as in Triton."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,7 +53,7 @@ class Handler(Protocol):
     async def infer(self, call: ModelCall) -> tuple[OutputTensor, ...]:
         """exec(): the target's outputs."""
 
-    def responses(self, call: ModelCall) -> AsyncIterator[StreamAnswer]:
+    def responses(self, call: ModelCall) -> AsyncGenerator[StreamAnswer, None]:
         """exec(decoupled=True): the target's responses as it sends them."""
 
 
