@@ -134,7 +134,12 @@ class GrpcSharedMemory:
                 continue
             filled.append(
                 self.shared.read_input(
-                    caller, where, tensor.name, tensor.datatype, tensor.shape, max_bytes
+                    caller,
+                    where,
+                    tensor.name,
+                    tensor.datatype,
+                    tensor.shape,
+                    (max_bytes, "--max-message-bytes"),
                 )
             )
         return filled

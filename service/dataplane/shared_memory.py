@@ -141,13 +141,13 @@ class SharedMemory:
         name: str,
         datatype: str,
         shape: Sequence[int],
-        max_bytes: int,
+        max_bytes: tuple[int, str],
     ) -> bytes:
         """An input's bytes from its region: what a numeric input's shape and datatype
         declare, and a BYTES input's `shared_memory_byte_size` (its elements serialized as
         tritonclient writes them, each a 4-byte little-endian length and its bytes, which the
         validator then walks as it walks raw contents); either at most `max_bytes` (what a
-        message may carry), refused before anything is read."""
+        message may carry, and the flag that says so), refused before anything is read."""
         size = _bytes_to_read(name, datatype, shape, where, max_bytes)
         with self.regions.using(caller, where.region) as region:
             return region.read(where.offset, size)
@@ -188,7 +188,7 @@ class SharedMemory:
 
 
 def _bytes_to_read(
-    name: str, datatype_name: str, shape: Sequence[int], where: Placement, max_bytes: int
+    name: str, datatype_name: str, shape: Sequence[int], where: Placement, limit: tuple[int, str]
 ) -> int:
     """The bytes of an input to read from its region: a BYTES tensor's are its byte size (its
     elements' lengths are in the region), a numeric one's are what its shape and datatype
@@ -199,10 +199,10 @@ def _bytes_to_read(
             f"input '{errors.echoed(name)}': unknown datatype '{errors.echoed(datatype_name)}'"
         )
     if datatype.name == "BYTES":
-        if where.byte_size > max_bytes:
-            raise _too_large(name, max_bytes)
+        if where.byte_size > limit[0]:
+            raise _too_large(name, limit)
         return where.byte_size
-    size = _declared_bytes(name, shape, datatype.numpy.itemsize, max_bytes)
+    size = _declared_bytes(name, shape, datatype.numpy.itemsize, limit)
     if where.byte_size != size:
         raise errors.invalid(
             f"input '{errors.echoed(name)}' declares {size} bytes, its {BYTE_SIZE} is "
@@ -211,24 +211,24 @@ def _bytes_to_read(
     return size
 
 
-def _declared_bytes(name: str, shape: Sequence[int], itemsize: int, max_bytes: int) -> int:
-    """The bytes a numeric input's shape declares, refused beyond `max_bytes` as soon as the
+def _declared_bytes(name: str, shape: Sequence[int], itemsize: int, limit: tuple[int, str]) -> int:
+    """The bytes a numeric input's shape declares, refused beyond `limit` as soon as the
     product passes it."""
     if any(d < 0 for d in shape):
         raise errors.invalid(f"input '{errors.echoed(name)}' has a negative dimension")
     size = itemsize
     for dim in shape:
         size *= dim
-        if size > max_bytes:
-            raise _too_large(name, max_bytes)
+        if size > limit[0]:
+            raise _too_large(name, limit)
     return math.prod(shape) * itemsize
 
 
-def _too_large(name: str, max_bytes: int) -> errors.ServiceError:
+def _too_large(name: str, limit: tuple[int, str]) -> errors.ServiceError:
     return errors.ServiceError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"input '{errors.echoed(name)}' declares more than {max_bytes} bytes in shared "
-        "memory (--max-message-bytes)",
+        f"input '{errors.echoed(name)}' declares more than {limit[0]} bytes in shared "
+        f"memory ({limit[1]})",
     )
 
 

@@ -196,7 +196,7 @@ class Routes:
             caller = await shared.caller(peer)
         region: RegionReader | None = None
         if caller is not None:
-            holder, most = caller, self.max_input_bytes
+            holder, most = caller, (self.max_input_bytes, "--http-max-input-size")
 
             def region(where: Placement, name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
                 return shared.read_input(holder, where, name, datatype, shape, most)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from tests.reference import example_inputs
 from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
 
 CALL_TIMEOUT_S = 60
+STRINGS = REPO_ROOT / "tests" / "fixtures" / "simple_string"
+MAX_INPUT = 64 << 10  # --http-max-input-size: also the most one input takes from a region
 # `python -c REST_CALLS HOST:PORT`, the calls as JSON on stdin ([method, path, body, headers]),
 # each answer's status and body as JSON on stdout.
 REST_CALLS = """
@@ -65,6 +68,9 @@ class Rest:
 
 def start(root: Path, name: str, args: list[str]) -> Any:
     repository = model_repository(root / name, ["mlp"])
+    (repository / "simple_string" / "1").mkdir(parents=True)
+    shutil.copy(STRINGS / "config.pbtxt", repository / "simple_string" / "config.pbtxt")
+    shutil.copy(STRINGS / "model.py", repository / "simple_string" / "1" / "model.py")
     port = free_port()
     return port, running_server(
         repository, root / f"{name}.log", ["--no-h3", "--http-port", str(port), *args]
@@ -73,10 +79,11 @@ def start(root: Path, name: str, args: list[str]) -> Any:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rest]]:
-    """One server as started by default (--shared-memory local), one with shared memory off,
+    """One server as started by default (--shared-memory local; a small request body), one
+    with shared memory off,
     one whose shared-memory category is restricted."""
     root = tmp_path_factory.mktemp("rest-shm")
-    plain_port, plain = start(root, "plain", [])
+    plain_port, plain = start(root, "plain", ["--http-max-input-size", str(MAX_INPUT)])
     off_port, off = start(root, "off", ["--shared-memory", "off"])
     restricted_args = ["--restricted-protocol", "shared-memory:admin-key=let-me-in"]
     restricted_port, restricted = start(root, "restricted", restricted_args)
@@ -230,3 +237,37 @@ def test_the_restricted_category_covers_the_routes_and_requests_naming_a_region(
     assert refused[0] == 400
     assert "expecting header 'admin-key'" in refused[1] and "shared-memory regions" in refused[1]
     assert served[0] == unregistered[0] == 200
+
+
+def test_an_input_takes_at_most_a_bodys_bytes_from_a_region(
+    servers: dict[str, Rest], segments: list[Segment]
+) -> None:
+    """A BYTES input's byte size is what it says: more than --http-max-input-size is refused
+    before the region is read; exactly that much is read (and then found too short for its
+    elements, as it would be in a body)."""
+    rest = servers["plain"]
+    segment = Segment(MAX_INPUT + 1)
+    segments.append(segment)
+    status, _ = rest.calls([register("big", segment, MAX_INPUT + 1)])[0]
+    assert status == 200
+
+    def body(size: int) -> dict[str, Any]:
+        placement = {"shared_memory_region": "big", "shared_memory_byte_size": size}
+        tensors = [
+            {"name": f"INPUT{i}", "datatype": "BYTES", "shape": [1, 16], "parameters": placement}
+            for i in range(2)
+        ]
+        return {"inputs": tensors}
+
+    try:
+        over, exact = rest.calls(
+            [
+                ("POST", "/v2/models/simple_string/infer", body(MAX_INPUT + 1), {}),
+                ("POST", "/v2/models/simple_string/infer", body(MAX_INPUT), {}),
+            ]
+        )
+    finally:
+        rest.calls([("POST", "/v2/systemsharedmemory/region/big/unregister", None, {})])
+    assert over[0] == 429
+    assert f"more than {MAX_INPUT} bytes in shared memory (--http-max-input-size)" in over[1]
+    assert exact[0] == 400 and "--http-max-input-size" not in exact[1]
