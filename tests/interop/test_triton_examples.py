@@ -19,7 +19,7 @@ from tests.servers import REPO_ROOT, ServerProcess, free_port, running_server
 
 SCRIPT = Path(__file__).with_name("triton_examples_check.py")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-MODELS = ("simple", "simple_string", "simple_identity", "simple_sequence")
+MODELS = ("simple", "simple_int8", "simple_string", "simple_identity", "simple_sequence")
 CHECK_TIMEOUT_S = 120
 
 
@@ -64,3 +64,8 @@ def test_tritons_example_client_steps_pass(
 def test_tritons_model_control_steps_pass(server: tuple[ServerProcess, int], protocol: str) -> None:
     """simple_{http,grpc}_model_control.py, the repository's count being this one's."""
     run(server, "model_control", protocol, "--models", str(len(MODELS)))
+
+
+def test_tritons_explicit_int8_content_steps_pass(server: tuple[ServerProcess, int]) -> None:
+    """grpc_explicit_int8_content_client.py (gRPC only: typed contents)."""
+    run(server, "explicit_int8", "grpc")

@@ -4,7 +4,7 @@ example makes them (written here, not copied), with the checks each makes; exits
 with the reason when one fails. Run as a separate process (tritonclient's protos and ours
 cannot share one descriptor pool), so this file imports nothing from ``protos``, ``service`` or
 ``tests``. The server serves tests/fixtures' stand-ins for Triton's sample models: `simple`,
-`simple_string`, `simple_identity`, `simple_sequence`."""
+`simple_int8`, `simple_string`, `simple_identity`, `simple_sequence`."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils as utils
 import tritonclient.utils.shared_memory as shm
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 Client = Any  # tritonclient.http's or tritonclient.grpc's InferenceServerClient
@@ -246,9 +248,9 @@ def model_control(client: Client, models: int) -> None:
     the repository, a config override that is not JSON fails with "failed to load", one that
     is applies, unloading ends readiness, a file name longer than NAME_MAX (gRPC) answers
     INTERNAL "failed to poll from model repository", an unknown model "failed to load"."""
-    grpc = isinstance(client, grpcclient.InferenceServerClient)
+    over_grpc = isinstance(client, grpcclient.InferenceServerClient)
     index = client.get_model_repository_index()
-    count = len(index.models) if grpc else len(index)
+    count = len(index.models) if over_grpc else len(index)
     check(count == models, f"the index lists {count} models, the repository holds {models}")
     client.load_model("simple")
     check(client.is_model_ready("simple"), "simple not ready once loaded")
@@ -259,11 +261,11 @@ def model_control(client: Client, models: int) -> None:
     )
     client.load_model("simple", config='{"max_batch_size":"16"}')
     config = client.get_model_config("simple")
-    batch = config.config.max_batch_size if grpc else config["max_batch_size"]
+    batch = config.config.max_batch_size if over_grpc else config["max_batch_size"]
     check(batch == 16, f"max_batch_size {batch} after the override")
     client.unload_model("simple")
     check(not client.is_model_ready("simple"), "simple still ready once unloaded")
-    if grpc:
+    if over_grpc:
         exc = error_of(
             lambda: client.load_model("simple", config="{}", files={"file:" + "A" * 256: b"a"})
         )
@@ -273,6 +275,30 @@ def model_control(client: Client, models: int) -> None:
     exc = error_of(lambda: client.load_model("wrong_model_name"))
     check("failed to load" in exc.message(), exc.message())
     client.load_model("simple")  # as config.pbtxt has it, for the examples after this one
+
+
+def explicit_int8(url: str) -> None:
+    """grpc_explicit_int8_content_client.py: `simple_int8` with typed `int_contents`, through
+    tritonclient's generated stubs; a version string that is not a number in Triton's words."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(url))
+    request = service_pb2.ModelInferRequest(model_name="simple_int8")
+    for name, values in (("INPUT0", list(range(16))), ("INPUT1", [1] * 16)):
+        tensor = request.inputs.add(name=name, datatype="INT8", shape=[1, 16])
+        tensor.contents.int_contents[:] = values
+    request.outputs.add(name="OUTPUT0")
+    request.outputs.add(name="OUTPUT1")
+    response = stub.ModelInfer(request)
+    sums, diffs = (np.frombuffer(raw, dtype=np.int8) for raw in response.raw_output_contents)
+    check(sums.tolist() == [i + 1 for i in range(16)], f"sums {sums}")
+    check(diffs.tolist() == [i - 1 for i in range(16)], f"differences {diffs}")
+    request.model_version = "wrong_specification"
+    try:
+        stub.ModelInfer(request)
+    except grpc.RpcError as exc:
+        wanted = "failed to get model version from specified version string 'wrong_specification'"
+        check(wanted in str(exc), str(exc))
+    else:
+        raise SystemExit("FAILED: a version string that is not a number was served")
 
 
 EXAMPLES: dict[str, Callable[[Client], None]] = {
@@ -286,7 +312,8 @@ EXAMPLES: dict[str, Callable[[Client], None]] = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--example", required=True, choices=[*EXAMPLES, "model_control"])
+    choices = [*EXAMPLES, "model_control", "explicit_int8"]
+    parser.add_argument("--example", required=True, choices=choices)
     parser.add_argument("--protocol", required=True, choices=["http", "grpc"])
     parser.add_argument("--url", required=True)
     parser.add_argument("--models", type=int, default=0, help="the repository's models")
@@ -295,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     client = api.InferenceServerClient(url=args.url)
     if args.example == "model_control":
         model_control(client, args.models)
+    elif args.example == "explicit_int8":
+        explicit_int8(args.url)
     else:
         EXAMPLES[args.example](client)
     print(f"PASS: {args.example} over {args.protocol}")
