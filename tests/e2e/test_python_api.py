@@ -174,7 +174,9 @@ def test_custom_metrics_are_exported_beside_the_servers_own(server: ServerProces
         found = [s.value for s in server.metrics() if s.name == name and s.labels == wanted]
         return found[0] if found else None
 
-    eventually(lambda: sample("metered_requests") == 3.0, "the counter at 3")
+    # prometheus_client's parser names a counter's samples NAME_total; they are written as
+    # Triton writes them (the test below).
+    eventually(lambda: sample("metered_requests_total") == 3.0, "the counter at 3")
     assert sample("metered_last_x") == 50.0
     assert [sample("metered_x_bucket", le=le) for le in ("1.0", "10.0", "+Inf")] == [1, 2, 3]
     assert (sample("metered_x_count"), sample("metered_x_sum")) == (3, 55.5)
@@ -182,6 +184,28 @@ def test_custom_metrics_are_exported_beside_the_servers_own(server: ServerProces
         infer(server, "metered", {"x": np.array([-1.0])})
     assert f"at most {MAX_METRICS} metrics" in (raised.value.details() or "")
     assert any(s.name.startswith("paddlequic_") for s in server.metrics())  # the server's own
+
+
+def test_custom_metrics_are_written_as_triton_writes_them(server: ServerProcess) -> None:
+    """A counter's HELP and TYPE lines name it as its model did (Triton's custom_metrics
+    client looks for `# TYPE NAME counter`), as its samples do."""
+    infer(server, "metered", {"x": np.array([2.0])})
+    labels = '{model="metered",version="1"}'
+
+    def written() -> bool:
+        text = server.metrics_text()
+        return all(
+            line in text.splitlines()
+            for line in (
+                "# HELP metered_requests requests seen",
+                "# TYPE metered_requests counter",
+                "# TYPE metered_last_x gauge",
+                "# TYPE metered_x histogram",
+            )
+        ) and any(line.startswith(f"metered_requests{labels} ") for line in text.splitlines())
+
+    eventually(written, "metered's families as Triton writes them")
+    assert "metered_requests_total" not in server.metrics_text()
 
 
 def test_auto_complete_config_completes_a_missing_or_partial_config(server: ServerProcess) -> None:
