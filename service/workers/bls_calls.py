@@ -78,6 +78,7 @@ class BlsCalls:
         self._send = send
         self._changed = changed
         self._calls: dict[int, tuple[int, asyncio.Task[None]]] = {}  # id -> caller, its task
+        self._withdrawn: set[int] = set()  # calls the model cancelled itself
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -129,6 +130,14 @@ class BlsCalls:
             if made_by == caller:
                 task.cancel()
 
+    def withdraw(self, call_id: int) -> None:
+        """The model cancelled its call (ResponseIterator.cancel()); one already ended, or
+        never made, is no error."""
+        call = self._calls.get(call_id)
+        if call is not None:
+            self._withdrawn.add(call_id)
+            call[1].cancel()
+
     def cancel_all(self) -> None:
         """The worker is gone or stopping."""
         for _, task in list(self._calls.values()):
@@ -145,13 +154,18 @@ class BlsCalls:
         except errors.ServiceError as exc:
             answer = _error(call_id, exc.message, exc.code)
         except asyncio.CancelledError:
-            message = "cancelled: the request that made this BLS call ended"
+            message = (
+                "cancelled: the model cancelled this BLS call"
+                if call_id in self._withdrawn
+                else "cancelled: the request that made this BLS call ended"
+            )
             answer = _error(call_id, message, grpc.StatusCode.CANCELLED)
         except Exception as exc:  # a bug here must not leave the model waiting forever
             log.exception("BLS call to model %r failed", call.model)
             answer = _error(call_id, f"internal error: {exc}", grpc.StatusCode.INTERNAL)
         finally:
             self._calls.pop(call_id, None)
+            self._withdrawn.discard(call_id)
             self._changed()
         self._send(answer)
 

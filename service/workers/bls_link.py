@@ -106,8 +106,10 @@ class BlsLink:
         with self._calls_lock:
             self._closed = True
             calls, self._calls = self._calls, {}
-        for future, responses in calls.values():
-            _end(future, responses, _error("the server closed the worker's connection"))
+        for call_id, (future, responses) in calls.items():
+            self._end(
+                call_id, future, responses, _error("the server closed the worker's connection")
+            )
 
     def _answer(self, answer: protocol.BlsAnswer) -> None:
         with self._calls_lock:
@@ -118,7 +120,7 @@ class BlsLink:
         if future is None:
             return
         if answer.error is not None:
-            _end(future, responses, _error(answer.error, answer.error_code))
+            self._end(answer.call_id, future, responses, _error(answer.error, answer.error_code))
             return
         try:
             if responses is None:
@@ -131,29 +133,43 @@ class BlsLink:
                     else _response(answer.data, p.outputs)
                 )
         except (ValueError, TypeError) as exc:
-            _end(future, responses, _error(f"the BLS answer cannot be read ({exc})"))
+            error = _error(f"the BLS answer cannot be read ({exc})")
+            self._end(answer.call_id, future, responses, error)
             return
         if not answer.more:
             responses.put(None)
-        _hand_over(future, responses)
+        self._hand_over(answer.call_id, future, responses)
 
+    def _end(
+        self,
+        call_id: int,
+        future: _Future,
+        responses: _Responses | None,
+        response: pb_utils.InferenceResponse,
+    ) -> None:
+        """The call ends with `response` (an error): its one response, or its iterator's
+        last."""
+        if responses is None:
+            future.set_result(response)
+            return
+        responses.put(response)
+        responses.put(None)
+        self._hand_over(call_id, future, responses)
 
-def _end(
-    future: _Future, responses: _Responses | None, response: pb_utils.InferenceResponse
-) -> None:
-    """The call ends with `response` (an error): its one response, or its iterator's last."""
-    if responses is None:
-        future.set_result(response)
-        return
-    responses.put(response)
-    responses.put(None)
-    _hand_over(future, responses)
+    def _hand_over(self, call_id: int, future: _Future, responses: _Responses) -> None:
+        """A decoupled call's iterator, to the model once its first answer has come."""
+        if not future.done():
+            iterator = pb_utils.ResponseIterator(
+                iter(responses.get, None), lambda: self._withdraw(call_id)
+            )
+            future.set_result(iterator)
 
-
-def _hand_over(future: _Future, responses: _Responses) -> None:
-    """A decoupled call's iterator, to the model once its first answer has come."""
-    if not future.done():
-        future.set_result(pb_utils.ResponseIterator(iter(responses.get, None)))
+    def _withdraw(self, call_id: int) -> None:
+        """ResponseIterator.cancel(): the server cancels the call, if it has not ended."""
+        with self._calls_lock:
+            if call_id not in self._calls or self._closed:
+                return
+        self.send(protocol.BlsCancel(call_id))
 
 
 def _response(data: bytes, refs: tuple[protocol.TensorRef, ...]) -> pb_utils.InferenceResponse:

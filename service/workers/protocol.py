@@ -169,6 +169,14 @@ class BlsAnswer:
 
 
 @dataclass(frozen=True)
+class BlsCancel:
+    """The model cancelled its decoupled BLS call (ResponseIterator.cancel()): the target's
+    request is cancelled; the call still ends with its BlsAnswer without `more`."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -206,6 +214,7 @@ Message = (
     | Cancel
     | BlsCall
     | BlsAnswer
+    | BlsCancel
     | Shutdown
     | MetricUpdate
 )
@@ -250,6 +259,7 @@ _MESSAGES = (
     Cancel,
     BlsCall,
     BlsAnswer,
+    BlsCancel,
     Shutdown,
     MetricUpdate,
 )

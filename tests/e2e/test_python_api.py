@@ -259,3 +259,13 @@ def test_a_decoupled_bls_call_hands_each_response_over_as_it_comes(server: Serve
     inputs = {"n": np.array([7], dtype=np.int32), "how": np.array([b"first"], np.object_)}
     got = infer(server, "square_caller", inputs)
     assert (got["total"].tolist(), got["responses"].tolist()) == ([7], [1])
+
+
+def test_cancelling_a_decoupled_bls_call_cancels_the_called_models_request(
+    server: ServerProcess,
+) -> None:
+    """ResponseIterator.cancel(): `held` ends only once its request is cancelled, so the
+    caller's iterator ends, with one CANCELLED error response, only if cancel() reached it."""
+    inputs = {"n": np.array([5], dtype=np.int32), "how": np.array([b"cancel"], np.object_)}
+    got = infer(server, "square_caller", inputs)
+    assert (got["total"].tolist(), got["responses"].tolist()) == ([5], [7])  # CANCELLED
