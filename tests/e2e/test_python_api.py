@@ -94,7 +94,8 @@ def test_a_model_that_checks_its_dims_as_triton_examples_do_loads(server: Server
     assert [r.error_message for r in responses if r.error_message] == []
     outs = [parse_response(r.infer_response).get("OUT") for r in responses]
     assert [o.tolist() for o in outs if o is not None] == [[3], [3], [3]]
-    counted = [s.value for s in server.metrics() if s.name == "square_responses"]
+    # prometheus_client's parser names a counter's samples NAME_total.
+    counted = [s.value for s in server.metrics() if s.name == "square_responses_total"]
     assert counted == [3.0]  # the worker sent its updates before its final response
 
 
