@@ -133,6 +133,10 @@ class BlsLink:
                     else _response(answer.data, p.outputs)
                 )
         except (ValueError, TypeError) as exc:
+            if answer.more:  # the rest of the call is of no use: stopped and forgotten
+                self._withdraw(answer.call_id)
+                with self._calls_lock:
+                    self._calls.pop(answer.call_id, None)
             error = _error(f"the BLS answer cannot be read ({exc})")
             self._end(answer.call_id, future, responses, error)
             return
