@@ -14,7 +14,7 @@ import grpc
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
 from service.dataplane.sequence_callers import SequenceCallers
-from service.dataplane.shared_memory import Peer, Placement
+from service.dataplane.shared_memory import Peer
 from service.http.generate import (
     TextDecoder,
     event,
@@ -24,7 +24,6 @@ from service.http.generate import (
     sse,
 )
 from service.http.json_tensors import (
-    RegionReader,
     infer_request,
     input_tensor,
     output_json,
@@ -185,21 +184,12 @@ class Routes:
         validator = served.validator
         assert validator is not None  # a resolved version serves
         shared = self.plane.shared_memory
-        caller = None
-        if request.names_regions:
-            if shared_memory_refusal is not None:
-                raise errors.ServiceError(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"This API is restricted, expecting header '{shared_memory_refusal}' "
-                    "(this request's tensors name shared-memory regions)",
-                )
-            caller = await shared.caller(peer)
-        region: RegionReader | None = None
-        if caller is not None:
-            holder, most = caller, (self.max_input_bytes, "--http-max-input-size")
-
-            def region(where: Placement, name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
-                return shared.read_input(holder, where, name, datatype, shape, most)
+        caller = (
+            await self.shared_memory.tensor_caller(peer, shared_memory_refusal)
+            if request.names_regions
+            else None
+        )
+        region = self.shared_memory.reader(caller, self.max_input_bytes)
 
         def admit() -> Decoding:
             inputs: list[InputTensor] = []
@@ -214,9 +204,7 @@ class Routes:
             )
 
         targets = request.output_regions if caller is not None else {}
-        with contextlib.ExitStack() as held:
-            if caller is not None:
-                held.enter_context(shared.held(caller, targets))
+        with shared.held(caller, targets) if caller is not None else contextlib.nullcontext():
             job = await self.plane.admitted(served, admit)
             if served.sequences is not None:
                 job = self.sequence_callers.owned(served.name, job, ANYONE)

@@ -7,9 +7,12 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from service.dataplane.shared_memory import Peer, SharedMemory
-from service.http.json_tensors import parsed
+import grpc
+
+from service.dataplane.shared_memory import Peer, Placement, SharedMemory
+from service.http.json_tensors import RegionReader, parsed
 from service.inference import errors
+from service.inference.shared_memory import Caller
 from service.inference.socket_owners import Address
 
 
@@ -62,6 +65,29 @@ class SharedMemoryRoutes:
     async def unregister(self, peer: Peer, name: str) -> None:
         """`POST .../region/NAME/unregister`, or `.../unregister` for every region."""
         self.shared.regions.unregister(await self.shared.caller(peer), name)
+
+    async def tensor_caller(self, peer: Peer, refusal: str | None) -> Caller:
+        """The caller of an infer request whose tensors name regions, unless the
+        `shared-memory` restricted category refuses it (`refusal`: the header it lacks)."""
+        if refusal is not None:
+            raise errors.ServiceError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"This API is restricted, expecting header '{refusal}' (this request's tensors "
+                "name shared-memory regions)",
+            )
+        return await self.shared.caller(peer)
+
+    def reader(self, caller: Caller | None, max_bytes: int) -> RegionReader | None:
+        """How an input is read from `caller`'s region, at most `max_bytes` (what a body may
+        carry, --http-max-input-size); None without a caller."""
+        if caller is None:
+            return None
+        holder, limit = caller, (max_bytes, "--http-max-input-size")
+
+        def read(where: Placement, name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
+            return self.shared.read_input(holder, where, name, datatype, shape, limit)
+
+        return read
 
     def cuda_status(self, peer: Peer, name: str) -> list[dict[str, Any]]:
         self.shared.cuda_status(peer, name)
