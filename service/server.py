@@ -16,12 +16,13 @@ from service.api.health import Health
 from service.api.inference import InferenceServicer
 from service.api.registration import Servicers, registration
 from service.api.restricted import RestrictionError, parse_restrictions
-from service.api.shared_memory import SharedMemory
+from service.api.shared_memory import GrpcSharedMemory
 from service.api.stream_outbox import StreamBounds
 from service.api.testing import TestingServicer
 from service.backend.sandbox.privileges import undumpable
 from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
+from service.dataplane.shared_memory import SharedMemory
 from service.frontends.listeners import (
     ClientAuthError,
     Listeners,
@@ -132,14 +133,14 @@ async def serve(settings: ServerSettings) -> None:
         runner,
         lifecycle,
         settings.server_name,
-        settings.shared_memory,
+        SharedMemory(settings.shared_memory),
         settings.model_control_mode,
     )
     servicers = Servicers(
         InferenceServicer(
             plane,
-            SharedMemory(
-                settings.shared_memory,
+            GrpcSharedMemory(
+                plane.shared_memory,
                 restrictions.get("shared-memory"),
                 listener=(settings.host, settings.grpc_port),
             ),
@@ -206,7 +207,7 @@ async def serve(settings: ServerSettings) -> None:
     await public.stop(settings.grace_period)
     loader.cancel()
     await lifecycle.stop()
-    servicers.inference.shared_memory.regions.close_all()
+    plane.shared_memory.regions.close_all()
     if metrics_server is not None:
         metrics_server.shutdown()
     if tracing is not None:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from service.api.restricted import RESTRICTABLE
-from service.api.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.dataplane.sequence_callers import MODES as SEQUENCE_CALLER_MODES
+from service.dataplane.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.observability.logs import LOG_FORMATS
 from transport.h3.receive_budget import DEFAULT_PER_ADDRESS, DEFAULT_TOTAL
 from transport.h3.settings import H3Settings

@@ -193,12 +193,16 @@ class ServerProcess:
         raise RuntimeError(f"models still loading after {START_TIMEOUT_S} s:\n{self.log_text()}")
 
     def metrics(self) -> list[Sample]:
-        """Every sample /metrics shows now (its URL is in the log)."""
+        """Every sample /metrics shows now."""
+        families = text_string_to_metric_families(self.metrics_text())
+        return [s for family in families for s in family.samples]
+
+    def metrics_text(self) -> str:
+        """What /metrics answers now, in the Prometheus text format (its URL is in the log)."""
         url = re.search(r"metrics on (http://\S+/metrics)", self.log_text())
         assert url is not None, "the server logs no metrics URL"
         with urllib.request.urlopen(url.group(1), timeout=10) as response:
-            text = response.read().decode()
-        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+            return str(response.read().decode())
 
     def instances(self, model: str) -> list[control_pb2.Instance]:
         request = control_pb2.ListInstancesRequest(model_name=model)

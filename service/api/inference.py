@@ -16,7 +16,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.api import stream_responses
 from service.api.callers import client_of
-from service.api.shared_memory import SharedMemory
+from service.api.shared_memory import GrpcSharedMemory
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response_bytes
 from service.dataplane.plane import DataPlane, TensorMetadata
 from service.dataplane.sequence_callers import SequenceCallers
@@ -41,7 +41,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
         plane: DataPlane,
-        shared_memory: SharedMemory,
+        shared_memory: GrpcSharedMemory,
         max_message_bytes: int,
         stream_bounds: StreamBounds,
         sequence_callers: SequenceCallers,

@@ -1,110 +1,75 @@
-"""Triton's system shared-memory extension at the protocol's edge: the three RPCs, and the
-tensor parameters (`shared_memory_region`, `shared_memory_byte_size`, `shared_memory_offset`)
-that make an input read from a registered region and an output written into one, so the
-tensor never travels in the message.
-
-Who may use it is `--shared-memory`: `local` (the default) serves the RPCs, and requests whose
-tensors name regions, only to callers on the server's own host (a loopback peer, IPv4 or IPv6,
-also as an IPv4-mapped address on a dual-stack listener): a region is the memory of a process
-beside the server, and only such callers can have made one; `any` also serves peers by other
-addresses (a trusted network, behind the `shared-memory` restricted-protocol category, which
-covers every request whose tensors name a region); `off` refuses them all. Whatever the mode,
-a caller is the uid that owns its socket on this host (socket_owners.py): one whose socket is
-not on this host, or whose owner cannot be told, uses no region.
-
-CUDA shared memory is answered as Triton built without GPU support answers it (its clients
-unregister every CUDA region before they start): no region ever registers, so the status lists
-none and unregistering succeeds; registering fails, naming the region. The same modes and
-category admit these RPCs."""
+"""Triton's system shared-memory extension on gRPC (service/dataplane/shared_memory.py says
+who may use it and how): the three RPCs, the CUDA ones answered as Triton without a GPU answers
+them, and the tensor parameters (`shared_memory_region`, `shared_memory_byte_size`,
+`shared_memory_offset`) that make an input read from a registered region and an output
+written into one. A request whose tensors name a region passes the `shared-memory`
+restricted-protocol category, if restricted, as its RPCs do."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import ipaddress
-import math
-import os
-import pwd
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
-from oip.datatypes import BY_NAME
 from protos.inference import grpc_service_pb2 as pb
 from service.api.callers import peer_socket
 from service.api.restricted import Restriction
+from service.dataplane.shared_memory import (
+    BYTE_SIZE,
+    OFFSET,
+    REGION,
+    Peer,
+    Placement,
+    SharedMemory,
+)
 from service.inference import errors
 from service.inference.errors import ServicerContext
 from service.inference.jobs import OutputTensor
-from service.inference.shared_memory import Caller, SharedMemoryRegions
-from service.inference.socket_owners import Address, canonical, socket_owner
-
-MODES = ("off", "local", "any")
-REGION, BYTE_SIZE, OFFSET = (
-    "shared_memory_region",
-    "shared_memory_byte_size",
-    "shared_memory_offset",
-)
+from service.inference.shared_memory import Caller
+from service.inference.socket_owners import Address
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one tensor lies: a region, and the bytes at an offset in it."""
-
-    region: str
-    byte_size: int
-    offset: int
-
-
-class SharedMemory:
-    """The registered regions and who may use them."""
+class GrpcSharedMemory:
+    """The server's shared memory as gRPC's calls use it."""
 
     def __init__(
         self,
-        mode: str,
+        shared: SharedMemory,
         restriction: Restriction | None = None,
-        regions: SharedMemoryRegions | None = None,
         listener: tuple[str, int] = ("0.0.0.0", 0),
     ) -> None:
         """`listener`: the HTTP/2 listener's host and port; bound to one address (and a port
         given), a caller's socket is found by one exact lookup; on a wildcard address, first by
         the lookup of a connection from the caller's address to that same address."""
-        self.mode = mode
+        self.shared = shared
+        self.regions = shared.regions
         self.restriction = restriction  # the `shared-memory` category's, if restricted
-        self.regions = regions or SharedMemoryRegions()
         self._server = _one_address(*listener)
         self._listener_port = listener[1]
 
-    async def caller(self, context: ServicerContext) -> Caller:
-        """Who calls, if it may use shared memory: the uid that owns its socket."""
-        self.check_mode(context)
-        peer = context.peer()
-        socket = peer_socket(peer)
+    def peer(self, context: ServicerContext) -> Peer:
+        text = context.peer()
         # Our own servicer contexts say whether the call came over UDP (HTTP/3); grpc.aio's,
         # which has no such attribute, serves TCP only.
         datagram = bool(getattr(context, "datagram_peer", False))
-        uid = (
-            None
-            if socket is None
-            else await asyncio.to_thread(
-                socket_owner,
-                *socket,
-                datagram,
-                self._server,
-                listener_port=self._listener_port,
-            )
+        return Peer(
+            peer_socket(text),
+            text,
+            "UDP (HTTP/3)" if datagram else "TCP (HTTP/2)",
+            datagram,
+            self._server,
+            self._listener_port,
         )
-        if uid is None:
-            raise errors.ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"system shared memory is served to processes on the server's host, known by "
-                f"the uid that owns their socket; no single uid owns the {_label(datagram)} "
-                f"socket of this call's peer '{errors.echoed(peer)}' on this host",
-            )
-        return Caller(uid, _groups(uid))
+
+    async def caller(self, context: ServicerContext) -> Caller:
+        """Who calls, if it may use shared memory: the uid that owns its socket."""
+        return await self.shared.caller(self.peer(context))
+
+    def check_mode(self, context: ServicerContext) -> None:
+        self.shared.check_mode(self.peer(context))
 
     async def tensor_caller(
         self, request: pb.ModelInferRequest, context: ServicerContext
@@ -123,19 +88,6 @@ class SharedMemory:
             )
         return await self.caller(context)
 
-    def check_mode(self, context: ServicerContext) -> None:
-        """Whether this caller may use shared memory at all (--shared-memory)."""
-        if self.mode == "off":
-            raise errors.failed_precondition(
-                "system shared memory is off on this server (--shared-memory off)"
-            )
-        if self.mode == "local" and not local_peer(context.peer()):
-            raise errors.ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                "system shared memory is served to callers on the server's host only "
-                "(--shared-memory local); this call came from another host",
-            )
-
     def status(self, caller: Caller, name: str) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
         for region in self.regions.status(caller, name):
@@ -150,33 +102,18 @@ class SharedMemory:
         return response
 
     def cuda_status(self, context: ServicerContext, name: str) -> pb.CudaSharedMemoryStatusResponse:
-        """No CUDA region is ever registered: every one, or the one named, in Triton's words."""
-        self.check_mode(context)
-        if name:
-            raise errors.not_found(
-                f"Unable to find cuda shared memory region: '{errors.echoed(name)}' (this "
-                "server registers no CUDA shared memory)"
-            )
+        self.shared.cuda_status(self.peer(context), name)
         return pb.CudaSharedMemoryStatusResponse()
 
     def cuda_register(self, context: ServicerContext, name: str) -> NoReturn:
-        self.check_mode(context)
-        raise errors.invalid(
-            f"failed to register CUDA shared memory region: '{errors.echoed(name)}', GPUs not "
-            "supported; this server takes tensors in system shared memory "
-            "(SystemSharedMemoryRegister)"
-        )
+        self.shared.cuda_register(self.peer(context), name)
 
     def read_inputs(
         self, request: pb.ModelInferRequest, caller: Caller | None, max_bytes: int
     ) -> list[bytes] | None:
         """Every input's bytes, those that name a region read from it, the others as the
         message carried them (None: no input names a region); the request is then validated
-        like any other. The bytes read are what a numeric input's shape and datatype declare,
-        and a BYTES input's `shared_memory_byte_size` (its elements serialized as tritonclient
-        writes them, each a 4-byte little-endian length and its bytes, which the validator
-        then walks as it walks raw contents); either at most `max_bytes` (what a message may
-        carry). `caller`: `tensor_caller`'s answer."""
+        like any other. `caller`: `tensor_caller`'s answer."""
         if caller is None:
             return None
         placements = [placement(t.parameters, "input") for t in request.inputs]
@@ -195,9 +132,16 @@ class SharedMemory:
             if where is None:
                 filled.append(next(contents))
                 continue
-            size = _bytes_to_read(tensor, where, max_bytes)
-            with self.regions.using(caller, where.region) as region:
-                filled.append(region.read(where.offset, size))
+            filled.append(
+                self.shared.read_input(
+                    caller,
+                    where,
+                    tensor.name,
+                    tensor.datatype,
+                    tensor.shape,
+                    (max_bytes, "--max-message-bytes"),
+                )
+            )
         return filled
 
     @contextlib.contextmanager
@@ -214,9 +158,7 @@ class SharedMemory:
             where = placement(output.parameters, "output")
             if where is not None:
                 targets[output.name] = where
-        with contextlib.ExitStack() as held:
-            for where in targets.values():
-                held.enter_context(self.regions.using(caller, where.region, write=True))
+        with self.shared.held(caller, targets):
             yield targets
 
     def write_outputs(
@@ -227,23 +169,7 @@ class SharedMemory:
     ) -> tuple[OutputTensor, ...]:
         """Write the outputs that go to regions; the response carries them as empty raw
         contents (tritonclient reads raw_output_contents by position)."""
-        if not targets or caller is None:
-            return outputs
-        answered = []
-        for tensor in outputs:
-            where = targets.get(tensor.name)
-            if where is None:
-                answered.append(tensor)
-                continue
-            if len(tensor.data) > where.byte_size:
-                raise errors.invalid(
-                    f"output '{tensor.name}' has {len(tensor.data)} bytes; its region offers "
-                    f"{where.byte_size}"
-                )
-            with self.regions.using(caller, where.region, write=True) as region:
-                region.write(where.offset, tensor.data)
-            answered.append(dataclasses.replace(tensor, data=b""))
-        return tuple(answered)
+        return self.shared.write_outputs(outputs, targets, caller)
 
 
 def placement(parameters: Mapping[str, Any], what: str) -> Placement | None:
@@ -268,62 +194,9 @@ def placement(parameters: Mapping[str, Any], what: str) -> Placement | None:
     return Placement(region.string_param, numbers[0], numbers[1])
 
 
-def _bytes_to_read(
-    tensor: pb.ModelInferRequest.InferInputTensor, where: Placement, max_bytes: int
-) -> int:
-    """The bytes of an input to read from its region, refused beyond `max_bytes` before
-    anything is read: a BYTES tensor's are its byte size (its elements' lengths are in the
-    region), a numeric one's are what its shape and datatype declare, which its byte size
-    must equal."""
-    datatype = BY_NAME.get(tensor.datatype)
-    if datatype is None:
-        raise errors.invalid(
-            f"input '{errors.echoed(tensor.name)}': unknown datatype "
-            f"'{errors.echoed(tensor.datatype)}'"
-        )
-    if datatype.name == "BYTES":
-        if where.byte_size > max_bytes:
-            raise _too_large(tensor, max_bytes)
-        return where.byte_size
-    size = _declared_bytes(tensor, datatype.numpy.itemsize, max_bytes)
-    if where.byte_size != size:
-        raise errors.invalid(
-            f"input '{errors.echoed(tensor.name)}' declares {size} bytes, its "
-            f"{BYTE_SIZE} is {where.byte_size}"
-        )
-    return size
-
-
-def _declared_bytes(
-    tensor: pb.ModelInferRequest.InferInputTensor, itemsize: int, max_bytes: int
-) -> int:
-    """The bytes a numeric input's shape declares, refused beyond `max_bytes` as soon as the
-    product passes it."""
-    if any(d < 0 for d in tensor.shape):
-        raise errors.invalid(f"input '{errors.echoed(tensor.name)}' has a negative dimension")
-    size = itemsize
-    for dim in tensor.shape:
-        size *= dim
-        if size > max_bytes:
-            raise _too_large(tensor, max_bytes)
-    return math.prod(tensor.shape) * itemsize
-
-
-def _too_large(
-    tensor: pb.ModelInferRequest.InferInputTensor, max_bytes: int
-) -> errors.ServiceError:
-    return errors.ServiceError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"input '{errors.echoed(tensor.name)}' declares more than {max_bytes} bytes in shared "
-        "memory (--max-message-bytes)",
-    )
-
-
 def local_peer(peer: str) -> bool:
-    """Whether a gRPC peer string is a loopback address: 127.0.0.0/8, ::1, or an IPv4
-    loopback address mapped into IPv6 (an IPv4 caller of a dual-stack listener)."""
-    socket = peer_socket(peer)
-    return socket is not None and canonical(socket[0]).is_loopback
+    """Whether a gRPC peer string is a loopback address."""
+    return Peer(peer_socket(peer), peer, "").local
 
 
 def _one_address(host: str, port: int) -> tuple[Address, int] | None:
@@ -334,18 +207,3 @@ def _one_address(host: str, port: int) -> tuple[Address, int] | None:
     except ValueError:
         return None
     return None if address.is_unspecified or not port else (address, port)
-
-
-def _label(datagram: bool) -> str:
-    return "UDP (HTTP/3)" if datagram else "TCP (HTTP/2)"
-
-
-def _groups(uid: int) -> frozenset[int]:
-    """The groups of `uid` in the user database, which a process of that user has from its
-    login; none for a uid the database does not know (then only owner and others' bits
-    count)."""
-    try:
-        entry = pwd.getpwuid(uid)
-    except KeyError:
-        return frozenset()
-    return frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))

@@ -19,6 +19,7 @@ import grpc
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
+from service.dataplane.shared_memory import SharedMemory
 from service.inference import classification, errors
 from service.inference.jobs import InferJob, OutputTensor
 from service.inference.validation import Decoding, decoded
@@ -88,17 +89,18 @@ class DataPlane:
         runner: RequestRunner,
         lifecycle: Lifecycle,
         server_name: str,
-        shared_memory_mode: str,
+        shared_memory: SharedMemory,
         control_mode: str,
     ) -> None:
-        """`server_name`: what server metadata answers (--server-name); `shared_memory_mode`:
-        --shared-memory (off: the extension is not listed); `control_mode`:
+        """`server_name`: what server metadata answers (--server-name); `shared_memory`: the
+        regions every protocol's callers registered (--shared-memory off: the extension is not
+        listed); `control_mode`:
         --model-control-mode (explicit: models are loaded and unloaded on request)."""
         self.models = models
         self.runner = runner
         self.lifecycle = lifecycle
         self.server_name = server_name
-        self.shared_memory_mode = shared_memory_mode
+        self.shared_memory = shared_memory
         self.control_mode = control_mode
 
     @property
@@ -107,7 +109,7 @@ class DataPlane:
 
     def server_metadata(self) -> ServerMetadata:
         extensions = list(EXTENSIONS)
-        if self.shared_memory_mode != "off":
+        if self.shared_memory.mode != "off":
             extensions.insert(extensions.index("binary_tensor_data"), "system_shared_memory")
         return ServerMetadata(self.server_name, SERVER_VERSION, tuple(extensions))
 

@@ -119,7 +119,10 @@ async def start_rest(
     )
     guard = rest_guard(restrictions) if restrictions else None
     app = RestApp(
-        Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer, guard
+        Routes(plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size),
+        limits,
+        observer,
+        guard,
     )
     options = HttpOptions(
         settings.host,

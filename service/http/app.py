@@ -13,11 +13,13 @@ from typing import Any, TypeVar
 
 import grpc
 
+from service.dataplane.shared_memory import Peer
 from service.http.batchstream import BatchStreams
 from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.generate import sse
 from service.http.openai import OpenAIRoutes, error_document
 from service.http.routes import Reply, Routes
+from service.http.shared_memory_routes import rest_peer
 from service.http.status import RETRY_AFTER_S, http_status
 from service.inference import errors
 from service.observability.metrics import UNKNOWN
@@ -279,6 +281,8 @@ class RestApp:
             body = await read_body(scope, receive, self.limits)
             control = self.routes.load if rest[3] == "load" else self.routes.unload
             return await control(rest[2], body)
+        if rest[0] in _SHARED_MEMORY:
+            return await self._shared_memory(scope, receive, call, rest)
         if rest == ["models", "stats"]:
             call.rpc = self._expect(scope, "GET", "ModelStatistics")
             return self.routes.statistics("", "")
@@ -305,8 +309,14 @@ class RestApp:
             body = await _decoded(scope, body, self.limits.max_body_bytes)
             call.encoding = preferred(_header(scope, b"accept-encoding"))
             header_length = _header(scope, _HEADER_LENGTH)
+            peer = _peer(scope)
+            refusal = (
+                self.guard("SystemSharedMemoryRegister", scope["headers"])
+                if self.guard is not None
+                else None
+            )
             return await unless_gone(
-                receive, self.routes.infer(model, version, body, header_length)
+                receive, self.routes.infer(model, version, body, header_length, peer, refusal)
             )
         if action == "ready":
             return self.routes.model_ready(model, version)
@@ -316,6 +326,39 @@ class RestApp:
             return self.routes.statistics(model, version)
         return await self.routes.model_metadata(model, version)
 
+    async def _shared_memory(
+        self, scope: Scope, receive: Receive, call: Call, rest: list[str]
+    ) -> Reply:
+        """`/v2/{system,cuda}sharedmemory/status|unregister` (every region) and
+        `.../region/NAME/status|register|unregister`: the gRPC method of each, its category
+        restricted as that method's."""
+        if len(rest) == 2 and rest[1] in ("status", "unregister"):
+            name, action = "", rest[1]
+        elif len(rest) == 4 and rest[1] == "region" and rest[3] in _SHARED_MEMORY_ACTIONS:
+            name, action = rest[2], rest[3]
+        else:
+            raise _no_route(scope)
+        kind = _SHARED_MEMORY[rest[0]]
+        rpc = f"{kind}SharedMemory{action.capitalize()}"
+        call.rpc = self._expect(scope, "GET" if action == "status" else "POST", rpc)
+        peer = _peer(scope)
+        body = b"" if action == "status" else await read_body(scope, receive, self.limits)
+        shared = self.routes.shared_memory
+        if kind == "Cuda":
+            if action == "status":
+                return Reply(200, shared.cuda_status(peer, name))
+            if action == "register":
+                shared.cuda_register(peer, name)
+            shared.cuda_unregister(peer)
+            return Reply(200)
+        if action == "status":
+            return Reply(200, await shared.status(peer, name))
+        if action == "register":
+            await shared.register(peer, name, body)
+        else:
+            await shared.unregister(peer, name)
+        return Reply(200)
+
 
 def _error(scope: Scope, status: int, message: str, exc: Exception) -> Any:
     """The error body in the words of the route's API: OpenAI's under /v1, Triton's else."""
@@ -324,6 +367,9 @@ def _error(scope: Scope, status: int, message: str, exc: Exception) -> Any:
     return {"error": message}
 
 
+# /v2/{system,cuda}sharedmemory/... and the kind of the gRPC methods they stand for.
+_SHARED_MEMORY = {"systemsharedmemory": "System", "cudasharedmemory": "Cuda"}
+_SHARED_MEMORY_ACTIONS = ("status", "register", "unregister")
 # /v2/repository/models/NAME/... and the gRPC methods they stand for.
 _CONTROL = {"load": "RepositoryModelLoad", "unload": "RepositoryModelUnload"}
 # The routes under /v2/models/NAME[/versions/V]/ and the gRPC methods they stand for.
@@ -450,6 +496,10 @@ def _header(scope: Scope, wanted: bytes) -> str | None:
         if name == wanted:
             return bytes(value).decode("latin-1")
     return None
+
+
+def _peer(scope: Scope) -> Peer:
+    return rest_peer(scope.get("client"), scope.get("server"), scope.get("http_version", ""))
 
 
 def _no_route(scope: Scope) -> Refused:

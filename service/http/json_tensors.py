@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from oip.bytes_tensor import deserialize_bytes, serialize_bytes
 from oip.datatypes import BY_NAME, Datatype
+from service.dataplane.shared_memory import BYTE_SIZE, OFFSET, REGION, Placement
 from service.http.json_depth import nesting_depth
 from service.inference.classification import CLASSIFICATION
 from service.inference.errors import echoed, invalid
@@ -34,13 +35,8 @@ MAX_DEPTH = 100  # JSON nesting, as Triton bounds it
 MAX_TENSORS = 1024  # inputs and requested outputs, each, per request
 MAX_RANK = 64  # dimensions of one input's shape
 MAX_ID_CHARS = 256
-# Tensor parameters that would change what is computed and are not served over REST yet: a
-# request naming one is refused rather than answered as if it had not.
-UNSERVED_TENSOR_PARAMETERS = (
-    "shared_memory_region",
-    "shared_memory_byte_size",
-    "shared_memory_offset",
-)
+# Reads an input from the caller's shared-memory region: (where, name, datatype, shape).
+RegionReader = Callable[[Placement, str, str, tuple[int, ...]], bytes]
 
 
 @dataclass(frozen=True)
@@ -56,6 +52,14 @@ class InferRequest:
     binary_outputs: bool  # Triton's `binary_data_output`: outputs as binary data by default
     binary: Mapping[str, bool]  # an output's own `binary_data`, where it says
     sequence: SequenceFlags | None  # Triton's sequence_id, sequence_start, sequence_end
+    output_regions: Mapping[str, Placement]  # outputs to write into shared-memory regions
+
+    @property
+    def names_regions(self) -> bool:
+        """Whether a tensor of the request lies in shared memory."""
+        return bool(self.output_regions) or any(
+            isinstance(i.get("parameters"), dict) and REGION in i["parameters"] for i in self.inputs
+        )
 
     def answers_binary(self, output: str) -> bool:
         return self.binary.get(output, self.binary_outputs)
@@ -132,12 +136,14 @@ def infer_request(document: Any) -> InferRequest:
     chosen: list[str] = []
     counts: dict[str, int] = {}
     binary: dict[str, bool] = {}
+    regions: dict[str, Placement] = {}
     for entry in outputs:
         output = _object(entry, "an entry of 'outputs'")
         name = _string(output.get("name"), "an output's 'name'")
         chosen.append(name)
         options = _object(output.get("parameters", {}), f"output '{echoed(name)}' 'parameters'")
-        _check_served(options, "output")
+        if (where := placement(options, "output")) is not None:
+            regions[name] = where
         if "binary_data" in options:
             binary[name] = _bool(options["binary_data"], "output parameter 'binary_data'")
         if CLASSIFICATION in options:
@@ -155,6 +161,7 @@ def infer_request(document: Any) -> InferRequest:
         _bool(parameters.get("binary_data_output", False), "'binary_data_output'"),
         binary,
         sequence_flags({k: parameters[k] for k in SEQUENCE_PARAMETERS if k in parameters}),
+        regions,
     )
 
 
@@ -163,12 +170,14 @@ def input_tensor(
     validator: RequestValidator,
     binary: BinaryData,
     seen: Collection[str] = (),
+    region: RegionReader | None = None,
 ) -> InputTensor:
     """One entry of 'inputs' as a tensor, its shape checked against the model before its data
     is walked, its data walked no further than the shape before its values are converted; with
-    `binary_data_size`, its bytes taken from the binary section as they came (the validator
-    compares their length with the shape, as raw contents on gRPC). `seen`: the names of the
-    request's inputs before it."""
+    `binary_data_size`, its bytes taken from the binary section as they came, with
+    `shared_memory_region`, read from the region by `region` (the validator compares their
+    length with the shape, as raw contents on gRPC). `seen`: the names of the request's inputs
+    before it."""
     name = _string(entry.get("name"), "an input's 'name'")
     if name in seen:  # refused before its data is converted a second time
         raise invalid(f"input '{echoed(name)}' appears more than once")
@@ -177,8 +186,14 @@ def input_tensor(
     if not all(_is_int(d) for d in sent):
         raise invalid(f"input '{echoed(name)}': 'shape' must be a list of integers")
     options = _object(entry.get("parameters", {}), f"input '{echoed(name)}' 'parameters'")
-    _check_served(options, "input")
+    where = placement(options, "input")
     shape = validator.declared_shape(name, datatype, sent)
+    if where is not None:
+        if "data" in entry or "binary_data_size" in options:
+            raise invalid(f"input '{name}': its data lies in shared memory; 'data' is given too")
+        if region is None:
+            raise invalid(f"input '{name}': no shared-memory region can be read for this request")
+        return InputTensor(name, BY_NAME[datatype], shape, region(where, name, datatype, shape))
     if "binary_data_size" in options:
         if "data" in entry:
             raise invalid(f"input '{name}': 'data' and 'binary_data_size' are both given")
@@ -247,15 +262,25 @@ def converted(name: str, values: Sequence[Any], datatype: Datatype) -> bytes:
     return out.tobytes()
 
 
-def output_json(tensor: OutputTensor, binary: bool) -> dict[str, Any]:
+def output_json(
+    tensor: OutputTensor, binary: bool, region: tuple[Placement, int] | None = None
+) -> dict[str, Any]:
     """`{"name", "datatype", "shape", "data"}`, data flat row-major. A BYTES element that is
     not UTF-8 has its undecodable bytes replaced (U+FFFD): JSON carries text only. `binary`:
-    no `data`, but `"parameters": {"binary_data_size": N}`, the bytes following the JSON."""
+    no `data`, but `"parameters": {"binary_data_size": N}`, the bytes following the JSON.
+    `region`: written into a shared-memory region, N bytes: no `data`, but the region's
+    parameters, N its byte size (as Triton answers)."""
     described: dict[str, Any] = {
         "name": tensor.name,
         "datatype": tensor.datatype.name,
         "shape": list(tensor.shape),
     }
+    if region is not None:
+        where, size = region
+        described["parameters"] = {REGION: where.region, BYTE_SIZE: size}
+        if where.offset:
+            described["parameters"][OFFSET] = where.offset
+        return described
     if binary:
         described["parameters"] = {"binary_data_size": len(tensor.data)}
         return described
@@ -320,10 +345,20 @@ def _non_negative(parameters: Mapping[str, Any], key: str) -> int | None:
     return int(value)
 
 
-def _check_served(options: Mapping[str, Any], kind: str) -> None:
-    for option in UNSERVED_TENSOR_PARAMETERS:
-        if option in options:
-            raise invalid(f"{kind} parameter '{option}' is not served over HTTP yet; use gRPC")
+def placement(options: Mapping[str, Any], what: str) -> Placement | None:
+    """A tensor's shared-memory parameters (None: it names no region), as gRPC's are read."""
+    if REGION not in options:
+        return None
+    region = options[REGION]
+    if not isinstance(region, str):
+        raise invalid(f"{what} parameter {REGION} must be a string")
+    if BYTE_SIZE not in options:
+        raise invalid(f"{what} parameter {REGION} needs {BYTE_SIZE}")
+    numbers = [options[BYTE_SIZE], options.get(OFFSET, 0)]
+    for key, value in zip((BYTE_SIZE, OFFSET), numbers, strict=True):
+        if not _is_int(value) or value < 0:
+            raise invalid(f"{what} parameter {key} must be a non-negative integer")
+    return Placement(region, numbers[0], numbers[1])
 
 
 def _bool(value: Any, what: str) -> bool:

@@ -14,6 +14,7 @@ import grpc
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
 from service.dataplane.sequence_callers import SequenceCallers
+from service.dataplane.shared_memory import Peer
 from service.http.generate import (
     TextDecoder,
     event,
@@ -22,7 +23,14 @@ from service.http.generate import (
     single,
     sse,
 )
-from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
+from service.http.json_tensors import (
+    infer_request,
+    input_tensor,
+    output_json,
+    parsed,
+    split,
+)
+from service.http.shared_memory_routes import SharedMemoryRoutes
 from service.http.textgen import checked
 from service.inference import errors
 from service.inference.errors import echoed
@@ -40,6 +48,7 @@ REST_EXTENSIONS = frozenset(
         "sequence",
         "schedule_policy",
         "model_configuration",
+        "system_shared_memory",
         "binary_tensor_data",
         "parameters",
         "statistics",
@@ -68,10 +77,16 @@ NOT_READY = Reply(400)  # Triton's health and readiness answers carry no body
 
 
 class Routes:
-    def __init__(self, plane: DataPlane, sequence_callers: SequenceCallers) -> None:
-        """`sequence_callers`: whose a sequence is (a REST caller is anyone: no certificate)."""
+    def __init__(
+        self, plane: DataPlane, sequence_callers: SequenceCallers, max_input_bytes: int
+    ) -> None:
+        """`sequence_callers`: whose a sequence is (a REST caller is anyone: no certificate);
+        `max_input_bytes`: the most one input may take from a shared-memory region (what a body
+        may carry, --http-max-input-size)."""
         self.plane = plane
         self.sequence_callers = sequence_callers
+        self.max_input_bytes = max_input_bytes
+        self.shared_memory = SharedMemoryRoutes(plane.shared_memory)
 
     def live(self) -> Reply:
         return OK
@@ -150,14 +165,29 @@ class Routes:
         return OK
 
     async def infer(
-        self, model: str, version: str, body: bytes, header_length: str | None
+        self,
+        model: str,
+        version: str,
+        body: bytes,
+        header_length: str | None,
+        peer: Peer,
+        shared_memory_refusal: str | None = None,
     ) -> Reply:
         """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
-        binary data begins (None: all JSON)."""
+        binary data begins (None: all JSON). Tensors that name shared-memory regions are read
+        from and written to the regions of `peer`'s uid, unless the `shared-memory` restricted
+        category refuses the request (`shared_memory_refusal`: the header it lacks)."""
         async with self.plane.serving(model, version, None) as served:
-            return await self._infer(served, body, header_length)
+            return await self._infer(served, body, header_length, peer, shared_memory_refusal)
 
-    async def _infer(self, served: ServedVersion, body: bytes, header_length: str | None) -> Reply:
+    async def _infer(
+        self,
+        served: ServedVersion,
+        body: bytes,
+        header_length: str | None,
+        peer: Peer,
+        shared_memory_refusal: str | None,
+    ) -> Reply:
         if served.decoupled:
             raise errors.ServiceError(
                 grpc.StatusCode.UNIMPLEMENTED,
@@ -169,12 +199,19 @@ class Routes:
         request = infer_request(parsed(document_bytes))
         validator = served.validator
         assert validator is not None  # a resolved version serves
+        shared = self.plane.shared_memory
+        caller = (
+            await self.shared_memory.tensor_caller(peer, shared_memory_refusal)
+            if request.names_regions
+            else None
+        )
+        region = self.shared_memory.reader(caller, self.max_input_bytes)
 
         def admit() -> Decoding:
             inputs: list[InputTensor] = []
             names: set[str] = set()
             for entry in request.inputs:
-                tensor = input_tensor(entry, validator, binary, names)
+                tensor = input_tensor(entry, validator, binary, names, region)
                 inputs.append(tensor)
                 names.add(tensor.name)
             binary.check_used()
@@ -182,22 +219,29 @@ class Routes:
                 inputs, request.outputs, request.priority, request.timeout_s, request.sequence
             )
 
-        job = await self.plane.admitted(served, admit)
-        if served.sequences is not None:
-            job = self.sequence_callers.owned(served.name, job, ANYONE)
-        inferred = await self.plane.infer(served, job, None, request.class_counts)
+        targets = request.output_regions if caller is not None else {}
+        with shared.held(caller, targets) if caller is not None else contextlib.nullcontext():
+            job = await self.plane.admitted(served, admit)
+            if served.sequences is not None:
+                job = self.sequence_callers.owned(served.name, job, ANYONE)
+            inferred = await self.plane.infer(served, job, None, request.class_counts)
+            sizes = {t.name: len(t.data) for t in inferred.outputs}
+            outputs = shared.write_outputs(inferred.outputs, targets, caller)
         answered = inferred.answered
-        binaries = [request.answers_binary(t.name) for t in inferred.outputs]
+        binaries = [request.answers_binary(t.name) and t.name not in targets for t in outputs]
+        placed = [(targets[t.name], sizes[t.name]) if t.name in targets else None for t in outputs]
         document: dict[str, Any] = {
             "model_name": answered.name,
             "model_version": str(answered.version),
             "id": request.id,
-            "outputs": [output_json(t, b) for t, b in zip(inferred.outputs, binaries, strict=True)],
+            "outputs": [
+                output_json(t, b, p) for t, b, p in zip(outputs, binaries, placed, strict=True)
+            ],
         }
         if inferred.fallback:
             # Answered by the fallback model while the one asked is open-circuited.
             document["parameters"] = {"fallback": True}
-        attached = tuple(t.data for t, b in zip(inferred.outputs, binaries, strict=True) if b)
+        attached = tuple(t.data for t, b in zip(outputs, binaries, strict=True) if b)
         return Reply(200, document, attached, request.id, str(answered.version))
 
     async def generate(

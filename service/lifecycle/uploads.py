@@ -30,7 +30,9 @@ class UploadLimits:
 
 @dataclass(frozen=True)
 class Refused:
-    """Why an upload is refused; `too_large` tells a size or count bound from a bad path."""
+    """Why an upload is refused; `too_large` tells a bound passed (the count, the size, or a
+    name longer than a file system holds: Triton fails writing it and answers INTERNAL) from a
+    bad path."""
 
     reason: str
     too_large: bool = False
@@ -61,6 +63,12 @@ def plan_upload(sizes: Mapping[str, int], limits: UploadLimits) -> Layout | Refu
         problem = _path_problem(name)
         if problem is not None:
             return Refused(f"uploaded path {name!r} refused: {problem}")
+        if any(len(part) > MAX_PART_CHARS for part in name.split("/")):
+            return Refused(
+                f"uploaded path {name!r} refused: a component is longer than {MAX_PART_CHARS} "
+                "characters (NAME_MAX)",
+                too_large=True,
+            )
         paths.append(PurePosixPath(name))
     files = set(paths)
     for path in paths:
@@ -82,8 +90,6 @@ def _path_problem(name: str) -> str | None:
     parts = name.split("/")
     if any(part in ("", ".", "..") for part in parts):
         return "empty, '.' and '..' components are not allowed"
-    if any(len(part) > MAX_PART_CHARS for part in parts):
-        return f"a component is longer than {MAX_PART_CHARS} characters"
     if len(parts) > MAX_DEPTH + 1:
         return f"deeper than {MAX_DEPTH} directories"
     if name == CONFIG_FILE:

@@ -1,4 +1,4 @@
-"""Prometheus metrics on a registry of our own, served by prometheus_client's HTTP server.
+"""Prometheus metrics on a registry of our own, served on the metrics port (exposition.py).
 Counters and histograms are updated as things happen; state the server already keeps
 (queues, restarts, HTTP/3 counters, GPU memory) is read when Prometheus scrapes."""
 
@@ -16,13 +16,13 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.inference.jobs import Timings
 from service.observability.children import Children
+from service.observability.exposition import metrics_app, serve
 from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry
 from service.resilience.breaker import BreakerState
@@ -174,7 +174,8 @@ class Metrics:
     def serve(self, host: str, port: int) -> Any:
         """Start the HTTP server in its own thread; returns it (`server_port`, `shutdown()`)."""
         try:
-            server, _ = start_http_server(port, addr=host, registry=self.registry)
+            app = metrics_app(self.registry, SERVER_METRICS.families, _custom_families)
+            server = serve(host, port, app)
         except OSError as exc:
             raise MetricsUnavailable(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror} "
@@ -296,7 +297,6 @@ class _StateCollector(Collector):
             yield handshakes
         if self._gpus is not None:
             yield self._gpus.collect()
-        yield from _custom_families()
 
 
 class _NvmlMemory:
@@ -315,7 +315,8 @@ class _NvmlMemory:
 
 
 def _custom_families() -> Iterator[Metric]:
-    """Python models' own families (pb_utils.MetricFamily), named as the models named them."""
+    """Python models' own families (pb_utils.MetricFamily), named as the models named them,
+    for the OpenMetrics writer (the text format writes them itself, exposition.py)."""
     for family in SERVER_METRICS.families():
         metric = Metric(family.name, family.description, family.kind)
         metric.name = family.name  # a counter keeps its name as given (Triton's)

@@ -1,15 +1,18 @@
 """The server's side of the BLS calls one worker's model makes (protocol.BlsCall): each runs
 as a task through the request path (the Handler the lifecycle gives the instance), with the
-calling batch's chain of calls and deadline, at most BLS_MAX_IN_FLIGHT at once. While the
-worker lives every call gets exactly one BlsAnswer, a cancelled one too, so that the model's
-exec() always returns."""
+calling batch's chain of calls and deadline, at most BLS_MAX_IN_FLIGHT at once. A decoupled
+call's responses go to the worker each as the target sends it (a BlsAnswer with `more`). While
+the worker lives every call ends with exactly one BlsAnswer without `more`, a cancelled one
+too, so that the model's exec() always returns and its iterator always ends."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -24,7 +27,9 @@ from service.workers.streams import inline
 
 log = logging.getLogger("paddlequic.worker")
 BLS_MAX_IN_FLIGHT = 16
-BLS_MAX_RESPONSES = 1024  # of one decoupled call (their bytes: protocol.BLS_MAX_BYTES in all)
+# Of one decoupled call, and their bytes protocol.BLS_MAX_BYTES in all: what the worker may have
+# to hold of a call whose responses its model does not take.
+BLS_MAX_RESPONSES = 1024
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,15 @@ class ModelCall:
     decoupled: bool = False  # exec(decoupled=True): every response the target answers
 
 
-# Runs a call through the request path (service/serving/bls.py): the target's outputs (a
-# decoupled call: its responses, at most BLS_MAX_RESPONSES), or a ServiceError.
-Handler = Callable[[ModelCall], Awaitable[tuple[OutputTensor, ...] | tuple[StreamAnswer, ...]]]
+class Handler(Protocol):
+    """Runs a call through the request path (service/serving/bls.py); a ServiceError for one
+    that fails."""
+
+    async def infer(self, call: ModelCall) -> tuple[OutputTensor, ...]:
+        """exec(): the target's outputs."""
+
+    def responses(self, call: ModelCall) -> AsyncGenerator[StreamAnswer, None]:
+        """exec(decoupled=True): the target's responses as it sends them."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class BlsCalls:
         self._send = send
         self._changed = changed
         self._calls: dict[int, tuple[int, asyncio.Task[None]]] = {}  # id -> caller, its task
+        self._withdrawn: set[int] = set()  # calls the model cancelled itself
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -118,6 +130,14 @@ class BlsCalls:
             if made_by == caller:
                 task.cancel()
 
+    def withdraw(self, call_id: int) -> None:
+        """The model cancelled its call (ResponseIterator.cancel()); one already ended, or
+        never made, is no error."""
+        call = self._calls.get(call_id)
+        if call is not None:
+            self._withdrawn.add(call_id)
+            call[1].cancel()
+
     def cancel_all(self) -> None:
         """The worker is gone or stopping."""
         for _, task in list(self._calls.values()):
@@ -126,21 +146,46 @@ class BlsCalls:
     async def _run(self, call_id: int, handler: Handler, call: ModelCall) -> None:
         answer: protocol.BlsAnswer
         try:
-            outputs = await handler(call)
+            if call.decoupled:
+                await self._stream(call_id, handler, call)
+                answer = protocol.BlsAnswer(call_id, (), b"", parts=())
+            else:
+                answer = _answer(call_id, call.model, await handler.infer(call))
         except errors.ServiceError as exc:
             answer = _error(call_id, exc.message, exc.code)
         except asyncio.CancelledError:
-            message = "cancelled: the request that made this BLS call ended"
+            message = (
+                "cancelled: the model cancelled this BLS call"
+                if call_id in self._withdrawn
+                else "cancelled: the request that made this BLS call ended"
+            )
             answer = _error(call_id, message, grpc.StatusCode.CANCELLED)
         except Exception as exc:  # a bug here must not leave the model waiting forever
             log.exception("BLS call to model %r failed", call.model)
             answer = _error(call_id, f"internal error: {exc}", grpc.StatusCode.INTERNAL)
-        else:
-            answer = _answer(call_id, call.model, outputs)
         finally:
             self._calls.pop(call_id, None)
+            self._withdrawn.discard(call_id)
             self._changed()
         self._send(answer)
+
+    async def _stream(self, call_id: int, handler: Handler, call: ModelCall) -> None:
+        """Each response to the worker as it comes, at most BLS_MAX_RESPONSES and
+        BLS_MAX_BYTES of outputs, else the call fails and the target's request is cancelled."""
+        count = size = 0
+        async with contextlib.aclosing(handler.responses(call)) as responses:
+            async for response in responses:
+                count += 1
+                size += sum(len(t.data) for t in response.outputs)
+                if count > BLS_MAX_RESPONSES or size > protocol.BLS_MAX_BYTES:
+                    raise errors.ServiceError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"model '{errors.echoed(call.model)}' answered the decoupled BLS call "
+                        f"with more than {BLS_MAX_RESPONSES} responses or "
+                        f"{protocol.BLS_MAX_BYTES} bytes of outputs, the most one call may "
+                        "hand its model",
+                    )
+                self._send(_part(call_id, response))
 
     def _refuse(self, call_id: int, message: str, status: grpc.StatusCode) -> None:
         self._send(_error(call_id, message, status))
@@ -176,27 +221,24 @@ def call_deadline(now: float, timeout_us: int, caller: Caller) -> float | None:
     return now + caller.execution_timeout_s
 
 
-def _answer(
-    call_id: int, model: str, outputs: tuple[OutputTensor, ...] | tuple[StreamAnswer, ...]
-) -> protocol.BlsAnswer:
-    """The outputs inline; a decoupled call's responses each with its own (one buffer)."""
-    answers = [a for a in outputs if isinstance(a, StreamAnswer)]
-    tensors = [t for t in outputs if isinstance(t, OutputTensor)]
-    refs, data = inline([*tensors, *(t for a in answers for t in a.outputs)])
+def _answer(call_id: int, model: str, outputs: tuple[OutputTensor, ...]) -> protocol.BlsAnswer:
+    """The outputs inline."""
+    refs, data = inline(outputs)
     if len(data) > protocol.BLS_MAX_BYTES:
         message = (
             f"the answer of model '{model}' holds {len(data)} bytes of outputs; "
             f"at most {protocol.BLS_MAX_BYTES} may travel back in one BLS call"
         )
         return _error(call_id, message, grpc.StatusCode.RESOURCE_EXHAUSTED)
-    if not answers:
-        return protocol.BlsAnswer(call_id, refs, data)
-    parts, at = [], 0
-    for a in answers:
-        mine, at = refs[at : at + len(a.outputs)], at + len(a.outputs)
-        code = triton_code(grpc.StatusCode[a.status]) if a.error is not None else 1
-        parts.append(protocol.BlsPart(mine, a.error, code))
-    return protocol.BlsAnswer(call_id, (), data, parts=tuple(parts))
+    return protocol.BlsAnswer(call_id, refs, data)
+
+
+def _part(call_id: int, response: StreamAnswer) -> protocol.BlsAnswer:
+    """One response of a decoupled call, more to come (its bytes bounded by the caller)."""
+    refs, data = inline(response.outputs)
+    code = triton_code(grpc.StatusCode[response.status]) if response.error is not None else 1
+    part = protocol.BlsPart(refs, response.error, code)
+    return protocol.BlsAnswer(call_id, (), data, parts=(part,), more=True)
 
 
 def _error(call_id: int, message: str, status: grpc.StatusCode) -> protocol.BlsAnswer:

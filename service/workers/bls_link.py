@@ -2,7 +2,8 @@
 thread reads every message the server sends, hands BLS answers to the calls waiting for them
 (exec() blocks the execute thread; async_exec() is a future) and everything else to the main
 loop in order; every send goes through one lock, as the model may call from threads of its
-own.
+own. A decoupled call's future holds its iterator from the call's first answer on; each
+response is put in it as it arrives.
 
 The thread starts after the load: the Python sandbox was entered by the single-threaded
 process, before model.py was imported."""
@@ -25,6 +26,8 @@ from service.workers.message_bounds import bls_inline_bytes
 from service.workers.tensor_io import inline_arrays, input_array
 
 _Future = concurrent.futures.Future[pb_utils.InferenceResponse | pb_utils.ResponseIterator]
+# A decoupled call's responses as its iterator takes them; None: the call has ended.
+_Responses = queue.SimpleQueue[pb_utils.InferenceResponse | None]
 
 
 class BlsLink:
@@ -39,7 +42,8 @@ class BlsLink:
         self._recv = recv
         self._send_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[protocol.Message | None] = queue.SimpleQueue()
-        self._calls: dict[int, tuple[_Future, bool]] = {}  # id -> future, decoupled
+        # id -> future, a decoupled call's responses
+        self._calls: dict[int, tuple[_Future, _Responses | None]] = {}
         self._calls_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -71,7 +75,7 @@ class BlsLink:
         with self._calls_lock:
             if self._closed:
                 raise pb_utils.TritonModelException("the server closed the worker's connection")
-            self._calls[call_id] = (future, decoupled)
+            self._calls[call_id] = (future, queue.SimpleQueue() if decoupled else None)
         version = "" if request.model_version < 0 else str(request.model_version)
         call = protocol.BlsCall(
             call_id,
@@ -102,40 +106,74 @@ class BlsLink:
         with self._calls_lock:
             self._closed = True
             calls, self._calls = self._calls, {}
-        for future, decoupled in calls.values():
-            future.set_result(
-                _whole(_error("the server closed the worker's connection"), decoupled)
+        for call_id, (future, responses) in calls.items():
+            self._end(
+                call_id, future, responses, _error("the server closed the worker's connection")
             )
 
     def _answer(self, answer: protocol.BlsAnswer) -> None:
         with self._calls_lock:
-            future, decoupled = self._calls.pop(answer.call_id, (None, False))
+            if answer.more:
+                future, responses = self._calls.get(answer.call_id, (None, None))
+            else:
+                future, responses = self._calls.pop(answer.call_id, (None, None))
         if future is None:
             return
         if answer.error is not None:
-            future.set_result(_whole(_error(answer.error, answer.error_code), decoupled))
+            self._end(answer.call_id, future, responses, _error(answer.error, answer.error_code))
             return
         try:
-            if not decoupled:
+            if responses is None:
                 future.set_result(_response(answer.data, answer.outputs))
                 return
-            responses = [
-                _error(p.error, p.error_code)
-                if p.error is not None
-                else _response(answer.data, p.outputs)
-                for p in answer.parts or ()
-            ]
+            for p in answer.parts or ():
+                responses.put(
+                    _error(p.error, p.error_code)
+                    if p.error is not None
+                    else _response(answer.data, p.outputs)
+                )
         except (ValueError, TypeError) as exc:
-            future.set_result(_whole(_error(f"the BLS answer cannot be read ({exc})"), decoupled))
+            if answer.more:  # the rest of the call is of no use: stopped and forgotten
+                self._withdraw(answer.call_id)
+                with self._calls_lock:
+                    self._calls.pop(answer.call_id, None)
+            error = _error(f"the BLS answer cannot be read ({exc})")
+            self._end(answer.call_id, future, responses, error)
             return
-        future.set_result(pb_utils.ResponseIterator(responses))
+        if not answer.more:
+            responses.put(None)
+        self._hand_over(answer.call_id, future, responses)
 
+    def _end(
+        self,
+        call_id: int,
+        future: _Future,
+        responses: _Responses | None,
+        response: pb_utils.InferenceResponse,
+    ) -> None:
+        """The call ends with `response` (an error): its one response, or its iterator's
+        last."""
+        if responses is None:
+            future.set_result(response)
+            return
+        responses.put(response)
+        responses.put(None)
+        self._hand_over(call_id, future, responses)
 
-def _whole(
-    response: pb_utils.InferenceResponse, decoupled: bool
-) -> pb_utils.InferenceResponse | pb_utils.ResponseIterator:
-    """A call's one response, as its kind of call answers it."""
-    return pb_utils.ResponseIterator([response]) if decoupled else response
+    def _hand_over(self, call_id: int, future: _Future, responses: _Responses) -> None:
+        """A decoupled call's iterator, to the model once its first answer has come."""
+        if not future.done():
+            iterator = pb_utils.ResponseIterator(
+                iter(responses.get, None), lambda: self._withdraw(call_id)
+            )
+            future.set_result(iterator)
+
+    def _withdraw(self, call_id: int) -> None:
+        """ResponseIterator.cancel(): the server cancels the call, if it has not ended."""
+        with self._calls_lock:
+            if call_id not in self._calls or self._closed:
+                return
+        self.send(protocol.BlsCancel(call_id))
 
 
 def _response(data: bytes, refs: tuple[protocol.TensorRef, ...]) -> pb_utils.InferenceResponse:

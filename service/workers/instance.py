@@ -428,6 +428,8 @@ class WorkerInstance:
                     self.streams.deliver(message)
                 elif isinstance(message, protocol.BlsCall):
                     self.bls.start(message, self._caller(message.caller))
+                elif isinstance(message, protocol.BlsCancel):
+                    self.bls.withdraw(message.call_id)
                 elif isinstance(message, protocol.MetricUpdate) and self.spec.python:
                     SERVER_METRICS.apply(self.spec.model_name, message)
         except ConnectionError as exc:

@@ -131,7 +131,7 @@ class Cancel:
 class BlsCall:
     """A Python model's BLS call (pb_utils.InferenceRequest.exec()), made while the worker
     runs request `caller`; its input bytes travel inline. The server answers each call with
-    exactly one BlsAnswer while the worker lives."""
+    exactly one BlsAnswer without `more` while the worker lives."""
 
     call_id: int
     caller: int  # the Infer the model is running
@@ -141,7 +141,7 @@ class BlsCall:
     data: bytes
     outputs: tuple[str, ...]
     timeout_us: int  # Triton's `timeout`; 0: none of its own (the caller's deadline holds)
-    decoupled: bool = False  # exec(decoupled=True): answered with every response of the call
+    decoupled: bool = False  # exec(decoupled=True): answered with each response as it comes
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,9 @@ class BlsPart:
 
 @dataclass(frozen=True)
 class BlsAnswer:
-    """The answer to a BlsCall: the target's outputs, or its error; a decoupled call's every
-    response (`parts`, in order, the last one final) unless the call failed as a whole."""
+    """The answer to a BlsCall: the target's outputs, or its error. A decoupled call's
+    responses come each in its own answer with `more` (one part), in order; the answer without
+    `more` ends the call (no part, or the error that ended it)."""
 
     call_id: int
     outputs: tuple[TensorRef, ...]  # offsets into `data`
@@ -164,6 +165,15 @@ class BlsAnswer:
     error: str | None = None
     error_code: int = 1  # pb_utils.TritonError's code (TRITONSERVER_Error_Code)
     parts: tuple[BlsPart, ...] | None = None
+    more: bool = False
+
+
+@dataclass(frozen=True)
+class BlsCancel:
+    """The model cancelled its decoupled BLS call (ResponseIterator.cancel()): the target's
+    request is cancelled; the call still ends with its BlsAnswer without `more`."""
+
+    call_id: int
 
 
 @dataclass(frozen=True)
@@ -204,6 +214,7 @@ Message = (
     | Cancel
     | BlsCall
     | BlsAnswer
+    | BlsCancel
     | Shutdown
     | MetricUpdate
 )
@@ -248,6 +259,7 @@ _MESSAGES = (
     Cancel,
     BlsCall,
     BlsAnswer,
+    BlsCancel,
     Shutdown,
     MetricUpdate,
 )

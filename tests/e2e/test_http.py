@@ -55,6 +55,14 @@ KEEPALIVE_TIMEOUT_S = 1.0
 HTTP_VERSIONS = ("1.1", "2")
 # A client process: its imports (tritonclient brings gevent) take long on a loaded machine.
 CLIENT_TIMEOUT_S = 240
+# mlp's input in a shared-memory region no one registered (its REST parameters).
+SHM_PLACEMENT: dict[str, Any] = {"shared_memory_region": "nowhere", "shared_memory_byte_size": 1024}
+SHM_INPUT: dict[str, Any] = {
+    "name": "input",
+    "datatype": "FP32",
+    "shape": [1, 256],
+    "parameters": SHM_PLACEMENT,
+}
 
 
 @dataclass(frozen=True)
@@ -610,7 +618,32 @@ def test_statistics_count_rest_calls(rest: Rest) -> None:
             "/v2/models/mlp/infer",
             {"inputs": [], "outputs": [{"name": "x", "parameters": {"shared_memory_region": "r"}}]},
             400,
-            "output parameter 'shared_memory_region' is not served over HTTP",
+            "output parameter shared_memory_region needs shared_memory_byte_size",
+        ),
+        (
+            "/v2/models/mlp/infer",
+            {
+                "inputs": [
+                    {
+                        **SHM_INPUT,
+                        "parameters": {**SHM_PLACEMENT, "shared_memory_byte_size": 4},
+                    }
+                ]
+            },
+            400,
+            "input 'input' declares 1024 bytes, its shared_memory_byte_size is 4",
+        ),
+        (
+            "/v2/models/mlp/infer",
+            {"inputs": [SHM_INPUT]},
+            404,
+            "shared-memory region 'nowhere' is not registered",
+        ),
+        (
+            "/v2/cudasharedmemory/region/gpu/register",
+            {"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 8},
+            400,
+            "failed to register CUDA shared memory region: 'gpu', GPUs not supported",
         ),
         (
             "/v2/models/mlp/infer",

@@ -94,7 +94,8 @@ def test_a_model_that_checks_its_dims_as_triton_examples_do_loads(server: Server
     assert [r.error_message for r in responses if r.error_message] == []
     outs = [parse_response(r.infer_response).get("OUT") for r in responses]
     assert [o.tolist() for o in outs if o is not None] == [[3], [3], [3]]
-    counted = [s.value for s in server.metrics() if s.name == "square_responses"]
+    # prometheus_client's parser names a counter's samples NAME_total.
+    counted = [s.value for s in server.metrics() if s.name == "square_responses_total"]
     assert counted == [3.0]  # the worker sent its updates before its final response
 
 
@@ -174,7 +175,9 @@ def test_custom_metrics_are_exported_beside_the_servers_own(server: ServerProces
         found = [s.value for s in server.metrics() if s.name == name and s.labels == wanted]
         return found[0] if found else None
 
-    eventually(lambda: sample("metered_requests") == 3.0, "the counter at 3")
+    # prometheus_client's parser names a counter's samples NAME_total; they are written as
+    # Triton writes them (the test below).
+    eventually(lambda: sample("metered_requests_total") == 3.0, "the counter at 3")
     assert sample("metered_last_x") == 50.0
     assert [sample("metered_x_bucket", le=le) for le in ("1.0", "10.0", "+Inf")] == [1, 2, 3]
     assert (sample("metered_x_count"), sample("metered_x_sum")) == (3, 55.5)
@@ -182,6 +185,28 @@ def test_custom_metrics_are_exported_beside_the_servers_own(server: ServerProces
         infer(server, "metered", {"x": np.array([-1.0])})
     assert f"at most {MAX_METRICS} metrics" in (raised.value.details() or "")
     assert any(s.name.startswith("paddlequic_") for s in server.metrics())  # the server's own
+
+
+def test_custom_metrics_are_written_as_triton_writes_them(server: ServerProcess) -> None:
+    """A counter's HELP and TYPE lines name it as its model did (Triton's custom_metrics
+    client looks for `# TYPE NAME counter`), as its samples do."""
+    infer(server, "metered", {"x": np.array([2.0])})
+    labels = '{model="metered",version="1"}'
+
+    def written() -> bool:
+        text = server.metrics_text()
+        return all(
+            line in text.splitlines()
+            for line in (
+                "# HELP metered_requests requests seen",
+                "# TYPE metered_requests counter",
+                "# TYPE metered_last_x gauge",
+                "# TYPE metered_x histogram",
+            )
+        ) and any(line.startswith(f"metered_requests{labels} ") for line in text.splitlines())
+
+    eventually(written, "metered's families as Triton writes them")
+    assert "metered_requests_total" not in server.metrics_text()
 
 
 def test_auto_complete_config_completes_a_missing_or_partial_config(server: ServerProcess) -> None:
@@ -226,3 +251,22 @@ def test_a_decoupled_bls_call_that_fails_answers_its_error(server: ServerProcess
     assert f"more than {BLS_MAX_RESPONSES} responses" in (raised.value.details() or "")
     inputs["n"] = np.array([2], dtype=np.int32)
     assert infer(server, "square_caller", inputs)["total"].tolist() == [4]
+
+
+def test_a_decoupled_bls_call_hands_each_response_over_as_it_comes(server: ServerProcess) -> None:
+    """`held` sends its second response only once its request is cancelled, which happens
+    when square_caller's request ends: square_caller can answer only if it got the first
+    response before `held` sent the last."""
+    inputs = {"n": np.array([7], dtype=np.int32), "how": np.array([b"first"], np.object_)}
+    got = infer(server, "square_caller", inputs)
+    assert (got["total"].tolist(), got["responses"].tolist()) == ([7], [1])
+
+
+def test_cancelling_a_decoupled_bls_call_cancels_the_called_models_request(
+    server: ServerProcess,
+) -> None:
+    """ResponseIterator.cancel(): `held` ends only once its request is cancelled, so the
+    caller's iterator ends, with one CANCELLED error response, only if cancel() reached it."""
+    inputs = {"n": np.array([5], dtype=np.int32), "how": np.array([b"cancel"], np.object_)}
+    got = infer(server, "square_caller", inputs)
+    assert (got["total"].tolist(), got["responses"].tolist()) == ([5], [7])  # CANCELLED

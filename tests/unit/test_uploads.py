@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from service.lifecycle.uploads import (
     MAX_DEPTH,
+    MAX_PART_CHARS,
     Refused,
     UploadLimits,
     plan_upload,
@@ -105,3 +106,12 @@ def test_a_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(KeyError):
         write_upload("m", (PurePosixPath("1/model.py"),), {}, "")  # no bytes for the file
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_longer_than_a_file_system_holds_is_a_bound_passed() -> None:
+    """Triton answers it INTERNAL (simple_grpc_model_control.py checks): as a bound, not as a
+    bad path."""
+    plan = plan_upload({"1/" + "A" * (MAX_PART_CHARS + 1): 1}, LIMITS)
+    assert isinstance(plan, Refused) and plan.too_large
+    assert "NAME_MAX" in plan.reason
+    assert not isinstance(plan_upload({"1/" + "A" * MAX_PART_CHARS: 1}, LIMITS), Refused)

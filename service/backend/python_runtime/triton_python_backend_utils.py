@@ -309,12 +309,16 @@ class _Awaitable:
 
 
 class ResponseIterator:
-    """Triton's answer to exec(decoupled=True): the call's responses, the last one final
-    (possibly without outputs). The call has ended when it is given, so cancel() has
-    nothing left to stop."""
+    """Triton's answer to exec(decoupled=True): the call's responses, each as the called model
+    sends it (next() waits for the next one), the last one final (possibly without outputs).
+    cancel() cancels the called model's request: the iterator then ends with the responses
+    already on their way and a CANCELLED error response."""
 
-    def __init__(self, responses: Iterable[InferenceResponse]) -> None:
-        self._responses = iter(list(responses))
+    def __init__(
+        self, responses: Iterable[InferenceResponse], cancel: Callable[[], None] = lambda: None
+    ) -> None:
+        self._responses = iter(responses)
+        self._cancel = cancel
 
     def __iter__(self) -> ResponseIterator:
         return self
@@ -323,7 +327,7 @@ class ResponseIterator:
         return next(self._responses)
 
     def cancel(self) -> None:
-        pass
+        self._cancel()
 
 
 def _model_caller() -> ModelCaller:
