@@ -113,9 +113,11 @@ class StopScanner:
         if not self.stop:
             return text, False
         self.held += text
-        found = [i for i in (self.held.find(s) for s in self.stop) if i >= 0]
+        # The stop sequence that completes first wins (at a tie, the one that starts first):
+        # what a stream can know, however its pieces split the text.
+        found = [(i + len(s), i) for s in self.stop if (i := self.held.find(s)) >= 0]
         if found:
-            ready, self.held = self.held[: min(found)], ""
+            ready, self.held = self.held[: min(found)[1]], ""
             return ready, True
         keep = max(
             (k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])),

@@ -35,8 +35,10 @@ def test_stop_sequences_cut_the_text_before_the_first_wherever_the_pieces_split(
             break
     if not stopped:
         sent.append(scanner.flush())
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    assert "".join(sent) == (text[: min(found)] if found else text)
+    # The first stop sequence to complete ends the text, where it starts: `text` cut into
+    # pieces anywhere is cut in the same place.
+    found = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    assert "".join(sent) == (text[: min(found)[1]] if found else text)
     assert stopped == bool(found)
 
 
