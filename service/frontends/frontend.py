@@ -31,7 +31,7 @@ from service.frontends.descriptors import (
     encode_refusal,
 )
 from service.frontends.link import FrameConnection, Window
-from service.frontends.listeners import check_client_auth, start_grpc, start_h3
+from service.frontends.listeners import check_client_auth, start_grpc, start_h3, start_rest
 from service.frontends.model_view import ModelView, answer_message
 from service.frontends.protocol import (
     WINDOW,
@@ -46,6 +46,7 @@ from service.frontends.protocol import (
     encode_count,
     encode_open,
 )
+from service.frontends.rest_forward import RestForwarder
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
 from service.frontends.stats import Report
 from service.inference.identity import identity_of
@@ -128,8 +129,16 @@ class ParentLink(FrameConnection):
                     yield message
                 if not call.stale:
                     return
+        async for message in self.relay(_opened(method, transport, context), requests, context):
+            yield message
+
+    async def relay(
+        self, opened: Open, requests: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """A call opened at the parent: `requests` to it, its answers back; its metadata
+        and status go to `context` (a status other than OK is `context.abort`)."""
         call_id, call = self._start()
-        self.send(Kind.OPEN, call_id, encode_open(_opened(method, transport, context)))
+        self.send(Kind.OPEN, call_id, encode_open(opened))
         pump = asyncio.create_task(self._pump(call_id, call, requests))
         try:
             async for message in self._answers(call_id, call, context, bytes, credit=True):
@@ -342,6 +351,11 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             reuse_port=True,
             router=DatagramRouter(index, runtime_dir),
         )
+    http = (
+        await start_rest(settings, RestForwarder(link), tls, reuse_port=True)
+        if settings.http_port
+        else None
+    )
     link.hello()
     gc.freeze()  # as the single server does once ready: full collections skip start-up's objects
     reporter = asyncio.create_task(_report(link))
@@ -353,6 +367,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     await asyncio.gather(
         grpc_server.stop(settings.grace_period),
         *([link.h3.stop(settings.grace_period)] if link.h3 else []),
+        *([http.stop(settings.grace_period)] if http else []),
     )
     link.report()
     link.flush()  # the last report goes out before the process ends

@@ -18,6 +18,7 @@ from service.api.restricted import Restriction, rest_guard
 from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
 from service.http.app import RequestLimits, RestApp
+from service.http.asgi import App
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.routes import Routes
 from service.observability.observer import Observer
@@ -89,7 +90,7 @@ async def listen(
 ) -> _Listeners:
     tls = tls_files(settings) if settings.h3 or settings.h2_tls or settings.http_tls else None
     http = (
-        await start_rest(settings, plane, observer, tls, restrictions)
+        await start_rest(settings, rest_app(settings, plane, observer, restrictions), tls)
         if settings.http_port
         else None
     )
@@ -102,14 +103,13 @@ async def listen(
     return _Listeners(server, h3_server, http)
 
 
-async def start_rest(
+def rest_app(
     settings: ServerSettings,
     plane: DataPlane,
     observer: Observer,
-    tls: tuple[Path, Path] | None,
     restrictions: Mapping[str, Restriction],
-) -> HttpListener:
-    """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
+) -> RestApp:
+    """The KServe v2 REST API over the same data plane as gRPC."""
     limits = RequestLimits(
         settings.max_metadata_bytes,
         settings.http_max_input_size,
@@ -118,15 +118,26 @@ async def start_rest(
         settings.stream_stall_timeout,
     )
     guard = rest_guard(restrictions) if restrictions else None
-    app = RestApp(
+    return RestApp(
         Routes(plane, SequenceCallers(settings.sequence_callers)), limits, observer, guard
     )
+
+
+async def start_rest(
+    settings: ServerSettings,
+    app: App,
+    tls: tuple[Path, Path] | None,
+    reuse_port: bool = False,
+) -> HttpListener:
+    """`app` on --http-port over TCP; `reuse_port`: share the port with other processes
+    (SO_REUSEPORT: front-ends)."""
     options = HttpOptions(
         settings.host,
         settings.http_port,
         settings.max_metadata_bytes,
         settings.http_keepalive_timeout,
         tls if settings.http_tls else None,
+        reuse_port,
     )
     return await start_http(app, options, settings.grace_period)
 
