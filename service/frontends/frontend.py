@@ -31,7 +31,13 @@ from service.frontends.descriptors import (
     encode_refusal,
 )
 from service.frontends.link import FrameConnection, Window
-from service.frontends.listeners import check_client_auth, start_grpc, start_h3, start_rest
+from service.frontends.listeners import (
+    check_client_auth,
+    serves_rest_h3,
+    start_grpc,
+    start_h3,
+    start_rest,
+)
 from service.frontends.model_view import ModelView, answer_message
 from service.frontends.protocol import (
     WINDOW,
@@ -337,6 +343,8 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         tls,
         reuse_port=True,
     )
+    rest = RestForwarder(link) if settings.http_port else None
+    http_h3: H3Server | None = None
     if tls is not None and settings.h3:
         tickets = open_ticket_store(
             settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl
@@ -350,12 +358,22 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             tickets,
             reuse_port=True,
             router=DatagramRouter(index, runtime_dir),
+            plain=rest,
         )
-    http = (
-        await start_rest(settings, RestForwarder(link), tls, reuse_port=True)
-        if settings.http_port
-        else None
-    )
+        if rest is not None and serves_rest_h3(settings, port):
+            http_h3 = await start_h3(
+                settings,
+                port,
+                lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
+                tls,
+                client_auth,
+                tickets,
+                reuse_port=True,
+                router=DatagramRouter(index, runtime_dir, "rest"),
+                plain=rest,
+                udp_port=settings.http_port,
+            )
+    http = await start_rest(settings, rest, tls, reuse_port=True) if rest is not None else None
     link.hello()
     gc.freeze()  # as the single server does once ready: full collections skip start-up's objects
     reporter = asyncio.create_task(_report(link))
@@ -368,6 +386,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         grpc_server.stop(settings.grace_period),
         *([link.h3.stop(settings.grace_period)] if link.h3 else []),
         *([http.stop(settings.grace_period)] if http else []),
+        *([http_h3.stop(settings.grace_period)] if http_h3 else []),
     )
     link.report()
     link.flush()  # the last report goes out before the process ends

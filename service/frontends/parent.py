@@ -18,7 +18,7 @@ from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
-from service.frontends.listeners import tls_files
+from service.frontends.listeners import serves_rest_h3, tls_files
 from service.frontends.rest_tunnel import TRANSPORT as REST_TRANSPORT
 from service.frontends.rest_tunnel import RestTunnel
 from service.frontends.runtime import (
@@ -86,7 +86,7 @@ async def start_frontends(
         grpc_socket, port = _reserve_ports(settings)
         reserved.append(grpc_socket)
         if rest is not None:
-            reserved.append(_reserve_rest_port(settings))
+            reserved.append(_reserve_rest_port(settings, port))
         shared = _frontend_settings(settings, runtime_dir, port)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
@@ -187,16 +187,27 @@ def _reserve_ports(settings: ServerSettings) -> tuple[socket.socket, int]:
     raise OSError(f"no port free for both TCP and UDP after {_PORT_TRIES} tries")
 
 
-def _reserve_rest_port(settings: ServerSettings) -> socket.socket:
-    """--http-port held as the gRPC port is: a port another process holds stops the start
-    here, naming it, rather than each front-end failing to listen."""
+def _reserve_rest_port(settings: ServerSettings, grpc_port: int) -> socket.socket:
+    """--http-port held as the gRPC port is, and its UDP twin checked free when HTTP/3 will
+    listen there too: a port another process holds stops the start here, naming it, rather
+    than each front-end failing to listen."""
     try:
-        return reuse_port_socket(settings.host, settings.http_port)
+        sock = reuse_port_socket(settings.host, settings.http_port)
     except OSError as exc:
         raise OSError(
             f"TCP port {settings.http_port} (REST): {exc.strerror}: another process holds it; "
             "stop it or choose another --http-port"
         ) from exc
+    if serves_rest_h3(settings, grpc_port):
+        try:
+            udp.bind(settings.host, settings.http_port).close()
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                f"UDP port {settings.http_port} (REST over HTTP/3): {exc.strerror}: another "
+                "process holds it; stop it or choose another --http-port"
+            ) from exc
+    return sock
 
 
 def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:

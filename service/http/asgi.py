@@ -1,16 +1,11 @@
-"""ASGI's shapes as this package uses them (plain dicts, as every server passes them), and the
-lifespan protocol answered for an app that needs no start-up or shutdown of its own."""
+"""ASGI for this package's apps: its shapes, and the lifespan protocol answered for an app that
+needs no start-up or shutdown of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from transport.asgi import App, Message, Receive, Scope, Send
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+__all__ = ["App", "Message", "Receive", "Scope", "Send", "lifespan"]
 
 
 async def lifespan(receive: Receive, send: Send) -> None:

@@ -1,7 +1,7 @@
-"""REST through `--frontends 2`: both front-end processes listen on the REST port
-(SO_REUSEPORT) and pass each request to the parent, which serves it as a single process does.
-Every call's answer is compared with in-process Paddle's for its own inputs; a client that
-leaves stops its generation in the parent."""
+"""REST through `--frontends 2`: both front-end processes listen on the REST port (TCP and,
+for HTTP/3, UDP; SO_REUSEPORT) and pass each request to the parent, which serves it as a
+single process does. Every call's answer is compared with in-process Paddle's for its own
+inputs; a client that leaves, over TCP or HTTP/3, stops its generation in the parent."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,21 @@ import numpy as np
 import pytest
 
 from tests.e2e.test_frontends import calls_by_frontend
+from tests.e2e.test_http3_rest import (
+    HTTP3,
+    Served,
+    check_infer,
+    curl,
+    infer_body,
+    leave_a_generation,
+)
 from tests.reference import call_inputs, run_reference
-from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from tests.servers import REPO_ROOT, free_port, model_repository, running_server
 
 pytestmark = pytest.mark.e2e
 
 MAX_CONNECTIONS = 200  # new connections tried until both front-ends passed one on
 MAX_INPUT = 1 << 20  # --http-max-input-size
-
-
-@dataclass(frozen=True)
-class Served:
-    server: ServerProcess
-    port: int  # REST
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
     ]
     repository = model_repository(root / "models", ["mlp", "generate"])
     with running_server(repository, root / "log", args) as server:
-        yield Served(server, port)
+        yield Served(server, port, certs_dir / "ca.pem")
 
 
 def post(served: Served, path: str, document: Any) -> tuple[int, Any]:
@@ -160,3 +161,18 @@ def test_a_rest_port_another_process_holds_stops_the_start(tmp_path: Path, certs
         )
     assert started.returncode == 1
     assert f"TCP port {port} (REST): Address already in use" in started.stderr
+
+
+def test_curl_over_http3_through_frontends_answers_as_paddle(served: Served) -> None:
+    """On the REST port's number and on the gRPC HTTP/3 port alike."""
+    calls: list[tuple[str, str, str | None]] = [
+        (f"https://localhost:{port}/v2/models/mlp/infer", "3", infer_body(call))
+        for call, port in ((1000, served.port), (1001, served.server.port))
+    ]
+    for call, (status, version, _, body) in zip((1000, 1001), curl(served, calls), strict=True):
+        assert (status, version) == (200, HTTP3), body
+        check_infer(body, call)
+
+
+async def test_an_http3_client_that_leaves_stops_its_generation(served: Served) -> None:
+    await leave_a_generation(served, "resets its stream")
