@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aioquic.tls import SessionTicket
 
 from protos.inference import grpc_service_pb2 as pb
+from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, run_reference
 from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
 from transport.grpc.framing import encode_message
@@ -254,3 +256,53 @@ async def test_bodies_are_bounded_in_size_and_time(served: Served) -> None:
         assert status == 408 and b"--http-body-timeout" in body
     finally:
         await connection.close()
+
+
+async def early_request(
+    served: Served, ticket: list[SessionTicket], method: str, path: str, body: bytes
+) -> tuple[int, bytes]:
+    """`method path` as the first request of a connection resumed with `ticket[0]`, sent
+    before the handshake completes (0-RTT early data); the ticket the connection gets in
+    turn replaces it."""
+    configuration = client_configuration("localhost", str(served.ca_file), ticket.pop())
+    connection = await H3ClientConnection.connect(
+        "127.0.0.1", served.server.port, configuration, session_ticket_handler=ticket.append
+    )
+    try:
+        stream = connection.open_stream()
+        request(stream, method, path, [(b"content-type", b"application/json")])
+        await stream.send_data(body, end=True)
+        assert connection.sent_early
+        handshake = await asyncio.wait_for(connection.wait_connected(), TIMEOUT_S)
+        assert handshake.early_data_accepted
+        answered = await answer(stream)
+        await asyncio.wait_for(connection.ticket_received.wait(), TIMEOUT_S)
+        return answered
+    finally:
+        await connection.close()
+
+
+async def test_only_safe_methods_run_from_early_data(served: Served) -> None:
+    """A GET sent as 0-RTT early data runs at once; a POST (it could be replayed) waits for
+    the handshake, then runs once. On the gRPC HTTP/3 port, whose counters /metrics and the
+    Control service show."""
+    tickets: list[SessionTicket] = []
+    configuration = client_configuration("localhost", str(served.ca_file))
+    first = await H3ClientConnection.connect(
+        "127.0.0.1", served.server.port, configuration, session_ticket_handler=tickets.append
+    )
+    await asyncio.wait_for(first.ticket_received.wait(), TIMEOUT_S)
+    await first.close()
+
+    def held() -> int:
+        return int(stats(served.server).h3_handshakes["early_requests_held"])
+
+    before = held()
+    assert await early_request(served, tickets, "GET", "/v2/health/ready", b"") == (200, b"")
+    assert held() == before
+    status, body = await early_request(
+        served, tickets, "POST", "/v2/models/mlp/infer", infer_body(2).encode()
+    )
+    assert status == 200
+    check_infer(body.decode(), 2)
+    assert held() == before + 1

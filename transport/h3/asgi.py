@@ -37,6 +37,9 @@ class PlainConnection(Protocol):
 
     def client(self) -> tuple[str, int] | None: ...
 
+    def early_request_held(self) -> None:
+        """Count a request held from early data until the handshake completes."""
+
     def stop_receiving(self, stream_id: int, error_code: int = ...) -> None: ...
 
     def reset(self, stream_id: int, error_code: int = ...) -> None: ...
@@ -76,6 +79,7 @@ async def serve_plain_request(app: App, stream: H3Stream, connection: PlainConne
     cancelled = False
     try:
         if stream.early and scope["method"] not in SAFE_METHODS:
+            connection.early_request_held()
             await connection.handshake_done.wait()  # a replayed handshake never completes
             if connection.terminated is not None:
                 return

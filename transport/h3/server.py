@@ -199,6 +199,9 @@ class _ServerProtocol(GrpcH3Protocol):
         address = peer_address(self._quic)
         return None if address is None else (str(address[0]), int(address[1]))
 
+    def early_request_held(self) -> None:
+        self.server.count_handshake("early_requests_held")
+
     def peer_auth(self) -> PeerAuth:
         return PeerAuth(peer_certificate(self._quic), self._quic.tls.session_resumed)
 
