@@ -54,14 +54,13 @@ from service.frontends.protocol import (
 )
 from service.frontends.rest_forward import RestForwarder
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
-from service.frontends.stats import Report
+from service.frontends.stats import report_of
 from service.inference.identity import identity_of
 from service.observability.logs import configure_logging
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.server import H3Server
-from transport.tls.session_tickets import TicketCounters
 
 log = logging.getLogger("paddlequic.frontend")
 
@@ -94,7 +93,7 @@ class ParentLink(FrameConnection):
         super().__init__(reader, writer, max_message)
         self.index = index
         self.restriction = restriction
-        self.h3: H3Server | None = None
+        self.h3: list[H3Server] = []  # the gRPC port's, and the REST port's
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
         self.view = ModelView()
@@ -244,17 +243,9 @@ class ParentLink(FrameConnection):
             raise ProtocolViolation(f"{kind.name} frame from the parent")
 
     def report(self) -> None:
-        h3 = self.h3
-        if h3 is None:
+        if not self.h3:
             return
-        report = Report(
-            h3.stats,
-            h3.tickets.counters if h3.tickets is not None else TicketCounters(),
-            h3.peak_send_buffered(),
-            h3.blocked_writers(),
-            h3.router.forwarded if h3.router is not None else 0,
-        )
-        self.send(Kind.STATS, 0, json.dumps(report.to_json()).encode())
+        self.send(Kind.STATS, 0, json.dumps(report_of(self.h3).to_json()).encode())
 
     def lost(self) -> None:
         for call in self._calls.values():
@@ -344,34 +335,27 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         reuse_port=True,
     )
     rest = RestForwarder(link) if settings.http_port else None
-    http_h3: H3Server | None = None
     if tls is not None and settings.h3:
         tickets = open_ticket_store(
             settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl
         )
-        link.h3 = await start_h3(
-            settings,
-            port,
-            lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
-            tls,
-            client_auth,
-            tickets,
-            reuse_port=True,
-            router=DatagramRouter(index, runtime_dir),
-            plain=rest,
-        )
-        if rest is not None and serves_rest_h3(settings, port):
-            http_h3 = await start_h3(
-                settings,
-                port,
-                lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
-                tls,
-                client_auth,
-                tickets,
-                reuse_port=True,
-                router=DatagramRouter(index, runtime_dir, "rest"),
-                plain=rest,
-                udp_port=settings.http_port,
+        # The gRPC port's, then the REST port's number when it is another (each with its own
+        # datagram router): both serve gRPC and REST, each stream routed by its request.
+        ports = [None, settings.http_port] if rest and serves_rest_h3(settings, port) else [None]
+        for udp_port in ports:
+            link.h3.append(
+                await start_h3(
+                    settings,
+                    port,
+                    lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
+                    tls,
+                    client_auth,
+                    tickets,
+                    reuse_port=True,
+                    router=DatagramRouter(index, runtime_dir, "rest" if udp_port else ""),
+                    plain=rest,
+                    udp_port=udp_port,
+                )
             )
     http = await start_rest(settings, rest, tls, reuse_port=True) if rest is not None else None
     link.hello()
@@ -384,9 +368,8 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         log.error("front-end %d: the parent is gone; stopping", index)
     await asyncio.gather(
         grpc_server.stop(settings.grace_period),
-        *([link.h3.stop(settings.grace_period)] if link.h3 else []),
+        *(h3.stop(settings.grace_period) for h3 in link.h3),
         *([http.stop(settings.grace_period)] if http else []),
-        *([http_h3.stop(settings.grace_period)] if http_h3 else []),
     )
     link.report()
     link.flush()  # the last report goes out before the process ends

@@ -17,6 +17,7 @@ from service.api.registration import Register
 from service.api.restricted import Restriction, rest_guard
 from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
+from service.frontends.stats import ProcessH3
 from service.http.app import RequestLimits, RestApp
 from service.http.asgi import App
 from service.http.listener import HttpListener, HttpOptions, start_http
@@ -66,7 +67,8 @@ class _Listeners:
 
     @property
     def h3(self) -> H3State | None:
-        return self.h3_server
+        servers = [s for s in (self.h3_server, self.http_h3) if s is not None]
+        return ProcessH3(servers) if servers else None
 
     @property
     def refresh_h3(self) -> None:

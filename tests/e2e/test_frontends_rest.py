@@ -20,14 +20,17 @@ import numpy as np
 import pytest
 
 from tests.e2e.test_frontends import calls_by_frontend
+from tests.e2e.test_http import response
 from tests.e2e.test_http3_rest import (
     HTTP3,
     Served,
     check_infer,
+    connect,
     curl,
     infer_body,
     leave_a_generation,
 )
+from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, run_reference
 from tests.servers import REPO_ROOT, free_port, model_repository, running_server
 
@@ -102,8 +105,14 @@ def test_rest_calls_reach_both_frontends_and_answer_as_paddle(served: Served) ->
 def test_errors_and_bounds_are_the_parents(served: Served) -> None:
     status, answer = post(served, "/v2/models/nope/infer", {"inputs": []})
     assert status == 404 and "unknown model" in answer["error"]
-    status, answer = post(served, "/v2/models/mlp/infer", {"pad": "x" * MAX_INPUT})
-    assert status == 400 and "--http-max-input-size" in answer["error"]
+    # Only the headers: a body the server refuses unread would race its answer (a reset).
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as connection:
+        connection.sendall(
+            b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {MAX_INPUT + 1}\r\n\r\n".encode()
+        )
+        status, body = response(connection)
+    assert status == 400 and "--http-max-input-size" in json.loads(body)["error"]
     with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/v2/health/ready") as ready:
         assert (ready.status, ready.read()) == (200, b"")
 
@@ -176,3 +185,11 @@ def test_curl_over_http3_through_frontends_answers_as_paddle(served: Served) -> 
 
 async def test_an_http3_client_that_leaves_stops_its_generation(served: Served) -> None:
     await leave_a_generation(served, "resets its stream")
+
+
+async def test_the_rest_ports_http3_connections_are_counted(served: Served) -> None:
+    """Each front-end reports its REST port's HTTP/3 counters with its gRPC port's."""
+    before = stats(served.server).h3_connections
+    connection = await connect(served)
+    await connection.close()
+    assert stats(served.server).h3_connections == before + 1

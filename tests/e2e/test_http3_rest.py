@@ -27,7 +27,7 @@ from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository,
 from transport.grpc.framing import encode_message
 from transport.h3.client import H3ClientConnection, client_configuration
 from transport.h3.stream import H3Stream
-from transport.h3.stream_state import Headers
+from transport.h3.stream_state import Headers, StreamClosed
 
 pytestmark = pytest.mark.e2e
 
@@ -246,7 +246,10 @@ async def test_bodies_are_bounded_in_size_and_time(served: Served) -> None:
         for _ in range(MAX_INPUT // len(chunk) + 1):
             if streamed.headers is not None or streamed.send_error is not None:
                 break  # answered: the server stopped reading
-            await streamed.send_data(chunk)
+            try:
+                await streamed.send_data(chunk)
+            except StreamClosed:
+                break  # the server's STOP_SENDING came while this waited for credit
         status, body = await answer(streamed)
         assert status == 400 and b"--http-max-input-size" in body
         stalled = connection.open_stream()
@@ -306,3 +309,12 @@ async def test_only_safe_methods_run_from_early_data(served: Served) -> None:
     assert status == 200
     check_infer(body.decode(), 2)
     assert held() == before + 1
+
+
+async def test_the_rest_ports_http3_connections_are_counted(served: Served) -> None:
+    """TransportStats and /metrics count HTTP/3 on the REST port's number with the gRPC
+    port's."""
+    before = stats(served.server).h3_connections
+    connection = await connect(served)
+    await connection.close()
+    assert stats(served.server).h3_connections == before + 1
