@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from aioquic.tls import SessionTicket
@@ -25,6 +26,7 @@ from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, run_reference
 from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
 from transport.grpc.framing import encode_message
+from transport.grpc.headers import Status, parse_response_headers
 from transport.h3.client import H3ClientConnection, client_configuration
 from transport.h3.stream import H3Stream
 from transport.h3.stream_state import Headers, StreamClosed
@@ -318,3 +320,22 @@ async def test_the_rest_ports_http3_connections_are_counted(served: Served) -> N
     connection = await connect(served)
     await connection.close()
     assert stats(served.server).h3_connections == before + 1
+
+
+async def test_a_header_block_over_the_limit_is_refused_431(served: Served) -> None:
+    """The server drops a block over its SETTINGS_MAX_FIELD_SECTION_SIZE unread: the answer
+    says 431 to a REST client and RESOURCE_EXHAUSTED to a gRPC one, in one header block."""
+    connection = await connect(served)
+    try:
+        stream = connection.open_stream()
+        bomb = [(b"x-bomb-%d" % i, b"b" * 4096) for i in range(8)]  # --max-metadata-bytes 16 KiB
+        request(stream, "GET", "/v2/health/ready", bomb)
+        await stream.send_data(b"", end=True)
+        answered = await asyncio.wait_for(stream.wait_headers(), TIMEOUT_S)
+        block = dict(answered)
+        assert (block[b":status"], block[b"grpc-status"]) == (b"431", b"8")
+        assert b"SETTINGS_MAX_FIELD_SECTION_SIZE" in block[b"grpc-message"]
+        status = parse_response_headers(answered)  # as the gRPC clients of transport/ read it
+        assert isinstance(status, Status) and status.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await connection.close()

@@ -141,10 +141,14 @@ class _ServerProtocol(GrpcH3Protocol):
     def header_block_refused(self, stream_id: int, message: str) -> None:
         self.server.count_refusal("metadata")
         self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
+        block = wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        if self.server.plain is not None:
+            # REST is served here too, and the block was dropped unread: whichever the request
+            # was, it reads its refusal, REST from the HTTP status (431), gRPC from grpc-status
+            # (which a Trailers-Only answer's reader takes first).
+            block = [(b":status", b"431"), *(f for f in block if f[0] != b":status")]
         with contextlib.suppress(Exception):
-            self.h3_send_headers(
-                stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
-            )
+            self.h3_send_headers(stream_id, block, True)
 
     def stream_opened(self, stream_id: int) -> H3Stream | None:
         if self.server.shutting_down or (
