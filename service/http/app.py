@@ -13,7 +13,12 @@ from typing import Any, TypeVar
 
 import grpc
 
-from service.http.asgi import Receive, Scope, Send, lifespan
+# ASGI's shapes were defined here first: re-exported for the routes written against them.
+from service.http.asgi import Message as Message
+from service.http.asgi import Receive as Receive
+from service.http.asgi import Scope as Scope
+from service.http.asgi import Send as Send
+from service.http.asgi import lifespan
 from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.generate import sse
 from service.http.routes import Reply, Routes
