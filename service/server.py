@@ -30,6 +30,7 @@ from service.frontends.listeners import (
     check_client_auth,
     check_rest,
     listen,
+    rest_app,
 )
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.loading import WorkerLimits
@@ -55,8 +56,7 @@ async def serve(settings: ServerSettings) -> None:
     restrictions = parse_restrictions(settings.restricted_protocol)
     client_auth = check_client_auth(settings)
     frontends = settings_module.frontend_count(settings.frontends)
-    if frontends == 1:
-        check_rest(settings)
+    check_rest(settings)
     # With front-end processes, each opens the store they share (service/frontends).
     tickets = (
         open_ticket_store(settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl)
@@ -167,14 +167,8 @@ async def serve(settings: ServerSettings) -> None:
             restrictions,
             models,
             runner,
+            rest_app(settings, plane, observer, restrictions) if settings.http_port else None,
         )
-        if settings.http_port:
-            log.warning(
-                "--http-port %d: the REST API is served by a single-process server only; with "
-                "--frontends %d it is off (gRPC over HTTP/2 and HTTP/3 serves every call)",
-                settings.http_port,
-                frontends,
-            )
     else:
         public = await listen(
             settings, register, client_auth, tickets, plane, observer, restrictions

@@ -105,10 +105,11 @@ _HELP = {
     "model_repository": "directory of models (NAME/config.pbtxt, NAME/VERSION/...)",
     "host": "address to listen on",
     "grpc_port": "TCP port for gRPC over HTTP/2 (0: any free port)",
-    "http_port": "TCP port for the KServe v2 REST API over HTTP/1.1 and HTTP/2 (h2c), single "
-    "process only (0: off)",
+    "http_port": "port for the KServe v2 REST API: HTTP/1.1 and HTTP/2 (h2c) on TCP, HTTP/3 on "
+    "UDP with --h3 (0: off)",
     "http_tls": "serve the REST port with TLS (the HTTP/3 certificate: --tls-cert or the "
-    "development certificates), HTTP/2 or HTTP/1.1 chosen by ALPN",
+    "development certificates), HTTP/2 or HTTP/1.1 chosen by ALPN; its responses then "
+    "advertise HTTP/3 (alt-svc)",
     "http_max_input_size": "largest HTTP request body accepted, in bytes, per request; more is "
     "refused with 400 before it is read",
     "http_keepalive_timeout": "seconds an HTTP connection may go without a request in progress "
@@ -116,7 +117,7 @@ _HELP = {
     "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
     "the request is answered 408 and its connection closed",
     "log_level": "debug, info, warning or error",
-    "h3": "also serve gRPC over HTTP/3 (QUIC, UDP)",
+    "h3": "also serve gRPC and REST over HTTP/3 (QUIC, UDP)",
     "h2_tls": "serve HTTP/2 with TLS too, with the HTTP/3 certificate",
     "zero_rtt": "let resumed HTTP/3 clients send their first requests as 0-RTT early data",
     "ticket_ttl": "seconds a session ticket stays valid (each is single use)",

@@ -31,7 +31,13 @@ from service.frontends.descriptors import (
     encode_refusal,
 )
 from service.frontends.link import FrameConnection, Window
-from service.frontends.listeners import check_client_auth, start_grpc, start_h3
+from service.frontends.listeners import (
+    check_client_auth,
+    serves_rest_h3,
+    start_grpc,
+    start_h3,
+    start_rest,
+)
 from service.frontends.model_view import ModelView, answer_message
 from service.frontends.protocol import (
     WINDOW,
@@ -46,15 +52,15 @@ from service.frontends.protocol import (
     encode_count,
     encode_open,
 )
+from service.frontends.rest_forward import RestForwarder
 from service.frontends.runtime import DISPATCH_SOCKET, read_settings
-from service.frontends.stats import Report
+from service.frontends.stats import report_of
 from service.inference.identity import identity_of
 from service.observability.logs import configure_logging
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.server import H3Server
-from transport.tls.session_tickets import TicketCounters
 
 log = logging.getLogger("paddlequic.frontend")
 
@@ -87,7 +93,7 @@ class ParentLink(FrameConnection):
         super().__init__(reader, writer, max_message)
         self.index = index
         self.restriction = restriction
-        self.h3: H3Server | None = None
+        self.h3: list[H3Server] = []  # the gRPC port's, and the REST port's
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
         self.view = ModelView()
@@ -128,8 +134,16 @@ class ParentLink(FrameConnection):
                     yield message
                 if not call.stale:
                     return
+        async for message in self.relay(_opened(method, transport, context), requests, context):
+            yield message
+
+    async def relay(
+        self, opened: Open, requests: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """A call opened at the parent: `requests` to it, its answers back; its metadata
+        and status go to `context` (a status other than OK is `context.abort`)."""
         call_id, call = self._start()
-        self.send(Kind.OPEN, call_id, encode_open(_opened(method, transport, context)))
+        self.send(Kind.OPEN, call_id, encode_open(opened))
         pump = asyncio.create_task(self._pump(call_id, call, requests))
         try:
             async for message in self._answers(call_id, call, context, bytes, credit=True):
@@ -229,17 +243,9 @@ class ParentLink(FrameConnection):
             raise ProtocolViolation(f"{kind.name} frame from the parent")
 
     def report(self) -> None:
-        h3 = self.h3
-        if h3 is None:
+        if not self.h3:
             return
-        report = Report(
-            h3.stats,
-            h3.tickets.counters if h3.tickets is not None else TicketCounters(),
-            h3.peak_send_buffered(),
-            h3.blocked_writers(),
-            h3.router.forwarded if h3.router is not None else 0,
-        )
-        self.send(Kind.STATS, 0, json.dumps(report.to_json()).encode())
+        self.send(Kind.STATS, 0, json.dumps(report_of(self.h3).to_json()).encode())
 
     def lost(self) -> None:
         for call in self._calls.values():
@@ -328,20 +334,30 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         tls,
         reuse_port=True,
     )
+    rest = RestForwarder(link) if settings.http_port else None
     if tls is not None and settings.h3:
         tickets = open_ticket_store(
             settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl
         )
-        link.h3 = await start_h3(
-            settings,
-            port,
-            lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
-            tls,
-            client_auth,
-            tickets,
-            reuse_port=True,
-            router=DatagramRouter(index, runtime_dir),
-        )
+        # The gRPC port's, then the REST port's number when it is another (each with its own
+        # datagram router): both serve gRPC and REST, each stream routed by its request.
+        ports = [None, settings.http_port] if rest and serves_rest_h3(settings, port) else [None]
+        for udp_port in ports:
+            link.h3.append(
+                await start_h3(
+                    settings,
+                    port,
+                    lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
+                    tls,
+                    client_auth,
+                    tickets,
+                    reuse_port=True,
+                    router=DatagramRouter(index, runtime_dir, "rest" if udp_port else ""),
+                    plain=rest,
+                    udp_port=udp_port,
+                )
+            )
+    http = await start_rest(settings, rest, tls, reuse_port=True) if rest is not None else None
     link.hello()
     gc.freeze()  # as the single server does once ready: full collections skip start-up's objects
     reporter = asyncio.create_task(_report(link))
@@ -352,7 +368,8 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         log.error("front-end %d: the parent is gone; stopping", index)
     await asyncio.gather(
         grpc_server.stop(settings.grace_period),
-        *([link.h3.stop(settings.grace_period)] if link.h3 else []),
+        *(h3.stop(settings.grace_period) for h3 in link.h3),
+        *([http.stop(settings.grace_period)] if http else []),
     )
     link.report()
     link.flush()  # the last report goes out before the process ends

@@ -17,7 +17,9 @@ from service.api.registration import Register
 from service.api.restricted import Restriction, rest_guard
 from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
+from service.frontends.stats import ProcessH3
 from service.http.app import RequestLimits, RestApp
+from service.http.asgi import App
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.routes import Routes
 from service.observability.observer import Observer
@@ -61,10 +63,12 @@ class _Listeners:
     grpc_server: grpc.aio.Server
     h3_server: H3Server | None
     http: HttpListener | None
+    http_h3: H3Server | None  # HTTP/3 on the REST port's number
 
     @property
     def h3(self) -> H3State | None:
-        return self.h3_server
+        servers = [s for s in (self.h3_server, self.http_h3) if s is not None]
+        return ProcessH3(servers) if servers else None
 
     @property
     def refresh_h3(self) -> None:
@@ -75,6 +79,7 @@ class _Listeners:
             self.grpc_server.stop(grace),
             *([self.h3_server.stop(grace)] if self.h3_server else []),
             *([self.http.stop(grace)] if self.http else []),
+            *([self.http_h3.stop(grace)] if self.http_h3 else []),
         )
 
 
@@ -88,28 +93,50 @@ async def listen(
     restrictions: Mapping[str, Restriction],
 ) -> _Listeners:
     tls = tls_files(settings) if settings.h3 or settings.h2_tls or settings.http_tls else None
-    http = (
-        await start_rest(settings, plane, observer, tls, restrictions)
-        if settings.http_port
-        else None
-    )
+    rest = rest_app(settings, plane, observer, restrictions) if settings.http_port else None
+    http = await start_rest(settings, rest, tls) if rest is not None else None
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
-        await start_h3(settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets)
+        await start_h3(
+            settings, port, lambda s: register(s, "h3"), tls, client_auth, tickets, plain=rest
+        )
         if tls and settings.h3
         else None
     )
-    return _Listeners(server, h3_server, http)
+    http_h3 = (
+        await start_h3(
+            settings,
+            port,
+            lambda s: register(s, "h3"),
+            tls,
+            client_auth,
+            tickets,
+            plain=rest,
+            udp_port=settings.http_port,
+        )
+        if tls and rest is not None and serves_rest_h3(settings, port)
+        else None
+    )
+    return _Listeners(server, h3_server, http, http_h3)
 
 
-async def start_rest(
+def serves_rest_h3(settings: ServerSettings, grpc_port: int) -> bool:
+    """Whether HTTP/3 also listens on the REST port's number (UDP): with HTTP/3 and REST on,
+    unless the HTTP/3 port is that number already."""
+    return (
+        settings.h3
+        and bool(settings.http_port)
+        and settings.http_port != (settings.h3_port or grpc_port)
+    )
+
+
+def rest_app(
     settings: ServerSettings,
     plane: DataPlane,
     observer: Observer,
-    tls: tuple[Path, Path] | None,
     restrictions: Mapping[str, Restriction],
-) -> HttpListener:
-    """The KServe v2 REST API on --http-port, over the same data plane as gRPC."""
+) -> RestApp:
+    """The KServe v2 REST API over the same data plane as gRPC."""
     limits = RequestLimits(
         settings.max_metadata_bytes,
         settings.http_max_input_size,
@@ -118,18 +145,39 @@ async def start_rest(
         settings.stream_stall_timeout,
     )
     guard = rest_guard(restrictions) if restrictions else None
-    app = RestApp(
+    return RestApp(
         Routes(plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size),
         limits,
         observer,
         guard,
     )
+
+
+async def start_rest(
+    settings: ServerSettings,
+    app: App,
+    tls: tuple[Path, Path] | None,
+    reuse_port: bool = False,
+) -> HttpListener:
+    """`app` on --http-port over TCP; `reuse_port`: share the port with other processes
+    (SO_REUSEPORT: front-ends)."""
+    advertised = settings.h3 and settings.http_tls and settings.alt_svc_max_age > 0
     options = HttpOptions(
         settings.host,
         settings.http_port,
         settings.max_metadata_bytes,
         settings.http_keepalive_timeout,
         tls if settings.http_tls else None,
+        reuse_port,
+        # HTTP/3 answers on the same number over UDP (it speaks only TLS: an https origin).
+        (
+            (
+                alt_svc.HEADER.encode(),
+                alt_svc.h3_header(settings.http_port, settings.alt_svc_max_age).encode(),
+            ),
+        )
+        if advertised
+        else (),
     )
     return await start_http(app, options, settings.grace_period)
 
@@ -216,7 +264,11 @@ async def start_h3(
     tickets: TicketStore | None,
     reuse_port: bool = False,
     router: DatagramRouter | None = None,
+    plain: App | None = None,
+    udp_port: int | None = None,
 ) -> H3Server:
+    """gRPC over HTTP/3 on --h3-port (or `tcp_port`'s number), or on `udp_port`; `plain`:
+    the REST app that serves the requests that are not gRPC, on the same connections."""
     cert, key = tls
     h3_server = H3Server(
         H3Settings(
@@ -238,11 +290,15 @@ async def start_h3(
         ),
         router=router,
         address_tokens=open_address_tokens(settings.ticket_key_file, settings.h3_token_lifetime),
+        plain=plain,
     )
     register(h3_server)
-    port = await h3_server.start(settings.host, settings.h3_port or tcp_port, cert, key, reuse_port)
+    port = await h3_server.start(
+        settings.host, udp_port or settings.h3_port or tcp_port, cert, key, reuse_port
+    )
     log.info(
-        "listening: gRPC over HTTP/3 (QUIC, TLS 1.3, 0-RTT %s) on %s:%d/udp",
+        "listening: gRPC%s over HTTP/3 (QUIC, TLS 1.3, 0-RTT %s) on %s:%d/udp",
+        " and REST" if plain is not None else "",
         "on" if settings.zero_rtt else "off",
         settings.host,
         port,

@@ -18,7 +18,9 @@ from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
-from service.frontends.listeners import tls_files
+from service.frontends.listeners import serves_rest_h3, tls_files
+from service.frontends.rest_tunnel import TRANSPORT as REST_TRANSPORT
+from service.frontends.rest_tunnel import RestTunnel
 from service.frontends.runtime import (
     DISPATCH_SOCKET,
     make_runtime_dir,
@@ -27,11 +29,14 @@ from service.frontends.runtime import (
 )
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.frontends.supervisor import Supervisor
+from service.http.app import RestApp
+from service.http.listener import reuse_port_socket
 from service.observability.observer import Observer
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
+from transport.grpc.handler_table import HandlerTable
 from transport.h3 import udp
 
 _PORT_TRIES = 20  # picks of a TCP port whose UDP twin is taken
@@ -46,7 +51,7 @@ class Frontends:
     dispatch: DispatchServer
     supervisor: Supervisor
     runtime_dir: Path
-    reserved: socket.socket
+    reserved: list[socket.socket]  # the ports front-ends share, held while they come and go
 
     async def refresh_h3(self) -> None:
         await self.dispatch.refresh_stats()
@@ -56,7 +61,8 @@ class Frontends:
             await self.supervisor.stop(grace)
             await self.dispatch.stop()
         finally:
-            self.reserved.close()
+            for sock in self.reserved:
+                sock.close()
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
@@ -68,14 +74,19 @@ async def start_frontends(
     restrictions: Mapping[str, Restriction],
     models: ModelRegistry,
     runner: RequestRunner,
+    rest: RestApp | None,
 ) -> Frontends:
     """`register`: the servicers; ModelInfer calls front-ends describe are run by `runner` on
     the versions of `models` (whose changes they are told), observed by `observer` and
-    access-checked by `restrictions` as `register` does for the others."""
+    access-checked by `restrictions` as `register` does for the others. `rest`: what runs the
+    REST requests front-ends pass on (None: --http-port 0)."""
     runtime_dir = make_runtime_dir()
-    reserved: socket.socket | None = None
+    reserved: list[socket.socket] = []
     try:
-        reserved, port = _reserve_ports(settings)
+        grpc_socket, port = _reserve_ports(settings)
+        reserved.append(grpc_socket)
+        if rest is not None:
+            reserved.append(_reserve_rest_port(settings, port))
         shared = _frontend_settings(settings, runtime_dir, port)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
@@ -95,22 +106,26 @@ async def start_frontends(
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
+        if rest is not None:
+            dispatch.tables[REST_TRANSPORT] = HandlerTable()
+            dispatch.tables[REST_TRANSPORT].add_generic_rpc_handlers([RestTunnel(rest)])
         models.watch(dispatch.push_view)
         await dispatch.start(runtime_dir / DISPATCH_SOCKET)
     except BaseException:
-        if reserved is not None:
-            reserved.close()
+        for sock in reserved:
+            sock.close()
         shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
     restarts = dispatch.metrics.restarts.inc if dispatch.metrics is not None else _nothing
     supervisor = Supervisor(count, runtime_dir, restarts)
     supervisor.start()
     log.info(
-        "%d front-end processes on port %d (HTTP/2%s), one scheduler and one set of workers "
-        "in this process",
+        "%d front-end processes on port %d (HTTP/2%s)%s, one scheduler and one set of "
+        "workers in this process",
         count,
         port,
         " and HTTP/3" if settings.h3 else "",
+        f" and REST port {settings.http_port}" if rest is not None else "",
     )
     return Frontends(stats if settings.h3 else None, dispatch, supervisor, runtime_dir, reserved)
 
@@ -137,7 +152,7 @@ def _frontend_settings(settings: ServerSettings, runtime_dir: Path, port: int) -
     """What every front-end runs with: the port resolved, certificates made once, tickets in a
     store they share (checked here, so a bad one fails the start and not each front-end)."""
     shared = dataclasses.replace(settings, grpc_port=port, h3_port=settings.h3_port or port)
-    if settings.h3 or settings.h2_tls:
+    if settings.h3 or settings.h2_tls or (settings.http_port and settings.http_tls):
         cert, key = tls_files(settings)
         shared = dataclasses.replace(shared, tls_cert=str(cert), tls_key=str(key))
     if settings.h3:
@@ -172,19 +187,33 @@ def _reserve_ports(settings: ServerSettings) -> tuple[socket.socket, int]:
     raise OSError(f"no port free for both TCP and UDP after {_PORT_TRIES} tries")
 
 
+def _reserve_rest_port(settings: ServerSettings, grpc_port: int) -> socket.socket:
+    """--http-port held as the gRPC port is, and its UDP twin checked free when HTTP/3 will
+    listen there too: a port another process holds stops the start here, naming it, rather
+    than each front-end failing to listen."""
+    try:
+        sock = reuse_port_socket(settings.host, settings.http_port)
+    except OSError as exc:
+        raise OSError(
+            f"TCP port {settings.http_port} (REST): {exc.strerror}: another process holds it; "
+            "stop it or choose another --http-port"
+        ) from exc
+    if serves_rest_h3(settings, grpc_port):
+        try:
+            udp.bind(settings.host, settings.http_port).close()
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                f"UDP port {settings.http_port} (REST over HTTP/3): {exc.strerror}: another "
+                "process holds it; stop it or choose another --http-port"
+            ) from exc
+    return sock
+
+
 def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
     """A TCP socket bound (not listening) to the port with SO_REUSEPORT: it picks the number
     for port 0 and holds it while front-ends come and go; connections only reach listeners."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
+    sock = reuse_port_socket(host, port)
     return sock, int(sock.getsockname()[1])
 
 

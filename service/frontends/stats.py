@@ -1,12 +1,13 @@
-"""What /metrics and TransportStats show of several front-ends: their HTTP/3 counters summed
-(each front-end reports its own over the dispatch connection), the calls each passed on and
-how often one was restarted."""
+"""What /metrics and TransportStats show of HTTP/3: one process's servers summed (the gRPC
+port's and the REST port's); with several front-ends, their counters summed too (each
+front-end reports its own over the dispatch connection), the calls each passed on and how
+often one was restarted."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -14,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.observability.children import Children
-from transport.h3.server import H3ServerStats
+from transport.h3.server import H3Server, H3ServerStats
 from transport.tls.session_tickets import TicketCounters
 
 
@@ -52,7 +53,59 @@ class _Tickets:
         self.counters = counters
 
 
-class FrontendStats:
+class _Totals:
+    """An H3State read from one summed report."""
+
+    def _total(self) -> Report:
+        raise NotImplementedError
+
+    @property
+    def stats(self) -> H3ServerStats:
+        return self._total().stats
+
+    @property
+    def tickets(self) -> _Tickets:
+        return _Tickets(self._total().tickets)
+
+    def peak_send_buffered(self) -> int:
+        return self._total().peak_send_buffered
+
+    def blocked_writers(self) -> int:
+        return self._total().blocked_writers
+
+    def forwarded(self) -> int:
+        return self._total().forwarded
+
+
+def report_of(servers: Sequence[H3Server]) -> Report:
+    """The counters of one process's HTTP/3 servers (the gRPC port's, the REST port's) as one
+    report; their session tickets are one store's, counted once."""
+    reports = [
+        Report(
+            server.stats,
+            TicketCounters(),
+            server.peak_send_buffered(),
+            server.blocked_writers(),
+            server.router.forwarded if server.router is not None else 0,
+        )
+        for server in servers
+    ]
+    store = servers[0].tickets
+    total = _sum(reports, keep_gauges=True)
+    return dataclasses.replace(total, tickets=store.counters if store else TicketCounters())
+
+
+class ProcessH3(_Totals):
+    """This process's HTTP/3 servers as one H3State."""
+
+    def __init__(self, servers: Sequence[H3Server]) -> None:
+        self._servers = servers
+
+    def _total(self) -> Report:
+        return report_of(self._servers)
+
+
+class FrontendStats(_Totals):
     """The sum of the front-ends' latest reports (an H3State). A front-end that exits leaves
     its last counts in, so the sums never go down when one is restarted."""
 
@@ -72,23 +125,6 @@ class FrontendStats:
 
     def _total(self) -> Report:
         return _sum([self._retired, *self._live.values()], keep_gauges=True)
-
-    @property
-    def stats(self) -> H3ServerStats:
-        return self._total().stats
-
-    @property
-    def tickets(self) -> _Tickets:
-        return _Tickets(self._total().tickets)
-
-    def peak_send_buffered(self) -> int:
-        return self._total().peak_send_buffered
-
-    def blocked_writers(self) -> int:
-        return self._total().blocked_writers
-
-    def forwarded(self) -> int:
-        return self._total().forwarded
 
 
 def _sum(reports: list[Report], keep_gauges: bool) -> Report:

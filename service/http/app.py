@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
 from service.dataplane.shared_memory import Peer
+from service.http.asgi import Receive, Scope, Send, lifespan
 from service.http.batchstream import BatchStreams
 from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.generate import sse
@@ -26,10 +27,6 @@ from service.observability.metrics import UNKNOWN
 from service.observability.observer import Observer
 
 _T = TypeVar("_T")
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
 # A stream of events, passed on as it comes by proxies too.
@@ -111,7 +108,7 @@ class RestApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -506,13 +503,3 @@ def _no_route(scope: Scope) -> Refused:
     return Refused(
         404, f"no route {errors.echoed(scope['path'])!r}", code=grpc.StatusCode.UNIMPLEMENTED
     )
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from hypercorn.asyncio.run import worker_serve
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.utils import wrap_app
 
-from service.http.app import RestApp
+from service.http.asgi import App, Message, Receive, Scope, Send
 
 log = logging.getLogger("paddlequic.http")
 
@@ -35,6 +36,9 @@ class HttpOptions:
     max_header_bytes: int  # a request's header block (--max-metadata-bytes)
     keepalive_timeout_s: float  # a connection without a request in progress
     tls: tuple[Path, Path] | None = None  # certificate chain and key (None: clear text)
+    reuse_port: bool = False  # share the port with other processes (SO_REUSEPORT: front-ends)
+    # What every response adds (such as `alt-svc`, where HTTP/3 answers).
+    response_headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class HttpListener:
@@ -50,7 +54,7 @@ class HttpListener:
             await self._served
 
 
-async def start_http(app: RestApp, options: HttpOptions, grace: float) -> HttpListener:
+async def start_http(app: App, options: HttpOptions, grace: float) -> HttpListener:
     """Listening once it returns (a port in use raises here, at start)."""
     config = Config()
     config.bind = [
@@ -68,12 +72,19 @@ async def start_http(app: RestApp, options: HttpOptions, grace: float) -> HttpLi
     config.include_server_header = False
     config.errorlog = log
     config.accesslog = None
-    sockets = config.create_sockets()
-    (listening,) = sockets.secure_sockets or sockets.insecure_sockets
+    if options.reuse_port:
+        listening = reuse_port_socket(options.host, options.port)
+        tls = options.tls is not None
+        sockets = Sockets([listening] if tls else [], [] if tls else [listening], [])
+    else:
+        sockets = config.create_sockets()
+        (listening,) = sockets.secure_sockets or sockets.insecure_sockets
     port = int(listening.getsockname()[1])
+    if options.response_headers:
+        app = _with_headers(app, options.response_headers)
     stop = asyncio.Event()
     served = asyncio.create_task(
-        # RestApp types its messages as plain dicts, hypercorn as TypedDicts: the same shapes.
+        # Our apps type their messages as plain dicts, hypercorn as TypedDicts: the same shapes.
         worker_serve(
             wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets, shutdown_trigger=stop.wait
         )
@@ -85,3 +96,35 @@ async def start_http(app: RestApp, options: HttpOptions, grace: float) -> HttpLi
         port,
     )
     return HttpListener(served, stop, port)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound with SO_REUSEPORT, as hypercorn binds its own (no delay, not
+    blocking): the kernel spreads new connections over every process listening on the port."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _with_headers(app: App, headers: tuple[tuple[bytes, bytes], ...]) -> App:
+    """`app`, each of its responses carrying `headers` too."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        async def adding(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *headers]}
+            await send(message)
+
+        await app(scope, receive, adding)
+
+    return wrapped

@@ -863,16 +863,6 @@ def test_rest_over_tls_negotiates_http2_by_alpn(tmp_path: Path) -> None:
         assert plain.returncode != 0  # no clear text on a TLS port
 
 
-def test_frontends_serve_no_rest_and_say_so(tmp_path: Path) -> None:
-    port = free_port()
-    repository = model_repository(tmp_path / "models", ["mlp"])
-    args = ("--frontends", "2", "--http-port", str(port))
-    with running_server(repository, tmp_path / "server.log", args) as server:
-        assert "REST API is served by a single-process server only" in server.log_text()
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=10).close()
-
-
 def tritonclient(rest: Rest, script: str, request: str) -> subprocess.CompletedProcess[str]:
     """One of the scripts below in a process of its own (tritonclient's HTTP client), given
     the server's REST address and `request` on stdin; it must succeed."""

@@ -155,6 +155,17 @@ def message_encoding(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return IDENTITY if value is None else value.strip().lower()
 
 
+def carries_grpc(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a header block opens a gRPC exchange rather than plain HTTP (REST): a request
+    whose content-type is gRPC's, a response whose content-type is gRPC's or absent (an
+    error answered at the HTTP level has none)."""
+    headers = list(headers)
+    content_type = _field(headers, b"content-type")
+    if content_type is None:
+        return not any(name == b":method" for name, _ in headers)
+    return _is_grpc_content_type(content_type)
+
+
 def request_path(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The :path of request headers, whatever else is wrong with them ("" without one)."""
     return next((v.decode("latin-1") for k, v in headers if k == b":path"), "")

@@ -52,8 +52,10 @@ class DatagramRouter:
     """This process's end: `steer` sends away what another process owns, `start` takes what
     the others send here. The sockets live in `directory`, which only this user can reach."""
 
-    def __init__(self, index: int, directory: Path) -> None:
+    def __init__(self, index: int, directory: Path, port_name: str = "") -> None:
+        """`port_name`: which of the shared ports it routes for, when there are several."""
         self.index = index
+        self._prefix = f"route-{port_name}-" if port_name else "route-"
         self.forwarded = 0
         self.taken = 0
         self._directory = directory
@@ -65,7 +67,7 @@ class DatagramRouter:
         self._deliver: Callable[[bytes, NetworkAddress], None] | None = None
 
     def _path(self, index: int) -> Path:
-        return self._directory / f"route-{index}.sock"
+        return self._directory / f"{self._prefix}{index}.sock"
 
     def steer(self, datagram: bytes, address: NetworkAddress) -> bool:
         """True when the datagram is another process's: it was passed on (or, if that process

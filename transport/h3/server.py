@@ -19,6 +19,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
+from transport.asgi import App
 from transport.grpc import headers as wire
 from transport.grpc.handler_table import HandlerTable
 from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_REJECTED
@@ -33,6 +34,7 @@ from transport.h3.aioquic.migration import resend_after_migration
 from transport.h3.aioquic.new_token import send_new_token
 from transport.h3.aioquic.quic_server import Admission, AdmittingQuicServer
 from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
+from transport.h3.asgi import serve_plain_request
 from transport.h3.calls import TransportAnswer, run_call
 from transport.h3.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
@@ -139,10 +141,14 @@ class _ServerProtocol(GrpcH3Protocol):
     def header_block_refused(self, stream_id: int, message: str) -> None:
         self.server.count_refusal("metadata")
         self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
+        block = wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        if self.server.plain is not None:
+            # REST is served here too, and the block was dropped unread: whichever the request
+            # was, it reads its refusal, REST from the HTTP status (431), gRPC from grpc-status
+            # (which a Trailers-Only answer's reader takes first).
+            block = [(b":status", b"431"), *(f for f in block if f[0] != b":status")]
         with contextlib.suppress(Exception):
-            self.h3_send_headers(
-                stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
-            )
+            self.h3_send_headers(stream_id, block, True)
 
     def stream_opened(self, stream_id: int) -> H3Stream | None:
         if self.server.shutting_down or (
@@ -193,6 +199,13 @@ class _ServerProtocol(GrpcH3Protocol):
         self._handshake_timer.cancel()
         self.server.connection_closed(self)
 
+    def client(self) -> tuple[str, int] | None:
+        address = peer_address(self._quic)
+        return None if address is None else (str(address[0]), int(address[1]))
+
+    def early_request_held(self) -> None:
+        self.server.count_handshake("early_requests_held")
+
     def peer_auth(self) -> PeerAuth:
         return PeerAuth(peer_certificate(self._quic), self._quic.tls.session_resumed)
 
@@ -217,6 +230,7 @@ class H3Server:
         limits: H3Limits | None = None,
         router: DatagramRouter | None = None,
         address_tokens: AddressTokens | None = None,
+        plain: App | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
@@ -225,7 +239,8 @@ class H3Server:
         as grpc.aio's `maximum_concurrent_rpcs` does. `router`: this server shares its port
         with other processes and passes them the datagrams of their connections.
         `address_tokens`: send each client a NEW_TOKEN token and take it back in place of a
-        Retry (None: neither)."""
+        Retry (None: neither). `plain`: the ASGI app that serves requests that are not gRPC
+        (their content-type says so) on the same connections (None: they are refused)."""
         self.settings = settings or H3Settings()
         self.tickets = tickets
         self.zero_rtt = zero_rtt
@@ -237,6 +252,7 @@ class H3Server:
         self.limits = limits or H3Limits()
         self.router = router
         self.address_tokens = address_tokens
+        self.plain = plain
         self._per_address: Counter[str] = Counter()
         self.receive_budget = SharedReceiveBudget(
             ReceiveBudget(self.limits.receive_budget_total, self.limits.receive_budget_per_address)
@@ -396,6 +412,14 @@ class H3Server:
 
     def start_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
         self.stats.calls += 1
-        task = asyncio.get_running_loop().create_task(run_call(self, connection, stream))
+        task = asyncio.get_running_loop().create_task(self._serve(connection, stream))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
+
+    async def _serve(self, connection: _ServerProtocol, stream: H3Stream) -> None:
+        """The stream, routed by its request: gRPC, or a plain HTTP request for `plain`. Its
+        header block arrived with the event that opened it, so it is here when this runs."""
+        if self.plain is not None and stream.headers is not None and stream.state.plain:
+            await serve_plain_request(self.plain, stream, connection)
+        else:
+            await run_call(self, connection, stream)

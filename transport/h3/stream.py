@@ -168,6 +168,13 @@ class H3Stream:
             self._changed.clear()
             await self._changed.wait()
 
+    async def wait_failed(self) -> StreamClosed:
+        """Until the stream fails: reset or stopped by the peer, or its connection lost."""
+        while self.error is None:
+            self._changed.clear()
+            await self._changed.wait()
+        return self.error
+
     async def send_data(self, data: bytes, end: bool = False) -> None:
         await self.protocol.wait_send_window(self)
         self._check_sendable()

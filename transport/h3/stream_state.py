@@ -1,5 +1,6 @@
 """What one HTTP/3 request stream received, without I/O (aioquic's sans-I/O style): header
-blocks, decoded messages, the bytes they hold, and the status a malformed stream fails with.
+blocks, decoded messages (a plain HTTP request's body: its DATA as it came), the bytes they
+hold, and the status a malformed stream fails with.
 `transport.h3.protocol.H3Stream` wraps it with the asyncio waiters and the connection."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import grpc
 
 from transport.grpc.errors import ProtocolError
 from transport.grpc.framing import MessageDecoder
-from transport.grpc.headers import message_encoding
+from transport.grpc.headers import carries_grpc, message_encoding
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -44,6 +45,7 @@ class StreamState:
         self.ended = False  # the peer finished sending
         self.error: StreamClosed | None = None
         self.malformed = False  # the error is the peer's bad input: it is answered with it
+        self.plain = False  # not a gRPC request: DATA is the body's bytes, not messages
         self._queued = 0  # wire bytes of `messages`, their 5-byte prefixes included
 
     @property
@@ -59,6 +61,7 @@ class StreamState:
         if self.headers is None:
             self.headers = headers
             self.decoder.encoding = message_encoding(headers)
+            self.plain = not carries_grpc(headers)
         else:
             self.trailers = headers
         self._end(ended)
@@ -67,6 +70,12 @@ class StreamState:
         """Take DATA payload; False when the stream failed and the peer should stop sending."""
         if self.error is not None:
             return False
+        if self.plain:
+            if data:
+                self.messages.append((data, len(data)))
+                self._queued += len(data)
+            self._end(ended)
+            return True
         try:
             for message, wire_size in self.decoder.feed_sized(data):
                 self.messages.append((message, wire_size))

@@ -1,0 +1,18 @@
+"""ASGI for this package's apps: its shapes, and the lifespan protocol answered for an app that
+needs no start-up or shutdown of its own."""
+
+from __future__ import annotations
+
+from transport.asgi import App, Message, Receive, Scope, Send
+
+__all__ = ["App", "Message", "Receive", "Scope", "Send", "lifespan"]
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

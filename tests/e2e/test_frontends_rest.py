@@ -1,0 +1,195 @@
+"""REST through `--frontends 2`: both front-end processes listen on the REST port (TCP and,
+for HTTP/3, UDP; SO_REUSEPORT) and pass each request to the parent, which serves it as a
+single process does. Every call's answer is compared with in-process Paddle's for its own
+inputs; a client that leaves, over TCP or HTTP/3, stops its generation in the parent."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.e2e.test_frontends import calls_by_frontend
+from tests.e2e.test_http import response
+from tests.e2e.test_http3_rest import (
+    HTTP3,
+    Served,
+    check_infer,
+    connect,
+    curl,
+    infer_body,
+    leave_a_generation,
+)
+from tests.e2e.test_zero_rtt import stats
+from tests.reference import call_inputs, run_reference
+from tests.servers import REPO_ROOT, free_port, model_repository, running_server
+
+pytestmark = pytest.mark.e2e
+
+MAX_CONNECTIONS = 200  # new connections tried until both front-ends passed one on
+MAX_INPUT = 1 << 20  # --http-max-input-size
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("frontends_rest")
+    port = free_port()
+    args = [
+        *("--frontends", "2", "--certs-dir", str(certs_dir)),
+        *("--http-port", str(port), "--http-max-input-size", str(MAX_INPUT)),
+    ]
+    repository = model_repository(root / "models", ["mlp", "generate"])
+    with running_server(repository, root / "log", args) as server:
+        yield Served(server, port, certs_dir / "ca.pem")
+
+
+def post(served: Served, path: str, document: Any) -> tuple[int, Any]:
+    """One request on a connection of its own (so the kernel picks a front-end for it)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{served.port}{path}",
+        data=json.dumps(document).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def infer_checked(served: Served, call: int) -> None:
+    ((name, array),) = call_inputs("mlp", call).items()
+    entry = {"name": name, "datatype": "FP32", "shape": list(array.shape), "data": array.tolist()}
+    status, answer = post(served, "/v2/models/mlp/infer", {"id": str(call), "inputs": [entry]})
+    assert status == 200, answer
+    assert (answer["model_name"], answer["id"]) == ("mlp", str(call))
+    expected = run_reference("mlp", {name: array})
+    assert {o["name"] for o in answer["outputs"]} == set(expected)
+    for output in answer["outputs"]:
+        values = np.array(output["data"], np.float32).reshape(output["shape"])
+        np.testing.assert_allclose(values, expected[output["name"]], rtol=1e-5, atol=1e-6)
+
+
+def infers_counted(served: Served) -> float:
+    """REST ModelInfer calls answered OK, in the parent's /metrics."""
+    return sum(
+        s.value
+        for s in served.server.metrics()
+        if s.name == "paddlequic_requests_total"
+        and (s.labels["transport"], s.labels["rpc"], s.labels["code"])
+        == ("http", "ModelInfer", "OK")
+    )
+
+
+def test_rest_calls_reach_both_frontends_and_answer_as_paddle(served: Served) -> None:
+    before = infers_counted(served)
+    calls = 0
+    while set(calls_by_frontend(served.server, "http")) != {"0", "1"}:
+        assert calls < MAX_CONNECTIONS, "new REST connections reached one front-end only"
+        infer_checked(served, calls)
+        calls += 1
+    # Served by the parent's one RestApp: counted there, with REST's transport label.
+    assert infers_counted(served) == before + calls
+
+
+def test_errors_and_bounds_are_the_parents(served: Served) -> None:
+    status, answer = post(served, "/v2/models/nope/infer", {"inputs": []})
+    assert status == 404 and "unknown model" in answer["error"]
+    # Only the headers: a body the server refuses unread would race its answer (a reset).
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as connection:
+        connection.sendall(
+            b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {MAX_INPUT + 1}\r\n\r\n".encode()
+        )
+        status, body = response(connection)
+    assert status == 400 and "--http-max-input-size" in json.loads(body)["error"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/v2/health/ready") as ready:
+        assert (ready.status, ready.read()) == (200, b"")
+
+
+def test_a_stream_whose_client_leaves_stops_generating(served: Served) -> None:
+    """The client reads one event of a 250-token generation and closes its connection: the
+    front-end cancels the call and the parent's generation stops far short of 250 steps."""
+
+    def metric(name: str) -> float:
+        return sum(
+            s.value
+            for s in served.server.metrics()
+            if s.name == name and s.labels.get("model") == "generate"
+        )
+
+    steps = "paddlequic_inter_token_seconds_count"
+    before = metric(steps)
+    body = json.dumps({"text": "x", "max_tokens": 250}).encode()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as connection:
+        connection.sendall(
+            b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        while b"data: " not in received:
+            received += connection.recv(65536)
+    deadline = time.monotonic() + 30
+    while metric("paddlequic_active_generations") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped = metric(steps)
+    time.sleep(0.5)
+    assert metric(steps) == stopped
+    assert stopped - before < 150
+
+
+def test_a_rest_port_another_process_holds_stops_the_start(tmp_path: Path, certs_dir: Path) -> None:
+    """Front-ends would fail to listen, and be restarted again and again: the parent holds
+    the REST port before starting them, and a port taken stops the start, naming it."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        repository = model_repository(tmp_path / "models", [])
+        args = ["--model-repository", str(repository), "--certs-dir", str(certs_dir)]
+        args += ["--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"]
+        args += ["--http-port", str(port), "--frontends", "2"]
+        started = subprocess.run(
+            [sys.executable, "-m", "service.server", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert started.returncode == 1
+    assert f"TCP port {port} (REST): Address already in use" in started.stderr
+
+
+def test_curl_over_http3_through_frontends_answers_as_paddle(served: Served) -> None:
+    """On the REST port's number and on the gRPC HTTP/3 port alike."""
+    calls: list[tuple[str, str, str | None]] = [
+        (f"https://localhost:{port}/v2/models/mlp/infer", "3", infer_body(call))
+        for call, port in ((1000, served.port), (1001, served.server.port))
+    ]
+    for call, (status, version, _, body) in zip((1000, 1001), curl(served, calls), strict=True):
+        assert (status, version) == (200, HTTP3), body
+        check_infer(body, call)
+
+
+async def test_an_http3_client_that_leaves_stops_its_generation(served: Served) -> None:
+    await leave_a_generation(served, "resets its stream")
+
+
+async def test_the_rest_ports_http3_connections_are_counted(served: Served) -> None:
+    """Each front-end reports its REST port's HTTP/3 counters with its gRPC port's."""
+    before = stats(served.server).h3_connections
+    connection = await connect(served)
+    await connection.close()
+    assert stats(served.server).h3_connections == before + 1
