@@ -80,18 +80,20 @@ def start(root: Path, name: str, args: list[str]) -> Any:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rest]]:
     """One server as started by default (--shared-memory local; a small request body), one
-    with shared memory off,
-    one whose shared-memory category is restricted."""
+    with shared memory off, one whose shared-memory category is restricted, and one whose
+    REST calls come through front-end processes (the parent looks their callers up)."""
     root = tmp_path_factory.mktemp("rest-shm")
     plain_port, plain = start(root, "plain", ["--http-max-input-size", str(MAX_INPUT)])
     off_port, off = start(root, "off", ["--shared-memory", "off"])
     restricted_args = ["--restricted-protocol", "shared-memory:admin-key=let-me-in"]
     restricted_port, restricted = start(root, "restricted", restricted_args)
-    with plain as p, off as o, restricted as r:
+    frontends_port, frontends = start(root, "frontends", ["--frontends", "2"])
+    with plain as p, off as o, restricted as r, frontends as f:
         yield {
             "plain": Rest(p, plain_port),
             "off": Rest(o, off_port),
             "restricted": Rest(r, restricted_port),
+            "frontends": Rest(f, frontends_port),
         }
 
 
@@ -146,12 +148,13 @@ def test_regions_are_one_set_for_both_protocols(
     assert rest.calls([("GET", "/v2/systemsharedmemory/status", None, {})]) == [(200, "[]")]
 
 
+@pytest.mark.parametrize("name", ["plain", "frontends"])
 def test_a_rest_caller_is_the_uid_that_owns_its_connection(
-    servers: dict[str, Rest], segments: list[Segment]
+    servers: dict[str, Rest], segments: list[Segment], name: str
 ) -> None:
     """uid 65534 over REST: root's region (registered over gRPC) is unknown to it, root's 0600
     object cannot be registered, root's 0644 one can, but takes no output."""
-    rest = servers["plain"]
+    rest = servers[name]
     array = example_inputs("mlp", seed=22)["input"]
     mine, secret, readable = Segment(4096, 0o666), Segment(4096, ROOT_ONLY), Segment(4096, 0o644)
     segments += [mine, secret, readable]
