@@ -88,6 +88,10 @@ class ModelSpec:
     # tensors): in the program, not in config.pbtxt's input/output.
     hidden: tuple[int, int] = (0, 0)
     scheduling: str = "dynamic_batching { }\n"
+    # config.pbtxt as written, instead of one made from the tensors (a stand-in for one of
+    # Triton's models keeps Triton's config), and text files written beside it.
+    config: str | None = None
+    files: tuple[tuple[str, Callable[[], str]], ...] = ()
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -306,6 +310,52 @@ class Decode(nn.Layer):
         return logits, paddle.stack(kv, axis=1)
 
 
+class ImageClassifier(nn.Layer):
+    """A classifier over one NCHW image, answering its logits as [1, classes, 1, 1] (an ONNX
+    convolutional head's shape): the interface of Triton's `densenet_onnx` example model."""
+
+    def __init__(self, net: nn.Layer, classes: int = 1000) -> None:
+        super().__init__()
+        self.net, self.classes = net, classes
+
+    def forward(self, data_0: paddle.Tensor) -> paddle.Tensor:
+        out: paddle.Tensor = self.net(data_0).reshape([-1, self.classes, 1, 1])
+        return out
+
+
+# Triton's densenet_onnx config (docs/examples/model_repository of triton-inference-server/
+# server), Paddle's platform in place of ONNX Runtime's: clients send and receive `dims`, the
+# program sees `reshape.shape`; its labels are ours (one made-up name per class).
+DENSENET_LABELS = "densenet_labels.txt"
+DENSENET_CONFIG = f"""name: "densenet_onnx"
+platform: "paddle_inference"
+max_batch_size: 0
+input [
+  {{
+    name: "data_0"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 3, 224, 224 ]
+    reshape {{ shape: [ 1, 3, 224, 224 ] }}
+  }}
+]
+output [
+  {{
+    name: "fc6_1"
+    data_type: TYPE_FP32
+    dims: [ 1000 ]
+    reshape {{ shape: [ 1, 1000, 1, 1 ] }}
+    label_filename: "{DENSENET_LABELS}"
+  }}
+]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+"""
+
+
+def densenet_labels() -> str:
+    return "".join(f"class_{i:03d}\n" for i in range(1000))
+
+
 def f32(name: str, *shape: int) -> TensorSpec:
     return TensorSpec(name, "float32", shape)
 
@@ -355,6 +405,19 @@ MODELS: tuple[ModelSpec, ...] = (
         hidden=(2, 1),
         scheduling=KWS_SEQUENCES,
     ),
+    # Stands in for Triton's densenet_onnx, for its image clients (image_client.py,
+    # grpc_image_client.py): DenseNet-121, 32 MB, exported on demand (`--only densenet_onnx`):
+    # in the default repository every server started on it would pay its load and warm-up.
+    ModelSpec(
+        "densenet_onnx",
+        lambda: ImageClassifier(paddle.vision.models.densenet121(pretrained=False)),
+        (f32("data_0", 1, 3, 224, 224),),
+        (f32("fc6_1", 1, 1000, 1, 1),),
+        0,
+        default=False,
+        config=DENSENET_CONFIG,
+        files=((DENSENET_LABELS, densenet_labels),),
+    ),
     # One call is dominated by its ~100 MB of weights: used by the batching benchmark.
     ModelSpec(
         "mlp_wide",
@@ -368,6 +431,9 @@ MODELS: tuple[ModelSpec, ...] = (
 
 
 def config_pbtxt(spec: ModelSpec) -> str:
+    if spec.config is not None:
+        return spec.config
+
     def block(tensors: Sequence[TensorSpec]) -> str:
         lines = []
         for t in tensors:
@@ -417,6 +483,8 @@ def export(spec: ModelSpec, out: Path, version: int = 1) -> int:
             os.replace(tmp / str(version), out / spec.name / str(version))
             return sum(p.stat().st_size for p in (out / spec.name / str(version)).rglob("*"))
         (tmp / "config.pbtxt").write_text(config_pbtxt(spec))
+        for name, text in spec.files:
+            (tmp / name).write_text(text())
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         _install(tmp, out / spec.name)
         return size

@@ -20,10 +20,10 @@ warnings.filterwarnings("ignore", message="No ccache found")
 
 
 @functools.cache
-def _predictor(model: str, version: int) -> Any:
+def _predictor(model: str, version: int, repository: Path) -> Any:
     from paddle import inference
 
-    directory = Path(EXAMPLE_MODELS) / model / str(version)
+    directory = repository / model / str(version)
     config = inference.Config(
         str(directory / "inference.json"), str(directory / "inference.pdiparams")
     )
@@ -47,10 +47,15 @@ def output_names(model: str) -> tuple[str, ...]:
 
 
 def run_program(
-    model: str, inputs: dict[str, np.ndarray[Any, Any]], version: int = 1
+    model: str,
+    inputs: dict[str, np.ndarray[Any, Any]],
+    version: int = 1,
+    repository: Path = EXAMPLE_MODELS,
 ) -> list[np.ndarray[Any, Any]]:
-    """The program's outputs, in its order (a sequence model's state outputs included)."""
-    predictor = _predictor(model, version)
+    """The program's outputs, in its order (a sequence model's state outputs included);
+    `repository`: where the model was exported, if not the example repository (a model
+    exported on demand)."""
+    predictor = _predictor(model, version, Path(repository))
     for name, array in inputs.items():
         handle = predictor.get_input_handle(name)
         handle.reshape(list(array.shape))
