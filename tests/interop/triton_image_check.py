@@ -1,11 +1,13 @@
 """The steps of Triton's image classification clients (`image_client.py` over `http` and
-`grpc`, `grpc_image_client.py`'s raw `ModelInferRequest` as `grpc_raw`, in
-`src/python/examples/` of triton-inference-server/client) made with tritonclient's API as they
-make them (written here, not copied): read the model's metadata and config and check them as
-their `parse_model` does, preprocess one image as their `preprocess` does (PIL, bilinear
-resize, scaling, NCHW), ask for the top `--classes` with the classification extension, and
-split each answer as their `postprocess` does. Writes the tensor it sent to `--sent` (.npy)
-and prints the answers as JSON, for the test to rank in Paddle. Run in its own process
+`grpc`, `grpc_image_client.py`'s raw `ModelInferRequest` as `grpc_raw`, and
+`ensemble_image_client.py` over `ensemble_http` and `ensemble_grpc`, in `src/python/examples/`
+of triton-inference-server/client) made with tritonclient's API as they make them (written
+here, not copied). The first three read the model's metadata and config and check them as their
+`parse_model` does, preprocess one image as their `preprocess` does (PIL, bilinear resize,
+scaling, NCHW), ask for the top `--classes` with the classification extension and split each
+answer as their `postprocess` does, and write the tensor they sent to `--sent` (.npy); the
+ensemble's sends the image files' bytes, a batch of them, and asks every output for its top
+classes. Prints the answers as JSON, for the test to rank in Paddle. Run in its own process
 (tritonclient's protos and ours cannot share one descriptor pool)."""
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def parse_model(metadata: dict[str, Any], config: dict[str, Any]) -> tuple[str, 
 def preprocess(path: str, scaling: str, c: int, h: int, w: int) -> np.ndarray[Any, Any]:
     """As the examples' `preprocess` does it, for an FP32 NCHW input."""
     image = Image.open(path).convert("L" if c == 1 else "RGB")
-    resized = np.array(image.resize((w, h), Image.BILINEAR))
+    resized = np.array(image.resize((w, h), Image.Resampling.BILINEAR))
     if resized.ndim == 2:
         resized = resized[:, :, np.newaxis]
     typed = resized.astype(np.float32)
@@ -95,17 +97,20 @@ def grpc_json(client: grpcclient.InferenceServerClient, model: str) -> tuple[Any
     """Metadata and config over gRPC, as JSON (what REST answers): the checks are the same."""
     metadata = client.get_model_metadata(model, as_json=True)
     config = client.get_model_config(model, as_json=True)["config"]
-    check(
-        client.get_model_config(model).config.input[0].format == mc.ModelInput.FORMAT_NCHW,
-        "gRPC's ModelInput.format is FORMAT_NCHW",
-    )
     config.setdefault("max_batch_size", 0)  # proto3 JSON leaves zeros out; the field is there
     return metadata, config
 
 
+def grpc_image_json(client: grpcclient.InferenceServerClient, model: str) -> tuple[Any, Any]:
+    """grpc_json, and the input's format as the gRPC clients read it: the proto's enum."""
+    format = client.get_model_config(model).config.input[0].format
+    check(format == mc.ModelInput.FORMAT_NCHW, f"gRPC's ModelInput.format: {format}")
+    return grpc_json(client, model)
+
+
 def classify_grpc(args: argparse.Namespace) -> tuple[np.ndarray[Any, Any], list[bytes]]:
     client = grpcclient.InferenceServerClient(url=args.url)
-    input_name, output_name, (c, h, w) = parse_model(*grpc_json(client, args.model))
+    input_name, output_name, (c, h, w) = parse_model(*grpc_image_json(client, args.model))
     image = preprocess(args.image, args.scaling, c, h, w)
     tensor = grpcclient.InferInput(input_name, list(image.shape), "FP32")
     tensor.set_data_from_numpy(image)
@@ -118,7 +123,8 @@ def classify_grpc(args: argparse.Namespace) -> tuple[np.ndarray[Any, Any], list[
 def classify_grpc_raw(args: argparse.Namespace) -> tuple[np.ndarray[Any, Any], list[bytes]]:
     """grpc_image_client.py: service_pb2 messages on a plain channel, the image as
     raw_input_contents, the classification parameter set by hand."""
-    metadata, config = grpc_json(grpcclient.InferenceServerClient(url=args.url), args.model)
+    client = grpcclient.InferenceServerClient(url=args.url)
+    metadata, config = grpc_image_json(client, args.model)
     input_name, output_name, (c, h, w) = parse_model(metadata, config)
     image = preprocess(args.image, args.scaling, c, h, w)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(args.url))
@@ -135,19 +141,63 @@ def classify_grpc_raw(args: argparse.Namespace) -> tuple[np.ndarray[Any, Any], l
     return image, answers
 
 
+def classify_ensemble(args: argparse.Namespace) -> dict[str, list[list[list[str]]]]:
+    """ensemble_image_client.py: as many of the files (sorted) as the model's max_batch_size
+    takes, each file's bytes a BYTES [1], stacked into one request; each output's top classes
+    per file."""
+    api: Any = httpclient if args.protocol == "ensemble_http" else grpcclient
+    client = api.InferenceServerClient(url=args.url)
+    if api is httpclient:
+        metadata, config = (
+            client.get_model_metadata(args.model),
+            client.get_model_config(args.model),
+        )
+    else:
+        metadata, config = grpc_json(client, args.model)
+    check(len(metadata["inputs"]) == 1 and len(config["input"]) == 1, "one input")
+    files = sorted(args.image)[: int(config["max_batch_size"])]
+    images = []
+    for name in files:
+        with open(name, "rb") as file:
+            images.append(np.array([file.read()], dtype=bytes))
+    batch = np.stack(images, axis=0)
+    tensor = api.InferInput(metadata["inputs"][0]["name"], list(batch.shape), "BYTES")
+    names = [output["name"] for output in metadata["outputs"]]
+    if api is httpclient:
+        tensor.set_data_from_numpy(batch, binary_data=True)
+        requested = [
+            api.InferRequestedOutput(n, binary_data=True, class_count=args.classes) for n in names
+        ]
+    else:
+        tensor.set_data_from_numpy(batch)
+        requested = [api.InferRequestedOutput(n, class_count=args.classes) for n in names]
+    result = client.infer(args.model, [tensor], outputs=requested)
+    answers = {}
+    for name in names:
+        rows = result.as_numpy(name)
+        check(len(rows) == len(files), f"{len(files)} results for {name}, got {len(rows)}")
+        answers[name] = [split(list(row)) for row in rows]
+    return answers
+
+
 CLIENTS = {"http": classify_http, "grpc": classify_grpc, "grpc_raw": classify_grpc_raw}
+ENSEMBLE_CLIENTS = ("ensemble_http", "ensemble_grpc")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--protocol", required=True, choices=sorted(CLIENTS))
+    parser.add_argument("--protocol", required=True, choices=[*sorted(CLIENTS), *ENSEMBLE_CLIENTS])
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", default="densenet_onnx")
-    parser.add_argument("--image", required=True)
+    parser.add_argument("--image", required=True, nargs="+", help="image files")
     parser.add_argument("--scaling", choices=["NONE", "INCEPTION", "VGG"], default="NONE")
     parser.add_argument("--classes", type=int, default=1)
-    parser.add_argument("--sent", required=True, help="where to write the tensor sent (.npy)")
+    parser.add_argument("--sent", help="where to write the tensor sent (.npy)")
     args = parser.parse_args(argv)
+    if args.protocol in ENSEMBLE_CLIENTS:
+        json.dump({"outputs": classify_ensemble(args)}, sys.stdout)
+        return 0
+    args.image = args.image[0]
     image, answers = CLIENTS[args.protocol](args)
     np.save(args.sent, image)
     json.dump({"classes": split(answers)}, sys.stdout)
