@@ -91,7 +91,7 @@ class ModelSpec:
     # config.pbtxt as written, instead of one made from the tensors (a stand-in for one of
     # Triton's models keeps Triton's config), and text files written beside it.
     config: str | None = None
-    files: tuple[tuple[str, Callable[[], str]], ...] = ()
+    files: tuple[tuple[str, str], ...] = ()
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -416,7 +416,7 @@ MODELS: tuple[ModelSpec, ...] = (
         0,
         default=False,
         config=DENSENET_CONFIG,
-        files=((DENSENET_LABELS, densenet_labels),),
+        files=((DENSENET_LABELS, densenet_labels()),),
     ),
     # One call is dominated by its ~100 MB of weights: used by the batching benchmark.
     ModelSpec(
@@ -484,7 +484,7 @@ def export(spec: ModelSpec, out: Path, version: int = 1) -> int:
             return sum(p.stat().st_size for p in (out / spec.name / str(version)).rglob("*"))
         (tmp / "config.pbtxt").write_text(config_pbtxt(spec))
         for name, text in spec.files:
-            (tmp / name).write_text(text())
+            (tmp / name).write_text(text)
         size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         _install(tmp, out / spec.name)
         return size
@@ -628,10 +628,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if not args.force and is_exported(args.out / spec.name, args.legacy):
             make_readable(args.out / spec.name)  # exported before models were made readable
-            config = args.out / spec.name / "config.pbtxt"
-            if config.read_text() != config_pbtxt(spec):
-                config.write_text(config_pbtxt(spec))
-                print(f"exporting {spec.name} ... weights kept, config.pbtxt updated", flush=True)
+            model_dir = args.out / spec.name
+            texts = {"config.pbtxt": config_pbtxt(spec), **dict(spec.files)}
+            stale = [
+                name
+                for name, text in texts.items()
+                if not (model_dir / name).is_file() or (model_dir / name).read_text() != text
+            ]
+            for name in stale:
+                (model_dir / name).write_text(texts[name])
+                (model_dir / name).chmod(0o644)
+            if stale:
+                updated = ", ".join(stale)
+                print(f"exporting {spec.name} ... weights kept, {updated} updated", flush=True)
             else:
                 print(f"exporting {spec.name} ... skipped (already exported)", flush=True)
             continue

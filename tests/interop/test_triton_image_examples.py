@@ -200,3 +200,30 @@ def test_export_writes_tritons_config_and_a_label_a_class(repository: Path) -> N
     labels = (repository / MODEL / "densenet_labels.txt").read_text().splitlines()
     assert len(labels) == 1000 and len(set(labels)) == 1000
     assert not any(":" in label for label in labels)  # the answer's separator
+
+
+def test_export_again_restores_a_missing_label_file_and_keeps_the_weights(
+    repository: Path, tmp_path: Path
+) -> None:
+    """A model already exported is not exported again, but the files beside its config are
+    made as the script writes them."""
+    copy = tmp_path / "models" / MODEL
+    shutil.copytree(repository / MODEL, copy)
+    (copy / "densenet_labels.txt").unlink()
+    weights = (copy / "1" / "inference.pdiparams").stat().st_mtime_ns
+    command = [
+        sys.executable,
+        "scripts/export_models.py",
+        "--out",
+        str(copy.parent),
+        "--only",
+        MODEL,
+    ]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=EXPORT_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr
+    assert "weights kept, densenet_labels.txt updated" in done.stdout
+    labels = repository / MODEL / "densenet_labels.txt"
+    assert (copy / "densenet_labels.txt").read_text() == labels.read_text()
+    assert (copy / "1" / "inference.pdiparams").stat().st_mtime_ns == weights
