@@ -123,6 +123,22 @@ def expected_classes(logits: np.ndarray[Any, Any], labels: list[str]) -> list[li
     return [[f"{logits[i]:f}", str(i), labels[i]] for i in order]
 
 
+def assert_classes(served: list[list[str]], expected: list[list[str]]) -> None:
+    """The same classes in the same order; the scores as printed, within Paddle's rounding."""
+    assert [row[1:] for row in served] == [row[1:] for row in expected]
+    np.testing.assert_allclose(
+        [float(row[0]) for row in served], [float(row[0]) for row in expected], rtol=1e-4
+    )
+
+
+def inception_pixels(path: Path) -> np.ndarray[Any, Any]:
+    """What image_preprocess makes of a file (the reference's own arithmetic): RGB, bilinear
+    224x224, [-1, 1], NCHW."""
+    image = Image.open(path).convert("RGB").resize((224, 224), Image.Resampling.BILINEAR)
+    scaled = np.asarray(image).astype(np.float32) / 127.5 - 1
+    return np.transpose(scaled, (2, 0, 1))
+
+
 @pytest.mark.parametrize(
     ("client", "scaling"),
     [("http", "INCEPTION"), ("grpc", "VGG"), ("grpc_raw", "INCEPTION"), ("grpc_raw", "NONE")],
@@ -148,22 +164,6 @@ def test_tritons_image_client_gets_paddles_top_classes(
     assert logits.shape == (1, 1000, 1, 1)  # the config's reshape: clients see [1000]
     labels = (repository / MODEL / "densenet_labels.txt").read_text().splitlines()
     assert_classes(served, expected_classes(logits.reshape(-1), labels))
-
-
-def assert_classes(served: list[list[str]], expected: list[list[str]]) -> None:
-    """The same classes in the same order; the scores as printed, within Paddle's rounding."""
-    assert [row[1:] for row in served] == [row[1:] for row in expected]
-    np.testing.assert_allclose(
-        [float(row[0]) for row in served], [float(row[0]) for row in expected], rtol=1e-4
-    )
-
-
-def inception_pixels(path: Path) -> np.ndarray[Any, Any]:
-    """What image_preprocess makes of a file (the reference's own arithmetic): RGB, bilinear
-    224x224, [-1, 1], NCHW."""
-    image = Image.open(path).convert("RGB").resize((224, 224), Image.Resampling.BILINEAR)
-    scaled = np.asarray(image).astype(np.float32) / 127.5 - 1
-    return np.transpose(scaled, (2, 0, 1))
 
 
 @pytest.mark.parametrize("protocol", ["ensemble_http", "ensemble_grpc"])

@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.protocol in ENSEMBLE_CLIENTS:
         json.dump({"outputs": classify_ensemble(args)}, sys.stdout)
         return 0
+    if args.sent is None or len(args.image) != 1:
+        parser.error(f"--protocol {args.protocol} takes one --image and --sent")
     args.image = args.image[0]
     image, answers = CLIENTS[args.protocol](args)
     np.save(args.sent, image)
