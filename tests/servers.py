@@ -74,6 +74,20 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def refused_start(args: Sequence[str], timeout_s: float = 120.0) -> str:
+    """What the server printed on stderr when it refused to start with `args` (it must exit 1,
+    never serve)."""
+    started = subprocess.run(
+        [sys.executable, "-m", "service.server", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert started.returncode == 1, (started.returncode, started.stderr[-2000:])
+    return started.stderr
+
+
 def model_repository(target: Path, names: Sequence[str]) -> Path:
     """A repository holding some of the example models (symlinked, nothing copied)."""
     target.mkdir(parents=True, exist_ok=True)

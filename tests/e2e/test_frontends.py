@@ -12,8 +12,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,12 +32,12 @@ from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
-    REPO_ROOT,
     ServerProcess,
     children,
     free_port,
     gather_held,
     model_repository,
+    refused_start,
     running_server,
 )
 
@@ -423,12 +421,5 @@ def test_a_udp_port_another_process_shares_stops_the_start(tmp_path: Path, certs
         args = ["--model-repository", str(repository), "--certs-dir", str(certs_dir)]
         args += ["--host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "0"]
         args += ["--http-port", "0", "--frontends", "2"]
-        started = subprocess.run(
-            [sys.executable, "-m", "service.server", *args],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert started.returncode == 1
-    assert f"UDP port {port} (HTTP/3): Address already in use" in started.stderr
+        refused = refused_start(args)
+    assert f"UDP port {port} (HTTP/3): Address already in use" in refused

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +30,7 @@ from tests.e2e.test_http3_rest import (
 )
 from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, run_reference
-from tests.servers import REPO_ROOT, free_port, model_repository, running_server
+from tests.servers import free_port, model_repository, refused_start, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -161,15 +159,8 @@ def test_a_rest_port_another_process_holds_stops_the_start(tmp_path: Path, certs
         args = ["--model-repository", str(repository), "--certs-dir", str(certs_dir)]
         args += ["--host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "0"]
         args += ["--http-port", str(port), "--frontends", "2"]
-        started = subprocess.run(
-            [sys.executable, "-m", "service.server", *args],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert started.returncode == 1
-    assert f"TCP port {port} (REST): Address already in use" in started.stderr
+        refused = refused_start(args)
+    assert f"TCP port {port} (REST): Address already in use" in refused
 
 
 def test_curl_over_http3_through_frontends_answers_as_paddle(served: Served) -> None:
