@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.test_frontends import calls_by_frontend
-from tests.e2e.test_http import response
+from tests.e2e.test_http import leaving_client_stops_its_generation, response
 from tests.e2e.test_http3_rest import (
     HTTP3,
     Served,
@@ -118,34 +117,7 @@ def test_errors_and_bounds_are_the_parents(served: Served) -> None:
 def test_a_stream_whose_client_leaves_stops_generating(served: Served) -> None:
     """The client reads one event of a 250-token generation and closes its connection: the
     front-end cancels the call and the parent's generation stops far short of 250 steps."""
-
-    def metric(name: str) -> float:
-        return sum(
-            s.value
-            for s in served.server.metrics()
-            if s.name == name and s.labels.get("model") == "generate"
-        )
-
-    steps = "paddlequic_inter_token_seconds_count"
-    before = metric(steps)
-    body = json.dumps({"text": "x", "max_tokens": 250}).encode()
-    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as connection:
-        connection.sendall(
-            b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        received = b""
-        while b"data: " not in received:
-            received += connection.recv(65536)
-    deadline = time.monotonic() + 30
-    while metric("paddlequic_active_generations") != 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    stopped = metric(steps)
-    time.sleep(0.5)
-    assert metric(steps) == stopped
-    assert stopped - before < 150
+    leaving_client_stops_its_generation(served.server, served.port)
 
 
 def test_a_rest_port_another_process_holds_stops_the_start(tmp_path: Path, certs_dir: Path) -> None:

@@ -385,18 +385,23 @@ def test_generate_answers_one_response(rest: Rest) -> None:
 def test_a_stream_whose_client_leaves_stops_generating(rest: Rest) -> None:
     """The client reads one event of a 250-token generation and closes its connection: the
     generation stops (its step count stops growing, far short of 250) and frees its place."""
+    leaving_client_stops_its_generation(rest.process, rest.port)
+
+
+def leaving_client_stops_its_generation(server: ServerProcess, port: int) -> None:
+    """A generate_stream of 250 tokens whose client leaves after its first event."""
 
     def metric(name: str) -> float:
         return sum(
             s.value
-            for s in rest.process.metrics()
+            for s in server.metrics()
             if s.name == name and s.labels.get("model") == "generate"
         )
 
     steps = "paddlequic_inter_token_seconds_count"
     before = metric(steps)
     body = json.dumps({"text": "x", "max_tokens": 250}).encode()
-    with raw(rest) as connection:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
         connection.sendall(
             b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
