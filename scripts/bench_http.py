@@ -344,30 +344,31 @@ def fastapi_peer(python: str, directory: Path, root: Path) -> Peer:
 
 
 def wait_rest_ready(peer: Peer) -> None:
-    """Until the peer's REST port answers /v2/health/ready and one infer; RuntimeError with
-    the reason (its exit, or the deadline) otherwise."""
+    """Until the peer's REST port answers /v2/health/ready with 200 (MLServer answers 400
+    while its model loads) and then one infer; RuntimeError with the reason (its exit, a
+    failed infer, the deadline) otherwise."""
     deadline = time.monotonic() + START_TIMEOUT_S
     url = f"http://{peer.http_address}"
-    body, headers = infer_bodies(JSON, 0)[0]
     while True:
         if peer.process.poll() is not None:
             raise RuntimeError(f"exited ({peer.process.returncode}): {peer.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2):
-                pass
-            request = urllib.request.Request(url + INFER_PATH, body, headers)
-            with urllib.request.urlopen(request, timeout=60):
-                return
-        except urllib.error.HTTPError as exc:
-            raise RuntimeError(
-                f"answered {exc.code}: {exc.read()[:300]!r}\n{peer.log_tail()}"
-            ) from None
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"not ready after {START_TIMEOUT_S:.0f} s: {peer.log_tail()}"
-                ) from None
-            time.sleep(0.2)
+        # OSError: not listening yet, or not ready (an HTTPError)
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2),
+        ):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not ready after {START_TIMEOUT_S:.0f} s: {peer.log_tail()}")
+        time.sleep(0.2)
+    body, headers = infer_bodies(JSON, 0)[0]
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + INFER_PATH, body, headers)):
+            return
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(
+            f"answered {exc.code}: {exc.read()[:300]!r}\n{peer.log_tail()}"
+        ) from None
 
 
 def _tokens(server: ServerProcess) -> Callable[[], float]:

@@ -12,6 +12,7 @@ from tests.chaos import (
     messages,
     partial_messages,
     regions,
+    rest,
     sequences,
     streams,
     workers,
@@ -158,6 +159,24 @@ ATTACKS = (
         "sequence hijack",
         sequences.sequence_hijack,
         frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
+    ),
+    AttackSpec(
+        "REST slow clients (headers, bodies trickled)",
+        rest.slow_clients,
+        frozenset({rest.HEADERS_CUT, rest.BODY_408}),
+        rest=True,
+    ),
+    AttackSpec(
+        "REST oversized bodies (declared, streamed)",
+        rest.oversized_bodies,
+        frozenset({rest.DECLARED_400, rest.STREAMED_400}),
+        rest=True,
+    ),
+    AttackSpec(
+        "REST disconnect storm (infer, generate_stream)",
+        rest.disconnect_storm,
+        frozenset(rest.VANISHED),
+        rest=True,
     ),
     AttackSpec(
         "front-end SIGKILL under load (--frontends 2)",
