@@ -37,6 +37,7 @@ from transport.h3.stream_state import StreamClosed
 from transport.tls.certs import issue_client_certificate
 
 TRANSPORTS = ("h2", "h3")
+REFUSED = "refused at transport"  # an attacking call's connection closed or reset on it
 REST = "http"  # the good clients of the REST port (AttackSpec.rest)
 GOAL_RSS_MB = 32.0
 # The chaos server's --max-message-bytes: below the RSS goal, so that the goal tells a server
@@ -351,7 +352,7 @@ def status_name(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer"
     if isinstance(exc, ConnectionError | OSError):
-        return "refused at transport"
+        return REFUSED
     return f"client error {type(exc).__name__}"
 
 
@@ -417,8 +418,12 @@ class GoodClients:
                 call = functools.partial(self._call, stub)
                 self._tasks.append(asyncio.create_task(self._loop(transport, call)))
         if self._rest:
+            # An idle connection is let go before the server's keep-alive timeout closes it:
+            # a POST on a connection the server is closing fails, and is not retried.
+            connector = aiohttp.TCPConnector(keepalive_timeout=HTTP_KEEPALIVE_S / 2)
             self._session = aiohttp.ClientSession(
                 f"http://127.0.0.1:{self._target.http_port}",
+                connector=connector,
                 timeout=aiohttp.ClientTimeout(total=GOOD_TIMEOUT_S),
             )
             for _ in range(self._loops):

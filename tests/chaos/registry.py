@@ -17,14 +17,13 @@ from tests.chaos import (
     streams,
     workers,
 )
-from tests.chaos.harness import AttackSpec
+from tests.chaos.harness import REFUSED, AttackSpec
 
 
 def _both(*outcomes: str) -> frozenset[str]:
     return frozenset(f"{t} {o}" for t in ("h2", "h3") for o in outcomes)
 
 
-REFUSED = "refused at transport"
 # A stream may take every request (the server answered them; its memory is bounded by the RSS
 # goal) or hold the writer back.
 STREAM_HELD = (
@@ -169,7 +168,7 @@ ATTACKS = (
     AttackSpec(
         "REST oversized bodies (declared, streamed)",
         rest.oversized_bodies,
-        frozenset({rest.DECLARED_400, rest.STREAMED_400}),
+        frozenset({rest.DECLARED_400, rest.STREAMED_400, rest.STREAMED_REFUSED}),
         rest=True,
     ),
     AttackSpec(
