@@ -63,7 +63,7 @@ def test_rest_grpc_and_their_streams_each_give_a_row_and_the_goals(tmp_path: Pat
     reason="fastapi and uvicorn (dev dependencies) are not installed",
 )
 def test_the_fastapi_peer_answers_the_same_json(tmp_path: Path) -> None:
-    stdout, rows = bench(tmp_path / "http.json", "fastapi")
+    _, rows = bench(tmp_path / "http.json", "fastapi")
     assert [(r["server"], r["protocol"]) for r in rows] == [("fastapi", "rest-json")]
 
 
