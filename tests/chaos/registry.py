@@ -174,7 +174,7 @@ ATTACKS = (
     AttackSpec(
         "REST disconnect storm (infer, generate_stream)",
         rest.disconnect_storm,
-        frozenset(rest.VANISHED),
+        frozenset({*rest.VANISHED, rest.RESET}),
         rest=True,
     ),
     AttackSpec(

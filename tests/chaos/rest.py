@@ -13,6 +13,11 @@ import json
 import time
 from collections.abc import Awaitable
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+
 from tests.chaos.floods import ATTACKER_HOST
 from tests.chaos.generations import LONG_MAX_TOKENS, _settled
 from tests.chaos.harness import (
@@ -43,6 +48,7 @@ DECLARED_400 = "declared: 400"
 STREAMED_400 = "streamed: 400"
 STREAMED_REFUSED = f"streamed: {REFUSED}"
 VANISHED = ("vanished mid-request", "vanished before the answer", "vanished mid-answer")
+RESET = "HTTP/2 stream reset mid-answer"
 
 
 def _body() -> bytes:
@@ -188,14 +194,17 @@ async def oversized_bodies(target: Target, scale: Scale) -> AttackResult:
     return result
 
 
+def _generation() -> bytes:
+    return json.dumps({"text": "Once upon a time", "max_tokens": LONG_MAX_TOKENS}).encode()
+
+
 async def _vanish(target: Target, kind: str) -> str:
     """One client that goes away: mid-request (half its body sent), before the answer (its
     request whole) or mid-answer (a long generation, after its first event)."""
     reader, writer = await _open(target)
     try:
         if kind == VANISHED[2]:
-            prompt = {"text": "Once upon a time", "max_tokens": LONG_MAX_TOKENS}
-            request = json.dumps(prompt).encode()
+            request = _generation()
             writer.write(_head(STREAM_PATH, len(request)) + request)
             status = await _status(reader)
             if status != "200":
@@ -214,23 +223,89 @@ async def _vanish(target: Target, kind: str) -> str:
         writer.transport.abort()
 
 
+async def _resets(target: Target, count: int) -> list[str]:
+    """`count` generate_stream requests on one HTTP/2 connection (h2c, prior knowledge), each
+    stream reset (RST_STREAM, CANCEL) once its first event came; the connection then closed."""
+    reader, writer = await _open(target)
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    request = _generation()
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":authority", "chaos"),
+        (":path", STREAM_PATH),
+        ("content-type", "application/json"),
+        ("content-length", str(len(request))),
+    ]
+    pending = set()
+    for _ in range(count):
+        stream = connection.get_next_available_stream_id()
+        connection.send_headers(stream, headers)
+        connection.send_data(stream, request, end_stream=True)
+        pending.add(stream)
+    outcomes: list[str] = []
+    try:
+        while pending:
+            writer.write(connection.data_to_send())
+            await writer.drain()
+            data = await asyncio.wait_for(reader.read(1 << 16), ANSWER_TIMEOUT_S)
+            if not data:
+                break
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    length = event.flow_controlled_length or 0
+                    connection.acknowledge_received_data(length, event.stream_id)
+                if getattr(event, "stream_id", None) not in pending:  # settings, pings
+                    continue
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = dict(event.headers or [])[b":status"].decode()
+                    if status != "200":
+                        outcomes.append(f"HTTP/2 generate_stream: {status}")
+                        pending.discard(event.stream_id)
+                elif isinstance(event, h2.events.DataReceived) and b"data: " in event.data:
+                    connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.CANCEL)
+                    outcomes.append(RESET)
+                    pending.discard(event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    outcomes.append("HTTP/2 stream ended before its reset")
+                    pending.discard(event.stream_id)
+        writer.write(connection.data_to_send())
+        await writer.drain()
+    except (ConnectionError, TimeoutError) as exc:
+        outcomes.append(f"HTTP/2: {type(exc).__name__}")
+    finally:
+        writer.transport.abort()
+    return outcomes + ["HTTP/2 connection closed"] * (count - len(outcomes))
+
+
 async def disconnect_storm(target: Target, scale: Scale) -> AttackResult:
-    """`disconnects` clients of each kind, PARALLEL at once: afterwards no generation may be
-    left running, and each vanished stream may have produced only a few tokens."""
+    """`disconnects` clients of each kind over HTTP/1.1, PARALLEL at once, then `disconnects`
+    HTTP/2 streams reset mid-answer, PARALLEL on each connection: after each, no generation
+    may be left running, and each vanished stream may have produced only a few tokens."""
     result = AttackResult()
-    _, before = await _settled(target)
     gate = asyncio.Semaphore(PARALLEL)
     kinds = [kind for _ in range(scale.disconnects) for kind in VANISHED]
-    result.outcomes.update(
-        await asyncio.gather(*(_gated(gate, _vanish(target, kind)) for kind in kinds))
-    )
-    settled, after = await _settled(target)
-    if not settled:
-        result.problems.append("generations still active after every client vanished")
-    per_stream = (after - before) / scale.disconnects
-    result.notes["tokens_per_vanished_stream"] = round(per_stream, 1)
-    # Gone after its first event, a generation stops within a few decode steps; one that ran
-    # on would make about LONG_MAX_TOKENS.
-    if per_stream > LONG_MAX_TOKENS / 2:
-        result.problems.append(f"{per_stream:.0f} tokens per stream whose client vanished")
+
+    async def http1() -> None:
+        calls = (_gated(gate, _vanish(target, kind)) for kind in kinds)
+        result.outcomes.update(await asyncio.gather(*calls))
+
+    async def http2() -> None:
+        for first in range(0, scale.disconnects, PARALLEL):
+            count = min(PARALLEL, scale.disconnects - first)
+            result.outcomes.update(await _resets(target, count))
+
+    for name, storm in (("http1", http1), ("http2", http2)):
+        _, before = await _settled(target)
+        await storm()
+        settled, after = await _settled(target)
+        if not settled:
+            result.problems.append(f"{name}: generations still active after their clients left")
+        per_stream = (after - before) / scale.disconnects
+        result.notes[f"tokens_per_vanished_stream_{name}"] = round(per_stream, 1)
+        # Gone after its first event, a generation stops within a few decode steps; one that
+        # ran on would make about LONG_MAX_TOKENS.
+        if per_stream > LONG_MAX_TOKENS / 2:
+            result.problems.append(f"{name}: {per_stream:.0f} tokens per vanished stream")
     return result
