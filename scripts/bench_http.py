@@ -73,6 +73,9 @@ GRPC, JSON, BINARY = "grpc", "rest-json", "rest-binary"
 GRPC_STREAM, SSE = "grpc-stream", "sse"
 INFER = bench_peers.WORKLOADS["mlp"]  # mlp, concurrency 32, [1, 256] FP32
 INFER_PATH = f"/v2/models/{INFER.model}/infer"
+# aiohttp asks for gzip by default, which paddlequic honours (Triton's behaviour) and the
+# peers ignore: every request asks for no compression, so all compare the same answers.
+IDENTITY = {"accept-encoding": "identity"}
 GENERATION_MODEL = "generate"
 GENERATION_CONCURRENCY = 8
 GENERATION_TOKENS = 32  # max_tokens of every generation (greedy: the same text each time)
@@ -133,6 +136,7 @@ def infer_bodies(protocol: str, seed: int) -> list[tuple[bytes, dict[str, str]]]
                 {"inputs": [tensor], "parameters": {"binary_data_output": True}}
             ).encode()
             headers = {
+                **IDENTITY,
                 "content-type": "application/octet-stream",
                 "inference-header-content-length": str(len(header)),
             }
@@ -140,7 +144,7 @@ def infer_bodies(protocol: str, seed: int) -> list[tuple[bytes, dict[str, str]]]
         else:
             tensor["data"] = row.ravel().tolist()
             body = json.dumps({"inputs": [tensor]}).encode()
-            bodies.append((body, {"content-type": "application/json"}))
+            bodies.append((body, {**IDENTITY, "content-type": "application/json"}))
     return bodies
 
 
@@ -154,7 +158,7 @@ async def _rest_calls(
     start, end = window
     if protocol == SSE:
         path = f"/v2/models/{GENERATION_MODEL}/generate_stream"
-        bodies = [(generation_body(), {"content-type": "application/json"})]
+        bodies = [(generation_body(), {**IDENTITY, "content-type": "application/json"})]
     else:
         path, bodies = INFER_PATH, infer_bodies(protocol, os.getpid())
     counted = 0
