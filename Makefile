@@ -19,7 +19,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-peers bench-rtt bench-observability bench-generate bench-sequences bench-density lab-replicas lab-udp-fallback lab-migration chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-peers bench-http bench-rtt bench-observability bench-generate bench-sequences bench-density lab-replicas lab-udp-fallback lab-migration chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -35,6 +35,7 @@ help:
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
 	@echo "make bench-scale  --frontends 1, 2, 4: requests/s and new connections/s on both transports, as ratios (writes bench-results/)"
 	@echo "make bench-peers  paddlequic vs a plain grpcio server, MLServer (batching on/off; .venv-mlserver, made when missing) and a canned-answer ceiling (writes bench-results/)"
+	@echo "make bench-http  REST (JSON, binary tensors) vs its own gRPC, MLServer's REST (.venv-mlserver) and FastAPI on uvicorn; generate_stream (SSE) vs gRPC streaming, CPU per token (writes bench-results/)"
 	@echo "make bench-scale-kit  wheels (.whl/) to run bench-scale on a many-core host without network or Paddle (scripts/bench_scale_host.sh)"
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
@@ -123,6 +124,9 @@ $(MLSERVER_VENV)/bin/mlserver:
 
 bench-peers: setup models-bench $(MLSERVER_VENV)/bin/mlserver
 	$(BIN)/python -m scripts.bench_peers $(ARGS)
+
+bench-http: setup models $(MLSERVER_VENV)/bin/mlserver
+	$(BIN)/python -m scripts.bench_http $(ARGS)
 
 # For a many-core host without network or Paddle: docs/benchmarks.md, "On a many-core host".
 bench-scale-kit: setup

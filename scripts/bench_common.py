@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tests.servers import descendants
-
 if TYPE_CHECKING:
     from protos.inference import model_config_pb2 as mc
     from service.backend.paddle_model import PaddleModel
@@ -74,6 +72,11 @@ FRONTEND_MODULE = "service.frontends.frontend"  # in a paddlequic front-end's co
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     """Each process of a server's tree: its part (main, frontends, workers: every other
     process, launchers included) and its CPU seconds (/proc/PID/stat)."""
+    # Imported here: MLServer's process imports this module for worker_predictor
+    # (scripts/peers/mlserver_runtime.py), where tests.servers' protos, of the same `inference`
+    # package as MLServer's own, would fail to load (duplicate symbol).
+    from tests.servers import descendants
+
     parts = {root: "main"} | {
         pid: "frontends" if FRONTEND_MODULE in command else "workers"
         for pid, command in descendants(root).items()

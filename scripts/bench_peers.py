@@ -201,10 +201,13 @@ class Peer:
         log: Path,
         port: int,
         cwd: Path,
+        http_port: int = 0,
     ) -> None:
+        """`port`: its gRPC port; `http_port`: its REST port, where it has one."""
         self.name = name
         self.models = models
         self.address = f"127.0.0.1:{port}"
+        self.http_address = f"127.0.0.1:{http_port}"
         self.log = log
         environment = {
             **os.environ,
@@ -316,12 +319,12 @@ def mlserver(name: str, batching: bool, directory: Path, setup: Setup) -> Peer:
     root = setup.root
     config = text_format.Parse((directory / "config.pbtxt").read_text(), mc.ModelConfig())
     home = root / f"{name}-{config.name}"
-    port = free_port()
+    port, http_port = free_port(), free_port()
     settings = {
         "debug": False,
         "host": "127.0.0.1",
         "grpc_port": port,
-        "http_port": free_port(),
+        "http_port": http_port,
         "metrics_port": free_port(),
         "model_repository_root": str(home),
         "metrics_dir": str(home / ".metrics"),
@@ -341,7 +344,7 @@ def mlserver(name: str, batching: bool, directory: Path, setup: Setup) -> Peer:
     (home / config.name / "model-settings.json").write_text(json.dumps(model, indent=2))
     command = [str(MLSERVER_VENV / "bin" / "mlserver"), "start", str(home)]
     log = root / f"{home.name}.log"
-    return Peer(name, frozenset([config.name]), command, log, port, home)
+    return Peer(name, frozenset([config.name]), command, log, port, home, http_port)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -15,18 +16,19 @@ import shutil
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 
 from clients.inference_client import build_request, parse_response
 from clients.quic_channel import QuicChannel
-from protos.inference import grpc_service_pb2 as pb
+from oip.datatypes import from_numpy
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import call_inputs, example_inputs, output_names, run_reference
 from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
@@ -35,6 +37,8 @@ from transport.h3.stream_state import StreamClosed
 from transport.tls.certs import issue_client_certificate
 
 TRANSPORTS = ("h2", "h3")
+REFUSED = "refused at transport"  # an attacking call's connection closed or reset on it
+REST = "http"  # the good clients of the REST port (AttackSpec.rest)
 GOAL_RSS_MB = 32.0
 # The chaos server's --max-message-bytes: below the RSS goal, so that the goal tells a server
 # that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
@@ -43,6 +47,11 @@ MAX_MESSAGE = 16 << 20
 # What the HTTP/3 streams of one address may hold (--h3-receive-budget-per-address): below the
 # RSS goal too, so that an attacker's many connections from one address stay under it.
 RECEIVE_BUDGET_PER_ADDRESS = 16 << 20
+# The REST port's bounds (--http-max-input-size below the RSS goal, as MAX_MESSAGE; the idle
+# and body timeouts short, so that a slow client's row ends within seconds).
+HTTP_MAX_INPUT = MAX_MESSAGE
+HTTP_KEEPALIVE_S = 2.0
+HTTP_BODY_S = 3.0
 H2_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -134,6 +143,9 @@ class Scale:
     fork_bombs: int = 2  # fork bombs from a Python model, each past its process count
     memfd_bombs: int = 2  # memfd_create files of 1,500 MiB asked for
     orphans: int = 2  # double-forked children whose worker then ends
+    slow_clients: int = 24  # REST connections trickling their headers, as many their bodies
+    oversized_bodies: int = 2  # REST bodies past --http-max-input-size: declared, as many streamed
+    disconnects: int = 16  # REST clients vanishing, of each kind (mid-request, -answer, before it)
 
 
 SHORT = Scale(
@@ -211,6 +223,9 @@ FULL = Scale(
     fork_bombs=5,
     memfd_bombs=5,
     orphans=5,
+    slow_clients=200,
+    oversized_bodies=6,
+    disconnects=200,
 )
 
 
@@ -221,6 +236,7 @@ class Target:
 
     address: str
     port: int
+    http_port: int  # the REST API (HTTP/1.1 and HTTP/2 over TCP)
     pid: int  # the server's main process (with --frontends, the parent that runs the servicers)
     ca_file: Path
     metrics_url: str
@@ -276,6 +292,7 @@ class AttackSpec:
     # Good calls failing UNAVAILABLE are expected (their connection's process was killed):
     # each is retried once, as a client would, and only a failed retry counts as a failure.
     retry_unavailable: bool = False
+    rest: bool = False  # good clients call the REST port's /infer too
 
 
 @dataclass
@@ -335,7 +352,7 @@ def status_name(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer"
     if isinstance(exc, ConnectionError | OSError):
-        return "refused at transport"
+        return REFUSED
     return f"client error {type(exc).__name__}"
 
 
@@ -369,23 +386,28 @@ _CALLS = itertools.count()
 
 
 class GoodClients:
-    """Loops of ModelInfer on `mlp` over both transports, each call with inputs of its own and
-    its response checked against in-process Paddle for them (an answer given to another call
-    fails). With `retry_unavailable`, a call that fails UNAVAILABLE is made once
-    more on the same channel (which reconnects) after a short backoff, and only that retry's
-    failure counts."""
+    """Loops of ModelInfer on `mlp` over both transports, and with `rest` of REST's /infer
+    (JSON, HTTP/1.1 keep-alive), each call with inputs of its own and its response checked
+    against in-process Paddle for them (an answer given to another call fails). With
+    `retry_unavailable`, a call that fails UNAVAILABLE is made once more on the same channel
+    (which reconnects) after a short backoff, and only that retry's failure counts."""
 
-    def __init__(self, target: Target, loops: int, retry_unavailable: bool = False) -> None:
+    def __init__(
+        self, target: Target, loops: int, retry_unavailable: bool = False, rest: bool = False
+    ) -> None:
         self._target = target
         self._loops = loops
         self._retry_unavailable = retry_unavailable
+        self._rest = rest
+        self._session: aiohttp.ClientSession | None = None
         self.retried: Counter[str] = Counter()  # transport -> calls retried
         self.requests = 0
         self.failures: Counter[str] = Counter()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._channels: list[grpc.aio.Channel | QuicChannel] = []
-        self._first: dict[str, asyncio.Event] = {t: asyncio.Event() for t in TRANSPORTS}
+        transports = (*TRANSPORTS, REST) if rest else TRANSPORTS
+        self._first: dict[str, asyncio.Event] = {t: asyncio.Event() for t in transports}
 
     async def start(self) -> None:
         for transport in TRANSPORTS:
@@ -393,7 +415,19 @@ class GoodClients:
             self._channels.append(channel)
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             for _ in range(self._loops):
-                self._tasks.append(asyncio.create_task(self._loop(transport, stub)))
+                call = functools.partial(self._call, stub)
+                self._tasks.append(asyncio.create_task(self._loop(transport, call)))
+        if self._rest:
+            # An idle connection is let go before the server's keep-alive timeout closes it:
+            # a POST on a connection the server is closing fails, and is not retried.
+            connector = aiohttp.TCPConnector(keepalive_timeout=HTTP_KEEPALIVE_S / 2)
+            self._session = aiohttp.ClientSession(
+                f"http://127.0.0.1:{self._target.http_port}",
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=GOOD_TIMEOUT_S),
+            )
+            for _ in range(self._loops):
+                self._tasks.append(asyncio.create_task(self._loop(REST, self._rest_call)))
         # Baselines are taken with both transports' connections already open.
         await asyncio.wait_for(
             asyncio.gather(*(e.wait() for e in self._first.values())), GOOD_TIMEOUT_S
@@ -405,16 +439,19 @@ class GoodClients:
         await asyncio.gather(*self._tasks)
         for channel in self._channels:
             await channel.close(None)
+        if self._session is not None:
+            await self._session.close()
 
-    async def _loop(self, transport: str, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    async def _loop(self, transport: str, make: Callable[[int], Awaitable[str]]) -> None:
+        """`make(n)`: call number n, and what went wrong with it (empty: nothing)."""
         while not self._stop.is_set():
             call = next(_CALLS)
             self.requests += 1
-            problem = await self._call(stub, call)
+            problem = await make(call)
             if problem.startswith(UNAVAILABLE) and self._retry_unavailable:
                 self.retried[transport] += 1
                 await asyncio.sleep(RETRY_BACKOFF_S)
-                problem = await self._call(stub, call)
+                problem = await make(call)
             if problem:
                 self.failures[f"{transport} {problem[:200]}"] += 1
             self._first[transport].set()
@@ -430,12 +467,40 @@ class GoodClients:
             return f"{exc.code().name}: {exc.details()}"
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
-        return self._check(response, run_reference(GOOD_MODEL, inputs))
+        return self._check(parse_response(response), run_reference(GOOD_MODEL, inputs))
+
+    async def _rest_call(self, call: int) -> str:
+        """As `_call`, over REST with JSON tensors."""
+        assert self._session is not None
+        inputs = call_inputs(GOOD_MODEL, call)
+        tensors = [
+            {
+                "name": name,
+                "datatype": from_numpy(array.dtype).name,
+                "shape": list(array.shape),
+                "data": array.ravel().tolist(),
+            }
+            for name, array in inputs.items()
+        ]
+        path = f"/v2/models/{GOOD_MODEL}/infer"
+        try:
+            async with self._session.post(path, json={"inputs": tensors}) as response:
+                document = await response.json(content_type=None)
+                if response.status != 200:
+                    return f"{response.status}: {str(document)[:200]}"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        served = {
+            o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"])
+            for o in document["outputs"]
+        }
+        return self._check(served, run_reference(GOOD_MODEL, inputs))
 
     def _check(
-        self, response: pb.ModelInferResponse, expected: dict[str, np.ndarray[Any, Any]]
+        self,
+        served: Mapping[str, np.ndarray[Any, Any]],
+        expected: dict[str, np.ndarray[Any, Any]],
     ) -> str:
-        served = parse_response(response)
         for name, array in expected.items():
             if name not in served or not np.allclose(served[name], array, rtol=1e-4, atol=1e-5):
                 return f"wrong output {name}"
@@ -514,7 +579,7 @@ async def run_row(
     before it (the peak catches memory held only while the attack lasts, such as idle
     connections; the level after catches what stays)."""
     started = time.monotonic()
-    good = GoodClients(target, scale.good_loops, spec.retry_unavailable)
+    good = GoodClients(target, scale.good_loops, spec.retry_unavailable, spec.rest)
     try:
         await _wait_responsive(target)
         await good.start()
@@ -584,7 +649,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
     directory = directory / f"frontends-{frontends}"
     directory.mkdir(parents=True, exist_ok=True)
     repository = chaos_repository(directory)
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     certs = directory / "certs"
     for name in CLIENT_NAMES:
         issue_client_certificate(certs, name)
@@ -595,6 +660,9 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
         *("--max-message-bytes", str(MAX_MESSAGE)),
         *("--tls-client-ca", str(certs / "ca.pem")),
         *("--h3-receive-budget-per-address", str(RECEIVE_BUDGET_PER_ADDRESS)),
+        *("--http-port", str(http_port), "--http-max-input-size", str(HTTP_MAX_INPUT)),
+        *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
+        *("--http-body-timeout", str(HTTP_BODY_S)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (
@@ -602,6 +670,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
             Target(
                 address=server.address,
                 port=server.port,
+                http_port=http_port,
                 pid=server.process.pid,
                 ca_file=certs / "ca.pem",
                 metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",

@@ -12,18 +12,18 @@ from tests.chaos import (
     messages,
     partial_messages,
     regions,
+    rest,
     sequences,
     streams,
     workers,
 )
-from tests.chaos.harness import AttackSpec
+from tests.chaos.harness import REFUSED, AttackSpec
 
 
 def _both(*outcomes: str) -> frozenset[str]:
     return frozenset(f"{t} {o}" for t in ("h2", "h3") for o in outcomes)
 
 
-REFUSED = "refused at transport"
 # A stream may take every request (the server answered them; its memory is bounded by the RSS
 # goal) or hold the writer back.
 STREAM_HELD = (
@@ -158,6 +158,24 @@ ATTACKS = (
         "sequence hijack",
         sequences.sequence_hijack,
         frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
+    ),
+    AttackSpec(
+        "REST slow clients (headers, bodies trickled)",
+        rest.slow_clients,
+        frozenset({rest.HEADERS_CUT, rest.BODY_408}),
+        rest=True,
+    ),
+    AttackSpec(
+        "REST oversized bodies (declared, streamed)",
+        rest.oversized_bodies,
+        frozenset({rest.DECLARED_400, rest.STREAMED_400, rest.STREAMED_REFUSED}),
+        rest=True,
+    ),
+    AttackSpec(
+        "REST disconnect storm (infer, generate_stream)",
+        rest.disconnect_storm,
+        frozenset({*rest.VANISHED, rest.RESET}),
+        rest=True,
     ),
     AttackSpec(
         "front-end SIGKILL under load (--frontends 2)",
