@@ -1,0 +1,126 @@
+"""Instances of one Paddle CPU model version forked from one model template (service/workers/
+template.py), which built the predictor they share: they answer as in-process Paddle does, a
+worker that dies restarts through the template, and a template that dies takes its instances
+with it, which restart through a new one, their requests answered and none blamed."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from clients.inference_client import build_request
+from tests.e2e.test_preloaded_launcher import command_of, infer_matches, launcher_of, parent_of
+from tests.reference import assert_matches_reference, example_inputs
+from tests.servers import (
+    EXAMPLE_MODELS,
+    ServerProcess,
+    alive,
+    eventually,
+    model_repository,
+    paused,
+    running_server,
+    wait_arrived,
+)
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 120.0
+PAIR = "mlp"  # the example's program, two instances
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("templates")
+    models = model_repository(root / "models", ["resnet18"])  # one instance: no template
+    pair = models / PAIR
+    pair.mkdir()
+    (pair / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
+    config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
+    (pair / "config.pbtxt").write_text(config.replace("count: 1", "count: 2"))
+    with running_server(models, root / "server.log", ["--no-h3"]) as process:
+        yield process
+
+
+def template_of(pid: int) -> int:
+    """The model template a worker was forked from (worker <- its launcher <- the template)."""
+    template = parent_of(parent_of(pid))
+    assert command_of(template).rstrip("\0 ") == f"paddlequic model-template {PAIR}"
+    return template
+
+
+def pids(server: ServerProcess) -> list[int]:
+    instances = server.instances(PAIR)
+    assert len(instances) == 2
+    return [i.pid for i in instances]
+
+
+def ready(server: ServerProcess, restarts: int) -> bool:
+    """Both instances READY, restarted `restarts` times in all."""
+    instances = server.instances(PAIR)
+    return all(i.state == "READY" for i in instances) and (
+        sum(i.restarts for i in instances) == restarts
+    )
+
+
+def both_answer(server: ServerProcess, seed: int) -> None:
+    """Each worker in turn answers what Paddle in this process answers (the other one held
+    still, so the call goes to this one)."""
+    first, second = pids(server)
+    for busy in (first, second):
+        with paused(busy):
+            infer_matches(server, PAIR, seed=seed)
+
+
+def test_instances_are_forked_from_one_template_and_answer_as_paddle(
+    server: ServerProcess,
+) -> None:
+    first, second = pids(server)
+    template = template_of(first)
+    assert template_of(second) == template
+    # The template is a child of the preloaded launcher; a one-instance model has none.
+    assert "service.workers.preloaded" in command_of(parent_of(template))
+    assert parent_of(template) == launcher_of(server, "resnet18")
+    both_answer(server, seed=11)
+
+
+def test_a_killed_worker_restarts_through_the_same_template(server: ServerProcess) -> None:
+    restarts = sum(i.restarts for i in server.instances(PAIR))
+    first, second = pids(server)
+    template = template_of(first)
+    os.kill(first, signal.SIGKILL)
+    eventually(lambda: ready(server, restarts + 1), "the worker restarted")
+    restarted = next(p for p in pids(server) if p != second)
+    assert template_of(restarted) == template
+    both_answer(server, seed=12)
+
+
+def test_a_killed_template_restarts_both_instances_and_loses_no_request(
+    server: ServerProcess,
+) -> None:
+    """Requests the workers held when their template died go back to the queue, unblamed, and
+    are answered by the instances started through a new template."""
+    before = {i.name: i.restarts for i in server.instances(PAIR)}
+    first, second = pids(server)
+    template = template_of(first)
+    inputs = [example_inputs(PAIR, seed=20 + n) for n in range(4)]
+    with paused(first), paused(second):
+        calls = [
+            server.stub.ModelInfer.future(build_request(PAIR, i), timeout=TIMEOUT_S) for i in inputs
+        ]
+        wait_arrived(server, PAIR, len(calls))
+        os.kill(template, signal.SIGKILL)
+        for pid in (first, second):
+            eventually(functools.partial(lambda p: not alive(p), pid), "the worker ended")
+    for call, sent in zip(calls, inputs, strict=True):
+        assert_matches_reference(PAIR, sent, call.result())
+    eventually(lambda: ready(server, sum(before.values()) + 2), "both instances restarted")
+    assert {i.name: i.restarts - 1 for i in server.instances(PAIR)} == before
+    renewed = template_of(pids(server)[0])
+    assert renewed != template and template_of(pids(server)[1]) == renewed
+    assert "ended with its model template" in server.log_text()
+    assert "suspected poison" not in server.log_text()
+    both_answer(server, seed=13)
