@@ -77,6 +77,9 @@ class WorkerLimits:
     output_bytes_per_s: float = BYTES_PER_S
     # --preloaded-launcher: Paddle CPU workers forked from it (service/workers/preloaded.py).
     preloaded: bool = True
+    # --model-templates: instances of one such version forked from one process that built its
+    # predictor (service/workers/templates.py).
+    templates: bool = True
 
 
 class VersionLoader:
@@ -162,7 +165,8 @@ class VersionLoader:
         # predictor (templates.py), unless each is bounded by a memory limit of its own, which
         # has to count its weights.
         shared = (
-            sum(p.device == "cpu" for p in placements) > 1
+            self.limits.templates
+            and sum(p.device == "cpu" for p in placements) > 1
             and config.backend != PYTHON_BACKEND
             and worker_memory_mb(params, python=False) is None
         )
