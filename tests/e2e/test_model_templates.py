@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2 as pb
 from tests.e2e.test_preloaded_launcher import command_of, infer_matches, launcher_of, parent_of
 from tests.reference import assert_matches_reference, example_inputs
 from tests.servers import (
@@ -32,15 +35,23 @@ TIMEOUT_S = 120.0
 PAIR = "mlp"  # the example's program, two instances
 
 
+def add_pair(models: Path, name: str) -> Path:
+    """The example mlp named `name`, with two instances; its version directory returned."""
+    pair = models / name
+    (pair / "1").mkdir(parents=True)
+    for weights in (EXAMPLE_MODELS / "mlp" / "1").iterdir():
+        (pair / "1" / weights.name).symlink_to(weights)
+    config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
+    config = config.replace('name: "mlp"', f'name: "{name}"')
+    (pair / "config.pbtxt").write_text(config.replace("count: 1", "count: 2"))
+    return pair / "1"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("templates")
     models = model_repository(root / "models", ["resnet18"])  # one instance: no template
-    pair = models / PAIR
-    pair.mkdir()
-    (pair / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
-    config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
-    (pair / "config.pbtxt").write_text(config.replace("count: 1", "count: 2"))
+    add_pair(models, PAIR)
     with running_server(models, root / "server.log", ["--no-h3"]) as process:
         yield process
 
@@ -124,3 +135,27 @@ def test_a_killed_template_restarts_both_instances_and_loses_no_request(
     assert "ended with its model template" in server.log_text()
     assert "suspected poison" not in server.log_text()
     both_answer(server, seed=13)
+
+
+def test_a_template_whose_model_fails_to_build_leaves_the_workers_to_report_it(
+    tmp_path: Path,
+) -> None:
+    """Its failure (weights that are not Paddle's) is answered, not waited for: each instance
+    starts without a template, fails to load as it always did and says why, and another
+    model's template still serves its instances."""
+    models = tmp_path / "models"
+    add_pair(models, PAIR)
+    weights = add_pair(models, "broken") / "inference.pdiparams"
+    weights.unlink()
+    weights.write_bytes(b"not Paddle's weights" * 100)
+    with running_server(models, tmp_path / "log", ["--no-h3"], wait=False) as server:
+        server.wait_loaded()
+        index = {m.name: m for m in server.stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
+        assert index["broken"].state == "UNAVAILABLE"
+        assert index["broken"].reason
+        warning = re.search(r"'broken''s workers without a model template: (.+)", server.log_text())
+        assert warning is not None
+        assert index[PAIR].state == "READY"
+        first, second = pids(server)
+        assert template_of(first) == template_of(second)
+        infer_matches(server, PAIR, seed=14)

@@ -130,19 +130,21 @@ def test_a_death_the_launcher_caused_is_not_counted_against_the_request(tmp_path
         )
 
 
-def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread() -> None:
-    """Its loop run here, in a test process with a second thread (the loop's own): a spawn
-    request is refused, naming why, and nothing is forked."""
+@pytest.mark.parametrize("name", ["the preloaded launcher", "the model template"])
+def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread(name: str) -> None:
+    """Its loop (a model template's too, template.py) run here, in a test process with a
+    second thread (the loop's own): a spawn request is refused, naming why, and nothing is
+    forked."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     wakeup, _ = socket.socketpair()
-    loop = threading.Thread(target=preloaded.serve, args=(theirs, wakeup), daemon=True)
+    loop = threading.Thread(target=preloaded.serve, args=(theirs, wakeup, (), name), daemon=True)
     loop.start()
     spare = socket.socketpair()
     try:
         request = json.dumps({"argv": [], "env": {}}).encode()
         socket.send_fds(ours, [request], [s.fileno() for s in spare])
         reply = json.loads(ours.recv(4096))
-        assert re.fullmatch(r"the preloaded launcher runs \d+ threads; .*", reply["refused"])
+        assert re.fullmatch(rf"{name} runs \d+ threads; .*", reply["refused"])
     finally:
         ours.close()
         loop.join(timeout=TIMEOUT_S)
