@@ -159,3 +159,24 @@ def test_a_template_whose_model_fails_to_build_leaves_the_workers_to_report_it(
         first, second = pids(server)
         assert template_of(first) == template_of(second)
         infer_matches(server, PAIR, seed=14)
+
+
+def test_a_reload_forks_from_a_new_template_and_an_unload_ends_it(tmp_path: Path) -> None:
+    """A reload whose config changed (three instances) starts a template for the new Load; the
+    old one ends with the old instances, and the new one with the last instance unloaded."""
+    models = tmp_path / "models"
+    add_pair(models, PAIR)
+    args = ["--model-control-mode", "explicit", "--load-model", PAIR, "--no-h3"]
+    with running_server(models, tmp_path / "log", args) as server:
+        old = template_of(pids(server)[0])
+        config = models / PAIR / "config.pbtxt"
+        config.write_text(config.read_text().replace("count: 2", "count: 3"))
+        server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=PAIR))
+        eventually(lambda: len(server.instances(PAIR)) == 3, "three instances serve")
+        eventually(functools.partial(lambda p: not alive(p), old), "the old template ended")
+        templates = {template_of(i.pid) for i in server.instances(PAIR)}
+        assert len(templates) == 1 and old not in templates
+        infer_matches(server, PAIR, seed=15)
+        server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=PAIR))
+        (new,) = templates
+        eventually(functools.partial(lambda p: not alive(p), new), "the template ended")
