@@ -13,17 +13,18 @@ instance ended) or with the preloaded launcher (PR_SET_PDEATHSIG), and the launc
 then end their workers.
 
 On its socket: first the Load, pickled as a worker gets it (protocol.py), answered
-`{"ready": true}` or `{"failed": reason}` (then it exits); then spawn requests as the preloaded
-launcher's.
+`{"ready": true, "bytes": its private memory}` or `{"failed": reason}` (then it exits); then
+spawn requests as the preloaded launcher's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 from service.backend.load import Load
-from service.workers import main, protocol
+from service.workers import main, memory, protocol
 
 MAX_LOAD_BYTES = 16 << 20  # one Load: the model's parameters and config (the server's own)
 
@@ -46,7 +47,8 @@ def build(server: socket.socket) -> bool:
         _reply(server, {"failed": main.failure_reason(exc, load)})
         return False
     main.inherit(load, model)
-    _reply(server, {"ready": True})
+    # Before any fork, all its own: what building the model added, which its end gives back.
+    _reply(server, {"ready": True, "bytes": memory.private_bytes(os.getpid())})
     return True
 
 

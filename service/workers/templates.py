@@ -37,6 +37,7 @@ class _Template:
         self.process = process
         self.channel: ForkChannel | None = None
         self.spawning = 0  # requests under way: it is not ended meanwhile
+        self.bytes = 0  # its private memory once built: the model its workers share
         self.closed = False  # ended by the server
 
 
@@ -112,7 +113,17 @@ class ModelTemplates:
             del self._templates[key]
             self._close(template)
             return None
+        template.bytes = int(reply.get("bytes", 0))
         return template
+
+    def held_bytes(self, load: Load) -> int:
+        """What the template of `load` holds of its own (the model its instances' workers
+        share, given back when it ends; none of their private memory counts it); 0: none."""
+        starting = self._templates.get(protocol.encode(load))
+        if starting is None or not starting.done() or starting.cancelled():
+            return 0
+        template = starting.result()
+        return 0 if template is None or template.closed else template.bytes
 
     def _end_started_if_unused(self, starting: asyncio.Future[_Template | None]) -> None:
         if not starting.cancelled() and (template := starting.result()) is not None:

@@ -16,6 +16,7 @@ import pytest
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
+from service.workers.memory import private_bytes
 from tests.e2e.test_preloaded_launcher import command_of, infer_matches, launcher_of, parent_of
 from tests.reference import assert_matches_reference, example_inputs
 from tests.servers import (
@@ -35,14 +36,14 @@ TIMEOUT_S = 120.0
 PAIR = "mlp"  # the example's program, two instances
 
 
-def add_pair(models: Path, name: str) -> Path:
-    """The example mlp named `name`, with two instances; its version directory returned."""
+def add_pair(models: Path, name: str, example: str = "mlp") -> Path:
+    """An example model named `name`, with two instances; its version directory returned."""
     pair = models / name
     (pair / "1").mkdir(parents=True)
-    for weights in (EXAMPLE_MODELS / "mlp" / "1").iterdir():
+    for weights in (EXAMPLE_MODELS / example / "1").iterdir():
         (pair / "1" / weights.name).symlink_to(weights)
-    config = (EXAMPLE_MODELS / "mlp" / "config.pbtxt").read_text()
-    config = config.replace('name: "mlp"', f'name: "{name}"')
+    config = (EXAMPLE_MODELS / example / "config.pbtxt").read_text()
+    config = config.replace(f'name: "{example}"', f'name: "{name}"')
     (pair / "config.pbtxt").write_text(config.replace("count: 1", "count: 2"))
     return pair / "1"
 
@@ -180,3 +181,24 @@ def test_a_reload_forks_from_a_new_template_and_an_unload_ends_it(tmp_path: Path
         server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name=PAIR))
         (new,) = templates
         eventually(functools.partial(lambda p: not alive(p), new), "the template ended")
+
+
+def test_the_memory_budget_counts_the_model_its_template_holds(tmp_path: Path) -> None:
+    """Under --model-memory-budget a model's size is what unloading it gives back: with a
+    template, its workers' private memory and the model the template built, which is in none
+    of their private memory (resnet18's weights: 45 MB)."""
+    models = tmp_path / "models"
+    weights = add_pair(models, "resnet18", "resnet18") / "inference.pdiparams"
+    args = ["--no-h3", "--model-memory-budget", "100000", "--model-control-mode", "explicit"]
+    args += ["--load-model", "resnet18"]
+    with running_server(models, tmp_path / "log", args) as server:
+        instances = server.instances("resnet18")
+        templates = {parent_of(parent_of(i.pid)) for i in instances}
+        assert len(templates) == 1  # both forked from one template
+        workers = sum(private_bytes(parent_of(i.pid)) for i in instances)
+        sizes = [
+            s.value
+            for s in server.metrics()
+            if s.name == "paddlequic_model_memory_bytes" and s.labels.get("model") == "resnet18"
+        ]
+        assert sizes and sizes[0] >= workers + 0.9 * weights.stat().st_size
