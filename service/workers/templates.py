@@ -59,7 +59,7 @@ class ModelTemplates:
         or None: start it without one."""
         key = protocol.encode(load)
         starting = self._templates.get(key)
-        if starting is None:
+        if starting is None or (starting.done() and _built(starting) is None):
             starting = asyncio.ensure_future(self._start(key, load, env))
             self._templates[key] = starting
         try:
@@ -89,6 +89,9 @@ class ModelTemplates:
             process = await self._launcher.fork(
                 {"template": load.model_name, "env": dict(env)}, [theirs]
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         if process is None:
@@ -120,13 +123,11 @@ class ModelTemplates:
         """What the template of `load` holds of its own (the model its instances' workers
         share, given back when it ends; none of their private memory counts it); 0: none."""
         starting = self._templates.get(protocol.encode(load))
-        if starting is None or not starting.done() or starting.cancelled():
-            return 0
-        template = starting.result()
+        template = None if starting is None else _built(starting)
         return 0 if template is None or template.closed else template.bytes
 
     def _end_started_if_unused(self, starting: asyncio.Future[_Template | None]) -> None:
-        if not starting.cancelled() and (template := starting.result()) is not None:
+        if (template := _built(starting)) is not None:
             self._end_if_unused(template)
 
     def _end_if_unused(self, template: _Template) -> None:
@@ -154,7 +155,7 @@ class ModelTemplates:
 
     def _forget(self, template: _Template) -> None:
         starting = self._templates.get(template.key)
-        if starting is not None and starting.done() and starting.result() is template:
+        if starting is not None and _built(starting) is template:
             del self._templates[template.key]
 
     def _warn(self, load: Load, why: str) -> None:
@@ -169,8 +170,15 @@ class ModelTemplates:
         for starting in list(self._templates.values()):
             if not starting.done():
                 starting.cancel()
-            elif (template := starting.result()) is not None:
+            elif (template := _built(starting)) is not None:
                 self._close(template)
+
+
+def _built(starting: asyncio.Future[_Template | None]) -> _Template | None:
+    """The template a start gave, once done; None while under way, or where it gave none."""
+    if not starting.done() or starting.cancelled() or starting.exception() is not None:
+        return None
+    return starting.result()
 
 
 def _fds(sockets: Sequence[socket.socket]) -> list[int]:
