@@ -11,6 +11,7 @@ import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,13 +79,26 @@ def ready(server: ServerProcess, restarts: int) -> bool:
     )
 
 
+def holds(server: ServerProcess, pid: int) -> bool:
+    return any(i.pid == pid and i.outstanding for i in server.instances(PAIR))
+
+
 def both_answer(server: ServerProcess, seed: int) -> None:
-    """Each worker in turn answers what Paddle in this process answers (the other one held
-    still, so the call goes to this one)."""
-    first, second = pids(server)
-    for busy in (first, second):
-        with paused(busy):
-            infer_matches(server, PAIR, seed=seed)
+    """Each worker answers what Paddle in this process answers: calls are made until one held
+    still holds one, then the next goes to the other worker (a call goes to the instance with
+    less outstanding work), and the first answers once it runs again."""
+    first, _ = pids(server)
+    calls: list[tuple[dict[str, Any], Any]] = []
+    with paused(first):
+        while not holds(server, first):
+            inputs = example_inputs(PAIR, seed=seed + len(calls))
+            call = server.stub.ModelInfer.future(build_request(PAIR, inputs), timeout=TIMEOUT_S)
+            calls.append((inputs, call))
+            settled = functools.partial(lambda c: c.done() or holds(server, first), call)
+            eventually(settled, "answered or held")
+        infer_matches(server, PAIR, seed=seed + 100)  # by the other worker
+    for inputs, call in calls:
+        assert_matches_reference(PAIR, inputs, call.result())
 
 
 def test_instances_are_forked_from_one_template_and_answer_as_paddle(
