@@ -16,6 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 MAX_REPLY_BYTES = 4096
+# What one request to a model template may carry (its Load): under the sockets' default buffer
+# (net.core.wmem_default, 208 KiB), past which the kernel refuses a datagram (EMSGSIZE).
+MAX_REQUEST_BYTES = 128 << 10
 
 
 class ForkedProcess:

@@ -25,20 +25,19 @@ import socket
 
 from service.backend.load import Load
 from service.workers import main, memory, protocol
-
-MAX_LOAD_BYTES = 16 << 20  # one Load: the model's parameters and config (the server's own)
+from service.workers.fork_channel import MAX_REQUEST_BYTES
 
 
 def build(server: socket.socket) -> bool:
     """Build the model of the Load the server sends, kept for the workers forked from here
     (main.inherit); False, the reason sent, when it fails."""
-    data, _, flags, _ = server.recvmsg(MAX_LOAD_BYTES)
+    data, _, flags, _ = server.recvmsg(MAX_REQUEST_BYTES)
     header = protocol.header_size()
     whole = data and not flags & socket.MSG_TRUNC
     load = protocol.decode(data[header:]) if whole else None
     if not isinstance(load, Load):
         _reply(
-            server, {"failed": f"the template expected a Load of at most {MAX_LOAD_BYTES} bytes"}
+            server, {"failed": f"the template expected a Load of at most {MAX_REQUEST_BYTES} bytes"}
         )
         return False
     try:

@@ -6,9 +6,10 @@ The template is started through the preloaded launcher at the first spawn that f
 its Load, and ends when the last launcher it forked ended with no spawn under way (the server
 closes its socket); a later spawn starts a new one. When it dies, the launchers it forked end
 with it (their PR_SET_PDEATHSIG): they are reported ENDED_WITH_TEMPLATE, which blames no
-request. Whatever goes wrong (it refused, failed to build the model, died, took longer than
-BUILD_TIMEOUT_S), the spawn answers None and the worker starts as without a template, which
-reports a model that cannot be built as it always did.
+request. Whatever goes wrong (its Load is larger than MAX_REQUEST_BYTES, it refused, failed to
+build the model, died, took longer than BUILD_TIMEOUT_S), the spawn answers None and the
+worker starts as without a template, which reports a model that cannot be built as it always
+did.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from service.backend.load import Load
 from service.workers import protocol, subreaper
-from service.workers.fork_channel import ForkChannel, ForkedProcess
+from service.workers.fork_channel import MAX_REQUEST_BYTES, ForkChannel, ForkedProcess
 from service.workers.forked import PreloadedLauncher
 
 log = logging.getLogger("paddlequic.worker")
@@ -58,6 +59,9 @@ class ModelTemplates:
         """A launcher running the worker on `sockets`, forked from the template of `load`,
         or None: start it without one."""
         key = protocol.encode(load)
+        if len(key) > MAX_REQUEST_BYTES:
+            self._warn(load, f"its Load takes {len(key)} bytes, more than {MAX_REQUEST_BYTES}")
+            return None
         starting = self._templates.get(key)
         if starting is None or (starting.done() and _built(starting) is None):
             starting = asyncio.ensure_future(self._start(key, load, env))

@@ -17,6 +17,7 @@ import pytest
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
+from service.workers.fork_channel import MAX_REQUEST_BYTES
 from service.workers.memory import private_bytes
 from tests.e2e.test_preloaded_launcher import command_of, infer_matches, launcher_of, parent_of
 from tests.reference import assert_matches_reference, example_inputs
@@ -216,3 +217,23 @@ def test_the_memory_budget_counts_the_model_its_template_holds(tmp_path: Path) -
             if s.name == "paddlequic_model_memory_bytes" and s.labels.get("model") == "resnet18"
         ]
         assert sizes and sizes[0] >= workers + 0.9 * weights.stat().st_size
+
+
+def test_a_load_larger_than_a_template_request_starts_its_instances_without_one(
+    tmp_path: Path,
+) -> None:
+    """A Load past MAX_REQUEST_BYTES (a config with a large parameter) is not sent to a
+    template: the instances start as without one, named in the log, and answer."""
+    models = tmp_path / "models"
+    config = add_pair(models, PAIR).parent / "config.pbtxt"
+    large = "x" * MAX_REQUEST_BYTES
+    config.write_text(
+        config.read_text() + f'parameters {{ key: "note" value: {{ string_value: "{large}" }} }}\n'
+    )
+    with running_server(models, tmp_path / "log", ["--no-h3"]) as server:
+        assert re.search(
+            r"without a model template: its Load takes \d+ bytes, more than", server.log_text()
+        )
+        for pid in pids(server):
+            assert "service.workers.preloaded" in command_of(parent_of(parent_of(pid)))
+        infer_matches(server, PAIR, seed=16)
