@@ -40,7 +40,7 @@ help:
 	@echo "make bench-observability  cost of metrics + 1% tracing vs off (writes bench-results/)"
 	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
 	@echo "make bench-sequences  the stateful kws example at 1, 16, 64 live sequences vs its engine alone (writes bench-results/)"
-	@echo "make bench-density  10, 50, 200 copies of mlp and the examples: READY time, worker USS, total PSS, preloaded vs fresh workers (writes bench-results/)"
+	@echo "make bench-density  10, 50, 200 copies of mlp and the examples: READY time, worker USS, total PSS, preloaded vs fresh workers; resnet18 x 4 with and without a model template (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
 	@echo "make lab-udp-fallback  an auto:// client on a link that drops UDP, then lets it through (root)"

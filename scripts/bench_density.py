@@ -1,9 +1,12 @@
 """`make bench-density`: how many models one host holds. N copies of the example `mlp` (a tiny
 model) and the example repository, served with Paddle workers forked from the preloaded
-launcher and, as the reference, with every worker started afresh (`--no-preloaded-launcher`):
-time until ServerReady, each worker's private memory (USS: private clean + private dirty, from
-/proc/PID/smaps_rollup), the memory of the whole process tree (PSS, which splits each shared
-page among its sharers) and whether every copy answered a call.
+launcher and, as the reference, with every worker started afresh (`--no-preloaded-launcher`);
+and `resnet18` with `instance_group` count 4, its instances forked from one model template
+that built the predictor (the default) and, as the reference, each building its own
+(`--no-model-templates`): time until ServerReady, each worker's private memory (USS: private
+clean + private dirty, from /proc/PID/smaps_rollup), the memory of the whole process tree
+(PSS, which splits each shared page among its sharers) and whether every copy answered a
+call.
 
 Goals (issue: many models on one host, 2 cores): median worker USS at most 20 MB, total PSS at
 most 25 MB x N + 300 MB and READY within 0.25 s x N + 10 s.
@@ -29,19 +32,28 @@ from scripts.bench_common import write_json
 from tests.servers import EXAMPLE_MODELS, ServerProcess, descendants, model_repository
 
 SIZES = (10, 50, 200)
+INSTANCES = 4  # of resnet18
 # A fresh worker holds about 135 MB of its own: past this many copies the reference would not
 # fit in this machine's memory, so it is left out (and the table says so).
 FRESH_MAX_COPIES = 60
 READY_LIMIT_S = 1800.0
 RESULTS = Path("bench-results/bench_density.json")
 MLP_INPUTS = {"input": np.zeros((1, 256), np.float32)}
+RESNET_INPUTS = {"image": np.zeros((1, 3, 224, 224), np.float32)}
+# How each launcher is asked for: "template" and "preloaded" differ only for a model with more
+# than one instance.
+FLAGS = {
+    "template": ["--preloaded-launcher", "--model-templates"],
+    "preloaded": ["--preloaded-launcher", "--no-model-templates"],
+    "fresh": ["--no-preloaded-launcher"],
+}
 
 
 @dataclass
 class Row:
     repository: str
     models: int
-    launcher: str  # "preloaded" or "fresh"
+    launcher: str  # "template", "preloaded" or "fresh" (FLAGS)
     ready_s: float
     workers: int
     median_worker_uss_mb: float
@@ -63,6 +75,16 @@ def copies_of_mlp(root: Path, count: int) -> tuple[Path, list[str]]:
         (target / "config.pbtxt").write_text(config.replace('name: "mlp"', f'name: "{name}"'))
         (target / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
     return root, names
+
+
+def instances_of_resnet18(root: Path, count: int) -> tuple[Path, list[str]]:
+    """The example resnet18 with `count` instances."""
+    config = (EXAMPLE_MODELS / "resnet18" / "config.pbtxt").read_text()
+    target = root / "resnet18"
+    target.mkdir(parents=True)
+    (target / "config.pbtxt").write_text(config.replace("count: 1", f"count: {count}"))
+    (target / "1").symlink_to(EXAMPLE_MODELS / "resnet18" / "1")
+    return root, ["resnet18"]
 
 
 def memory_kb(pid: int) -> tuple[int, int]:
@@ -96,11 +118,10 @@ def wait_ready(server: ServerProcess, started: float) -> float:
         time.sleep(0.2)
 
 
-def measure(repository: Path, names: list[str], label: str, preloaded: bool) -> Row:
+def measure(repository: Path, names: list[str], label: str, launcher: str) -> Row:
     logs = Path(tempfile.mkdtemp(prefix="bench-density-"))
-    flag = "--preloaded-launcher" if preloaded else "--no-preloaded-launcher"
     started = time.monotonic()
-    server = ServerProcess(repository, logs / "server.log", ["--no-h3", flag])
+    server = ServerProcess(repository, logs / "server.log", ["--no-h3", *FLAGS[launcher]])
     try:
         ready_s = wait_ready(server, started)
         workers = [i.pid for name in names for i in server.instances(name)]
@@ -108,9 +129,10 @@ def measure(repository: Path, names: list[str], label: str, preloaded: bool) -> 
         root = server.process.pid
         pss = sum(memory_kb(pid)[1] for pid in (root, *descendants(root))) / 1024
         answered = 0
+        inputs = RESNET_INPUTS if label.startswith("resnet18") else MLP_INPUTS
         for name in names if label != "examples" else ():  # every copy of mlp answers
             try:
-                server.stub.ModelInfer(build_request(name, MLP_INPUTS), timeout=60)
+                server.stub.ModelInfer(build_request(name, inputs), timeout=60)
                 answered += 1
             except grpc.RpcError as exc:
                 print(f"  {name}: {exc.code().name} {exc.details()}", file=sys.stderr)
@@ -122,7 +144,7 @@ def measure(repository: Path, names: list[str], label: str, preloaded: bool) -> 
     return Row(
         label,
         count,
-        "preloaded" if preloaded else "fresh",
+        launcher,
         round(ready_s, 1),
         len(workers),
         round(median_uss, 1),
@@ -138,24 +160,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="copies of mlp")
     parser.add_argument("--no-examples", action="store_true", help="skip the example repository")
+    parser.add_argument(
+        "--instances", type=int, default=INSTANCES, help="resnet18's instance count; 0: skip"
+    )
     args = parser.parse_args()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="bench-density-") as scratch:
-        plans: list[tuple[str, Path, list[str]]] = []
+        plans: list[tuple[str, Path, list[str], tuple[str, ...]]] = []
         if not args.no_examples:
             examples = sorted(p.name for p in EXAMPLE_MODELS.iterdir() if p.is_dir())
             repo = model_repository(Path(scratch) / "examples", examples)
-            plans.append(("examples", repo, examples))
+            plans.append(("examples", repo, examples, ("preloaded", "fresh")))
         for size in (int(s) for s in args.sizes.split(",") if s):
             repo, names = copies_of_mlp(Path(scratch) / f"mlp-x{size}", size)
-            plans.append((f"mlp x {size}", repo, names))
-        for label, repo, names in plans:
-            for preloaded in (True, False):
-                if not preloaded and len(names) > FRESH_MAX_COPIES:
+            plans.append((f"mlp x {size}", repo, names, ("preloaded", "fresh")))
+        if args.instances:
+            repo, names = instances_of_resnet18(Path(scratch) / "resnet18", args.instances)
+            plans.append((f"resnet18 x {args.instances}", repo, names, ("template", "preloaded")))
+        for label, repo, names, launchers in plans:
+            for launcher in launchers:
+                if launcher == "fresh" and len(names) > FRESH_MAX_COPIES:
                     print(f"{label}, fresh: left out ({len(names)} x ~135 MB does not fit here)")
                     continue
-                print(f"{label}, {'preloaded' if preloaded else 'fresh'}: starting ...", flush=True)
-                row = measure(repo, names, label, preloaded)
+                print(f"{label}, {launcher}: starting ...", flush=True)
+                row = measure(repo, names, label, launcher)
                 called = (
                     "not called" if label == "examples" else f"{row.answered}/{len(names)} answered"
                 )
@@ -169,7 +197,7 @@ def main() -> int:
     print(header)
     for r in rows:
         goals = " ".join("yes" if g else "NO" for g in (r.goal_uss, r.goal_pss, r.goal_ready))
-        goals = "-" if r.repository == "examples" else goals  # the goals are for N copies
+        goals = goals if r.repository.startswith("mlp") else "-"  # the goals: N copies of mlp
         print(
             f"{r.repository:<14}{r.launcher:<11}{r.ready_s:>9}{r.workers:>9}"
             f"{r.median_worker_uss_mb:>15}{r.total_pss_mb:>14.0f}{r.answered:>10}  {goals}"

@@ -79,6 +79,7 @@ async def serve(settings: ServerSettings) -> None:
             settings.model_output_lines,
             settings.model_output_bytes,
             settings.preloaded_launcher,
+            settings.model_templates,
         ),
         uploads=UploadLimits(settings.max_upload_files, settings.max_upload_bytes),
         memory_budget_mb=settings.model_memory_budget,

@@ -87,6 +87,7 @@ class ServerSettings:
     model_output_lines: float = 100.0
     model_output_bytes: float = 65536.0
     preloaded_launcher: bool = True
+    model_templates: bool = True
     trace_console: bool = False
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -198,6 +199,9 @@ _HELP = {
     "preloaded_launcher": "fork Paddle CPU workers from one process that imported Paddle "
     "once (a tiny model's worker: about 17 MB of its own instead of 135; Python models' and "
     "GPU workers always start afresh)",
+    "model_templates": "with the preloaded launcher, fork the instances of a Paddle CPU model "
+    "version that has more than one from one process that built its predictor, so that they "
+    "share its weights (resnet18 x 4: about 45 MB less per worker)",
     "trace_console": "write OpenTelemetry spans to stderr, one JSON object per line",
     "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
     "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "

@@ -30,6 +30,7 @@ from service.inference.timers import fail_at
 from service.lifecycle.eviction import MB, NoRoom, Resident, plan_room
 from service.model.parameters import MEMORY_MB, string_parameters
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
+from service.workers import launch
 from service.workers.memory import private_bytes
 
 log = logging.getLogger("paddlequic.models")
@@ -255,7 +256,8 @@ def _busy(served: ServedVersion) -> bool:
 
 
 def _size(versions: list[ServedVersion]) -> int:
-    """Per instance: its declared memory_mb, else its processes' private memory now."""
+    """Per instance: its declared memory_mb, else its processes' private memory now; and the
+    model its instances share, held by their model template (templates.py)."""
     total = 0
     for served in versions:
         declared = string_parameters(served.config).get(MEMORY_MB)
@@ -264,6 +266,9 @@ def _size(versions: list[ServedVersion]) -> int:
                 total += int(declared) * MB
             else:
                 total += private_bytes(instance.launcher_pid)
+        if served.instances and served.instances[0].spec.template:
+            load = launch.load_message(served.instances[0].spec)
+            total += launch.model_templates().held_bytes(load)
     return total
 
 

@@ -33,7 +33,12 @@ from service.lifecycle.warmup import WarmUpError
 from service.model import ensemble
 from service.model.decoupled import is_decoupled, stream_limits
 from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
-from service.model.parameters import TESTING_CRASH_ON, check_parameters, string_parameters
+from service.model.parameters import (
+    TESTING_CRASH_ON,
+    check_parameters,
+    string_parameters,
+    worker_memory_mb,
+)
 from service.model.sequences import (
     SequenceSettings,
     sequence_settings,
@@ -72,6 +77,9 @@ class WorkerLimits:
     output_bytes_per_s: float = BYTES_PER_S
     # --preloaded-launcher: Paddle CPU workers forked from it (service/workers/preloaded.py).
     preloaded: bool = True
+    # --model-templates: instances of one such version forked from one process that built its
+    # predictor (service/workers/templates.py).
+    templates: bool = True
 
 
 class VersionLoader:
@@ -153,6 +161,15 @@ class VersionLoader:
             served.name,
             OutputBudget(self.limits.output_lines_per_s, self.limits.output_bytes_per_s),
         )
+        # Paddle CPU instances of this version fork from one model template that built its
+        # predictor (templates.py), unless each is bounded by a memory limit of its own, which
+        # has to count its weights.
+        shared = (
+            self.limits.templates
+            and sum(p.device == "cpu" for p in placements) > 1
+            and config.backend != PYTHON_BACKEND
+            and worker_memory_mb(params, python=False) is None
+        )
         served.instances = [
             WorkerInstance(
                 WorkerSpec(
@@ -173,6 +190,7 @@ class VersionLoader:
                     # Placed on a GPU, simulated or not: started afresh, its environment
                     # (the device's) in force before anything is imported.
                     preloaded=self.limits.preloaded and p.device == "cpu",
+                    template=self.limits.preloaded and p.device == "cpu" and shared,
                 ),
                 self.waits,
                 output,

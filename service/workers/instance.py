@@ -529,8 +529,9 @@ class WorkerInstance:
         launch.worker_cgroups().remove(self._cgroup)
         misbehaved = self._misbehaved
         # A death charges the request the worker was computing (poison) unless the server
-        # ended the worker: one that ended with the preloaded launcher was not ended by it.
-        blamed = code != subreaper.ENDED_WITH_PRELOADED
+        # ended the worker: one that ended with the preloaded launcher or its model template
+        # was not ended by it.
+        blamed = code not in (subreaper.ENDED_WITH_PRELOADED, subreaper.ENDED_WITH_TEMPLATE)
         exceeded = self._exceeded(code) if misbehaved is None else None
         if misbehaved is not None:
             how = f"broke the worker protocol ({misbehaved}) and was killed"
@@ -539,6 +540,8 @@ class WorkerInstance:
             self.limit_kills[limit] = self.limit_kills.get(limit, 0) + 1
         elif code == subreaper.ENDED_WITH_PRELOADED:
             how = "ended with the preloaded launcher"
+        elif code == subreaper.ENDED_WITH_TEMPLATE:
+            how = "ended with its model template"
         elif self._killed_hung:
             how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s of execution"
         elif code is not None and code < 0:

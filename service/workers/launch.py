@@ -1,5 +1,6 @@
 """Starting one worker process: its launcher (subreaper.py; for a Paddle CPU worker, forked by
-the preloaded launcher, preloaded.py, where it can) and cgroup (cgroups.py), its
+the preloaded launcher, preloaded.py, or its version's model template, templates.py, where it
+can) and cgroup (cgroups.py), its
 environment, the sockets it is handed (messages, and shared-memory segments as descriptors), a
 pipe for a Python model's output (model_output.py logs it), and the load handshake, bounded by
 LOAD_TIMEOUT_S."""
@@ -22,8 +23,10 @@ from service.backend.load import Load
 from service.backend.sandbox import seccomp
 from service.model.parameters import child_processes, worker_memory_mb
 from service.workers import cgroups, message_bounds, protocol, subreaper
+from service.workers.fork_channel import ForkedProcess
 from service.workers.forked import PreloadedLauncher
 from service.workers.spec import WorkerSpec
+from service.workers.templates import ModelTemplates
 
 # All a Python model's worker sees of the server's environment: nothing secret (TLS keys,
 # tokens, ticket keys) can reach model.py through it. The numeric libraries' kernel choices
@@ -77,7 +80,13 @@ def preloaded_launcher() -> PreloadedLauncher:
     return PreloadedLauncher()
 
 
+@functools.cache
+def model_templates() -> ModelTemplates:
+    return ModelTemplates(preloaded_launcher())
+
+
 async def stop_launchers() -> None:
+    model_templates().stop()
     await preloaded_launcher().stop()
 
 
@@ -126,9 +135,7 @@ async def spawn(spec: WorkerSpec) -> Spawned:
         options = launcher_options(spec, cgroup)
         process: Launcher | None = None
         if spec.preloaded and not python and spec.device == "cpu":
-            process = await preloaded_launcher().spawn(
-                options, env, (child, segments_child), spec.instance_name
-            )
+            process = await _forked(spec, options, env, (child, segments_child))
         if process is None:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -164,6 +171,21 @@ async def spawn(spec: WorkerSpec) -> Spawned:
     return Spawned(process, parent, segments, output, cgroup)
 
 
+async def _forked(
+    spec: WorkerSpec, options: list[str], env: dict[str, str], sockets: tuple[socket.socket, ...]
+) -> ForkedProcess | None:
+    """Forked from its version's model template where it has one, else from the preloaded
+    launcher; None: neither could."""
+    if spec.template:
+        templates = model_templates()
+        forked = await templates.spawn(
+            load_message(spec), options, env, sockets, spec.instance_name
+        )
+        if forked is not None:
+            return forked
+    return await preloaded_launcher().spawn(options, env, sockets, spec.instance_name)
+
+
 def worker_pid(launcher: int) -> int:
     """The worker's pid: the launcher's first child (any other started after it)."""
     children = list(subreaper.children_of(launcher))
@@ -178,6 +200,23 @@ def _start_time(pid: int) -> int:
     return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
+def load_message(spec: WorkerSpec) -> Load:
+    """What the worker (or its model template) is told to load."""
+    files = spec.files
+    return Load(
+        spec.model_name,
+        files.version,
+        str(files.model_file),
+        str(files.params_file),
+        dict(spec.parameters),
+        spec.device,
+        spec.shapes,
+        spec.backend,
+        spec.config,
+        spec.max_message_bytes,
+    )
+
+
 async def load(
     spec: WorkerSpec,
     reader: asyncio.StreamReader,
@@ -186,23 +225,7 @@ async def load(
 ) -> protocol.Loaded:
     """Tell the worker what to load and wait for its answer; a worker that fails (or takes
     longer than LOAD_TIMEOUT_S) is ended and RuntimeError carries the reason."""
-    files = spec.files
-    writer.write(
-        protocol.encode(
-            Load(
-                spec.model_name,
-                files.version,
-                str(files.model_file),
-                str(files.params_file),
-                dict(spec.parameters),
-                spec.device,
-                spec.shapes,
-                spec.backend,
-                spec.config,
-                spec.max_message_bytes,
-            )
-        )
-    )
+    writer.write(protocol.encode(load_message(spec)))
     try:
         first = await asyncio.wait_for(
             read_message(reader, lambda: message_bounds.DESCRIPTOR_MAX), LOAD_TIMEOUT_S

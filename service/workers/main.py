@@ -90,10 +90,9 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     if not isinstance(load, Load):
         return 2
     try:
-        model = _load(load)
+        model = build(load)
     except Exception as exc:
-        reason = _reason(exc, load.backend) + _process_hint(load, exc)
-        sock.sendall(protocol.encode(protocol.LoadFailed(reason)))
+        sock.sendall(protocol.encode(protocol.LoadFailed(failure_reason(exc, load))))
         return 1
     unprotected = getattr(model, "unprotected", None)
     completed = getattr(model, "completed_config", b"")
@@ -142,7 +141,22 @@ def _bls_link(sock: socket.socket, max_message: int) -> BlsLink:
     return link
 
 
-def _load(load: Load) -> Any:
+# The model the model template this process was forked from built (template.py), and the Load
+# it was built from.
+_inherited: tuple[Load, Any] | None = None
+
+
+def inherit(load: Load, model: Any) -> None:
+    """In a model template: the model its workers take instead of building one (build)."""
+    global _inherited
+    _inherited = (load, model)
+
+
+def build(load: Load) -> Any:
+    """The model the model template built, where it was built from an equal Load (the same
+    version, parameters and config); else a new one."""
+    if _inherited is not None and _inherited[0] == load:
+        return _inherited[1]
     if load.backend == PYTHON_BACKEND:
         from service.backend.python_model import PythonModel
 
@@ -150,6 +164,11 @@ def _load(load: Load) -> Any:
     from service.backend.paddle_model import PaddleModel
 
     return PaddleModel(load)
+
+
+def failure_reason(exc: BaseException, load: Load) -> str:
+    """Why loading failed, as the server reports it."""
+    return _reason(exc, load.backend) + _process_hint(load, exc)
 
 
 def _reason(exc: BaseException, backend: str) -> str:

@@ -29,6 +29,9 @@ class WorkerSpec:
     decoupled: bool = False  # answers through Responses (streams.py), not Results
     max_message_bytes: int = 64 << 20  # the server's --max-message-bytes (message_bounds.py)
     preloaded: bool = True  # a Paddle CPU worker: forked by the preloaded launcher
+    # Forked from its version's model template (templates.py), which built the predictor its
+    # instances share: a preloaded worker of a version with more instances than one.
+    template: bool = False
 
     @property
     def python(self) -> bool:

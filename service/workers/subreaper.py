@@ -38,6 +38,8 @@ EXCEEDED_MEMORY = 91  # exit status: the kernel killed a process of its cgroup f
 # Exit status the server gives a launcher that ended with the preloaded launcher which forked
 # it (forked.py): the server's doing, not the model's or the request's.
 ENDED_WITH_PRELOADED = 92
+# The same for a launcher that ended with the model template which forked it (templates.py).
+ENDED_WITH_TEMPLATE = 93
 
 
 class _Stop(Exception):

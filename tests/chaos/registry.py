@@ -91,6 +91,11 @@ ATTACKS = (
         frozenset({"killed", "replaced"}),
     ),
     AttackSpec(
+        "model template SIGKILL under load",
+        workers.template_sigkill,
+        frozenset({"killed", "replaced"}),
+    ),
+    AttackSpec(
         "worker SIGSTOP under load",
         workers.worker_sigstop,
         frozenset({"stopped", "replaced"}),

@@ -68,14 +68,20 @@ def _preloaded_launcher(target: Target) -> int | None:
     return next((pid for pid, command in running if "service.workers.preloaded" in command), None)
 
 
+def _ancestors(pid: int, count: int) -> list[int]:
+    """Up to `count` processes above `pid`, its parent first."""
+    found: list[int] = []
+    while len(found) < count and (parent := _parent(pid)):
+        pid = int(parent)
+        found.append(pid)
+    return found
+
+
 def _signal_worker(target: Target, pid: int, sig: signal.Signals) -> bool:
     """Signal `pid` only while it is still a worker of the server, under its launcher, which
-    the server or its preloaded launcher started (never a reused pid)."""
-    launcher = _parent(pid)
-    owner = _parent(int(launcher)) if launcher else ""
-    if not owner:
-        return False
-    if owner != str(target.pid) and _parent(int(owner)) != str(target.pid):
+    the server, its preloaded launcher or a model template forked from that started (never a
+    reused pid)."""
+    if target.pid not in _ancestors(pid, 4)[1:]:
         return False
     os.kill(pid, sig)
     return True
@@ -123,6 +129,39 @@ async def worker_sigkill(target: Target, scale: Scale) -> AttackResult:
         else:
             result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
     return result
+
+
+async def template_sigkill(target: Target, scale: Scale) -> AttackResult:
+    """SIGKILL the model template `mlp`'s two instances were forked from (service/workers/
+    template.py) while the good clients keep them busy: both workers end with it and come back
+    through a new template, their requests back in the queue, none charged as poison."""
+    result = AttackResult()
+    for _ in range(scale.kills):
+        victim = await _victim(target)
+        template = _template_of(target, victim.pid)
+        if template is None:
+            result.problems.append(f"worker {victim.pid} was not forked from a model template")
+            continue
+        os.kill(template, signal.SIGKILL)
+        result.outcomes["killed"] += 1
+        if await _replaced(target, victim, RESTART_LIMIT_S):
+            result.outcomes["replaced"] += 1
+        else:
+            result.problems.append(f"worker not replaced within {RESTART_LIMIT_S} s")
+    return result
+
+
+def _template_of(target: Target, worker: int) -> int | None:
+    """The model template a worker of the server was forked from (worker <- its launcher <-
+    the template <- the preloaded launcher <- the server), if it was."""
+    above = _ancestors(worker, 4)
+    if len(above) < 4 or above[3] != target.pid:
+        return None
+    try:
+        command = Path(f"/proc/{above[1]}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return above[1] if command.startswith(b"paddlequic model-template ") else None
 
 
 async def worker_sigstop(target: Target, scale: Scale) -> AttackResult:
@@ -224,9 +263,9 @@ async def _served_by_new_launcher(target: Target, old: int, limit_s: float) -> b
         for instance in await instances(target):
             if instance.state != "READY" or instance.pid <= 0:
                 continue
-            launcher = _parent(instance.pid)
-            owner = int(_parent(int(launcher)) or 0) if launcher else 0
-            if owner not in (0, old) and owner == _preloaded_launcher(target):
+            # Its launcher's parent: the preloaded launcher, or a model template forked from it.
+            current = _preloaded_launcher(target)
+            if current not in (None, old) and current in _ancestors(instance.pid, 3)[1:]:
                 return True
         await asyncio.sleep(POLL_S)
     return False

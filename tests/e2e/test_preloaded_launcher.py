@@ -130,19 +130,21 @@ def test_a_death_the_launcher_caused_is_not_counted_against_the_request(tmp_path
         )
 
 
-def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread() -> None:
-    """Its loop run here, in a test process with a second thread (the loop's own): a spawn
-    request is refused, naming why, and nothing is forked."""
+@pytest.mark.parametrize("name", ["the preloaded launcher", "the model template"])
+def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread(name: str) -> None:
+    """Its loop (a model template's too, template.py) run here, in a test process with a
+    second thread (the loop's own): a spawn request is refused, naming why, and nothing is
+    forked."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     wakeup, _ = socket.socketpair()
-    loop = threading.Thread(target=preloaded.serve, args=(theirs, wakeup), daemon=True)
+    loop = threading.Thread(target=preloaded.serve, args=(theirs, wakeup, (), name), daemon=True)
     loop.start()
     spare = socket.socketpair()
     try:
         request = json.dumps({"argv": [], "env": {}}).encode()
         socket.send_fds(ours, [request], [s.fileno() for s in spare])
         reply = json.loads(ours.recv(4096))
-        assert re.fullmatch(r"the preloaded launcher runs \d+ threads; .*", reply["refused"])
+        assert re.fullmatch(rf"{name} runs \d+ threads; .*", reply["refused"])
     finally:
         ours.close()
         loop.join(timeout=TIMEOUT_S)
@@ -154,10 +156,13 @@ def test_the_launcher_refuses_to_fork_while_it_has_a_second_thread() -> None:
 
 
 def test_bench_density_measures_both_launchers_and_every_copy_answers(tmp_path: Path) -> None:
-    """`make bench-density` at its smallest: two copies of mlp served each way; a worker forked
-    from the preloaded launcher holds less memory of its own than one started afresh."""
+    """`make bench-density` at its smallest: two copies of mlp served each way, and resnet18
+    with two instances with and without a model template; a worker forked from the preloaded
+    launcher holds less memory of its own than one started afresh, and one forked from a
+    template less than one that built its own predictor."""
+    command = ["--sizes", "2", "--no-examples", "--instances", "2"]
     done = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_density", "--sizes", "2", "--no-examples"],
+        [sys.executable, "-m", "scripts.bench_density", *command],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         capture_output=True,
@@ -165,6 +170,13 @@ def test_bench_density_measures_both_launchers_and_every_copy_answers(tmp_path: 
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["launcher"]: r for r in json.loads((tmp_path / RESULTS).read_text())}
-    assert {r["answered"] for r in rows.values()} == {2}
-    assert rows["preloaded"]["median_worker_uss_mb"] < rows["fresh"]["median_worker_uss_mb"]
+    rows = {
+        (r["repository"], r["launcher"]): r for r in json.loads((tmp_path / RESULTS).read_text())
+    }
+    mlp = {launcher: r for (repo, launcher), r in rows.items() if repo == "mlp x 2"}
+    assert {r["answered"] for r in mlp.values()} == {2}
+    assert mlp["preloaded"]["median_worker_uss_mb"] < mlp["fresh"]["median_worker_uss_mb"]
+    resnet = {launcher: r for (repo, launcher), r in rows.items() if repo == "resnet18 x 2"}
+    assert {(r["workers"], r["answered"]) for r in resnet.values()} == {(2, 1)}
+    uss = {launcher: r["median_worker_uss_mb"] for launcher, r in resnet.items()}
+    assert uss["template"] < uss["preloaded"]
