@@ -10,6 +10,11 @@ call.
 
 Goals (issue: many models on one host, 2 cores): median worker USS at most 20 MB, total PSS at
 most 25 MB x N + 300 MB and READY within 0.25 s x N + 10 s.
+
+Then, with `--budget-copies N` (default 60) and `--budget MB` (default 200): N copies of mlp
+under `--model-memory-budget`, each called once in turn (so each call loads its model and,
+once the budget is full, evicts the least recently used): the calls' latencies, the models
+resident at the end, the whole tree's PSS, and the loads and evictions the metrics count.
 """
 
 from __future__ import annotations
@@ -47,6 +52,20 @@ FLAGS = {
     "preloaded": ["--preloaded-launcher", "--no-model-templates"],
     "fresh": ["--no-preloaded-launcher"],
 }
+
+
+@dataclass
+class BudgetRow:
+    models: int
+    budget_mb: int
+    resident: int  # models READY at the end
+    total_pss_mb: float
+    loads: int
+    evictions: int
+    answered: int
+    first_call_median_s: float  # a call to a model not in memory: its load (and an eviction)
+    first_call_max_s: float
+    resident_call_ms: float  # a call to a model in memory, for comparison
 
 
 @dataclass
@@ -156,6 +175,49 @@ def measure(repository: Path, names: list[str], label: str, launcher: str) -> Ro
     )
 
 
+def measure_budget(root: Path, count: int, budget_mb: int) -> BudgetRow:
+    repository, names = copies_of_mlp(root, count)
+    logs = Path(tempfile.mkdtemp(prefix="bench-density-"))
+    args = ["--no-h3", "--model-memory-budget", str(budget_mb)]
+    server = ServerProcess(repository, logs / "server.log", args)
+    try:
+        wait_ready(server, time.monotonic())
+        latencies, answered = [], 0
+        for name in names:
+            started = time.monotonic()
+            try:
+                server.stub.ModelInfer(build_request(name, MLP_INPUTS), timeout=120)
+                answered += 1
+            except grpc.RpcError as exc:
+                print(f"  {name}: {exc.code().name} {exc.details()}", file=sys.stderr)
+            latencies.append(time.monotonic() - started)
+        started = time.monotonic()
+        server.stub.ModelInfer(build_request(names[-1], MLP_INPUTS), timeout=120)
+        resident_call = time.monotonic() - started
+        index = server.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=30).models
+        tree = (server.process.pid, *descendants(server.process.pid))
+        pss = sum(memory_kb(pid)[1] for pid in tree) / 1024
+        counted = {
+            name: int(sum(s.value for s in server.metrics() if s.name == name))
+            for name in ("paddlequic_model_loads_total", "paddlequic_model_evictions_total")
+        }
+    finally:
+        server.stop()
+        shutil.rmtree(logs, ignore_errors=True)
+    return BudgetRow(
+        count,
+        budget_mb,
+        sum(m.state == "READY" for m in index),
+        round(pss, 0),
+        counted["paddlequic_model_loads_total"],
+        counted["paddlequic_model_evictions_total"],
+        answered,
+        round(statistics.median(latencies), 3),
+        round(max(latencies), 3),
+        round(resident_call * 1e3, 1),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="copies of mlp")
@@ -163,8 +225,13 @@ def main() -> int:
     parser.add_argument(
         "--instances", type=int, default=INSTANCES, help="resnet18's instance count; 0: skip"
     )
+    parser.add_argument(
+        "--budget-copies", type=int, default=60, help="copies of mlp under a budget; 0: skip"
+    )
+    parser.add_argument("--budget", type=int, default=200, help="--model-memory-budget, MB")
     args = parser.parse_args()
     rows: list[Row] = []
+    budget_rows: list[BudgetRow] = []
     with tempfile.TemporaryDirectory(prefix="bench-density-") as scratch:
         plans: list[tuple[str, Path, list[str], tuple[str, ...]]] = []
         if not args.no_examples:
@@ -189,6 +256,10 @@ def main() -> int:
                 )
                 print(f"  ready in {row.ready_s} s, {called}")
                 rows.append(row)
+        if args.budget_copies:
+            print(f"mlp x {args.budget_copies} within {args.budget} MB: calling each ...")
+            root = Path(scratch) / f"budget-x{args.budget_copies}"
+            budget_rows.append(measure_budget(root, args.budget_copies, args.budget))
     print()
     header = (
         f"{'repository':<14}{'launcher':<11}{'ready s':>9}{'workers':>9}"
@@ -202,8 +273,17 @@ def main() -> int:
             f"{r.repository:<14}{r.launcher:<11}{r.ready_s:>9}{r.workers:>9}"
             f"{r.median_worker_uss_mb:>15}{r.total_pss_mb:>14.0f}{r.answered:>10}  {goals}"
         )
-    write_json(RESULTS, rows)
-    return 0 if all(r.answered == r.models or r.repository == "examples" for r in rows) else 1
+    for b in budget_rows:
+        print(
+            f"\nmlp x {b.models} within --model-memory-budget {b.budget_mb} MB: "
+            f"{b.answered}/{b.models} answered, {b.resident} resident at the end, total PSS "
+            f"{b.total_pss_mb:.0f} MB, {b.loads} loads, {b.evictions} evictions; a call that "
+            f"loads its model: median {b.first_call_median_s} s, at most {b.first_call_max_s} s; "
+            f"a call to a resident model: {b.resident_call_ms} ms"
+        )
+    write_json(RESULTS, [*rows, *budget_rows])
+    answered = all(r.answered == r.models or r.repository == "examples" for r in rows)
+    return 0 if answered and all(b.answered == b.models for b in budget_rows) else 1
 
 
 if __name__ == "__main__":

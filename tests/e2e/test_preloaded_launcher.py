@@ -159,8 +159,10 @@ def test_bench_density_measures_both_launchers_and_every_copy_answers(tmp_path: 
     """`make bench-density` at its smallest: two copies of mlp served each way, and resnet18
     with two instances with and without a model template; a worker forked from the preloaded
     launcher holds less memory of its own than one started afresh, and one forked from a
-    template less than one that built its own predictor."""
+    template less than one that built its own predictor; three copies of mlp within a budget
+    that holds one are each loaded by their call, two evicted."""
     command = ["--sizes", "2", "--no-examples", "--instances", "2"]
+    command += ["--budget-copies", "3", "--budget", "30"]  # room for one copy of mlp
     done = subprocess.run(
         [sys.executable, "-m", "scripts.bench_density", *command],
         cwd=tmp_path,
@@ -170,9 +172,11 @@ def test_bench_density_measures_both_launchers_and_every_copy_answers(tmp_path: 
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {
-        (r["repository"], r["launcher"]): r for r in json.loads((tmp_path / RESULTS).read_text())
-    }
+    written = json.loads((tmp_path / RESULTS).read_text())
+    rows = {(r["repository"], r["launcher"]): r for r in written if "repository" in r}
+    (budget,) = [r for r in written if "budget_mb" in r]
+    assert (budget["answered"], budget["loads"], budget["resident"]) == (3, 3, 1)
+    assert budget["evictions"] == 2
     mlp = {launcher: r for (repo, launcher), r in rows.items() if repo == "mlp x 2"}
     assert {r["answered"] for r in mlp.values()} == {2}
     assert mlp["preloaded"]["median_worker_uss_mb"] < mlp["fresh"]["median_worker_uss_mb"]
