@@ -245,13 +245,23 @@ async def test_the_model_sees_the_requests_id_and_parameters(
         await call.done_writing()
         assert len(await read_all(call)) == 1
     prefix = f"model {MODEL}: request {request_id} parameters "
-    messages = [
-        json.loads(line).get("message", "")
-        for line in server.log_text().splitlines()
-        if line.startswith("{")
-    ]
-    (printed,) = [m.removeprefix(prefix) for m in messages if m.startswith(prefix)]
-    assert json.loads(printed) == {"label": "café", "n": 3}
+
+    def printed() -> list[str]:
+        """The model's print, which reaches the server's log through its worker's output pipe:
+        it may come after the response."""
+        messages = [
+            json.loads(line).get("message", "")
+            for line in server.log_text().splitlines()
+            if line.startswith("{")
+        ]
+        return [m.removeprefix(prefix) for m in messages if m.startswith(prefix)]
+
+    async def logged() -> bool:
+        return bool(printed())
+
+    await eventually(logged, "the model's print in the log", 600, 0.1)
+    (line,) = printed()
+    assert json.loads(line) == {"label": "café", "n": 3}
 
 
 async def test_two_requests_interleave_on_one_stream(
