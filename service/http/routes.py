@@ -30,6 +30,7 @@ from service.http.json_tensors import (
     parsed,
     split,
 )
+from service.http.raw_binary import RAW_REQUEST, raw_input
 from service.http.shared_memory_routes import SharedMemoryRoutes
 from service.http.textgen import checked
 from service.inference import errors
@@ -174,9 +175,10 @@ class Routes:
         shared_memory_refusal: str | None = None,
     ) -> Reply:
         """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
-        binary data begins (None: all JSON). Tensors that name shared-memory regions are read
-        from and written to the regions of `peer`'s uid, unless the `shared-memory` restricted
-        category refuses the request (`shared_memory_refusal`: the header it lacks)."""
+        binary data begins (None: all JSON; 0: none, a raw binary request). Tensors that name
+        shared-memory regions are read from and written to the regions of `peer`'s uid, unless
+        the `shared-memory` restricted category refuses the request (`shared_memory_refusal`:
+        the header it lacks)."""
         async with self.plane.serving(model, version, None) as served:
             return await self._infer(served, body, header_length, peer, shared_memory_refusal)
 
@@ -196,7 +198,8 @@ class Routes:
                 "ModelStreamInfer",
             )
         document_bytes, binary = split(body, header_length)
-        request = infer_request(parsed(document_bytes))
+        raw = document_bytes is None
+        request = RAW_REQUEST if document_bytes is None else infer_request(parsed(document_bytes))
         validator = served.validator
         assert validator is not None  # a resolved version serves
         shared = self.plane.shared_memory
@@ -208,6 +211,8 @@ class Routes:
         region = self.shared_memory.reader(caller, self.max_input_bytes)
 
         def admit() -> Decoding:
+            if raw:
+                return validator.check((raw_input(body, validator),), ())
             inputs: list[InputTensor] = []
             names: set[str] = set()
             for entry in request.inputs:

@@ -1090,6 +1090,83 @@ def test_binary_data_that_does_not_add_up_is_refused(rest: Rest) -> None:
         assert message in json.loads(payload)["error"]
 
 
+def raw_binary(server: Rest, model: str, body: bytes, version: str) -> tuple[int, bytes, str]:
+    """curl in its own process sending `body` as a raw binary request, as Triton's binary
+    data extension shows one: (status, body, its Inference-Header-Content-Length)."""
+    done = subprocess.run(
+        [
+            *("curl", "-s", {"1.1": "--http1.1", "2": "--http2-prior-knowledge"}[version]),
+            *("-H", "Content-Type: application/octet-stream"),
+            *("-H", "Inference-Header-Content-Length: 0", "--data-binary", "@-"),
+            *("-w", "\n%{http_code} %header{inference-header-content-length}"),
+            f"{base(server)}/v2/models/{model}/infer",
+        ],
+        input=body,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    payload, _, trailer = done.stdout.rpartition(b"\n")
+    status, _, length = trailer.decode().partition(" ")
+    return int(status), payload, length
+
+
+def binary_outputs(payload: bytes, length: str) -> dict[str, bytes]:
+    """A binary data response's outputs: each one's bytes, in the order the JSON lists them."""
+    document = json.loads(payload[: int(length)])
+    outputs, offset = {}, int(length)
+    for output in document["outputs"]:
+        size = output["parameters"]["binary_data_size"]
+        outputs[output["name"]] = payload[offset : offset + size]
+        offset += size
+    assert offset == len(payload)
+    return outputs
+
+
+@pytest.mark.parametrize("version", HTTP_VERSIONS)
+def test_raw_binary_requests_match_grpc(rest: Rest, version: str) -> None:
+    """A body that is one input's bytes (Inference-Header-Content-Length: 0): its shape comes
+    from the model (a batch of one; a variable dimension from the body's length, BYTES one
+    element), and every output comes back as binary data."""
+    rng = np.random.default_rng(6)
+    tensors: dict[str, tuple[str, np.ndarray[Any, Any], bytes]] = {
+        "mlp": (
+            "input",
+            (array := rng.standard_normal((1, 256), dtype=np.float32)),
+            array.tobytes(),
+        ),
+        "text_classifier": (
+            "token_ids",
+            (tokens := rng.integers(1, 100, (1, 7), dtype=np.int64)),
+            tokens.tobytes(),
+        ),
+        "tokenizer": (
+            "text",
+            np.array([[b"caf\xc3\xa9 au lait"]], dtype=object),
+            b"caf\xc3\xa9 au lait",
+        ),
+    }
+    for model, (name, tensor, body) in tensors.items():
+        status, payload, length = raw_binary(rest, model, body, version)
+        assert status == 200, payload
+        expected = grpc_answer(rest, model, {name: tensor})
+        got = binary_outputs(payload, length)
+        assert got.keys() == expected.keys()
+        for output, values in expected.items():
+            assert got[output] == values.tobytes(), (model, output)
+
+
+def test_raw_binary_requests_the_model_cannot_take_are_refused(rest: Rest) -> None:
+    for model, body, message in (
+        ("two_tower", b"\0" * 128, "needs a model with one input; model 'two_tower' has 2"),
+        ("mlp", b"\0" * 1020, "needs 1024 bytes of raw_input_contents, got 1020"),
+        ("text_classifier", b"\0" * 12, "12 bytes are not a whole number of INT64 elements"),
+    ):
+        status, payload, _ = raw_binary(rest, model, body, "1.1")
+        assert status == 400, payload
+        assert message in json.loads(payload)["error"]
+
+
 class raw:
     """A plain TCP connection to the REST port, for requests no client would send."""
 
