@@ -21,7 +21,7 @@ from service.http.generate import sse
 from service.http.openai import OpenAIRoutes, error_document
 from service.http.routes import Reply, Routes
 from service.http.shared_memory_routes import rest_peer
-from service.http.status import RETRY_AFTER_S, http_status
+from service.http.status import RETRY_AFTER_S, error_status
 from service.inference import errors
 from service.observability.metrics import UNKNOWN
 from service.observability.observer import Observer
@@ -126,7 +126,7 @@ class RestApp:
             if exc.close and scope.get("http_version") in ("1.0", "1.1"):
                 headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
-            status = http_status(exc.code)
+            status = error_status(exc)
             reply = Reply(status, _error(scope, status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
         finally:
