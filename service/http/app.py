@@ -16,6 +16,7 @@ import grpc
 from service.dataplane.shared_memory import Peer
 from service.http.asgi import Receive, Scope, Send, lifespan
 from service.http.batchstream import BatchStreams
+from service.http.callers import rest_client, rest_identity
 from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.generate import sse
 from service.http.openai import OpenAIRoutes, error_document
@@ -23,6 +24,7 @@ from service.http.routes import Reply, Routes
 from service.http.shared_memory_routes import rest_peer
 from service.http.status import RETRY_AFTER_S, error_status
 from service.inference import errors
+from service.inference.identity import ANYONE, Identity
 from service.observability.metrics import UNKNOWN
 from service.observability.observer import Observer
 
@@ -79,7 +81,8 @@ class Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
     error: str = ""
     encoding: str | None = None  # the response's Content-Encoding (None: identity)
-    client: str = ""  # its peer's address: whom it counts against for a fair share
+    client: str = ""  # whom it counts against for a fair share: certificate, else address
+    identity: Identity = ANYONE  # its client certificate's (service/http/callers.py)
 
 
 TRANSPORT = "http"  # the transport label of REST calls
@@ -114,9 +117,8 @@ class RestApp:
             return
         started = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [_JSON]
-        call = Call()
-        client = scope.get("client")
-        call.client = str(client[0]) if client else ""
+        call = Call(identity=rest_identity(scope))
+        call.client = rest_client(scope, call.identity)
         self.in_flight += 1
         try:
             reply = await self._admitted(scope, receive, call)
@@ -313,7 +315,10 @@ class RestApp:
                 else None
             )
             return await unless_gone(
-                receive, self.routes.infer(model, version, body, header_length, peer, refusal)
+                receive,
+                self.routes.infer(
+                    model, version, body, header_length, peer, call.identity, refusal
+                ),
             )
         if action == "ready":
             return self.routes.model_ready(model, version)

@@ -35,7 +35,7 @@ from service.http.shared_memory_routes import SharedMemoryRoutes
 from service.http.textgen import checked
 from service.inference import errors
 from service.inference.errors import echoed
-from service.inference.identity import ANYONE
+from service.inference.identity import Identity
 from service.inference.jobs import InputTensor, StreamAnswer
 from service.inference.validation import Decoding
 from service.lifecycle.uploads import FILE_PREFIX
@@ -81,7 +81,7 @@ class Routes:
     def __init__(
         self, plane: DataPlane, sequence_callers: SequenceCallers, max_input_bytes: int
     ) -> None:
-        """`sequence_callers`: whose a sequence is (a REST caller is anyone: no certificate);
+        """`sequence_callers`: whose a sequence is (a REST caller's certificate's, if any);
         `max_input_bytes`: the most one input may take from a shared-memory region (what a body
         may carry, --http-max-input-size)."""
         self.plane = plane
@@ -172,15 +172,19 @@ class Routes:
         body: bytes,
         header_length: str | None,
         peer: Peer,
+        identity: Identity,
         shared_memory_refusal: str | None = None,
     ) -> Reply:
         """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
         binary data begins (None: all JSON; 0: none, a raw binary request). Tensors that name
         shared-memory regions are read from and written to the regions of `peer`'s uid, unless
         the `shared-memory` restricted category refuses the request (`shared_memory_refusal`:
-        the header it lacks)."""
+        the header it lacks). `identity`: the caller's client certificate's, whose a sequence
+        is."""
         async with self.plane.serving(model, version, None) as served:
-            return await self._infer(served, body, header_length, peer, shared_memory_refusal)
+            return await self._infer(
+                served, body, header_length, peer, identity, shared_memory_refusal
+            )
 
     async def _infer(
         self,
@@ -188,6 +192,7 @@ class Routes:
         body: bytes,
         header_length: str | None,
         peer: Peer,
+        identity: Identity,
         shared_memory_refusal: str | None,
     ) -> Reply:
         if served.decoupled:
@@ -228,7 +233,7 @@ class Routes:
         with shared.held(caller, targets) if caller is not None else contextlib.nullcontext():
             job = await self.plane.admitted(served, admit)
             if served.sequences is not None:
-                job = self.sequence_callers.owned(served.name, job, ANYONE)
+                job = self.sequence_callers.owned(served.name, job, identity)
             inferred = await self.plane.infer(served, job, None, request.class_counts)
             sizes = {t.name: len(t.data) for t in inferred.outputs}
             outputs = shared.write_outputs(inferred.outputs, targets, caller)

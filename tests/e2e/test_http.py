@@ -817,12 +817,14 @@ def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> 
         assert status("/v2/models/mlp/infer", json.dumps(infer).encode())[0] == 200
 
 
-def test_rest_is_not_served_beside_client_certificates_it_does_not_ask_for(
+def test_rest_is_not_served_in_clear_text_beside_required_client_certificates(
     tmp_path: Path,
 ) -> None:
+    """A plain REST port would be open to anyone: --require-client-cert needs --http-tls
+    (tests/e2e/test_rest_mutual_tls.py serves it with TLS)."""
     ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
     args = ["--tls-client-ca", str(ca), "--require-client-cert", "--h2-tls"]
-    error = "--require-client-cert is not applied to the REST API"
+    error = "--require-client-cert needs --http-tls (or --http-port 0)"
     started = subprocess.run(
         [
             *(sys.executable, "-m", "service.server", "--model-repository", str(tmp_path)),
