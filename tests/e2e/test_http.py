@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -413,6 +414,45 @@ def test_a_stream_whose_client_leaves_stops_generating(rest: Rest) -> None:
     time.sleep(0.5)
     assert metric(steps) == stopped
     assert stopped - before < 150
+
+
+def test_a_graceful_stop_finishes_a_stream_in_flight(tmp_path: Path) -> None:
+    """SIGTERM while a generate_stream answers: the stream goes on to its last event, a new
+    connection is refused, and the server exits once nothing is in flight."""
+    port = free_port()
+    repository = model_repository(tmp_path / "models", ["generate"])
+    args = ("--http-port", str(port), "--grace-period", "120")
+    body = json.dumps({"text": "x", "max_tokens": 64}).encode()
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+            connection.sendall(
+                b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            received = b""
+            while b"data: " not in received:
+                received += connection.recv(65536)
+            server.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while True:  # the listener stops accepting once the stop began
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                except ConnectionRefusedError:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                data = connection.recv(65536)
+                assert data, received[-200:]
+                received += data
+        assert server.process.wait(60) == 0
+    events = [
+        json.loads(line.removeprefix(b"data: "))
+        for line in received.split(b"\r\n")
+        if line.startswith(b"data: ")
+    ]
+    assert events[-1]["finish_reason"] == "length"  # all of its 64 tokens
 
 
 def test_metadata_and_config_match_grpc(rest: Rest) -> None:
