@@ -240,13 +240,15 @@ class Routes:
         answered = inferred.answered
         binaries = [request.answers_binary(t.name) and t.name not in targets for t in outputs]
         placed = [(targets[t.name], sizes[t.name]) if t.name in targets else None for t in outputs]
+        with self.plane.runner.encode_span():  # as the gRPC servicer's: its outputs as JSON
+            described = [
+                output_json(t, b, p) for t, b, p in zip(outputs, binaries, placed, strict=True)
+            ]
         document: dict[str, Any] = {
             "model_name": answered.name,
             "model_version": str(answered.version),
             "id": request.id,
-            "outputs": [
-                output_json(t, b, p) for t, b, p in zip(outputs, binaries, placed, strict=True)
-            ],
+            "outputs": described,
         }
         if inferred.fallback:
             # Answered by the fallback model while the one asked is open-circuited.
