@@ -845,7 +845,7 @@ def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> 
         except urllib.error.HTTPError as refused:
             return refused.code, refused.read()
 
-    with running_server(repository, tmp_path / "server.log", args):
+    with running_server(repository, tmp_path / "server.log", args) as server:
         refusal = {"error": "This API is restricted, expecting header 'admin-key'"}
         for path, body in (("/v2/repository/index", b"{}"), ("/v2/models/mlp/stats", None)):
             code, payload = status(path, body)
@@ -855,6 +855,16 @@ def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> 
         assert status("/v2/health/ready")[0] == 200
         infer = {"inputs": [json_input("input", np.ones((1, 256), np.float32), "FP32")]}
         assert status("/v2/models/mlp/infer", json.dumps(infer).encode())[0] == 200
+        # Refusals are counted under the method the route stands for, as gRPC's are.
+        refused = [
+            s
+            for s in server.metrics()
+            if s.name == "paddlequic_requests_total" and s.labels["code"] == "UNAUTHENTICATED"
+        ]
+        assert {(s.labels["transport"], s.labels["rpc"], s.value) for s in refused} == {
+            ("http", "RepositoryIndex", 2),
+            ("http", "ModelStatistics", 2),
+        }
 
 
 def test_rest_is_not_served_in_clear_text_beside_required_client_certificates(
