@@ -74,7 +74,6 @@ class Reply:
 
 
 OK = Reply(200)
-NOT_READY = Reply(400)  # Triton's health and readiness answers carry no body
 
 
 class Routes:
@@ -90,10 +89,13 @@ class Routes:
         self.shared_memory = SharedMemoryRoutes(plane.shared_memory)
 
     def live(self) -> Reply:
-        return OK
+        """Health answers: Triton's status (200, or 400 for false), which tritonclient reads,
+        and the Open Inference Protocol's body, which the KServe SDK's client reads."""
+        return Reply(200, {"live": True})
 
     def ready(self) -> Reply:
-        return OK if self.plane.ready else NOT_READY
+        ready = self.plane.ready
+        return Reply(200 if ready else 400, {"ready": ready})
 
     def server_metadata(self) -> Reply:
         described = self.plane.server_metadata()
@@ -104,7 +106,8 @@ class Routes:
         )
 
     def model_ready(self, model: str, version: str) -> Reply:
-        return OK if self.plane.model_ready(model, version) else NOT_READY
+        ready = self.plane.model_ready(model, version)
+        return Reply(200 if ready else 400, {"name": model, "ready": ready})
 
     async def model_metadata(self, model: str, version: str) -> Reply:
         await self.plane.in_memory(model, None)

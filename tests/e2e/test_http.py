@@ -144,7 +144,7 @@ def test_readme_curl_examples(rest: Rest) -> None:
         done = subprocess.run(["bash", "-c", local], capture_output=True, timeout=60, text=True)
         assert done.returncode == 0, (command, done.stderr)
         outputs.append(done.stdout)
-    assert outputs[0] == "ready\n"
+    assert json.loads(outputs[0]) == {"ready": True}
     answer = json.loads(outputs[1])
     (logits,) = answer["outputs"]
     tokens = np.array([[12, 7, 431, 9, 2]], np.int64)
@@ -155,11 +155,18 @@ def test_readme_curl_examples(rest: Rest) -> None:
 
 
 @pytest.mark.parametrize("version", [*HTTP_VERSIONS, "h2c"])
-def test_health_answers_200_with_an_empty_body(rest: Rest, version: str) -> None:
+def test_health_answers_triton_statuses_with_the_protocols_bodies(rest: Rest, version: str) -> None:
+    """Triton's statuses (200, 400 for false: what tritonclient reads) with the Open
+    Inference Protocol's bodies (what the KServe SDK's client reads)."""
     spoken = "2" if version == "h2c" else version
-    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/mlp/ready"):
-        assert curl(rest, path, version) == (200, spoken, b"")
-    assert curl(rest, "/v2/models/nope/ready", version) == (400, spoken, b"")
+    for path, status, body in (
+        ("/v2/health/live", 200, {"live": True}),
+        ("/v2/health/ready", 200, {"ready": True}),
+        ("/v2/models/mlp/ready", 200, {"name": "mlp", "ready": True}),
+        ("/v2/models/nope/ready", 400, {"name": "nope", "ready": False}),
+    ):
+        answered, spoke, payload = curl(rest, path, version)
+        assert (answered, spoke, json.loads(payload)) == (status, spoken, body)
 
 
 @pytest.mark.parametrize("version", HTTP_VERSIONS)
@@ -899,7 +906,7 @@ def test_rest_over_tls_negotiates_http2_by_alpn(tmp_path: Path) -> None:
             done = subprocess.run(
                 [
                     *("curl", "-s", flag, "--cacert", str(certs / "ca.pem")),
-                    *("-w", "%{http_code} %{http_version}"),
+                    *("-o", "/dev/null", "-w", "%{http_code} %{http_version}"),
                     f"https://localhost:{port}/v2/health/ready",
                 ],
                 capture_output=True,
