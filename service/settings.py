@@ -211,7 +211,7 @@ _HELP = {
     "UNAUTHENTICATED (REST: the header KEY: VALUE, else 403); categories: "
     + ", ".join(RESTRICTABLE),
     "tls_client_ca": "PEM CA certificates that client certificates must chain to (HTTP/3, "
-    "HTTP/2 with --h2-tls)",
+    "HTTP/2 with --h2-tls, REST with --http-tls)",
     "require_client_cert": "refuse TLS clients without a certificate from --tls-client-ca",
     "frontends": "front-end processes accepting on the same TCP and UDP port (SO_REUSEPORT) "
     f"and feeding one set of model workers, 1 to {MAX_FRONTENDS}; auto: one per two usable "

@@ -10,15 +10,12 @@ import ipaddress
 import urllib.parse
 
 from service.inference.errors import ServicerContext
-from service.inference.identity import identity_of
+from service.inference.identity import client_name, identity_of
 from service.inference.socket_owners import Address, canonical
 
 
 def client_of(context: ServicerContext) -> str:
-    identity = identity_of(context)
-    if identity:
-        return "certificate " + b", ".join(identity).decode(errors="replace")
-    return "address " + peer_host(context.peer())
+    return client_name(identity_of(context), peer_host(context.peer()))
 
 
 def peer_host(peer: str) -> str:

@@ -6,8 +6,9 @@ its sequence id is a capability: whoever knows the id may continue, end or resta
 sequence (the clients pick random 63-bit ids). `any` (the default) serves both; `certified`
 refuses sequence requests from callers without a certificate, so every sequence is bound to
 one identity. A restricted-protocol header is shared by every caller of its category: it is
-no identity, and `certified` does not take it for one. A REST caller has no certificate (the
-REST port is plain TCP): it is anyone."""
+no identity, and `certified` does not take it for one. A REST caller is known by the
+certificate its TLS connection authenticated with, as a gRPC caller (service/http/callers.py);
+without one it is anyone."""
 
 from __future__ import annotations
 

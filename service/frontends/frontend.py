@@ -357,7 +357,11 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
                     udp_port=udp_port,
                 )
             )
-    http = await start_rest(settings, rest, tls, reuse_port=True) if rest is not None else None
+    http = (
+        await start_rest(settings, rest, tls, client_auth, reuse_port=True)
+        if rest is not None
+        else None
+    )
     link.hello()
     gc.freeze()  # as the single server does once ready: full collections skip start-up's objects
     reporter = asyncio.create_task(_report(link))

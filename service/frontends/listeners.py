@@ -94,7 +94,7 @@ async def listen(
 ) -> _Listeners:
     tls = tls_files(settings) if settings.h3 or settings.h2_tls or settings.http_tls else None
     rest = rest_app(settings, plane, observer, restrictions) if settings.http_port else None
-    http = await start_rest(settings, rest, tls) if rest is not None else None
+    http = await start_rest(settings, rest, tls, client_auth) if rest is not None else None
     server, port = await start_grpc(settings, lambda s: register(s, "h2"), client_auth, tls)
     h3_server = (
         await start_h3(
@@ -157,9 +157,11 @@ async def start_rest(
     settings: ServerSettings,
     app: App,
     tls: tuple[Path, Path] | None,
+    client_auth: ClientAuth | None,
     reuse_port: bool = False,
 ) -> HttpListener:
-    """`app` on --http-port over TCP; `reuse_port`: share the port with other processes
+    """`app` on --http-port over TCP, with --http-tls asking for client certificates as
+    `client_auth` says (as gRPC's TLS port); `reuse_port`: share the port with other processes
     (SO_REUSEPORT: front-ends)."""
     advertised = settings.h3 and settings.http_tls and settings.alt_svc_max_age > 0
     options = HttpOptions(
@@ -178,6 +180,7 @@ async def start_rest(
         )
         if advertised
         else (),
+        client_auth if settings.http_tls else None,
     )
     return await start_http(app, options, settings.grace_period)
 
@@ -323,28 +326,24 @@ def check_client_auth(settings: ServerSettings) -> ClientAuth | None:
     if settings.require_client_cert and not settings.h2_tls:
         # The HTTP/2 port would stay open to anyone, in plain text.
         raise ClientAuthError("--require-client-cert needs --h2-tls")
-    if not settings.h3 and not settings.h2_tls:
-        raise ClientAuthError("--tls-client-ca needs TLS: HTTP/3 or --h2-tls")
+    if not settings.h3 and not settings.h2_tls and not settings.http_tls:
+        raise ClientAuthError("--tls-client-ca needs TLS: HTTP/3, --h2-tls or --http-tls")
     log.info(
         "client certificates from %s: %s",
         ca_file,
         "required"
         if settings.require_client_cert
-        else "optional (clients without one are served; HTTP/2 does not ask for one)",
+        else "optional (clients without one are served; gRPC's HTTP/2 does not ask for one)",
     )
     return ClientAuth(ca_file, settings.require_client_cert)
 
 
 def check_rest(settings: ServerSettings) -> None:
-    """The REST API asks for no client certificate yet (plain TCP): a server told to require
-    one does not serve REST beside it, open to anyone (checked at start)."""
-    if not settings.http_port:
-        return
-    if settings.require_client_cert:
-        raise ClientAuthError(
-            "--require-client-cert is not applied to the REST API (plain TCP) yet: start with "
-            "--http-port 0"
-        )
+    """A server told to require client certificates serves REST only where it can ask for
+    one, over TLS: not on a plain TCP port open to anyone (checked at start)."""
+    if settings.http_port and settings.require_client_cert and not settings.http_tls:
+        # The REST port would stay open to anyone, in plain text (as --h2-tls for gRPC).
+        raise ClientAuthError("--require-client-cert needs --http-tls (or --http-port 0)")
 
 
 class ClientAuthError(ValueError):

@@ -43,6 +43,9 @@ def encode_head(scope: Scope) -> bytes:
             "client": list(client) if client else None,
             # The connection's own end: whose socket it is (shared memory) is looked up exactly.
             "server": list(server) if server else None,
+            # ASGI's TLS extension (JSON as it is): the client's certificate, whose identity the
+            # parent knows the caller by, as gRPC calls' identity comes with them.
+            "tls": scope.get("extensions", {}).get("tls"),
         }
     ).encode()
 
@@ -63,6 +66,7 @@ def decode_head(payload: bytes) -> Scope:
             "headers": [(n.encode("latin-1"), v.encode("latin-1")) for n, v in head["headers"]],
             "client": tuple(head["client"]) if head["client"] else None,
             "server": tuple(head["server"]) if head.get("server") else None,
+            "extensions": {"tls": dict(head["tls"])} if head.get("tls") else {},
         }
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ProtocolViolation(f"a REST request's head that does not parse: {exc}") from None

@@ -8,23 +8,29 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from contextvars import Token
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context as OtelContext
 
 from service.dataplane.shared_memory import Peer
 from service.http.asgi import Receive, Scope, Send, lifespan
 from service.http.batchstream import BatchStreams
+from service.http.callers import rest_client, rest_identity
 from service.http.encoding import EncodingError, deflated, inflated, preferred
 from service.http.generate import sse
+from service.http.observed import TRANSPORT, observe
 from service.http.openai import OpenAIRoutes, error_document
 from service.http.routes import Reply, Routes
 from service.http.shared_memory_routes import rest_peer
-from service.http.status import RETRY_AFTER_S, http_status
+from service.http.status import RETRY_AFTER_S, error_status
 from service.inference import errors
+from service.inference.identity import ANYONE, Identity
 from service.observability.metrics import UNKNOWN
-from service.observability.observer import Observer
+from service.observability.observer import Observation, Observer
 
 _T = TypeVar("_T")
 
@@ -69,8 +75,9 @@ class Refused(Exception):
 
 @dataclass
 class Call:
-    """What the request log and metrics say of one request: the gRPC method its route stands
-    for (the same labels as gRPC's calls, `transport="http"`), its model and outcome."""
+    """What the request log, metrics and trace say of one request: the gRPC method its route
+    stands for (the same labels as gRPC's calls, `transport="http"`), its model and outcome;
+    once routed, its observation (service/http/observed.py)."""
 
     rpc: str = UNKNOWN
     model: str = ""
@@ -79,10 +86,12 @@ class Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
     error: str = ""
     encoding: str | None = None  # the response's Content-Encoding (None: identity)
-    client: str = ""  # its peer's address: whom it counts against for a fair share
+    client: str = ""  # whom it counts against for a fair share: certificate, else address
+    identity: Identity = ANYONE  # its client certificate's (service/http/callers.py)
+    observation: Observation | None = None  # a routed request's
+    trace: Token[OtelContext] | None = None  # its span made current, until it ends
 
 
-TRANSPORT = "http"  # the transport label of REST calls
 # The restricted-protocol check of a route: given the name of the gRPC method it stands for and
 # the request's headers, the header it lacks (None: served).
 Guard = Callable[[str, list[tuple[bytes, bytes]]], str | None]
@@ -113,10 +122,29 @@ class RestApp:
         if scope["type"] != "http":
             return
         started = time.perf_counter()
+        call = Call(identity=rest_identity(scope))
+        call.client = rest_client(scope, call.identity)
+        try:
+            await self._answer(scope, receive, send, call)
+        except asyncio.CancelledError:
+            call.code, call.error = grpc.StatusCode.CANCELLED, "the request was cancelled"
+            raise
+        except Exception as exc:
+            call.code, call.error = grpc.StatusCode.INTERNAL, repr(exc)
+            raise
+        finally:
+            observation = call.observation
+            if observation is not None:
+                observation.model, observation.version = call.model, call.version
+                observation.request_id = call.request_id
+                observation.end(call.code, lambda: call.error)
+            elif self.observer is not None:
+                self._record(call, time.perf_counter() - started)
+            if call.trace is not None:
+                otel_context.detach(call.trace)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, call: Call) -> None:
         headers: list[tuple[bytes, bytes]] = [_JSON]
-        call = Call()
-        client = scope.get("client")
-        call.client = str(client[0]) if client else ""
         self.in_flight += 1
         try:
             reply = await self._admitted(scope, receive, call)
@@ -126,17 +154,17 @@ class RestApp:
             if exc.close and scope.get("http_version") in ("1.0", "1.1"):
                 headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
-            status = http_status(exc.code)
+            status = error_status(exc)
             reply = Reply(status, _error(scope, status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
         finally:
             self.in_flight -= 1
+        call.request_id = reply.request_id
+        call.version = reply.model_version or call.version
         if reply.status == 429:
             headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         if reply.events is not None:
             await self._stream(reply.events, send, reply.gone or receive, call)
-            if self.observer is not None:
-                self._record(call, reply, time.perf_counter() - started)
             return
         body = b"" if reply.document is None else json.dumps(reply.document).encode()
         if reply.document is None:
@@ -150,10 +178,18 @@ class RestApp:
             body = await deflated(body, call.encoding)
             headers.append((b"content-encoding", call.encoding.encode()))
         headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await self._start(send, call, reply.status, headers)
         await send({"type": "http.response.body", "body": body})
-        if self.observer is not None:
-            self._record(call, reply, time.perf_counter() - started)
+
+    @staticmethod
+    async def _start(
+        send: Send, call: Call, status: int, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """The response's start, its status on the request's span."""
+        span = call.observation.span if call.observation is not None else None
+        if span is not None:
+            span.set_attribute("http.response.status_code", status)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _stream(
         self, events: AsyncGenerator[bytes, None], send: Send, receive: Receive, call: Call
@@ -161,7 +197,7 @@ class RestApp:
         """Server-sent events as they come, until the last, an error (sent in-band: the status
         went with the first), the client leaving (the model's request is cancelled) or the
         client taking no event for --stream-stall-timeout (cancelled too)."""
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        await self._start(send, call, 200, list(_SSE))
 
         async def relay() -> None:
             try:
@@ -184,20 +220,23 @@ class RestApp:
         except Refused as exc:
             call.code, call.error = exc.code, exc.message
 
-    def _record(self, call: Call, reply: Reply, seconds: float) -> None:
+    def _record(self, call: Call, seconds: float) -> None:
+        """A request answered before it was routed (no route, its headers too large, too many
+        requests at once): counted and logged as the others, without a span (as gRPC calls
+        their transport answers before any handler runs)."""
         assert self.observer is not None
         fields = {
             "model": call.model,
-            "version": reply.model_version or call.version,
+            "version": call.version,
             "transport": TRANSPORT,
             "rpc": call.rpc,
-            "request_id": reply.request_id,
+            "request_id": call.request_id,
         }
         self.observer.record(
             TRANSPORT,
             call.rpc,
             call.model,
-            fields["version"],
+            call.version,
             call.code,
             seconds,
             fields,
@@ -217,10 +256,15 @@ class RestApp:
             )
         return await self._route(scope, receive, call)
 
-    def _expect(self, scope: Scope, allowed: str, rpc: str) -> str:
-        """`rpc`, once the request's method is the one its route takes and it carries the
-        header its category is restricted to (403 in Triton's words otherwise, before its
-        body is read)."""
+    def _expect(self, scope: Scope, call: Call, allowed: str, rpc: str, route: str) -> None:
+        """The request routed to `route` (its template), standing for the gRPC method `rpc`:
+        observed from here on (its span current for the work it starts), once its method is
+        the one its route takes and it carries the header its category is restricted to (403
+        in Triton's words otherwise, before its body is read)."""
+        call.rpc = rpc
+        if self.observer is not None:
+            call.observation = observe(self.observer, scope, rpc, route)
+            call.trace = call.observation.attach()
         if scope["method"] != allowed:
             raise Refused(
                 405,
@@ -234,21 +278,21 @@ class RestApp:
                 f"This API is restricted, expecting header '{missing}'",
                 code=grpc.StatusCode.UNAUTHENTICATED,
             )
-        return rpc
 
     async def _v1(self, scope: Scope, receive: Receive, call: Call, rest: list[str]) -> Reply:
         """The OpenAI-compatible routes and batchstream (service/http/openai.py,
         batchstream.py)."""
         if rest == ["models"]:
-            call.rpc = self._expect(scope, "GET", "RepositoryIndex")
+            self._expect(scope, call, "GET", "RepositoryIndex", "/v1/models")
             return self.openai.models()
         if rest in (["completions"], ["chat", "completions"]):
-            call.rpc = self._expect(scope, "POST", "ModelStreamInfer")
+            self._expect(scope, call, "POST", "ModelStreamInfer", "/v1/" + "/".join(rest))
             body = await read_body(scope, receive, self.limits)
             work = self.openai.completions(body, rest[0] == "chat", call.client, call)
             return await unless_gone(receive, work)
         if rest == ["inference", "advanced", "batchstream"]:
-            call.rpc = self._expect(scope, "POST", "ModelStreamInfer")
+            route = "/v1/inference/advanced/batchstream"
+            self._expect(scope, call, "POST", "ModelStreamInfer", route)
             return self.batchstream.reply(receive, call.client)
         raise _no_route(scope)
 
@@ -262,18 +306,18 @@ class RestApp:
         if parts[0] != "v2":
             raise _no_route(scope)
         if not rest:
-            call.rpc = self._expect(scope, "GET", "ServerMetadata")
+            self._expect(scope, call, "GET", "ServerMetadata", "/v2")
             return self.routes.server_metadata()
         if rest in (["health", "live"], ["health", "ready"]):
-            call.rpc = self._expect(
-                scope, "GET", "ServerLive" if rest[1] == "live" else "ServerReady"
-            )
+            health = "ServerLive" if rest[1] == "live" else "ServerReady"
+            self._expect(scope, call, "GET", health, f"/v2/health/{rest[1]}")
             return self.routes.live() if rest[1] == "live" else self.routes.ready()
         if rest == ["repository", "index"]:
-            call.rpc = self._expect(scope, "POST", "RepositoryIndex")
+            self._expect(scope, call, "POST", "RepositoryIndex", "/v2/repository/index")
             return await self.routes.repository_index(await read_body(scope, receive, self.limits))
         if rest[:2] == ["repository", "models"] and len(rest) == 4 and rest[3] in _CONTROL:
-            call.rpc = self._expect(scope, "POST", _CONTROL[rest[3]])
+            route = f"/v2/repository/models/{{model}}/{rest[3]}"
+            self._expect(scope, call, "POST", _CONTROL[rest[3]], route)
             call.model = rest[2]
             body = await read_body(scope, receive, self.limits)
             control = self.routes.load if rest[3] == "load" else self.routes.unload
@@ -281,7 +325,7 @@ class RestApp:
         if rest[0] in _SHARED_MEMORY:
             return await self._shared_memory(scope, receive, call, rest)
         if rest == ["models", "stats"]:
-            call.rpc = self._expect(scope, "GET", "ModelStatistics")
+            self._expect(scope, call, "GET", "ModelStatistics", "/v2/models/stats")
             return self.routes.statistics("", "")
         if rest[0] != "models" or len(rest) < 2:
             raise _no_route(scope)
@@ -294,7 +338,9 @@ class RestApp:
         if rpc is None:
             raise _no_route(scope)
         posted = action in ("infer", "generate", "generate_stream")
-        call.rpc = self._expect(scope, "POST" if posted else "GET", rpc)
+        route = "/v2/models/{model}" + ("/versions/{version}" if version else "")
+        route += f"/{action}" if action else ""
+        self._expect(scope, call, "POST" if posted else "GET", rpc, route)
         call.model, call.version = model, version
         if action in ("generate", "generate_stream"):
             body = await read_body(scope, receive, self.limits)
@@ -313,7 +359,10 @@ class RestApp:
                 else None
             )
             return await unless_gone(
-                receive, self.routes.infer(model, version, body, header_length, peer, refusal)
+                receive,
+                self.routes.infer(
+                    model, version, body, header_length, peer, call.identity, refusal
+                ),
             )
         if action == "ready":
             return self.routes.model_ready(model, version)
@@ -337,7 +386,8 @@ class RestApp:
             raise _no_route(scope)
         kind = _SHARED_MEMORY[rest[0]]
         rpc = f"{kind}SharedMemory{action.capitalize()}"
-        call.rpc = self._expect(scope, "GET" if action == "status" else "POST", rpc)
+        route = f"/v2/{rest[0]}" + ("/region/{region}" if name else "") + f"/{action}"
+        self._expect(scope, call, "GET" if action == "status" else "POST", rpc, route)
         peer = _peer(scope)
         body = b"" if action == "status" else await read_body(scope, receive, self.limits)
         shared = self.routes.shared_memory

@@ -92,9 +92,10 @@ class BinaryData:
             )
 
 
-def split(body: bytes, header_length: str | None) -> tuple[bytes, BinaryData]:
+def split(body: bytes, header_length: str | None) -> tuple[bytes | None, BinaryData]:
     """The JSON part of a body and its binary section: `Inference-Header-Content-Length` says
-    where the JSON ends (absent: the whole body is JSON)."""
+    where the JSON ends (absent: the whole body is JSON; 0: there is no JSON, None, the body
+    is one input's bytes: a raw binary request)."""
     if header_length is None:
         return body, BinaryData(memoryview(b""))
     try:
@@ -102,7 +103,7 @@ def split(body: bytes, header_length: str | None) -> tuple[bytes, BinaryData]:
     except ValueError:
         raise invalid("Inference-Header-Content-Length is not a number") from None
     if length == 0:
-        raise invalid("raw binary requests (Inference-Header-Content-Length: 0) are not served")
+        return None, BinaryData(memoryview(body))
     if not 0 < length <= len(body):
         raise invalid(
             f"Inference-Header-Content-Length {length} is not within the body ({len(body)} bytes)"

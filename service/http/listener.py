@@ -1,12 +1,17 @@
-"""The REST listener: hypercorn's asyncio server, embedded in this process's event loop, on
-HTTP/1.1 (h11) and HTTP/2 (h2: cleartext by prior knowledge or h2c upgrade, or over TLS by
-ALPN) over TCP.
+"""The REST listener: hypercorn's HTTP/1.1 (h11) and HTTP/2 (h2: cleartext by prior knowledge
+or h2c upgrade, or over TLS by ALPN) over TCP, embedded in this process's event loop.
 
 hypercorn is the one Python server that embeds in a running asyncio loop and speaks HTTP/2
 (uvicorn has no HTTP/2, granian runs its own worker processes): docs/architecture.md gives
 the measurement. The bounds it enforces itself are set here: header block size, the idle
 time of a connection without a request in progress (which bounds a slow first request's
-headers too), and the streams one HTTP/2 connection runs at once."""
+headers too), and the streams one HTTP/2 connection runs at once.
+
+Connections are accepted here rather than by hypercorn's `worker_serve`, each handed to its
+`TCPServer` as `worker_serve` does, for two things it lacks: the TLS context trusts only
+--tls-client-ca for client certificates (hypercorn's would trust the system's roots too), and
+each TLS connection's app is told its client's certificate (ASGI's TLS extension), so a REST
+caller is known by its certificate as a gRPC caller is."""
 
 from __future__ import annotations
 
@@ -14,19 +19,27 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from hypercorn.asyncio.run import worker_serve
-from hypercorn.config import Config, Sockets
+from cryptography import x509
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.config import Config
 from hypercorn.utils import wrap_app
 
 from service.http.asgi import App, Message, Receive, Scope, Send
+from transport.asgi import tls_extension
+from transport.h3.aioquic.client_auth import ClientAuth
 
 log = logging.getLogger("paddlequic.http")
 
 MAX_STREAMS_PER_CONNECTION = 100  # HTTP/2 requests one connection runs at once
+# hypercorn's own TLS settings (its Config.create_ssl_context), kept.
+_CIPHERS = "ECDHE+AESGCM"
+_ALPN = ["h2", "http/1.1"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,8 @@ class HttpOptions:
     reuse_port: bool = False  # share the port with other processes (SO_REUSEPORT: front-ends)
     # What every response adds (such as `alt-svc`, where HTTP/3 answers).
     response_headers: tuple[tuple[bytes, bytes], ...] = ()
+    # Client certificates over TLS (--tls-client-ca, --require-client-cert; None: not asked).
+    client_auth: ClientAuth | None = None
 
 
 class HttpListener:
@@ -66,36 +81,124 @@ async def start_http(app: App, options: HttpOptions, grace: float) -> HttpListen
     config.h2_max_header_list_size = options.max_header_bytes
     config.h2_max_concurrent_streams = MAX_STREAMS_PER_CONNECTION
     config.keep_alive_timeout = options.keepalive_timeout_s
-    config.graceful_timeout = grace
-    if options.tls is not None:
-        config.certfile, config.keyfile = (str(p) for p in options.tls)
     config.include_server_header = False
     config.errorlog = log
     config.accesslog = None
     if options.reuse_port:
         listening = reuse_port_socket(options.host, options.port)
-        tls = options.tls is not None
-        sockets = Sockets([listening] if tls else [], [] if tls else [listening], [])
     else:
-        sockets = config.create_sockets()
-        (listening,) = sockets.secure_sockets or sockets.insecure_sockets
+        (listening,) = config.create_sockets().insecure_sockets  # no certfile: bound as is
     port = int(listening.getsockname()[1])
     if options.response_headers:
         app = _with_headers(app, options.response_headers)
-    stop = asyncio.Event()
-    served = asyncio.create_task(
-        # Our apps type their messages as plain dicts, hypercorn as TypedDicts: the same shapes.
-        worker_serve(
-            wrap_app(cast(Any, app), 0, "asgi"), config, sockets=sockets, shutdown_trigger=stop.wait
+    context = None if options.tls is None else tls_context(options.tls, options.client_auth)
+    connections = _Connections(app, config)
+    try:
+        server = await asyncio.start_server(
+            connections.serve,
+            backlog=config.backlog,
+            ssl=context,
+            sock=listening,
+            ssl_handshake_timeout=config.ssl_handshake_timeout if context else None,
         )
-    )
+    except BaseException:
+        listening.close()
+        raise
+    stop = asyncio.Event()
+    served = asyncio.create_task(_serve(server, connections, stop, grace))
     log.info(
         "listening: KServe v2 REST over HTTP/1.1 and HTTP/2 (%s) on %s:%d",
-        "TLS, ALPN" if options.tls else "h2c",
+        _describe(options),
         options.host,
         port,
     )
     return HttpListener(served, stop, port)
+
+
+def tls_context(files: tuple[Path, Path], client_auth: ClientAuth | None) -> ssl.SSLContext:
+    """hypercorn's TLS settings (TLS 1.2 or later, no compression, ALPN h2 then HTTP/1.1), and
+    client certificates verified against `client_auth`'s CA alone: asked for (CERT_OPTIONAL: one
+    that is sent must verify) or required (CERT_REQUIRED: the handshake fails without one).
+    OpenSSL checks that a client's certificate is for client authentication."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers(_CIPHERS)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # RFC 7540 9.2
+    context.options |= ssl.OP_NO_COMPRESSION  # RFC 7540 9.2.1
+    context.set_alpn_protocols(_ALPN)
+    context.load_cert_chain(certfile=str(files[0]), keyfile=str(files[1]))
+    if client_auth is not None:
+        context.load_verify_locations(cafile=str(client_auth.ca_file))
+        context.verify_mode = ssl.CERT_REQUIRED if client_auth.required else ssl.CERT_OPTIONAL
+    return context
+
+
+class _Connections:
+    """Each accepted connection run by hypercorn's `TCPServer`, as `worker_serve` runs them, a
+    TLS connection's app told its client's certificate."""
+
+    def __init__(self, app: App, config: Config) -> None:
+        self.app = app
+        self.config = config
+        self.context = WorkerContext(None)  # no bound on requests per process
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        secured: ssl.SSLObject | None = writer.get_extra_info("ssl_object")
+        app = self.app if secured is None else _with_tls(self.app, secured)
+        # Our apps type their messages as plain dicts, hypercorn as TypedDicts: the same shapes.
+        wrapped = wrap_app(cast(Any, app), 0, "asgi")
+        loop = asyncio.get_running_loop()
+        await TCPServer(wrapped, loop, self.config, self.context, {}, reader, writer)
+
+    async def finish(self, grace: float) -> None:
+        """Tells every connection to finish (an idle one closes now), waits up to `grace`
+        seconds for them, then cancels those left."""
+        await self.context.terminated.set()
+        if not self.tasks:
+            return
+        _, late = await asyncio.wait(set(self.tasks), timeout=grace)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+
+
+async def _serve(
+    server: asyncio.Server, connections: _Connections, stop: asyncio.Event, grace: float
+) -> None:
+    try:
+        await stop.wait()
+    finally:
+        server.close()  # accepts no more
+        await connections.finish(grace)
+        await server.wait_closed()
+
+
+def _with_tls(app: App, secured: ssl.SSLObject) -> App:
+    """`app`, each request's scope carrying its connection's TLS extension."""
+    der = secured.getpeercert(binary_form=True)
+    certificate = None if der is None else x509.load_der_x509_certificate(der)
+    tls = tls_extension(certificate, secured.version() or "")
+
+    async def told(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("extensions", {})["tls"] = tls
+        await app(scope, receive, send)
+
+    return told
+
+
+def _describe(options: HttpOptions) -> str:
+    if options.tls is None:
+        return "h2c"
+    if options.client_auth is None:
+        return "TLS, ALPN"
+    required = "required" if options.client_auth.required else "optional"
+    return f"TLS, ALPN, client certificates {required}"
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

@@ -30,11 +30,12 @@ from service.http.json_tensors import (
     parsed,
     split,
 )
+from service.http.raw_binary import RAW_REQUEST, raw_input
 from service.http.shared_memory_routes import SharedMemoryRoutes
 from service.http.textgen import checked
 from service.inference import errors
 from service.inference.errors import echoed
-from service.inference.identity import ANYONE
+from service.inference.identity import Identity
 from service.inference.jobs import InputTensor, StreamAnswer
 from service.inference.validation import Decoding
 from service.lifecycle.uploads import FILE_PREFIX
@@ -73,14 +74,13 @@ class Reply:
 
 
 OK = Reply(200)
-NOT_READY = Reply(400)  # Triton's health and readiness answers carry no body
 
 
 class Routes:
     def __init__(
         self, plane: DataPlane, sequence_callers: SequenceCallers, max_input_bytes: int
     ) -> None:
-        """`sequence_callers`: whose a sequence is (a REST caller is anyone: no certificate);
+        """`sequence_callers`: whose a sequence is (a REST caller's certificate's, if any);
         `max_input_bytes`: the most one input may take from a shared-memory region (what a body
         may carry, --http-max-input-size)."""
         self.plane = plane
@@ -89,10 +89,13 @@ class Routes:
         self.shared_memory = SharedMemoryRoutes(plane.shared_memory)
 
     def live(self) -> Reply:
-        return OK
+        """Health answers: Triton's status (200, or 400 for false), which tritonclient reads,
+        and the Open Inference Protocol's body, which the KServe SDK's client reads."""
+        return Reply(200, {"live": True})
 
     def ready(self) -> Reply:
-        return OK if self.plane.ready else NOT_READY
+        ready = self.plane.ready
+        return Reply(200 if ready else 400, {"ready": ready})
 
     def server_metadata(self) -> Reply:
         described = self.plane.server_metadata()
@@ -103,7 +106,8 @@ class Routes:
         )
 
     def model_ready(self, model: str, version: str) -> Reply:
-        return OK if self.plane.model_ready(model, version) else NOT_READY
+        ready = self.plane.model_ready(model, version)
+        return Reply(200 if ready else 400, {"name": model, "ready": ready})
 
     async def model_metadata(self, model: str, version: str) -> Reply:
         await self.plane.in_memory(model, None)
@@ -171,14 +175,19 @@ class Routes:
         body: bytes,
         header_length: str | None,
         peer: Peer,
+        identity: Identity,
         shared_memory_refusal: str | None = None,
     ) -> Reply:
         """`header_length`: Inference-Header-Content-Length, where the body's JSON ends and its
-        binary data begins (None: all JSON). Tensors that name shared-memory regions are read
-        from and written to the regions of `peer`'s uid, unless the `shared-memory` restricted
-        category refuses the request (`shared_memory_refusal`: the header it lacks)."""
+        binary data begins (None: all JSON; 0: none, a raw binary request). Tensors that name
+        shared-memory regions are read from and written to the regions of `peer`'s uid, unless
+        the `shared-memory` restricted category refuses the request (`shared_memory_refusal`:
+        the header it lacks). `identity`: the caller's client certificate's, whose a sequence
+        is."""
         async with self.plane.serving(model, version, None) as served:
-            return await self._infer(served, body, header_length, peer, shared_memory_refusal)
+            return await self._infer(
+                served, body, header_length, peer, identity, shared_memory_refusal
+            )
 
     async def _infer(
         self,
@@ -186,6 +195,7 @@ class Routes:
         body: bytes,
         header_length: str | None,
         peer: Peer,
+        identity: Identity,
         shared_memory_refusal: str | None,
     ) -> Reply:
         if served.decoupled:
@@ -196,7 +206,8 @@ class Routes:
                 "ModelStreamInfer",
             )
         document_bytes, binary = split(body, header_length)
-        request = infer_request(parsed(document_bytes))
+        raw = document_bytes is None
+        request = RAW_REQUEST if document_bytes is None else infer_request(parsed(document_bytes))
         validator = served.validator
         assert validator is not None  # a resolved version serves
         shared = self.plane.shared_memory
@@ -208,6 +219,8 @@ class Routes:
         region = self.shared_memory.reader(caller, self.max_input_bytes)
 
         def admit() -> Decoding:
+            if raw:
+                return validator.check((raw_input(body, validator),), ())
             inputs: list[InputTensor] = []
             names: set[str] = set()
             for entry in request.inputs:
@@ -223,20 +236,22 @@ class Routes:
         with shared.held(caller, targets) if caller is not None else contextlib.nullcontext():
             job = await self.plane.admitted(served, admit)
             if served.sequences is not None:
-                job = self.sequence_callers.owned(served.name, job, ANYONE)
+                job = self.sequence_callers.owned(served.name, job, identity)
             inferred = await self.plane.infer(served, job, None, request.class_counts)
             sizes = {t.name: len(t.data) for t in inferred.outputs}
             outputs = shared.write_outputs(inferred.outputs, targets, caller)
         answered = inferred.answered
         binaries = [request.answers_binary(t.name) and t.name not in targets for t in outputs]
         placed = [(targets[t.name], sizes[t.name]) if t.name in targets else None for t in outputs]
+        with self.plane.runner.encode_span():  # as the gRPC servicer's: its outputs as JSON
+            described = [
+                output_json(t, b, p) for t, b, p in zip(outputs, binaries, placed, strict=True)
+            ]
         document: dict[str, Any] = {
             "model_name": answered.name,
             "model_version": str(answered.version),
             "id": request.id,
-            "outputs": [
-                output_json(t, b, p) for t, b, p in zip(outputs, binaries, placed, strict=True)
-            ],
+            "outputs": described,
         }
         if inferred.fallback:
             # Answered by the fallback model while the one asked is open-circuited.

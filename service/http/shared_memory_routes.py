@@ -7,10 +7,9 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-import grpc
-
 from service.dataplane.shared_memory import Peer, Placement, SharedMemory
 from service.http.json_tensors import RegionReader, parsed
+from service.http.status import Restricted
 from service.inference import errors
 from service.inference.shared_memory import Caller
 from service.inference.socket_owners import Address
@@ -70,11 +69,7 @@ class SharedMemoryRoutes:
         """The caller of an infer request whose tensors name regions, unless the
         `shared-memory` restricted category refuses it (`refusal`: the header it lacks)."""
         if refusal is not None:
-            raise errors.ServiceError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"This API is restricted, expecting header '{refusal}' (this request's tensors "
-                "name shared-memory regions)",
-            )
+            raise Restricted(refusal, "this request's tensors name shared-memory regions")
         return await self.shared.caller(peer)
 
     def reader(self, caller: Caller | None, max_bytes: int) -> RegionReader | None:

@@ -6,6 +6,7 @@ caller of its category, so it is no identity either)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # The identity key, then the identities it names; empty: no client certificate.
@@ -15,8 +16,19 @@ ANYONE: Identity = ()
 
 def identity_of(context: Any) -> Identity:
     """The caller's identity from its servicer context (grpcio's or one of ours)."""
-    key = context.peer_identity_key()
-    identities = context.peer_identities()
+    return identity_from(context.peer_identity_key(), context.peer_identities())
+
+
+def identity_from(key: str | None, identities: Sequence[bytes] | None) -> Identity:
+    """The identity grpcio's `peer_identity_key` and `peer_identities` state (ANYONE: none)."""
     if not key or not identities:
         return ANYONE
     return (key.encode(), *identities)
+
+
+def client_name(identity: Identity, host: str) -> str:
+    """Who a call comes from, as one client for the fair share of a model's places: its
+    certificate's identity when it presented one, else its host's address (`host`)."""
+    if identity:
+        return "certificate " + b", ".join(identity).decode(errors="replace")
+    return "address " + host

@@ -200,8 +200,11 @@ class Observation:
         transport: str,
         method_path: str,
         metadata: Callable[[], Iterable[tuple[str, Any]] | None],
+        span: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
-        """`metadata`: the call's, asked for only when tracing may need it."""
+        """`metadata`: the call's (a REST request's headers), asked for only when tracing may
+        need it; `span`: the name and attributes of the call's span where they are not a gRPC
+        call's (a REST request's: HTTP's)."""
         self.observer = observer
         self.transport = transport
         self.service, _, self.rpc = method_path.lstrip("/").rpartition("/")
@@ -216,16 +219,15 @@ class Observation:
         # A new trace that the ratio would not sample gets no span at all: making an unsampled
         # span costs as much as the rest of the observation.
         if "traceparent" in carried or observer.sample_new():
-            self.span = observer.tracer.start_span(
+            name, attributes = span or (
                 method_path.lstrip("/"),
+                {"rpc.system": "grpc", "rpc.service": self.service, "rpc.method": self.rpc},
+            )
+            self.span = observer.tracer.start_span(
+                name,
                 context=propagate.extract(carried),
                 kind=SpanKind.SERVER,
-                attributes={
-                    "rpc.system": "grpc",
-                    "rpc.service": self.service,
-                    "rpc.method": self.rpc,
-                    "paddlequic.transport": transport,
-                },
+                attributes={**attributes, "paddlequic.transport": transport},
             )
 
     def saw(self, request: Any) -> Any:

@@ -111,7 +111,7 @@ def test_errors_and_bounds_are_the_parents(served: Served) -> None:
         status, body = response(connection)
     assert status == 400 and "--http-max-input-size" in json.loads(body)["error"]
     with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/v2/health/ready") as ready:
-        assert (ready.status, ready.read()) == (200, b"")
+        assert (ready.status, json.loads(ready.read())) == (200, {"ready": True})
 
 
 def test_a_stream_whose_client_leaves_stops_generating(served: Served) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_readme_curl_examples(rest: Rest) -> None:
         done = subprocess.run(["bash", "-c", local], capture_output=True, timeout=60, text=True)
         assert done.returncode == 0, (command, done.stderr)
         outputs.append(done.stdout)
-    assert outputs[0] == "ready\n"
+    assert json.loads(outputs[0]) == {"ready": True}
     answer = json.loads(outputs[1])
     (logits,) = answer["outputs"]
     tokens = np.array([[12, 7, 431, 9, 2]], np.int64)
@@ -154,11 +155,18 @@ def test_readme_curl_examples(rest: Rest) -> None:
 
 
 @pytest.mark.parametrize("version", [*HTTP_VERSIONS, "h2c"])
-def test_health_answers_200_with_an_empty_body(rest: Rest, version: str) -> None:
+def test_health_answers_triton_statuses_with_the_protocols_bodies(rest: Rest, version: str) -> None:
+    """Triton's statuses (200, 400 for false: what tritonclient reads) with the Open
+    Inference Protocol's bodies (what the KServe SDK's client reads)."""
     spoken = "2" if version == "h2c" else version
-    for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/mlp/ready"):
-        assert curl(rest, path, version) == (200, spoken, b"")
-    assert curl(rest, "/v2/models/nope/ready", version) == (400, spoken, b"")
+    for path, status, body in (
+        ("/v2/health/live", 200, {"live": True}),
+        ("/v2/health/ready", 200, {"ready": True}),
+        ("/v2/models/mlp/ready", 200, {"name": "mlp", "ready": True}),
+        ("/v2/models/nope/ready", 400, {"name": "nope", "ready": False}),
+    ):
+        answered, spoke, payload = curl(rest, path, version)
+        assert (answered, spoke, json.loads(payload)) == (status, spoken, body)
 
 
 @pytest.mark.parametrize("version", HTTP_VERSIONS)
@@ -418,6 +426,45 @@ def leaving_client_stops_its_generation(server: ServerProcess, port: int) -> Non
     time.sleep(0.5)
     assert metric(steps) == stopped
     assert stopped - before < 150
+
+
+def test_a_graceful_stop_finishes_a_stream_in_flight(tmp_path: Path) -> None:
+    """SIGTERM while a generate_stream answers: the stream goes on to its last event, a new
+    connection is refused, and the server exits once nothing is in flight."""
+    port = free_port()
+    repository = model_repository(tmp_path / "models", ["generate"])
+    args = ("--http-port", str(port), "--grace-period", "120")
+    body = json.dumps({"text": "x", "max_tokens": 64}).encode()
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
+            connection.sendall(
+                b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            received = b""
+            while b"data: " not in received:
+                received += connection.recv(65536)
+            server.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while True:  # the listener stops accepting once the stop began
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                except ConnectionRefusedError:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            while not received.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                data = connection.recv(65536)
+                assert data, received[-200:]
+                received += data
+        assert server.process.wait(60) == 0
+    events = [
+        json.loads(line.removeprefix(b"data: "))
+        for line in received.split(b"\r\n")
+        if line.startswith(b"data: ")
+    ]
+    assert events[-1]["finish_reason"] == "length"  # all of its 64 tokens
 
 
 def test_metadata_and_config_match_grpc(rest: Rest) -> None:
@@ -810,7 +857,7 @@ def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> 
         except urllib.error.HTTPError as refused:
             return refused.code, refused.read()
 
-    with running_server(repository, tmp_path / "server.log", args):
+    with running_server(repository, tmp_path / "server.log", args) as server:
         refusal = {"error": "This API is restricted, expecting header 'admin-key'"}
         for path, body in (("/v2/repository/index", b"{}"), ("/v2/models/mlp/stats", None)):
             code, payload = status(path, body)
@@ -820,14 +867,26 @@ def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> 
         assert status("/v2/health/ready")[0] == 200
         infer = {"inputs": [json_input("input", np.ones((1, 256), np.float32), "FP32")]}
         assert status("/v2/models/mlp/infer", json.dumps(infer).encode())[0] == 200
+        # Refusals are counted under the method the route stands for, as gRPC's are.
+        refused = [
+            s
+            for s in server.metrics()
+            if s.name == "paddlequic_requests_total" and s.labels["code"] == "UNAUTHENTICATED"
+        ]
+        assert {(s.labels["transport"], s.labels["rpc"], s.value) for s in refused} == {
+            ("http", "RepositoryIndex", 2),
+            ("http", "ModelStatistics", 2),
+        }
 
 
-def test_rest_is_not_served_beside_client_certificates_it_does_not_ask_for(
+def test_rest_is_not_served_in_clear_text_beside_required_client_certificates(
     tmp_path: Path,
 ) -> None:
+    """A plain REST port would be open to anyone: --require-client-cert needs --http-tls
+    (tests/e2e/test_rest_mutual_tls.py serves it with TLS)."""
     ca = issue_client_certificate(tmp_path / "certs", "x")[0].with_name("ca.pem")
     args = ["--tls-client-ca", str(ca), "--require-client-cert", "--h2-tls"]
-    error = "--require-client-cert is not applied to the REST API"
+    error = "--require-client-cert needs --http-tls (or --http-port 0)"
     started = subprocess.run(
         [
             *(sys.executable, "-m", "service.server", "--model-repository", str(tmp_path)),
@@ -852,7 +911,7 @@ def test_rest_over_tls_negotiates_http2_by_alpn(tmp_path: Path) -> None:
             done = subprocess.run(
                 [
                     *("curl", "-s", flag, "--cacert", str(certs / "ca.pem")),
-                    *("-w", "%{http_code} %{http_version}"),
+                    *("-o", "/dev/null", "-w", "%{http_code} %{http_version}"),
                     f"https://localhost:{port}/v2/health/ready",
                 ],
                 capture_output=True,
@@ -1092,6 +1151,83 @@ def test_binary_data_that_does_not_add_up_is_refused(rest: Rest) -> None:
             )
             status, payload = response(connection)
         assert status == 400
+        assert message in json.loads(payload)["error"]
+
+
+def raw_binary(server: Rest, model: str, body: bytes, version: str) -> tuple[int, bytes, str]:
+    """curl in its own process sending `body` as a raw binary request, as Triton's binary
+    data extension shows one: (status, body, its Inference-Header-Content-Length)."""
+    done = subprocess.run(
+        [
+            *("curl", "-s", {"1.1": "--http1.1", "2": "--http2-prior-knowledge"}[version]),
+            *("-H", "Content-Type: application/octet-stream"),
+            *("-H", "Inference-Header-Content-Length: 0", "--data-binary", "@-"),
+            *("-w", "\n%{http_code} %header{inference-header-content-length}"),
+            f"{base(server)}/v2/models/{model}/infer",
+        ],
+        input=body,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    payload, _, trailer = done.stdout.rpartition(b"\n")
+    status, _, length = trailer.decode().partition(" ")
+    return int(status), payload, length
+
+
+def binary_outputs(payload: bytes, length: str) -> dict[str, bytes]:
+    """A binary data response's outputs: each one's bytes, in the order the JSON lists them."""
+    document = json.loads(payload[: int(length)])
+    outputs, offset = {}, int(length)
+    for output in document["outputs"]:
+        size = output["parameters"]["binary_data_size"]
+        outputs[output["name"]] = payload[offset : offset + size]
+        offset += size
+    assert offset == len(payload)
+    return outputs
+
+
+@pytest.mark.parametrize("version", HTTP_VERSIONS)
+def test_raw_binary_requests_match_grpc(rest: Rest, version: str) -> None:
+    """A body that is one input's bytes (Inference-Header-Content-Length: 0): its shape comes
+    from the model (a batch of one; a variable dimension from the body's length, BYTES one
+    element), and every output comes back as binary data."""
+    rng = np.random.default_rng(6)
+    tensors: dict[str, tuple[str, np.ndarray[Any, Any], bytes]] = {
+        "mlp": (
+            "input",
+            (array := rng.standard_normal((1, 256), dtype=np.float32)),
+            array.tobytes(),
+        ),
+        "text_classifier": (
+            "token_ids",
+            (tokens := rng.integers(1, 100, (1, 7), dtype=np.int64)),
+            tokens.tobytes(),
+        ),
+        "tokenizer": (
+            "text",
+            np.array([[b"caf\xc3\xa9 au lait"]], dtype=object),
+            b"caf\xc3\xa9 au lait",
+        ),
+    }
+    for model, (name, tensor, body) in tensors.items():
+        status, payload, length = raw_binary(rest, model, body, version)
+        assert status == 200, payload
+        expected = grpc_answer(rest, model, {name: tensor})
+        got = binary_outputs(payload, length)
+        assert got.keys() == expected.keys()
+        for output, values in expected.items():
+            assert got[output] == values.tobytes(), (model, output)
+
+
+def test_raw_binary_requests_the_model_cannot_take_are_refused(rest: Rest) -> None:
+    for model, body, message in (
+        ("two_tower", b"\0" * 128, "needs a model with one input; model 'two_tower' has 2"),
+        ("mlp", b"\0" * 1020, "needs 1024 bytes of raw_input_contents, got 1020"),
+        ("text_classifier", b"\0" * 12, "12 bytes are not a whole number of INT64 elements"),
+    ):
+        status, payload, _ = raw_binary(rest, model, body, "1.1")
+        assert status == 400, payload
         assert message in json.loads(payload)["error"]
 
 

@@ -127,7 +127,7 @@ def test_curl_over_http3_answers_as_over_tcp_and_as_paddle(served: Served) -> No
         (f"{grpc_h3}/v2/models/mlp/infer", "3", infer_body(1)),
     ]
     ready, metadata3, metadata2, unknown, infer, infer_grpc_port = curl(served, calls)
-    assert ready[:2] == [200, HTTP3] and ready[3] == ""
+    assert ready[:2] == [200, HTTP3] and json.loads(ready[3]) == {"ready": True}
     assert (metadata3[0], metadata3[1], metadata2[1]) == (200, HTTP3, HTTP2)
     assert json.loads(metadata3[3]) == json.loads(metadata2[3])
     assert unknown[:2] == [404, HTTP3] and "unknown model" in json.loads(unknown[3])["error"]
@@ -178,7 +178,7 @@ async def test_grpc_and_rest_calls_share_one_quic_connection(served: Served) -> 
         )
         message = pb.ModelReadyRequest(name="mlp").SerializeToString()
         await grpc_call.send_data(encode_message(message), end=True)
-        assert await answer(rest) == (200, b"")
+        assert await answer(rest) == (200, b'{"name": "mlp", "ready": true}')
         status, reply = await answer(grpc_call)  # a gRPC answer's message, decoded
         assert status == 200
         assert grpc_call.trailers is not None and dict(grpc_call.trailers)[b"grpc-status"] == b"0"
@@ -303,7 +303,8 @@ async def test_only_safe_methods_run_from_early_data(served: Served) -> None:
         return int(stats(served.server).h3_handshakes["early_requests_held"])
 
     before = held()
-    assert await early_request(served, tickets, "GET", "/v2/health/ready", b"") == (200, b"")
+    ready = await early_request(served, tickets, "GET", "/v2/health/ready", b"")
+    assert ready == (200, b'{"ready": true}')
     assert held() == before
     status, body = await early_request(
         served, tickets, "POST", "/v2/models/mlp/infer", infer_body(2).encode()

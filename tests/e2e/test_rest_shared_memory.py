@@ -237,7 +237,7 @@ def test_the_restricted_category_covers_the_routes_and_requests_naming_a_region(
     status, cuda, registered, refused, served, unregistered = answers
     assert status[0] == cuda[0] == 403 and "expecting header 'admin-key'" in status[1]
     assert registered[0] == 200
-    assert refused[0] == 400
+    assert refused[0] == 403
     assert "expecting header 'admin-key'" in refused[1] and "shared-memory regions" in refused[1]
     assert served[0] == unregistered[0] == 200
 

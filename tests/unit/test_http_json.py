@@ -20,7 +20,7 @@ from service.http.encoding import preferred
 from service.http.generate import TextDecoder
 from service.http.json_depth import nesting_depth
 from service.http.json_tensors import MAX_DEPTH, converted, flattened, parsed
-from service.http.status import http_status
+from service.http.status import Restricted, error_status, http_status
 from service.inference.errors import ServiceError
 from service.inference.jobs import OutputTensor
 
@@ -167,6 +167,16 @@ def test_triton_status_mapping() -> None:
             grpc.StatusCode.DEADLINE_EXCEEDED,
         )
     ] == [500, 404, 503, 501, 429, 400, 400]
+
+
+def test_only_a_restricted_category_is_403() -> None:
+    """Both are UNAUTHENTICATED on gRPC: a restricted category's refusal is Triton's 403, a
+    caller refused for want of a certificate (--sequence-callers certified) Triton's 400."""
+    restricted = Restricted("admin-key", "this request's tensors name shared-memory regions")
+    uncertified = ServiceError(grpc.StatusCode.UNAUTHENTICATED, "needs a client certificate")
+    assert restricted.code is uncertified.code is grpc.StatusCode.UNAUTHENTICATED
+    assert (error_status(restricted), error_status(uncertified)) == (403, 400)
+    assert restricted.message.startswith("This API is restricted, expecting header 'admin-key'")
 
 
 @pytest.mark.parametrize(

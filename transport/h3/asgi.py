@@ -14,10 +14,11 @@ import logging
 from typing import Protocol
 from urllib.parse import unquote
 
-from transport.asgi import App, Message, Scope
+from transport.asgi import App, Message, Scope, tls_extension
 from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_CANCELLED
 from transport.h3.stream import H3Stream
 from transport.h3.stream_state import Headers, StreamClosed
+from transport.tls.peer_auth import PeerAuth
 
 log = logging.getLogger("paddlequic.h3.server")
 
@@ -37,6 +38,9 @@ class PlainConnection(Protocol):
 
     def client(self) -> tuple[str, int] | None: ...
 
+    def peer_auth(self) -> PeerAuth:
+        """The client's certificate, if it authenticated with one."""
+
     def early_request_held(self) -> None:
         """Count a request held from early data until the handshake completes."""
 
@@ -47,8 +51,11 @@ class PlainConnection(Protocol):
     def forget(self, stream_id: int) -> None: ...
 
 
-def request_scope(headers: Headers, client: tuple[str, int] | None) -> Scope:
-    """The ASGI scope of a request's header block (its pseudo-headers checked by aioquic)."""
+def request_scope(
+    headers: Headers, client: tuple[str, int] | None, auth: PeerAuth | None = None
+) -> Scope:
+    """The ASGI scope of a request's header block (its pseudo-headers checked by aioquic), with
+    ASGI's TLS extension: QUIC is always TLS 1.3, `auth` its client's certificate."""
     pseudo = {name: value for name, value in headers if name.startswith(b":")}
     fields = [(name, value) for name, value in headers if not name.startswith(b":")]
     authority = pseudo.get(b":authority")
@@ -68,13 +75,14 @@ def request_scope(headers: Headers, client: tuple[str, int] | None) -> Scope:
         "headers": fields,
         "client": client,
         "server": None,
+        "extensions": {"tls": tls_extension(None if auth is None else auth.certificate, "TLSv1.3")},
     }
 
 
 async def serve_plain_request(app: App, stream: H3Stream, connection: PlainConnection) -> None:
     """Run `app` on the request `stream` carries, up to the end of its answer."""
     assert stream.headers is not None  # the stream was opened by its header block
-    scope = request_scope(stream.headers, connection.client())
+    scope = request_scope(stream.headers, connection.client(), connection.peer_auth())
     exchange = _Exchange(stream)
     cancelled = False
     try:

@@ -1,0 +1,44 @@
+"""A REST request observed as a gRPC call is (service/observability/observer.py's
+`Observation`): counted in the same metrics (in flight, totals, durations) and request log,
+labelled `transport="http"` and by the gRPC method its route stands for, and traced in a server
+span that continues the caller's W3C `traceparent` header, named and described by OpenTelemetry's
+HTTP conventions (`POST /v2/models/{model}/infer`), whose children (queue, batch links, encode,
+generate) are those of the gRPC call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from service.http.asgi import Scope
+from service.observability.observer import Observation, Observer
+
+TRANSPORT = "http"  # the transport label of REST calls
+# The request headers a trace is carried in (W3C trace context); others are never read.
+TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+
+
+def observe(observer: Observer, scope: Scope, rpc: str, route: str) -> Observation:
+    """The observation of a request routed to `route` (its template: `{model}` for the model's
+    name), standing for the gRPC method `rpc`: started now, ended by the caller."""
+    method = scope["method"]
+    attributes = {
+        "http.request.method": method,
+        "http.route": route,
+        "url.path": scope["path"],
+        "url.scheme": scope.get("scheme", "http"),
+        "network.protocol.version": scope.get("http_version", ""),
+        "paddlequic.rpc": rpc,
+    }
+    return Observation(
+        observer,
+        TRANSPORT,
+        "/" + rpc,
+        lambda: _trace_headers(scope),
+        (f"{method} {route}", attributes),
+    )
+
+
+def _trace_headers(scope: Scope) -> Iterator[tuple[str, str]]:
+    for name, value in scope["headers"]:
+        if name in TRACE_HEADERS:
+            yield bytes(name).decode("latin-1"), bytes(value).decode("latin-1")
