@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -133,3 +134,18 @@ def write_json(path: Path, rows: Sequence[Any]) -> None:
     data = [asdict(r) if is_dataclass(r) and not isinstance(r, type) else r for r in rows]
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"\nwrote {path}")
+
+
+def round_options(parser: argparse.ArgumentParser, servers: Sequence[str]) -> None:
+    """What every benchmark of alternating rounds against peers takes."""
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
+    parser.add_argument(
+        "--clients", type=int, default=2, help="client processes generating the load"
+    )
+    parser.add_argument(
+        "--servers", default=",".join(servers), help=f"comma-separated, of {','.join(servers)}"
+    )
+    parser.add_argument(
+        "--frontends", type=int, default=1, help="paddlequic's --frontends (1: one process)"
+    )

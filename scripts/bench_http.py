@@ -52,7 +52,7 @@ import numpy as np
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from scripts import bench_peers
-from scripts.bench_common import median_range, tree_cpu, write_json
+from scripts.bench_common import median_range, round_options, tree_cpu, write_json
 from scripts.bench_generate import one_request
 from scripts.bench_peers import Peer, Setup, mlserver, mlserver_missing, rotated, spawned
 from tests.servers import (
@@ -450,17 +450,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument(
-        "--clients", type=int, default=2, help="client processes generating the load"
-    )
-    parser.add_argument(
-        "--servers", default=",".join(SERVERS), help=f"comma-separated, of {','.join(SERVERS)}"
-    )
-    parser.add_argument(
-        "--frontends", type=int, default=1, help="paddlequic's --frontends (1: one process)"
-    )
+    round_options(parser, SERVERS)
     parser.add_argument(
         "--fastapi-python",
         default=sys.executable,

@@ -47,7 +47,7 @@ import numpy as np
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from scripts.bench_common import median_range, tree_cpu, write_json
+from scripts.bench_common import median_range, round_options, tree_cpu, write_json
 from tests.servers import (
     EXAMPLE_MODELS,
     REPO_ROOT,
@@ -520,19 +520,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument(
-        "--clients", type=int, default=2, help="client processes generating the load"
-    )
-    parser.add_argument(
-        "--servers", default=",".join(SERVERS), help=f"comma-separated, of {','.join(SERVERS)}"
-    )
+    round_options(parser, SERVERS)
     parser.add_argument(
         "--models", default=",".join(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}"
-    )
-    parser.add_argument(
-        "--frontends", type=int, default=1, help="paddlequic's --frontends (1: one process)"
     )
     parser.add_argument(
         "--mlserver-workers",
