@@ -34,9 +34,10 @@ from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
 from service.inference.timers import fail_at
 from service.inference.waits import Wait, WaitGraph
-from service.model.parameters import MEMORY_MB, PYTHON_MEMORY_MB, child_processes, worker_memory_mb
+from service.model.parameters import MEMORY_MB, PYTHON_MEMORY_MB
 from service.workers import (
     bls_calls,
+    deaths,
     launch,
     message_bounds,
     model_output,
@@ -44,7 +45,6 @@ from service.workers import (
     restarts,
     results,
     streams,
-    subreaper,
 )
 from service.workers.model_metrics import SERVER_METRICS
 from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
@@ -527,73 +527,45 @@ class WorkerInstance:
         self._writer = None
         code = await self._process.wait() if self._process else None
         launch.worker_cgroups().remove(self._cgroup)
-        misbehaved = self._misbehaved
-        # A death charges the request the worker was computing (poison) unless the server
-        # ended the worker: one that ended with the preloaded launcher or its model template
-        # was not ended by it.
-        blamed = code not in (subreaper.ENDED_WITH_PRELOADED, subreaper.ENDED_WITH_TEMPLATE)
-        exceeded = self._exceeded(code) if misbehaved is None else None
-        if misbehaved is not None:
-            how = f"broke the worker protocol ({misbehaved}) and was killed"
-        elif exceeded is not None:
-            limit, how = exceeded
-            self.limit_kills[limit] = self.limit_kills.get(limit, 0) + 1
-        elif code == subreaper.ENDED_WITH_PRELOADED:
-            how = "ended with the preloaded launcher"
-        elif code == subreaper.ENDED_WITH_TEMPLATE:
-            how = "ended with its model template"
-        elif self._killed_hung:
-            how = f"was killed by the watchdog after {self.execution_timeout_s:.1f} s of execution"
-        elif code is not None and code < 0:
-            how = f"was killed by signal {-code}"
-        else:
-            how = f"exited ({code})"
+        ended = deaths.death(
+            code,
+            self._misbehaved,
+            self._killed_hung,
+            self.execution_timeout_s,
+            self.spec.parameters,
+            self.spec.python,
+        )
+        if ended.limit is not None:
+            self.limit_kills[ended.limit] = self.limit_kills.get(ended.limit, 0) + 1
         lived = time.monotonic() - self._started_at
         self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
         log.error(
             "worker %s (pid %d) %s; %d request(s) in it %s; restarting in %.1f s",
             self.spec.instance_name,
             self.pid,
-            how,
+            ended.how,
             len(self._pending) + len(self.streams),
-            "fail"
-            if misbehaved
-            else "go back to the queue"
-            if exceeded is None
-            else "fail (RESOURCE_EXHAUSTED)",
+            ended.fate.value,
             self._restart_delay,
         )
         if self.on_death is not None:
-            self.on_death(how)
+            self.on_death(ended.how)
         message = (
-            f"the worker process for model '{self.spec.model_name}' {how} while holding this "
-            "request; it is being restarted"
+            f"the worker process for model '{self.spec.model_name}' {ended.how} while holding "
+            "this request; it is being restarted"
         )
-        if misbehaved is not None:
+        if ended.fate is deaths.Fate.FAIL:
             refused = errors.internal(f"{message}; the request is not run again")
             self._fail_pending(lambda _: refused)
-        elif exceeded is not None:
+        elif ended.fate is deaths.Fate.EXHAUSTED:
             # The model's own doing: its requests fail, none is retried on the next worker.
             self._fail_pending(lambda _: errors.resource_exhausted(message))
         else:
+            blamed = ended.blamed
             self._fail_pending(lambda index: WorkerDied(message, running=blamed and index == 0))
         self.bls.cancel_all()
-        self.streams.died(how, misbehaved is None and exceeded is None, blamed)
+        self.streams.died(ended.how, ended.fate is deaths.Fate.REQUEUE, ended.blamed)
         self._restart_task = asyncio.create_task(self._restart())
-
-    def _exceeded(self, code: int | None) -> tuple[str, str] | None:
-        """(limit, how it died) for a worker killed for going past a limit of its model's."""
-        params = self.spec.parameters
-        if code == subreaper.EXCEEDED_MEMORY:
-            mb = worker_memory_mb(params, self.spec.python)
-            name = MEMORY_MB if MEMORY_MB in params or not self.spec.python else PYTHON_MEMORY_MB
-            return "memory", f"was killed for exceeding its memory limit ({name} {mb} MiB)"
-        if code == subreaper.EXCEEDED_CHILDREN and self.spec.python:
-            count = child_processes(params)
-            return "processes", (
-                f"was killed for running more than python_child_processes ({count}) processes"
-            )
-        return None
 
     async def _restart(self) -> None:
         while self.state is State.RESTARTING:
