@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -148,4 +150,16 @@ def round_options(parser: argparse.ArgumentParser, servers: Sequence[str]) -> No
     )
     parser.add_argument(
         "--frontends", type=int, default=1, help="paddlequic's --frontends (1: one process)"
+    )
+
+
+def begin_rounds(clients: int, rounds: int, duration: float, per: str) -> None:
+    """A TERM (a timeout, a CI runner) stops the servers on the way out, as Ctrl-C does; then
+    what shares the cores, said once."""
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    cores = len(os.sched_getaffinity(0))
+    print(
+        f"{clients} client processes, the servers and this script share {cores} cores "
+        f"(load average {os.getloadavg()[0]:.1f}); {rounds} rounds of {duration:g} s per {per}",
+        flush=True,
     )

@@ -33,7 +33,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,7 @@ import numpy as np
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from scripts import bench_peers
-from scripts.bench_common import median_range, round_options, tree_cpu, write_json
+from scripts.bench_common import begin_rounds, median_range, round_options, tree_cpu, write_json
 from scripts.bench_generate import one_request
 from scripts.bench_peers import Peer, Setup, mlserver, mlserver_missing, rotated, spawned
 from tests.servers import (
@@ -465,15 +464,7 @@ def main() -> int:
     for model in (INFER.model, GENERATION_MODEL):
         if not (EXAMPLE_MODELS / model / "1").is_dir():
             raise SystemExit(f"model {model} is not exported; run `make models`")
-    # A TERM (a timeout, a CI runner) stops the servers on the way out, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
-    cores = len(os.sched_getaffinity(0))
-    print(
-        f"{args.clients} client processes, the servers and this script share {cores} cores "
-        f"(load average {os.getloadavg()[0]:.1f}); {args.rounds} rounds of {args.duration:g} s "
-        "per measurement",
-        flush=True,
-    )
+    begin_rounds(args.clients, args.rounds, args.duration, "measurement")
     rows: list[Row] = []
     spawn = multiprocessing.get_context("spawn")  # grpc does not survive a fork
     with (

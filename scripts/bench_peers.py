@@ -29,7 +29,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ import numpy as np
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from scripts.bench_common import median_range, round_options, tree_cpu, write_json
+from scripts.bench_common import begin_rounds, median_range, round_options, tree_cpu, write_json
 from tests.servers import (
     EXAMPLE_MODELS,
     REPO_ROOT,
@@ -548,15 +547,7 @@ def main() -> int:
     for workload in workloads:
         if not (EXAMPLE_MODELS / workload.model / "1").is_dir():
             raise SystemExit(f"model {workload.model} is not exported; run `make models-bench`")
-    # A TERM (a timeout, a CI runner) stops the servers on the way out, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
-    cores = len(os.sched_getaffinity(0))
-    print(
-        f"{args.clients} client processes, the servers and this script share {cores} cores "
-        f"(load average {os.getloadavg()[0]:.1f}); {args.rounds} rounds of {args.duration:g} s "
-        "per server and workload",
-        flush=True,
-    )
+    begin_rounds(args.clients, args.rounds, args.duration, "server and workload")
     rows: list[Row] = []
     spawn = multiprocessing.get_context("spawn")  # grpc does not survive a fork
     with (

@@ -4,37 +4,19 @@ starts answers on every protocol, and the JSON holds a row for each; never how f
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from scripts.bench_peers import MLSERVER_VENV, mlserver_missing
-from tests.servers import REPO_ROOT
+from tests.e2e.test_bench_peers import run_bench
 
 pytestmark = pytest.mark.e2e
-# Starting the servers and Paddle takes most of it: minutes on a loaded 2-core machine; pytest
-# ends a test after 300 s.
-BENCH_TIMEOUT_S = 200
 
 
 def bench(out: Path, servers: str) -> tuple[str, list[dict[str, Any]]]:
-    command = [sys.executable, "-m", "scripts.bench_http", "--rounds", "1", "--duration", "0.5"]
-    command += ["--servers", servers, "--out", str(out)]
-    process = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        output, _ = process.communicate(timeout=BENCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.terminate()  # a TERM, not a kill: the script stops the servers it started
-        output, _ = process.communicate(timeout=60)
-        raise AssertionError(f"still running after {BENCH_TIMEOUT_S} s:\n{output}") from None
-    assert process.returncode == 0, output
-    rows: list[dict[str, Any]] = json.loads(out.read_text())
+    output, rows = run_bench("scripts.bench_http", ["--servers", servers], out)
     for row in rows:
         assert row["round"] == 0
         assert row["calls"] > 0 and row["per_second"] > 0, row

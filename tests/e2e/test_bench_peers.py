@@ -20,9 +20,11 @@ pytestmark = pytest.mark.e2e
 BENCH_TIMEOUT_S = 200
 
 
-def bench(out: Path, servers: str) -> tuple[str, list[dict[str, Any]]]:
-    command = [sys.executable, "-m", "scripts.bench_peers", "--rounds", "1", "--duration", "0.5"]
-    command += ["--models", "mlp", "--servers", servers, "--out", str(out)]
+def run_bench(module: str, args: list[str], out: Path) -> tuple[str, list[dict[str, Any]]]:
+    """A benchmark script at its smallest (one round of 0.5 s), its JSON written to `out`:
+    what it printed and its rows."""
+    command = [sys.executable, "-m", module, "--rounds", "1", "--duration", "0.5"]
+    command += [*args, "--out", str(out)]
     process = subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -34,6 +36,11 @@ def bench(out: Path, servers: str) -> tuple[str, list[dict[str, Any]]]:
         raise AssertionError(f"still running after {BENCH_TIMEOUT_S} s:\n{output}") from None
     assert process.returncode == 0, output
     rows: list[dict[str, Any]] = json.loads(out.read_text())
+    return output, rows
+
+
+def bench(out: Path, servers: str) -> tuple[str, list[dict[str, Any]]]:
+    output, rows = run_bench("scripts.bench_peers", ["--models", "mlp", "--servers", servers], out)
     for row in rows:
         assert (row["model"], row["concurrency"], row["round"]) == ("mlp", 32, 0)
         assert row["calls"] > 0 and row["per_second"] > 0, row
