@@ -47,10 +47,27 @@ PROJECTED_CORES = (16, 64)
 BENCH_MODELS = Path(__file__).resolve().parent / "bench_models"
 
 
+# How calls reach the workers: the server's batcher, or the instances' own queues
+# (--instance-queues: the worker batches).
+PATHS = {"batcher": [], "queues": ["--instance-queues"]}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One server of the run: its front-end processes and its path to the workers."""
+
+    frontends: int
+    path: str
+
+    def __str__(self) -> str:
+        return f"--frontends {self.frontends}" + (" queues" if self.path == "queues" else "")
+
+
 @dataclass
 class Measurement:
     model: str
     frontends: int
+    path: str
     transport: str
     workload: str
     count: int
@@ -134,7 +151,7 @@ class Load:
 def measure(
     pool: ProcessPoolExecutor,
     load: Load,
-    frontends: int,
+    setup: Setup,
     transport: str,
     workload: str,
     server: ServerProcess,
@@ -151,9 +168,9 @@ def measure(
     before = tree_cpu(server.process.pid)
     count = sum(job.result() for job in jobs)
     after = tree_cpu(server.process.pid)
-    result = per_item(load.model, frontends, transport, workload, count, duration, before, after)
+    result = per_item(load.model, setup, transport, workload, count, duration, before, after)
     print(
-        f"  --frontends {frontends} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
+        f"  {setup} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
         f"CPU each: {result.total_cpu_us:>6.0f} us in all, {result.main_cpu_us:.0f} main, "
         f"{result.frontends_cpu_us:.0f} front-ends, {result.workers_cpu_us:.0f} workers; "
         f"busiest {result.busiest} {result.busiest_cpu_us:.0f} us",
@@ -164,7 +181,7 @@ def measure(
 
 def per_item(
     model: str,
-    frontends: int,
+    setup: Setup,
     transport: str,
     workload: str,
     count: int,
@@ -192,7 +209,8 @@ def per_item(
     }
     return Measurement(
         model,
-        frontends,
+        setup.frontends,
+        setup.path,
         transport,
         workload,
         count,
@@ -208,60 +226,62 @@ def per_item(
     )
 
 
-def _grid(title: str, counts: Sequence[int], cell: Callable[[int, str, str], str]) -> str:
-    """A row per workload and transport, a column per front-end count."""
-    header = f"{'workload':<16} {'transport':<9}" + "".join(
-        f" {f'--frontends {n}':>26}" for n in counts
-    )
+def _grid(title: str, setups: Sequence[Setup], cell: Callable[[Setup, str, str], str]) -> str:
+    """A row per workload and transport, a column per server."""
+    header = f"{'workload':<16} {'transport':<9}" + "".join(f" {n!s:>26}" for n in setups)
     rows = [title, header]
     for workload in WORKLOADS:
         for transport in TRANSPORTS:
-            cells = "".join(f" {cell(n, transport, workload):>26}" for n in counts)
+            cells = "".join(f" {cell(n, transport, workload):>26}" for n in setups)
             rows.append(f"{workload:<16} {transport:<9}{cells}")
     return "\n".join(rows)
 
 
-def table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
-    """Each figure per second, and as a ratio to one front-end."""
-    by_key = {(m.frontends, m.transport, m.workload): m for m in results}
+def _by_key(results: Sequence[Measurement]) -> dict[tuple[Setup, str, str], Measurement]:
+    return {(Setup(m.frontends, m.path), m.transport, m.workload): m for m in results}
 
-    def cell(n: int, transport: str, workload: str) -> str:
-        base = by_key[counts[0], transport, workload].per_second
+
+def table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
+    """Each figure per second, and as a ratio to the first server's."""
+    by_key = _by_key(results)
+
+    def cell(n: Setup, transport: str, workload: str) -> str:
+        base = by_key[setups[0], transport, workload].per_second
         measured = by_key[n, transport, workload]
         ratio = measured.per_second / base if base else 0.0
         return f"{measured.per_second:.0f} (x{ratio:.2f})"
 
-    return _grid("per second (ratio to the first)", counts, cell)
+    return _grid("per second (ratio to the first)", setups, cell)
 
 
-def cpu_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
+def cpu_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
     """CPU per item summed over every process (and as a ratio to one front-end's sum), then
     the main process's share: with front-ends, what every call still costs the parent."""
-    by_key = {(m.frontends, m.transport, m.workload): m for m in results}
+    by_key = _by_key(results)
 
-    def cell(n: int, transport: str, workload: str) -> str:
-        base = by_key[counts[0], transport, workload].total_cpu_us
+    def cell(n: Setup, transport: str, workload: str) -> str:
+        base = by_key[setups[0], transport, workload].total_cpu_us
         measured = by_key[n, transport, workload]
         ratio = measured.total_cpu_us / base if base else 0.0
         return f"{measured.total_cpu_us:.0f} (x{ratio:.2f}) main {measured.main_cpu_us:.0f}"
 
     title = "CPU us per item, all processes (ratio to the first), then the main process's"
-    return _grid(title, counts, cell)
+    return _grid(title, setups, cell)
 
 
-def projection_table(results: Sequence[Measurement], counts: Sequence[int]) -> str:
+def projection_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
     """Per second on bigger hosts: cores over the summed CPU per item, capped by the busiest
     process that does not multiply with front-ends, whose part is named (a worker caps as it
     should; the parent must not)."""
-    by_key = {(m.frontends, m.transport, m.workload): m for m in results}
+    by_key = _by_key(results)
 
-    def cell(n: int, transport: str, workload: str) -> str:
+    def cell(n: Setup, transport: str, workload: str) -> str:
         measured = by_key[n, transport, workload]
         cores = "/".join(f"{measured.projected[str(c)]}" for c in PROJECTED_CORES)
         return f"{cores} ({measured.busiest})"
 
     cores = " and ".join(str(c) for c in PROJECTED_CORES)
-    return _grid(f"projected per second on {cores} cores (the busiest process)", counts, cell)
+    return _grid(f"projected per second on {cores} cores (the busiest process)", setups, cell)
 
 
 def main() -> int:
@@ -281,11 +301,22 @@ def main() -> int:
         help="mlp (Paddle), or the same shapes as a Python-backend numpy model, for hosts "
         "without Paddle",
     )
+    parser.add_argument(
+        "--paths",
+        default="batcher,queues",
+        help="how calls reach the workers, each a server per front-end count: batcher (the "
+        "server's), queues (--instance-queues: the worker batches); the first is the base",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
     args = parser.parse_args()
     counts = [int(n) for n in args.frontends.split(",")]
-    if counts[0] != 1 or args.clients < 1:
-        parser.error("--frontends must start with 1 (the base of the ratios); --clients >= 1")
+    paths = args.paths.split(",")
+    if counts[0] != 1 or args.clients < 1 or not set(paths) <= PATHS.keys():
+        parser.error(
+            "--frontends must start with 1 (the base of the ratios); --clients >= 1; "
+            f"--paths from {', '.join(PATHS)}"
+        )
+    setups = [Setup(n, path) for path in paths for n in counts]
     results: list[Measurement] = []
     spawn = multiprocessing.get_context("spawn")  # grpc does not survive a fork
     with (
@@ -304,25 +335,26 @@ def main() -> int:
             f"{len(os.sched_getaffinity(0))} usable cores",
             flush=True,
         )
-        for n in counts:
+        for setup in setups:
             server = ServerProcess(
                 repository,
-                Path(tmp) / f"server-{n}.log",
-                ["--certs-dir", str(certs), "--frontends", str(n)],
+                Path(tmp) / f"server-{setup.frontends}-{setup.path}.log",
+                ["--certs-dir", str(certs), "--frontends", str(setup.frontends)]
+                + PATHS[setup.path],
             )
             try:
                 server.wait_ready()
                 for workload in WORKLOADS:
                     for transport in TRANSPORTS:
-                        results.append(measure(pool, load, n, transport, workload, server))
+                        results.append(measure(pool, load, setup, transport, workload, server))
             finally:
                 server.stop()
     print()
-    print(table(results, counts))
+    print(table(results, setups))
     print()
-    print(cpu_table(results, counts))
+    print(cpu_table(results, setups))
     print()
-    print(projection_table(results, counts))
+    print(projection_table(results, setups))
     write_json(args.out, results)
     return 0
 

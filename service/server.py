@@ -80,6 +80,8 @@ async def serve(settings: ServerSettings) -> None:
             settings.model_output_bytes,
             settings.preloaded_launcher,
             settings.model_templates,
+            settings.instance_queues,
+            settings.instance_queue_mb,
         ),
         uploads=UploadLimits(settings.max_upload_files, settings.max_upload_bytes),
         memory_budget_mb=settings.model_memory_budget,

@@ -23,6 +23,7 @@ ENV_SEPARATOR = ";"
 MAX_FRONTENDS = 64
 MAX_AUTO_FRONTENDS = 8
 MAX_ALT_SVC_MAX_AGE = 7 * 86400  # what a client is told to remember, at most a week
+MAX_INSTANCE_QUEUE_MB = 4096  # per instance: reserved in /dev/shm when its worker starts
 MAX_H3_TOKEN_LIFETIME = 7 * 86400.0
 MAX_STREAM_STALL_TIMEOUT = 3600.0
 MAX_SERVER_NAME = 128
@@ -88,6 +89,8 @@ class ServerSettings:
     model_output_bytes: float = 65536.0
     preloaded_launcher: bool = True
     model_templates: bool = True
+    instance_queues: bool = False
+    instance_queue_mb: int = 8
     trace_console: bool = False
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -202,6 +205,12 @@ _HELP = {
     "model_templates": "with the preloaded launcher, fork the instances of a Paddle CPU model "
     "version that has more than one from one process that built its predictor, so that they "
     "share its weights (resnet18 x 4: about 45 MB less per worker)",
+    "instance_queues": "write each request of a Paddle model run by the dynamic batcher "
+    "straight into a shared-memory queue of one of its instances, whose worker forms the "
+    "batches itself (no batching in this process; sequences, streams, ensembles and Python "
+    "models keep the server's batchers)",
+    "instance_queue_mb": "MiB of shared memory per instance with --instance-queues, half for "
+    "requests and half for answers; one request (or one answer) takes at most a quarter",
     "trace_console": "write OpenTelemetry spans to stderr, one JSON object per line",
     "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
     "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "
@@ -313,6 +322,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(
             f"--stream-stall-timeout must be above 0, at most {MAX_STREAM_STALL_TIMEOUT:g} s"
         )
+    if not 1 <= settings.instance_queue_mb <= MAX_INSTANCE_QUEUE_MB:
+        parser.error(f"--instance-queue-mb must be from 1 to {MAX_INSTANCE_QUEUE_MB}")
     if settings.model_memory_budget < 0:
         parser.error("--model-memory-budget must be at least 0 (0: off)")
     if settings.max_upload_files < 0 or settings.max_upload_bytes < 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 from opentelemetry import trace
@@ -33,6 +34,24 @@ CRASHES_TO_POISON = 2
 # request's deadline (or without one if any has none); each request is answered
 # DEADLINE_EXCEEDED at its own deadline meanwhile.
 RunBatch = Callable[[Batch, list[SpanContext], float | None], Awaitable[InferResult]]
+
+
+class Batcher(Protocol):
+    """What holds a version's requests until a worker answers them: this module's
+    DynamicBatcher, or with --instance-queues the worker's own queues
+    (service/serving/queued_batcher.py)."""
+
+    policy: BatchPolicy
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def in_flight_requests(self) -> int: ...
+
+    def enqueue(self, job: InferJob, deadline: float | None) -> asyncio.Future[Answer]: ...
+
+    async def stop(self) -> None: ...
 
 
 class DynamicBatcher:
@@ -244,11 +263,14 @@ class DynamicBatcher:
             self._queue.requeue(item, alone=exc.running)
 
     def _poison_message(self) -> str:
-        return (
-            f"suspected poison input: the worker of {self.name} died {CRASHES_TO_POISON} times "
-            f"while computing this input; identical inputs are refused for "
-            f"{self.poison.ttl_s:.0f} s"
-        )
+        return poison_message(self.name, self.poison)
+
+
+def poison_message(name: str, poison: PoisonList) -> str:
+    return (
+        f"suspected poison input: the worker of {name} died {CRASHES_TO_POISON} times while "
+        f"computing this input; identical inputs are refused for {poison.ttl_s:.0f} s"
+    )
 
 
 def _sooner(when: float | None, than: float | None) -> bool:

@@ -16,6 +16,7 @@ from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.concurrency import ConcurrencyLimit
 from service.batching.sequence_batcher import SequenceBatcher
 from service.batching.sequence_queue import SequencePolicy
+from service.inference.jobs import Timings
 from service.inference.validation import RequestValidator
 from service.inference.waits import WaitGraph
 from service.lifecycle.repository import (
@@ -57,6 +58,7 @@ from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.batch_runner import BatchObserver, BatchRunner
 from service.serving.bls import BlsRunner
+from service.serving.queued_batcher import QueuedBatcher, queueable
 from service.serving.requests import RequestRunner
 from service.workers.instance import WorkerInstance
 from service.workers.model_output import BYTES_PER_S, LINES_PER_S, ModelOutput, OutputBudget
@@ -80,6 +82,10 @@ class WorkerLimits:
     # --model-templates: instances of one such version forked from one process that built its
     # predictor (service/workers/templates.py).
     templates: bool = True
+    # --instance-queues: requests straight into the instances' queues, batched by the worker
+    # (service/serving/queued_batcher.py); --instance-queue-mb of shared memory each.
+    instance_queues: bool = False
+    instance_queue_mb: int = 8
 
 
 class VersionLoader:
@@ -236,13 +242,27 @@ class VersionLoader:
                 if config.backend == PYTHON_BACKEND:
                     for instance in served.instances:
                         instance.bls.handler = self.bls
-                served.batcher = DynamicBatcher(
-                    policy_from_config(served.config, len(served.instances)),
-                    BatchRunner(served, self.observer),
-                    served.capacity,
-                    label,
-                    served.ready_instances,
-                )
+                policy = policy_from_config(served.config, len(served.instances))
+                if self.limits.instance_queues and queueable(served.config):
+                    queued = QueuedBatcher(
+                        served.config,
+                        served.instances,
+                        policy,
+                        renamed,
+                        self.limits.instance_queue_mb,
+                        functools.partial(self._record_batch, served),
+                        label,
+                    )
+                    queued.start()
+                    served.batcher = queued
+                else:
+                    served.batcher = DynamicBatcher(
+                        policy,
+                        BatchRunner(served, self.observer),
+                        served.capacity,
+                        label,
+                        served.ready_instances,
+                    )
         except RepositoryError as exc:
             await self.fail(served, str(exc), "load")
             return
@@ -256,6 +276,11 @@ class VersionLoader:
             _describe(served.config.output, served.config.max_batch_size),
         )
         self.registry.changed()
+
+    def _record_batch(self, served: ServedVersion, rows: int, timings: Timings) -> None:
+        """A batch a worker formed from its queues, counted as the batch runner counts one."""
+        served.stats.record_batch(rows, timings)
+        self.observer.on_batch(served.name, rows, timings)
 
     def _batch_sequences(
         self, served: ServedVersion, settings: SequenceSettings, label: str

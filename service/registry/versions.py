@@ -11,7 +11,7 @@ from pathlib import Path
 
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
-from service.batching.batcher import DynamicBatcher
+from service.batching.batcher import Batcher
 from service.batching.concurrency import ConcurrencyLimit
 from service.batching.sequence_batcher import SequenceBatcher
 from service.inference import errors
@@ -43,7 +43,7 @@ class ServedVersion:
     reason: str = ""
     instances: list[WorkerInstance] = field(default_factory=list)
     validator: RequestValidator | None = None
-    batcher: DynamicBatcher | None = None
+    batcher: Batcher | None = None
     stats: ModelStats = field(default_factory=ModelStats)
     local_numa: int | None = None  # the front-end's NUMA node
     refused: bool = False  # by the signing policy: requests get FAILED_PRECONDITION
@@ -97,7 +97,7 @@ class ServedVersion:
         instance, restarting or not: it is bound to it)."""
         return 0 if self.instances[index].state is State.STOPPED else SLOTS_PER_WORKER
 
-    def queue(self) -> DynamicBatcher | ConcurrencyLimit | SequenceBatcher | None:
+    def queue(self) -> Batcher | ConcurrencyLimit | SequenceBatcher | None:
         """What holds the version's waiting requests (for metrics and ListInstances)."""
         return self.batcher or self.generations or self.sequences
 

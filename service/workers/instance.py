@@ -134,6 +134,10 @@ class WorkerInstance:
         # Told how the worker died, before its requests fail (a sequence model's batcher:
         # the state the worker held for its sequences is gone).
         self.on_death: Callable[[str], None] | None = None
+        # With --instance-queues (service/serving/instance_queues.py): told when the worker is
+        # ready after a restart, and how it ended when it dies, before it restarts.
+        self.on_ready: Callable[[], None] | None = None
+        self.on_ended: Callable[[deaths.Death], None] | None = None
         # Deaths for going past a limit of the model's ("memory", "processes"): metrics.
         self.limit_kills: dict[str, int] = {}
 
@@ -334,6 +338,12 @@ class WorkerInstance:
         if self._writer is not None:
             self._writer.write(protocol.encode(message))
 
+    def send_queues(self, setup: protocol.Queues, fds: list[int]) -> None:
+        """Turn the running worker to its shared-memory queues (service/queues/)."""
+        assert self._segments is not None
+        self._send(setup)
+        self._segments.send_fds(fds)
+
     async def stop(self) -> None:
         """Stop the worker; once, however often it is asked (a version that failed to load
         is stopped then, and again with every version at shutdown)."""
@@ -412,6 +422,8 @@ class WorkerInstance:
         self._ready.set()
         self._attempted.set()
         self._reader_task = asyncio.create_task(self._read_loop(reader, writer))
+        if self.on_ready is not None:
+            self.on_ready()
         return first
 
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -438,7 +450,9 @@ class WorkerInstance:
             # A Python model can write anything to its socket: whatever breaks the protocol
             # (a header declaring more than it may send, a class the unpickler refuses, a
             # field of the wrong type) ends that worker, never the front-end.
-            self._kill_misbehaving(exc)
+            self.kill_misbehaving(
+                f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc)
+            )
         finally:
             writer.close()
         if self.state is not State.STOPPED:
@@ -454,15 +468,17 @@ class WorkerInstance:
         )
         return message_bounds.largest_message(holding, self.spec.max_message_bytes)
 
-    def _kill_misbehaving(self, exc: Exception) -> None:
+    def kill_misbehaving(self, reason: str) -> None:
+        """The worker broke the protocol (`reason`: how): it is killed and its requests fail
+        for good."""
         log.error(
-            "worker %s (pid %d) broke the protocol (%r); killing it and failing its requests",
+            "worker %s (pid %d) broke the protocol (%s); killing it and failing its requests",
             self.spec.instance_name,
             self.pid,
-            exc,
+            reason,
         )
         self.refused_messages += 1
-        self._misbehaved = f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc)
+        self._misbehaved = reason
         if self._process is not None:
             launch.end(self._process)
 
@@ -501,13 +517,14 @@ class WorkerInstance:
         self._watchdog.watch(oldest, waiting, self.execution_timeout_s)
 
     def _kill_hung(self, request_id: int) -> None:
+        if request_id in self._pending:
+            self.end_hung()
+
+    def end_hung(self) -> None:
+        """The worker has run one batch past its execution timeout: killed, its death told
+        as a hang."""
         process = self._process
-        if (
-            self._killed_hung
-            or request_id not in self._pending
-            or process is None
-            or process.returncode is not None
-        ):
+        if self._killed_hung or process is None or process.returncode is not None:
             return
         log.error(
             "worker %s (pid %d) has run one batch for more than %.1f s of execution "
@@ -550,6 +567,8 @@ class WorkerInstance:
         )
         if self.on_death is not None:
             self.on_death(ended.how)
+        if self.on_ended is not None:
+            self.on_ended(ended)
         message = (
             f"the worker process for model '{self.spec.model_name}' {ended.how} while holding "
             "this request; it is being restarted"

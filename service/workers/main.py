@@ -114,6 +114,12 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
             if isinstance(msg, protocol.Shutdown) and hasattr(model, "finalize"):
                 model.finalize()
             return 0
+        if isinstance(msg, protocol.Queues):
+            from service.workers.queued_loop import serve_queued
+
+            return serve_queued(
+                model, msg, recv, sock, segments, lambda e: _reason(e, load.backend), crash_on
+            )
         if not isinstance(msg, protocol.Infer):
             continue
         if link is not None:

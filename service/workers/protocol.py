@@ -15,9 +15,11 @@ import struct
 from dataclasses import dataclass, field
 
 from service.backend.load import Load
+from service.batching.queue import BatchPolicy
 from service.inference.jobs import Timings
 from service.inference.tensors import TensorSpec
 from service.model.shapes import ShapeBuckets
+from service.queues.layout import QueueLayout
 
 _HEADER = struct.Struct("<I")
 MAX_MESSAGE = 1 << 31
@@ -182,6 +184,18 @@ class Shutdown:
 
 
 @dataclass(frozen=True)
+class Queues:
+    """From now on the worker takes its requests from shared-memory rings and batches them
+    itself (service/workers/queued_loop.py); the segment and its two wake-up descriptors (in,
+    out) come next on the segments channel."""
+
+    layout: QueueLayout
+    policy: BatchPolicy  # what batches it forms (max_queue_size: the caller's bound, not its)
+    inputs: tuple[tuple[str, str], ...]  # (name, datatype) by the index requests use
+    outputs: tuple[str, ...]  # the program's fetch names by the index requests use
+
+
+@dataclass(frozen=True)
 class MetricUpdate:
     """One change to a Python model's custom metric (pb_utils.MetricFamily / Metric): what the
     worker checked, which the front-end checks again (service/workers/model_metrics.py)."""
@@ -217,6 +231,7 @@ Message = (
     | BlsCancel
     | Shutdown
     | MetricUpdate
+    | Queues
 )
 
 
@@ -262,10 +277,20 @@ _MESSAGES = (
     BlsCancel,
     Shutdown,
     MetricUpdate,
+    Queues,
 )
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls
-    for cls in (*_MESSAGES, TensorRef, TensorSpec, Timings, ShapeBuckets, BlsPart)
+    for cls in (
+        *_MESSAGES,
+        TensorRef,
+        TensorSpec,
+        Timings,
+        ShapeBuckets,
+        BlsPart,
+        QueueLayout,
+        BatchPolicy,
+    )
 }
 
 

@@ -14,7 +14,7 @@ from service.inference.jobs import InferResult, OutputTensor
 from service.workers import protocol
 from service.workers.slots import Slot
 
-_BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
+BAD_INPUT_ERRORS = ("InvalidArgumentError", "OutOfRangeError")
 # pb_utils.TritonError's codes (TRITONSERVER_Error_Code) as the gRPC status Triton reports them
 # under (src/grpc/grpc_utils.cc); an unknown code is INTERNAL.
 TRITON_STATUS = {
@@ -106,5 +106,5 @@ def failure(message: protocol.Failed, model_name: str) -> errors.ServiceError:
         return errors.ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, text)
     # Paddle's InvalidArgument/OutOfRange errors are about the request's values
     # (e.g. embedding ids out of range), which validation cannot see.
-    bad_input = any(k in message.message for k in _BAD_INPUT_ERRORS)
+    bad_input = any(k in message.message for k in BAD_INPUT_ERRORS)
     return (errors.invalid if bad_input else errors.internal)(text)

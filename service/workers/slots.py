@@ -108,5 +108,9 @@ class SegmentChannel:
             segment.send(self._channel)
             self._sent.add(segment.name)
 
+    def send_fds(self, fds: list[int]) -> None:
+        """Descriptors the worker takes as a group (its queues: service/workers/queued_loop.py)."""
+        socket.send_fds(self._channel, [b"queues"], fds)
+
     def close(self) -> None:
         self._channel.close()

@@ -1,0 +1,185 @@
+"""The process holding the calls: its end of one worker's queues (service/queues/). It writes
+requests into the worker's request ring and wakes the worker once per event-loop turn, however
+many it wrote; it reads every answer the worker wrote when woken (once per batch), each
+checked as hostile input; and it keeps every request it wrote until the answer comes, so when
+the worker dies it still has them to send again.
+
+Its watchdog reads the running area while requests are out: a batch number that stays the same
+for the execution timeout means the worker is hung."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.inference.jobs import Answer, InferJob
+from service.queues import records, wakeups
+from service.queues.ring import Corrupt
+from service.workers import protocol
+from service.workers.instance import WorkerInstance
+from service.workers.shm import Segment
+
+MIN_WATCH_S = 0.05
+WATCH_PARTS = 4  # the watchdog looks this often per execution timeout
+
+
+@dataclass(eq=False)
+class Entry:
+    """One request from the moment it is queued until its answer or its end."""
+
+    job: InferJob
+    future: asyncio.Future[Answer]
+    arrival: float
+    expires: float | None
+    deadline: float | None
+    priority: int
+    inputs: list[tuple[int, tuple[int, ...], bytes]]
+    outputs: tuple[int, ...]
+    expected: records.Expected
+    crashes: int = 0
+    alone: bool = False
+    queue: InstanceQueue | None = None  # the queue it was written to; None: not written
+    request_id: int = 0
+    written: float = 0.0  # when it was written (loop time)
+    ended: bool = field(default=False)  # answered, failed or dropped: counted out
+
+
+Reply = Callable[[Entry, records.Reply], None]
+
+
+class InstanceQueue:
+    def __init__(
+        self,
+        instance: WorkerInstance,
+        setup: protocol.Queues,
+        on_reply: Reply,
+        on_corrupt: Callable[[str], None],
+    ) -> None:
+        self.instance = instance
+        self._loop = asyncio.get_running_loop()
+        self._segment = Segment(setup.layout.size)
+        self._requests, self._replies, self._running = setup.layout.caller_end(self._segment.buf)
+        self._wake_worker = wakeups.make()
+        self._woken = wakeups.make()
+        instance.send_queues(setup, [self._segment.fd, self._wake_worker, self._woken])
+        self._loop.add_reader(self._woken, self._read)
+        self.entries: dict[int, Entry] = {}
+        self._ids = itertools.count(1)
+        self._signal_due = False
+        self._on_reply = on_reply
+        self._on_corrupt = on_corrupt
+        self._closed = False
+        self._watch: asyncio.TimerHandle | None = None
+        self._seen: tuple[int, float] = (0, 0.0)  # a running batch's number, when first seen
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.entries)
+
+    @property
+    def numa_node(self) -> int:
+        return self.instance.numa_node
+
+    def running_count(self) -> int:
+        return 0 if self._closed else self._running.batch()[1]
+
+    def write(self, entry: Entry) -> bool:
+        """The request into the worker's ring; False while the ring is full."""
+        request_id = next(self._ids)
+        written = records.write_request(
+            self._requests,
+            request_id,
+            entry.inputs,
+            entry.outputs,
+            entry.priority,
+            entry.job.batch_size,
+            entry.expires,
+            entry.deadline,
+            records.ALONE if entry.alone else 0,
+        )
+        if not written:
+            return False
+        entry.queue, entry.request_id = self, request_id
+        entry.written = self._loop.time()
+        self.entries[request_id] = entry
+        self._signal_soon()
+        self._start_watch()
+        return True
+
+    def cancel(self, entry: Entry) -> None:
+        """The caller went away: the worker drops the request if it has not run it (its
+        answer still comes, as a cancellation); a full ring lets it run."""
+        if not self._closed and entry.request_id in self.entries:
+            records.write_cancel(self._requests, entry.request_id)
+            self._signal_soon()
+
+    def _signal_soon(self) -> None:
+        """One wake-up of the worker for all the records of this loop turn."""
+        if not self._signal_due:
+            self._signal_due = True
+            self._loop.call_soon(self._signal)
+
+    def _signal(self) -> None:
+        self._signal_due = False
+        if not self._closed:
+            wakeups.wake(self._wake_worker)
+
+    def _read(self) -> None:
+        wakeups.clear(self._woken)
+        try:
+            while not self._closed and (payload := self._replies.take()) is not None:
+                request_id = records.request_id_of(payload)
+                entry = self.entries.pop(request_id, None)
+                if entry is None:
+                    raise Corrupt(f"a reply to request {request_id}, which it was not sent")
+                self._on_reply(entry, records.read_reply(payload, entry.expected))
+        except (Corrupt, struct.error) as exc:
+            self._on_corrupt(f"wrote a bad reply into its queue: {exc}")
+
+    def running(self) -> set[int]:
+        """The requests the worker said it was computing (after its death), ours only."""
+        try:
+            return self._running.running() & self.entries.keys()
+        except Corrupt:
+            return set()
+
+    def close(self) -> list[Entry]:
+        """Stop reading and writing; the requests it held, in the order they were written."""
+        if self._closed:
+            return []
+        self._closed = True
+        self._loop.remove_reader(self._woken)
+        if self._watch is not None:
+            self._watch.cancel()
+        os.close(self._woken)
+        os.close(self._wake_worker)
+        for end in (self._requests, self._replies, self._running):
+            end.release()
+        self._segment.release()
+        entries = list(self.entries.values())
+        self.entries.clear()
+        return entries
+
+    def _start_watch(self) -> None:
+        timeout = self.instance.execution_timeout_s
+        if self._watch is None and timeout is not None:
+            self._watch = self._loop.call_later(max(timeout / WATCH_PARTS, MIN_WATCH_S), self._look)
+
+    def _look(self) -> None:
+        """A batch running under the same number for the execution timeout is hung."""
+        self._watch = None
+        timeout = self.instance.execution_timeout_s
+        if self._closed or not self.entries or timeout is None:
+            return
+        number, count = self._running.batch()
+        now = self._loop.time()
+        if count == 0 or number != self._seen[0]:
+            self._seen = (number, now)
+        elif now - self._seen[1] >= timeout:
+            self.instance.end_hung()
+            return
+        self._start_watch()

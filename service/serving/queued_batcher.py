@@ -1,0 +1,311 @@
+"""A version's requests written straight into its instances' queues (--instance-queues): the
+worker forms the batches (service/workers/queued_loop.py), so this process does no batching
+and no scheduling, and hears from a worker once per batch. It keeps the promises of the
+batcher it replaces (service/batching/batcher.py): the queue is bounded (RESOURCE_EXHAUSTED at
+once), each request is answered exactly once (DEADLINE_EXCEEDED at its deadline), a request
+whose caller leaves is dropped from the worker's queue, and a worker's death loses nothing:
+what it only queued goes to an instance again as it was, what it was computing goes again to
+run alone, and an input it was computing when two workers died is suspected poison."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import random
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from oip.datatypes import BY_CONFIG_TYPE
+from protos.inference import model_config_pb2 as mc
+from service.batching.batcher import CRASHES_TO_POISON, poison_message
+from service.batching.queue import BatchPolicy
+from service.inference import errors
+from service.inference.jobs import Answer, InferJob, OutputTensor, Timings
+from service.inference.timers import fail_at
+from service.queues import records
+from service.queues.layout import QueueLayout
+from service.resilience.poison import PoisonList
+from service.serving.instance_queues import Entry, InstanceQueue
+from service.workers import deaths, protocol, results, routing
+from service.workers.instance import State, WorkerInstance
+
+MB = 1 << 20
+
+
+def queueable(config: mc.ModelConfig) -> bool:
+    """Versions whose requests can go straight to their instances: Paddle models' with
+    fixed-size datatypes, run by the dynamic batcher (not sequences, streams, ensembles, nor
+    Python models, whose BLS calls go through the server)."""
+    return (
+        config.backend != "python"
+        and not config.HasField("sequence_batching")
+        and not config.HasField("ensemble_scheduling")
+        and not config.model_transaction_policy.decoupled
+        and all(
+            t.data_type != mc.TYPE_STRING and len(t.dims) < records.MAX_RANK for t in config.input
+        )
+        and all(
+            t.data_type != mc.TYPE_STRING and len(t.dims) < records.MAX_RANK for t in config.output
+        )
+    )
+
+
+class QueuedBatcher:
+    def __init__(
+        self,
+        config: mc.ModelConfig,
+        instances: Sequence[WorkerInstance],
+        policy: BatchPolicy,
+        fetch_names: dict[str, str],
+        queue_mb: int,
+        on_batch: Callable[[int, Timings], None],
+        name: str,
+    ) -> None:
+        self.policy = policy
+        self.name = name
+        self.poison = PoisonList()
+        self._instances = instances
+        rows = max(config.max_batch_size, 1)
+        ring = queue_mb * MB // 2 // 8 * 8
+        self._setup = protocol.Queues(
+            QueueLayout(ring, ring, rows),
+            policy,
+            tuple((t.name, BY_CONFIG_TYPE[t.data_type].name) for t in config.input),
+            tuple(fetch_names.get(t.name, t.name) for t in config.output),
+        )
+        self._input_index = {t.name: i for i, t in enumerate(config.input)}
+        self._output_index = {t.name: i for i, t in enumerate(config.output)}
+        self._outputs = [(t.name, BY_CONFIG_TYPE[t.data_type]) for t in config.output]
+        self._itemsizes = tuple(d.numpy.itemsize for _, d in self._outputs)
+        self._rows = rows
+        self._batches = config.max_batch_size > 0
+        self._queues: dict[int, InstanceQueue] = {}  # by instance, while its worker serves
+        self._waiting: collections.deque[Entry] = collections.deque()  # for an instance
+        self._held = 0  # requests queued or in a worker, not yet answered
+        self._limit = policy.max_queue_size + len(instances) * rows
+        self._on_batch = on_batch
+        self._last_batch: dict[int, int] = {}
+        self._random = random.Random(0)
+
+    def start(self) -> None:
+        """Serve through the instances' queues: those ready now at once, the others (and
+        each after a restart) once their worker is ready; a death hands their requests back."""
+        for index, instance in enumerate(self._instances):
+            instance.on_ready = functools.partial(self.attach, index)
+            instance.on_ended = functools.partial(self._ended, index)
+            if instance.state is State.READY:
+                self.attach(index)
+
+    @property
+    def queued(self) -> int:
+        return self._held - self.in_flight_requests
+
+    @property
+    def in_flight_requests(self) -> int:
+        return sum(q.running_count() for q in self._queues.values())
+
+    def attach(self, index: int) -> None:
+        """The instance's worker is ready: give it its queues (again, after a restart)."""
+        instance = self._instances[index]
+        old = self._queues.pop(index, None)
+        if old is not None:
+            self._requeue(old.close(), None)
+        self._queues[index] = InstanceQueue(
+            instance,
+            self._setup,
+            self._answered,
+            functools.partial(self._corrupt, index),
+        )
+        self._send_waiting()
+
+    def enqueue(self, job: InferJob, deadline: float | None) -> asyncio.Future[Answer]:
+        """As DynamicBatcher.enqueue: the answer's future, failed at `deadline`; cancelling
+        it drops the request."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self.poison and self.poison.holds(job, now):
+            raise errors.internal(self._poison_message())
+        if self._held >= self._limit:
+            raise errors.ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the queue holds its maximum of {self.policy.max_queue_size} requests",
+            )
+        queue_timeout = self.policy.timeout_of(job.timeout_s)
+        timeout_at = None if queue_timeout is None else now + queue_timeout
+        limits = [t for t in (deadline, timeout_at) if t is not None]
+        future: asyncio.Future[Answer] = loop.create_future()
+        wanted = tuple(self._output_index[name] for name in job.outputs)
+        entry = Entry(
+            job,
+            future,
+            now,
+            min(limits, default=None),
+            deadline,
+            self.policy.priority_of(job.priority),
+            [(self._input_index[t.name], t.shape, t.data) for t in job.inputs],
+            wanted,
+            records.Expected(wanted, self._itemsizes, job.rows if self._batches else 0, self._rows),
+        )
+        self._place(entry, refuse=True)
+        self._held += 1
+        timer = fail_at(
+            future,
+            deadline,
+            lambda: errors.deadline_exceeded(
+                f"the request's deadline passed after {loop.time() - now:.3f} s, before its "
+                "batch finished"
+            ),
+        )
+        future.add_done_callback(functools.partial(self._settled, entry, timer))
+        return future
+
+    def _place(self, entry: Entry, refuse: bool = False) -> None:
+        """Into a serving instance's queue (the least busy: service/workers/routing.py), or
+        to wait for one; `refuse`: a new request, refused when the queues are full or no
+        instance can serve it."""
+        ready = [q for i, q in self._queues.items() if self._instances[i].state is State.READY]
+        if ready:
+            queue = routing.choose(ready, None, self._random)
+            if queue.write(entry):
+                return
+            if refuse:
+                raise errors.ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the instance queue of {self.name} is full ({queue_bytes(self._setup)} "
+                    "bytes of requests: --instance-queue-mb)",
+                )
+        elif refuse:
+            self._check_startable()
+        self._waiting.append(entry)
+
+    def _check_startable(self) -> None:
+        """UNAVAILABLE when no instance will serve soon: all stopped, or their restarts fail."""
+        states = [i.state for i in self._instances]
+        if all(s is State.STOPPED for s in states):
+            raise errors.unavailable(f"{self.name} is not serving")
+        failures = [i.start_failure for i in self._instances]
+        if failures and None not in failures:
+            raise errors.unavailable(f"{self.name}: its last restart failed: {failures[0]}")
+
+    def _send_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, collections.deque()
+        for entry in waiting:
+            if not entry.future.done():
+                self._place(entry)
+            else:
+                self._count_out(entry)
+
+    def _settled(self, entry: Entry, timer: asyncio.TimerHandle | None, future: object) -> None:
+        if timer is not None:
+            timer.cancel()
+        if entry.queue is not None:
+            if entry.future.cancelled():
+                entry.queue.cancel(entry)
+        elif entry in self._waiting:
+            self._waiting.remove(entry)
+            self._count_out(entry)
+
+    def _count_out(self, entry: Entry) -> None:
+        if not entry.ended:
+            entry.ended = True
+            self._held -= 1
+
+    def _answered(self, entry: Entry, reply: records.Reply) -> None:
+        self._count_out(entry)
+        queue = entry.queue
+        if reply.failure is None and queue is not None:
+            key = id(queue)
+            if self._last_batch.get(key) != reply.batch:
+                self._last_batch[key] = reply.batch
+                self._on_batch(reply.batch_rows, reply.timings)
+        if self._waiting:
+            self._send_waiting()
+        future = entry.future
+        if future.done():
+            return
+        if reply.failure is not None:
+            future.set_exception(self._failure(reply))
+            return
+        order = {index: place for place, index in enumerate(entry.outputs)}
+        outputs = tuple(
+            OutputTensor(*self._outputs[t.index], t.shape, bytes(t.data))
+            for t in sorted(reply.outputs, key=lambda t: order[t.index])
+        )
+        waited = int((entry.written - entry.arrival) * 1e9) + reply.queue_ns
+        future.set_result(Answer(outputs, reply.timings, waited, reply.batch_rows))
+
+    def _failure(self, reply: records.Reply) -> errors.ServiceError:
+        if reply.failure == records.EXPIRED:
+            return errors.deadline_exceeded(reply.text)
+        if reply.failure == records.CANCELLED:
+            return errors.ServiceError(grpc.StatusCode.CANCELLED, reply.text)
+        failed = protocol.Failed(0, reply.text, reply.failure == records.TOO_LARGE)
+        return results.failure(failed, self.name)
+
+    def _corrupt(self, index: int, reason: str) -> None:
+        """The worker wrote what no correct worker writes: killed, its requests failed for
+        good (its death comes as a protocol breach)."""
+        self._instances[index].kill_misbehaving(reason)
+
+    def _ended(self, index: int, death: deaths.Death) -> None:
+        """The worker died: its requests go again, or fail as its death decides."""
+        queue = self._queues.pop(index, None)
+        if queue is None:
+            return
+        running = queue.running() if death.blamed else set()
+        held = queue.close()
+        message = (
+            f"the worker process for {self.name} {death.how} while holding this request; it "
+            "is being restarted"
+        )
+        if death.fate is deaths.Fate.FAIL:
+            refused = errors.internal(f"{message}; the request is not run again")
+            self._end_all(held, lambda: refused)
+        elif death.fate is deaths.Fate.EXHAUSTED:
+            self._end_all(held, lambda: errors.resource_exhausted(message))
+        else:
+            self._requeue(held, running)
+
+    def _end_all(self, held: list[Entry], error: Callable[[], errors.ServiceError]) -> None:
+        for entry in held:
+            self._count_out(entry)
+            if not entry.future.done():
+                entry.future.set_exception(error())
+
+    def _requeue(self, held: list[Entry], running: set[int] | None) -> None:
+        """Back to an instance: what the worker ran to run alone, counted against it (two
+        such deaths: poison)."""
+        now = asyncio.get_running_loop().time()
+        for entry in held:
+            if entry.future.done():
+                self._count_out(entry)
+                continue
+            if running and entry.request_id in running:
+                entry.crashes += 1
+                if entry.crashes >= CRASHES_TO_POISON:
+                    self.poison.add(entry.job, now)
+                    self._count_out(entry)
+                    entry.future.set_exception(errors.internal(self._poison_message()))
+                    continue
+                entry.alone = True
+            entry.queue = None
+            self._place(entry)
+
+    async def stop(self) -> None:
+        """Every request still held fails (the server is shutting down)."""
+        held = [e for q in self._queues.values() for e in q.close()]
+        self._queues.clear()
+        held.extend(self._waiting)
+        self._waiting.clear()
+        for instance in self._instances:
+            instance.on_ready = instance.on_ended = None
+        self._end_all(held, lambda: errors.unavailable("the server is shutting down"))
+
+    def _poison_message(self) -> str:
+        return poison_message(self.name, self.poison)
+
+
+def queue_bytes(setup: protocol.Queues) -> int:
+    return setup.layout.request_bytes
