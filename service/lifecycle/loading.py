@@ -35,7 +35,7 @@ from service.model import ensemble
 from service.model.decoupled import is_decoupled, stream_limits
 from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import (
-    TESTING_CRASH_ON,
+    TESTING_PARAMETERS,
     check_parameters,
     string_parameters,
     worker_memory_mb,
@@ -159,7 +159,8 @@ class VersionLoader:
         files, config = checked
         params = string_parameters(config)
         if not self.testing:
-            params.pop(TESTING_CRASH_ON, None)
+            for testing in TESTING_PARAMETERS:
+                params.pop(testing, None)
         limits = check_parameters(config)
         served.local_numa = frontend_numa_node(self.topology)
         simulated = self.topology.simulated

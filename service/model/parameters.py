@@ -58,6 +58,10 @@ PYTHON_SANDBOX_CHOICES = ("on", "off")
 # Test-only: a worker aborts when any input element equals this number. Honoured only
 # when the server runs with --testing-service; otherwise it never reaches the worker.
 TESTING_CRASH_ON = "testing_crash_on"
+# Test-only, as testing_crash_on: a worker serving from its instance queues scribbles random
+# bytes over all of their shared memory when an input element equals this number, then hangs.
+TESTING_SCRIBBLE_ON = "testing_scribble_on"
+TESTING_PARAMETERS = (TESTING_CRASH_ON, TESTING_SCRIBBLE_ON)
 
 
 class ParameterError(ValueError):
@@ -99,12 +103,14 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
     params = string_parameters(config)
     numbers = _integers(params)
     engine_options(params)
-    if TESTING_CRASH_ON in params:
+    for testing in TESTING_PARAMETERS:
+        if testing not in params:
+            continue
         try:
-            float(params[TESTING_CRASH_ON])
+            float(params[testing])
         except ValueError:
             raise ParameterError(
-                f"parameter {TESTING_CRASH_ON} must be a number, not {params[TESTING_CRASH_ON]!r}"
+                f"parameter {testing} must be a number, not {params[testing]!r}"
             ) from None
     if numbers.get(PYTHON_CHILD_PROCESSES, 0) > MAX_CHILD_PROCESSES:
         raise ParameterError(

@@ -92,9 +92,9 @@ class RingWriter(_Side):
         self._words[_HEAD // 8] = self._head
 
     @property
-    def empty(self) -> bool:
-        """Whether the reader has taken everything written (a hint: it may be taking now)."""
-        return self._words[_TAIL // 8] == self._head
+    def taken(self) -> int:
+        """How far the reader says it has read (unchecked: a sign of progress only)."""
+        return int(self._words[_TAIL // 8])
 
 
 class RingReader(_Side):

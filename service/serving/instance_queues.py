@@ -73,8 +73,10 @@ class InstanceQueue:
         self._on_reply = on_reply
         self._on_corrupt = on_corrupt
         self._closed = False
+        self.broken = False  # the worker wrote what no correct worker writes: being killed
         self._watch: asyncio.TimerHandle | None = None
-        self._seen: tuple[int, float] = (0, 0.0)  # a running batch's number, when first seen
+        # The worker's progress (what it took, its batch) when the watchdog last saw it change.
+        self._seen: tuple[tuple[int, int, int], float] = ((0, 0, 0), 0.0)
 
     @property
     def outstanding(self) -> int:
@@ -88,19 +90,26 @@ class InstanceQueue:
         return 0 if self._closed else self._running.batch()[1]
 
     def write(self, entry: Entry) -> bool:
-        """The request into the worker's ring; False while the ring is full."""
+        """The request into the worker's ring; False while the ring is full (or the worker
+        has scribbled over it: it is then killed)."""
+        if self._closed or self.broken:
+            return False
         request_id = next(self._ids)
-        written = records.write_request(
-            self._requests,
-            request_id,
-            entry.inputs,
-            entry.outputs,
-            entry.priority,
-            entry.job.batch_size,
-            entry.expires,
-            entry.deadline,
-            records.ALONE if entry.alone else 0,
-        )
+        try:
+            written = records.write_request(
+                self._requests,
+                request_id,
+                entry.inputs,
+                entry.outputs,
+                entry.priority,
+                entry.job.batch_size,
+                entry.expires,
+                entry.deadline,
+                records.ALONE if entry.alone else 0,
+            )
+        except Corrupt as exc:
+            self._broke(f"wrote over its request queue: {exc}")
+            return False
         if not written:
             return False
         entry.queue, entry.request_id = self, request_id
@@ -114,7 +123,11 @@ class InstanceQueue:
         """The caller went away: the worker drops the request if it has not run it (its
         answer still comes, as a cancellation); a full ring lets it run."""
         if not self._closed and entry.request_id in self.entries:
-            records.write_cancel(self._requests, entry.request_id)
+            try:
+                records.write_cancel(self._requests, entry.request_id)
+            except Corrupt as exc:
+                self._broke(f"wrote over its request queue: {exc}")
+                return
             self._signal_soon()
 
     def _signal_soon(self) -> None:
@@ -131,14 +144,25 @@ class InstanceQueue:
     def _read(self) -> None:
         wakeups.clear(self._woken)
         try:
-            while not self._closed and (payload := self._replies.take()) is not None:
+            while not (self._closed or self.broken):
+                payload = self._replies.take()
+                if payload is None:
+                    break
                 request_id = records.request_id_of(payload)
-                entry = self.entries.pop(request_id, None)
+                entry = self.entries.get(request_id)
                 if entry is None:
                     raise Corrupt(f"a reply to request {request_id}, which it was not sent")
-                self._on_reply(entry, records.read_reply(payload, entry.expected))
+                reply = records.read_reply(payload, entry.expected)
+                del self.entries[request_id]
+                self._on_reply(entry, reply)
         except (Corrupt, struct.error) as exc:
-            self._on_corrupt(f"wrote a bad reply into its queue: {exc}")
+            self._broke(f"wrote a bad reply into its queue: {exc}")
+
+    def _broke(self, reason: str) -> None:
+        """Told once: the worker is killed, and nothing more is read from or written to it."""
+        if not self.broken:
+            self.broken = True
+            self._on_corrupt(reason)
 
     def running(self) -> set[int]:
         """The requests the worker said it was computing (after its death), ours only."""
@@ -170,15 +194,17 @@ class InstanceQueue:
             self._watch = self._loop.call_later(max(timeout / WATCH_PARTS, MIN_WATCH_S), self._look)
 
     def _look(self) -> None:
-        """A batch running under the same number for the execution timeout is hung."""
+        """A worker that holds requests of ours and for the execution timeout neither takes
+        a record nor starts or ends a batch is hung (or stopped): one batch running that long,
+        or none taken at all."""
         self._watch = None
         timeout = self.instance.execution_timeout_s
         if self._closed or not self.entries or timeout is None:
             return
-        number, count = self._running.batch()
+        progress = (*self._running.batch(), self._requests.taken)
         now = self._loop.time()
-        if count == 0 or number != self._seen[0]:
-            self._seen = (number, now)
+        if progress != self._seen[0]:
+            self._seen = (progress, now)
         elif now - self._seen[1] >= timeout:
             self.instance.end_hung()
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,7 @@ from service.inference.jobs import Answer, InferJob, OutputTensor, Timings
 from service.inference.timers import fail_at
 from service.queues import records
 from service.queues.layout import QueueLayout
+from service.queues.ring import aligned8, max_record
 from service.resilience.poison import PoisonList
 from service.serving.instance_queues import Entry, InstanceQueue
 from service.workers import deaths, protocol, results, routing
@@ -65,12 +67,15 @@ class QueuedBatcher:
     ) -> None:
         self.policy = policy
         self.name = name
+        self._model = config.name
         self.poison = PoisonList()
         self._instances = instances
         rows = max(config.max_batch_size, 1)
-        ring = queue_mb * MB // 2 // 8 * 8
+        ring = queue_mb * MB // 2
         self._setup = protocol.Queues(
-            QueueLayout(ring, ring, rows),
+            QueueLayout(
+                ring_bytes(ring, config.input, rows), ring_bytes(ring, config.output, rows), rows
+            ),
             policy,
             tuple((t.name, BY_CONFIG_TYPE[t.data_type].name) for t in config.input),
             tuple(fetch_names.get(t.name, t.name) for t in config.output),
@@ -148,6 +153,16 @@ class QueuedBatcher:
             wanted,
             records.Expected(wanted, self._itemsizes, job.rows if self._batches else 0, self._rows),
         )
+        size = records.request_size(
+            [(shape, len(data)) for _, shape, data in entry.inputs], len(wanted)
+        )
+        if size > max_record(self._setup.layout.request_bytes):
+            raise errors.ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request takes {size} bytes in an instance queue of {self.name}, which takes "
+                f"{max_record(self._setup.layout.request_bytes)} at most (a quarter of "
+                "--instance-queue-mb)",
+            )
         self._place(entry, refuse=True)
         self._held += 1
         timer = fail_at(
@@ -170,7 +185,7 @@ class QueuedBatcher:
             queue = routing.choose(ready, None, self._random)
             if queue.write(entry):
                 return
-            if refuse:
+            if refuse and not queue.broken:
                 raise errors.ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the instance queue of {self.name} is full ({queue_bytes(self._setup)} "
@@ -202,7 +217,10 @@ class QueuedBatcher:
             timer.cancel()
         if entry.queue is not None:
             if entry.future.cancelled():
+                # Out of the count at once, as out of a batcher's queue: the worker drops it
+                # when it reads the mark, and its ring bytes bound what such requests hold.
                 entry.queue.cancel(entry)
+                self._count_out(entry)
         elif entry in self._waiting:
             self._waiting.remove(entry)
             self._count_out(entry)
@@ -242,7 +260,7 @@ class QueuedBatcher:
         if reply.failure == records.CANCELLED:
             return errors.ServiceError(grpc.StatusCode.CANCELLED, reply.text)
         failed = protocol.Failed(0, reply.text, reply.failure == records.TOO_LARGE)
-        return results.failure(failed, self.name)
+        return results.failure(failed, self._model)
 
     def _corrupt(self, index: int, reason: str) -> None:
         """The worker wrote what no correct worker writes: killed, its requests failed for
@@ -309,3 +327,20 @@ class QueuedBatcher:
 
 def queue_bytes(setup: protocol.Queues) -> int:
     return setup.layout.request_bytes
+
+
+RECORD_SLACK = 4096  # a record's own fields, past its tensors' bytes
+
+
+def ring_bytes(
+    least: int, tensors: Sequence[mc.ModelInput] | Sequence[mc.ModelOutput], rows: int
+) -> int:
+    """A ring's data bytes: `least`, or room for a full batch's tensors in one record where
+    the config fixes their size (a ring takes records of up to half its size), so that a
+    model's largest request always fits, its warm-up's included."""
+    if any(d < 0 for t in tensors for d in t.dims):
+        return aligned8(least)
+    full = rows * sum(
+        math.prod(t.dims) * BY_CONFIG_TYPE[t.data_type].numpy.itemsize for t in tensors
+    )
+    return aligned8(max(least, 2 * (full + RECORD_SLACK)))

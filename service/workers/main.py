@@ -22,7 +22,12 @@ import numpy as np
 from service.backend.load import Load
 from service.backend.sandbox.privileges import undumpable
 from service.model.files import PYTHON_BACKEND
-from service.model.parameters import PYTHON_CHILD_PROCESSES, TESTING_CRASH_ON, child_processes
+from service.model.parameters import (
+    PYTHON_CHILD_PROCESSES,
+    TESTING_CRASH_ON,
+    TESTING_SCRIBBLE_ON,
+    child_processes,
+)
 from service.placement.cpulist import CPU_AFFINITY_ENV, parse_cpulist
 from service.workers import protocol
 from service.workers.shm import MappingCache, layout
@@ -117,8 +122,10 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
         if isinstance(msg, protocol.Queues):
             from service.workers.queued_loop import serve_queued
 
+            scribble = load.parameters.get(TESTING_SCRIBBLE_ON)
+            testing = (crash_on, None if scribble is None else float(scribble))
             return serve_queued(
-                model, msg, recv, sock, segments, lambda e: _reason(e, load.backend), crash_on
+                model, msg, recv, sock, segments, lambda e: _reason(e, load.backend), testing
             )
         if not isinstance(msg, protocol.Infer):
             continue

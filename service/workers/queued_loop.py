@@ -18,7 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
@@ -40,16 +40,21 @@ class QueuedWorker:
         model: Any,
         setup: protocol.Queues,
         segment: mmap.mmap,
+        wake_out: int,
         reason: Callable[[BaseException], str],
-        crash_on: float | None,
+        testing: tuple[float | None, float | None],
     ) -> None:
+        """`testing` (--testing-service only): the input values that make it abort, and
+        scribble over its queues."""
         self._model = model
+        self._segment = segment
+        self._wake_out = wake_out
         self._setup = setup
         self._requests, self._replies, self._running = setup.layout.worker_end(memoryview(segment))
         self._queue = BatchQueue(replace(setup.policy, max_queue_size=0))
         self._waiting: dict[int, Pending] = {}
         self._reason = reason
-        self._crash_on = crash_on
+        self._crash_on, self._scribble_on = testing
         self._inputs = [(name, BY_NAME[datatype]) for name, datatype in setup.inputs]
         self._batch = 0  # the number of the batch running
         self.written = 0  # replies so far: the caller is woken once for those of a step
@@ -119,8 +124,10 @@ class QueuedWorker:
     def _compute(self, batch: list[Pending], now: float) -> None:
         planned = plan([p.job for p in batch], self._setup.policy.shapes)
         arrays = {tensor.name: _array(tensor) for tensor in planned.inputs}
-        if self._crash_on is not None and any((a == self._crash_on).any() for a in arrays.values()):
+        if _holds(arrays, self._crash_on):
             os.abort()  # test-only (--testing-service): stands in for a crash inside Paddle
+        if _holds(arrays, self._scribble_on):
+            self._scribble()
         outputs, timings = self._model.run(arrays, planned.outputs)
         for name, array in outputs.items():
             if planned.rows and (not array.shape or array.shape[0] != planned.rows):
@@ -180,6 +187,19 @@ class QueuedWorker:
             time.sleep(FULL_REPLIES_WAIT_S)
         return buf
 
+    def _scribble(self) -> NoReturn:
+        """Test-only: what hostile model code could do to the queues (random bytes over all
+        of their shared memory), then wake the caller and hang."""
+        self._segment[:] = os.urandom(len(self._segment))
+        self.written += 1
+        wakeups.wake(self._wake_out)
+        while True:
+            time.sleep(3600)
+
+
+def _holds(arrays: dict[str, np.ndarray[Any, Any]], value: float | None) -> bool:
+    return value is not None and any((a == value).any() for a in arrays.values())
+
 
 def _array(tensor: BatchInput) -> np.ndarray[Any, Any]:
     """The batch's input: the one request's bytes as they are, else the requests' rows and
@@ -199,7 +219,7 @@ def serve_queued(
     sock: socket.socket,
     channel: socket.socket,
     reason: Callable[[BaseException], str],
-    crash_on: float | None,
+    testing: tuple[float | None, float | None],
 ) -> int:
     """Serve from the rings until Shutdown or the caller's socket closes."""
     _, fds, _, _ = socket.recv_fds(channel, 256, 3)
@@ -208,7 +228,7 @@ def serve_queued(
     segment_fd, wake_in, wake_out = fds
     segment = mmap.mmap(segment_fd, setup.layout.size)
     os.close(segment_fd)
-    worker = QueuedWorker(model, setup, segment, reason, crash_on)
+    worker = QueuedWorker(model, setup, segment, wake_out, reason, testing)
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     poller.register(wake_in, select.POLLIN)

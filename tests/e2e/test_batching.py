@@ -1,9 +1,11 @@
 """Dynamic batching through the real server: concurrent requests become batches, and every
-request gets exactly its own rows back."""
+request gets exactly its own rows back; by the server's batcher (the shared server) and by
+the worker from its own queues (--instance-queues)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -14,10 +16,27 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1.control_pb2 import ListInstancesRequest
 from tests.reference import output_names, run_reference
-from tests.servers import ServerProcess, gather_held, paused
+from tests.servers import ServerProcess, gather_held, model_repository, paused, running_server
 
 CLIENTS = 64
 STABLE_LOOKS = 5  # looks at the queue in a row that must agree
+
+
+@pytest.fixture(scope="module")
+def queued_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("queued")
+    repository = model_repository(root / "models", ["mlp", "text_classifier"])
+    with running_server(repository, root / "server.log", ["--instance-queues"]) as process:
+        yield process
+
+
+@pytest.fixture(params=["batcher", "instance queues"])
+def server(server: ServerProcess, request: pytest.FixtureRequest) -> ServerProcess:
+    """The shared server (its batcher), then one whose workers batch from their queues."""
+    if request.param == "batcher":
+        return server
+    queued: ServerProcess = request.getfixturevalue("queued_server")
+    return queued
 
 
 def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:

@@ -1,7 +1,7 @@
 """Worker deaths cost no request: a killed worker's requests run again, a hung (stopped) worker
 is killed by the watchdog and restarted, an input that crashes the worker twice fails alone
 with INTERNAL and then at once, and a model with a bad parameter is UNAVAILABLE while the server
-serves the rest.
+serves the rest: with the server's batcher and with the worker's own queues.
 
 Its own server with copies of `mlp` whose config.pbtxt this file writes: killing workers of the
 shared server would disturb other tests.
@@ -53,9 +53,10 @@ def add_mlp_copy(root: Path, name: str, parameters: str) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    models = tmp_path_factory.mktemp("watchdog") / "models"
+@pytest.fixture(scope="module", params=["batcher", "instance queues"])
+def repository(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """One per path of the server (see `server`)."""
+    models = tmp_path_factory.mktemp(request.param.replace(" ", "-")) / "models"
     add_mlp_copy(
         models,
         "mlp",
@@ -68,8 +69,11 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Iterator[ServerProcess]:
+    """Each test against the server's batcher, then with the worker batching from its own
+    queues (--instance-queues): the same promises on both paths."""
     log = repository.parent / "server.log"
-    with running_server(repository, log, ["--testing-service"], wait=False) as process:
+    path = ["--instance-queues"] if repository.parent.name.startswith("instance") else []
+    with running_server(repository, log, ["--testing-service", *path], wait=False) as process:
         process.wait_loaded()
         yield process
 

@@ -1,0 +1,183 @@
+"""--instance-queues: a request goes straight into a shared-memory queue of one instance and the
+worker batches for itself. What only this path has: its bounds (the queue's count, a ring's
+bytes), and its trust boundary (a worker that scribbles over its queues fails only its own
+requests). What both paths promise is tested on both: test_watchdog.py (deaths, the watchdog,
+poison) and test_batching.py (batches formed, bad values alone, cancellation).
+
+Its own server: it pauses and breaks workers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request
+from protos.paddlequic.v1 import control_pb2
+from tests.e2e.test_worker_restart import only_instance, wait_for
+from tests.reference import assert_matches_reference, example_inputs, output_names
+from tests.servers import EXAMPLE_MODELS, ServerProcess, paused, running_server, wait_arrived
+
+RPC_TIMEOUT_S = 120.0
+SCRIBBLE = 17.0
+QUEUE_MB = 1  # rings of 512 KiB: one request takes at most 256 KiB
+CONFIG = """
+max_batch_size: {rows}
+input [ {{ name: "input", data_type: TYPE_FP32, dims: [ {dims} ] }} ]
+output [ {{ name: "{output}", data_type: TYPE_FP32, dims: [ {out} ] }} ]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+dynamic_batching {{ default_queue_policy {{ max_queue_size: {queue} }} }}
+parameters {{ key: "testing_scribble_on" value: {{ string_value: "{scribble}" }} }}
+"""
+
+
+def add_mlp(root: Path, name: str, rows: int, queue: int, variable: bool = False) -> None:
+    """`variable`: no batching, the rows a dimension of its own (its size unknown until a
+    request comes)."""
+    model = root / name
+    model.mkdir(parents=True)
+    (model / "1").symlink_to(EXAMPLE_MODELS / "mlp" / "1")
+    dims, out = ("-1, 256", "-1, 10") if variable else ("256", "10")
+    output = output_names("mlp")[0]
+    config = CONFIG.format(
+        rows=rows, queue=queue, output=output, scribble=SCRIBBLE, dims=dims, out=out
+    )
+    (model / "config.pbtxt").write_text(config)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("queues")
+    add_mlp(root / "models", "mlp", 8, 64)
+    add_mlp(root / "models", "small_queue", 2, 2)
+    add_mlp(root / "models", "wide", 512, 64)
+    add_mlp(root / "models", "variable", 0, 64, variable=True)
+    args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
+    with running_server(root / "models", root / "server.log", args) as process:
+        yield process
+
+
+def one_row(seed: int) -> dict[str, Any]:
+    return {"input": np.random.default_rng(seed).standard_normal((1, 256), np.float32)}
+
+
+def call(server: ServerProcess, model: str, inputs: dict[str, Any], timeout: float) -> Any:
+    return server.stub.ModelInfer.future(build_request(model, inputs), timeout=timeout)
+
+
+def test_a_full_queue_answers_resource_exhausted_at_once(server: ServerProcess) -> None:
+    """max_queue_size 2 and one instance of max_batch_size 2: the server holds 4, the fifth
+    is refused while the worker is held still, and the four are answered once it moves."""
+    inputs = one_row(1)
+    with paused(only_instance(server, "small_queue").pid):
+        held = [call(server, "small_queue", inputs, RPC_TIMEOUT_S) for _ in range(4)]
+        wait_arrived(server, "small_queue", 4)
+        with pytest.raises(grpc.RpcError) as refused:
+            server.stub.ModelInfer(build_request("small_queue", inputs), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the queue holds its maximum of 2 requests" in (refused.value.details() or "")
+    for answer in held:
+        assert_matches_reference("mlp", inputs, answer.result())
+
+
+def test_a_full_batch_fits_a_ring_and_a_variable_request_past_it_is_refused(
+    server: ServerProcess,
+) -> None:
+    """Where the config fixes a request's size, the rings take a full batch whatever
+    --instance-queue-mb says (512 rows of 1 KiB: twice a quarter of 1 MiB); where it does
+    not, a request past a quarter of it is refused, naming the option."""
+    full = {"input": np.ones((512, 256), np.float32)}
+    assert_matches_reference("mlp", full, server.stub.ModelInfer(build_request("wide", full)))
+    inputs = {"input": np.ones((300, 256), np.float32)}  # 300 KiB
+    with pytest.raises(grpc.RpcError) as refused:
+        server.stub.ModelInfer(build_request("variable", inputs), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--instance-queue-mb" in (refused.value.details() or "")
+    fits = {"input": np.ones((200, 256), np.float32)}
+    answer = server.stub.ModelInfer(build_request("variable", fits))
+    assert_matches_reference("mlp", fits, answer)
+
+
+def test_a_deadline_passing_in_the_worker_queue_leaves_nothing_behind(
+    server: ServerProcess,
+) -> None:
+    inputs = example_inputs("mlp", seed=2)
+    with paused(only_instance(server, "mlp").pid), pytest.raises(grpc.RpcError) as late:
+        server.stub.ModelInfer(build_request("mlp", inputs), timeout=0.5)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_matches_reference("mlp", inputs, server.stub.ModelInfer(build_request("mlp", inputs)))
+    wait_for("the expired request to leave the queue", lambda: True if held(server) == 0 else None)
+
+
+def held(server: ServerProcess) -> int:
+    """Requests of mlp the server holds: in the worker's queue or in a batch."""
+    request = control_pb2.ListInstancesRequest(model_name="mlp")
+    (queue,) = server.control.ListInstances(request, timeout=5).queues
+    return int(queue.queued + queue.in_flight)
+
+
+def test_a_worker_scribbling_over_its_queues_fails_only_its_own_requests(
+    server: ServerProcess,
+) -> None:
+    """Random bytes over all of the worker's shared memory: the server finds them at its next
+    read, kills the worker as misbehaving and fails the requests it held (not run again, as
+    for any protocol breach); the other models' requests are untouched and the model serves
+    again once the worker has restarted."""
+    before = only_instance(server, "mlp")
+    bad = example_inputs("mlp", seed=3)
+    bad["input"][0, 5] = SCRIBBLE
+    others = [one_row(10 + i) for i in range(4)]
+    with paused(before.pid):
+        victim = call(server, "mlp", bad, RPC_TIMEOUT_S)
+        wait_arrived(server, "mlp", 1)
+        good = [call(server, "small_queue", x, RPC_TIMEOUT_S) for x in others[:2]]
+    error = victim.exception(timeout=RPC_TIMEOUT_S)
+    assert isinstance(error, grpc.Call), "the scribbling worker's request was answered"
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "broke the worker protocol" in (error.details() or "")
+    assert "the request is not run again" in (error.details() or "")
+    for x, answer in zip(others, good, strict=False):
+        assert_matches_reference("mlp", x, answer.result())
+    after = wait_for(
+        "the scribbling worker to be replaced",
+        lambda: (
+            i
+            if (i := only_instance(server, "mlp")).state == "READY" and i.pid != before.pid
+            else None
+        ),
+    )
+    assert after.restarts == before.restarts + 1
+    assert not os.path.exists(f"/proc/{before.pid}") or _zombie(before.pid)
+    for x in others:
+        assert_matches_reference("mlp", x, server.stub.ModelInfer(build_request("mlp", x)))
+    assert "wrote a bad reply into its queue" in server.log_text()
+    assert server.process.poll() is None
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0] == "Z"
+
+
+def test_an_idle_worker_sleeps_in_the_kernel(server: ServerProcess) -> None:
+    """Nothing polls: a worker waiting on its queues spends no CPU (it sleeps in poll() on
+    its wake-up descriptor), and wakes for the next request."""
+    pid = only_instance(server, "mlp").pid
+    inputs = example_inputs("mlp", seed=4)
+    assert_matches_reference("mlp", inputs, server.stub.ModelInfer(build_request("mlp", inputs)))
+    before = cpu_ticks(pid)
+    time.sleep(2.0)  # a span to look at, not a timing asserted on
+    assert cpu_ticks(pid) - before <= 1, "the idle worker kept running"
+    assert_matches_reference("mlp", inputs, server.stub.ModelInfer(build_request("mlp", inputs)))
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
