@@ -3,6 +3,8 @@ alternating rounds of one run, ModelInfer over gRPC on HTTP/2:
 
 - `paddlequic`: this server, as tests/servers.py starts it (`--no-h3`), with its dynamic
   batching and worker processes;
+- `paddlequic-queues`: the same with `--instance-queues` (the workers batch from their own
+  shared-memory queues);
 - `grpcio`: a plain grpc.aio KServe v2 server that runs the same Paddle predictor (the one our
   CPU workers make, same config) in its own process, one call at a time, no batching
   (scripts/peers/grpc_peer.py);
@@ -57,9 +59,11 @@ from tests.servers import (
 )
 
 OURS = "paddlequic"
+OURS_QUEUED = "paddlequic-queues"
+OURSELVES = {OURS: [], OURS_QUEUED: ["--instance-queues"]}  # each with its own flags
 CANNED = "canned"
 PEERS = ("grpcio", "mlserver", "mlserver-batching")
-SERVERS = (OURS, *PEERS, CANNED)
+SERVERS = (*OURSELVES, *PEERS, CANNED)
 LIVE = "ServerLive"
 MLSERVER_VENV = REPO_ROOT / ".venv-mlserver"
 # MLServer's adaptive batching: at most a model's max_batch_size rows (its config.pbtxt),
@@ -93,7 +97,7 @@ class Row:
     model: str
     concurrency: int
     server: str
-    rpc: str  # ModelInfer; ServerLive (paddlequic only)
+    rpc: str  # ModelInfer; ServerLive (paddlequic's only)
     calls: int
     seconds: float
     per_second: float
@@ -429,6 +433,29 @@ def _spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
+def _compared(mine: str, groups: dict[str, list[Row]], peers: list[list[Row]]) -> list[str]:
+    """One of our servers against the best peer of each round, the canned ceiling and its
+    own bare ServerLive."""
+    ours = groups.get(mine, [])
+    if not ours:
+        return []
+    lines = []
+    if peers:
+        best = [max(by_round, key=lambda r: r.per_second) for by_round in zip(*peers, strict=True)]
+        named = ", ".join(sorted({r.server for r in best}))
+        lines.append(f"{mine} / best peer ({named}), calls/s: {_ratios(ours, best)}")
+    if CANNED in groups:
+        lines.append(f"{mine} / {CANNED} ceiling, calls/s: {_ratios(ours, groups[CANNED])}")
+    live = groups.get(f"{mine} {LIVE}", [])
+    if live:
+        lines.append(
+            f"{mine} ModelInfer / bare {LIVE}, CPU per call: all processes "
+            f"{_ratios(ours, live, 'cpu_us')}; the server process alone "
+            f"{_ratios(ours, live, 'main_cpu_us')}"
+        )
+    return lines
+
+
 def summary(rows: Sequence[Row], rounds: int) -> str:
     lines = [
         "\nCPU per call: a server's whole process tree; its first process (paddlequic's server "
@@ -453,23 +480,9 @@ def summary(rows: Sequence[Row], rounds: int) -> str:
                 f"{_spread([r.frontends_cpu_us for r in group]):>11} "
                 f"{_spread([r.workers_cpu_us for r in group]):>17}"
             )
-        ours = groups.get(OURS, [])
         peers = [groups[p] for p in PEERS if p in groups]
-        if ours and peers:
-            best = [
-                max(by_round, key=lambda r: r.per_second) for by_round in zip(*peers, strict=True)
-            ]
-            named = ", ".join(sorted({r.server for r in best}))
-            lines.append(f"{OURS} / best peer ({named}), calls/s: {_ratios(ours, best)}")
-        if ours and CANNED in groups:
-            lines.append(f"{OURS} / {CANNED} ceiling, calls/s: {_ratios(ours, groups[CANNED])}")
-        live = groups.get(f"{OURS} {LIVE}", [])
-        if ours and live:
-            lines.append(
-                f"{OURS} ModelInfer / bare {LIVE}, CPU per call: all processes "
-                f"{_ratios(ours, live, 'cpu_us')}; the server process alone "
-                f"{_ratios(ours, live, 'main_cpu_us')}"
-            )
+        for mine in OURSELVES:
+            lines += _compared(mine, groups, peers)
     return "\n".join(lines)
 
 
@@ -477,15 +490,16 @@ def summary(rows: Sequence[Row], rounds: int) -> str:
 def started(names: Sequence[str], setup: Setup) -> Iterator[list[Server]]:
     """Every server asked for, ready; MLServer left out (with the reason printed) if it cannot
     run here."""
-    ours: ServerProcess | None = None
+    ours: dict[str, ServerProcess] = {}
     peers: list[Peer] = []
     servers: list[Server] = []
+    served = frozenset(w.model for w in setup.workloads)
     try:
         for name in names:
-            if name == OURS:
-                flags = ["--no-h3", "--frontends", str(setup.frontends)]
-                ours = ServerProcess(setup.repository, setup.root / "paddlequic.log", flags)
-                served = frozenset(w.model for w in setup.workloads)
+            if name in OURSELVES:
+                flags = ["--no-h3", "--frontends", str(setup.frontends), *OURSELVES[name]]
+                log = setup.root / f"{name}.log"
+                ours[name] = ServerProcess(setup.repository, log, flags)
             elif name in ("grpcio", CANNED):
                 peers.append(grpc_peer("predictor" if name == "grpcio" else "canned", name, setup))
             elif (reason := mlserver_missing()) is not None:
@@ -494,9 +508,9 @@ def started(names: Sequence[str], setup: Setup) -> Iterator[list[Server]]:
                 batching = name == "mlserver-batching"
                 for directory in sorted(setup.repository.iterdir()):
                     peers.append(mlserver(name, batching, directory, setup))
-        if ours is not None:
-            ours.wait_ready()
-            servers.append(Ours(ours, served))
+        for name, process in ours.items():
+            process.wait_ready()
+            servers.append(Ours(process, served, name))
         for peer in peers:
             try:
                 peer.wait_ready(setup.workloads)
@@ -511,8 +525,8 @@ def started(names: Sequence[str], setup: Setup) -> Iterator[list[Server]]:
     finally:
         for peer in peers:
             peer.stop()
-        if ours is not None:
-            ours.stop()
+        for process in ours.values():
+            process.stop()
 
 
 def main() -> int:
@@ -574,7 +588,7 @@ def main() -> int:
                 for workload in workloads:
                     serving = [s for s in servers if workload.model in s.models]
                     plan = [(s, "ModelInfer") for s in serving]
-                    plan += [(s, LIVE) for s in serving if s.name == OURS]
+                    plan += [(s, LIVE) for s in serving if s.name in OURSELVES]
                     for server, rpc in rotated(plan, index):
                         rows.append(measure(load, server, workload, rpc, index))
     print(summary(rows, args.rounds))
