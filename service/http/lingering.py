@@ -11,7 +11,7 @@ is left (with a reset at worst, as before).
 hypercorn's `TCPServer` closes its connection through the writer it is given (`write_eof`,
 `close`, `wait_closed`), so it is given a `LingeringWriter`: its `close` lingers where the
 client has not ended its side, and the connection's task waits on `lingered` once hypercorn is
-done with it."""
+done with it (`end` if it is cancelled first)."""
 
 from __future__ import annotations
 
@@ -100,12 +100,12 @@ class LingeringWriter:
             await self._writer.wait_closed()
 
     async def lingered(self) -> None:
-        """Until a lingering connection is closed (at once if it did not linger); cancelled,
-        the connection is closed now."""
-        if self._discard is None:
-            return
-        try:
+        """Until a lingering connection is closed (at once if it did not linger)."""
+        if self._discard is not None:
             await asyncio.shield(self._discard.closed)
-        finally:
-            if not self._discard.closed.done():
-                self._writer.transport.abort()
+
+    def end(self) -> None:
+        """Closes a connection still lingering now (its task was cancelled: the listener
+        stops)."""
+        if self._discard is not None and not self._discard.closed.done():
+            self._writer.transport.abort()

@@ -157,8 +157,11 @@ class _Connections:
         lingering = LingeringWriter(reader, writer)
         # LingeringWriter has what TCPServer uses of a StreamWriter.
         closing = cast(asyncio.StreamWriter, lingering)
-        await TCPServer(wrapped, loop, self.config, self.context, {}, reader, closing)
-        await lingering.lingered()
+        try:
+            await TCPServer(wrapped, loop, self.config, self.context, {}, reader, closing)
+            await lingering.lingered()
+        finally:
+            lingering.end()
 
     async def finish(self, grace: float) -> None:
         """Tells every connection to finish (an idle one closes now), waits up to `grace`
