@@ -750,15 +750,19 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(rest: Rest) -> None:
 
 
 def test_a_client_that_sends_its_whole_chunked_body_first_reads_the_400(rest: Rest) -> None:
+    whole_chunked_body_refused(rest.port, MAX_INPUT)
+
+
+def whole_chunked_body_refused(port: int, limit: int) -> None:
     """urllib (http.client) writes all of a body before it reads an answer. The server refuses
-    this one once it passes the limit and reads and drops the rest until the client is done
-    (a lingering close) rather than closing with it unread, which resets the connection: the
+    this one once it passes `limit` and reads and drops the rest until the client is done (a
+    lingering close) rather than closing with it unread, which resets the connection: the
     client's write would fail and it would never read its 400. PAST_LIMIT is more than the
     socket buffers can hold unread (SOCKET_BUFFERS), within LINGER_BYTES."""
     chunk = b" " * (1 << 20)
-    body = itertools.repeat(chunk, (MAX_INPUT + PAST_LIMIT) // len(chunk))
+    body = itertools.repeat(chunk, (limit + PAST_LIMIT) // len(chunk))
     request = urllib.request.Request(
-        f"{base(rest)}/v2/models/mlp/infer",
+        f"http://127.0.0.1:{port}/v2/models/mlp/infer",
         data=body,
         headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
         method="POST",
