@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-LINGER_S = 5.0  # per connection, from the server's close (nginx's lingering_timeout)
-# Per connection, dropped: as much as Triton's default body limit (the most a request may
-# send in the first place); reading to drop holds no memory.
+# Per connection, from the server's close: nginx's lingering_timeout, here for all of it.
+LINGER_S = 5.0
+# Per connection, dropped: --http-max-input-size's default (Triton's), as much as one request
+# may send and be read; reading to drop holds no memory.
 LINGER_BYTES = 64 << 20
 
 
