@@ -8,8 +8,9 @@ time of a connection without a request in progress (which bounds a slow first re
 headers too), and the streams one HTTP/2 connection runs at once.
 
 Connections are accepted here rather than by hypercorn's `worker_serve`, each handed to its
-`TCPServer` as `worker_serve` does, for two things it lacks: the TLS context trusts only
---tls-client-ca for client certificates (hypercorn's would trust the system's roots too), and
+`TCPServer` as `worker_serve` does, for three things it lacks: the TLS context trusts only
+--tls-client-ca for client certificates (hypercorn's would trust the system's roots too), a
+connection closed while its client is still sending lingers first (lingering.py), and
 each TLS connection's app is told its client's certificate (ASGI's TLS extension), so a REST
 caller is known by its certificate as a gRPC caller is."""
 
@@ -31,6 +32,7 @@ from hypercorn.config import Config
 from hypercorn.utils import wrap_app
 
 from service.http.asgi import App, Message, Receive, Scope, Send
+from service.http.lingering import LingeringWriter
 from transport.asgi import tls_extension
 from transport.h3.aioquic.client_auth import ClientAuth
 
@@ -152,7 +154,14 @@ class _Connections:
         # Our apps type their messages as plain dicts, hypercorn as TypedDicts: the same shapes.
         wrapped = wrap_app(cast(Any, app), 0, "asgi")
         loop = asyncio.get_running_loop()
-        await TCPServer(wrapped, loop, self.config, self.context, {}, reader, writer)
+        lingering = LingeringWriter(reader, writer)
+        # LingeringWriter has what TCPServer uses of a StreamWriter.
+        closing = cast(asyncio.StreamWriter, lingering)
+        try:
+            await TCPServer(wrapped, loop, self.config, self.context, {}, reader, closing)
+            await lingering.lingered()
+        finally:
+            lingering.end()
 
     async def finish(self, grace: float) -> None:
         """Tells every connection to finish (an idle one closes now), waits up to `grace`

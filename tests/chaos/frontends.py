@@ -10,20 +10,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.chaos.harness import AttackResult, Scale, Target
+from tests.chaos.harness import AttackResult, Scale, Target, frontend_pids
 from tests.chaos.workers import RESTART_LIMIT_S, instances
-from tests.servers import children
 
-FRONTEND = "service.frontends.frontend"
 RESTARTS = re.compile(r"^paddlequic_frontend_restarts_total (\S+)$", re.M)
 POLL_S = 0.05
 # /proc/net socket states (include/net/tcp_states.h): a listening TCP socket, a bound UDP one.
 TCP_LISTEN = "0A"
 UDP_BOUND = "07"
-
-
-def _frontends(target: Target) -> set[int]:
-    return {pid for pid, command in children(target.pid).items() if FRONTEND in command}
 
 
 def _serving(pid: int, port: int) -> bool:
@@ -67,7 +61,7 @@ async def _replaced(target: Target, victim: int, count: int, restarts: float) ->
     deadline = time.monotonic() + RESTART_LIMIT_S
     while time.monotonic() < deadline:
         try:
-            running = _frontends(target)
+            running = frontend_pids(target.pid)
             back = len(running) == count and victim not in running
             back = back and all(_serving(pid, target.port) for pid in running)
         except OSError:  # a process that just started or exited
@@ -83,14 +77,14 @@ async def frontend_sigkill(target: Target, scale: Scale) -> AttackResult:
     parent to start a new one, repeat; the model workers (the parent's) must not restart."""
     result = AttackResult()
     workers = {(i.name, i.pid, i.restarts) for i in await instances(target)}
-    count = len(_frontends(target))
+    count = len(frontend_pids(target.pid))
     if count < 2:
         result.problems.append(f"{count} front-end processes: the server has no --frontends")
         return result
     for kill in range(scale.frontend_kills):
         if kill:
             await asyncio.sleep(scale.frontend_kill_gap_s)
-        victim = min(_frontends(target))  # the oldest: a new one gets a higher pid
+        victim = min(frontend_pids(target.pid))  # the oldest: a new one gets a higher pid
         restarts = await asyncio.to_thread(_restarts, target)
         os.kill(victim, signal.SIGKILL)
         result.outcomes["killed"] += 1

@@ -31,7 +31,7 @@ from clients.quic_channel import QuicChannel
 from oip.datatypes import from_numpy
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import call_inputs, example_inputs, output_names, run_reference
-from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from tests.servers import EXAMPLE_MODELS, ServerProcess, children, free_port, running_server
 from transport.h3.client import DEFAULT_UNRESPONSIVE_S
 from transport.h3.stream_state import StreamClosed
 from transport.tls.certs import issue_client_certificate
@@ -39,6 +39,7 @@ from transport.tls.certs import issue_client_certificate
 TRANSPORTS = ("h2", "h3")
 REFUSED = "refused at transport"  # an attacking call's connection closed or reset on it
 REST = "http"  # the good clients of the REST port (AttackSpec.rest)
+FRONTEND = "service.frontends.frontend"  # a front-end process's module
 GOAL_RSS_MB = 32.0
 # The chaos server's --max-message-bytes: below the RSS goal, so that the goal tells a server
 # that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
@@ -507,10 +508,24 @@ class GoodClients:
         return ""
 
 
-async def _sample_peak(pid: int, peak: list[float]) -> None:
-    while True:
+def frontend_pids(pid: int) -> set[int]:
+    """The front-end processes (`--frontends`) of the server whose main process is `pid`."""
+    return {child for child, command in children(pid).items() if FRONTEND in command}
+
+
+def _levels(pids: Iterable[int]) -> dict[int, float]:
+    """Each process's RSS; one that exited is left out."""
+    levels = {}
+    for pid in pids:
         with contextlib.suppress(OSError):
-            peak[0] = max(peak[0], rss_mb(pid))
+            levels[pid] = rss_mb(pid)
+    return levels
+
+
+async def _sample_peaks(peaks: dict[int, float]) -> None:
+    while True:
+        for pid, level in _levels(peaks).items():
+            peaks[pid] = max(peaks[pid], level)
         await asyncio.sleep(RSS_SAMPLE_S)
 
 
@@ -577,7 +592,9 @@ async def run_row(
     """The attack runs in `attacker` while good clients call from this process. RSS growth is
     the larger of the peak during the attack and the level after a settle, over the level
     before it (the peak catches memory held only while the attack lasts, such as idle
-    connections; the level after catches what stays)."""
+    connections; the level after catches what stays), of the server's main process and of each
+    front-end process (`--frontends`: they terminate the attackers' connections), the largest
+    of them."""
     started = time.monotonic()
     good = GoodClients(target, scale.good_loops, spec.retry_unavailable, spec.rest)
     try:
@@ -590,9 +607,9 @@ async def run_row(
             spec, started, good, rss_growth_mb=0.0, attacker={}, problems=[problem], notes={}
         )
     await asyncio.sleep(SETTLE_S)
-    before = rss_mb(target.pid)
-    peak = [before]
-    sampler = asyncio.create_task(_sample_peak(target.pid, peak))
+    before = _levels({target.pid, *frontend_pids(target.pid)})
+    peaks = dict(before)
+    sampler = asyncio.create_task(_sample_peaks(peaks))
     try:
         result = await asyncio.wrap_future(attacker.submit(_attack, spec.run, target, scale))
     except Exception as exc:
@@ -603,9 +620,14 @@ async def run_row(
     problems = list(result.problems)
     if server.process.poll() is not None:
         problems.append(f"the server exited ({server.process.returncode})")
-        after = peak[0]
-    else:
-        after = rss_mb(target.pid)
+    after = _levels(before)
+    growth = {pid: max(peaks[pid], after.get(pid, 0.0)) - level for pid, level in before.items()}
+    notes = dict(result.notes)
+    if len(growth) > 1:
+        notes["parent_rss_growth_mb"] = round(growth[target.pid], 1)
+        notes["frontend_rss_growth_mb"] = round(
+            max(g for pid, g in growth.items() if pid != target.pid), 1
+        )
     unanswered = sorted(set(result.outcomes) - spec.answered)
     if unanswered:
         problems.append(f"attacking requests not answered as expected: {unanswered}")
@@ -613,10 +635,10 @@ async def run_row(
         spec,
         started,
         good,
-        rss_growth_mb=round(max(peak[0], after) - before, 1),
+        rss_growth_mb=round(max(growth.values()), 1),
         attacker=dict(result.outcomes),
         problems=problems,
-        notes=result.notes,
+        notes=notes,
     )
 
 

@@ -173,7 +173,7 @@ ATTACKS = (
     AttackSpec(
         "REST oversized bodies (declared, streamed)",
         rest.oversized_bodies,
-        frozenset({rest.DECLARED_400, rest.STREAMED_400, rest.STREAMED_REFUSED}),
+        frozenset({rest.DECLARED_400, rest.STREAMED_400}),
         rest=True,
     ),
     AttackSpec(
@@ -212,5 +212,26 @@ ATTACKS = (
         sequences.sequence_hijack,
         frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
         frontends=2,
+    ),
+    AttackSpec(
+        "REST slow clients (headers, bodies trickled) (--frontends 2)",
+        rest.slow_clients,
+        frozenset({rest.HEADERS_CUT, rest.BODY_408}),
+        frontends=2,
+        rest=True,
+    ),
+    AttackSpec(
+        "REST oversized bodies (declared, streamed) (--frontends 2)",
+        rest.oversized_bodies,
+        frozenset({rest.DECLARED_400, rest.STREAMED_400}),
+        frontends=2,
+        rest=True,
+    ),
+    AttackSpec(
+        "REST disconnect storm (infer, generate_stream) (--frontends 2)",
+        rest.disconnect_storm,
+        frozenset({*rest.VANISHED, rest.RESET}),
+        frontends=2,
+        rest=True,
     ),
 )

@@ -6,6 +6,7 @@ network hit once."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import shutil
 import signal
@@ -33,6 +34,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
 from protos.paddlequic.v1.control_pb2 import ListInstancesRequest
+from service.http.lingering import LINGER_BYTES, LINGER_S
 from service.http.listener import MAX_STREAMS_PER_CONNECTION
 from service.model.config_json import config_dict
 from tests.servers import (
@@ -53,6 +55,11 @@ MAX_INPUT = 4 << 20  # --http-max-input-size: a million-value tensor fits, 8 MiB
 BODY_TIMEOUT_S = 3.0
 MAX_REQUESTS = 8  # --max-concurrent-rpcs
 KEEPALIVE_TIMEOUT_S = 1.0
+PAST_LIMIT = 48 << 20  # a refused body's bytes past --http-max-input-size that a client sends
+# What a connection's socket buffers may hold on loopback, both ends (tcp_rmem's and tcp_wmem's
+# default maxima, 32 MiB and 4 MiB).
+SOCKET_BUFFERS = 36 << 20
+TRICKLE_S = 0.1  # between the bytes of a client trickling after its refusal
 HTTP_VERSIONS = ("1.1", "2")
 # A client process: its imports (tritonclient brings gevent) take long on a loaded machine.
 CLIENT_TIMEOUT_S = 240
@@ -740,6 +747,75 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(rest: Rest) -> None:
         status, body = response(connection)
     assert status == 400
     assert "more than --http-max-input-size" in json.loads(body)["error"]
+
+
+def test_a_client_that_sends_its_whole_chunked_body_first_reads_the_400(rest: Rest) -> None:
+    whole_chunked_body_refused(rest.port, MAX_INPUT)
+
+
+def whole_chunked_body_refused(port: int, limit: int) -> None:
+    """urllib (http.client) writes all of a body before it reads an answer. The server refuses
+    this one once it passes `limit` and reads and drops the rest until the client is done (a
+    lingering close) rather than closing with it unread, which resets the connection: the
+    client's write would fail and it would never read its 400. PAST_LIMIT is more than the
+    socket buffers can hold unread (SOCKET_BUFFERS), within LINGER_BYTES."""
+    chunk = b" " * (1 << 20)
+    body = itertools.repeat(chunk, (limit + PAST_LIMIT) // len(chunk))
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/mlp/infer",
+        data=body,
+        headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400
+    assert "more than --http-max-input-size" in json.loads(refused.value.read())["error"]
+
+
+def refused_chunked_body(connection: socket.socket) -> None:
+    """Sends a chunked body to `mlp` until it is past --http-max-input-size by a megabyte."""
+    connection.sendall(
+        b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    chunk = b" " * (1 << 20)
+    for _ in range(MAX_INPUT // len(chunk) + 1):
+        connection.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+
+
+def test_a_lingering_close_drops_at_most_its_bytes(rest: Rest) -> None:
+    """A client that goes on sending after its refusal is cut off once the server has dropped
+    LINGER_BYTES of it (plus what the socket buffers hold, at most SOCKET_BUFFERS)."""
+    sent = 0
+    with raw(rest) as connection:
+        refused_chunked_body(connection)
+        with pytest.raises(OSError):  # reset: the server closed with bytes unread
+            while sent <= LINGER_BYTES + SOCKET_BUFFERS:
+                connection.sendall(b" " * (1 << 16))
+                sent += 1 << 16
+        status, body = response(connection)
+    assert LINGER_BYTES - MAX_INPUT <= sent <= LINGER_BYTES + SOCKET_BUFFERS
+    assert status == 400
+    assert "more than --http-max-input-size" in json.loads(body)["error"]
+
+
+def test_a_lingering_close_ends_after_its_time(rest: Rest) -> None:
+    """A client that read its refusal and the end of the stream, and goes on sending a byte at
+    a time without closing, is dropped until LINGER_S has passed, then cut off (the loop's
+    bound is ten times that)."""
+    with raw(rest) as connection:
+        refused_chunked_body(connection)
+        status, _ = response(connection)
+        assert status == 400
+        while connection.recv(1 << 16):  # the answer's rest, if any, then the end
+            pass
+        sends = 0
+        with pytest.raises(OSError):
+            while sends < 10 * LINGER_S / TRICKLE_S:
+                connection.sendall(b" ")
+                sends += 1
+                time.sleep(TRICKLE_S)
+    assert sends > 2  # it lingered (a closed socket takes one write, then resets the next)
 
 
 def test_requests_past_the_concurrency_limit_are_answered_429(rest: Rest) -> None:
