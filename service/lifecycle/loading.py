@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from opentelemetry.trace import SpanContext
+
 from oip.datatypes import BY_CONFIG_TYPE, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import DynamicBatcher, policy_from_config
@@ -278,10 +280,15 @@ class VersionLoader:
         )
         self.registry.changed()
 
-    def _record_batch(self, served: ServedVersion, rows: int, timings: Timings) -> None:
-        """A batch a worker formed from its queues, counted as the batch runner counts one."""
+    def _record_batch(
+        self, served: ServedVersion, rows: int, timings: Timings, requests: list[SpanContext]
+    ) -> None:
+        """A batch a worker formed from its queues, counted and traced as the batch runner
+        does one."""
         served.stats.record_batch(rows, timings)
         self.observer.on_batch(served.name, rows, timings)
+        spent = timings.input_ns + timings.infer_ns + timings.output_ns
+        self.observer.batch_ran(served.name, served.version, rows, requests, spent)
 
     def _batch_sequences(
         self, served: ServedVersion, settings: SequenceSettings, label: str

@@ -13,6 +13,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from service.inference.jobs import Timings
 from service.queues.ring import Corrupt, RingWriter, aligned8
@@ -34,15 +35,13 @@ _REPLY = struct.Struct("<BBHIQQQQQQ")  # kind, code, outputs, batch rows, id, ba
 _TEXT = struct.Struct("<I4x")
 
 
-@dataclass(frozen=True)
-class Tensor:
-    index: int  # into the setup's inputs or outputs
+class Tensor(NamedTuple):  # a tuple: one per tensor of every record, built fast
+    position: int  # into the setup's inputs or outputs
     shape: tuple[int, ...]
     data: memoryview
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     id: int
     flags: int
     priority: int
@@ -58,8 +57,7 @@ class Cancel:
     id: int
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):
     id: int
     batch: int  # the worker's batch number
     batch_rows: int  # the rows its requests brought
@@ -70,26 +68,35 @@ class Reply:
     text: str = ""
 
 
+_HEADS = [struct.Struct(f"<HHIQ{rank}Q") for rank in range(MAX_RANK + 1)]  # _TENSOR + dims
+_INDEXES = [struct.Struct(f"<{count}H") for count in range(64)]
+_REQUEST_AT = aligned8(_REQUEST.size)
+
+
+def _indexes(count: int) -> struct.Struct:
+    return _INDEXES[count] if count < len(_INDEXES) else struct.Struct(f"<{count}H")
+
+
 def _tensor_size(shape: Sequence[int], nbytes: int) -> int:
-    return _TENSOR.size + 8 * len(shape) + aligned8(nbytes)
+    return _TENSOR.size + 8 * len(shape) + ((nbytes + 7) & ~7)
 
 
 def _pack_tensor(buf: memoryview, at: int, index: int, shape: Sequence[int], data: bytes) -> int:
-    _TENSOR.pack_into(buf, at, index, len(shape), 0, len(data))
-    at += _TENSOR.size
-    struct.pack_into(f"<{len(shape)}Q", buf, at, *shape)
-    at += 8 * len(shape)
-    buf[at : at + len(data)] = data
-    return at + aligned8(len(data))
+    """One tensor at `at`: its header and dims, then its bytes; where the next one goes."""
+    head = _HEADS[len(shape)]
+    nbytes = len(data)
+    head.pack_into(buf, at, index, len(shape), 0, nbytes, *shape)
+    at += head.size
+    buf[at : at + nbytes] = data
+    return at + ((nbytes + 7) & ~7)
 
 
 def request_size(shapes: Sequence[tuple[tuple[int, ...], int]], outputs: int) -> int:
     """The payload bytes of a request with inputs of these (shape, nbytes)."""
-    return (
-        aligned8(_REQUEST.size)
-        + aligned8(2 * outputs)
-        + sum(_tensor_size(shape, nbytes) for shape, nbytes in shapes)
-    )
+    size = _REQUEST_AT + ((2 * outputs + 7) & ~7)
+    for shape, nbytes in shapes:
+        size += _TENSOR.size + 8 * len(shape) + ((nbytes + 7) & ~7)
+    return size
 
 
 def write_request(
@@ -121,9 +128,9 @@ def write_request(
         NO_TIME if expires is None else expires,
         NO_TIME if deadline is None else deadline,
     )
-    at = aligned8(_REQUEST.size)
-    struct.pack_into(f"<{len(outputs)}H", buf, at, *outputs)
-    at += aligned8(2 * len(outputs))
+    at = _REQUEST_AT
+    _indexes(len(outputs)).pack_into(buf, at, *outputs)
+    at += (2 * len(outputs) + 7) & ~7
     for index, shape, data in inputs:
         at = _pack_tensor(buf, at, index, shape, data)
     buf.release()
@@ -154,7 +161,7 @@ def _tensors(payload: memoryview, at: int, count: int) -> tuple[tuple[Tensor, ..
         at += _TENSOR.size
         if rank > MAX_RANK or at + 8 * rank + nbytes > len(payload):
             raise Corrupt(f"a tensor of rank {rank} and {nbytes} bytes past the record's end")
-        shape = struct.unpack_from(f"<{rank}Q", payload, at)
+        shape = _HEADS[rank].unpack_from(payload, at - _TENSOR.size)[4:]
         at += 8 * rank
         if any(d > MAX_DIM for d in shape):
             raise Corrupt(f"a tensor of shape {list(shape)}")
@@ -173,9 +180,9 @@ def read_request(payload: bytes) -> Request | Cancel:
     )
     if kind != REQUEST:
         raise Corrupt(f"a record of kind {kind}")
-    at = aligned8(_REQUEST.size)
-    outputs = struct.unpack_from(f"<{n_out}H", view, at)
-    at += aligned8(2 * n_out)
+    at = _REQUEST_AT
+    outputs = _indexes(n_out).unpack_from(view, at)
+    at += (2 * n_out + 7) & ~7
     inputs, _ = _tensors(view, at, n_in)
     return Request(
         request_id, flags, priority, rows, _time(expires), _time(deadline), outputs, inputs
@@ -260,11 +267,11 @@ def read_reply(payload: bytes, expected: Expected) -> Reply:
     outputs, end = _tensors(view, _REPLY.size, n_out)
     if end != len(view):
         raise Corrupt("bytes after the reply's last output")
-    if sorted(t.index for t in outputs) != sorted(expected.outputs):
-        sent = [t.index for t in outputs]
+    if sorted(t.position for t in outputs) != sorted(expected.outputs):
+        sent = [t.position for t in outputs]
         raise Corrupt(f"outputs {sent} for a request of {list(expected.outputs)}")
     for tensor in outputs:
-        if len(tensor.data) != math.prod(tensor.shape) * expected.itemsizes[tensor.index]:
+        if len(tensor.data) != math.prod(tensor.shape) * expected.itemsizes[tensor.position]:
             raise Corrupt(f"an output of shape {list(tensor.shape)} in {len(tensor.data)} bytes")
         if expected.rows and (not tensor.shape or tensor.shape[0] != expected.rows):
             raise Corrupt(f"an output of shape {list(tensor.shape)} for {expected.rows} rows")

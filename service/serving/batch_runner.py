@@ -31,6 +31,10 @@ class BatchObserver(Protocol):
         self, model: str, version: int, rows: int, requests: Sequence[SpanContext]
     ) -> AbstractContextManager[Any]: ...
 
+    def batch_ran(
+        self, model: str, version: int, rows: int, requests: Sequence[SpanContext], spent_ns: int
+    ) -> None: ...
+
 
 class BatchRunner:
     """Runs one version's batches (service/batching/batcher.py's RunBatch)."""

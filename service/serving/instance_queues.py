@@ -16,6 +16,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import SpanContext
+
 from service.inference.jobs import Answer, InferJob
 from service.queues import records, wakeups
 from service.queues.ring import Corrupt
@@ -40,6 +42,7 @@ class Entry:
     inputs: list[tuple[int, tuple[int, ...], bytes]]
     outputs: tuple[int, ...]
     expected: records.Expected
+    trace: SpanContext  # the request's span, which its batch's span links to
     crashes: int = 0
     alone: bool = False
     queue: InstanceQueue | None = None  # the queue it was written to; None: not written
@@ -48,7 +51,8 @@ class Entry:
     ended: bool = field(default=False)  # answered, failed or dropped: counted out
 
 
-Reply = Callable[[Entry, records.Reply], None]
+# Every reply one wake-up brought (a batch's come together), with the request each answers.
+Replies = Callable[[list[tuple[Entry, records.Reply]]], None]
 
 
 class InstanceQueue:
@@ -56,7 +60,7 @@ class InstanceQueue:
         self,
         instance: WorkerInstance,
         setup: protocol.Queues,
-        on_reply: Reply,
+        on_replies: Replies,
         on_corrupt: Callable[[str], None],
     ) -> None:
         self.instance = instance
@@ -70,7 +74,7 @@ class InstanceQueue:
         self.entries: dict[int, Entry] = {}
         self._ids = itertools.count(1)
         self._signal_due = False
-        self._on_reply = on_reply
+        self._on_replies = on_replies
         self._on_corrupt = on_corrupt
         self._closed = False
         self.broken = False  # the worker wrote what no correct worker writes: being killed
@@ -143,6 +147,7 @@ class InstanceQueue:
 
     def _read(self) -> None:
         wakeups.clear(self._woken)
+        replies: list[tuple[Entry, records.Reply]] = []
         try:
             while not (self._closed or self.broken):
                 payload = self._replies.take()
@@ -154,9 +159,11 @@ class InstanceQueue:
                     raise Corrupt(f"a reply to request {request_id}, which it was not sent")
                 reply = records.read_reply(payload, entry.expected)
                 del self.entries[request_id]
-                self._on_reply(entry, reply)
+                replies.append((entry, reply))
         except (Corrupt, struct.error) as exc:
             self._broke(f"wrote a bad reply into its queue: {exc}")
+        if replies:
+            self._on_replies(replies)
 
     def _broke(self, reason: str) -> None:
         """Told once: the worker is killed, and nothing more is read from or written to it."""

@@ -17,6 +17,8 @@ import random
 from collections.abc import Callable, Sequence
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext
 
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
@@ -62,7 +64,7 @@ class QueuedBatcher:
         policy: BatchPolicy,
         fetch_names: dict[str, str],
         queue_mb: int,
-        on_batch: Callable[[int, Timings], None],
+        on_batch: Callable[[int, Timings, list[SpanContext]], None],
         name: str,
     ) -> None:
         self.policy = policy
@@ -91,7 +93,6 @@ class QueuedBatcher:
         self._held = 0  # requests queued or in a worker, not yet answered
         self._limit = policy.max_queue_size + len(instances) * rows
         self._on_batch = on_batch
-        self._last_batch: dict[int, int] = {}
         self._random = random.Random(0)
 
     def start(self) -> None:
@@ -120,7 +121,7 @@ class QueuedBatcher:
         self._queues[index] = InstanceQueue(
             instance,
             self._setup,
-            self._answered,
+            self._replied,
             functools.partial(self._corrupt, index),
         )
         self._send_waiting()
@@ -152,6 +153,7 @@ class QueuedBatcher:
             [(self._input_index[t.name], t.shape, t.data) for t in job.inputs],
             wanted,
             records.Expected(wanted, self._itemsizes, job.rows if self._batches else 0, self._rows),
+            trace.get_current_span().get_span_context(),
         )
         size = records.request_size(
             [(shape, len(data)) for _, shape, data in entry.inputs], len(wanted)
@@ -230,16 +232,21 @@ class QueuedBatcher:
             entry.ended = True
             self._held -= 1
 
-    def _answered(self, entry: Entry, reply: records.Reply) -> None:
-        self._count_out(entry)
-        queue = entry.queue
-        if reply.failure is None and queue is not None:
-            key = id(queue)
-            if self._last_batch.get(key) != reply.batch:
-                self._last_batch[key] = reply.batch
-                self._on_batch(reply.batch_rows, reply.timings)
+    def _replied(self, replies: list[tuple[Entry, records.Reply]]) -> None:
+        """What one wake-up brought: each answer, and each batch counted once (a batch's
+        replies come together, under its number)."""
+        batches: dict[int, tuple[records.Reply, list[SpanContext]]] = {}
+        for entry, reply in replies:
+            self._answered(entry, reply)
+            if reply.failure is None:
+                batches.setdefault(reply.batch, (reply, []))[1].append(entry.trace)
+        for reply, traces in batches.values():
+            self._on_batch(reply.batch_rows, reply.timings, traces)
         if self._waiting:
             self._send_waiting()
+
+    def _answered(self, entry: Entry, reply: records.Reply) -> None:
+        self._count_out(entry)
         future = entry.future
         if future.done():
             return
@@ -248,8 +255,8 @@ class QueuedBatcher:
             return
         order = {index: place for place, index in enumerate(entry.outputs)}
         outputs = tuple(
-            OutputTensor(*self._outputs[t.index], t.shape, bytes(t.data))
-            for t in sorted(reply.outputs, key=lambda t: order[t.index])
+            OutputTensor(*self._outputs[t.position], t.shape, bytes(t.data))
+            for t in sorted(reply.outputs, key=lambda t: order[t.position])
         )
         waited = int((entry.written - entry.arrival) * 1e9) + reply.queue_ns
         future.set_result(Answer(outputs, reply.timings, waited, reply.batch_rows))

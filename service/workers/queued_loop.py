@@ -72,7 +72,7 @@ class QueuedWorker:
                 continue
             job = InferJob(
                 tuple(
-                    InputTensor(*self._inputs[t.index], t.shape, cast(bytes, t.data))
+                    InputTensor(*self._inputs[t.position], t.shape, cast(bytes, t.data))
                     for t in record.inputs
                 ),
                 tuple(self._setup.outputs[i] for i in record.outputs),
