@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,7 +136,7 @@ class InstanceQueue:
                 if entry is None:
                     raise Corrupt(f"a reply to request {request_id}, which it was not sent")
                 self._on_reply(entry, records.read_reply(payload, entry.expected))
-        except (Corrupt, struct.error) as exc:
+        except Corrupt as exc:
             self._on_corrupt(f"wrote a bad reply into its queue: {exc}")
 
     def running(self) -> set[int]:
