@@ -3,7 +3,7 @@ the calls to the worker, and each request's answer or failure back.
 
 Names are indexes into the lists the worker was given with its queues (QueueSetup), so a
 record holds shapes, bytes and a few numbers. A reply is read as hostile input (the worker
-runs model code): `decode_reply` checks every count, index, shape and length against what the
+runs model code): `read_reply` checks every count, index, shape and length against what the
 request asked for and raises Corrupt on the first that does not hold.
 """
 
