@@ -3,7 +3,7 @@ the calls to the worker, and each request's answer or failure back.
 
 Names are indexes into the lists the worker was given with its queues (QueueSetup), so a
 record holds shapes, bytes and a few numbers. A reply is read as hostile input (the worker
-runs model code): `decode_reply` checks every count, index, shape and length against what the
+runs model code): `read_reply` checks every count, index, shape and length against what the
 request asked for and raises Corrupt on the first that does not hold.
 """
 
@@ -239,23 +239,27 @@ class Expected:
     max_batch_rows: int
 
 
-def request_id_of(payload: bytes) -> int:
+def _reply_head(payload: bytes | memoryview) -> tuple[int, ...]:
     if len(payload) < _REPLY.size:
         raise Corrupt(f"a reply of {len(payload)} bytes")
-    return int(_REPLY.unpack_from(payload)[4])
+    return _REPLY.unpack_from(payload)
+
+
+def request_id_of(payload: bytes) -> int:
+    return int(_reply_head(payload)[4])
 
 
 def read_reply(payload: bytes, expected: Expected) -> Reply:
     """A record the worker wrote, checked against what its request asked for."""
     view = memoryview(payload)
-    kind, code, n_out, rows, request_id, batch, t_in, t_run, t_out, queued = _REPLY.unpack_from(
-        view
-    )
+    kind, code, n_out, rows, request_id, batch, t_in, t_run, t_out, queued = _reply_head(view)
     if kind == FAILURE:
         if code not in (FAILED, TOO_LARGE, EXPIRED, CANCELLED):
             raise Corrupt(f"a failure of kind {code}")
-        (length,) = _TEXT.unpack_from(view, _REPLY.size)
         start = _REPLY.size + _TEXT.size
+        if len(view) < start:
+            raise Corrupt(f"a failure of {len(view)} bytes")
+        (length,) = _TEXT.unpack_from(view, _REPLY.size)
         if length > MAX_FAILURE_TEXT or start + length != len(view):
             raise Corrupt(f"a failure text of {length} bytes in a record of {len(view)}")
         text = bytes(view[start:]).decode(errors="replace")

@@ -125,6 +125,8 @@ class RingReader(_Side):
         need = _PREFIX + aligned8(size)
         if size > max_record(self.capacity) or tail + need > head:
             raise Corrupt(f"a record of {size} bytes where {head - tail} are written")
+        if offset + need > self.capacity:  # a correct writer wraps it
+            raise Corrupt(f"a record of {size} bytes across the end of the ring")
         payload = bytes(self._data[offset + _PREFIX : offset + _PREFIX + size])
         self._tail = tail + need
         self._words[_TAIL // 8] = self._tail

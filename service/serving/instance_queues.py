@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -160,7 +159,7 @@ class InstanceQueue:
                 reply = records.read_reply(payload, entry.expected)
                 del self.entries[request_id]
                 replies.append((entry, reply))
-        except (Corrupt, struct.error) as exc:
+        except Corrupt as exc:
             self._broke(f"wrote a bad reply into its queue: {exc}")
         if replies:
             self._on_replies(replies)
