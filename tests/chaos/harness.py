@@ -85,6 +85,10 @@ EXECUTION_TIMEOUT_MS = 3000
 # input element equals this number. Exact in float32.
 CRASH_ON_PARAMETER = "testing_crash_on"
 POISON_VALUE = 1234.5
+# A copy of mlp whose worker (with --instance-queues) writes random bytes over all of its
+# queues' shared memory when an input holds SCRIBBLE_VALUE (testing_scribble_on), then hangs.
+SCRIBBLER_MODEL = "scribbler"
+SCRIBBLE_VALUE = 4321.5
 # The example's output name (the exporter's config.pbtxt), so answers compare with run_reference.
 MLP_OUTPUT = output_names(GOOD_MODEL)[0]
 MLP_CONFIG = f"""\
@@ -290,6 +294,7 @@ class AttackSpec:
     # Outcomes that count as "answered with a clear status or refused at the transport".
     answered: frozenset[str]
     frontends: int = 1  # the server's --frontends
+    queues: bool = False  # the server runs --instance-queues (its workers batch themselves)
     # Good calls failing UNAVAILABLE are expected (their connection's process was killed):
     # each is retried once, as a client would, and only a failed retry counts as a failure.
     retry_unavailable: bool = False
@@ -642,6 +647,16 @@ async def run_row(
     )
 
 
+SCRIBBLER_CONFIG = f"""\
+max_batch_size: 8
+input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [ {{ name: "{MLP_OUTPUT}", data_type: TYPE_FP32, dims: [ 10 ] }} ]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+dynamic_batching {{ }}
+parameters {{ key: "testing_scribble_on" value: {{ string_value: "{SCRIBBLE_VALUE}" }} }}
+"""
+
+
 def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
     killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
@@ -659,16 +674,21 @@ def chaos_repository(directory: Path) -> Path:
     with (repository / PROCESSES_MODEL / "config.pbtxt").open("a") as config:
         value = f'{{ string_value: "{PROCESS_COUNT}" }}'
         config.write(f'parameters {{ key: "python_child_processes" value: {value} }}\n')
+    (repository / SCRIBBLER_MODEL).mkdir()
+    (repository / SCRIBBLER_MODEL / "1").symlink_to((repository / GOOD_MODEL / "1").resolve())
+    (repository / SCRIBBLER_MODEL / "config.pbtxt").write_text(SCRIBBLER_CONFIG)
     return repository
 
 
 @contextlib.contextmanager
-def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerProcess, Target]]:
+def chaos_server(
+    directory: Path, frontends: int = 1, queues: bool = False
+) -> Iterator[tuple[ServerProcess, Target]]:
     """The server every attack runs against: explicit model control (for hot reload), the
     testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only,
     client certificates asked for (HTTP/3) and not required; `frontends` front-end processes
-    (1: a single process)."""
-    directory = directory / f"frontends-{frontends}"
+    (1: a single process); `queues`: --instance-queues."""
+    directory = directory / f"frontends-{frontends}{'-queues' if queues else ''}"
     directory.mkdir(parents=True, exist_ok=True)
     repository = chaos_repository(directory)
     metrics_port, http_port = free_port(), free_port()
@@ -685,6 +705,7 @@ def chaos_server(directory: Path, frontends: int = 1) -> Iterator[tuple[ServerPr
         *("--http-port", str(http_port), "--http-max-input-size", str(HTTP_MAX_INPUT)),
         *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
         *("--http-body-timeout", str(HTTP_BODY_S)),
+        *(("--instance-queues",) if queues else ()),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (

@@ -1,5 +1,6 @@
 """Every attack of the suite, in the order it runs, with the outcomes that count as answered;
-the last rows run against a second server with two front-end processes (`--frontends 2`)."""
+the rows marked so run against a second server with two front-end processes (`--frontends 2`),
+and against a third whose workers batch from their own queues (`--instance-queues`)."""
 
 from __future__ import annotations
 
@@ -233,5 +234,17 @@ ATTACKS = (
         frozenset({*rest.VANISHED, rest.RESET}),
         frontends=2,
         rest=True,
+    ),
+    AttackSpec(
+        "worker SIGKILL under load (--instance-queues)",
+        workers.worker_sigkill,
+        frozenset({"killed", "replaced"}),
+        queues=True,
+    ),
+    AttackSpec(
+        "worker scribbles over its queues (--instance-queues)",
+        workers.scribbled_queues,
+        frozenset({"INTERNAL", "replaced"}),
+        queues=True,
     ),
 )

@@ -44,12 +44,24 @@ def chaos_frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]
         yield Chaos(*served, pool)
 
 
+@pytest.fixture(scope="module")
+def chaos_queues(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
+    """The server of the rows that attack workers batching from their own queues."""
+    with (
+        chaos_server(tmp_path_factory.mktemp("chaos"), queues=True) as served,
+        attacker_process() as pool,
+    ):
+        yield Chaos(*served, pool)
+
+
 @pytest.mark.parametrize(
     "spec",
     [pytest.param(spec, id=re.sub(r"[^A-Za-z0-9]+", "-", spec.name)) for spec in ATTACKS],
 )
 async def test_attack_meets_the_goal(request: pytest.FixtureRequest, spec: AttackSpec) -> None:
-    fixture = "chaos" if spec.frontends == 1 else "chaos_frontends"
+    fixture = (
+        "chaos_queues" if spec.queues else "chaos" if spec.frontends == 1 else "chaos_frontends"
+    )
     chaos: Chaos = request.getfixturevalue(fixture)
     row = await run_row(chaos.server, chaos.target, spec, SHORT, chaos.attacker)
     assert row.passed, row.explain()

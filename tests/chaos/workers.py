@@ -26,6 +26,8 @@ from tests.chaos.harness import (
     POISON_VALUE,
     PROCESS_COUNT,
     PROCESSES_MODEL,
+    SCRIBBLE_VALUE,
+    SCRIBBLER_MODEL,
     AttackResult,
     Scale,
     Target,
@@ -182,6 +184,27 @@ async def worker_sigstop(target: Target, scale: Scale) -> AttackResult:
                 result.problems.append(f"stopped worker not replaced within {limit_s:.0f} s")
         finally:
             _signal_worker(target, victim.pid, signal.SIGCONT)
+    return result
+
+
+async def scribbled_queues(target: Target, scale: Scale) -> AttackResult:
+    """Requests that make `scribbler`'s worker write random bytes over all of its queues'
+    shared memory (--instance-queues): each fails with a clear status, the worker is killed
+    as misbehaving and replaced, and the good clients (another model) never notice."""
+    result = AttackResult()
+    values = np.zeros((1, 256), np.float32)
+    values[0, 0] = SCRIBBLE_VALUE
+    request = build_request(SCRIBBLER_MODEL, {"input": values})
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(scale.poison):
+            victim = await _victim(target, SCRIBBLER_MODEL)
+            call = stub.ModelInfer(request, timeout=RESTART_LIMIT_S)
+            result.outcomes[await outcome_of(call, RESTART_LIMIT_S)] += 1
+            if await _replaced(target, victim, RESTART_LIMIT_S, SCRIBBLER_MODEL):
+                result.outcomes["replaced"] += 1
+            else:
+                result.problems.append(f"scribbling worker not replaced within {RESTART_LIMIT_S} s")
     return result
 
 
