@@ -27,6 +27,22 @@ DEADLINE_MARGIN_S = 0.1
 _NO_SPAN = contextlib.nullcontext()
 
 
+def _sampled(requests: Sequence[SpanContext]) -> list[SpanContext]:
+    """The requests' spans a batch span links to: those being recorded."""
+    return [c for c in requests if c.is_valid and c.trace_flags.sampled]
+
+
+def _batch_attributes(
+    model: str, version: int, rows: int, requests: Sequence[SpanContext]
+) -> dict[str, str | int]:
+    return {
+        "paddlequic.model": model,
+        "paddlequic.version": str(version),
+        "paddlequic.batch_size": rows,
+        "paddlequic.requests": len(requests),
+    }
+
+
 class Observer:
     """What is done with each finished RPC (metrics, request log, span), and the hook for
     what only the request path (service/serving) and the lifecycle know (queue, batch, load
@@ -65,19 +81,14 @@ class Observer:
     ) -> contextlib.AbstractContextManager[Any]:
         """A span for one batch execution, linked to the span of every request in it (a batch
         belongs to several traces, so it starts its own)."""
-        sampled = [c for c in requests if c.is_valid and c.trace_flags.sampled]
+        sampled = _sampled(requests)
         if self.tracer is None or not sampled:
             return contextlib.nullcontext()
         return self.tracer.start_as_current_span(
             "batch",
             context=OtelContext(),
             links=[Link(c) for c in sampled],
-            attributes={
-                "paddlequic.model": model,
-                "paddlequic.version": str(version),
-                "paddlequic.batch_size": rows,
-                "paddlequic.requests": len(requests),
-            },
+            attributes=_batch_attributes(model, version, rows, requests),
         )
 
     def batch_ran(
@@ -85,7 +96,7 @@ class Observer:
     ) -> None:
         """batch_span for a batch a worker formed and ran on its own (--instance-queues),
         told once it ended: its times reconstructed from what the worker measured."""
-        sampled = [c for c in requests if c.is_valid and c.trace_flags.sampled]
+        sampled = _sampled(requests)
         if self.tracer is None or not sampled:
             return
         end = time.time_ns()
@@ -93,12 +104,7 @@ class Observer:
             "batch",
             context=OtelContext(),
             links=[Link(c) for c in sampled],
-            attributes={
-                "paddlequic.model": model,
-                "paddlequic.version": str(version),
-                "paddlequic.batch_size": rows,
-                "paddlequic.requests": len(requests),
-            },
+            attributes=_batch_attributes(model, version, rows, requests),
             start_time=end - spent_ns,
         )
         span.end(end_time=end)

@@ -118,12 +118,11 @@ class QueuedBatcher:
         old = self._queues.pop(index, None)
         if old is not None:
             self._requeue(old.close(), None)
-        self._queues[index] = InstanceQueue(
-            instance,
-            self._setup,
-            self._replied,
-            functools.partial(self._corrupt, index),
+        queue = InstanceQueue(
+            instance, self._setup, self._replied, functools.partial(self._corrupt, index)
         )
+        self._queues[index] = queue
+        instance.queue_held = lambda: queue.outstanding
         self._send_waiting()
 
     def enqueue(self, job: InferJob, deadline: float | None) -> asyncio.Future[Answer]:
@@ -326,6 +325,7 @@ class QueuedBatcher:
         self._waiting.clear()
         for instance in self._instances:
             instance.on_ready = instance.on_ended = None
+            instance.queue_held = None
         self._end_all(held, lambda: errors.unavailable("the server is shutting down"))
 
     def _poison_message(self) -> str:

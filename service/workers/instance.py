@@ -138,12 +138,14 @@ class WorkerInstance:
         # ready after a restart, and how it ended when it dies, before it restarts.
         self.on_ready: Callable[[], None] | None = None
         self.on_ended: Callable[[deaths.Death], None] | None = None
+        self.queue_held: Callable[[], int] | None = None  # the requests in its queues
         # Deaths for going past a limit of the model's ("memory", "processes"): metrics.
         self.limit_kills: dict[str, int] = {}
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending) + len(self.streams)
+        held = 0 if self.queue_held is None else self.queue_held()
+        return len(self._pending) + len(self.streams) + held
 
     @property
     def numa_node(self) -> int:

@@ -187,14 +187,19 @@ async def worker_sigstop(target: Target, scale: Scale) -> AttackResult:
     return result
 
 
+def _triggering(model: str, value: float) -> pb.ModelInferRequest:
+    """An `mlp`-shaped request holding a test-only trigger value (--testing-service)."""
+    values = np.zeros((1, 256), np.float32)
+    values[0, 0] = value
+    return build_request(model, {"input": values})
+
+
 async def scribbled_queues(target: Target, scale: Scale) -> AttackResult:
     """Requests that make `scribbler`'s worker write random bytes over all of its queues'
     shared memory (--instance-queues): each fails with a clear status, the worker is killed
     as misbehaving and replaced, and the good clients (another model) never notice."""
     result = AttackResult()
-    values = np.zeros((1, 256), np.float32)
-    values[0, 0] = SCRIBBLE_VALUE
-    request = build_request(SCRIBBLER_MODEL, {"input": values})
+    request = _triggering(SCRIBBLER_MODEL, SCRIBBLE_VALUE)
     async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.poison):
@@ -213,9 +218,7 @@ async def poison_input(target: Target, scale: Scale) -> AttackResult:
     with a clear status (the worker dies and is replaced), and the good clients, whose
     requests may share the crashed batch, must not notice."""
     result = AttackResult()
-    values = np.zeros((1, 256), np.float32)
-    values[0, 0] = POISON_VALUE
-    request = build_request(GOOD_MODEL, {"input": values})
+    request = _triggering(GOOD_MODEL, POISON_VALUE)
     async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(scale.poison):
