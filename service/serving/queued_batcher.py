@@ -101,6 +101,7 @@ class QueuedBatcher:
         for index, instance in enumerate(self._instances):
             instance.on_ready = functools.partial(self.attach, index)
             instance.on_ended = functools.partial(self._ended, index)
+            instance.on_start_failed = self._restart_failed
             if instance.state is State.READY:
                 self.attach(index)
 
@@ -204,6 +205,16 @@ class QueuedBatcher:
         failures = [i.start_failure for i in self._instances]
         if failures and None not in failures:
             raise errors.unavailable(f"{self.name}: its last restart failed: {failures[0]}")
+
+    def _restart_failed(self) -> None:
+        """A restart failed: the requests waiting for an instance fail at once when none can
+        serve soon (as a request waiting for a worker's restart does)."""
+        try:
+            self._check_startable()
+        except errors.ServiceError as exc:
+            refused = exc
+            waiting, self._waiting = self._waiting, collections.deque()
+            self._end_all(list(waiting), lambda: refused)
 
     def _send_waiting(self) -> None:
         waiting, self._waiting = self._waiting, collections.deque()
@@ -324,7 +335,7 @@ class QueuedBatcher:
         held.extend(self._waiting)
         self._waiting.clear()
         for instance in self._instances:
-            instance.on_ready = instance.on_ended = None
+            instance.on_ready = instance.on_ended = instance.on_start_failed = None
             instance.queue_held = None
         self._end_all(held, lambda: errors.unavailable("the server is shutting down"))
 

@@ -139,6 +139,7 @@ class WorkerInstance:
         self.on_ready: Callable[[], None] | None = None
         self.on_ended: Callable[[deaths.Death], None] | None = None
         self.queue_held: Callable[[], int] | None = None  # the requests in its queues
+        self.on_start_failed: Callable[[], None] | None = None  # a restart failed
         # Deaths for going past a limit of the model's ("memory", "processes"): metrics.
         self.limit_kills: dict[str, int] = {}
 
@@ -453,7 +454,7 @@ class WorkerInstance:
             # (a header declaring more than it may send, a class the unpickler refuses, a
             # field of the wrong type) ends that worker, never the front-end.
             self.kill_misbehaving(
-                f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc)
+                f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc), repr(exc)
             )
         finally:
             writer.close()
@@ -470,14 +471,15 @@ class WorkerInstance:
         )
         return message_bounds.largest_message(holding, self.spec.max_message_bytes)
 
-    def kill_misbehaving(self, reason: str) -> None:
-        """The worker broke the protocol (`reason`: how): it is killed and its requests fail
+    def kill_misbehaving(self, reason: str, detail: str | None = None) -> None:
+        """The worker broke the protocol (`reason`: how, as its requests' errors say it;
+        `detail`: as the log says it, if not the same): it is killed and its requests fail
         for good."""
         log.error(
             "worker %s (pid %d) broke the protocol (%s); killing it and failing its requests",
             self.spec.instance_name,
             self.pid,
-            reason,
+            detail or reason,
         )
         self.refused_messages += 1
         self._misbehaved = reason
@@ -563,7 +565,7 @@ class WorkerInstance:
             self.spec.instance_name,
             self.pid,
             ended.how,
-            len(self._pending) + len(self.streams),
+            self.outstanding,
             ended.fate.value,
             self._restart_delay,
         )
@@ -598,6 +600,8 @@ class WorkerInstance:
                 self.start_failure = str(exc)
                 self._attempted.set()
                 log.error("restarting worker %s failed: %s", self.spec.instance_name, exc)
+                if self.on_start_failed is not None:
+                    self.on_start_failed()
                 continue
             self.start_failure = None
             self.restarts += 1

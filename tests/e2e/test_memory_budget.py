@@ -239,7 +239,7 @@ def test_no_eviction_while_a_request_is_in_flight(three: ServerProcess) -> None:
     (instance,) = server.instances("m1")
     with concurrent.futures.ThreadPoolExecutor(1) as pool, paused(instance.pid):
         held = pool.submit(infer, server, "m1")  # held in m1's stopped worker
-        eventually(lambda: in_flight(server, "m1") == 1, "m1's request reached its worker")
+        eventually(lambda: held_by(server, "m1") == 1, "m1's request reached its worker")
         infer(server, "m3")  # m1 is the least recently used, but busy: m2 goes
         now = states(server)
         assert now["m1"][0] == "READY"
@@ -247,9 +247,12 @@ def test_no_eviction_while_a_request_is_in_flight(three: ServerProcess) -> None:
     held.result(timeout=CALL_TIMEOUT_S)
 
 
-def in_flight(server: ServerProcess, model: str) -> int:
+def held_by(server: ServerProcess, model: str) -> int:
+    """The model's requests the server holds: in a worker, or queued for one (with
+    --instance-queues, a request a stopped worker has not taken is in its queue)."""
     request = control_pb2.ListInstancesRequest(model_name=model)
-    return sum(q.in_flight for q in server.control.ListInstances(request, timeout=5).queues)
+    queues = server.control.ListInstances(request, timeout=5).queues
+    return sum(q.queued + q.in_flight for q in queues)
 
 
 def test_no_eviction_while_a_sequence_is_open(tmp_path: Path) -> None:
