@@ -18,8 +18,9 @@ from service.api.restricted import Restriction, rest_guard
 from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
 from service.frontends.stats import ProcessH3
-from service.http.app import RequestLimits, RestApp
+from service.http.app import RestApp
 from service.http.asgi import App
+from service.http.bounds import RequestLimits
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.routes import Routes
 from service.observability.observer import Observer

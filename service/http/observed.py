@@ -8,13 +8,39 @@ generate) are those of the gRPC call."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextvars import Token
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.context import Context as OtelContext
 
 from service.http.asgi import Scope
+from service.inference.identity import ANYONE, Identity
+from service.observability.metrics import UNKNOWN
 from service.observability.observer import Observation, Observer
 
 TRANSPORT = "http"  # the transport label of REST calls
 # The request headers a trace is carried in (W3C trace context); others are never read.
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
+
+
+@dataclass
+class Call:
+    """What the request log, metrics and trace say of one request: the gRPC method its route
+    stands for (the same labels as gRPC's calls, `transport="http"`), its model and outcome;
+    once routed, its observation (`observe`)."""
+
+    rpc: str = UNKNOWN
+    model: str = ""
+    version: str = ""
+    request_id: str = ""
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    error: str = ""
+    encoding: str | None = None  # the response's Content-Encoding (None: identity)
+    client: str = ""  # whom it counts against for a fair share: certificate, else address
+    identity: Identity = ANYONE  # its client certificate's (service/http/callers.py)
+    observation: Observation | None = None  # a routed request's
+    trace: Token[OtelContext] | None = None  # its span made current, until it ends
 
 
 def observe(observer: Observer, scope: Scope, rpc: str, route: str) -> Observation:

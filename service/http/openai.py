@@ -65,7 +65,7 @@ def chunk(document: dict[str, Any]) -> bytes:
 
 
 class Labels(Protocol):
-    """What the request log and metrics say of a call (the app's Call)."""
+    """What the request log and metrics say of a call (observed.py's Call)."""
 
     model: str
 

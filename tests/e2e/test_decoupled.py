@@ -29,7 +29,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
-from service.api.inference import STREAM_WINDOW
+from service.api.stream_inference import STREAM_WINDOW
 from service.workers.protocol import RESPONSE_WINDOW
 from tests.conformance.conftest import EOF, Channel, eventually, new_channel
 from tests.servers import EXAMPLE_MODELS, ServerProcess, held_still, paused, running_server

@@ -1,0 +1,225 @@
+"""The REST API's routes by path, with no framework: a split path picks the route, which names
+the gRPC method it stands for (its labels, its restricted-protocol category) in the request's
+`Call`, and whose method and category are checked before its body is read within its bounds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+from service.dataplane.shared_memory import Peer
+from service.http.asgi import Receive, Scope, header
+from service.http.batchstream import BatchStreams
+from service.http.bounds import Refused, RequestLimits, check_headers, decoded, read_body
+from service.http.encoding import preferred
+from service.http.leaving import unless_gone
+from service.http.observed import Call, observe
+from service.http.openai import OpenAIRoutes
+from service.http.routes import Reply, Routes
+from service.http.shared_memory_routes import rest_peer
+from service.inference import errors
+from service.observability.observer import Observer
+
+# Triton's binary tensor data extension: where a body's JSON ends and its binary data begins.
+HEADER_LENGTH = b"inference-header-content-length"
+
+# The restricted-protocol check of a route: given the name of the gRPC method it stands for and
+# the request's headers, the header it lacks (None: served).
+Guard = Callable[[str, list[tuple[bytes, bytes]]], str | None]
+
+
+class Router:
+    """Each request's route, and the request observed from there on (`observer`: None,
+    nowhere) once it passes its route's method and `guard` (RestApp's)."""
+
+    def __init__(
+        self,
+        routes: Routes,
+        limits: RequestLimits,
+        observer: Observer | None,
+        guard: Guard | None,
+    ) -> None:
+        self.routes = routes
+        self.limits = limits
+        self.observer = observer
+        self.guard = guard
+        self.openai = OpenAIRoutes(routes.plane)
+        self.batchstream = BatchStreams(routes.plane, limits.body_timeout_s)
+
+    async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
+        """The route the path names, its gRPC method's name in `call` (UNKNOWN: no route)."""
+        check_headers(scope, self.limits.max_header_bytes)
+        parts = scope["path"].strip("/").split("/")
+        rest = parts[1:]
+        if parts[0] == "v1":
+            return await self._v1(scope, receive, call, rest)
+        if parts[0] != "v2":
+            raise _no_route(scope)
+        if not rest:
+            self._expect(scope, call, "GET", "ServerMetadata", "/v2")
+            return self.routes.server_metadata()
+        if rest in (["health", "live"], ["health", "ready"]):
+            health = "ServerLive" if rest[1] == "live" else "ServerReady"
+            self._expect(scope, call, "GET", health, f"/v2/health/{rest[1]}")
+            return self.routes.live() if rest[1] == "live" else self.routes.ready()
+        if rest == ["repository", "index"]:
+            self._expect(scope, call, "POST", "RepositoryIndex", "/v2/repository/index")
+            return await self.routes.repository_index(await read_body(scope, receive, self.limits))
+        if rest[:2] == ["repository", "models"] and len(rest) == 4 and rest[3] in _CONTROL:
+            route = f"/v2/repository/models/{{model}}/{rest[3]}"
+            self._expect(scope, call, "POST", _CONTROL[rest[3]], route)
+            call.model = rest[2]
+            body = await read_body(scope, receive, self.limits)
+            control = self.routes.load if rest[3] == "load" else self.routes.unload
+            return await control(rest[2], body)
+        if rest[0] in _SHARED_MEMORY:
+            return await self._shared_memory(scope, receive, call, rest)
+        if rest == ["models", "stats"]:
+            self._expect(scope, call, "GET", "ModelStatistics", "/v2/models/stats")
+            return self.routes.statistics("", "")
+        if rest[0] != "models" or len(rest) < 2:
+            raise _no_route(scope)
+        model, rest = rest[1], rest[2:]
+        version = ""
+        if rest[:1] == ["versions"] and len(rest) >= 2:
+            version, rest = rest[1], rest[2:]
+        action = rest[0] if len(rest) == 1 else "" if not rest else None
+        rpc = _MODEL_ROUTES.get(action) if action is not None else None
+        if rpc is None:
+            raise _no_route(scope)
+        posted = action in ("infer", "generate", "generate_stream")
+        route = "/v2/models/{model}" + ("/versions/{version}" if version else "")
+        route += f"/{action}" if action else ""
+        self._expect(scope, call, "POST" if posted else "GET", rpc, route)
+        call.model, call.version = model, version
+        if action in ("generate", "generate_stream"):
+            body = await read_body(scope, receive, self.limits)
+            stream = action == "generate_stream"
+            work = self.routes.generate(model, version, body, stream, call.client)
+            return await unless_gone(receive, work)
+        if action == "infer":
+            body = await read_body(scope, receive, self.limits)
+            body = await decoded(scope, body, self.limits.max_body_bytes)
+            call.encoding = preferred(header(scope, b"accept-encoding"))
+            header_length = header(scope, HEADER_LENGTH)
+            peer = _peer(scope)
+            refusal = (
+                self.guard("SystemSharedMemoryRegister", scope["headers"])
+                if self.guard is not None
+                else None
+            )
+            return await unless_gone(
+                receive,
+                self.routes.infer(
+                    model, version, body, header_length, peer, call.identity, refusal
+                ),
+            )
+        if action == "ready":
+            return self.routes.model_ready(model, version)
+        if action == "config":
+            return await self.routes.model_config(model, version)
+        if action == "stats":
+            return self.routes.statistics(model, version)
+        return await self.routes.model_metadata(model, version)
+
+    async def _shared_memory(
+        self, scope: Scope, receive: Receive, call: Call, rest: list[str]
+    ) -> Reply:
+        """`/v2/{system,cuda}sharedmemory/status|unregister` (every region) and
+        `.../region/NAME/status|register|unregister`: the gRPC method of each, its category
+        restricted as that method's."""
+        if len(rest) == 2 and rest[1] in ("status", "unregister"):
+            name, action = "", rest[1]
+        elif len(rest) == 4 and rest[1] == "region" and rest[3] in _SHARED_MEMORY_ACTIONS:
+            name, action = rest[2], rest[3]
+        else:
+            raise _no_route(scope)
+        kind = _SHARED_MEMORY[rest[0]]
+        rpc = f"{kind}SharedMemory{action.capitalize()}"
+        route = f"/v2/{rest[0]}" + ("/region/{region}" if name else "") + f"/{action}"
+        self._expect(scope, call, "GET" if action == "status" else "POST", rpc, route)
+        peer = _peer(scope)
+        body = b"" if action == "status" else await read_body(scope, receive, self.limits)
+        shared = self.routes.shared_memory
+        if kind == "Cuda":
+            if action == "status":
+                return Reply(200, shared.cuda_status(peer, name))
+            if action == "register":
+                shared.cuda_register(peer, name)
+            shared.cuda_unregister(peer)
+            return Reply(200)
+        if action == "status":
+            return Reply(200, await shared.status(peer, name))
+        if action == "register":
+            await shared.register(peer, name, body)
+        else:
+            await shared.unregister(peer, name)
+        return Reply(200)
+
+    def _expect(self, scope: Scope, call: Call, allowed: str, rpc: str, route: str) -> None:
+        """The request routed to `route` (its template), standing for the gRPC method `rpc`:
+        observed from here on (its span current for the work it starts), once its method is
+        the one its route takes and it carries the header its category is restricted to (403
+        in Triton's words otherwise, before its body is read)."""
+        call.rpc = rpc
+        if self.observer is not None:
+            call.observation = observe(self.observer, scope, rpc, route)
+            call.trace = call.observation.attach()
+        if scope["method"] != allowed:
+            raise Refused(
+                405,
+                f"this route takes {allowed}, not {scope['method'][:16]}",
+                code=grpc.StatusCode.UNIMPLEMENTED,
+            )
+        missing = self.guard(rpc, scope["headers"]) if self.guard is not None else None
+        if missing is not None:
+            raise Refused(
+                403,
+                f"This API is restricted, expecting header '{missing}'",
+                code=grpc.StatusCode.UNAUTHENTICATED,
+            )
+
+    async def _v1(self, scope: Scope, receive: Receive, call: Call, rest: list[str]) -> Reply:
+        """The OpenAI-compatible routes and batchstream (service/http/openai.py,
+        batchstream.py)."""
+        if rest == ["models"]:
+            self._expect(scope, call, "GET", "RepositoryIndex", "/v1/models")
+            return self.openai.models()
+        if rest in (["completions"], ["chat", "completions"]):
+            self._expect(scope, call, "POST", "ModelStreamInfer", "/v1/" + "/".join(rest))
+            body = await read_body(scope, receive, self.limits)
+            work = self.openai.completions(body, rest[0] == "chat", call.client, call)
+            return await unless_gone(receive, work)
+        if rest == ["inference", "advanced", "batchstream"]:
+            route = "/v1/inference/advanced/batchstream"
+            self._expect(scope, call, "POST", "ModelStreamInfer", route)
+            return self.batchstream.reply(receive, call.client)
+        raise _no_route(scope)
+
+
+# /v2/{system,cuda}sharedmemory/... and the kind of the gRPC methods they stand for.
+_SHARED_MEMORY = {"systemsharedmemory": "System", "cudasharedmemory": "Cuda"}
+_SHARED_MEMORY_ACTIONS = ("status", "register", "unregister")
+# /v2/repository/models/NAME/... and the gRPC methods they stand for.
+_CONTROL = {"load": "RepositoryModelLoad", "unload": "RepositoryModelUnload"}
+# The routes under /v2/models/NAME[/versions/V]/ and the gRPC methods they stand for.
+_MODEL_ROUTES = {
+    "": "ModelMetadata",
+    "ready": "ModelReady",
+    "config": "ModelConfig",
+    "stats": "ModelStatistics",
+    "infer": "ModelInfer",
+    "generate": "ModelInfer",
+    "generate_stream": "ModelStreamInfer",
+}
+
+
+def _peer(scope: Scope) -> Peer:
+    return rest_peer(scope.get("client"), scope.get("server"), scope.get("http_version", ""))
+
+
+def _no_route(scope: Scope) -> Refused:
+    return Refused(
+        404, f"no route {errors.echoed(scope['path'])!r}", code=grpc.StatusCode.UNIMPLEMENTED
+    )
