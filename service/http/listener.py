@@ -32,7 +32,7 @@ from hypercorn.config import Config
 from hypercorn.utils import wrap_app
 
 from service.http.asgi import App, Message, Receive, Scope, Send
-from service.http.lingering import LingeringWriter
+from service.http.lingering import LINGER_S, LingeringWriter
 from transport.asgi import tls_extension
 from transport.h3.aioquic.client_auth import ClientAuth
 
@@ -93,6 +93,7 @@ async def start_http(app: App, options: HttpOptions, grace: float) -> HttpListen
     port = int(listening.getsockname()[1])
     if options.response_headers:
         app = _with_headers(app, options.response_headers)
+    app = _draining(app)
     context = None if options.tls is None else tls_context(options.tls, options.client_auth)
     connections = _Connections(app, config)
     try:
@@ -226,6 +227,43 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _draining(app: App) -> App:
+    """`app`, with what hypercorn still queues for a request whose app ended before its body
+    did taken off the queue until the stream's end: hypercorn (0.18) puts that end
+    (`http.disconnect`) on the app's queue of ten messages once the app has ended, and waits
+    while the queue is full of body the app left unread, which holds the connection open,
+    neither read nor closed (a front-end passing a body on to the parent stops reading it once
+    the parent refuses it). Bounded by LINGER_S per request, as the lingering close is."""
+
+    async def drained(scope: Scope, receive: Receive, send: Send) -> None:
+        ended = False
+
+        async def watched() -> Message:
+            nonlocal ended
+            message = await receive()
+            ended = message["type"] == "http.disconnect" or not message.get("more_body", False)
+            return message
+
+        try:
+            await app(scope, receive if scope["type"] != "http" else watched, send)
+        finally:
+            if scope["type"] == "http" and not ended:
+                _DRAINS.add(task := asyncio.get_running_loop().create_task(_drain(receive)))
+                task.add_done_callback(_DRAINS.discard)
+
+    return drained
+
+
+_DRAINS: set[asyncio.Task[None]] = set()  # referenced while they run
+
+
+async def _drain(receive: Receive) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while (await receive())["type"] != "http.disconnect":
+                pass
 
 
 def _with_headers(app: App, headers: tuple[tuple[bytes, bytes], ...]) -> App:

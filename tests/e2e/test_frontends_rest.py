@@ -20,7 +20,6 @@ from tests.e2e.test_frontends import calls_by_frontend
 from tests.e2e.test_http import (
     leaving_client_stops_its_generation,
     response,
-    whole_chunked_body_refused,
 )
 from tests.e2e.test_http3_rest import (
     HTTP3,
@@ -116,12 +115,6 @@ def test_errors_and_bounds_are_the_parents(served: Served) -> None:
     assert status == 400 and "--http-max-input-size" in json.loads(body)["error"]
     with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/v2/health/ready") as ready:
         assert (ready.status, json.loads(ready.read())) == (200, {"ready": True})
-
-
-def test_a_client_that_sends_its_whole_chunked_body_first_reads_the_400(served: Served) -> None:
-    """As in one process: the front-end holding the connection lingers once the parent's 400
-    is sent."""
-    whole_chunked_body_refused(served.port, MAX_INPUT)
 
 
 def test_a_stream_whose_client_leaves_stops_generating(served: Served) -> None:
