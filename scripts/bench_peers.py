@@ -3,8 +3,8 @@ alternating rounds of one run, ModelInfer over gRPC on HTTP/2:
 
 - `paddlequic`: this server, as tests/servers.py starts it (`--no-h3`), with its dynamic
   batching and worker processes;
-- `paddlequic-queues`: the same with `--instance-queues` (the workers batch from their own
-  shared-memory queues);
+- `paddlequic-batcher`: the same with `--no-instance-queues` (the server forms the batches,
+  not the workers from their own queues, the default);
 - `grpcio`: a plain grpc.aio KServe v2 server that runs the same Paddle predictor (the one our
   CPU workers make, same config) in its own process, one call at a time, no batching
   (scripts/peers/grpc_peer.py);
@@ -59,8 +59,8 @@ from tests.servers import (
 )
 
 OURS = "paddlequic"
-OURS_QUEUED = "paddlequic-queues"
-OURSELVES = {OURS: [], OURS_QUEUED: ["--instance-queues"]}  # each with its own flags
+OURS_BATCHER = "paddlequic-batcher"
+OURSELVES = {OURS: [], OURS_BATCHER: ["--no-instance-queues"]}  # each with its own flags
 CANNED = "canned"
 PEERS = ("grpcio", "mlserver", "mlserver-batching")
 SERVERS = (*OURSELVES, *PEERS, CANNED)

@@ -49,7 +49,7 @@ BENCH_MODELS = Path(__file__).resolve().parent / "bench_models"
 
 # How calls reach the workers: the server's batcher, or the instances' own queues
 # (--instance-queues: the worker batches).
-PATHS = {"batcher": [], "queues": ["--instance-queues"]}
+PATHS = {"batcher": ["--no-instance-queues"], "queues": ["--instance-queues"]}
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class ServerSettings:
     model_output_bytes: float = 65536.0
     preloaded_launcher: bool = True
     model_templates: bool = True
-    instance_queues: bool = False
+    instance_queues: bool = True
     instance_queue_mb: int = 8
     trace_console: bool = False
     otlp_endpoint: str = ""

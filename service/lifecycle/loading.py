@@ -86,7 +86,7 @@ class WorkerLimits:
     templates: bool = True
     # --instance-queues: requests straight into the instances' queues, batched by the worker
     # (service/serving/queued_batcher.py); --instance-queue-mb of shared memory each.
-    instance_queues: bool = False
+    instance_queues: bool = True
     instance_queue_mb: int = 8
 
 

@@ -65,16 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     attacks = [a for a in ATTACKS if args.only.lower() in a.name.lower()]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="chaos-") as directory:
-        for frontends, queues in sorted({(a.frontends, a.queues) for a in attacks}):
-            chosen = [a for a in attacks if (a.frontends, a.queues) == (frontends, queues)]
+        for frontends, batcher in sorted({(a.frontends, a.batcher) for a in attacks}):
+            chosen = [a for a in attacks if (a.frontends, a.batcher) == (frontends, batcher)]
             print(
                 f"starting the server with --frontends {frontends}"
-                f"{' --instance-queues' if queues else ''} ({scale.name} sizes, "
+                f"{' --no-instance-queues' if batcher else ''} ({scale.name} sizes, "
                 f"{len(chosen)} attacks)",
                 flush=True,
             )
             with (
-                chaos_server(Path(directory), frontends, queues) as (server, target),
+                chaos_server(Path(directory), frontends, batcher) as (server, target),
                 attacker_process() as pool,
             ):
                 for spec in chosen:

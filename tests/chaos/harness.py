@@ -85,7 +85,7 @@ EXECUTION_TIMEOUT_MS = 3000
 # input element equals this number. Exact in float32.
 CRASH_ON_PARAMETER = "testing_crash_on"
 POISON_VALUE = 1234.5
-# A copy of mlp whose worker (with --instance-queues) writes random bytes over all of its
+# A copy of mlp whose worker (instance queues: the default) writes random bytes over all of its
 # queues' shared memory when an input holds SCRIBBLE_VALUE (testing_scribble_on), then hangs.
 SCRIBBLER_MODEL = "scribbler"
 SCRIBBLE_VALUE = 4321.5
@@ -294,7 +294,7 @@ class AttackSpec:
     # Outcomes that count as "answered with a clear status or refused at the transport".
     answered: frozenset[str]
     frontends: int = 1  # the server's --frontends
-    queues: bool = False  # the server runs --instance-queues (its workers batch themselves)
+    batcher: bool = False  # the server runs --no-instance-queues (its own batcher)
     # Good calls failing UNAVAILABLE are expected (their connection's process was killed):
     # each is retried once, as a client would, and only a failed retry counts as a failure.
     retry_unavailable: bool = False
@@ -682,13 +682,13 @@ def chaos_repository(directory: Path) -> Path:
 
 @contextlib.contextmanager
 def chaos_server(
-    directory: Path, frontends: int = 1, queues: bool = False
+    directory: Path, frontends: int = 1, batcher: bool = False
 ) -> Iterator[tuple[ServerProcess, Target]]:
     """The server every attack runs against: explicit model control (for hot reload), the
     testing service (slow reader, poison input), metrics on a known port, 127.0.0.1 only,
     client certificates asked for (HTTP/3) and not required; `frontends` front-end processes
-    (1: a single process); `queues`: --instance-queues."""
-    directory = directory / f"frontends-{frontends}{'-queues' if queues else ''}"
+    (1: a single process); `batcher`: --no-instance-queues."""
+    directory = directory / f"frontends-{frontends}{'-batcher' if batcher else ''}"
     directory.mkdir(parents=True, exist_ok=True)
     repository = chaos_repository(directory)
     metrics_port, http_port = free_port(), free_port()
@@ -705,7 +705,7 @@ def chaos_server(
         *("--http-port", str(http_port), "--http-max-input-size", str(HTTP_MAX_INPUT)),
         *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
         *("--http-body-timeout", str(HTTP_BODY_S)),
-        *(("--instance-queues",) if queues else ()),
+        *(("--no-instance-queues",) if batcher else ()),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         yield (

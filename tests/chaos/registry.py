@@ -1,6 +1,6 @@
 """Every attack of the suite, in the order it runs, with the outcomes that count as answered;
 the rows marked so run against a second server with two front-end processes (`--frontends 2`),
-and against a third whose workers batch from their own queues (`--instance-queues`)."""
+and against a third whose batches the server forms, not its workers (`--no-instance-queues`)."""
 
 from __future__ import annotations
 
@@ -236,15 +236,14 @@ ATTACKS = (
         rest=True,
     ),
     AttackSpec(
-        "worker SIGKILL under load (--instance-queues)",
-        workers.worker_sigkill,
-        frozenset({"killed", "replaced"}),
-        queues=True,
-    ),
-    AttackSpec(
-        "worker scribbles over its queues (--instance-queues)",
+        "worker scribbles over its queues",
         workers.scribbled_queues,
         frozenset({"INTERNAL", "replaced"}),
-        queues=True,
+    ),
+    AttackSpec(
+        "worker SIGKILL under load (--no-instance-queues)",
+        workers.worker_sigkill,
+        frozenset({"killed", "replaced"}),
+        batcher=True,
     ),
 )

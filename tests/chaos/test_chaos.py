@@ -45,10 +45,10 @@ def chaos_frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]
 
 
 @pytest.fixture(scope="module")
-def chaos_queues(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
-    """The server of the rows that attack workers batching from their own queues."""
+def chaos_batcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
+    """The server of the rows that attack the server's own batcher (--no-instance-queues)."""
     with (
-        chaos_server(tmp_path_factory.mktemp("chaos"), queues=True) as served,
+        chaos_server(tmp_path_factory.mktemp("chaos"), batcher=True) as served,
         attacker_process() as pool,
     ):
         yield Chaos(*served, pool)
@@ -60,7 +60,7 @@ def chaos_queues(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
 )
 async def test_attack_meets_the_goal(request: pytest.FixtureRequest, spec: AttackSpec) -> None:
     fixture = (
-        "chaos_queues" if spec.queues else "chaos" if spec.frontends == 1 else "chaos_frontends"
+        "chaos_batcher" if spec.batcher else "chaos" if spec.frontends == 1 else "chaos_frontends"
     )
     chaos: Chaos = request.getfixturevalue(fixture)
     row = await run_row(chaos.server, chaos.target, spec, SHORT, chaos.attacker)

@@ -196,7 +196,7 @@ def _triggering(model: str, value: float) -> pb.ModelInferRequest:
 
 async def scribbled_queues(target: Target, scale: Scale) -> AttackResult:
     """Requests that make `scribbler`'s worker write random bytes over all of its queues'
-    shared memory (--instance-queues): each fails with a clear status, the worker is killed
+    shared memory (instance queues): each fails with a clear status, the worker is killed
     as misbehaving and replaced, and the good clients (another model) never notice."""
     result = AttackResult()
     request = _triggering(SCRIBBLER_MODEL, SCRIBBLE_VALUE)

@@ -1,6 +1,6 @@
 """Dynamic batching through the real server: concurrent requests become batches, and every
-request gets exactly its own rows back; by the server's batcher (the shared server) and by
-the worker from its own queues (--instance-queues)."""
+request gets exactly its own rows back; by the worker from its own queues (the shared server:
+--instance-queues, the default) and by the server's batcher (--no-instance-queues)."""
 
 from __future__ import annotations
 
@@ -23,20 +23,21 @@ STABLE_LOOKS = 5  # looks at the queue in a row that must agree
 
 
 @pytest.fixture(scope="module")
-def queued_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("queued")
+def batcher_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("batcher")
     repository = model_repository(root / "models", ["mlp", "text_classifier"])
-    with running_server(repository, root / "server.log", ["--instance-queues"]) as process:
+    with running_server(repository, root / "server.log", ["--no-instance-queues"]) as process:
         yield process
 
 
-@pytest.fixture(params=["batcher", "instance queues"])
+@pytest.fixture(params=["instance queues", "batcher"])
 def server(server: ServerProcess, request: pytest.FixtureRequest) -> ServerProcess:
-    """The shared server (its batcher), then one whose workers batch from their queues."""
-    if request.param == "batcher":
+    """The shared server (its workers batch from their queues), then one whose batcher
+    forms the batches."""
+    if request.param == "instance queues":
         return server
-    queued: ServerProcess = request.getfixturevalue("queued_server")
-    return queued
+    batcher: ServerProcess = request.getfixturevalue("batcher_server")
+    return batcher
 
 
 def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:

@@ -51,14 +51,14 @@ def bench(out: Path, servers: str) -> tuple[str, list[dict[str, Any]]]:
 def test_paddlequic_the_grpcio_peer_and_the_ceiling_each_give_a_row_and_ratios(
     tmp_path: Path,
 ) -> None:
-    stdout, rows = bench(tmp_path / "peers.json", "paddlequic,paddlequic-queues,grpcio,canned")
+    stdout, rows = bench(tmp_path / "peers.json", "paddlequic,paddlequic-batcher,grpcio,canned")
     assert sorted((r["server"], r["rpc"]) for r in rows) == [
         ("canned", "ModelInfer"),
         ("grpcio", "ModelInfer"),
         ("paddlequic", "ModelInfer"),
         ("paddlequic", "ServerLive"),
-        ("paddlequic-queues", "ModelInfer"),
-        ("paddlequic-queues", "ServerLive"),
+        ("paddlequic-batcher", "ModelInfer"),
+        ("paddlequic-batcher", "ServerLive"),
     ]
     # paddlequic's workers are processes of its own, counted apart from its server process.
     (ours,) = (r for r in rows if r["server"] == "paddlequic" and r["rpc"] == "ModelInfer")
@@ -67,8 +67,8 @@ def test_paddlequic_the_grpcio_peer_and_the_ceiling_each_give_a_row_and_ratios(
     assert "paddlequic / best peer (grpcio), calls/s:" in stdout
     assert "paddlequic / canned ceiling, calls/s:" in stdout
     assert "paddlequic ModelInfer / bare ServerLive, CPU per call: all processes" in stdout
-    assert "paddlequic-queues / best peer (grpcio), calls/s:" in stdout
-    assert "paddlequic-queues ModelInfer / bare ServerLive, CPU per call" in stdout
+    assert "paddlequic-batcher / best peer (grpcio), calls/s:" in stdout
+    assert "paddlequic-batcher ModelInfer / bare ServerLive, CPU per call" in stdout
 
 
 @pytest.mark.skipif(

@@ -72,7 +72,8 @@ def server(repository: Path) -> Iterator[ServerProcess]:
     """Each test against the server's batcher, then with the worker batching from its own
     queues (--instance-queues): the same promises on both paths."""
     log = repository.parent / "server.log"
-    path = ["--instance-queues"] if repository.parent.name.startswith("instance") else []
+    queued = repository.parent.name.startswith("instance")
+    path = ["--instance-queues" if queued else "--no-instance-queues"]
     with running_server(repository, log, ["--testing-service", *path], wait=False) as process:
         process.wait_loaded()
         yield process
