@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ WINDOW = 8  # messages of one call, per direction, sent before the receiver give
 HEADER = struct.Struct(">IBI")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
-_OPEN = struct.Struct(">dH")  # timeout (negative: none), metadata entries
+_OPEN = struct.Struct(">dH")  # deadline, CLOCK_MONOTONIC (negative: none), metadata entries
 _STATUS = struct.Struct(">HI")  # code, details length
 _NO_TIMEOUT = -1.0
 
@@ -81,7 +82,10 @@ def frame(kind: Kind, call_id: int, payload: bytes = b"") -> bytes:
 
 
 def encode_open(call: Open) -> bytes:
-    timeout = _NO_TIMEOUT if call.timeout is None else max(call.timeout, 0.0)
+    """The call's deadline travels as a point in time (CLOCK_MONOTONIC, one clock for every
+    process of the host), not as the time left: what the frame spent on its way, and waiting
+    to be read, is then not given to the call again at the other end."""
+    timeout = _NO_TIMEOUT if call.timeout is None else time.monotonic() + max(call.timeout, 0.0)
     return b"".join(
         (
             encode_text(call.method),
@@ -98,12 +102,13 @@ def encode_open(call: Open) -> bytes:
 def decode_open(payload: bytes) -> Open:
     reader = Reader(payload)
     method, transport, peer = reader.text(), reader.text(), reader.text()
-    timeout, count = reader.unpack(_OPEN)
+    deadline, count = reader.unpack(_OPEN)
     metadata = reader.metadata(count)
     (parts,) = reader.unpack(_U16)
     identity = tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(parts))
     reader.end()
-    return Open(method, transport, peer, None if timeout < 0 else timeout, metadata, identity)
+    timeout = None if deadline < 0 else max(deadline - time.monotonic(), 0.0)
+    return Open(method, transport, peer, timeout, metadata, identity)
 
 
 def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:

@@ -3,7 +3,10 @@ summing of the front-ends' HTTP/3 counters."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import grpc
 import pytest
@@ -38,12 +41,32 @@ def test_a_call_opening_survives_the_round_trip() -> None:
     opened = Open(
         "/inference.GRPCInferenceService/ModelInfer", "h3", "ipv4:1.2.3.4:5", 2.5, METADATA
     )
-    assert decode_open(encode_open(opened)) == opened
+    with frozen_clock(0.0):
+        assert decode_open(encode_open(opened)) == opened
     endless = Open("/a/b", "h2", "", None, ())
     assert decode_open(encode_open(endless)) == endless
     # The client certificate's identity, which sequences are bound to.
     certified = Open("/a/b", "h3", "", None, (), (b"x509_common_name", b"alice", b"\x00"))
     assert decode_open(encode_open(certified)) == certified
+
+
+def test_the_time_a_call_spent_on_its_way_is_taken_off_its_time_left() -> None:
+    """The deadline crosses as a point in time: a frame read 0.3 s after it was written
+    gives the call 0.3 s less at the parent, and one read past its deadline none."""
+    opened = Open("/a/b", "h2", "", 1.0, ())
+    with frozen_clock(100.0):
+        encoded = encode_open(opened)
+    with frozen_clock(100.3):
+        assert decode_open(encoded).timeout == pytest.approx(0.7)
+    with frozen_clock(102.0):
+        assert decode_open(encoded).timeout == 0.0
+
+
+@contextlib.contextmanager
+def frozen_clock(now: float) -> Iterator[None]:
+    """CLOCK_MONOTONIC as the dispatch protocol reads it, held at `now`."""
+    with mock.patch("service.frontends.protocol.time.monotonic", return_value=now):
+        yield
 
 
 def test_status_and_metadata_survive_the_round_trip() -> None:
