@@ -19,7 +19,7 @@ STAMP_INSTALL := $(VENV)/.installed-$(EXTRA)
 STAMP_PROTO := protos/.generated
 STAMP_MODELS := $(MODELS)/.exported
 
-.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-peers bench-http bench-rtt bench-observability bench-generate bench-sequences bench-density lab-replicas lab-udp-fallback lab-migration chaos mutate clean
+.PHONY: help setup proto models models-bench certs serve test test-avx2 lint image image-check bench bench-transport bench-scale bench-scale-kit bench-peers bench-http bench-rtt bench-observability bench-generate bench-sequences bench-density bench-worker-loop lab-replicas lab-udp-fallback lab-migration chaos mutate clean
 
 help:
 	@echo "make serve   set up .venv, generate protobuf code, export example models, start the server"
@@ -41,6 +41,7 @@ help:
 	@echo "make bench-generate  streaming generation: one at a time vs request- vs iteration-level batching, engine-only and served, h3 vs h2 (writes bench-results/)"
 	@echo "make bench-sequences  the stateful kws example at 1, 16, 64 live sequences vs its engine alone (writes bench-results/)"
 	@echo "make bench-density  10, 50, 200 copies of mlp and the examples: READY time, worker USS, total PSS, preloaded vs fresh workers; resnet18 x 4 with and without a model template (writes bench-results/)"
+	@echo "make bench-worker-loop  a worker batching from its own queues: CPU per batch of its loop and of the caller's records against the predictor's own, batches of 1, 8, 32 (writes bench-results/)"
 	@echo "make bench-rtt  new connection to first response over an emulated slow link, h2+TLS vs h3 (root)"
 	@echo "make lab-replicas  two replicas sharing a Redis ticket store in network namespaces (root)"
 	@echo "make lab-udp-fallback  an auto:// client on a link that drops UDP, then lets it through (root)"
@@ -140,6 +141,9 @@ bench-generate: setup models
 
 bench-sequences: setup models
 	$(BIN)/python -m scripts.bench_sequences $(ARGS)
+
+bench-worker-loop: setup models
+	$(BIN)/python -m scripts.bench_worker_loop $(ARGS)
 
 bench-density: setup models
 	$(BIN)/python -m scripts.bench_density $(ARGS)

@@ -1,0 +1,145 @@
+"""`make bench-worker-loop`: what a worker batching from its own queues (--instance-queues)
+spends per batch beyond the predictor's own run, at batch sizes of 1, 8 and 32 one-row
+requests, in this one process (no server, no sockets): the predictor alone, the worker's loop
+around it (taking each request's record, forming the batch, running it, writing each answer),
+and the server's side of the records (writing each request, reading each answer), each CPU
+time per batch and as a ratio to the predictor's. Rounds alternate and the table gives the
+median and range; issue #43's goal is the worker at most 1.5x the predictor's own."""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import text_format
+
+from protos.inference import model_config_pb2 as mc
+from scripts.bench_common import median_range, worker_predictor, write_json
+from service.batching.batcher import policy_from_config
+from service.queues import records
+from service.queues.layout import QueueLayout
+from service.workers import protocol
+from service.workers.queued_loop import QueuedWorker
+from tests.servers import EXAMPLE_MODELS
+
+MODEL = "mlp"
+BATCHES = (1, 8, 32)
+RING_BYTES = 4 << 20
+
+
+@dataclass
+class Row:
+    round: int
+    batch: int
+    predictor_us: float  # CPU per batch: the predictor's run alone
+    worker_us: float  # CPU per batch: the worker's loop, the predictor's run included
+    caller_us: float  # CPU per batch: writing its requests, reading their answers
+
+
+def _cpu_per(count: int, run: Callable[[], Any]) -> float:
+    start = time.process_time()
+    for _ in range(count):
+        run()
+    return (time.process_time() - start) / count * 1e6
+
+
+def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: int) -> Row:
+    outputs = tuple(o.name for o in model.outputs)
+    layout = QueueLayout(RING_BYTES, RING_BYTES, max(config.max_batch_size, 1))
+    segment = mmap.mmap(-1, layout.size)
+    setup = protocol.Queues(
+        layout, policy_from_config(config, 1), (("input", "FP32"),), outputs[:1]
+    )
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    worker = QueuedWorker(model, setup, segment, wake, str, (None, None))
+    requests, replies, _ = layout.caller_end(memoryview(segment))
+    rows = np.random.default_rng(batch).standard_normal((batch, 256), np.float32)
+    row_bytes = [rows[i : i + 1].tobytes() for i in range(batch)]
+    whole = {"input": rows}
+    ids = iter(range(1, 1 << 62))
+    expected = records.Expected((0,), (4,), 1, max(config.max_batch_size, 1))
+
+    def write() -> None:
+        for data in row_bytes:
+            records.write_request(
+                requests, next(ids), [(0, (1, 256), data)], (0,), 1, 1, None, None
+            )
+
+    def read() -> None:
+        while (payload := replies.take()) is not None:
+            records.read_reply(payload, expected)
+
+    def loop() -> None:
+        worker.take()
+        worker.step()
+
+    for _ in range(20):  # warm: the predictor's caches, the rings' pages
+        model.run(whole, outputs[:1])
+        write()
+        loop()
+        read()
+    predictor = _cpu_per(runs, lambda: model.run(whole, outputs[:1]))
+    caller = worker_total = 0.0
+    for _ in range(runs):
+        start = time.process_time()
+        write()
+        middle = time.process_time()
+        loop()
+        end = time.process_time()
+        read()
+        caller += (middle - start) + (time.process_time() - end)
+        worker_total += end - middle
+    os.close(wake)
+    scale = 1e6 / runs
+    return Row(round_, batch, predictor, worker_total * scale, caller * scale)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=300, help="batches per measurement")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/worker_loop.json"))
+    args = parser.parse_args()
+    config = text_format.Parse(
+        (EXAMPLE_MODELS / MODEL / "config.pbtxt").read_text(), mc.ModelConfig()
+    )
+    model = worker_predictor(EXAMPLE_MODELS / MODEL)
+    rows: list[Row] = []
+    for index in range(args.rounds):
+        for batch in BATCHES[index % len(BATCHES) :] + BATCHES[: index % len(BATCHES)]:
+            row = measure(model, config, index, batch, args.runs)
+            rows.append(row)
+            print(
+                f"  round {index} batch {batch:>2}: predictor {row.predictor_us:.0f} us, worker "
+                f"{row.worker_us:.0f} us, caller {row.caller_us:.0f} us per batch",
+                flush=True,
+            )
+    print(f"\n{MODEL}, one-row requests; CPU us per batch: median [lowest-highest] of rounds")
+    print(f"{'batch':>5} {'predictor':>16} {'worker':>16} {'worker/predictor':>22} {'caller':>14}")
+    for batch in BATCHES:
+        mine = [r for r in rows if r.batch == batch]
+
+        def spread(values: list[float]) -> str:
+            return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+
+        ratio = median_range([r.worker_us / r.predictor_us for r in mine])
+        print(
+            f"{batch:>5} {spread([r.predictor_us for r in mine]):>16} "
+            f"{spread([r.worker_us for r in mine]):>16} {ratio:>22} "
+            f"{spread([r.caller_us for r in mine]):>14}"
+        )
+    write_json(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
