@@ -4,9 +4,10 @@ becomes of the requests it held: a pure decision, so that each case is tested al
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from service.inference import errors
 from service.model.parameters import MEMORY_MB, PYTHON_MEMORY_MB, child_processes, worker_memory_mb
 from service.workers import subreaper
 
@@ -63,3 +64,20 @@ def death(
     else:
         how = f"exited ({code})"
     return Death(how, Fate.REQUEUE, True)
+
+
+def requests_error(ended: Death, model_name: str) -> Callable[[int], errors.ServiceError]:
+    """How the requests the worker held fail, by their place in its line (0: the one it was
+    running)."""
+    message = (
+        f"the worker process for model '{model_name}' {ended.how} while holding "
+        "this request; it is being restarted"
+    )
+    if ended.fate is Fate.FAIL:
+        refused = errors.internal(f"{message}; the request is not run again")
+        return lambda _: refused
+    if ended.fate is Fate.EXHAUSTED:
+        # The model's own doing: its requests fail, none is retried on the next worker.
+        return lambda _: errors.resource_exhausted(message)
+    blamed = ended.blamed
+    return lambda index: errors.WorkerDied(message, running=blamed and index == 0)

@@ -1,9 +1,8 @@
 """The front-end's handle on one worker process: requests in flight, sending batches, reading
 results, and its state machine (start, detect death, restart).
 
-The asyncio loop watches the worker's socket directly (no thread per worker). Tensor bytes go
-through a few shared-memory slots per worker (slots.py), so the next request can be written
-while the worker computes the current one.
+The asyncio loop watches the worker's socket directly (no thread per worker). Batches go to the
+worker through its shared-memory slots (slot_batches.py).
 
 A worker runs its requests one after the other, so the oldest one it holds is the one it is
 running. A watchdog gives that one `execution_timeout_s` of execution time (while it waits on
@@ -22,40 +21,35 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
 
 from oip.datatypes import Datatype
 from service.batching.assemble import Batch
 from service.inference import errors
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, InferResult
-from service.inference.timers import fail_at
 from service.inference.waits import Wait, WaitGraph
-from service.model.parameters import MEMORY_MB, PYTHON_MEMORY_MB
 from service.workers import (
     bls_calls,
     deaths,
     launch,
-    message_bounds,
     model_output,
+    protections,
     protocol,
     restarts,
     results,
     streams,
 )
 from service.workers.model_metrics import SERVER_METRICS
-from service.workers.slots import SLOTS_PER_WORKER, SegmentChannel, Slot
+from service.workers.slot_batches import SlotBatches
+from service.workers.slots import SegmentChannel, Slot
 from service.workers.spec import WorkerSpec
 from service.workers.streams import StreamRequest
 from service.workers.watchdog import Watchdog, process_cpu_s
 
 log = logging.getLogger("paddlequic.worker")
-_T = TypeVar("_T")
 
-SANDBOX_OFF = ("python_sandbox: off",)
 READY_WAIT_S = 60.0
 OUTPUT_DRAIN_S = 2.0
 
@@ -65,15 +59,6 @@ class State(enum.Enum):
     READY = "READY"
     RESTARTING = "RESTARTING"
     STOPPED = "STOPPED"
-
-
-@dataclass
-class _Pending:
-    future: asyncio.Future[InferResult]
-    slot: Slot
-    batch: Batch
-    queue_ns: int
-    deadline: float | None  # the batch's (its requests' latest): its BLS calls' too
 
 
 class WorkerInstance:
@@ -100,11 +85,6 @@ class WorkerInstance:
         self._ready = asyncio.Event()
         # Set once the current (re)start attempt ended, ready or not: what waiters wake on.
         self._attempted = asyncio.Event()
-        self._slots = [Slot() for _ in range(SLOTS_PER_WORKER)]
-        self._free: asyncio.Queue[Slot] = asyncio.Queue()
-        for slot in self._slots:
-            self._free.put_nowait(slot)
-        self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
         self._segments: SegmentChannel | None = None
@@ -131,6 +111,7 @@ class WorkerInstance:
         self.streams = streams.Streams()  # a decoupled model's requests in this worker
         # A Python model's BLS calls; the lifecycle sets their handler.
         self.bls = bls_calls.BlsCalls(id(self), self._send, self._watch_oldest)
+        self._batches = SlotBatches(spec, self._outputs, self.bls, self._watch_oldest)
         # Told how the worker died, before its requests fail (a sequence model's batcher:
         # the state the worker held for its sequences is gone).
         self.on_death: Callable[[str], None] | None = None
@@ -146,7 +127,7 @@ class WorkerInstance:
     @property
     def outstanding(self) -> int:
         held = 0 if self.queue_held is None else self.queue_held()
-        return len(self._pending) + len(self.streams) + held
+        return len(self._batches) + len(self.streams) + held
 
     @property
     def numa_node(self) -> int:
@@ -166,45 +147,14 @@ class WorkerInstance:
         """Start the worker and load the model; raises RuntimeError with Paddle's reason."""
         loaded = await self._launch()
         self.loaded = loaded
-        self._warn_unprotected(loaded.unprotected if self.spec.python else ())
+        protections.warn_unprotected(self.spec, loaded.unprotected if self.spec.python else ())
         return loaded
 
     @property
     def unprotected(self) -> tuple[str, ...]:
         """What a Python model's sandbox lacks, and for every worker, its cgroup when the host
         offers none (ListInstances)."""
-        if self.loaded is None:
-            return ()
-        bounds = self._bounds_missing()
-        if not self.spec.python:
-            return bounds
-        sandbox = SANDBOX_OFF if self.loaded.unprotected is None else self.loaded.unprotected
-        return (*sandbox, *bounds)
-
-    def _bounds_missing(self) -> tuple[str, ...]:
-        why = launch.worker_cgroups().unavailable
-        if not why:
-            return ()
-        if not self.spec.python:
-            return (
-                f"a cgroup of its own ({why}): the worker and what it starts are bounded in "
-                f"neither memory ({MEMORY_MB}) nor processes; the launcher still kills them all "
-                "when it ends",
-            )
-        return (
-            f"a cgroup of its own ({why}): memory is bounded per process ({PYTHON_MEMORY_MB} "
-            "of address space each), not in total; processes by seccomp and the launcher's "
-            "count; the launcher kills them all when the worker ends",
-        )
-
-    def _warn_unprotected(self, unprotected: tuple[str, ...] | None) -> None:
-        name = self.spec.model_name
-        if unprotected is None:
-            log.warning("model %s runs without the Python sandbox (%s)", name, *SANDBOX_OFF)
-        for missing in unprotected or ():
-            log.warning("model %s: this host lacks a Python sandbox protection: %s", name, missing)
-        for missing in self._bounds_missing():
-            log.warning("model %s: this host lacks a worker protection: %s", name, missing)
+        return protections.unprotected(self.spec, self.loaded)
 
     async def infer(
         self, batch: Batch, deadline: float | None, worker: int | None = None
@@ -222,56 +172,18 @@ class WorkerInstance:
         return self._waits.blocks(tuple(Wait(w, self._me) for w in batch.chain.waiting))
 
     async def _infer(self, batch: Batch, deadline: float | None, worker: int | None) -> InferResult:
-        loop = asyncio.get_running_loop()
         started = time.perf_counter_ns()
         slot = await self._ready_slot(deadline)
         if worker is not None and worker != self.pid:
-            self._free.put_nowait(slot)
+            self._batches.give_back(slot)
             raise WorkerDied(
                 f"the worker process for model '{self.spec.model_name}' that held this "
                 f"request's state (pid {worker}) is gone; the instance runs as pid {self.pid}",
                 running=False,
             )
-        try:
-            assert self._writer is not None
-            refs = slot.write(batch)
-            self._send_segments(slot)
-            request_id = next(self._ids)
-            outputs = self._outputs.fetch_names(batch.outputs)
-            retired, slot.retired = tuple(slot.retired), []
-            message = protocol.Infer(
-                request_id,
-                slot.input.name,
-                slot.output.name,
-                slot.output.size,
-                refs,
-                outputs,
-                retired,
-                message_bounds.result_inline_bytes(
-                    len(batch.row_counts), self.spec.max_message_bytes
-                ),
-            )
-            future: asyncio.Future[InferResult] = loop.create_future()
-            queue_ns = time.perf_counter_ns() - started
-            self._pending[request_id] = _Pending(future, slot, batch, queue_ns, deadline)
-            future.add_done_callback(lambda _: self.bls.cancel(request_id))
-            self._writer.write(protocol.encode(message))
-            self._watch_oldest()
-        except BaseException:
-            self._free.put_nowait(slot)
-            raise
-        # From here the slot belongs to the pending entry: the worker may still write into it,
-        # so only its answer (or its death) gives the slot back.
-        timer = fail_at(
-            future, deadline, lambda: errors.deadline_exceeded("deadline exceeded in the worker")
+        return await self._batches.run(
+            slot, batch, deadline, next(self._ids), started, self._send_segments, self._send
         )
-        try:
-            return await future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if not future.done():
-                future.cancel()
 
     def _send_segments(self, slot: Slot) -> None:
         """The slot's segments the worker has not been given yet, before the message naming
@@ -291,16 +203,16 @@ class WorkerInstance:
         """A free slot of a ready worker; a worker that dies meanwhile is waited for again
         (bounded), so a request never fails just for arriving during a restart."""
         while True:
-            if self.state is State.READY and self._writer is not None and not self._free.empty():
-                return self._free.get_nowait()
+            if self.state is State.READY and self._writer is not None:
+                slot = self._batches.free_slot()
+                if slot is not None:
+                    return slot
             if not await self._started():
                 continue
-            slot = await _until(
-                self._free.get(), deadline, "deadline exceeded waiting for a worker"
-            )
+            slot = await self._batches.next_free(deadline)
             if self.state is State.READY and self._writer is not None:
                 return slot
-            self._free.put_nowait(slot)
+            self._batches.give_back(slot)
 
     async def _started(self) -> bool:
         """True if the worker is ready; else waits (bounded) for its current start attempt to
@@ -378,7 +290,7 @@ class WorkerInstance:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
-        self._fail_pending(lambda _: errors.unavailable("the server is shutting down"))
+        self._batches.fail_all(lambda _: errors.unavailable("the server is shutting down"))
         self.streams.died("stopped (the server is shutting down)")
         if self._output_readers:
             # What the worker printed as it stopped is still in its pipe: read to its end
@@ -386,8 +298,7 @@ class WorkerInstance:
             await asyncio.wait({r.done for r in self._output_readers}, timeout=OUTPUT_DRAIN_S)
         for reader in list(self._output_readers):
             reader.stop()
-        for slot in self._slots:
-            slot.release()
+        self._batches.release()
         if self._segments is not None:
             self._segments.close()
 
@@ -432,17 +343,19 @@ class WorkerInstance:
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                message = await launch.read_message(reader, self._largest_message)
+                message = await launch.read_message(reader, self._batches.largest_message)
                 if message is None:
                     break
                 if isinstance(message, protocol.Result | protocol.Failed):
-                    self._complete(message)
+                    self._answered += self._batches.complete(message)
                 elif isinstance(message, protocol.Response):
                     # A decoupled model's data response: the worker was serving (restarts.py).
                     self._answered += bool(message.outputs) and message.error is None
                     self.streams.deliver(message)
                 elif isinstance(message, protocol.BlsCall):
-                    self.bls.start(message, self._caller(message.caller))
+                    self.bls.start(
+                        message, self._batches.caller(message.caller, self.execution_timeout_s)
+                    )
                 elif isinstance(message, protocol.BlsCancel):
                     self.bls.withdraw(message.call_id)
                 elif isinstance(message, protocol.MetricUpdate) and self.spec.python:
@@ -461,16 +374,6 @@ class WorkerInstance:
         if self.state is not State.STOPPED:
             await self._on_death()
 
-    def _largest_message(self) -> int:
-        """The most bytes the worker may send in its next message (message_bounds.py)."""
-        holding = message_bounds.Holding(
-            loaded=True,
-            decoupled=self.spec.decoupled,
-            bls=self.spec.python,
-            batches=tuple(len(p.batch.row_counts) for p in self._pending.values()),
-        )
-        return message_bounds.largest_message(holding, self.spec.max_message_bytes)
-
     def kill_misbehaving(self, reason: str, detail: str | None = None) -> None:
         """The worker broke the protocol (`reason`: how, as its requests' errors say it;
         `detail`: as the log says it, if not the same): it is killed and its requests fail
@@ -486,42 +389,14 @@ class WorkerInstance:
         if self._process is not None:
             launch.end(self._process)
 
-    def _complete(self, message: protocol.Result | protocol.Failed) -> None:
-        pending = self._pending.pop(message.request_id, None)
-        if pending is None:
-            return
-        self._answered += 1
-        self._watch_oldest()
-        try:
-            outcome = (
-                results.failure(message, self.spec.model_name)
-                if isinstance(message, protocol.Failed)
-                else self._outputs.split(pending.slot, pending.batch, message, pending.queue_ns)
-            )
-        finally:
-            self._free.put_nowait(pending.slot)
-        if pending.future.done():
-            return
-        if isinstance(outcome, errors.ServiceError):
-            pending.future.set_exception(outcome)
-        else:
-            pending.future.set_result(outcome)
-
-    def _caller(self, request_id: int) -> bls_calls.Caller | None:
-        """The batch a BLS call was made for, unless it has ended."""
-        pending = self._pending.get(request_id)
-        if pending is None or pending.future.done():
-            return None
-        return bls_calls.Caller(pending.batch.chain, pending.deadline, self.execution_timeout_s)
-
     def _watch_oldest(self) -> None:
         """Time the batch the worker runs, by its CPU time while it waits for its BLS calls."""
-        oldest = next(iter(self._pending), None)
+        oldest = self._batches.oldest
         waiting = oldest is not None and self.bls.waiting(oldest)
         self._watchdog.watch(oldest, waiting, self.execution_timeout_s)
 
     def _kill_hung(self, request_id: int) -> None:
-        if request_id in self._pending:
+        if request_id in self._batches:
             self.end_hung()
 
     def end_hung(self) -> None:
@@ -573,19 +448,7 @@ class WorkerInstance:
             self.on_death(ended.how)
         if self.on_ended is not None:
             self.on_ended(ended)
-        message = (
-            f"the worker process for model '{self.spec.model_name}' {ended.how} while holding "
-            "this request; it is being restarted"
-        )
-        if ended.fate is deaths.Fate.FAIL:
-            refused = errors.internal(f"{message}; the request is not run again")
-            self._fail_pending(lambda _: refused)
-        elif ended.fate is deaths.Fate.EXHAUSTED:
-            # The model's own doing: its requests fail, none is retried on the next worker.
-            self._fail_pending(lambda _: errors.resource_exhausted(message))
-        else:
-            blamed = ended.blamed
-            self._fail_pending(lambda index: WorkerDied(message, running=blamed and index == 0))
+        self._batches.fail_all(deaths.requests_error(ended, self.spec.model_name))
         self.bls.cancel_all()
         self.streams.died(ended.how, ended.fate is deaths.Fate.REQUEUE, ended.blamed)
         self._restart_task = asyncio.create_task(self._restart())
@@ -606,23 +469,3 @@ class WorkerInstance:
             self.start_failure = None
             self.restarts += 1
             log.info("worker %s restarted (pid %d)", self.spec.instance_name, self.pid)
-
-    def _fail_pending(self, error: Callable[[int], errors.ServiceError]) -> None:
-        """Fail what the worker held; `error` gets each request's place in the worker's line
-        (0: the one it was running)."""
-        pending, self._pending = self._pending, {}
-        self._watch_oldest()
-        for index, entry in enumerate(pending.values()):
-            self._free.put_nowait(entry.slot)
-            if not entry.future.done():
-                entry.future.set_exception(error(index))
-
-
-async def _until(awaitable: Awaitable[_T], deadline: float | None, message: str) -> _T:
-    if deadline is None:
-        return await awaitable
-    remaining = deadline - asyncio.get_running_loop().time()
-    try:
-        return await asyncio.wait_for(awaitable, max(remaining, 0.0))
-    except TimeoutError:
-        raise errors.deadline_exceeded(message) from None
