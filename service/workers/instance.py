@@ -1,5 +1,5 @@
-"""The front-end's handle on one worker process: requests in flight, sending batches, reading
-results, and its state machine (start, detect death, restart).
+"""The front-end's handle on one worker process: its state machine (start, detect death,
+restart), reading its messages, and the requests sent to it.
 
 The asyncio loop watches the worker's socket directly (no thread per worker). Batches go to the
 worker through its shared-memory slots (slot_batches.py).
