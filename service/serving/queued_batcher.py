@@ -188,10 +188,11 @@ class QueuedBatcher:
             if queue.write(entry):
                 return
             if refuse and not queue.broken:
+                held = self._setup.layout.request_bytes
                 raise errors.ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the instance queue of {self.name} is full ({queue_bytes(self._setup)} "
-                    "bytes of requests: --instance-queue-mb)",
+                    f"the instance queue of {self.name} is full ({held} bytes of requests: "
+                    "--instance-queue-mb)",
                 )
         elif refuse:
             self._check_startable()
@@ -341,10 +342,6 @@ class QueuedBatcher:
 
     def _poison_message(self) -> str:
         return poison_message(self.name, self.poison)
-
-
-def queue_bytes(setup: protocol.Queues) -> int:
-    return setup.layout.request_bytes
 
 
 RECORD_SLACK = 4096  # a record's own fields, past its tensors' bytes
