@@ -32,16 +32,16 @@ from service.frontends.listeners import (
     listen,
     rest_app,
 )
+from service.frontends.runtime import observer_of
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.loading import WorkerLimits
 from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
 from service.lifecycle.uploads import UploadLimits
 from service.lifecycle.watching import RepositoryWatcher
-from service.observability.logs import LineBudget, RequestLog, configure_logging
+from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
-from service.observability.observer import Observer
-from service.observability.tracing import TracingUnavailable, tracer_provider
+from service.observability.tracing import TracingUnavailable
 from service.placement.host import load_topology
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
@@ -64,9 +64,6 @@ async def serve(settings: ServerSettings) -> None:
         else None
     )
     health: Health | None = None
-    tracing = tracer_provider(
-        settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
-    )
     topology = load_topology(settings.topology)
     models = ModelRegistry(lambda: health.changed() if health else None)
     options = LifecycleOptions(
@@ -100,17 +97,7 @@ async def serve(settings: ServerSettings) -> None:
         )
     health = Health(models)
     metrics = Metrics(models, topology) if settings.metrics else None
-    observer = Observer(
-        metrics,
-        RequestLog(
-            settings.slow_request_ms,
-            settings.log_sample_ratio,
-            settings.log_sample_seed if settings.log_sample_seed >= 0 else None,
-            LineBudget(settings.log_failure_burst, settings.log_failure_rate),
-        ),
-        tracing.get_tracer("paddlequic") if tracing else None,
-        settings.trace_sample_ratio,
-    )
+    observer, tracing = observer_of(settings, metrics)
     runner = RequestRunner(models, observer)
     lifecycle = Lifecycle(
         models,

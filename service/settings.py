@@ -91,6 +91,7 @@ class ServerSettings:
     model_templates: bool = True
     instance_queues: bool = True
     instance_queue_mb: int = 8
+    frontend_queues: bool = True
     trace_console: bool = False
     otlp_endpoint: str = ""
     trace_sample_ratio: float = 1.0
@@ -211,6 +212,9 @@ _HELP = {
     "models keep the server's batchers)",
     "instance_queue_mb": "MiB of shared memory per instance with --instance-queues, half for "
     "requests and half for answers; one request (or one answer) takes at most a quarter",
+    "frontend_queues": "with --frontends N and --instance-queues, each front-end writes the "
+    "ModelInfer requests it holds straight into the workers' queues, and this process takes no "
+    "part in them (the versions with a fallback model excepted)",
     "trace_console": "write OpenTelemetry spans to stderr, one JSON object per line",
     "otlp_endpoint": "send OpenTelemetry spans to this OTLP/gRPC collector (extra `otlp`)",
     "trace_sample_ratio": "fraction of new traces sampled; calls with a traceparent follow "

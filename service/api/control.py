@@ -45,6 +45,8 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: ServicerContext
     ) -> pb.ListInstancesResponse:
+        if self.refresh_h3 is not None:  # front-ends' counts too: the requests they hold
+            await self.refresh_h3()
         versions = (
             self.models.versions_of(request.model_name)
             if request.model_name

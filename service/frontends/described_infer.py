@@ -53,6 +53,11 @@ class DescribedInfer:
         self._described = described
         return encode_view(entries)
 
+    @property
+    def described(self) -> dict[int, ServedVersion]:
+        """The versions of the last view, by token."""
+        return self._described
+
     def call(
         self, link: Answering, call_id: int, opened: Open, request: DescribedRequest
     ) -> DescribedCall:

@@ -32,6 +32,7 @@ from service.frontends.protocol import (
     encode_metadata,
     encode_status,
 )
+from service.frontends.queue_sharing import QUEUES_SOCKET, SharedQueues
 from service.frontends.stats import FrontendMetrics, FrontendStats
 from service.inference.errors import ServiceError
 from transport.grpc.handler_table import HandlerTable, run_behavior
@@ -51,8 +52,11 @@ class DispatchServer:
         metrics: FrontendMetrics | None,
         described: DescribedInfer,
         listening: Callable[[str], None],
+        sharing: bool,
     ) -> None:
-        """`listening(index)`: a front-end said its listeners accept calls."""
+        """`listening(index)`: a front-end said its listeners accept calls. `sharing`: front-
+        ends write the requests of versions they may queue for themselves into the workers'
+        queues (queue_sharing.py)."""
         self.max_message = max_message
         self.listening = listening
         self.stats = stats
@@ -61,10 +65,18 @@ class DispatchServer:
         self.tables = {transport: HandlerTable() for transport in TRANSPORTS}
         self._links: set[_FrontendLink] = set()
         self._server: asyncio.Server | None = None
+        self.sharing = SharedQueues(self._send_all) if sharing else None
 
     async def start(self, path: Path) -> None:
         self._server = await asyncio.start_unix_server(self._connected, path)
         path.chmod(0o600)
+        if self.sharing is not None:
+            self.sharing.start(path.parent / QUEUES_SOCKET)
+
+    def _send_all(self, kind: Kind, payload: bytes) -> None:
+        for link in list(self._links):
+            if link.index != "?":
+                link.send(kind, 0, payload)
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = _FrontendLink(self, reader, writer)
@@ -77,8 +89,12 @@ class DispatchServer:
     def push_view(self) -> None:
         """The served versions changed: every front-end gets the new view."""
         view = self.described.view()  # made even for no link: it holds the versions it names
+        queued = self.queued_view()
         for link in list(self._links):
-            link.send(Kind.MODELS, 0, view)
+            link.send_view(view, queued)
+
+    def queued_view(self) -> bytes:
+        return b"" if self.sharing is None else self.sharing.view(self.described.described)
 
     async def refresh_stats(self) -> None:
         """Ask every front-end for its counters now; wait a moment for the answers."""
@@ -89,6 +105,8 @@ class DispatchServer:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self.sharing is not None:
+            self.sharing.stop()
         for link in list(self._links):
             link.abort_calls()
 
@@ -119,7 +137,7 @@ class _FrontendLink(FrameConnection):
                 described = self.server.described.call(self, call_id, opened, request)
             except StaleView:
                 self.send(Kind.STALE, call_id)
-                self.send(Kind.MODELS, 0, self.server.described.view())
+                self.send_view(self.server.described.view(), self.server.queued_view())
                 return
             self._count(opened, described=True)
             self._calls[call_id] = described
@@ -130,10 +148,20 @@ class _FrontendLink(FrameConnection):
             self.server.described.refused(opened, refusal, elapsed_ns)
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
-            self.send(Kind.MODELS, 0, self.server.described.view())
+            self.send_view(self.server.described.view(), self.server.queued_view())
+            if self.server.sharing is not None:
+                self.server.sharing.connected(self.index)
             self.server.listening(self.index)
+        elif kind is Kind.TROUBLE and self.server.sharing is not None:
+            self.server.sharing.trouble(payload)
+        elif kind is Kind.RELEASED and self.server.sharing is not None:
+            self.server.sharing.released(self.index, payload)
         elif kind is Kind.STATS:
-            self.server.stats.report(self, json.loads(payload))
+            report = json.loads(payload)
+            if self.server.sharing is not None:
+                self.server.sharing.held(self.index, report.get("held", {}))
+            if "stats" in report:
+                self.server.stats.report(self, report)
             for wanted in self._stats_wanted:
                 if not wanted.done():
                     wanted.set_result(None)
@@ -141,6 +169,11 @@ class _FrontendLink(FrameConnection):
         elif (call := self._calls.get(call_id)) is not None:
             # Frames for a call that already ended cross its STATUS on the way: dropped.
             call.received(kind, payload)
+
+    def send_view(self, view: bytes, queued: bytes) -> None:
+        self.send(Kind.MODELS, 0, view)
+        if queued:
+            self.send(Kind.QUEUED, 0, queued)
 
     def _count(self, opened: Open, described: bool) -> None:
         if self.server.metrics is not None:
@@ -177,6 +210,8 @@ class _FrontendLink(FrameConnection):
     def lost(self) -> None:
         self.abort_calls()
         self.server.stats.retire(self)
+        if self.server.sharing is not None and self.index != "?":
+            self.server.sharing.lost(self.index)
 
 
 class _Call:

@@ -23,8 +23,10 @@ import grpc
 
 from service.api.restricted import Restriction, parse_restrictions, restriction_of
 from service.backend.sandbox.privileges import undumpable
+from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
+    DescribedRequest,
     Refusal,
     decode_view,
     encode_infer,
@@ -52,11 +54,15 @@ from service.frontends.protocol import (
     encode_count,
     encode_open,
 )
+from service.frontends.queue_sharing import QUEUES_SOCKET
 from service.frontends.rest_forward import RestForwarder
-from service.frontends.runtime import DISPATCH_SOCKET, read_settings
+from service.frontends.runtime import DISPATCH_SOCKET, observer_of, read_settings
+from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
 from service.inference.identity import identity_of
 from service.observability.logs import configure_logging
+from service.registry.versions import ModelRegistry
+from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3.datagram_routing import DatagramRouter
@@ -76,6 +82,24 @@ class _Forwarded:
         self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
         self.window = Window()
         self.stale = False  # described, and the parent's view had changed: passed on as bytes
+        self.local: DescribedCall | None = None  # served here (shared_versions.py)
+
+
+class _Here:
+    """The link a call served in this process answers on: its frames go to the call as the
+    parent's would."""
+
+    def __init__(self, link: ParentLink) -> None:
+        self._link = link
+
+    def send(self, kind: Kind, call_id: int, payload: bytes = b"") -> None:
+        self._link.deliver(kind, call_id, payload)
+
+    def flush_large(self) -> None:
+        pass
+
+    def ended(self, call_id: int) -> None:
+        pass
 
 
 class ParentLink(FrameConnection):
@@ -97,6 +121,12 @@ class ParentLink(FrameConnection):
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
         self.view = ModelView()
+        self._configs: dict[int, bytes] = {}  # the view's versions' configs, by token
+        # With --frontend-queues: the versions this process queues for itself, and what it
+        # serves their calls with.
+        self.shared: SharedVersions | None = None
+        self.serving: Serving | None = None
+        self._here = _Here(self)
 
     def hello(self) -> None:
         """Tell the parent this front-end's listeners accept calls (its readiness waits for
@@ -123,6 +153,11 @@ class ParentLink(FrameConnection):
                     await context.abort(described.status.code, described.status.details)
                     return
                 described = None
+            here = self._serve_here(opened, described, context)
+            if here is not None:
+                async for message in here:
+                    yield message
+                return
             payload = b"" if described is None else encode_infer(opened, described)
             # Raw BYTES elements take 4 bytes of length where the message may have used 1:
             # a descriptor past the frame limit goes as the message it came as.
@@ -150,6 +185,23 @@ class ParentLink(FrameConnection):
                 yield message
         finally:
             pump.cancel()
+
+    def _serve_here(
+        self, opened: Open, described: DescribedRequest | None, context: Any
+    ) -> AsyncIterator[bytes] | None:
+        """A call on a version this process queues for itself, served here as the parent
+        serves a described call (described_call.py): into a worker's queue, and back."""
+        served = (
+            None
+            if described is None or self.shared is None
+            else self.shared.serving(described.token)
+        )
+        if served is None or described is None or self.serving is None:
+            return None
+        call_id, call = self._start()
+        call.local = DescribedCall(self._here, call_id, opened, served, described, self.serving)
+        call.local.start()
+        return self._answers(call_id, call, context, answer_message, credit=False)
 
     def _answer_refusal(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> bool:
         """Report a refusal to the parent, which records it, if this front-end may answer it:
@@ -198,7 +250,9 @@ class ParentLink(FrameConnection):
                     raise value
         finally:
             self._calls.pop(call_id, None)
-            if status is _GONE and not call.stale:
+            if status is _GONE and call.local is not None:
+                call.local.cancel()
+            elif status is _GONE and not call.stale:
                 self.send(Kind.CANCEL, call_id)
         if status.code is grpc.StatusCode.OK:
             if status.trailing:
@@ -222,8 +276,20 @@ class ParentLink(FrameConnection):
             self.report()
             return
         if kind is Kind.MODELS:
-            self.view.update(decode_view(payload))
+            entries = decode_view(payload)
+            self.view.update(entries)
+            self._configs = {entry.token: entry.config for entry in entries}
             return
+        if kind is Kind.QUEUED and self.shared is not None:
+            self.shared.update(payload, self._configs)
+            return
+        if kind is Kind.WORKER and self.shared is not None:
+            self.shared.told(payload)
+            return
+        self.deliver(kind, call_id, payload)
+
+    def deliver(self, kind: Kind, call_id: int, payload: bytes) -> None:
+        """A frame for one call: from the parent, or from the call served here."""
         call = self._calls.get(call_id)
         if call is None:
             return  # the call ended here first (the client left)
@@ -243,9 +309,15 @@ class ParentLink(FrameConnection):
             raise ProtocolViolation(f"{kind.name} frame from the parent")
 
     def report(self) -> None:
-        if not self.h3:
-            return
-        self.send(Kind.STATS, 0, json.dumps(report_of(self.h3).to_json()).encode())
+        """This process's counters, to the parent: its HTTP/3 servers', and the requests it
+        holds of the versions it queues for itself."""
+        report: dict[str, Any] = {}
+        if self.h3:
+            report.update(report_of(self.h3).to_json())
+        if self.shared is not None:
+            report["held"] = self.shared.held()
+        if report:
+            self.send(Kind.STATS, 0, json.dumps(report).encode())
 
     def lost(self) -> None:
         for call in self._calls.values():
@@ -324,6 +396,21 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         ) from None
     restriction = restriction_of(parse_restrictions(settings.restricted_protocol), MODEL_INFER)
     link = ParentLink(index, reader, writer, settings.max_message_bytes, restriction)
+    tracing = None
+    if settings.instance_queues and settings.frontend_queues:
+        observer, tracing = observer_of(settings, None)
+        link.serving = Serving(
+            RequestRunner(ModelRegistry(_nothing), observer),
+            observer,
+            restriction,
+            settings.max_message_bytes,
+        )
+        link.shared = SharedVersions(
+            index,
+            lambda kind, payload: link.send(kind, 0, payload),
+            runtime_dir / QUEUES_SOCKET,
+            observer,
+        )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)
     tls = (Path(settings.tls_cert), Path(settings.tls_key)) if settings.tls_cert else None
@@ -375,6 +462,10 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         *(h3.stop(settings.grace_period) for h3 in link.h3),
         *([http.stop(settings.grace_period)] if http else []),
     )
+    if link.shared is not None:
+        await link.shared.stop()
+    if tracing is not None:
+        tracing.shutdown()
     link.report()
     link.flush()  # the last report goes out before the process ends
     for task in (reporter, closed, stopping, reading):
@@ -385,6 +476,10 @@ async def _report(link: ParentLink) -> None:
     while True:
         link.report()
         await asyncio.sleep(REPORT_EVERY_S)
+
+
+def _nothing() -> None:
+    pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

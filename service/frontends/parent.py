@@ -103,6 +103,7 @@ async def start_frontends(
             FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
             DescribedInfer(models, serving),
             FrontendReadiness(models, count).listening,
+            settings.instance_queues and settings.frontend_queues,
         )
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)

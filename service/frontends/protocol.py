@@ -45,6 +45,11 @@ class Kind(enum.IntEnum):
     INFER = 12  # front-end -> parent: a ModelInfer call, decoded and validated (descriptors)
     STALE = 13  # parent -> front-end: that INFER's view is outdated; pass the call on as bytes
     REFUSED = 14  # front-end -> parent: a ModelInfer call it refused and answered (descriptors)
+    # Front-ends writing into workers' queues themselves (queue_sharing.py, shared_versions.py):
+    QUEUED = 15  # parent -> front-end, call 0: the versions it may queue for itself (JSON)
+    WORKER = 16  # parent -> front-end, call 0: an instance's worker is ready, ended, or failed
+    TROUBLE = 17  # front-end -> parent, call 0: a worker hung or broke its queues (JSON)
+    RELEASED = 18  # front-end -> parent, call 0: it holds no more requests of a version (u32)
 
 
 class ProtocolViolation(ValueError):

@@ -12,6 +12,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.sdk.trace import TracerProvider
+
+from service.observability.logs import LineBudget, RequestLog
+from service.observability.metrics import Metrics
+from service.observability.observer import Observer
+from service.observability.tracing import tracer_provider
 from service.settings import ServerSettings
 
 DISPATCH_SOCKET = "dispatch.sock"
@@ -61,3 +67,25 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def observer_of(
+    settings: ServerSettings, metrics: Metrics | None
+) -> tuple[Observer, TracerProvider | None]:
+    """What a process holding calls observes them with (the server's, each front-end's
+    serving its own): its request log and tracing as the settings say."""
+    tracing = tracer_provider(
+        settings.trace_console, settings.otlp_endpoint, settings.trace_sample_ratio
+    )
+    observer = Observer(
+        metrics,
+        RequestLog(
+            settings.slow_request_ms,
+            settings.log_sample_ratio,
+            settings.log_sample_seed if settings.log_sample_seed >= 0 else None,
+            LineBudget(settings.log_failure_burst, settings.log_failure_rate),
+        ),
+        tracing.get_tracer("paddlequic") if tracing else None,
+        settings.trace_sample_ratio,
+    )
+    return observer, tracing

@@ -10,15 +10,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from opentelemetry.trace import SpanContext
-
 from oip.datatypes import BY_CONFIG_TYPE, config_type_name
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import DynamicBatcher, policy_from_config
 from service.batching.concurrency import ConcurrencyLimit
 from service.batching.sequence_batcher import SequenceBatcher
 from service.batching.sequence_queue import SequencePolicy
-from service.inference.jobs import Timings
 from service.inference.validation import RequestValidator
 from service.inference.waits import WaitGraph
 from service.lifecycle.repository import (
@@ -60,7 +57,12 @@ from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.batch_runner import BatchObserver, BatchRunner
 from service.serving.bls import BlsRunner
-from service.serving.queued_batcher import QueuedBatcher, queueable
+from service.serving.queued_batcher import (
+    QueuedBatcher,
+    batch_recorder,
+    queue_setup,
+    queueable,
+)
 from service.serving.requests import RequestRunner
 from service.workers.instance import WorkerInstance
 from service.workers.model_output import BYTES_PER_S, LINES_PER_S, ModelOutput, OutputBudget
@@ -250,10 +252,8 @@ class VersionLoader:
                     queued = QueuedBatcher(
                         served.config,
                         served.instances,
-                        policy,
-                        renamed,
-                        self.limits.instance_queue_mb,
-                        functools.partial(self._record_batch, served),
+                        queue_setup(served.config, policy, renamed, self.limits.instance_queue_mb),
+                        batch_recorder(served, self.observer),
                         label,
                     )
                     queued.start()
@@ -279,16 +279,6 @@ class VersionLoader:
             _describe(served.config.output, served.config.max_batch_size),
         )
         self.registry.changed()
-
-    def _record_batch(
-        self, served: ServedVersion, rows: int, timings: Timings, requests: list[SpanContext]
-    ) -> None:
-        """A batch a worker formed from its queues, counted and traced as the batch runner
-        does one."""
-        served.stats.record_batch(rows, timings)
-        self.observer.on_batch(served.name, rows, timings)
-        spent = timings.input_ns + timings.infer_ns + timings.output_ns
-        self.observer.batch_ran(served.name, served.version, rows, requests, spent)
 
     def _batch_sequences(
         self, served: ServedVersion, settings: SequenceSettings, label: str

@@ -71,22 +71,23 @@ class RunningWriter:
     def __init__(self, area: memoryview, slots: int) -> None:
         self._words = area.cast("Q")
         self._slots = slots
-        self._batch = 0
 
-    def begin(self, ids: list[int]) -> int:
-        """Record a batch before it runs; its number."""
+    def begin(self, batch: int, ids: list[int]) -> None:
+        """Record batch number `batch` before it runs, with the ids of this caller's requests
+        in it (none: another caller's batch, which still shows the worker progressing)."""
         if len(ids) > self._slots:
             raise ValueError(f"a batch of {len(ids)} requests; the area holds {self._slots}")
-        self._batch += 1
         words = self._words
         for place, request_id in enumerate(ids, start=2):
             words[place] = request_id
         words[1] = len(ids)
-        words[0] = self._batch
-        return self._batch
+        words[0] = batch
 
     def end(self) -> None:
         self._words[1] = 0
+
+    def release(self) -> None:
+        self._words.release()
 
 
 class RunningReader:

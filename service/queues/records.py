@@ -20,6 +20,7 @@ from service.queues.ring import Corrupt, RingWriter, aligned8
 
 REQUEST, CANCEL = 1, 2
 ANSWER, FAILURE = 1, 2
+COUNTS_BATCH = 1  # an answer's code: see Reply.counts_batch
 ALONE = 1  # flags: runs in a batch of its own (after its worker died running it)
 # A failure's kind, which the reader turns into a status.
 FAILED, TOO_LARGE, EXPIRED, CANCELLED = 0, 1, 2, 3
@@ -66,6 +67,9 @@ class Reply(NamedTuple):
     outputs: tuple[Tensor, ...] = ()
     failure: int | None = None  # FAILED, TOO_LARGE, EXPIRED or CANCELLED; None: answered
     text: str = ""
+    # The batch's first answer, over all the worker's callers: the one process that counts
+    # the batch (statistics, metrics, its span) when several hold its requests.
+    counts_batch: bool = False
 
 
 _HEADS = [struct.Struct(f"<HHIQ{rank}Q") for rank in range(MAX_RANK + 1)]  # _TENSOR + dims
@@ -201,13 +205,14 @@ def write_answer(
     timings: Timings,
     queue_ns: int,
     outputs: Sequence[tuple[int, tuple[int, ...], bytes]],
+    counts_batch: bool = True,
 ) -> None:
     """Into room of reply_size() bytes reserved in the reply ring."""
     _REPLY.pack_into(
         buf,
         0,
         ANSWER,
-        0,
+        COUNTS_BATCH if counts_batch else 0,
         len(outputs),
         batch_rows,
         request_id,
@@ -266,6 +271,8 @@ def read_reply(payload: bytes, expected: Expected) -> Reply:
         return Reply(request_id, 0, 0, Timings(0, 0, 0), 0, failure=code, text=text)
     if kind != ANSWER:
         raise Corrupt(f"a reply of kind {kind}")
+    if code not in (0, COUNTS_BATCH):
+        raise Corrupt(f"an answer with code {code}")
     if not 0 < rows <= expected.max_batch_rows:
         raise Corrupt(f"a batch of {rows} rows; the model takes {expected.max_batch_rows}")
     outputs, end = _tensors(view, _REPLY.size, n_out)
@@ -280,7 +287,9 @@ def read_reply(payload: bytes, expected: Expected) -> Reply:
         if expected.rows and (not tensor.shape or tensor.shape[0] != expected.rows):
             raise Corrupt(f"an output of shape {list(tensor.shape)} for {expected.rows} rows")
     timings = Timings(*(min(t, _MAX_NS) for t in (t_in, t_run, t_out)))
-    return Reply(request_id, batch, rows, timings, min(queued, _MAX_NS), outputs)
+    return Reply(
+        request_id, batch, rows, timings, min(queued, _MAX_NS), outputs, counts_batch=bool(code)
+    )
 
 
 _MAX_NS = 3600 * 10**9  # a worker's timings are its own word: bounded so statistics stay sane

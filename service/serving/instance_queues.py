@@ -14,14 +14,15 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from opentelemetry.trace import SpanContext
 
 from service.inference.jobs import Answer, InferJob
 from service.queues import records, wakeups
 from service.queues.ring import Corrupt
-from service.workers import protocol
-from service.workers.instance import WorkerInstance
+from service.workers import deaths, protocol
+from service.workers.instance import State
 from service.workers.shm import Segment
 
 MIN_WATCH_S = 0.05
@@ -50,6 +51,29 @@ class Entry:
     ended: bool = field(default=False)  # answered, failed or dropped: counted out
 
 
+class QueueHost(Protocol):
+    """An instance whose worker takes requests from queues: the server's WorkerInstance, or
+    a front-end's view of one (service/frontends/remote_instances.py)."""
+
+    state: State
+    start_failure: str | None
+    launch: int
+    execution_timeout_s: float | None
+    on_ready: Callable[[], None] | None
+    on_ended: Callable[[deaths.Death], None] | None
+    on_start_failed: Callable[[], None] | None
+    queue_held: Callable[[], int] | None
+
+    @property
+    def numa_node(self) -> int: ...
+
+    def send_queues(self, setup: protocol.Queues, fds: list[int]) -> None: ...
+
+    def kill_misbehaving(self, reason: str, detail: str | None = None) -> None: ...
+
+    def end_hung(self) -> None: ...
+
+
 # Every reply one wake-up brought (a batch's come together), with the request each answers.
 Replies = Callable[[list[tuple[Entry, records.Reply]]], None]
 
@@ -57,7 +81,7 @@ Replies = Callable[[list[tuple[Entry, records.Reply]]], None]
 class InstanceQueue:
     def __init__(
         self,
-        instance: WorkerInstance,
+        instance: QueueHost,
         setup: protocol.Queues,
         on_replies: Replies,
         on_corrupt: Callable[[str], None],

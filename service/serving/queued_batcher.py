@@ -15,6 +15,7 @@ import functools
 import math
 import random
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import grpc
 from opentelemetry import trace
@@ -30,10 +31,11 @@ from service.inference.timers import fail_at
 from service.queues import records
 from service.queues.layout import QueueLayout
 from service.queues.ring import aligned8, max_record
+from service.registry.versions import ServedVersion
 from service.resilience.poison import PoisonList
-from service.serving.instance_queues import Entry, InstanceQueue
+from service.serving.instance_queues import Entry, InstanceQueue, QueueHost
 from service.workers import deaths, protocol, results, routing
-from service.workers.instance import State, WorkerInstance
+from service.workers.instance import State
 
 MB = 1 << 20
 
@@ -56,32 +58,78 @@ def queueable(config: mc.ModelConfig) -> bool:
     )
 
 
+def queue_setup(
+    config: mc.ModelConfig, policy: BatchPolicy, fetch_names: dict[str, str], queue_mb: int
+) -> protocol.Queues:
+    """What a version's workers are told of their queues, and every process writing into
+    them builds its end by."""
+    rows = max(config.max_batch_size, 1)
+    ring = queue_mb * MB // 2
+    return protocol.Queues(
+        QueueLayout(
+            ring_bytes(ring, config.input, rows), ring_bytes(ring, config.output, rows), rows
+        ),
+        policy,
+        tuple((t.name, BY_CONFIG_TYPE[t.data_type].name) for t in config.input),
+        tuple(fetch_names.get(t.name, t.name) for t in config.output),
+    )
+
+
+class BatchObserver(Protocol):
+    def on_batch(self, model: str, rows: int, timings: Timings) -> None: ...
+
+    def batch_ran(
+        self, model: str, version: int, rows: int, requests: Sequence[SpanContext], spent_ns: int
+    ) -> None: ...
+
+
+def batch_recorder(
+    served: ServedVersion, observer: BatchObserver
+) -> Callable[[int, Timings, list[SpanContext]], None]:
+    """What a batch a worker formed from its queues does: counted and traced as the batch
+    runner does one."""
+
+    def record(rows: int, timings: Timings, requests: list[SpanContext]) -> None:
+        served.stats.record_batch(rows, timings)
+        observer.on_batch(served.name, rows, timings)
+        spent = timings.input_ns + timings.infer_ns + timings.output_ns
+        observer.batch_ran(served.name, served.version, rows, requests, spent)
+
+    return record
+
+
+class InstanceEvents(Protocol):
+    """Told what happens to the version's instances (the parent tells its front-ends)."""
+
+    def ready(self, index: int) -> None: ...
+
+    def ended(self, index: int, death: deaths.Death) -> None: ...
+
+    def start_failed(self, index: int) -> None: ...
+
+
 class QueuedBatcher:
     def __init__(
         self,
         config: mc.ModelConfig,
-        instances: Sequence[WorkerInstance],
-        policy: BatchPolicy,
-        fetch_names: dict[str, str],
-        queue_mb: int,
+        instances: Sequence[QueueHost],
+        setup: protocol.Queues,
         on_batch: Callable[[int, Timings, list[SpanContext]], None],
         name: str,
     ) -> None:
+        policy = setup.policy
         self.policy = policy
         self.name = name
         self._model = config.name
         self.poison = PoisonList()
         self._instances = instances
         rows = max(config.max_batch_size, 1)
-        ring = queue_mb * MB // 2
-        self._setup = protocol.Queues(
-            QueueLayout(
-                ring_bytes(ring, config.input, rows), ring_bytes(ring, config.output, rows), rows
-            ),
-            policy,
-            tuple((t.name, BY_CONFIG_TYPE[t.data_type].name) for t in config.input),
-            tuple(fetch_names.get(t.name, t.name) for t in config.output),
-        )
+        self.setup = setup
+        self.events: InstanceEvents | None = None
+        # Processes besides this one that may still hold requests in the workers (front-ends
+        # that have not said they let the version go): it winds down once none does.
+        self.held_elsewhere = 0
+        self.elsewhere = (0, 0)  # what those said they hold: queued, in workers' batches
         self._input_index = {t.name: i for i, t in enumerate(config.input)}
         self._output_index = {t.name: i for i, t in enumerate(config.output)}
         self._outputs = [(t.name, BY_CONFIG_TYPE[t.data_type]) for t in config.output]
@@ -101,16 +149,20 @@ class QueuedBatcher:
         for index, instance in enumerate(self._instances):
             instance.on_ready = functools.partial(self.attach, index)
             instance.on_ended = functools.partial(self._ended, index)
-            instance.on_start_failed = self._restart_failed
+            instance.on_start_failed = functools.partial(self._restart_failed, index)
             if instance.state is State.READY:
                 self.attach(index)
 
     @property
     def queued(self) -> int:
-        return self._held - self.in_flight_requests
+        own = self._held - self._running()
+        return own + self.held_elsewhere + self.elsewhere[0]
 
     @property
     def in_flight_requests(self) -> int:
+        return self._running() + self.elsewhere[1]
+
+    def _running(self) -> int:
         return sum(q.running_count() for q in self._queues.values())
 
     def attach(self, index: int) -> None:
@@ -120,11 +172,13 @@ class QueuedBatcher:
         if old is not None:
             self._requeue(old.close(), None)
         queue = InstanceQueue(
-            instance, self._setup, self._replied, functools.partial(self._corrupt, index)
+            instance, self.setup, self._replied, functools.partial(self._corrupt, index)
         )
         self._queues[index] = queue
         instance.queue_held = lambda: queue.outstanding
         self._send_waiting()
+        if self.events is not None:
+            self.events.ready(index)
 
     def enqueue(self, job: InferJob, deadline: float | None) -> asyncio.Future[Answer]:
         """As DynamicBatcher.enqueue: the answer's future, failed at `deadline`; cancelling
@@ -158,11 +212,11 @@ class QueuedBatcher:
         size = records.request_size(
             [(shape, len(data)) for _, shape, data in entry.inputs], len(wanted)
         )
-        if size > max_record(self._setup.layout.request_bytes):
+        if size > max_record(self.setup.layout.request_bytes):
             raise errors.ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request takes {size} bytes in an instance queue of {self.name}, which takes "
-                f"{max_record(self._setup.layout.request_bytes)} at most (a quarter of "
+                f"{max_record(self.setup.layout.request_bytes)} at most (a quarter of "
                 "--instance-queue-mb)",
             )
         self._place(entry, refuse=True)
@@ -188,7 +242,7 @@ class QueuedBatcher:
             if queue.write(entry):
                 return
             if refuse and not queue.broken:
-                held = self._setup.layout.request_bytes
+                held = self.setup.layout.request_bytes
                 raise errors.ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the instance queue of {self.name} is full ({held} bytes of requests: "
@@ -207,9 +261,11 @@ class QueuedBatcher:
         if failures and None not in failures:
             raise errors.unavailable(f"{self.name}: its last restart failed: {failures[0]}")
 
-    def _restart_failed(self) -> None:
+    def _restart_failed(self, index: int) -> None:
         """A restart failed: the requests waiting for an instance fail at once when none can
         serve soon (as a request waiting for a worker's restart does)."""
+        if self.events is not None:
+            self.events.start_failed(index)
         try:
             self._check_startable()
         except errors.ServiceError as exc:
@@ -245,14 +301,19 @@ class QueuedBatcher:
 
     def _replied(self, replies: list[tuple[Entry, records.Reply]]) -> None:
         """What one wake-up brought: each answer, and each batch counted once (a batch's
-        replies come together, under its number)."""
-        batches: dict[int, tuple[records.Reply, list[SpanContext]]] = {}
+        replies come together, under its number; of several processes holding its requests,
+        the one its first answer went to counts it)."""
+        batches: dict[int, tuple[list[records.Reply], list[SpanContext]]] = {}
         for entry, reply in replies:
             self._answered(entry, reply)
             if reply.failure is None:
-                batches.setdefault(reply.batch, (reply, []))[1].append(entry.trace)
-        for reply, traces in batches.values():
-            self._on_batch(reply.batch_rows, reply.timings, traces)
+                counting, traces = batches.setdefault(reply.batch, ([], []))
+                traces.append(entry.trace)
+                if reply.counts_batch:
+                    counting.append(reply)
+        for counting, traces in batches.values():
+            for reply in counting:
+                self._on_batch(reply.batch_rows, reply.timings, traces)
         if self._waiting:
             self._send_waiting()
 
@@ -287,6 +348,8 @@ class QueuedBatcher:
 
     def _ended(self, index: int, death: deaths.Death) -> None:
         """The worker died: its requests go again, or fail as its death decides."""
+        if self.events is not None:
+            self.events.ended(index, death)
         queue = self._queues.pop(index, None)
         if queue is None:
             return

@@ -81,6 +81,7 @@ class WorkerInstance:
         self.state = State.STARTING
         self.pid = 0
         self.restarts = 0
+        self.launch = 0  # the number of the worker process now serving (one per start)
         self.loaded: protocol.Loaded | None = None
         self._ready = asyncio.Event()
         # Set once the current (re)start attempt ended, ready or not: what waiters wake on.
@@ -259,6 +260,15 @@ class WorkerInstance:
         self._send(setup)
         self._segments.send_fds(fds)
 
+    def add_producer(self, producer: int, fds: list[int]) -> None:
+        """Another process holding calls (a front-end) writes into the worker's queues too."""
+        assert self._segments is not None
+        self._send(protocol.AddProducer(producer))
+        self._segments.send_fds(fds)
+
+    def drop_producer(self, producer: int) -> None:
+        self._send(protocol.DropProducer(producer))
+
     async def stop(self) -> None:
         """Stop the worker; once, however often it is asked (a version that failed to load
         is stopped then, and again with every version at shutdown)."""
@@ -333,6 +343,7 @@ class WorkerInstance:
             raise
         self.pid = launch.worker_pid(self._process.pid)
         self.state = State.READY
+        self.launch += 1
         self._ready.set()
         self._attempted.set()
         self._reader_task = asyncio.create_task(self._read_loop(reader, writer))

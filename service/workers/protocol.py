@@ -196,6 +196,22 @@ class Queues:
 
 
 @dataclass(frozen=True)
+class AddProducer:
+    """One more process holding calls writes into this worker's queues (a front-end, under
+    `producer`, replacing any it had): its segment and wake-up descriptors come next on the
+    segments channel, laid out as the first Queues said."""
+
+    producer: int
+
+
+@dataclass(frozen=True)
+class DropProducer:
+    """That process is gone: its requests are dropped unanswered and its segment unmapped."""
+
+    producer: int
+
+
+@dataclass(frozen=True)
 class MetricUpdate:
     """One change to a Python model's custom metric (pb_utils.MetricFamily / Metric): what the
     worker checked, which the front-end checks again (service/workers/model_metrics.py)."""
@@ -232,6 +248,8 @@ Message = (
     | Shutdown
     | MetricUpdate
     | Queues
+    | AddProducer
+    | DropProducer
 )
 
 
@@ -278,6 +296,8 @@ _MESSAGES = (
     Shutdown,
     MetricUpdate,
     Queues,
+    AddProducer,
+    DropProducer,
 )
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls

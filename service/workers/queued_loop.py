@@ -1,12 +1,14 @@
-"""A Paddle worker that takes its requests straight from the process holding the calls: it
-reads them from its request ring, forms batches itself by Triton's rules (the same
-`BatchQueue` decisions the server's batcher makes), runs them, and writes each request's answer
-into its reply ring, waking the caller's process once per batch, not once per request.
+"""A Paddle worker that takes its requests straight from the processes holding the calls (the
+server, and each front-end with --frontends N: its producers): it reads them from each one's
+request ring, forms batches itself by Triton's rules (the same `BatchQueue` decisions the
+server's batcher makes) across all of them, runs them, and writes each request's answer into
+its caller's reply ring, waking each caller's process once per batch, not once per request.
 
-It sleeps in poll() on its wake-up descriptor and its message socket until a request comes or
-the queue's next decision is due (the oldest request's batching window, a queue timeout):
-an idle worker uses no CPU. Before it runs a batch it writes the batch's requests into the
-running area, so the caller knows what it was computing if it dies."""
+It sleeps in poll() on its producers' wake-up descriptors and its message socket until a
+request comes or the queue's next decision is due (the oldest request's batching window, a
+queue timeout): an idle worker uses no CPU. Before it runs a batch it writes the batch's
+number into every producer's running area, with the ids of that producer's requests in it, so
+each caller knows what it was computing if it dies, and each watchdog sees it progressing."""
 
 from __future__ import annotations
 
@@ -27,11 +29,40 @@ from service.batching.assemble import BatchInput, plan
 from service.batching.queue import BatchQueue, Pending
 from service.inference.jobs import InferJob, InputTensor, Timings
 from service.queues import records, wakeups
+from service.queues.layout import QueueLayout
 from service.queues.ring import max_record
 from service.workers import protocol
 from service.workers.results import BAD_INPUT_ERRORS
 
 FULL_REPLIES_WAIT_S = 0.001  # the caller reads replies as they come: only a burst fills the ring
+# A caller whose reply ring stays full this long reads nothing (its process is stopped or gone
+# and not yet dropped): it is dropped, so the worker's other callers are served on.
+FULL_REPLIES_GIVE_UP_S = 5.0
+PARENT = 0  # the producer the first Queues message brings: the server's process
+
+
+class Producer:
+    """One process holding calls, as the worker sees it: its segment's worker end."""
+
+    def __init__(self, layout: QueueLayout, segment: mmap.mmap, wake_in: int, wake_out: int):
+        self.segment = segment
+        self.requests, self.replies, self.running = layout.worker_end(memoryview(segment))
+        self.wake_in = wake_in
+        self.wake_out = wake_out
+        self.written = 0  # replies so far: it is woken once for those of a step
+        self.told = 0
+
+    def tell(self) -> None:
+        if self.written != self.told:
+            self.told = self.written
+            wakeups.wake(self.wake_out)
+
+    def close(self) -> None:
+        for end in (self.requests, self.replies, self.running):
+            end.release()
+        self.segment.close()
+        os.close(self.wake_in)
+        os.close(self.wake_out)
 
 
 class QueuedWorker:
@@ -39,58 +70,72 @@ class QueuedWorker:
         self,
         model: Any,
         setup: protocol.Queues,
-        segment: mmap.mmap,
-        wake_out: int,
         reason: Callable[[BaseException], str],
         testing: tuple[float | None, float | None],
     ) -> None:
         """`testing` (--testing-service only): the input values that make it abort, and
         scribble over its queues."""
         self._model = model
-        self._segment = segment
-        self._wake_out = wake_out
         self._setup = setup
-        self._requests, self._replies, self._running = setup.layout.worker_end(memoryview(segment))
+        self.producers: dict[int, Producer] = {}
         self._queue = BatchQueue(replace(setup.policy, max_queue_size=0))
-        self._waiting: dict[int, Pending] = {}
+        self._waiting: dict[tuple[int, int], Pending] = {}  # by (producer, request id)
         self._reason = reason
         self._crash_on, self._scribble_on = testing
         self._inputs = [(name, BY_NAME[datatype]) for name, datatype in setup.inputs]
         self._batch = 0  # the number of the batch running
-        self.written = 0  # replies so far: the caller is woken once for those of a step
+        self._counted = False  # whether an answer of the batch running counts it
+
+    def add(self, key: int, segment: mmap.mmap, wake_in: int, wake_out: int) -> Producer:
+        """A producer's queues (replacing those it had under that key)."""
+        self.drop(key)
+        producer = self.producers[key] = Producer(self._setup.layout, segment, wake_in, wake_out)
+        return producer
+
+    def drop(self, key: int) -> None:
+        """A producer gone: its requests leave the queue unanswered."""
+        producer = self.producers.pop(key, None)
+        if producer is None:
+            return
+        for waiting in [k for k in self._waiting if k[0] == key]:
+            self._queue.remove(self._waiting.pop(waiting))
+        producer.close()
 
     def take(self) -> None:
-        """Every record the caller wrote, into the queue (cancellations out of it)."""
+        """Every record the producers wrote, into the queue (cancellations out of it)."""
         now = time.monotonic()
-        while (payload := self._requests.take()) is not None:
-            record = records.read_request(payload)
-            if isinstance(record, records.Cancel):
-                pending = self._waiting.pop(record.id, None)
-                if pending is not None:
-                    self._queue.remove(pending)
-                    self._fail(pending, records.CANCELLED, "cancelled by its caller")
-                continue
-            job = InferJob(
-                tuple(
-                    InputTensor(*self._inputs[t.position], t.shape, cast(bytes, t.data))
-                    for t in record.inputs
-                ),
-                tuple(self._setup.outputs[i] for i in record.outputs),
-                record.batch_size,
-                record.priority,
-            )
-            pending = Pending(job, now, record.expires, record.priority, record.deadline)
-            pending.alone = bool(record.flags & records.ALONE)
-            pending.ticket = (record.id, record.outputs)
-            self._queue.push(pending)
-            self._waiting[record.id] = pending
+        for key, producer in self.producers.items():
+            while (payload := producer.requests.take()) is not None:
+                self._take(key, records.read_request(payload), now)
+
+    def _take(self, key: int, record: records.Request | records.Cancel, now: float) -> None:
+        if isinstance(record, records.Cancel):
+            pending = self._waiting.pop((key, record.id), None)
+            if pending is not None:
+                self._queue.remove(pending)
+                self._fail(pending, records.CANCELLED, "cancelled by its caller")
+            return
+        job = InferJob(
+            tuple(
+                InputTensor(*self._inputs[t.position], t.shape, cast(bytes, t.data))
+                for t in record.inputs
+            ),
+            tuple(self._setup.outputs[i] for i in record.outputs),
+            record.batch_size,
+            record.priority,
+        )
+        pending = Pending(job, now, record.expires, record.priority, record.deadline)
+        pending.alone = bool(record.flags & records.ALONE)
+        pending.ticket = (key, record.id, record.outputs)
+        self._queue.push(pending)
+        self._waiting[key, record.id] = pending
 
     def step(self) -> float | None:
         """Answer what expired and run the batch due now, if any; when to look again (None:
         when a request comes), or 0.0 after a batch (look again at once)."""
         now = time.monotonic()
         for pending in self._queue.expire(now):
-            del self._waiting[pending.ticket[0]]
+            del self._waiting[pending.ticket[:2]]
             waited = now - pending.arrival
             self._fail(
                 pending,
@@ -100,13 +145,20 @@ class QueuedWorker:
         action = self._queue.next_batch(now)
         if isinstance(action, list):
             for pending in action:
-                del self._waiting[pending.ticket[0]]
+                del self._waiting[pending.ticket[:2]]
             self._run(action, now)
             return 0.0
         return action
 
+    def tell(self) -> None:
+        """Wake each producer with replies since it was last woken, once."""
+        for producer in self.producers.values():
+            producer.tell()
+
     def _run(self, batch: list[Pending], now: float) -> None:
-        self._batch = self._running.begin([p.ticket[0] for p in batch])
+        self._batch += 1
+        for key, producer in self.producers.items():
+            producer.running.begin(self._batch, [p.ticket[1] for p in batch if p.ticket[0] == key])
         try:
             self._compute(batch, now)
         except Exception as exc:
@@ -119,7 +171,8 @@ class QueuedWorker:
             for pending in batch:
                 self._fail(pending, records.FAILED, text)
         finally:
-            self._running.end()
+            for producer in self.producers.values():
+                producer.running.end()
 
     def _compute(self, batch: list[Pending], now: float) -> None:
         planned = plan([p.job for p in batch], self._setup.policy.shapes)
@@ -136,10 +189,10 @@ class QueuedWorker:
                     f"the batch's {planned.rows} rows; the model cannot be batched"
                 )
         start = 0
+        self._counted = False
         for pending, rows in zip(batch, planned.row_counts, strict=True):
-            request_id, wanted = pending.ticket
             parts = []
-            for index in wanted:
+            for index in pending.ticket[2]:
                 array = outputs[self._setup.outputs[index]]
                 if planned.rows:
                     array = array[start : start + rows]
@@ -147,52 +200,71 @@ class QueuedWorker:
                 parts.append((index, tuple(array.shape), data))
             start += rows
             queue_ns = int((now - pending.arrival) * 1e9)
-            self._answer(request_id, planned.formed, timings, queue_ns, parts)
+            self._answer(pending, planned.formed, timings, queue_ns, parts)
 
     def _answer(
         self,
-        request_id: int,
+        pending: Pending,
         rows: int,
         timings: Timings,
         queue_ns: int,
         parts: list[tuple[int, tuple[int, ...], Any]],
     ) -> None:
+        key, request_id, _ = pending.ticket
+        producer = self.producers.get(key)
+        if producer is None:
+            return
         size = records.reply_size([(shape, data.nbytes) for _, shape, data in parts])
-        if size > max_record(self._replies.capacity):
+        if size > max_record(producer.replies.capacity):
             text = (
                 f"the outputs take {size} bytes, more than the instance queue's reply ring "
-                f"takes ({max_record(self._replies.capacity)}); raise --instance-queue-mb"
+                f"takes ({max_record(producer.replies.capacity)}); raise --instance-queue-mb"
             )
-            self._reply(records.failure_bytes(request_id, records.TOO_LARGE, text))
+            self._fail(pending, records.TOO_LARGE, text)
             return
-        buf = self._reserve(size)
-        records.write_answer(buf, request_id, self._batch, rows, timings, queue_ns, parts)
+        buf = self._reserve(key, producer, size)
+        if buf is None:
+            return
+        records.write_answer(
+            buf, request_id, self._batch, rows, timings, queue_ns, parts, not self._counted
+        )
+        self._counted = True
         buf.release()
-        self._replies.commit()
-        self.written += 1
+        producer.replies.commit()
+        producer.written += 1
 
     def _fail(self, pending: Pending, kind: int, text: str) -> None:
-        self._reply(records.failure_bytes(pending.ticket[0], kind, text))
-
-    def _reply(self, payload: bytes) -> None:
-        buf = self._reserve(len(payload))
+        key, request_id, _ = pending.ticket
+        producer = self.producers.get(key)
+        if producer is None:
+            return
+        payload = records.failure_bytes(request_id, kind, text)
+        buf = self._reserve(key, producer, len(payload))
+        if buf is None:
+            return
         buf[:] = payload
         buf.release()
-        self._replies.commit()
-        self.written += 1
+        producer.replies.commit()
+        producer.written += 1
 
-    def _reserve(self, size: int) -> memoryview:
-        """Room in the reply ring; while it is full, the caller is reading it: wait."""
-        while (buf := self._replies.reserve(size)) is None:
+    def _reserve(self, key: int, producer: Producer, size: int) -> memoryview | None:
+        """Room in the producer's reply ring; while it is full, the caller is reading it:
+        wait, but not for a caller that reads nothing (dropped: None)."""
+        give_up = time.monotonic() + FULL_REPLIES_GIVE_UP_S
+        while (buf := producer.replies.reserve(size)) is None:
+            if time.monotonic() > give_up:
+                self.drop(key)
+                return None
+            wakeups.wake(producer.wake_out)
             time.sleep(FULL_REPLIES_WAIT_S)
         return buf
 
     def _scribble(self) -> NoReturn:
         """Test-only: what hostile model code could do to the queues (random bytes over all
-        of their shared memory), then wake the caller and hang."""
-        self._segment[:] = os.urandom(len(self._segment))
-        self.written += 1
-        wakeups.wake(self._wake_out)
+        of their shared memory), then wake the callers and hang."""
+        for producer in self.producers.values():
+            producer.segment[:] = os.urandom(len(producer.segment))
+            wakeups.wake(producer.wake_out)
         while True:
             time.sleep(3600)
 
@@ -221,33 +293,56 @@ def serve_queued(
     reason: Callable[[BaseException], str],
     testing: tuple[float | None, float | None],
 ) -> int:
-    """Serve from the rings until Shutdown or the caller's socket closes."""
-    _, fds, _, _ = socket.recv_fds(channel, 256, 3)
-    if len(fds) != 3:
-        return 2
-    segment_fd, wake_in, wake_out = fds
-    segment = mmap.mmap(segment_fd, setup.layout.size)
-    os.close(segment_fd)
-    worker = QueuedWorker(model, setup, segment, wake_out, reason, testing)
+    """Serve from the producers' rings until Shutdown or the server's socket closes."""
+    worker = QueuedWorker(model, setup, reason, testing)
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
-    poller.register(wake_in, select.POLLIN)
-    told = 0
+    watched: set[int] = set()
+    if not _add(worker, setup.layout, PARENT, channel):
+        return 2
     while True:
         worker.take()
         look = worker.step()
-        if worker.written != told:
-            told = worker.written
-            wakeups.wake(wake_out)
+        worker.tell()
         if look == 0.0:
             continue
+        watched = _watch(poller, watched, {p.wake_in for p in worker.producers.values()})
         timeout = -1 if look is None else max(0, math.ceil((look - time.monotonic()) * 1000))
         for fd, _ in poller.poll(timeout):
-            if fd == wake_in:
-                wakeups.clear(wake_in)
+            if fd != sock.fileno():
+                wakeups.clear(fd)
                 continue
             msg = recv()
-            if msg is None or isinstance(msg, protocol.Shutdown):
+            if isinstance(msg, protocol.AddProducer):
+                if not _add(worker, setup.layout, msg.producer, channel):
+                    return 2
+            elif isinstance(msg, protocol.DropProducer):
+                worker.drop(msg.producer)
+            elif msg is None or isinstance(msg, protocol.Shutdown):
                 if isinstance(msg, protocol.Shutdown) and hasattr(model, "finalize"):
                     model.finalize()
                 return 0
+
+
+def _add(worker: QueuedWorker, layout: QueueLayout, key: int, channel: socket.socket) -> bool:
+    """A producer's segment and wake-ups, from the segments channel (False: they did not
+    come as the server sends them)."""
+    _, fds, _, _ = socket.recv_fds(channel, 256, 3)
+    if len(fds) != 3:
+        return False
+    segment_fd, wake_in, wake_out = fds
+    try:
+        segment = mmap.mmap(segment_fd, layout.size)
+    finally:
+        os.close(segment_fd)
+    worker.add(key, segment, wake_in, wake_out)
+    return True
+
+
+def _watch(poller: select.poll, watched: set[int], wanted: set[int]) -> set[int]:
+    """Poll the wake-ups of the producers there are now (one dropped has its closed)."""
+    for fd in watched - wanted:
+        poller.unregister(fd)
+    for fd in wanted - watched:
+        poller.register(fd, select.POLLIN)
+    return wanted

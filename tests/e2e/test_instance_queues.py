@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_worker_restart import only_instance, wait_for
 from tests.reference import assert_matches_reference, example_inputs, output_names
@@ -52,14 +53,18 @@ def add_mlp(root: Path, name: str, rows: int, queue: int, variable: bool = False
     (model / "config.pbtxt").write_text(config)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "frontends-2"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    """One process, and two front-ends that write into the workers' queues themselves."""
     root = tmp_path_factory.mktemp("queues")
     add_mlp(root / "models", "mlp", 8, 64)
     add_mlp(root / "models", "small_queue", 2, 2)
     add_mlp(root / "models", "wide", 512, 64)
     add_mlp(root / "models", "variable", 0, 64, variable=True)
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
+    args += ["--frontends", str(request.param)]
     with running_server(root / "models", root / "server.log", args) as process:
         yield process
 
@@ -181,3 +186,26 @@ def test_an_idle_worker_sleeps_in_the_kernel(server: ServerProcess) -> None:
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return int(fields[11]) + int(fields[12])
+
+
+def test_front_ends_answer_model_infer_with_their_parent_stopped(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """With --frontends 2 the parent takes no part in a ModelInfer call: held still by
+    SIGSTOP, it cannot pass anything on, and every call is still answered (each front-end
+    writes into the worker's queues and reads its answers itself)."""
+    if "one-process" in request.node.callspec.id:
+        pytest.skip("the parent is the process holding the calls")
+    channels = [grpc.insecure_channel(server.address) for _ in range(4)]
+    try:
+        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        inputs = [example_inputs("mlp", seed=20 + i) for i in range(len(stubs))]
+        for stub, x in zip(stubs, inputs, strict=True):  # each front-end's queues attached
+            assert_matches_reference("mlp", x, stub.ModelInfer(build_request("mlp", x)))
+        with paused(server.process.pid):
+            for stub, x in zip(stubs, inputs, strict=True):
+                answer = stub.ModelInfer(build_request("mlp", x), timeout=RPC_TIMEOUT_S)
+                assert_matches_reference("mlp", x, answer)
+    finally:
+        for channel in channels:
+            channel.close()

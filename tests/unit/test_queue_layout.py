@@ -30,7 +30,7 @@ def running_area(slots: int) -> tuple[bytearray, RunningWriter, RunningReader]:
 def running_offset(buf: bytearray, writer: RunningWriter) -> int:
     """Where the area lies in the segment: found by the batch number it writes."""
     before = bytes(buf)
-    writer.begin([])
+    writer.begin(1, [])
     changed = [i for i, (a, b) in enumerate(zip(before, buf, strict=True)) if a != b]
     writer.end()
     return changed[0]
@@ -46,7 +46,7 @@ def test_the_caller_reads_the_batch_the_worker_runs_and_that_it_ended(
     assert reader.running() == set()
     batches = data.draw(st.lists(st.lists(st.integers(0, U64), max_size=slots), max_size=5))
     for number, ids in enumerate(batches, start=1):
-        assert writer.begin(ids) == number
+        writer.begin(number, ids)
         assert reader.batch() == (number, len(ids))
         assert reader.running() == set(ids)
         writer.end()
@@ -56,9 +56,9 @@ def test_the_caller_reads_the_batch_the_worker_runs_and_that_it_ended(
 
 def test_a_batch_of_more_requests_than_the_area_holds_is_a_value_error() -> None:
     _, writer, reader = running_area(4)
-    writer.begin([1, 2])
+    writer.begin(1, [1, 2])
     with pytest.raises(ValueError, match="a batch of 5 requests; the area holds 4"):
-        writer.begin([1, 2, 3, 4, 5])
+        writer.begin(2, [1, 2, 3, 4, 5])
     assert reader.batch() == (1, 2)
     assert reader.running() == {1, 2}
 
@@ -68,7 +68,7 @@ def test_a_batch_of_more_requests_than_the_area_holds_is_a_value_error() -> None
 def test_a_count_above_the_slots_is_corrupt_and_batch_clamps_it(slots: int, count: int) -> None:
     buf, writer, reader = running_area(slots)
     at = running_offset(buf, writer)
-    writer.begin(list(range(slots)))
+    writer.begin(2, list(range(slots)))
     struct.pack_into("<Q", buf, at + COUNT, count)
     assert reader.batch() == (2, min(count, slots))
     if count > slots:
@@ -143,7 +143,7 @@ def test_the_rings_and_the_running_area_of_a_segment_do_not_overlap(
     sent = fill(requests, seed)
     answered = fill(answer, seed + 1)
     ids = list(range(seed, seed + layout.running_slots))
-    run.begin(ids)
+    run.begin(1, ids)
     assert drain(take_requests) == sent
     assert drain(replies) == answered
     assert running.batch() == (1, layout.running_slots)

@@ -1,0 +1,271 @@
+"""The parent's side of front-ends writing into workers' queues themselves (the front-end's
+side: shared_versions.py). The parent takes no part in such a call; it governs:
+
+- it tells every front-end which versions it may queue for itself (QUEUED: each version's
+  queue setup and instances) and what happens to their workers (WORKER: ready under launch
+  number N, ended with its death's fate, a restart failed);
+- a front-end makes its own segment for each worker launch (as the parent does for itself) and
+  passes it over the queues socket (SOCK_SEQPACKET, descriptors attached); the parent hands
+  it to that worker if the launch is still the one serving, so nothing of it passes through
+  the parent again;
+- a front-end's watchdog or reply checks that find a worker hung or breaking its queues say
+  so (TROUBLE), and the parent ends that worker as it ends its own;
+- a version that leaves the view winds down only once every front-end said it holds nothing
+  of it any more (RELEASED), or is gone; a front-end that is gone is dropped from every
+  worker."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from service.frontends.protocol import Kind
+from service.model.parameters import check_parameters
+from service.registry.versions import ServedVersion
+from service.serving.queued_batcher import QueuedBatcher
+from service.workers import deaths, protocol
+from service.workers.instance import State
+
+log = logging.getLogger("paddlequic.frontends")
+
+QUEUES_SOCKET = "queues"
+MAX_ATTACH_BYTES = 1024
+
+
+def producer_of(frontend: str) -> int:
+    """A front-end's producer number in its workers (0 is the parent's)."""
+    return int(frontend) + 1
+
+
+def shareable(served: ServedVersion) -> bool:
+    """Versions front-ends queue for themselves: those whose requests go straight into their
+    instances' queues, with no fallback model (a fallback is another version's batcher)."""
+    return (
+        isinstance(served.batcher, QueuedBatcher)
+        and check_parameters(served.config).fallback_model is None
+    )
+
+
+class SharedQueues:
+    def __init__(self, send_all: Callable[[Kind, bytes], None]) -> None:
+        """`send_all`: a frame to every connected front-end."""
+        self._send_all = send_all
+        self._versions: dict[int, ServedVersion] = {}  # by token: in the view or winding down
+        self._viewed: set[int] = set()
+        self._holders: dict[int, set[str]] = {}  # by token: front-ends that may hold requests
+        # What each front-end last said it holds, by token: (queued, in workers' batches).
+        self._held: dict[str, dict[int, tuple[int, int]]] = {}
+        self._frontends: set[str] = set()
+        self._server: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+
+    def start(self, path: Path) -> None:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server.bind(str(path))
+        path.chmod(0o600)
+        server.listen(16)
+        server.setblocking(False)
+        asyncio.get_running_loop().add_reader(server.fileno(), self._accept)
+        self._server = server
+
+    def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in [*self._conns, *([self._server] if self._server else [])]:
+            loop.remove_reader(sock.fileno())
+            sock.close()
+        self._conns.clear()
+        self._server = None
+
+    def view(self, described: Mapping[int, ServedVersion]) -> bytes:
+        """The QUEUED payload for the versions front-ends may describe: those they may queue
+        for themselves, with their instances now."""
+        entries = []
+        viewed = set()
+        for token, served in described.items():
+            if not shareable(served):
+                continue
+            viewed.add(token)
+            batcher = served.batcher
+            assert isinstance(batcher, QueuedBatcher)
+            if self._versions.setdefault(token, served) is served and batcher.events is None:
+                batcher.events = _Events(self, token, served)
+            self._holders.setdefault(token, set()).update(self._frontends)
+            entries.append(
+                {
+                    "token": token,
+                    "name": served.name,
+                    "version": served.version,
+                    "setup": base64.b64encode(protocol.encode(batcher.setup)).decode(),
+                    "instances": [_instance(i) for i in served.instances],
+                }
+            )
+        for token in self._viewed - viewed:
+            self._left_view(token)
+        self._viewed = viewed
+        return json.dumps(entries).encode()
+
+    def connected(self, frontend: str) -> None:
+        """A front-end was sent the view: it may hold requests of every version in it."""
+        self._frontends.add(frontend)
+        for token in self._viewed:
+            self._holders[token].add(frontend)
+
+    def lost(self, frontend: str) -> None:
+        """A front-end is gone: its queues leave every worker; it holds nothing."""
+        self._frontends.discard(frontend)
+        self._held.pop(frontend, None)
+        self._count_held()
+        for token in list(self._holders):
+            self._release(token, frontend)
+
+    def held(self, frontend: str, counts: Any) -> None:
+        """A front-end's report of the requests it holds: counted in its versions' queues
+        (ListInstances, and a version winding down waits for them)."""
+        held: dict[int, tuple[int, int]] = {}
+        try:
+            for token, (queued, running) in counts.items():
+                held[int(token)] = (max(int(queued), 0), max(int(running), 0))
+        except (AttributeError, TypeError, ValueError):
+            log.error("front-end %s reported held requests this server cannot read", frontend)
+            return
+        self._held[frontend] = held
+        self._count_held()
+
+    def _count_held(self) -> None:
+        for token, served in self._versions.items():
+            if isinstance(served.batcher, QueuedBatcher):
+                counts = [held.get(token, (0, 0)) for held in self._held.values()]
+                served.batcher.elsewhere = (sum(c[0] for c in counts), sum(c[1] for c in counts))
+
+    def released(self, frontend: str, payload: bytes) -> None:
+        token = json.loads(payload)["token"]
+        if isinstance(token, int):
+            self._release(token, frontend)
+
+    def trouble(self, payload: bytes) -> None:
+        """A front-end found a worker hung or breaking its queues: ended as the parent ends
+        its own (if that launch still serves)."""
+        data = json.loads(payload)
+        instance = self._instance(data)
+        if instance is None:
+            return
+        if data.get("hung"):
+            instance.end_hung()
+        else:
+            instance.kill_misbehaving(f"{data.get('reason', '')} (a front-end's queues)")
+
+    def _left_view(self, token: int) -> None:
+        """Out of the view: it winds down once every front-end lets it go."""
+        served = self._versions.get(token)
+        if served is not None and isinstance(served.batcher, QueuedBatcher):
+            served.batcher.held_elsewhere = len(self._holders.get(token, ()))
+        self._forget_if_free(token)
+
+    def _release(self, token: int, frontend: str) -> None:
+        holders = self._holders.get(token)
+        if holders is None or frontend not in holders:
+            return
+        holders.discard(frontend)
+        served = self._versions.get(token)
+        if served is not None:
+            for instance in served.instances:
+                if instance.state is State.READY:
+                    instance.drop_producer(producer_of(frontend))
+            if token not in self._viewed and isinstance(served.batcher, QueuedBatcher):
+                served.batcher.held_elsewhere = len(holders)
+        self._forget_if_free(token)
+
+    def _forget_if_free(self, token: int) -> None:
+        if token not in self._viewed and not self._holders.get(token):
+            self._holders.pop(token, None)
+            served = self._versions.pop(token, None)
+            if served is not None and isinstance(served.batcher, QueuedBatcher):
+                served.batcher.events = None
+
+    def _instance(self, data: Any) -> Any:
+        """The instance a front-end names, if the launch it names still serves."""
+        try:
+            served = self._versions[int(data["token"])]
+            instance = served.instances[int(data["index"])]
+            launch = int(data["launch"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        if instance.launch != launch or instance.state is not State.READY:
+            return None
+        return instance
+
+    def _accept(self) -> None:
+        assert self._server is not None
+        with contextlib.suppress(BlockingIOError):
+            conn, _ = self._server.accept()
+            conn.setblocking(False)
+            self._conns.add(conn)
+            asyncio.get_running_loop().add_reader(conn.fileno(), self._attach, conn)
+
+    def _attach(self, conn: socket.socket) -> None:
+        """A front-end's segment and wake-ups for one worker launch: to that worker."""
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_ATTACH_BYTES, 3)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+            self._conns.discard(conn)
+            conn.close()
+            return
+        try:
+            message = json.loads(data)
+            instance = self._instance(message)
+            if instance is not None and len(fds) == 3:
+                instance.add_producer(producer_of(str(message["frontend"])), fds)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("a front-end's queues message was not understood: %s", exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def event(self, token: int, index: int, event: dict[str, Any]) -> None:
+        if token in self._versions:
+            payload = {"token": token, "index": index, **event}
+            self._send_all(Kind.WORKER, json.dumps(payload).encode())
+
+
+def _instance(instance: Any) -> dict[str, Any]:
+    return {
+        "numa": instance.numa_node,
+        "timeout": instance.execution_timeout_s,
+        "launch": instance.launch,
+        "ready": instance.state is State.READY,
+        "failure": instance.start_failure,
+    }
+
+
+class _Events:
+    """A shared version's instance events, to every front-end."""
+
+    def __init__(self, sharing: SharedQueues, token: int, served: ServedVersion) -> None:
+        self._sharing = sharing
+        self._token = token
+        self._served = served
+
+    def ready(self, index: int) -> None:
+        launch = self._served.instances[index].launch
+        self._sharing.event(self._token, index, {"event": "ready", "launch": launch})
+
+    def ended(self, index: int, death: deaths.Death) -> None:
+        event = {"event": "ended", "how": death.how, "fate": death.fate.value}
+        self._sharing.event(self._token, index, {**event, "blamed": death.blamed})
+
+    def start_failed(self, index: int) -> None:
+        failure = self._served.instances[index].start_failure
+        self._sharing.event(self._token, index, {"event": "failed", "failure": failure})

@@ -1,0 +1,191 @@
+"""A front-end's own end of the workers' queues (the parent's side: queue_sharing.py): for each
+version the parent lets it queue for itself, a QueuedBatcher of its own over views of the
+version's instances (RemoteInstance), so a ModelInfer call it holds goes from this process
+straight into a worker's queue and back, with no message to the parent.
+
+The parent tells it each worker's launches and deaths; a death's fate decides here, as in the
+parent, what becomes of the requests this process held in that worker (sent again, alone if
+the worker was running them, or failed). What its own watchdog and reply checks find (a hung
+worker, one writing what no correct worker writes) goes to the parent, which ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from protos.inference import model_config_pb2 as mc
+from service.frontends.protocol import Kind
+from service.inference.validation import RequestValidator
+from service.registry.versions import ServedVersion, VersionState
+from service.serving.queued_batcher import BatchObserver, QueuedBatcher, batch_recorder
+from service.workers import deaths, protocol
+from service.workers.instance import State, WorkerInstance
+
+log = logging.getLogger("paddlequic.frontend")
+
+RELEASE_POLL_S = 0.01
+
+
+class RemoteInstance:
+    """A front-end's view of one instance of a version: the QueueHost its QueuedBatcher
+    serves through, told by the parent what the worker does."""
+
+    def __init__(self, owner: SharedVersions, token: int, index: int, data: dict[str, Any]):
+        self._owner = owner
+        self._token = token
+        self._index = index
+        self._numa = int(data["numa"])
+        timeout = data["timeout"]
+        self.execution_timeout_s = None if timeout is None else float(timeout)
+        self.launch = int(data["launch"])
+        self.state = State.READY if data["ready"] else State.STARTING
+        self.start_failure: str | None = data["failure"]
+        self.on_ready: Callable[[], None] | None = None
+        self.on_ended: Callable[[deaths.Death], None] | None = None
+        self.on_start_failed: Callable[[], None] | None = None
+        self.queue_held: Callable[[], int] | None = None
+
+    @property
+    def numa_node(self) -> int:
+        return self._numa
+
+    def send_queues(self, setup: protocol.Queues, fds: list[int]) -> None:
+        """This process's segment for the launch serving now, to the parent, for the worker."""
+        self._owner.attach(self._token, self._index, self.launch, fds)
+
+    def kill_misbehaving(self, reason: str, detail: str | None = None) -> None:
+        self._owner.trouble(self._token, self._index, self.launch, False, reason)
+
+    def end_hung(self) -> None:
+        self._owner.trouble(self._token, self._index, self.launch, True, "")
+
+    def told(self, event: dict[str, Any]) -> None:
+        """What the parent says the worker did."""
+        kind = event.get("event")
+        if kind == "ready":
+            self.launch, self.state, self.start_failure = int(event["launch"]), State.READY, None
+            if self.on_ready is not None:
+                self.on_ready()
+        elif kind == "ended":
+            self.state = State.RESTARTING
+            death = deaths.Death(
+                str(event["how"]), deaths.Fate(event["fate"]), bool(event["blamed"])
+            )
+            if self.on_ended is not None:
+                self.on_ended(death)
+        elif kind == "failed":
+            self.start_failure = str(event["failure"])
+            if self.on_start_failed is not None:
+                self.on_start_failed()
+
+
+@dataclass
+class _Shared:
+    served: ServedVersion
+    batcher: QueuedBatcher
+    instances: list[RemoteInstance]
+
+
+class SharedVersions:
+    def __init__(
+        self,
+        frontend: int,
+        send: Callable[[Kind, bytes], None],
+        queues_socket: Path,
+        observer: BatchObserver,
+    ) -> None:
+        """`send`: a frame to the parent."""
+        self._frontend = frontend
+        self._send = send
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket.connect(str(queues_socket))
+        self._observer = observer
+        self._versions: dict[int, _Shared] = {}
+        self._releasing: set[asyncio.Task[None]] = set()
+
+    def serving(self, token: int) -> ServedVersion | None:
+        shared = self._versions.get(token)
+        return None if shared is None else shared.served
+
+    def update(self, payload: bytes, configs: dict[int, bytes]) -> None:
+        """The parent's QUEUED: versions new to it get their batcher, those gone are let go
+        once what this process holds of them is answered. `configs`: each version's config,
+        by token, from the view."""
+        entries = {int(e["token"]): e for e in json.loads(payload)}
+        for token in list(self._versions):
+            if token not in entries:
+                self._let_go(token, self._versions.pop(token))
+        for token, entry in entries.items():
+            if token not in self._versions and token in configs:
+                self._versions[token] = self._shared(token, entry, configs[token])
+
+    def _shared(self, token: int, entry: dict[str, Any], config_bytes: bytes) -> _Shared:
+        config = mc.ModelConfig.FromString(config_bytes)
+        setup = protocol.decode(base64.b64decode(entry["setup"])[protocol.header_size() :])
+        assert isinstance(setup, protocol.Queues)
+        served = ServedVersion(str(entry["name"]), int(entry["version"]), config)
+        served.state = VersionState.READY
+        instances = [RemoteInstance(self, token, i, d) for i, d in enumerate(entry["instances"])]
+        served.instances = cast(list[WorkerInstance], instances)
+        served.validator = RequestValidator(config)
+        label = f"model '{served.name}' version {served.version}"
+        batcher = QueuedBatcher(
+            config, instances, setup, batch_recorder(served, self._observer), label
+        )
+        served.batcher = batcher
+        batcher.start()
+        return _Shared(served, batcher, instances)
+
+    def held(self) -> dict[str, list[int]]:
+        """The requests this process holds of each version it still serves: queued, and in
+        the batches workers run (the parent's ListInstances adds them to its own)."""
+        counts = {}
+        for token, shared in self._versions.items():
+            running = shared.batcher.in_flight_requests
+            queued = shared.batcher.queued
+            if queued or running:
+                counts[str(token)] = [queued, running]
+        return counts
+
+    def told(self, payload: bytes) -> None:
+        """WORKER: what a worker of a version did."""
+        event = json.loads(payload)
+        shared = self._versions.get(int(event["token"]))
+        index = int(event["index"])
+        if shared is not None and 0 <= index < len(shared.instances):
+            shared.instances[index].told(event)
+
+    def attach(self, token: int, index: int, launch: int, fds: list[int]) -> None:
+        message = {"frontend": self._frontend, "token": token, "index": index, "launch": launch}
+        socket.send_fds(self._socket, [json.dumps(message).encode()], fds)
+
+    def trouble(self, token: int, index: int, launch: int, hung: bool, reason: str) -> None:
+        message = {"token": token, "index": index, "launch": launch, "hung": hung}
+        self._send(Kind.TROUBLE, json.dumps({**message, "reason": reason}).encode())
+
+    def _let_go(self, token: int, shared: _Shared) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(token, shared))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release(self, token: int, shared: _Shared) -> None:
+        """Once the requests this process held of a version are answered (as the parent's
+        wind-down waits for its own), its queues close and the parent hears it is let go."""
+        batcher = shared.batcher
+        while batcher.queued or batcher.in_flight_requests:
+            await asyncio.sleep(RELEASE_POLL_S)
+        await batcher.stop()
+        self._send(Kind.RELEASED, json.dumps({"token": token}).encode())
+
+    async def stop(self) -> None:
+        for shared in self._versions.values():
+            await shared.batcher.stop()
+        self._versions.clear()
+        self._socket.close()
