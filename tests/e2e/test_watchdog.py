@@ -53,7 +53,7 @@ def add_mlp_copy(root: Path, name: str, parameters: str) -> None:
     )
 
 
-@pytest.fixture(scope="module", params=["batcher", "instance queues"])
+@pytest.fixture(scope="module", params=["batcher", "instance queues", "front-end queues"])
 def repository(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """One per path of the server (see `server`)."""
     models = tmp_path_factory.mktemp(request.param.replace(" ", "-")) / "models"
@@ -70,10 +70,13 @@ def repository(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixture
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Iterator[ServerProcess]:
     """Each test against the server's batcher, then with the worker batching from its own
-    queues (--instance-queues): the same promises on both paths."""
+    queues (--instance-queues), then from the queues two front-ends write into themselves:
+    the same promises on every path."""
     log = repository.parent / "server.log"
-    queued = repository.parent.name.startswith("instance")
-    path = ["--instance-queues" if queued else "--no-instance-queues"]
+    batcher = repository.parent.name.startswith("batcher")
+    path = ["--no-instance-queues" if batcher else "--instance-queues"]
+    if repository.parent.name.startswith("front-end"):
+        path += ["--frontends", "2"]
     with running_server(repository, log, ["--testing-service", *path], wait=False) as process:
         process.wait_loaded()
         yield process
