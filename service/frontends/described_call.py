@@ -107,6 +107,9 @@ class DescribedCall:
                 restriction = self.serving.restriction
                 if restriction is not None and not restriction.allows(self.opened.metadata):
                     raise errors.ServiceError(grpc.StatusCode.UNAUTHENTICATED, restriction.refusal)
+                if self.request.job is not None:  # validated by this very process
+                    self._submit(self.request.job)
+                    return
                 decoding = self._refused_counted(self._checked)
                 if not decoding.inline:
                     waiting = asyncio.ensure_future(asyncio.to_thread(decoding.finish))
@@ -174,13 +177,17 @@ class DescribedCall:
                         answer.result().outputs,
                         answering is not self.served,
                     )
-                    data = encode_answer(described)
+                    data = self.encode(described)
                 if len(data) > self.serving.max_message:
                     raise oversized(len(data), self.serving.max_message)
             except Exception as exc:
                 self._end(exc)
                 return
         self._end(None, described, data)
+
+    def encode(self, answer: DescribedAnswer) -> bytes:
+        """The answer as the call's link carries it (to a front-end: a descriptor)."""
+        return encode_answer(answer)
 
     def _end(
         self, error: BaseException | None, answer: DescribedAnswer | None = None, data: bytes = b""

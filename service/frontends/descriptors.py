@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from oip.datatypes import BY_NAME
@@ -29,7 +29,7 @@ from service.frontends.protocol import (
     encode_status,
     encode_text,
 )
-from service.inference.jobs import InputTensor, OutputTensor
+from service.inference.jobs import InferJob, InputTensor, OutputTensor
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # the one method described
 MAX_RANK = 64  # dimensions of one tensor (the wire limits refuse more before parsing)
@@ -65,6 +65,9 @@ class DescribedRequest:
     outputs: tuple[str, ...]  # as the request named them (none: every output)
     priority: int | None
     timeout_s: float | None
+    # The job the validator made of it, where the process that validated it serves it too
+    # (a front-end writing into the queues itself): not checked again. Never sent.
+    job: InferJob | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

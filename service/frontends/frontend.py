@@ -26,6 +26,7 @@ from service.backend.sandbox.privileges import undumpable
 from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
+    DescribedAnswer,
     DescribedRequest,
     Refusal,
     decode_view,
@@ -40,7 +41,7 @@ from service.frontends.listeners import (
     start_h3,
     start_rest,
 )
-from service.frontends.model_view import ModelView, answer_message
+from service.frontends.model_view import ModelView, answer_message, response_message
 from service.frontends.protocol import (
     WINDOW,
     Frame,
@@ -83,6 +84,13 @@ class _Forwarded:
         self.window = Window()
         self.stale = False  # described, and the parent's view had changed: passed on as bytes
         self.local: DescribedCall | None = None  # served here (shared_versions.py)
+
+
+class _ServedHere(DescribedCall):
+    """A described call this process serves itself: its answer is the response message."""
+
+    def encode(self, answer: DescribedAnswer) -> bytes:
+        return response_message(answer)
 
 
 class _Here:
@@ -199,9 +207,9 @@ class ParentLink(FrameConnection):
         if served is None or described is None or self.serving is None:
             return None
         call_id, call = self._start()
-        call.local = DescribedCall(self._here, call_id, opened, served, described, self.serving)
+        call.local = _ServedHere(self._here, call_id, opened, served, described, self.serving)
         call.local.start()
-        return self._answers(call_id, call, context, answer_message, credit=False)
+        return self._answers(call_id, call, context, bytes, credit=False)
 
     def _answer_refusal(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> bool:
         """Report a refusal to the parent, which records it, if this front-end may answer it:

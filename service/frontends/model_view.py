@@ -16,6 +16,7 @@ from protos.inference import model_config_pb2 as mc
 from service.api import stream_responses
 from service.api.wire_limits import request_problem
 from service.frontends.descriptors import (
+    DescribedAnswer,
     DescribedRequest,
     Refusal,
     ViewEntry,
@@ -86,6 +87,7 @@ class ModelView:
             job.outputs,
             job.priority,
             job.timeout_s,
+            job,
         )
 
 
@@ -101,7 +103,10 @@ def _plain(request: pb.ModelInferRequest) -> bool:
 
 def answer_message(payload: bytes) -> bytes:
     """The ModelInferResponse for a described answer, serialized, as the servicer builds it."""
-    answer = decode_answer(payload)
+    return response_message(decode_answer(payload))
+
+
+def response_message(answer: DescribedAnswer) -> bytes:
     response = stream_responses.infer_response(
         answer.model_name, answer.model_version, answer.id, answer.outputs
     )
