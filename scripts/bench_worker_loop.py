@@ -28,7 +28,7 @@ from service.batching.batcher import policy_from_config
 from service.queues import records
 from service.queues.layout import QueueLayout
 from service.workers import protocol
-from service.workers.queued_loop import QueuedWorker
+from service.workers.queued_loop import PARENT, QueuedWorker
 from tests.servers import EXAMPLE_MODELS
 
 MODEL = "mlp"
@@ -59,8 +59,8 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
     setup = protocol.Queues(
         layout, policy_from_config(config, 1), (("input", "FP32"),), outputs[:1]
     )
-    wake = os.eventfd(0, os.EFD_NONBLOCK)
-    worker = QueuedWorker(model, setup, segment, wake, str, (None, None))
+    worker = QueuedWorker(model, setup, str, (None, None))
+    worker.add(PARENT, segment, os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK))
     requests, replies, _ = layout.caller_end(memoryview(segment))
     rows = np.random.default_rng(batch).standard_normal((batch, 256), np.float32)
     row_bytes = [rows[i : i + 1].tobytes() for i in range(batch)]
@@ -81,6 +81,7 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
     def loop() -> None:
         worker.take()
         worker.step()
+        worker.tell()
 
     for _ in range(20):  # warm: the predictor's caches, the rings' pages
         model.run(whole, outputs[:1])
@@ -98,7 +99,9 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
         read()
         caller += (middle - start) + (time.process_time() - end)
         worker_total += end - middle
-    os.close(wake)
+    for end in (requests, replies):
+        end.release()
+    worker.drop(PARENT)
     scale = 1e6 / runs
     return Row(round_, batch, predictor, worker_total * scale, caller * scale)
 
