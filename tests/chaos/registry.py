@@ -241,6 +241,18 @@ ATTACKS = (
         frozenset({"INTERNAL", "replaced"}),
     ),
     AttackSpec(
+        "worker SIGKILL under load (--frontends 2)",
+        workers.worker_sigkill,
+        frozenset({"killed", "replaced"}),
+        frontends=2,
+    ),
+    AttackSpec(
+        "worker scribbles over its queues (--frontends 2)",
+        workers.scribbled_queues,
+        frozenset({"INTERNAL", "replaced"}),
+        frontends=2,
+    ),
+    AttackSpec(
         "worker SIGKILL under load (--no-instance-queues)",
         workers.worker_sigkill,
         frozenset({"killed", "replaced"}),
