@@ -22,9 +22,11 @@ from service.dataplane.plane import DataPlane
 from service.dataplane.shared_memory import SharedMemory
 from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
+from service.frontends.descriptors import ViewEntry
 from service.frontends.dispatch import DispatchServer
 from service.frontends.frontend import ParentLink
 from service.frontends.local_counts import LocalCounts
+from service.frontends.model_view import ModelView
 from service.frontends.reports import Reports, report_payloads
 from service.frontends.stats import FrontendStats
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
@@ -192,3 +194,15 @@ async def test_a_scrape_asks_the_front_ends_first_and_sums_their_metrics(linked:
         if s.name == "paddlequic_requests_total"
     }
     assert calls == {"h2": 2, "h3": 1}
+
+
+def test_a_front_ends_metrics_label_the_versions_of_its_view_and_leave_process_out() -> None:
+    view = ModelView()
+    config = mc.ModelConfig(name="m", max_batch_size=4).SerializeToString()
+    view.update([ViewEntry("m", "", 7, config), ViewEntry("m", "1", 7, config)])
+    metrics = Metrics.frontend(view.served)
+    assert view.served() == [("m", "1")]
+    assert metrics.names.labels("m", "1") == ("m", "1")
+    assert metrics.names.labels("m", "2") == ("m", "_unknown")
+    assert metrics.names.labels("other", "") == ("_unknown", "")
+    assert not [f for f in metrics.registry.collect() if f.name.startswith("process_")]
