@@ -3,6 +3,7 @@ families added (summed.py), written by the metrics endpoint as before."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.observability.exposition import metrics_app
+from service.observability.exposition import metrics_app, on_loop
 from service.observability.summed import (
     ReportedMetrics,
     Summed,
@@ -144,3 +145,21 @@ def test_the_endpoint_asks_for_reports_before_each_scrape_and_names_summed_sampl
 def test_a_malformed_report_is_refused(data: object, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         families_from_json(data)
+
+
+async def test_a_scrape_waits_for_the_front_ends_within_its_bound() -> None:
+    """A refresh that never ends is given up after the bound (and cancelled); a loop that is
+    gone is not waited for."""
+    cancelled = asyncio.Event()
+
+    async def never() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+
+    await asyncio.to_thread(on_loop(asyncio.get_running_loop(), never, 0.05))
+    await asyncio.wait_for(cancelled.wait(), 10)
+    gone = asyncio.new_event_loop()
+    gone.close()
+    on_loop(gone, never, 10)()
