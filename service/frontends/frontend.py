@@ -439,7 +439,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         link.metrics = Metrics.frontend(link.view.served)
     tracing = None
     if settings.instance_queues and settings.frontend_queues:
-        observer, tracing = observer_of(settings, None)
+        observer, tracing = observer_of(settings, link.metrics)
         link.serving = Serving(
             RequestRunner(ModelRegistry(_nothing), observer),
             observer,
@@ -451,6 +451,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             lambda kind, payload: link.send(kind, 0, payload),
             runtime_dir / QUEUES_SOCKET,
             observer,
+            link.counts.stats,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

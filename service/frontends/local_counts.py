@@ -17,11 +17,12 @@ from service.registry.versions import ModelRegistry
 
 class LocalCounts:
     def __init__(self) -> None:
+        # One per version for the process's life (versions the parent let it serve: a few).
         self._counts: dict[tuple[str, int], ModelStats] = {}
 
     def stats(self, model: str, version: int) -> ModelStats:
-        """What to record a call on this version into (ModelStats.record_*). Ask again for
-        each record: one kept past the next `take` records into a delta already reported."""
+        """What to record this version's calls into (ModelStats.record_*): the same object
+        every time, so it may be kept (as the `stats` of this process's ServedVersion)."""
         counts = self._counts.get((model, version))
         if counts is None:
             counts = self._counts[model, version] = ModelStats()
@@ -29,12 +30,11 @@ class LocalCounts:
 
     def take(self) -> list[dict[str, Any]]:
         """What was recorded since the last take, as JSON: {"model", "version", "stats"} per
-        version with any; counting starts again from nothing."""
-        taken, self._counts = self._counts, {}
+        version with any; each counts from nothing again."""
         empty = ModelStats()
         return [
-            {"model": model, "version": version, "stats": stats.to_json()}
-            for (model, version), stats in taken.items()
+            {"model": model, "version": version, "stats": stats.take().to_json()}
+            for (model, version), stats in self._counts.items()
             if stats != empty
         ]
 

@@ -4,7 +4,7 @@ and summed too, for the counts front-end processes keep of the calls they serve 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from protos.inference import grpc_service_pb2 as pb
@@ -99,6 +99,16 @@ class ModelStats:
         self.last_inference_ms = max(self.last_inference_ms, other.last_inference_ms)
         for size, batch in other.batches.items():
             self.batches.setdefault(size, _BatchStats()).add(batch)
+
+    def take(self) -> ModelStats:
+        """What was counted so far; counting starts again from nothing, in place (whoever
+        holds this object keeps recording into it)."""
+        taken = ModelStats()
+        taken.add(self)
+        fresh = ModelStats()
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, getattr(fresh, name))
+        return taken
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types only (batch sizes in a list: JSON keys are strings)."""

@@ -30,9 +30,13 @@ def test_take_gives_what_was_recorded_since_the_last_take() -> None:
     assert [(e["model"], e["version"]) for e in taken] == [("m", 1), ("n", 2)]
     assert taken[0]["stats"]["fail"] == {"count": 2, "ns": 12}
     assert counts.take() == []
-    counts.stats("m", 1).record_failure(1)
+    kept = counts.stats("m", 1)  # as a front-end's ServedVersion keeps it, across takes
+    kept.record_failure(1)
     (again,) = counts.take()
     assert again["stats"]["fail"] == {"count": 1, "ns": 1}
+    kept.record_failure(2)
+    (later,) = counts.take()
+    assert later["stats"]["fail"] == {"count": 1, "ns": 2}
 
 
 def test_deltas_add_up_in_the_parent_to_every_call_recorded() -> None:

@@ -108,3 +108,12 @@ def test_json_that_is_not_model_stats_is_refused_naming_where(change: Any, named
 def test_json_that_is_not_an_object_is_refused() -> None:
     with pytest.raises(StatsError, match=r"^stats: not an object"):
         ModelStats.from_json([])
+
+
+@given(_stats(), _stats())
+def test_takes_add_up_to_everything_recorded(first: ModelStats, second: ModelStats) -> None:
+    live = copy.deepcopy(first)
+    taken = live.take()
+    assert taken == first and live == ModelStats()
+    live.add(second)
+    assert _sum(taken, live.take()) == _sum(first, second)
