@@ -37,7 +37,7 @@ def report_payloads(
     """One payload when the report fits in `limit` bytes (the usual case); else `totals` (the
     small parts: "h3", "held") in the first, the metrics in one of their own and the models'
     deltas spread over as many as they take. Metrics, or a version's delta, larger than
-    `limit` alone are left out."""
+    `limit` alone are left out. Never no payload (the last answers the parent's query)."""
     whole = _encode(totals, models, metrics)
     if len(whole) <= limit:
         return Payloads([whole], {})
@@ -62,7 +62,7 @@ def report_payloads(
             size = base
         chunk.append(entry)
         size += entry_size
-    if chunk or totals:
+    if chunk or totals or not out.payloads:  # one at least: it may answer a query
         out.payloads.append(_encode(totals, chunk, None))
     return out
 
