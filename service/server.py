@@ -39,6 +39,7 @@ from service.lifecycle.repository import ModelRepository, RepositoryError
 from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
 from service.lifecycle.uploads import UploadLimits
 from service.lifecycle.watching import RepositoryWatcher
+from service.observability.exposition import on_loop
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable
@@ -49,6 +50,9 @@ from service.settings import ServerSettings
 from service.tickets.store import TicketStoreError, open_ticket_store
 
 log = logging.getLogger("paddlequic.server")
+
+# A scrape waits at most this long for the front-ends' reports (each is waited for 1 s).
+SCRAPE_REFRESH_S = 3.0
 
 
 async def serve(settings: ServerSettings) -> None:
@@ -165,8 +169,11 @@ async def serve(settings: ServerSettings) -> None:
         )
     servicers.control.h3 = public.h3
     servicers.control.refresh_h3 = public.refresh_h3
+    plane.refresh_stats = public.refresh_h3
     if metrics is not None:
         metrics.state.h3 = public.h3
+        if public.refresh_h3 is not None:
+            metrics.refresh = on_loop(loop, public.refresh_h3, SCRAPE_REFRESH_S)
     health.changed()
 
     stop = asyncio.Event()

@@ -89,7 +89,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: ServicerContext
     ) -> pb.ModelStatisticsResponse:
-        chosen = self.plane.statistics(request.name, request.version)
+        chosen = await self.plane.statistics(request.name, request.version)
         return pb.ModelStatisticsResponse(
             model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
         )

@@ -9,7 +9,7 @@ model or version answers, is decided here for both."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib import metadata
@@ -102,6 +102,9 @@ class DataPlane:
         self.server_name = server_name
         self.shared_memory = shared_memory
         self.control_mode = control_mode
+        # Set with front-end processes: asks each for the counts of the calls it served
+        # itself (added to the versions' statistics) before they are read.
+        self.refresh_stats: Callable[[], Awaitable[None]] | None = None
 
     @property
     def ready(self) -> bool:
@@ -140,9 +143,11 @@ class DataPlane:
     def model_config(self, name: str, version: str) -> mc.ModelConfig:
         return self.models.resolve(name, version).config
 
-    def statistics(self, name: str, version: str) -> list[ServedVersion]:
+    async def statistics(self, name: str, version: str) -> list[ServedVersion]:
         """The versions whose statistics are asked for: one, a model's, or every one (no
-        name)."""
+        name), with every call answered so far counted."""
+        if self.refresh_stats is not None:
+            await self.refresh_stats()
         if not name:
             return self.models.all_versions()
         chosen = [self.models.resolve(name, version)] if version else self.models.versions_of(name)

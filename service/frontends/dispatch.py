@@ -8,7 +8,6 @@ protobuf, task or servicer context here."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +32,8 @@ from service.frontends.protocol import (
     encode_status,
 )
 from service.frontends.queue_sharing import QUEUES_SOCKET, SharedQueues
-from service.frontends.stats import FrontendMetrics, FrontendStats
+from service.frontends.reports import Reports
+from service.frontends.stats import FrontendMetrics
 from service.inference.errors import ServiceError
 from transport.grpc.handler_table import HandlerTable, run_behavior
 from transport.grpc.servicer_context import CallContext
@@ -42,13 +42,14 @@ log = logging.getLogger("paddlequic.frontends")
 
 TRANSPORTS = ("h2", "h3")
 STATS_QUERY_TIMEOUT_S = 1.0
+_QUERIES = 0xFFFFFFFF  # STATS_QUERY numbers, 1 to this (a frame's call id), then 1 again
 
 
 class DispatchServer:
     def __init__(
         self,
         max_message: int,
-        stats: FrontendStats,
+        reports: Reports,
         metrics: FrontendMetrics | None,
         described: DescribedInfer,
         listening: Callable[[str], None],
@@ -59,7 +60,7 @@ class DispatchServer:
         queues (queue_sharing.py)."""
         self.max_message = max_message
         self.listening = listening
-        self.stats = stats
+        self.reports = reports
         self.metrics = metrics
         self.described = described
         self.tables = {transport: HandlerTable() for transport in TRANSPORTS}
@@ -97,7 +98,9 @@ class DispatchServer:
         return b"" if self.sharing is None else self.sharing.view(self.described.described)
 
     async def refresh_stats(self) -> None:
-        """Ask every front-end for its counters now; wait a moment for the answers."""
+        """Ask every front-end for its report now; wait a moment for the answers. Counts
+        recorded by a front-end before it read the question are in its answer (a report
+        it sent before, crossing the question, is not taken for the answer)."""
         waits = [link.query_stats() for link in list(self._links)]
         if waits:
             await asyncio.wait(waits, timeout=STATS_QUERY_TIMEOUT_S)
@@ -121,7 +124,8 @@ class _FrontendLink(FrameConnection):
         self.server = server
         self.index = "?"
         self._calls: dict[int, _Call | DescribedCall] = {}
-        self._stats_wanted: list[asyncio.Future[None]] = []
+        self._queries = 0
+        self._stats_wanted: list[tuple[int, asyncio.Future[None]]] = []
 
     def received(self, received: Frame) -> None:
         kind, call_id, payload = received
@@ -157,15 +161,12 @@ class _FrontendLink(FrameConnection):
         elif kind is Kind.RELEASED and self.server.sharing is not None:
             self.server.sharing.released(self.index, payload)
         elif kind is Kind.STATS:
-            report = json.loads(payload)
-            if self.server.sharing is not None:
+            # call_id: the last query the front-end answers with this report (0: none)
+            report = self.server.reports.report(self, payload)
+            if report is not None and self.server.sharing is not None:
                 self.server.sharing.held(self.index, report.get("held", {}))
-            if "stats" in report:
-                self.server.stats.report(self, report)
-            for wanted in self._stats_wanted:
-                if not wanted.done():
-                    wanted.set_result(None)
-            self._stats_wanted.clear()
+            if call_id:
+                self._answered(call_id)
         elif (call := self._calls.get(call_id)) is not None:
             # Frames for a call that already ended cross its STATUS on the way: dropped.
             call.received(kind, payload)
@@ -198,10 +199,23 @@ class _FrontendLink(FrameConnection):
             self._calls.pop(call.call_id, None)
 
     def query_stats(self) -> asyncio.Future[None]:
+        """A report asked for: done once the front-end's answer is in."""
+        self._queries = self._queries % _QUERIES + 1
         wanted = asyncio.get_running_loop().create_future()
-        self._stats_wanted.append(wanted)
-        self.send(Kind.STATS_QUERY, 0)
+        self._stats_wanted.append((self._queries, wanted))
+        self.send(Kind.STATS_QUERY, self._queries)
         return wanted
+
+    def _answered(self, query: int) -> None:
+        """Queries up to `query` answered (the front-end answers them in order)."""
+        waiting = []
+        for asked, wanted in self._stats_wanted:
+            if asked <= query:
+                if not wanted.done():
+                    wanted.set_result(None)
+            else:
+                waiting.append((asked, wanted))
+        self._stats_wanted = waiting
 
     def abort_calls(self) -> None:
         for call in list(self._calls.values()):
@@ -209,9 +223,10 @@ class _FrontendLink(FrameConnection):
 
     def lost(self) -> None:
         self.abort_calls()
-        self.server.stats.retire(self)
+        self.server.reports.retire(self)
         if self.server.sharing is not None and self.index != "?":
             self.server.sharing.lost(self.index)
+        self._answered(_QUERIES)  # no answer is coming: nobody waits for one
 
 
 class _Call:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import os
 import signal
@@ -41,6 +40,7 @@ from service.frontends.listeners import (
     start_h3,
     start_rest,
 )
+from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView, answer_message, response_message
 from service.frontends.protocol import (
     WINDOW,
@@ -56,12 +56,15 @@ from service.frontends.protocol import (
     encode_open,
 )
 from service.frontends.queue_sharing import QUEUES_SOCKET
+from service.frontends.reports import report_payloads
 from service.frontends.rest_forward import RestForwarder
 from service.frontends.runtime import DISPATCH_SOCKET, observer_of, read_settings
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
 from service.inference.identity import identity_of
 from service.observability.logs import configure_logging
+from service.observability.metrics import Metrics
+from service.observability.summed import families_json
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
@@ -135,6 +138,11 @@ class ParentLink(FrameConnection):
         self.shared: SharedVersions | None = None
         self.serving: Serving | None = None
         self._here = _Here(self)
+        # What the calls this front-end serves itself count: ModelStatistics (per version)
+        # and its own metrics (None: --no-metrics), both sent in each report.
+        self.counts = LocalCounts()
+        self.metrics: Metrics | None = None
+        self._left_out: set[str] = set()  # parts of reports too large to send, logged once
 
     def hello(self) -> None:
         """Tell the parent this front-end's listeners accept calls (its readiness waits for
@@ -281,7 +289,7 @@ class ParentLink(FrameConnection):
     def received(self, received: Frame) -> None:
         kind, call_id, payload = received
         if kind is Kind.STATS_QUERY:
-            self.report()
+            self.report(answering=call_id)
             return
         if kind is Kind.MODELS:
             entries = decode_view(payload)
@@ -316,16 +324,39 @@ class ParentLink(FrameConnection):
         else:
             raise ProtocolViolation(f"{kind.name} frame from the parent")
 
-    def report(self) -> None:
-        """This process's counters, to the parent: its HTTP/3 servers', and the requests it
-        holds of the versions it queues for itself."""
-        report: dict[str, Any] = {}
+    def report(self, answering: int = 0) -> None:
+        """This process's counts, to the parent (reports.py): its HTTP/3 servers', the
+        requests it holds of the versions it queues for itself, the ModelStatistics counts and
+        metrics of the calls it serves itself. `answering`: the STATS_QUERY this answers (0:
+        none; its last frame carries it)."""
+        totals: dict[str, Any] = {}
         if self.h3:
-            report.update(report_of(self.h3).to_json())
+            totals["h3"] = report_of(self.h3).to_json()
         if self.shared is not None:
-            report["held"] = self.shared.held()
-        if report:
-            self.send(Kind.STATS, 0, json.dumps(report).encode())
+            totals["held"] = self.shared.held()
+        models = self.counts.take()
+        if not (answering or totals or models or self.metrics):
+            return
+        report = report_payloads(
+            totals,
+            models,
+            families_json(self.metrics.registry.collect()) if self.metrics else None,
+            self.max_payload,
+        )
+        for part, size in report.left_out.items():
+            if part not in self._left_out:
+                self._left_out.add(part)
+                log.error(
+                    "front-end %d: its report's %s (%d bytes) are past the dispatch frame "
+                    "limit (%d bytes): left out of the server's counts",
+                    self.index,
+                    part,
+                    size,
+                    self.max_payload,
+                )
+        last = len(report.payloads) - 1
+        for position, payload in enumerate(report.payloads):
+            self.send(Kind.STATS, answering if position == last else 0, payload)
 
     def lost(self) -> None:
         for call in self._calls.values():
@@ -420,9 +451,11 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         ) from None
     restriction = restriction_of(parse_restrictions(settings.restricted_protocol), MODEL_INFER)
     link = ParentLink(index, reader, writer, settings.max_message_bytes, restriction)
+    if settings.metrics:
+        link.metrics = Metrics.frontend(link.view.served)
     tracing = None
     if settings.instance_queues and settings.frontend_queues:
-        observer, tracing = observer_of(settings, None)
+        observer, tracing = observer_of(settings, link.metrics)
         link.serving = Serving(
             RequestRunner(ModelRegistry(_nothing), observer),
             observer,
@@ -434,6 +467,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             lambda kind, payload: link.send(kind, 0, payload),
             runtime_dir / QUEUES_SOCKET,
             observer,
+            link.counts.stats,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

@@ -52,7 +52,8 @@ class Listeners(Protocol):
 
     @property
     def refresh_h3(self) -> Callable[[], Awaitable[None]] | None:
-        """Brings `h3` up to date (None: it always is)."""
+        """Brings `h3` up to date, and what front-end processes count of the calls they serve
+        (ModelStatistics, metrics) (None: it always is)."""
 
     async def stop(self, grace: float) -> None: ...
 

@@ -53,6 +53,10 @@ class ModelView:
             versions[entry.model, entry.version] = _Version(entry.token, validator)
         self._versions = versions
 
+    def served(self) -> list[tuple[str, str]]:
+        """The (model, version number) pairs of the view (metrics' labels name only these)."""
+        return [(model, version) for model, version in self._versions if version]
+
     async def describe(self, message: bytes) -> DescribedRequest | Refusal | None:
         """The ModelInferRequest in `message` as a descriptor, or as the refusal of its
         version's validator (the parent's words: its validator is the same); None: pass it on

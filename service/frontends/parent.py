@@ -19,6 +19,7 @@ from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
 from service.frontends.listeners import serves_rest_h3, tls_files
+from service.frontends.reports import Reports
 from service.frontends.rest_tunnel import TRANSPORT as REST_TRANSPORT
 from service.frontends.rest_tunnel import RestTunnel
 from service.frontends.runtime import (
@@ -54,6 +55,8 @@ class Frontends:
     reserved: list[socket.socket]  # the ports front-ends share, held while they come and go
 
     async def refresh_h3(self) -> None:
+        """Every front-end's latest report in: its HTTP/3 counters, and the ModelStatistics
+        counts and metrics of the calls it served itself."""
         await self.dispatch.refresh_stats()
 
     async def stop(self, grace: float) -> None:
@@ -99,7 +102,7 @@ async def start_frontends(
         metrics = observer.metrics
         dispatch = DispatchServer(
             settings.max_message_bytes,
-            stats,
+            Reports(stats, models, metrics.reported if metrics is not None else None),
             FrontendMetrics(metrics.registry, stats) if metrics is not None else None,
             DescribedInfer(models, serving),
             FrontendReadiness(models, count).listening,

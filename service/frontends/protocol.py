@@ -39,8 +39,10 @@ class Kind(enum.IntEnum):
     CREDIT = 6  # both ways: the receiver consumed this many messages (u32)
     HEADERS = 7  # parent -> front-end: initial metadata
     STATUS = 8  # parent -> front-end: the call's end (Status)
-    STATS = 9  # front-end -> parent, call 0: its transport counters (JSON)
-    STATS_QUERY = 10  # parent -> front-end, call 0: send STATS now
+    # front-end -> parent: its counters (JSON, reports.py); the call id: the last STATS_QUERY
+    # this report answers (its last frame, when it takes several), 0 for none
+    STATS = 9
+    STATS_QUERY = 10  # parent -> front-end: send STATS now; the call id numbers the query
     MODELS = 11  # parent -> front-end, call 0: the served versions it may describe (descriptors)
     INFER = 12  # front-end -> parent: a ModelInfer call, decoded and validated (descriptors)
     STALE = 13  # parent -> front-end: that INFER's view is outdated; pass the call on as bytes

@@ -23,6 +23,7 @@ from typing import Any, cast
 from protos.inference import model_config_pb2 as mc
 from service.frontends.protocol import Kind
 from service.inference.validation import RequestValidator
+from service.registry.statistics import ModelStats
 from service.registry.versions import ServedVersion, VersionState
 from service.serving.queued_batcher import BatchObserver, QueuedBatcher, batch_recorder
 from service.workers import deaths, protocol
@@ -100,13 +101,16 @@ class SharedVersions:
         send: Callable[[Kind, bytes], None],
         queues_socket: Path,
         observer: BatchObserver,
+        stats_of: Callable[[str, int], ModelStats],
     ) -> None:
-        """`send`: a frame to the parent."""
+        """`send`: a frame to the parent; `stats_of(model, version)`: what a version's calls
+        here are counted in (LocalCounts.stats: reported to the parent)."""
         self._frontend = frontend
         self._send = send
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket.connect(str(queues_socket))
         self._observer = observer
+        self._stats_of = stats_of
         self._versions: dict[int, _Shared] = {}
         self._releasing: set[asyncio.Task[None]] = set()
 
@@ -131,6 +135,7 @@ class SharedVersions:
         setup = protocol.decode(base64.b64decode(entry["setup"])[protocol.header_size() :])
         assert isinstance(setup, protocol.Queues)
         served = ServedVersion(str(entry["name"]), int(entry["version"]), config)
+        served.stats = self._stats_of(served.name, served.version)
         served.state = VersionState.READY
         instances = [RemoteInstance(self, token, i, d) for i, d in enumerate(entry["instances"])]
         served.instances = cast(list[WorkerInstance], instances)

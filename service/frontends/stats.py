@@ -113,8 +113,8 @@ class FrontendStats(_Totals):
         self._live: dict[object, Report] = {}
         self._retired = _EMPTY
 
-    def report(self, source: object, data: dict[str, Any]) -> None:
-        self._live = {**self._live, source: Report.from_json(data)}
+    def report(self, source: object, report: Report) -> None:
+        self._live = {**self._live, source: report}
 
     def retire(self, source: object) -> None:
         live = dict(self._live)

@@ -77,7 +77,7 @@ class Router:
             return await self._shared_memory(scope, receive, call, rest)
         if rest == ["models", "stats"]:
             self._expect(scope, call, "GET", "ModelStatistics", "/v2/models/stats")
-            return self.routes.statistics("", "")
+            return await self.routes.statistics("", "")
         if rest[0] != "models" or len(rest) < 2:
             raise _no_route(scope)
         model, rest = rest[1], rest[2:]
@@ -120,7 +120,7 @@ class Router:
         if action == "config":
             return await self.routes.model_config(model, version)
         if action == "stats":
-            return self.routes.statistics(model, version)
+            return await self.routes.statistics(model, version)
         return await self.routes.model_metadata(model, version)
 
     async def _shared_memory(

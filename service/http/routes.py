@@ -127,8 +127,8 @@ class Routes:
         await self.plane.in_memory(model, None)
         return Reply(200, config_dict(self.plane.model_config(model, version)))
 
-    def statistics(self, model: str, version: str) -> Reply:
-        chosen = self.plane.statistics(model, version)
+    async def statistics(self, model: str, version: str) -> Reply:
+        chosen = await self.plane.statistics(model, version)
         response = pb.ModelStatisticsResponse(
             model_stats=[v.stats.to_proto(v.name, v.version) for v in chosen]
         )

@@ -9,11 +9,13 @@ writer over every family, as before."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gzip
 import math
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -23,6 +25,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gz
 from prometheus_client.openmetrics.exposition import escape_label_name
 from prometheus_client.registry import Collector
 
+from service.observability.summed import Restricted
 from service.workers.model_metrics import Family
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
@@ -69,37 +72,40 @@ def _number(value: float) -> str:
 class _Both(Collector):
     """The server's families and the models' as prometheus_client's Metric objects."""
 
-    def __init__(self, registry: CollectorRegistry, models: Callable[[], Iterator[Any]]) -> None:
-        self._registry = registry
+    def __init__(self, server: Collector, models: Callable[[], Iterator[Any]]) -> None:
+        self._server = server
         self._models = models
 
     def collect(self) -> Iterator[Any]:
-        yield from self._registry.collect()
+        yield from self._server.collect()
         yield from self._models()
 
 
 def metrics_app(
-    registry: CollectorRegistry,
+    server: Collector,
     model_families: Callable[[], list[Family]],
     model_metrics: Callable[[], Iterator[Any]],
+    refresh: Callable[[], None] = lambda: None,
 ) -> Callable[[dict[str, Any], StartResponse], list[bytes]]:
-    """The WSGI application of /metrics (any path, as prometheus_client's): `registry` is the
-    server's own; `model_families` the models' (for the text format), `model_metrics` the same
-    as Metric objects (for OpenMetrics). `?name[]=` chooses among the server's families as
-    prometheus_client does (and leaves the models' out)."""
+    """The WSGI application of /metrics (any path, as prometheus_client's): `server` gives
+    the server's own families; `model_families` the models' (for the text format),
+    `model_metrics` the same as Metric objects (for OpenMetrics). `?name[]=` chooses among the
+    server's samples as prometheus_client does (and leaves the models' out). `refresh` runs
+    before each scrape (front-ends asked for their latest counts)."""
     everything = CollectorRegistry(auto_describe=False)
-    everything.register(_Both(registry, model_metrics))
+    everything.register(_Both(server, model_metrics))
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> list[bytes]:
         if environ.get("PATH_INFO") == "/favicon.ico":
             start_response("200 OK", [])
             return [b""]
+        refresh()
         encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
         names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
         if names:
-            body = encoder(registry.restricted_registry(names))
+            body = encoder(Restricted(server, frozenset(names)))
         elif encoder is generate_latest:
-            body = generate_latest(registry) + families_text(model_families())
+            body = generate_latest(server) + families_text(model_families())
         else:
             body = encoder(everything)
         headers = [("Content-Type", content_type)]
@@ -110,6 +116,30 @@ def metrics_app(
         return [body]
 
     return app
+
+
+def on_loop(
+    loop: asyncio.AbstractEventLoop, refresh: Callable[[], Awaitable[None]], timeout: float
+) -> Callable[[], None]:
+    """`refresh` for the metrics server's thread: run on `loop`, waited for up to `timeout`
+    seconds; a scrape when the loop is gone or late writes what it has."""
+
+    async def run() -> None:
+        await refresh()
+
+    def blocking() -> None:
+        if loop.is_closed():
+            return
+        try:
+            future = asyncio.run_coroutine_threadsafe(run(), loop)
+        except RuntimeError:  # closed since
+            return
+        try:
+            future.result(timeout)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+
+    return blocking
 
 
 class _Silent(WSGIRequestHandler):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from service.inference.jobs import Timings
 from service.observability.children import Children
 from service.observability.exposition import metrics_app, serve
+from service.observability.summed import ReportedMetrics, Summed
 from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry
 from service.resilience.breaker import BreakerState
@@ -46,11 +47,17 @@ class MetricsUnavailable(Exception):
 class Metrics:
     """Every metric the server exports."""
 
-    def __init__(self, models: ModelRegistry, topology: Topology) -> None:
+    def __init__(self, models: ModelRegistry, topology: Topology, process: bool = True) -> None:
+        """`process`: with the process collector's families (process_*, this process's)."""
         self.child = Children()
         self.registry = CollectorRegistry()
+        # What front-end processes report of the calls they serve, added on each scrape;
+        # `refresh` (blocking, set with front-ends) asks each for its latest first.
+        self.reported = ReportedMetrics()
+        self.refresh: Callable[[], None] | None = None
         r = self.registry
-        ProcessCollector(registry=r)
+        if process:
+            ProcessCollector(registry=r)
         self.requests = Counter(
             "paddlequic_requests",
             "RPCs finished, by final status code",
@@ -169,12 +176,27 @@ class Metrics:
         )
         self.state = _StateCollector(models, topology)
         r.register(self.state)
-        self.names = ServedNames(models)
+        self.names = ServedNames(lambda: ((v.name, str(v.version)) for v in models.all_versions()))
+
+    @classmethod
+    def frontend(cls, served: Callable[[], Iterable[tuple[str, str]]]) -> Metrics:
+        """A front-end process's own, for the calls it serves itself, reported to the parent
+        (summed.py): the same families, labelled with the versions it serves (`served`:
+        (model, version number) pairs), none of the parent's state and no process_* families
+        (the parent's describe the parent)."""
+        metrics = cls(ModelRegistry(lambda: None), _NO_TOPOLOGY, process=False)
+        metrics.names = ServedNames(served)
+        return metrics
 
     def serve(self, host: str, port: int) -> Any:
         """Start the HTTP server in its own thread; returns it (`server_port`, `shutdown()`)."""
         try:
-            app = metrics_app(self.registry, SERVER_METRICS.families, _custom_families)
+            app = metrics_app(
+                Summed(self.registry, self.reported),
+                SERVER_METRICS.families,
+                _custom_families,
+                self._refresh,
+            )
             server = serve(host, port, app)
         except OSError as exc:
             raise MetricsUnavailable(
@@ -187,14 +209,19 @@ class Metrics:
         self.child(self.batch_size, model).observe(rows)
         self.child(self.compute_duration, model).observe(timings.infer_ns / 1e9)
 
+    def _refresh(self) -> None:
+        if self.refresh is not None:
+            self.refresh()
+
 
 class ServedNames:
     """Label values for model names and versions taken from requests. Each distinct label
     value makes a new series for as long as the server runs, so only the models and versions
     the registry holds (from the repository) get their own; any other is `UNKNOWN`."""
 
-    def __init__(self, models: ModelRegistry) -> None:
-        self._models = models
+    def __init__(self, served: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        """`served`: the (model, version number) pairs served now."""
+        self._versions = served
         self._served: set[tuple[str, str]] = set()  # (model, "") and (model, version)
 
     def labels(self, model: str, version: str) -> tuple[str, str]:
@@ -209,9 +236,7 @@ class ServedNames:
         key = (model, version)
         if key in self._served:
             return True
-        found = any(
-            v.name == model and version in ("", str(v.version)) for v in self._models.all_versions()
-        )
+        found = any(name == model and version in ("", number) for name, number in self._versions())
         if found:
             self._served.add(key)
         return found
@@ -312,6 +337,9 @@ class _NvmlMemory:
         for index, handle in self._handles.items():
             family.add_metric([str(index)], self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
         return family
+
+
+_NO_TOPOLOGY = Topology((), (), (), False, {})
 
 
 def _custom_families() -> Iterator[Metric]:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request
+from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_worker_restart import only_instance, wait_for
@@ -27,6 +28,7 @@ from tests.reference import assert_matches_reference, example_inputs, output_nam
 from tests.servers import EXAMPLE_MODELS, ServerProcess, paused, running_server, wait_arrived
 
 RPC_TIMEOUT_S = 120.0
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # new connections: both front-ends
 SCRIBBLE = 17.0
 QUEUE_MB = 1  # rings of 512 KiB: one request takes at most 256 KiB
 CONFIG = """
@@ -63,6 +65,7 @@ def server(
     add_mlp(root / "models", "small_queue", 2, 2)
     add_mlp(root / "models", "wide", 512, 64)
     add_mlp(root / "models", "variable", 0, 64, variable=True)
+    add_mlp(root / "models", "counted", 8, 64)
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
     args += ["--frontends", str(request.param)]
     with running_server(root / "models", root / "server.log", args) as process:
@@ -209,3 +212,33 @@ def test_front_ends_answer_model_infer_with_their_parent_stopped(
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_served(
+    server: ServerProcess,
+) -> None:
+    """A call a front-end serves itself is counted there and reported to the parent, which
+    asks every front-end before it answers: ModelStatistics and /metrics show each call
+    answered, once, as soon as it is answered."""
+    channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in range(4)]
+    try:
+        for seed, channel in enumerate(channels):
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for _ in range(3):
+                stub.ModelInfer(build_request("counted", one_row(seed)), timeout=RPC_TIMEOUT_S)
+    finally:
+        for channel in channels:
+            channel.close()
+    request = pb.ModelStatisticsRequest(name="counted", version="1")
+    (stats,) = server.stub.ModelStatistics(request).model_stats
+    assert (stats.inference_count, stats.inference_stats.success.count) == (12, 12)
+    assert stats.inference_stats.fail.count == 0
+    assert sum(b.compute_infer.count for b in stats.batch_stats) == stats.execution_count
+    served = ("counted", "ModelInfer", "OK")
+    answered = [
+        s.value
+        for s in server.metrics()
+        if s.name == "paddlequic_requests_total"
+        and (s.labels["model"], s.labels["rpc"], s.labels["code"]) == served
+    ]
+    assert sum(answered) == 12

@@ -4,6 +4,7 @@ summing of the front-ends' HTTP/3 counters."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
@@ -124,9 +125,11 @@ def test_frontends_get_a_shared_ticket_store_and_the_parents_settings(tmp_path: 
     assert shared_tickets(redis, tmp_path) is redis
 
 
-def _report(connections: int, full: int, issued: int, blocked: int) -> dict[str, object]:
+def _report(connections: int, full: int, issued: int, blocked: int) -> Report:
+    """As the parent reads it from a front-end's JSON."""
     stats = H3ServerStats(connections=connections, handshakes={"full": full})
-    return Report(stats, TicketCounters(issued=issued), 10 * connections, blocked).to_json()
+    sent = Report(stats, TicketCounters(issued=issued), 10 * connections, blocked).to_json()
+    return Report.from_json(json.loads(json.dumps(sent)))
 
 
 def test_frontend_counters_add_up_and_never_go_down_when_one_is_restarted() -> None:
