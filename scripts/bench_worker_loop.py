@@ -99,8 +99,8 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
         read()
         caller += (middle - start) + (time.process_time() - end)
         worker_total += end - middle
-    for end in (requests, replies):
-        end.release()
+    for ring in (requests, replies):
+        ring.release()
     worker.drop(PARENT)
     scale = 1e6 / runs
     return Row(round_, batch, predictor, worker_total * scale, caller * scale)

@@ -1,5 +1,8 @@
 """`--frontends 2`: ModelInfer calls on served versions go to the parent as descriptors the
-front-end decoded and validated, counted in paddlequic_frontend_described_calls_total. Their
+front-end decoded and validated, counted in paddlequic_frontend_described_calls_total (with
+`--no-frontend-queues`, or for a version whose requests the front-ends do not queue
+themselves); with front-end queues (the default) the front-end serves them itself, and the
+parent takes no part. Either way the answers and what is counted are the single process's. Their
 answers are the model's; the calls the front-end does not describe (bad requests, shared
 memory, unknown models) are answered exactly as a single process answers them (code and
 message), and every call is counted once in the request metrics. A reload or an unload while
@@ -48,16 +51,19 @@ MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 @pytest.fixture(scope="module")
 def servers(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
-) -> Iterator[dict[int, ServerProcess]]:
-    """A single process and one with two front-ends, both restricting inference."""
+) -> Iterator[dict[str, ServerProcess]]:
+    """A single process, one with two front-ends passing calls on as descriptors, and one
+    whose front-ends serve them, all restricting inference."""
     root = tmp_path_factory.mktemp("described")
     repository = model_repository(root / "models", ["mlp", "text_classifier"])
     args = ["--certs-dir", str(certs_dir), "--max-message-bytes", str(MAX_MESSAGE), *RESTRICTED]
+    two = [*args, "--frontends", "2"]
     with (
         running_server(repository, root / "one.log", [*args, "--frontends", "1"]) as one,
-        running_server(repository, root / "two.log", [*args, "--frontends", "2"]) as two,
+        running_server(repository, root / "two.log", [*two, "--no-frontend-queues"]) as two_d,
+        running_server(repository, root / "served.log", two) as served,
     ):
-        yield {1: one, 2: two}
+        yield {"one": one, "described": two_d, "served": served}
 
 
 def counter(server: ServerProcess, name: str, **labels: str) -> float:
@@ -77,6 +83,11 @@ def answered(server: ServerProcess, transport: str, code: str) -> float:
     return counter(
         server, "paddlequic_requests_total", rpc="ModelInfer", transport=transport, code=code
     )
+
+
+def passed_on(server: ServerProcess) -> float:
+    """Calls the front-ends passed on to the parent (as descriptors or bytes)."""
+    return counter(server, "paddlequic_frontend_calls_total")
 
 
 def calls(server: ServerProcess) -> float:
@@ -102,10 +113,29 @@ async def infer_calls(
 
 @pytest.mark.parametrize("transport", ["h2", "h3"])
 async def test_model_infer_goes_as_a_descriptor_and_is_counted_once(
-    servers: dict[int, ServerProcess], certs_dir: Path, transport: str
+    servers: dict[str, ServerProcess], certs_dir: Path, transport: str
 ) -> None:
-    server = servers[2]
+    server = servers["described"]
     before = (described(server, transport), answered(server, transport, "OK"))
+    await infer_over(server, certs_dir, transport)
+    after = (described(server, transport), answered(server, transport, "OK"))
+    assert (after[0] - before[0], after[1] - before[1]) == (CALLS, CALLS)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_model_infer_is_served_by_the_front_end_and_counted_once(
+    servers: dict[str, ServerProcess], certs_dir: Path, transport: str
+) -> None:
+    """With front-end queues nothing of the call reaches the parent: no call passed on, none
+    described; it is counted once where the parent sums the front-ends' counts."""
+    server = servers["served"]
+    before = (passed_on(server), described(server, transport), answered(server, transport, "OK"))
+    await infer_over(server, certs_dir, transport)
+    after = (passed_on(server), described(server, transport), answered(server, transport, "OK"))
+    assert [a - b for a, b in zip(after, before, strict=True)] == [0, 0, CALLS]
+
+
+async def infer_over(server: ServerProcess, certs_dir: Path, transport: str) -> None:
     if transport == "h2":
         async with grpc.aio.insecure_channel(server.address) as channel:
             await infer_calls(pb_grpc.GRPCInferenceServiceStub(channel), range(CALLS))
@@ -115,8 +145,6 @@ async def test_model_infer_goes_as_a_descriptor_and_is_counted_once(
             await infer_calls(pb_grpc.GRPCInferenceServiceStub(quic), range(CALLS))
         finally:
             await quic.close()
-    after = (described(server, transport), answered(server, transport, "OK"))
-    assert (after[0] - before[0], after[1] - before[1]) == (CALLS, CALLS)
 
 
 def _good() -> pb.ModelInferRequest:
@@ -176,17 +204,19 @@ def failures(server: ServerProcess) -> int:
 
 
 @pytest.mark.parametrize("bad", sorted(BAD_REQUESTS))
-def test_refusals_are_the_single_process_ones(servers: dict[int, ServerProcess], bad: str) -> None:
+def test_refusals_are_the_single_process_ones(servers: dict[str, ServerProcess], bad: str) -> None:
     """Same code, same message, counted once (metrics and the version's statistics), whether
     the front-end refused the call itself or passed it on as bytes for the parent to."""
     before = {n: (calls(s), described(s, "h2"), failures(s)) for n, s in servers.items()}
     statuses = {n: _status(s, BAD_REQUESTS[bad]) for n, s in servers.items()}
-    assert statuses[1] == statuses[2]
-    assert statuses[1][0] != "OK"
+    assert len(set(statuses.values())) == 1
+    assert statuses["one"][0] != "OK"
     counted = int(bad in ANSWERED_BY_FRONTENDS)  # a version's failure, as on one process
-    expected = {1: (1, 0, counted), 2: (1, counted, counted)}
+    # A refusal a front-end makes it reports to the parent (REFUSED), serving or describing.
+    two = (1, counted, counted)
+    expected = {"one": (1, 0, counted), "described": two, "served": two}
 
-    def deltas() -> dict[int, tuple[float, ...]]:
+    def deltas() -> dict[str, tuple[float, ...]]:
         after = {n: (calls(s), described(s, "h2"), failures(s)) for n, s in servers.items()}
         return {n: tuple(a - b for a, b in zip(after[n], before[n], strict=True)) for n in servers}
 
@@ -196,37 +226,46 @@ def test_refusals_are_the_single_process_ones(servers: dict[int, ServerProcess],
 
 
 def test_restricted_inference_without_the_header_is_refused_alike(
-    servers: dict[int, ServerProcess],
+    servers: dict[str, ServerProcess],
 ) -> None:
     message = _good().SerializeToString()
-    before = described(servers[2], "h2")
+    before = described(servers["described"], "h2"), passed_on(servers["served"])
     statuses = {n: _status(s, message, metadata=()) for n, s in servers.items()}
-    assert statuses[1] == statuses[2]
-    assert statuses[2][0] == "UNAUTHENTICATED"
-    assert described(servers[2], "h2") - before == 1  # described, refused by the parent
+    assert len(set(statuses.values())) == 1
+    assert statuses["one"][0] == "UNAUTHENTICATED"
+    assert described(servers["described"], "h2") - before[0] == 1  # refused by the parent
+    assert passed_on(servers["served"]) == before[1]  # refused by the front-end serving it
     # A request its validator refuses, without the header: not the front-end's to answer
     # (the header is checked first), so it goes on as bytes and the parent says why.
     bad = BAD_REQUESTS["wrong datatype"]
     statuses = {n: _status(s, bad, metadata=()) for n, s in servers.items()}
-    assert statuses[1] == statuses[2]
-    assert statuses[2][0] == "UNAUTHENTICATED"
-    assert described(servers[2], "h2") - before == 1
+    assert len(set(statuses.values())) == 1
+    assert statuses["one"][0] == "UNAUTHENTICATED"
+    assert described(servers["described"], "h2") - before[0] == 1
 
 
-def _described_once(server: ServerProcess) -> bool:
-    """Whether one call now goes as a descriptor (the front-end's view holds the version)."""
-    before = described(server, "h2")
+def _direct_once(server: ServerProcess, served: bool) -> bool:
+    """Whether one call now goes as a descriptor (the front-end's view holds the version) or,
+    `served`, the front-end serves it with no part for the parent."""
+
+    def count() -> float:
+        return passed_on(server) if served else described(server, "h2")
+
+    before = count()
     server.stub.ModelInfer(lifecycle.REQUEST, timeout=30)
-    return described(server, "h2") - before == 1
+    return count() - before == (0 if served else 1)
 
 
-def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("served", [False, True], ids=["described", "served"])
+def test_reload_and_unload_while_calls_run(tmp_path: Path, served: bool) -> None:
     """A reload under load fails no call and mixes no versions; the front-ends then describe
-    calls on the new version; after an unload a call gets the single process's error."""
+    (or serve) calls on the new version; after an unload a call gets the single process's
+    error."""
     repo = lifecycle.repository(tmp_path / "models")
     args = ["--model-control-mode", "explicit", "--load-model", "mlp", "--no-h3"]
-    with running_server(repo, tmp_path / "log", [*args, "--frontends", "2"]) as server:
-        eventually(lambda: _described_once(server), "a described call")
+    args += ["--frontends", "2", "--frontend-queues" if served else "--no-frontend-queues"]
+    with running_server(repo, tmp_path / "log", args) as server:
+        eventually(lambda: _direct_once(server, served), "a described call")
         with lifecycle.Load(server) as load:
             lifecycle.publish(repo, 2)
             server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
@@ -238,7 +277,7 @@ def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
         outputs = {v: {out for version, out in load.answers if version == v} for v in "12"}
         assert len(outputs["1"]) == 1 and len(outputs["2"]) == 1  # each from one version
         assert all(v == "2" for v, _ in load.answers[swapped_at + 2 * lifecycle.CLIENTS :])
-        eventually(lambda: _described_once(server), "a described call on version 2")
+        eventually(lambda: _direct_once(server, served), "a described call on version 2")
 
         server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mlp"))
         before = calls(server)
@@ -253,7 +292,7 @@ def test_reload_and_unload_while_calls_run(tmp_path: Path) -> None:
         assert calls(server) - before == 2
 
         server.stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
-        eventually(lambda: _described_once(server), "a described call after loading")
+        eventually(lambda: _direct_once(server, served), "a described call after loading")
 
 
 def _typed_contents(request: pb.ModelInferRequest) -> None:
@@ -282,14 +321,14 @@ def _outcome(server: ServerProcess, message: bytes) -> tuple[str, str]:
 
 @pytest.mark.parametrize("unusual", sorted(UNUSUAL_REQUESTS))
 def test_unusual_requests_get_the_single_process_answer(
-    servers: dict[int, ServerProcess], unusual: str
+    servers: dict[str, ServerProcess], unusual: str
 ) -> None:
     outcomes = {n: _outcome(s, UNUSUAL_REQUESTS[unusual]) for n, s in servers.items()}
-    assert outcomes[1] == outcomes[2]
+    assert len(set(outcomes.values())) == 1
 
 
 def test_a_descriptor_larger_than_its_message_goes_as_bytes(
-    servers: dict[int, ServerProcess],
+    servers: dict[str, ServerProcess],
 ) -> None:
     """Typed INT64 zeros take 1 byte each in the message and 8 as raw bytes: a descriptor past
     the dispatch frame limit would break the front-end's link; it goes as the message."""
@@ -299,15 +338,16 @@ def test_a_descriptor_larger_than_its_message_goes_as_bytes(
     tensor.contents.int64_contents.extend([0] * tokens)
     message = request.SerializeToString()
     assert len(message) < MAX_MESSAGE and tokens * 8 > MAX_MESSAGE + FRAME_OVERHEAD
-    before = described(servers[2], "h2")
+    before = described(servers["described"], "h2")
     outcomes = {n: _outcome(s, message) for n, s in servers.items()}
-    assert outcomes[1] == outcomes[2]
-    assert described(servers[2], "h2") == before
-    assert counter(servers[2], "paddlequic_frontend_restarts_total") == 0
+    assert len(set(outcomes.values())) == 1
+    assert described(servers["described"], "h2") == before
+    for two in ("described", "served"):
+        assert counter(servers[two], "paddlequic_frontend_restarts_total") == 0
 
 
 def test_typed_contents_past_the_inline_decode_bound_are_described(
-    servers: dict[int, ServerProcess],
+    servers: dict[str, ServerProcess],
 ) -> None:
     """More typed values than a single process converts on its event loop: the front-end
     converts them, the parent gets raw bytes; the same answer as a single process."""
@@ -317,19 +357,19 @@ def test_typed_contents_past_the_inline_decode_bound_are_described(
     tensor = request.inputs.add(name="token_ids", datatype="INT64", shape=[rows, tokens])
     tensor.contents.int64_contents.extend(i % 1000 for i in range(rows * tokens))
     message = request.SerializeToString()
-    before = described(servers[2], "h2")
+    before = described(servers["described"], "h2")
     outcomes = {n: _outcome(s, message) for n, s in servers.items()}
-    assert outcomes[1] == outcomes[2] and outcomes[1][0] == "OK"
-    assert described(servers[2], "h2") == before + 1
+    assert len(set(outcomes.values())) == 1 and outcomes["one"][0] == "OK"
+    assert described(servers["described"], "h2") == before + 1
 
 
-@pytest.mark.parametrize("frontends", [1, 2])
+@pytest.mark.parametrize("path", ["one", "described", "served"])
 async def test_a_described_call_past_its_deadline_ends_everywhere(
-    servers: dict[int, ServerProcess], frontends: int
+    servers: dict[str, ServerProcess], path: str
 ) -> None:
     """The worker held still: the call ends DEADLINE_EXCEEDED, as on a single process, it is
     counted once, and nothing stays in flight in the parent once the worker goes on."""
-    server = servers[frontends]
+    server = servers[path]
     (instance,) = server.instances("mlp")
     before = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -343,7 +383,7 @@ async def test_a_described_call_past_its_deadline_ends_everywhere(
     counted = lambda: answered(server, "h2", "DEADLINE_EXCEEDED") > before[1]  # noqa: E731
     await asyncio.to_thread(eventually, counted, "the late call counted")
     after = (described(server, "h2"), answered(server, "h2", "DEADLINE_EXCEEDED"))
-    assert (after[0] - before[0], after[1] - before[1]) == ((frontends > 1) * 3, 1)
+    assert (after[0] - before[0], after[1] - before[1]) == ((path == "described") * 3, 1)
     assert counter(server, "paddlequic_inflight_requests", transport="h2") == 0
 
 
@@ -354,15 +394,15 @@ def _held(server: ServerProcess) -> float:
     return float(sum(q.queued + q.in_flight for q in queues))
 
 
-@pytest.mark.parametrize("frontends", [1, 2])
+@pytest.mark.parametrize("path", ["one", "described", "served"])
 async def test_described_calls_whose_clients_go_leave_the_server(
-    servers: dict[int, ServerProcess], frontends: int
+    servers: dict[str, ServerProcess], path: str
 ) -> None:
     """Two calls held by a stopped worker (one given to it, one queued), then cancelled by
     their client: the server lets both go before the worker moves (the queued one leaves the
     queue), each is counted once as CANCELLED, as on a single process, and nothing stays in
     flight."""
-    server = servers[frontends]
+    server = servers[path]
     (instance,) = server.instances("mlp")
     before = answered(server, "h2", "CANCELLED")
     async with grpc.aio.insecure_channel(server.address) as channel:
