@@ -168,12 +168,14 @@ async def serve(settings: ServerSettings) -> None:
             settings, register, client_auth, tickets, plane, observer, restrictions
         )
     servicers.control.h3 = public.h3
-    servicers.control.refresh_h3 = public.refresh_h3
-    plane.refresh_stats = public.refresh_h3
+    servicers.control.refresh_counts = public.refresh_counts
+    plane.refresh_stats = public.refresh_counts
+    if lifecycle.budget is not None:
+        lifecycle.budget.refresh = public.refresh_counts
     if metrics is not None:
         metrics.state.h3 = public.h3
-        if public.refresh_h3 is not None:
-            metrics.refresh = on_loop(loop, public.refresh_h3, SCRAPE_REFRESH_S)
+        if public.refresh_counts is not None:
+            metrics.refresh = on_loop(loop, public.refresh_counts, SCRAPE_REFRESH_S)
     health.changed()
 
     stop = asyncio.Event()

@@ -17,15 +17,15 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.models = models
         self.h3: H3State | None = None  # set once HTTP/3 listens
         # Set with front-end processes: asks each for its counters before they are read.
-        self.refresh_h3: Callable[[], Awaitable[None]] | None = None
+        self.refresh_counts: Callable[[], Awaitable[None]] | None = None
 
     async def TransportStats(
         self, request: pb.TransportStatsRequest, context: ServicerContext
     ) -> pb.TransportStatsResponse:
         if self.h3 is None:
             return pb.TransportStatsResponse(h3_enabled=False)
-        if self.refresh_h3 is not None:
-            await self.refresh_h3()
+        if self.refresh_counts is not None:
+            await self.refresh_counts()
         stats = self.h3.stats
         return pb.TransportStatsResponse(
             h3_enabled=True,
@@ -45,8 +45,8 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: ServicerContext
     ) -> pb.ListInstancesResponse:
-        if self.refresh_h3 is not None:  # front-ends' counts too: the requests they hold
-            await self.refresh_h3()
+        if self.refresh_counts is not None:  # front-ends' counts too: the requests they hold
+            await self.refresh_counts()
         versions = (
             self.models.versions_of(request.model_name)
             if request.model_name

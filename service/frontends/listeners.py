@@ -51,7 +51,7 @@ class Listeners(Protocol):
     def h3(self) -> H3State | None: ...
 
     @property
-    def refresh_h3(self) -> Callable[[], Awaitable[None]] | None:
+    def refresh_counts(self) -> Callable[[], Awaitable[None]] | None:
         """Brings `h3` up to date, and what front-end processes count of the calls they serve
         (ModelStatistics, metrics) (None: it always is)."""
 
@@ -73,7 +73,7 @@ class _Listeners:
         return ProcessH3(servers) if servers else None
 
     @property
-    def refresh_h3(self) -> None:
+    def refresh_counts(self) -> None:
         return None
 
     async def stop(self, grace: float) -> None:

@@ -54,7 +54,7 @@ class Frontends:
     runtime_dir: Path
     reserved: list[socket.socket]  # the ports front-ends share, held while they come and go
 
-    async def refresh_h3(self) -> None:
+    async def refresh_counts(self) -> None:
         """Every front-end's latest report in: its HTTP/3 counters, and the ModelStatistics
         counts and metrics of the calls it served itself."""
         await self.dispatch.refresh_stats()

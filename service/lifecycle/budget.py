@@ -84,6 +84,9 @@ class MemoryBudget:
         self._one_load = asyncio.Lock()
         # Lifecycle: loads a model from the repository (set by the lifecycle).
         self.load: Callable[[str], Awaitable[None]] | None = None
+        # With front-ends serving calls themselves: brings their counts in (last uses, the
+        # requests they hold) before the least recently used model is chosen.
+        self.refresh: Callable[[], Awaitable[None]] | None = None
 
     @contextlib.asynccontextmanager
     async def serving(
@@ -190,6 +193,8 @@ class MemoryBudget:
         a model that became busy meanwhile stays. `charged`: `name` is loaded and charged
         `needed` already; when no room can be made it is unloaded again."""
         while True:
+            if self.refresh is not None:
+                await self.refresh()
             residents = [r for r in self.residents() if not (charged and r.name == name)]
             plan = plan_room(residents, needed, self.budget, name)
             if isinstance(plan, NoRoom):
