@@ -159,7 +159,7 @@ class ServerProcess:
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
         self.control = control_pb2_grpc.ControlStub(self.channel)
 
-    def _exited(self) -> None:
+    def exited(self) -> None:
         """The server exited while starting. free_port's number can be taken by another
         process (any UDP socket bound to port 0) before the server binds it: on a port chosen
         here, start again on another; otherwise say why it exited."""
@@ -183,7 +183,7 @@ class ServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._exited()
+                self.exited()
                 continue
             with contextlib.suppress(grpc.RpcError):
                 if self.stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready:
@@ -197,7 +197,7 @@ class ServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self._exited()
+                self.exited()
                 continue
             with contextlib.suppress(grpc.RpcError):
                 index = self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=1).models
