@@ -24,9 +24,9 @@ from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import ViewEntry
 from service.frontends.dispatch import DispatchServer
-from service.frontends.frontend import ParentLink
 from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView
+from service.frontends.parent_link import ParentLink
 from service.frontends.reports import Reports, report_payloads
 from service.frontends.stats import FrontendStats
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions

@@ -1,0 +1,347 @@
+"""A front-end's end of its dispatch connection to the parent (`ParentLink`): what it does
+with each call. ModelInfer on a version it queues for itself it serves (served_here.py); on
+another version the parent described, it passes on as a descriptor it decoded and validated
+(model_view.py); every other call it passes on as its message bytes, unparsed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from service.api.restricted import Restriction
+from service.frontends.described_call import Serving
+from service.frontends.descriptors import (
+    MODEL_INFER,
+    Refusal,
+    decode_view,
+    encode_infer,
+    encode_refusal,
+)
+from service.frontends.link import FrameConnection, Window
+from service.frontends.local_counts import LocalCounts
+from service.frontends.model_view import ModelView, answer_message
+from service.frontends.protocol import (
+    WINDOW,
+    Frame,
+    Kind,
+    Open,
+    ProtocolViolation,
+    Status,
+    decode_count,
+    decode_metadata,
+    decode_status,
+    encode_count,
+    encode_open,
+)
+from service.frontends.reports import report_payloads
+from service.frontends.served_here import serve_here
+from service.frontends.shared_versions import SharedVersions
+from service.frontends.stats import report_of
+from service.inference.identity import identity_of
+from service.observability.metrics import Metrics
+from service.observability.summed import families_json
+from transport.h3.server import H3Server
+
+log = logging.getLogger("paddlequic.frontend")
+
+# The call's end when the parent never sent one: the parent is gone, or the client left first.
+_GONE = Status(grpc.StatusCode.UNAVAILABLE, "this front-end lost its server process", ())
+
+
+class _Forwarded:
+    """One call passed on: what the parent sent back for it, in order."""
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
+        self.window = Window()
+        self.stale = False  # described, and the parent's view had changed: passed on as bytes
+
+
+class ParentLink(FrameConnection):
+    """The front-end's end of its dispatch connection."""
+
+    def __init__(
+        self,
+        index: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_message: int,
+        restriction: Restriction | None,
+    ) -> None:
+        """`restriction`: ModelInfer's (--restricted-protocol inference:...), if any."""
+        super().__init__(reader, writer, max_message)
+        self.index = index
+        self.restriction = restriction
+        self.h3: list[H3Server] = []  # the gRPC port's, and the REST port's
+        self._calls: dict[int, _Forwarded] = {}
+        self._next_id = 1
+        self.view = ModelView()
+        self._configs: dict[int, bytes] = {}  # the view's versions' configs, by token
+        # With --frontend-queues: the versions this process queues for itself, and what it
+        # serves their calls with.
+        self.shared: SharedVersions | None = None
+        self.serving: Serving | None = None
+        # What the calls this front-end serves itself count: ModelStatistics (per version)
+        # and its own metrics (None: --no-metrics), both sent in each report.
+        self.counts = LocalCounts()
+        self.metrics: Metrics | None = None
+        self._left_out: set[str] = set()  # parts of reports too large to send, logged once
+
+    def hello(self) -> None:
+        """Tell the parent this front-end's listeners accept calls (its readiness waits for
+        every front-end's)."""
+        self.send(Kind.HELLO, 0, encode_count(self.index))
+
+    def handlers(self, transport: str) -> grpc.GenericRpcHandler[Any, Any]:
+        return _Forwarder(self, transport)
+
+    async def forward(
+        self, method: str, transport: str, requests: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """The behavior of every method but ModelInfer: the call's messages to the parent and
+        back."""
+        async for message in self.relay(_opened(method, transport, context), requests, context):
+            yield message
+
+    async def infer(self, transport: str, message: bytes, context: Any) -> bytes:
+        """ModelInfer: served here, on a version this process queues for itself; else passed
+        on as a descriptor when the view describes it, unless the parent says the view is
+        stale; else as the message it came as."""
+        started = time.perf_counter_ns()
+        described = await self.view.describe(message)
+        opened = _opened(MODEL_INFER, transport, context)
+        if isinstance(described, Refusal):
+            if self._answer_refusal(opened, described, time.perf_counter_ns() - started):
+                await context.abort(described.status.code, described.status.details)
+            described = None
+        if described is not None:
+            served = None if self.shared is None else self.shared.serving(described.token)
+            if served is not None and self.serving is not None:
+                return await serve_here(self.serving, opened, described, served, context)
+            # Raw BYTES elements take 4 bytes of length where the message may have used 1:
+            # a descriptor past the frame limit goes as the message it came as.
+            payload = encode_infer(opened, described)
+            if len(payload) <= self.max_payload:
+                call_id, call = self._start()
+                self.send(Kind.INFER, call_id, payload)
+                answers = self._answers(call_id, call, context, answer_message, credit=False)
+                answered = [answer async for answer in answers]
+                if not call.stale:
+                    return await _one(answered, context)
+        requests = _replay([message], _none())
+        return await _one([m async for m in self.relay(opened, requests, context)], context)
+
+    async def relay(
+        self, opened: Open, requests: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """A call opened at the parent: `requests` to it, its answers back; its metadata
+        and status go to `context` (a status other than OK is `context.abort`)."""
+        call_id, call = self._start()
+        self.send(Kind.OPEN, call_id, encode_open(opened))
+        pump = asyncio.create_task(self._pump(call_id, call, requests))
+        try:
+            async for message in self._answers(call_id, call, context, bytes, credit=True):
+                yield message
+        finally:
+            pump.cancel()
+
+    def _answer_refusal(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> bool:
+        """Report a refusal to the parent, which records it, if this front-end may answer it:
+        not when the caller lacks ModelInfer's restricted-protocol header (the parent's answer
+        to that comes first) or the report is over the frame limit."""
+        if self.restriction is not None and not self.restriction.allows(opened.metadata):
+            return False
+        payload = encode_refusal(opened, refusal, elapsed_ns)
+        if len(payload) > self.max_payload:
+            return False
+        self.send(Kind.REFUSED, 0, payload)
+        return True
+
+    def _start(self) -> tuple[int, _Forwarded]:
+        call_id, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF or 1
+        call = self._calls[call_id] = _Forwarded()
+        return call_id, call
+
+    async def _answers(
+        self,
+        call_id: int,
+        call: _Forwarded,
+        context: Any,
+        message: Callable[[bytes], bytes],
+        credit: bool,
+    ) -> AsyncIterator[bytes]:
+        """What the parent sends for the call, to the client, up to its end (STALE: none).
+        `credit`: give it back per message (a described call's one answer needs none)."""
+        status = _GONE
+        try:
+            while True:
+                kind, value = await call.events.get()
+                if kind is Kind.MESSAGE:
+                    yield message(value)
+                    if credit:
+                        self.give_credit(call_id)
+                elif kind is Kind.HEADERS:
+                    await context.send_initial_metadata(value)
+                elif kind is Kind.STATUS:
+                    status = value
+                    break
+                elif kind is Kind.STALE:
+                    call.stale = True
+                    return
+                else:  # CANCEL: the client's request stream failed; the transport ends the call
+                    raise value
+        finally:
+            self._calls.pop(call_id, None)
+            if status is _GONE and not call.stale:
+                self.send(Kind.CANCEL, call_id)
+        if status.code is grpc.StatusCode.OK:
+            if status.trailing:
+                context.set_trailing_metadata(status.trailing)
+            return
+        await context.abort(status.code, status.details, status.trailing)
+
+    async def _pump(self, call_id: int, call: _Forwarded, requests: AsyncIterator[bytes]) -> None:
+        try:
+            async for message in requests:
+                await call.window.take()
+                self.send(Kind.MESSAGE, call_id, message)
+                await self.drain()
+            self.send(Kind.HALF_CLOSE, call_id)
+        except Exception as exc:
+            call.events.put_nowait((Kind.CANCEL, exc))
+
+    def received(self, received: Frame) -> None:
+        kind, call_id, payload = received
+        if kind is Kind.STATS_QUERY:
+            self.report(answering=call_id)
+            return
+        if kind is Kind.MODELS:
+            entries = decode_view(payload)
+            self.view.update(entries)
+            self._configs = {entry.token: entry.config for entry in entries}
+            return
+        if kind is Kind.QUEUED and self.shared is not None:
+            self.shared.update(payload, self._configs)
+            return
+        if kind is Kind.WORKER and self.shared is not None:
+            self.shared.told(payload)
+            return
+        call = self._calls.get(call_id)
+        if call is None:
+            return  # the call ended here first (the client left)
+        if kind is Kind.MESSAGE:
+            if call.events.qsize() > WINDOW + 2:  # the window, headers, a status
+                raise ProtocolViolation(f"call {call_id}: messages past the credit window")
+            call.events.put_nowait((kind, payload))
+        elif kind is Kind.HEADERS:
+            call.events.put_nowait((kind, decode_metadata(payload)))
+        elif kind is Kind.STATUS:
+            call.events.put_nowait((kind, decode_status(payload)))
+        elif kind is Kind.CREDIT:
+            call.window.give(decode_count(payload))
+        elif kind is Kind.STALE:
+            call.events.put_nowait((kind, None))
+        else:
+            raise ProtocolViolation(f"{kind.name} frame from the parent")
+
+    def report(self, answering: int = 0) -> None:
+        """This process's counts, to the parent (reports.py): its HTTP/3 servers', the
+        requests it holds of the versions it queues for itself, the ModelStatistics counts and
+        metrics of the calls it serves itself. `answering`: the STATS_QUERY this answers (0:
+        none; its last frame carries it)."""
+        totals: dict[str, Any] = {}
+        if self.h3:
+            totals["h3"] = report_of(self.h3).to_json()
+        if self.shared is not None:
+            totals["held"] = self.shared.held()
+        models = self.counts.take()
+        if not (answering or totals or models or self.metrics):
+            return
+        report = report_payloads(
+            totals,
+            models,
+            families_json(self.metrics.registry.collect()) if self.metrics else None,
+            self.max_payload,
+        )
+        for part, size in report.left_out.items():
+            if part not in self._left_out:
+                self._left_out.add(part)
+                log.error(
+                    "front-end %d: its report's %s (%d bytes) are past the dispatch frame "
+                    "limit (%d bytes): left out of the server's counts",
+                    self.index,
+                    part,
+                    size,
+                    self.max_payload,
+                )
+        last = len(report.payloads) - 1
+        for position, payload in enumerate(report.payloads):
+            self.send(Kind.STATS, answering if position == last else 0, payload)
+
+    def lost(self) -> None:
+        for call in self._calls.values():
+            call.events.put_nowait((Kind.STATUS, _GONE))
+
+
+def _opened(method: str, transport: str, context: Any) -> Open:
+    return Open(
+        method,
+        transport,
+        context.peer(),
+        context.time_remaining(),
+        tuple(context.invocation_metadata() or ()),
+        identity_of(context),
+    )
+
+
+async def _replay(read: list[bytes], requests: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The call's messages again: those already read, then the rest."""
+    for message in read:
+        yield message
+    async for message in requests:
+        yield message
+
+
+class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Every method, whatever its kind, as a bidirectional stream of raw bytes: the wire
+    format is the same, and the parent enforces what a unary method may receive. ModelInfer,
+    the one most calls make, as the unary method it is: the transport reads its one message
+    (and refuses a second, as the parent would), which costs less than a stream."""
+
+    def __init__(self, link: ParentLink, transport: str) -> None:
+        self._link = link
+        self._transport = transport
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        method = handler_call_details.method
+        link, transport = self._link, self._transport
+
+        async def forward(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+            async for message in link.forward(method, transport, requests, context):
+                yield message
+
+        async def infer(request: bytes, context: Any) -> bytes:
+            return await link.infer(transport, request, context)
+
+        if method == MODEL_INFER:
+            return grpc.unary_unary_rpc_method_handler(infer)
+        return grpc.stream_stream_rpc_method_handler(forward)
+
+
+async def _one(answers: list[bytes], context: Any) -> bytes:
+    """A unary call's answer: status OK comes with one message."""
+    if len(answers) != 1:
+        await context.abort(grpc.StatusCode.INTERNAL, f"{len(answers)} answers to a unary call")
+    return answers[0]
+
+
+async def _none() -> AsyncIterator[bytes]:
+    return
+    yield b""

@@ -1,0 +1,136 @@
+"""The worker's loop over several producers (service/workers/queued_loop.py), in this process
+with a model of plain numpy (the loop is what is tested, not Paddle): one batch across the
+producers' requests, each answer to its own caller, the batch counted once, every running area
+numbered, and a caller that reads nothing dropped after its bound while the others are served."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.batching.queue import BatchPolicy
+from service.inference.jobs import Timings
+from service.queues import records
+from service.queues.layout import QueueLayout
+from service.queues.ring import RingReader, RingWriter
+from service.workers import protocol, queued_loop
+from service.workers.queued_loop import QueuedWorker
+
+ROWS = 8
+ROW_BYTES = 16  # four FP32 values
+
+
+class Doubling:
+    """A model: its output is its input doubled, row for row."""
+
+    def run(self, arrays: dict[str, Any], outputs: tuple[str, ...]) -> tuple[Any, Timings]:
+        return {"out": arrays["input"] * 2}, Timings(1, 2, 3)
+
+
+class Caller:
+    """One producer's end: its segment, rings and running area."""
+
+    def __init__(self, layout: QueueLayout) -> None:
+        self.fd = os.memfd_create("queues")
+        os.ftruncate(self.fd, layout.size)
+        self.segment = mmap.mmap(self.fd, layout.size)
+        ends = layout.caller_end(memoryview(self.segment))
+        self.requests: RingWriter = ends[0]
+        self.replies: RingReader = ends[1]
+        self.running = ends[2]
+        self.wake_in = os.eventfd(0, os.EFD_NONBLOCK)
+        self.wake_out = os.eventfd(0, os.EFD_NONBLOCK)
+
+    def send(self, request_id: int, value: float) -> None:
+        data = np.full((1, 4), value, np.float32).tobytes()
+        assert records.write_request(
+            self.requests, request_id, [(0, (1, 4), data)], (0,), 1, 1, None, None
+        )
+
+    def answers(self) -> list[records.Reply]:
+        expected = records.Expected((0,), (4,), 1, ROWS)
+        taken = []
+        while (payload := self.replies.take()) is not None:
+            taken.append(records.read_reply(payload, expected))
+        return taken
+
+    def release(self) -> None:
+        for end in (self.requests, self.replies, self.running):
+            end.release()
+        self.segment.close()
+        for fd in (self.fd, self.wake_in, self.wake_out):
+            os.close(fd)
+
+
+def setup(reply_bytes: int = 1 << 16) -> protocol.Queues:
+    policy = BatchPolicy(max_batch_size=ROWS)
+    layout = QueueLayout(1 << 16, reply_bytes, ROWS)
+    return protocol.Queues(layout, policy, (("input", "FP32"),), ("out",))
+
+
+@pytest.fixture
+def callers() -> Iterator[list[Caller]]:
+    made: list[Caller] = []
+    yield made
+    for caller in made:
+        caller.release()
+
+
+def attach(worker: QueuedWorker, callers: list[Caller], key: int, layout: QueueLayout) -> Caller:
+    """A caller's segment, mapped in the worker as its own (as it maps the descriptor)."""
+    caller = Caller(layout)
+    callers.append(caller)
+    segment = mmap.mmap(caller.fd, layout.size)
+    worker.add(key, segment, os.dup(caller.wake_in), os.dup(caller.wake_out))
+    return caller
+
+
+def test_one_batch_across_producers_answers_each_its_own_and_is_counted_once(
+    callers: list[Caller],
+) -> None:
+    queues = setup()
+    worker = QueuedWorker(Doubling(), queues, str, (None, None))
+    first = attach(worker, callers, 0, queues.layout)
+    second = attach(worker, callers, 1, queues.layout)
+    first.send(1, 1.0)
+    second.send(1, 5.0)  # the same id: ids are each caller's own
+    second.send(2, 7.0)
+    worker.take()
+    assert worker.step() == 0.0  # one batch of three rows ran
+    answers = {0: first.answers(), 1: second.answers()}
+    values = {
+        k: [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in v] for k, v in answers.items()
+    }
+    assert values == {0: [2.0], 1: [10.0, 14.0]}
+    every = [r for v in answers.values() for r in v]
+    assert {r.batch for r in every} == {1} and {r.batch_rows for r in every} == {3}
+    assert sum(r.counts_batch for r in every) == 1
+    assert first.running.batch() == (1, 0) and second.running.batch() == (1, 0)
+    for key in (0, 1):
+        worker.drop(key)
+
+
+def test_a_caller_that_reads_nothing_is_dropped_and_the_others_are_served(
+    callers: list[Caller], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its reply ring full for the bound: dropped (its requests unanswered), and the batch's
+    other answers still reach their callers."""
+    monkeypatch.setattr(queued_loop, "FULL_REPLIES_GIVE_UP_S", 0.05)
+    queues = setup(reply_bytes=256)  # room for about one answer
+    worker = QueuedWorker(Doubling(), queues, str, (None, None))
+    stuck = attach(worker, callers, 0, queues.layout)
+    reading = attach(worker, callers, 1, queues.layout)
+    for request_id in range(1, 5):
+        stuck.send(request_id, float(request_id))
+    reading.send(1, 3.0)
+    worker.take()
+    worker.step()
+    assert 0 not in worker.producers
+    (answer,) = reading.answers()
+    assert np.frombuffer(answer.outputs[0].data, np.float32).tolist() == [6.0] * 4
+    worker.drop(1)
