@@ -62,7 +62,7 @@ class SharedQueues:
         self._viewed: set[int] = set()
         self._holders: dict[int, set[str]] = {}  # by token: front-ends that may hold requests
         # What each front-end last said it holds, by token: (queued, in workers' batches).
-        self._held: dict[str, dict[int, tuple[int, int]]] = {}
+        self._held: dict[str, dict[int, tuple[int, int, list[int]]]] = {}
         self._frontends: set[str] = set()
         self._server: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -129,10 +129,11 @@ class SharedQueues:
     def held(self, frontend: str, counts: Any) -> None:
         """A front-end's report of the requests it holds: counted in its versions' queues
         (ListInstances, and a version winding down waits for them)."""
-        held: dict[int, tuple[int, int]] = {}
+        held: dict[int, tuple[int, int, list[int]]] = {}
         try:
-            for token, (queued, running) in counts.items():
-                held[int(token)] = (max(int(queued), 0), max(int(running), 0))
+            for token, (queued, running, each) in counts.items():
+                instances = [max(int(n), 0) for n in each]
+                held[int(token)] = (max(int(queued), 0), max(int(running), 0), instances)
         except (AttributeError, TypeError, ValueError):
             log.error("front-end %s reported held requests this server cannot read", frontend)
             return
@@ -141,9 +142,14 @@ class SharedQueues:
 
     def _count_held(self) -> None:
         for token, served in self._versions.items():
-            if isinstance(served.batcher, QueuedBatcher):
-                counts = [held.get(token, (0, 0)) for held in self._held.values()]
-                served.batcher.elsewhere = (sum(c[0] for c in counts), sum(c[1] for c in counts))
+            batcher = served.batcher
+            if isinstance(batcher, QueuedBatcher):
+                counts = [held[token] for held in self._held.values() if token in held]
+                batcher.elsewhere = (sum(c[0] for c in counts), sum(c[1] for c in counts))
+                batcher.elsewhere_by_instance = [
+                    sum(c[2][i] for c in counts if i < len(c[2]))
+                    for i in range(len(served.instances))
+                ]
 
     def released(self, frontend: str, payload: bytes) -> None:
         token = json.loads(payload)["token"]

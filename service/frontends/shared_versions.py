@@ -148,15 +148,16 @@ class SharedVersions:
         batcher.start()
         return _Shared(served, batcher, instances)
 
-    def held(self) -> dict[str, list[int]]:
-        """The requests this process holds of each version it still serves: queued, and in
-        the batches workers run (the parent's ListInstances adds them to its own)."""
-        counts = {}
+    def held(self) -> dict[str, list[Any]]:
+        """The requests this process holds of each version it still serves: queued, in the
+        batches workers run, and in each instance's queues (the parent's ListInstances adds
+        them to its own)."""
+        counts: dict[str, list[Any]] = {}
         for token, shared in self._versions.items():
-            running = shared.batcher.in_flight_requests
-            queued = shared.batcher.queued
+            batcher = shared.batcher
+            queued, running = batcher.queued, batcher.in_flight_requests
             if queued or running:
-                counts[str(token)] = [queued, running]
+                counts[str(token)] = [queued, running, batcher.held_by_instance()]
         return counts
 
     def told(self, payload: bytes) -> None:

@@ -130,6 +130,7 @@ class QueuedBatcher:
         # that have not said they let the version go): it winds down once none does.
         self.held_elsewhere = 0
         self.elsewhere = (0, 0)  # what those said they hold: queued, in workers' batches
+        self.elsewhere_by_instance = [0] * len(instances)  # and in each instance's queues
         self._input_index = {t.name: i for i, t in enumerate(config.input)}
         self._output_index = {t.name: i for i, t in enumerate(config.output)}
         self._outputs = [(t.name, BY_CONFIG_TYPE[t.data_type]) for t in config.output]
@@ -162,6 +163,13 @@ class QueuedBatcher:
     def in_flight_requests(self) -> int:
         return self._running() + self.elsewhere[1]
 
+    def held_by_instance(self) -> list[int]:
+        """The requests this process holds in each instance's queues."""
+        return [
+            queue.outstanding if (queue := self._queues.get(i)) else 0
+            for i in range(len(self._instances))
+        ]
+
     def _running(self) -> int:
         return sum(q.running_count() for q in self._queues.values())
 
@@ -175,7 +183,7 @@ class QueuedBatcher:
             instance, self.setup, self._replied, functools.partial(self._corrupt, index)
         )
         self._queues[index] = queue
-        instance.queue_held = lambda: queue.outstanding
+        instance.queue_held = lambda: queue.outstanding + self.elsewhere_by_instance[index]
         self._send_waiting()
         if self.events is not None:
             self.events.ready(index)

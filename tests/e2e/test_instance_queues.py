@@ -242,3 +242,17 @@ def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_serv
         and (s.labels["model"], s.labels["rpc"], s.labels["code"]) == served
     ]
     assert sum(answered) == 12
+
+
+def test_an_instance_counts_the_requests_every_process_holds_in_it(server: ServerProcess) -> None:
+    """ListInstances' outstanding count of an instance includes what front-ends hold in its
+    queues (they report it when the parent asks)."""
+    inputs = [one_row(30 + i) for i in range(3)]
+    with paused(only_instance(server, "mlp").pid):
+        held = [call(server, "mlp", x, RPC_TIMEOUT_S) for x in inputs]
+        wait_for(
+            "the instance to count the requests held in it",
+            lambda: True if only_instance(server, "mlp").outstanding == len(held) else None,
+        )
+    for x, answer in zip(inputs, held, strict=True):
+        assert_matches_reference("mlp", x, answer.result())
