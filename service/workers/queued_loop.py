@@ -12,6 +12,7 @@ each caller knows what it was computing if it dies, and each watchdog sees it pr
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 import os
@@ -34,10 +35,10 @@ from service.queues.ring import max_record
 from service.workers import protocol
 from service.workers.results import BAD_INPUT_ERRORS
 
-FULL_REPLIES_WAIT_S = 0.001  # the caller reads replies as they come: only a burst fills the ring
-# A caller whose reply ring stays full this long reads nothing (its process is stopped or gone
-# and not yet dropped): it is dropped, so the worker's other callers are served on.
-FULL_REPLIES_GIVE_UP_S = 5.0
+# A caller reads its replies as they come: only a burst, or a caller held still, fills its ring.
+# Its answers then wait in the worker (at most one per request it has out, which its queue
+# bound limits) while the worker serves its other callers, and go in as the caller reads.
+FULL_REPLIES_WAIT_S = 0.001
 PARENT = 0  # the producer the first Queues message brings: the server's process
 
 
@@ -51,6 +52,35 @@ class Producer:
         self.wake_out = wake_out
         self.written = 0  # replies so far: it is woken once for those of a step
         self.told = 0
+        self.backlog: collections.deque[bytes] = collections.deque()  # its full ring's
+
+    def reply(self, size: int, write: Callable[[memoryview], object]) -> None:
+        """An answer of `size` bytes (`write` fills it) into the reply ring, or, while the
+        ring is full or answers wait before it, into the backlog."""
+        if not self.backlog:
+            buf = self.replies.reserve(size)
+            if buf is not None:
+                write(buf)
+                buf.release()
+                self.replies.commit()
+                self.written += 1
+                return
+        held = bytearray(size)
+        with memoryview(held) as view:
+            write(view)
+        self.backlog.append(bytes(held))
+
+    def flush(self) -> bool:
+        """Waiting answers into the ring while it has room; whether some still wait."""
+        while self.backlog:
+            buf = self.replies.reserve(len(self.backlog[0]))
+            if buf is None:
+                return True
+            buf[:] = self.backlog.popleft()
+            buf.release()
+            self.replies.commit()
+            self.written += 1
+        return False
 
     def tell(self) -> None:
         if self.written != self.told:
@@ -222,42 +252,25 @@ class QueuedWorker:
             )
             self._fail(pending, records.TOO_LARGE, text)
             return
-        buf = self._reserve(key, producer, size)
-        if buf is None:
-            return
-        records.write_answer(
-            buf, request_id, self._batch, rows, timings, queue_ns, parts, not self._counted
-        )
+        batch, counts = self._batch, not self._counted
         self._counted = True
-        buf.release()
-        producer.replies.commit()
-        producer.written += 1
+        producer.reply(
+            size,
+            lambda buf: records.write_answer(
+                buf, request_id, batch, rows, timings, queue_ns, parts, counts
+            ),
+        )
 
     def _fail(self, pending: Pending, kind: int, text: str) -> None:
         key, request_id, _ = pending.ticket
         producer = self.producers.get(key)
-        if producer is None:
-            return
-        payload = records.failure_bytes(request_id, kind, text)
-        buf = self._reserve(key, producer, len(payload))
-        if buf is None:
-            return
-        buf[:] = payload
-        buf.release()
-        producer.replies.commit()
-        producer.written += 1
+        if producer is not None:
+            payload = records.failure_bytes(request_id, kind, text)
+            producer.reply(len(payload), lambda buf: buf.__setitem__(slice(None), payload))
 
-    def _reserve(self, key: int, producer: Producer, size: int) -> memoryview | None:
-        """Room in the producer's reply ring; while it is full, the caller is reading it:
-        wait, but not for a caller that reads nothing (dropped: None)."""
-        give_up = time.monotonic() + FULL_REPLIES_GIVE_UP_S
-        while (buf := producer.replies.reserve(size)) is None:
-            if time.monotonic() > give_up:
-                self.drop(key)
-                return None
-            wakeups.wake(producer.wake_out)
-            time.sleep(FULL_REPLIES_WAIT_S)
-        return buf
+    def flush(self) -> bool:
+        """Each producer's waiting answers, as far as its ring has room; whether some wait."""
+        return any([producer.flush() for producer in self.producers.values()])
 
     def _scribble(self) -> NoReturn:
         """Test-only: what hostile model code could do to the queues (random bytes over all
@@ -303,9 +316,13 @@ def serve_queued(
     while True:
         worker.take()
         look = worker.step()
+        waiting = worker.flush()
         worker.tell()
         if look == 0.0:
             continue
+        if waiting:  # a caller's ring is full: look again soon (its caller reads it)
+            soon = time.monotonic() + FULL_REPLIES_WAIT_S
+            look = soon if look is None else min(look, soon)
         watched = _watch(poller, watched, {p.wake_in for p in worker.producers.values()})
         timeout = -1 if look is None else max(0, math.ceil((look - time.monotonic()) * 1000))
         for fd, _ in poller.poll(timeout):
