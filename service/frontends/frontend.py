@@ -32,6 +32,7 @@ from service.frontends.parent_link import ParentLink
 from service.frontends.queue_sharing import QUEUES_SOCKET
 from service.frontends.rest_forward import RestForwarder
 from service.frontends.runtime import DISPATCH_SOCKET, observer_of, read_settings
+from service.frontends.served_here import ServedHere
 from service.frontends.shared_versions import SharedVersions
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
@@ -71,6 +72,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     link = ParentLink(index, reader, writer, settings.max_message_bytes, restriction)
     if settings.metrics:
         link.metrics = Metrics.frontend(link.view.served)
+        link.served_here = ServedHere(link.metrics.registry, index)
     tracing = None
     if settings.instance_queues and settings.frontend_queues:
         observer, tracing = observer_of(settings, link.metrics)

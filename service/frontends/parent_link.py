@@ -39,7 +39,7 @@ from service.frontends.protocol import (
     encode_open,
 )
 from service.frontends.reports import report_payloads
-from service.frontends.served_here import serve_here
+from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
 from service.inference.identity import identity_of
@@ -90,6 +90,7 @@ class ParentLink(FrameConnection):
         # and its own metrics (None: --no-metrics), both sent in each report.
         self.counts = LocalCounts()
         self.metrics: Metrics | None = None
+        self.served_here: ServedHere | None = None  # counted in `metrics`
         self._left_out: set[str] = set()  # parts of reports too large to send, logged once
 
     def hello(self) -> None:
@@ -122,6 +123,8 @@ class ParentLink(FrameConnection):
         if described is not None:
             served = None if self.shared is None else self.shared.serving(described.token)
             if served is not None and self.serving is not None:
+                if self.served_here is not None:
+                    self.served_here.count(transport)
                 return await serve_here(self.serving, opened, described, served, context)
             # Raw BYTES elements take 4 bytes of length where the message may have used 1:
             # a descriptor past the frame limit goes as the message it came as.

@@ -9,12 +9,32 @@ import asyncio
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
 from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import DescribedAnswer, DescribedRequest
 from service.frontends.model_view import response_message
 from service.frontends.protocol import Kind, Open, Status, decode_status
 from service.registry.versions import ServedVersion
+
+
+class ServedHere:
+    """The calls a front-end served itself, by transport (summed into the parent's /metrics
+    with the rest of its metrics): beside paddlequic_frontend_calls_total, what it passed on,
+    they show where ModelInfer calls go."""
+
+    def __init__(self, registry: CollectorRegistry, frontend: int) -> None:
+        self._calls = Counter(
+            "paddlequic_frontend_served_calls",
+            "ModelInfer calls a front-end process served itself, straight into the workers' "
+            "queues (--frontend-queues), by the transport it got them on",
+            ["frontend", "transport"],
+            registry=registry,
+        )
+        self._frontend = str(frontend)
+
+    def count(self, transport: str) -> None:
+        self._calls.labels(self._frontend, transport).inc()
 
 
 async def serve_here(
