@@ -210,8 +210,9 @@ _HELP = {
     "straight into a shared-memory queue of one of its instances, whose worker forms the "
     "batches itself (no batching in this process; sequences, streams, ensembles and Python "
     "models keep the server's batchers)",
-    "instance_queue_mb": "MiB of shared memory per instance with --instance-queues, half for "
-    "requests and half for answers; one request (or one answer) takes at most a quarter",
+    "instance_queue_mb": "MiB of shared memory per instance and process holding calls (this "
+    "one, each front-end with --frontend-queues) with --instance-queues, half for requests and "
+    "half for answers; one request (or one answer) takes at most a quarter",
     "frontend_queues": "with --frontends N and --instance-queues, each front-end writes the "
     "ModelInfer requests it holds straight into the workers' queues, and this process takes no "
     "part in them (the versions with a fallback model excepted)",
