@@ -77,7 +77,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     if settings.instance_queues and settings.frontend_queues:
         observer, tracing = observer_of(settings, link.metrics)
         link.serving = Serving(
-            RequestRunner(ModelRegistry(_nothing), observer),
+            RequestRunner(ModelRegistry(lambda: None), observer),
             observer,
             restriction,
             settings.max_message_bytes,
@@ -154,10 +154,6 @@ async def _report(link: ParentLink) -> None:
     while True:
         link.report()
         await asyncio.sleep(REPORT_EVERY_S)
-
-
-def _nothing() -> None:
-    pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

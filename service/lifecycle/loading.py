@@ -57,12 +57,8 @@ from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.batch_runner import BatchObserver, BatchRunner
 from service.serving.bls import BlsRunner
-from service.serving.queued_batcher import (
-    QueuedBatcher,
-    batch_recorder,
-    queue_setup,
-    queueable,
-)
+from service.serving.queue_setup import queue_setup, queueable
+from service.serving.queued_batcher import QueuedBatcher, batch_recorder
 from service.serving.requests import RequestRunner
 from service.workers.instance import WorkerInstance
 from service.workers.model_output import BYTES_PER_S, LINES_PER_S, ModelOutput, OutputBudget

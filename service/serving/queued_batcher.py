@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import math
 import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -24,55 +23,16 @@ from opentelemetry.trace import SpanContext
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import CRASHES_TO_POISON, poison_message
-from service.batching.queue import BatchPolicy
 from service.inference import errors
 from service.inference.jobs import Answer, InferJob, OutputTensor, Timings
 from service.inference.timers import fail_at
 from service.queues import records
-from service.queues.layout import QueueLayout
-from service.queues.ring import aligned8, max_record
+from service.queues.ring import max_record
 from service.registry.versions import ServedVersion
 from service.resilience.poison import PoisonList
 from service.serving.instance_queues import Entry, InstanceQueue, QueueHost
 from service.workers import deaths, protocol, results, routing
 from service.workers.instance import State
-
-MB = 1 << 20
-
-
-def queueable(config: mc.ModelConfig) -> bool:
-    """Versions whose requests can go straight to their instances: Paddle models' with
-    fixed-size datatypes, run by the dynamic batcher (not sequences, streams, ensembles, nor
-    Python models, whose BLS calls go through the server)."""
-    return (
-        config.backend != "python"
-        and not config.HasField("sequence_batching")
-        and not config.HasField("ensemble_scheduling")
-        and not config.model_transaction_policy.decoupled
-        and all(
-            t.data_type != mc.TYPE_STRING and len(t.dims) < records.MAX_RANK for t in config.input
-        )
-        and all(
-            t.data_type != mc.TYPE_STRING and len(t.dims) < records.MAX_RANK for t in config.output
-        )
-    )
-
-
-def queue_setup(
-    config: mc.ModelConfig, policy: BatchPolicy, fetch_names: dict[str, str], queue_mb: int
-) -> protocol.Queues:
-    """What a version's workers are told of their queues, and every process writing into
-    them builds its end by."""
-    rows = max(config.max_batch_size, 1)
-    ring = queue_mb * MB // 2
-    return protocol.Queues(
-        QueueLayout(
-            ring_bytes(ring, config.input, rows), ring_bytes(ring, config.output, rows), rows
-        ),
-        policy,
-        tuple((t.name, BY_CONFIG_TYPE[t.data_type].name) for t in config.input),
-        tuple(fetch_names.get(t.name, t.name) for t in config.output),
-    )
 
 
 class BatchObserver(Protocol):
@@ -413,20 +373,3 @@ class QueuedBatcher:
 
     def _poison_message(self) -> str:
         return poison_message(self.name, self.poison)
-
-
-RECORD_SLACK = 4096  # a record's own fields, past its tensors' bytes
-
-
-def ring_bytes(
-    least: int, tensors: Sequence[mc.ModelInput] | Sequence[mc.ModelOutput], rows: int
-) -> int:
-    """A ring's data bytes: `least`, or room for a full batch's tensors in one record where
-    the config fixes their size (a ring takes records of up to half its size), so that a
-    model's largest request always fits, its warm-up's included."""
-    if any(d < 0 for t in tensors for d in t.dims):
-        return aligned8(least)
-    full = rows * sum(
-        math.prod(t.dims) * BY_CONFIG_TYPE[t.data_type].numpy.itemsize for t in tensors
-    )
-    return aligned8(max(least, 2 * (full + RECORD_SLACK)))
