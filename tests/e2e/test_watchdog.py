@@ -121,12 +121,14 @@ def test_a_model_with_a_bad_parameter_found_on_rescan_is_unavailable(
     add_mlp_copy(repository, "late", parameter("execution_timeout_ms", "soon"))
     server.process.send_signal(signal.SIGHUP)
     late = wait_for(
-        "the rescan to report the new model",
+        "the rescan to report the new model's load",
+        # Until its load ends the model is listed by its name alone, as Triton lists a
+        # model of the repository it has not loaded.
         lambda: next(
             (
                 m
                 for m in server.stub.RepositoryIndex(pb.RepositoryIndexRequest()).models
-                if m.name == "late"
+                if m.name == "late" and m.state
             ),
             None,
         ),
