@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -20,7 +22,7 @@ from service.api.restricted import HEADER_PREFIX, RestrictedServer, parse_restri
 from service.observability.handlers import ObservedServer
 from service.observability.logs import REQUEST_LOG, LineBudget, RequestLog
 from service.observability.metrics import Metrics
-from service.observability.observer import Observer
+from service.observability.observer import DEADLINE_MARGIN_S, Observer, deadline_passed
 from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry
 from tests.unit.handler_kinds import KINDS, REQUESTS, Recorder, call, refused_requests, serving
@@ -133,3 +135,14 @@ async def test_a_refusal_of_every_kind_is_observed_once_and_nothing_runs(
     assert sorted(logged(caplog, method)) == ["OK", "UNAUTHENTICATED"]
     assert sorted(observed.span_statuses(method)) == [0, unauthenticated.value[0]]
     assert recorder.started == [method]  # only the allowed call ran
+
+
+@given(remaining=st.floats(min_value=-5.0, max_value=5.0), cancelled=st.booleans())
+def test_a_call_ends_by_its_deadline_once_it_passed_or_when_cancelled_close_to_it(
+    remaining: float, cancelled: bool
+) -> None:
+    """Past the deadline always; a cancel within the margin (the client's clock runs ahead
+    of the server's by the request's way there) too; a call without a deadline never."""
+    expected = remaining <= 0 or (cancelled and remaining <= DEADLINE_MARGIN_S)
+    assert deadline_passed(remaining, cancelled) is expected
+    assert deadline_passed(None, cancelled) is False
