@@ -82,7 +82,55 @@ class Inferred:
         return self.answered is not self.requested
 
 
-class DataPlane:
+class InferencePlane:
+    """Running a decoded request, which every process holding calls does: the parent's data
+    plane, and a front-end's for the versions it serves itself (service/frontends/rest_here.py).
+    Which version a request names, and where its shared-memory regions are, is each one's own."""
+
+    def __init__(self, runner: RequestRunner, shared_memory: SharedMemory) -> None:
+        self.runner = runner
+        self.shared_memory = shared_memory
+
+    # Whether this process holds the shared-memory regions callers registered and the
+    # versions' labels (classification); where not, a request that names regions or asks for
+    # classes goes where they are.
+    whole = True
+
+    def serving(
+        self, name: str, version: str, deadline: float | None
+    ) -> AbstractAsyncContextManager[ServedVersion]:
+        raise NotImplementedError
+
+    async def admitted(self, served: ServedVersion, admit: Callable[[], Decoding]) -> InferJob:
+        """The request as a job for `served`, from `admit` (its wire format's checks against
+        the version's validator), decoded in a thread when its shapes declare much
+        per-element work; a refused request counts as one of its failures."""
+        started = time.perf_counter_ns()
+        try:
+            assert served.validator is not None  # a resolved version serves
+            return await decoded(admit())
+        except errors.ServiceError:
+            served.stats.record_failure(time.perf_counter_ns() - started)
+            raise
+
+    async def infer(
+        self,
+        served: ServedVersion,
+        job: InferJob,
+        deadline: float | None,
+        class_counts: Mapping[str, int],
+    ) -> Inferred:
+        """Run the job (on `served`'s fallback while its circuit is open); the outputs named
+        in `class_counts` come back as Triton's classification extension ranks them."""
+        answered, result = await self.runner.infer(served, job, deadline)
+        produced = result.outputs
+        if class_counts:
+            batched = answered.config.max_batch_size > 0
+            produced = classification.classified(produced, class_counts, batched, answered.labels)
+        return Inferred(served, answered, produced)
+
+
+class DataPlane(InferencePlane):
     def __init__(
         self,
         models: ModelRegistry,
@@ -96,11 +144,10 @@ class DataPlane:
         regions every protocol's callers registered (--shared-memory off: the extension is not
         listed); `control_mode`:
         --model-control-mode (explicit: models are loaded and unloaded on request)."""
+        super().__init__(runner, shared_memory)
         self.models = models
-        self.runner = runner
         self.lifecycle = lifecycle
         self.server_name = server_name
-        self.shared_memory = shared_memory
         self.control_mode = control_mode
         # Set with front-end processes: asks each for the counts of the calls it served
         # itself (added to the versions' statistics) before they are read.
@@ -200,39 +247,11 @@ class DataPlane:
         not evicted until the block ends."""
         budget = self.lifecycle.budget
         if budget is None:
-            return _Resolved(self.models.resolve(name, version))
+            return Resolved(self.models.resolve(name, version))
         return budget.serving(name, version, deadline)
 
-    async def admitted(self, served: ServedVersion, admit: Callable[[], Decoding]) -> InferJob:
-        """The request as a job for `served`, from `admit` (its wire format's checks against
-        the version's validator), decoded in a thread when its shapes declare much
-        per-element work; a refused request counts as one of its failures."""
-        started = time.perf_counter_ns()
-        try:
-            assert served.validator is not None  # a resolved version serves
-            return await decoded(admit())
-        except errors.ServiceError:
-            served.stats.record_failure(time.perf_counter_ns() - started)
-            raise
 
-    async def infer(
-        self,
-        served: ServedVersion,
-        job: InferJob,
-        deadline: float | None,
-        class_counts: Mapping[str, int],
-    ) -> Inferred:
-        """Run the job (on `served`'s fallback while its circuit is open); the outputs named
-        in `class_counts` come back as Triton's classification extension ranks them."""
-        answered, result = await self.runner.infer(served, job, deadline)
-        produced = result.outputs
-        if class_counts:
-            batched = answered.config.max_batch_size > 0
-            produced = classification.classified(produced, class_counts, batched, answered.labels)
-        return Inferred(served, answered, produced)
-
-
-class _Resolved(AbstractAsyncContextManager[ServedVersion]):
+class Resolved(AbstractAsyncContextManager[ServedVersion]):
     """A version already resolved, as `serving` answers without a budget (no generator)."""
 
     def __init__(self, served: ServedVersion) -> None:

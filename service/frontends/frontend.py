@@ -1,7 +1,8 @@
 """A front-end process (`python -m service.frontends.frontend`): terminates HTTP/2 and
-HTTP/3 (TLS, QUIC, 0-RTT) on the shared port, serves the ModelInfer calls on versions it
-queues for itself straight into the workers' queues, and passes every other call to the
-parent over the dispatch connection (parent_link.py). It never imports Paddle."""
+HTTP/3 (TLS, QUIC, 0-RTT) on the shared port, serves the ModelInfer calls (gRPC and REST) on
+versions it queues for itself straight into the workers' queues, and passes every other call
+to the parent over the dispatch connection (parent_link.py, rest_here.py). It never imports
+Paddle."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from service.frontends.descriptors import (
 )
 from service.frontends.listeners import (
     check_client_auth,
+    rest_infer_app,
     serves_rest_h3,
     start_grpc,
     start_h3,
@@ -31,9 +33,11 @@ from service.frontends.listeners import (
 from service.frontends.parent_link import ParentLink
 from service.frontends.queue_sharing import QUEUES_SOCKET
 from service.frontends.rest_forward import RestForwarder
+from service.frontends.rest_here import FrontendPlane, RestHere
 from service.frontends.runtime import DISPATCH_SOCKET, observer_of, read_settings
 from service.frontends.served_here import ServedHere
 from service.frontends.shared_versions import SharedVersions
+from service.http.asgi import App
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
 from service.registry.versions import ModelRegistry
@@ -68,7 +72,8 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             f"({exc.strerror or exc}); front-ends are started by `paddlequic serve "
             "--frontends N`, not on their own"
         ) from None
-    restriction = restriction_of(parse_restrictions(settings.restricted_protocol), MODEL_INFER)
+    restrictions = parse_restrictions(settings.restricted_protocol)
+    restriction = restriction_of(restrictions, MODEL_INFER)
     link = ParentLink(index, reader, writer, settings.max_message_bytes, restriction)
     if settings.metrics:
         link.metrics = Metrics.frontend(link.view.served)
@@ -99,7 +104,14 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         tls,
         reuse_port=True,
     )
-    rest = RestForwarder(link) if settings.http_port else None
+    rest: App | None = None
+    if settings.http_port:
+        rest = forwarder = RestForwarder(link)
+        if link.serving is not None and link.shared is not None:
+            # REST infer calls on the versions this process queues for itself: served here.
+            plane = FrontendPlane(link.serving.runner, link.view, link.shared)
+            here = rest_infer_app(settings, plane, link.serving.observer, restrictions)
+            rest = RestHere(here, plane, forwarder, link.served_here)
     if tls is not None and settings.h3:
         tickets = open_ticket_store(
             settings.ticket_store, settings.ticket_key_file, settings.ticket_ttl

@@ -15,13 +15,15 @@ from cryptography import x509
 
 from service.api.registration import Register
 from service.api.restricted import Restriction, rest_guard
-from service.dataplane.plane import DataPlane
+from service.dataplane.plane import DataPlane, InferencePlane
 from service.dataplane.sequence_callers import SequenceCallers
 from service.frontends.stats import ProcessH3
 from service.http.app import RestApp
 from service.http.asgi import App
 from service.http.bounds import RequestLimits
+from service.http.infer_route import InferRoute
 from service.http.listener import HttpListener, HttpOptions, start_http
+from service.http.router import Guard, InferRouter, Router
 from service.http.routes import Routes
 from service.observability.observer import Observer
 from service.settings import ServerSettings
@@ -139,6 +141,28 @@ def rest_app(
     restrictions: Mapping[str, Restriction],
 ) -> RestApp:
     """The KServe v2 REST API over the same data plane as gRPC."""
+    routes = Routes(plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size)
+    limits, guard = rest_checks(settings, restrictions)
+    return RestApp(Router(routes, limits, observer, guard))
+
+
+def rest_infer_app(
+    settings: ServerSettings,
+    plane: InferencePlane,
+    observer: Observer,
+    restrictions: Mapping[str, Restriction],
+) -> RestApp:
+    """The infer route alone, over `plane` (a front-end's, of the versions it serves)."""
+    callers = SequenceCallers(settings.sequence_callers)
+    route = InferRoute(plane, callers, settings.http_max_input_size)
+    limits, guard = rest_checks(settings, restrictions)
+    return RestApp(InferRouter(route, limits, observer, guard))
+
+
+def rest_checks(
+    settings: ServerSettings, restrictions: Mapping[str, Restriction]
+) -> tuple[RequestLimits, Guard | None]:
+    """What every REST request is held to: its bounds, and --restricted-protocol's headers."""
     limits = RequestLimits(
         settings.max_metadata_bytes,
         settings.http_max_input_size,
@@ -146,13 +170,7 @@ def rest_app(
         settings.max_concurrent_rpcs,
         settings.stream_stall_timeout,
     )
-    guard = rest_guard(restrictions) if restrictions else None
-    return RestApp(
-        Routes(plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size),
-        limits,
-        observer,
-        guard,
-    )
+    return limits, rest_guard(restrictions) if restrictions else None
 
 
 async def start_rest(

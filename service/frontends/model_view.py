@@ -53,6 +53,12 @@ class ModelView:
             versions[entry.model, entry.version] = _Version(entry.token, validator)
         self._versions = versions
 
+    def token(self, model: str, version: str) -> int | None:
+        """The token of the version a request naming `model` and `version` ("": the
+        model's policy's) reaches, if the view describes it."""
+        described = self._versions.get((model, version))
+        return None if described is None else described.token
+
     def served(self) -> list[tuple[str, str]]:
         """The (model, version number) pairs of the view (metrics' labels name only these)."""
         return [(model, version) for model, version in self._versions if version]

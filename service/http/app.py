@@ -14,34 +14,28 @@ import grpc
 from opentelemetry import context as otel_context
 
 from service.http.asgi import Receive, Scope, Send, lifespan
-from service.http.bounds import Refused, RequestLimits
+from service.http.bounds import Refused
 from service.http.callers import rest_client, rest_identity
 from service.http.encoding import deflated
 from service.http.event_stream import SSE, relay
+from service.http.infer_route import PassedOn
 from service.http.observed import TRANSPORT, Call
 from service.http.openai import error_document
-from service.http.router import HEADER_LENGTH, Guard, Router
-from service.http.routes import Reply, Routes
+from service.http.reply import Reply
+from service.http.router import HEADER_LENGTH, InferRouter
 from service.http.status import RETRY_AFTER_S, error_status
 from service.inference import errors
-from service.observability.observer import Observer
 
 _JSON = (b"content-type", b"application/json")
 
 
 class RestApp:
-    def __init__(
-        self,
-        routes: Routes,
-        limits: RequestLimits,
-        observer: Observer | None,
-        guard: Guard | None = None,
-    ) -> None:
-        """`observer`: where each request is counted and logged (None: nowhere); `guard`:
-        what --restricted-protocol asks of a route's request (None: nothing), the router's."""
-        self.router = Router(routes, limits, observer, guard)
-        self.limits = limits
-        self.observer = observer
+    def __init__(self, router: InferRouter) -> None:
+        """`router`: every route (Router), or the infer route alone (a front-end's: any other
+        request raises PassedOn, which whoever called the app answers)."""
+        self.router = router
+        self.limits = router.limits
+        self.observer = router.observer
         self.in_flight = 0  # requests being handled, their bodies' reading included
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -53,8 +47,16 @@ class RestApp:
         started = time.perf_counter()
         call = Call(identity=rest_identity(scope))
         call.client = rest_client(scope, call.identity)
+        passed_on = False
         try:
             await self._answer(scope, receive, send, call)
+        except PassedOn:
+            # Neither answered nor counted here: the process that serves it counts it.
+            passed_on = True
+            if call.observation is not None:
+                call.observation.abandon()
+                call.observation = None
+            raise
         except asyncio.CancelledError:
             call.code, call.error = grpc.StatusCode.CANCELLED, "the request was cancelled"
             raise
@@ -67,7 +69,7 @@ class RestApp:
                 observation.model, observation.version = call.model, call.version
                 observation.request_id = call.request_id
                 observation.end(call.code, lambda: call.error)
-            elif self.observer is not None:
+            elif self.observer is not None and not passed_on:
                 self._record(call, time.perf_counter() - started)
             if call.trace is not None:
                 otel_context.detach(call.trace)

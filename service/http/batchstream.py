@@ -23,7 +23,7 @@ from service.dataplane.plane import DataPlane
 from service.http.json_tensors import MAX_ID_CHARS, parsed
 from service.http.ndjson import Line, LineSplitter
 from service.http.openai_requests import OpenAIError, completion_request
-from service.http.routes import Reply
+from service.http.reply import Reply
 from service.http.textgen import generation, generation_model, generation_models
 from service.inference import errors
 

@@ -25,7 +25,7 @@ from service.http.openai_requests import (
     completion_request,
     rendered,
 )
-from service.http.routes import Reply
+from service.http.reply import Reply
 from service.http.status import http_status
 from service.http.textgen import (
     Generation,

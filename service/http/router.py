@@ -13,10 +13,12 @@ from service.http.asgi import Receive, Scope, header
 from service.http.batchstream import BatchStreams
 from service.http.bounds import Refused, RequestLimits, check_headers, decoded, read_body
 from service.http.encoding import preferred
+from service.http.infer_route import InferRoute, PassedOn
 from service.http.leaving import unless_gone
 from service.http.observed import Call, observe
 from service.http.openai import OpenAIRoutes
-from service.http.routes import Reply, Routes
+from service.http.reply import Reply
+from service.http.routes import Routes
 from service.http.shared_memory_routes import rest_peer
 from service.inference import errors
 from service.observability.observer import Observer
@@ -29,9 +31,79 @@ HEADER_LENGTH = b"inference-header-content-length"
 Guard = Callable[[str, list[tuple[bytes, bytes]]], str | None]
 
 
-class Router:
-    """Each request's route, and the request observed from there on (`observer`: None,
-    nowhere) once it passes its route's method and `guard` (RestApp's)."""
+class InferRouter:
+    """The infer route alone: what a front-end serves itself of REST (`route`), and what the
+    full router does for it (`infer`). A request is observed (`observer`: None, nowhere)
+    once it passes its route's method and `guard` (RestApp's)."""
+
+    def __init__(
+        self,
+        inference: InferRoute,
+        limits: RequestLimits,
+        observer: Observer | None,
+        guard: Guard | None,
+    ) -> None:
+        self.inference = inference
+        self.limits = limits
+        self.observer = observer
+        self.guard = guard
+
+    async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
+        """An infer request; any other is passed on, unread (PassedOn)."""
+        check_headers(scope, self.limits.max_header_bytes)
+        target = infer_target(scope["path"])
+        if target is None:
+            raise PassedOn(f"no infer route {errors.echoed(scope['path'])!r}")
+        return await self.infer(scope, receive, call, target)
+
+    async def infer(
+        self, scope: Scope, receive: Receive, call: Call, target: tuple[str, str, str]
+    ) -> Reply:
+        """`target`: the model, the version and the route's template (infer_target)."""
+        model, version, route = target
+        self._expect(scope, call, "POST", "ModelInfer", route)
+        call.model, call.version = model, version
+        body = await read_body(scope, receive, self.limits)
+        body = await decoded(scope, body, self.limits.max_body_bytes)
+        call.encoding = preferred(header(scope, b"accept-encoding"))
+        header_length = header(scope, HEADER_LENGTH)
+        peer = _peer(scope)
+        refusal = (
+            self.guard("SystemSharedMemoryRegister", scope["headers"])
+            if self.guard is not None
+            else None
+        )
+        return await unless_gone(
+            receive,
+            self.inference.infer(model, version, body, header_length, peer, call.identity, refusal),
+        )
+
+    def _expect(self, scope: Scope, call: Call, allowed: str, rpc: str, route: str) -> None:
+        """The request routed to `route` (its template), standing for the gRPC method `rpc`:
+        observed from here on (its span current for the work it starts), once its method is
+        the one its route takes and it carries the header its category is restricted to (403
+        in Triton's words otherwise, before its body is read)."""
+        call.rpc = rpc
+        if self.observer is not None:
+            call.observation = observe(self.observer, scope, rpc, route)
+            call.trace = call.observation.attach()
+        if scope["method"] != allowed:
+            raise Refused(
+                405,
+                f"this route takes {allowed}, not {scope['method'][:16]}",
+                code=grpc.StatusCode.UNIMPLEMENTED,
+            )
+        missing = self.guard(rpc, scope["headers"]) if self.guard is not None else None
+        if missing is not None:
+            raise Refused(
+                403,
+                f"This API is restricted, expecting header '{missing}'",
+                code=grpc.StatusCode.UNAUTHENTICATED,
+            )
+
+
+class Router(InferRouter):
+    """Each request's route."""
 
     def __init__(
         self,
@@ -40,16 +112,17 @@ class Router:
         observer: Observer | None,
         guard: Guard | None,
     ) -> None:
+        super().__init__(routes.inference, limits, observer, guard)
         self.routes = routes
-        self.limits = limits
-        self.observer = observer
-        self.guard = guard
         self.openai = OpenAIRoutes(routes.plane)
         self.batchstream = BatchStreams(routes.plane, limits.body_timeout_s)
 
     async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """The route the path names, its gRPC method's name in `call` (UNKNOWN: no route)."""
         check_headers(scope, self.limits.max_header_bytes)
+        target = infer_target(scope["path"])
+        if target is not None:
+            return await self.infer(scope, receive, call, target)
         parts = scope["path"].strip("/").split("/")
         rest = parts[1:]
         if parts[0] == "v1":
@@ -88,7 +161,7 @@ class Router:
         rpc = _MODEL_ROUTES.get(action) if action is not None else None
         if rpc is None:
             raise _no_route(scope)
-        posted = action in ("infer", "generate", "generate_stream")
+        posted = action in ("generate", "generate_stream")
         route = "/v2/models/{model}" + ("/versions/{version}" if version else "")
         route += f"/{action}" if action else ""
         self._expect(scope, call, "POST" if posted else "GET", rpc, route)
@@ -98,23 +171,6 @@ class Router:
             stream = action == "generate_stream"
             work = self.routes.generate(model, version, body, stream, call.client)
             return await unless_gone(receive, work)
-        if action == "infer":
-            body = await read_body(scope, receive, self.limits)
-            body = await decoded(scope, body, self.limits.max_body_bytes)
-            call.encoding = preferred(header(scope, b"accept-encoding"))
-            header_length = header(scope, HEADER_LENGTH)
-            peer = _peer(scope)
-            refusal = (
-                self.guard("SystemSharedMemoryRegister", scope["headers"])
-                if self.guard is not None
-                else None
-            )
-            return await unless_gone(
-                receive,
-                self.routes.infer(
-                    model, version, body, header_length, peer, call.identity, refusal
-                ),
-            )
         if action == "ready":
             return self.routes.model_ready(model, version)
         if action == "config":
@@ -157,29 +213,6 @@ class Router:
             await shared.unregister(peer, name)
         return Reply(200)
 
-    def _expect(self, scope: Scope, call: Call, allowed: str, rpc: str, route: str) -> None:
-        """The request routed to `route` (its template), standing for the gRPC method `rpc`:
-        observed from here on (its span current for the work it starts), once its method is
-        the one its route takes and it carries the header its category is restricted to (403
-        in Triton's words otherwise, before its body is read)."""
-        call.rpc = rpc
-        if self.observer is not None:
-            call.observation = observe(self.observer, scope, rpc, route)
-            call.trace = call.observation.attach()
-        if scope["method"] != allowed:
-            raise Refused(
-                405,
-                f"this route takes {allowed}, not {scope['method'][:16]}",
-                code=grpc.StatusCode.UNIMPLEMENTED,
-            )
-        missing = self.guard(rpc, scope["headers"]) if self.guard is not None else None
-        if missing is not None:
-            raise Refused(
-                403,
-                f"This API is restricted, expecting header '{missing}'",
-                code=grpc.StatusCode.UNAUTHENTICATED,
-            )
-
     async def _v1(self, scope: Scope, receive: Receive, call: Call, rest: list[str]) -> Reply:
         """The OpenAI-compatible routes and batchstream (service/http/openai.py,
         batchstream.py)."""
@@ -209,10 +242,25 @@ _MODEL_ROUTES = {
     "ready": "ModelReady",
     "config": "ModelConfig",
     "stats": "ModelStatistics",
-    "infer": "ModelInfer",
     "generate": "ModelInfer",
     "generate_stream": "ModelStreamInfer",
 }
+
+
+def infer_target(path: str) -> tuple[str, str, str] | None:
+    """The model and version an infer route names (`/v2/models/NAME[/versions/V]/infer`),
+    with its template; None: another route."""
+    parts = path.strip("/").split("/")
+    if len(parts) == 4 and parts[:2] == ["v2", "models"] and parts[3] == "infer":
+        return parts[2], "", "/v2/models/{model}/infer"
+    if (
+        len(parts) == 6
+        and parts[:2] == ["v2", "models"]
+        and parts[3] == "versions"
+        and parts[5] == "infer"
+    ):
+        return parts[2], parts[4], "/v2/models/{model}/versions/{version}/infer"
+    return None
 
 
 def _peer(scope: Scope) -> Peer:

@@ -292,6 +292,14 @@ class Observation:
             if token is not None:
                 otel_context.detach(token)
 
+    def abandon(self) -> None:
+        """Drop the call unrecorded: another process serves it and records it (its span, never
+        ended, is never exported)."""
+        metrics = self.observer.metrics
+        if metrics is not None:
+            metrics.child(metrics.inflight, self.transport).dec()
+        self.span = None
+
     def end(self, code: grpc.StatusCode, details: Callable[[], str], response: Any = None) -> None:
         """Record the call: `details`, the error, asked for only when its line is logged;
         `response`, the answer (its version names the one that answered)."""

@@ -1,11 +1,15 @@
 """REST through `--frontends 2`: both front-end processes listen on the REST port (TCP and,
-for HTTP/3, UDP; SO_REUSEPORT) and pass each request to the parent, which serves it as a
-single process does. Every call's answer is compared with in-process Paddle's for its own
-inputs; a client that leaves, over TCP or HTTP/3, stops its generation in the parent."""
+for HTTP/3, UDP; SO_REUSEPORT); an infer request on a version a front-end queues for itself is
+served there, straight into the worker's queues (the parent held still by SIGSTOP does not stop
+it), and every other request, or one that names shared-memory regions or asks for classes, is
+passed to the parent, which serves it as a single process does. Every call's answer is compared
+with in-process Paddle's for its own inputs; a client that leaves, over TCP or HTTP/3, stops its
+generation in the parent."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -16,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.e2e.test_frontends import calls_by_frontend
+from tests.e2e.test_frontends import calls_by_frontend, metrics
 from tests.e2e.test_http import (
     leaving_client_stops_its_generation,
     response,
@@ -32,7 +36,7 @@ from tests.e2e.test_http3_rest import (
 )
 from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, run_reference
-from tests.servers import free_port, model_repository, refused_start, running_server
+from tests.servers import free_port, model_repository, paused, refused_start, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -91,15 +95,59 @@ def infers_counted(served: Served) -> float:
     )
 
 
-def test_rest_calls_reach_both_frontends_and_answer_as_paddle(served: Served) -> None:
+def served_here(served: Served) -> dict[str, float]:
+    """The REST ModelInfer calls each front-end served itself."""
+    pattern = r'paddlequic_frontend_served_calls_total{frontend="(\d+)",transport="http"} (\S+)'
+    return {i: float(count) for i, count in re.findall(pattern, metrics(served.server))}
+
+
+def test_rest_infer_calls_are_served_by_both_frontends_and_answer_as_paddle(
+    served: Served,
+) -> None:
     before = infers_counted(served)
+    passed_on = sum(calls_by_frontend(served.server, "http").values())
     calls = 0
-    while set(calls_by_frontend(served.server, "http")) != {"0", "1"}:
+    while set(served_here(served)) != {"0", "1"}:
         assert calls < MAX_CONNECTIONS, "new REST connections reached one front-end only"
         infer_checked(served, calls)
         calls += 1
-    # Served by the parent's one RestApp: counted there, with REST's transport label.
+    # Served by each front-end's own infer route: counted there, summed into the parent's
+    # /metrics with REST's transport label; none passed on.
     assert infers_counted(served) == before + calls
+    assert sum(served_here(served).values()) >= calls
+    assert sum(calls_by_frontend(served.server, "http").values()) == passed_on
+
+
+def test_rest_infer_calls_are_answered_with_the_parent_stopped(served: Served) -> None:
+    for call in range(4):  # each front-end's queues attached
+        infer_checked(served, 100 + call)
+    with paused(served.server.process.pid):
+        for call in range(4):
+            infer_checked(served, 200 + call)
+
+
+def test_a_request_asking_for_classes_is_the_parents(served: Served) -> None:
+    """The labels are the parent's: a front-end passes the request on, body and all, and the
+    answer is the single process's."""
+    ((name, array),) = call_inputs("mlp", 7).items()
+    entry = {"name": name, "datatype": "FP32", "shape": list(array.shape), "data": array.tolist()}
+    output = run_reference("mlp", {name: array})
+    (output_name,) = output
+    body = {
+        "inputs": [entry],
+        "outputs": [{"name": output_name, "parameters": {"classification": 2}}],
+    }
+    here = sum(served_here(served).values())
+    passed_on = sum(calls_by_frontend(served.server, "http").values())
+    status, answer = post(served, "/v2/models/mlp/infer", body)
+    assert status == 200, answer
+    (classes,) = answer["outputs"]
+    assert classes["datatype"] == "BYTES" and classes["shape"] == [array.shape[0], 2]
+    best = np.argsort(-output[output_name], axis=1)[:, :2]
+    ranked = [int(c.split(":")[1]) for c in classes["data"]]  # "score:index", row by row
+    assert ranked == best.ravel().tolist()
+    assert sum(served_here(served).values()) == here
+    assert sum(calls_by_frontend(served.server, "http").values()) == passed_on + 1
 
 
 def test_errors_and_bounds_are_the_parents(served: Served) -> None:

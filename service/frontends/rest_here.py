@@ -1,0 +1,95 @@
+"""A front-end's REST app (`RestHere`): an infer request on a version it serves itself
+(shared_versions.py) is answered here by the parent's own route (the same conversion, checks,
+observation and request runner: InferRouter over a plane of this process's versions), straight
+into the workers' queues; every other request goes to the parent (rest_forward.py), as does
+one whose tensors name shared-memory regions (registered in the parent) or that asks for
+classes (the labels are the parent's), whole."""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+
+from service.dataplane.plane import InferencePlane, Resolved
+from service.dataplane.shared_memory import SharedMemory
+from service.frontends.model_view import ModelView
+from service.frontends.rest_forward import RestForwarder
+from service.frontends.served_here import ServedHere
+from service.frontends.shared_versions import SharedVersions
+from service.http.app import RestApp
+from service.http.asgi import Message, Receive, Scope, Send
+from service.http.infer_route import PassedOn
+from service.http.observed import TRANSPORT
+from service.http.router import infer_target
+from service.registry.versions import ServedVersion
+from service.serving.requests import RequestRunner
+
+
+class FrontendPlane(InferencePlane):
+    """The versions this process serves itself; shared-memory regions and labels are the
+    parent's."""
+
+    whole = False
+
+    def __init__(self, runner: RequestRunner, view: ModelView, shared: SharedVersions) -> None:
+        super().__init__(runner, SharedMemory("off"))
+        self._view = view
+        self._shared = shared
+
+    def here(self, model: str, version: str) -> ServedVersion | None:
+        token = self._view.token(model, version)
+        return None if token is None else self._shared.serving(token)
+
+    def serving(
+        self, name: str, version: str, deadline: float | None
+    ) -> AbstractAsyncContextManager[ServedVersion]:
+        served = self.here(name, version)
+        if served is None:  # let go since the request was routed here
+            raise PassedOn(f"model '{name}' is no longer served by this process")
+        return Resolved(served)
+
+
+class RestHere:
+    def __init__(
+        self,
+        app: RestApp,
+        plane: FrontendPlane,
+        forwarder: RestForwarder,
+        served_here: ServedHere | None,
+    ) -> None:
+        """`app`: the infer route alone (InferRouter) over `plane`; `forwarder`: to the
+        parent; `served_here`: what counts the calls served here (None: --no-metrics)."""
+        self._app = app
+        self._plane = plane
+        self._forwarder = forwarder
+        self._served_here = served_here
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        target = infer_target(scope["path"]) if scope["type"] == "http" else None
+        if target is None or scope["method"] != "POST" or not self._plane.here(*target[:2]):
+            await self._forwarder(scope, receive, send)
+            return
+        replay = _Replay(receive)
+        try:
+            await self._app(scope, replay.receive, send)
+        except PassedOn:
+            await self._forwarder(scope, replay.again, send)
+            return
+        if self._served_here is not None:
+            self._served_here.count(TRANSPORT)
+
+
+class _Replay:
+    """A request's messages as the app here read them, given again to the forwarder."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._read: list[Message] = []
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._read.append(message)
+        return message
+
+    async def again(self) -> Message:
+        return self._read.pop(0) if self._read else await self._receive()
