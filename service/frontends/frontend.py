@@ -24,7 +24,7 @@ from service.frontends.descriptors import (
 )
 from service.frontends.listeners import (
     check_client_auth,
-    rest_infer_app,
+    rest_app,
     serves_rest_h3,
     start_grpc,
     start_h3,
@@ -110,7 +110,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         if link.serving is not None and link.shared is not None:
             # REST infer calls on the versions this process queues for itself: served here.
             plane = FrontendPlane(link.serving.runner, link.view, link.shared)
-            here = rest_infer_app(settings, plane, link.serving.observer, restrictions)
+            here = rest_app(settings, plane, link.serving.observer, restrictions)
             rest = RestHere(here, plane, forwarder, link.served_here)
     if tls is not None and settings.h3:
         tickets = open_ticket_store(

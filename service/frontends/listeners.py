@@ -136,26 +136,18 @@ def serves_rest_h3(settings: ServerSettings, grpc_port: int) -> bool:
 
 def rest_app(
     settings: ServerSettings,
-    plane: DataPlane,
-    observer: Observer,
-    restrictions: Mapping[str, Restriction],
-) -> RestApp:
-    """The KServe v2 REST API over the same data plane as gRPC."""
-    routes = Routes(plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size)
-    limits, guard = rest_checks(settings, restrictions)
-    return RestApp(Router(routes, limits, observer, guard))
-
-
-def rest_infer_app(
-    settings: ServerSettings,
     plane: InferencePlane,
     observer: Observer,
     restrictions: Mapping[str, Restriction],
 ) -> RestApp:
-    """The infer route alone, over `plane` (a front-end's, of the versions it serves)."""
-    callers = SequenceCallers(settings.sequence_callers)
-    route = InferRoute(plane, callers, settings.http_max_input_size)
+    """The KServe v2 REST API over the parent's data plane, the same as gRPC's; over a
+    front-end's plane (the versions it serves itself), the infer route alone."""
     limits, guard = rest_checks(settings, restrictions)
+    route = InferRoute(
+        plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size
+    )
+    if isinstance(plane, DataPlane):
+        return RestApp(Router(Routes(plane, route), limits, observer, guard))
     return RestApp(InferRouter(route, limits, observer, guard))
 
 

@@ -10,7 +10,6 @@ from typing import Any
 
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
-from service.dataplane.sequence_callers import SequenceCallers
 from service.http.generate import (
     TextDecoder,
     event,
@@ -48,15 +47,11 @@ REST_EXTENSIONS = frozenset(
 
 
 class Routes:
-    def __init__(
-        self, plane: DataPlane, sequence_callers: SequenceCallers, max_input_bytes: int
-    ) -> None:
-        """`sequence_callers`: whose a sequence is (a REST caller's certificate's, if any);
-        `max_input_bytes`: the most one input may take from a shared-memory region (what a body
-        may carry, --http-max-input-size)."""
+    def __init__(self, plane: DataPlane, inference: InferRoute) -> None:
+        """`inference`: the infer route, over the same plane."""
         self.plane = plane
-        self.inference = InferRoute(plane, sequence_callers, max_input_bytes)
-        self.shared_memory = self.inference.shared_memory
+        self.inference = inference
+        self.shared_memory = inference.shared_memory
 
     def live(self) -> Reply:
         """Health answers: Triton's status (200, or 400 for false), which tritonclient reads,
