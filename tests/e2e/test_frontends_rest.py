@@ -24,6 +24,7 @@ from tests.e2e.test_frontends import calls_by_frontend, metrics
 from tests.e2e.test_http import (
     leaving_client_stops_its_generation,
     response,
+    whole_chunked_body_refused,
 )
 from tests.e2e.test_http3_rest import (
     HTTP3,
@@ -163,6 +164,13 @@ def test_errors_and_bounds_are_the_parents(served: Served) -> None:
     assert status == 400 and "--http-max-input-size" in json.loads(body)["error"]
     with urllib.request.urlopen(f"http://127.0.0.1:{served.port}/v2/health/ready") as ready:
         assert (ready.status, json.loads(ready.read())) == (200, {"ready": True})
+
+
+def test_a_client_that_sends_its_whole_chunked_body_first_reads_the_400(served: Served) -> None:
+    """The infer request is the front-end's own: it refuses the body once past the limit and
+    lingers, as a single process does (a request passed on to the parent was seen to leave
+    such a client waiting)."""
+    whole_chunked_body_refused(served.port, MAX_INPUT)
 
 
 def test_a_stream_whose_client_leaves_stops_generating(served: Served) -> None:
