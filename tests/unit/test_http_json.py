@@ -211,3 +211,25 @@ def test_a_character_split_across_stream_responses_comes_whole() -> None:
         tensor = OutputTensor("text_delta", BY_NAME["BYTES"], (1,), serialize_bytes([piece]))
         texts.append(decoder.event("m", "1", (tensor,), final)["text_delta"])
     assert texts == ["caf", "\u00e9!", "\ufffd"]  # a character cut short at the end: U+FFFD
+
+
+@PROPERTY
+@given(name=st.sampled_from(INTEGERS), data=st.data())
+def test_integers_parsed_from_a_body_are_refused_out_of_range(
+    name: str, data: st.DataObject
+) -> None:
+    """Past 64 bits the parser reads an integer as a float: still refused, never wrapped."""
+    info = np.iinfo(BY_NAME[name].numpy)
+    outside = data.draw(
+        st.integers(int(info.max) + 1, 1 << 80) | st.integers(-(1 << 80), int(info.min) - 1)
+    )
+    (value,) = parsed(f"[{outside}]".encode())
+    with pytest.raises(ServiceError):
+        converted("x", [value], BY_NAME[name])
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_a_body_with_a_number_json_does_not_have_is_refused(literal: bytes) -> None:
+    """As Triton's parser: NaN and infinities are not JSON."""
+    with pytest.raises(ServiceError, match="not valid JSON"):
+        parsed(b'{"data": [' + literal + b"]}")
