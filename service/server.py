@@ -44,6 +44,7 @@ from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
 from service.observability.tracing import TracingUnavailable
 from service.placement.host import load_topology
+from service.process_memory import release_large_buffers
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
@@ -56,6 +57,7 @@ SCRAPE_REFRESH_S = 3.0
 
 
 async def serve(settings: ServerSettings) -> None:
+    release_large_buffers()
     loop = asyncio.get_running_loop()
     restrictions = parse_restrictions(settings.restricted_protocol)
     client_auth = check_client_auth(settings)

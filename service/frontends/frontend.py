@@ -40,6 +40,7 @@ from service.frontends.shared_versions import SharedVersions
 from service.http.asgi import App
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
+from service.process_memory import release_large_buffers
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
@@ -56,6 +57,7 @@ class ParentUnreachable(Exception):
 
 
 async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
+    release_large_buffers()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -68,28 +68,22 @@ class RestHere:
         if target is None or scope["method"] != "POST" or not self._plane.here(*target[:2]):
             await self._forwarder(scope, receive, send)
             return
-        replay = _Replay(receive)
         try:
-            await self._app(scope, replay.receive, send)
-        except PassedOn:
-            await self._forwarder(scope, replay.again, send)
+            await self._app(scope, receive, send)
+        except PassedOn as passed:
+            replayed = receive if passed.body is None else _replayed(passed.body, receive)
+            await self._forwarder(scope, replayed, send)
             return
         if self._served_here is not None:
             self._served_here.count(TRANSPORT)
 
 
-class _Replay:
-    """A request's messages as the app here read them, given again to the forwarder."""
+def _replayed(body: bytes, receive: Receive) -> Receive:
+    """The request's body read here, given again whole to the forwarder; then the request's
+    own messages (its client leaving)."""
+    first: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._read: list[Message] = []
+    async def again() -> Message:
+        return first.pop() if first else await receive()
 
-    async def receive(self) -> Message:
-        message = await self._receive()
-        if message["type"] == "http.request":
-            self._read.append(message)
-        return message
-
-    async def again(self) -> Message:
-        return self._read.pop(0) if self._read else await self._receive()
+    return again

@@ -28,7 +28,12 @@ from service.registry.versions import ServedVersion
 class PassedOn(Exception):
     """The request is not this process's to serve (its version is served elsewhere, its
     tensors name regions registered elsewhere): raised before anything of it was run or
-    counted, so the process that serves it can take it whole."""
+    counted, so the process that serves it can take it whole. `body`: the request's body as
+    it came, once it was read here (None: not read)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.body: bytes | None = None
 
 
 class InferRoute:

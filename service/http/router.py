@@ -63,8 +63,8 @@ class InferRouter:
         model, version, route = target
         self._expect(scope, call, "POST", "ModelInfer", route)
         call.model, call.version = model, version
-        body = await read_body(scope, receive, self.limits)
-        body = await decoded(scope, body, self.limits.max_body_bytes)
+        sent = await read_body(scope, receive, self.limits)
+        body = await decoded(scope, sent, self.limits.max_body_bytes)
         call.encoding = preferred(header(scope, b"accept-encoding"))
         header_length = header(scope, HEADER_LENGTH)
         peer = _peer(scope)
@@ -73,10 +73,16 @@ class InferRouter:
             if self.guard is not None
             else None
         )
-        return await unless_gone(
-            receive,
-            self.inference.infer(model, version, body, header_length, peer, call.identity, refusal),
-        )
+        try:
+            return await unless_gone(
+                receive,
+                self.inference.infer(
+                    model, version, body, header_length, peer, call.identity, refusal
+                ),
+            )
+        except PassedOn as passed:
+            passed.body = sent  # as it came: the process it goes to reads it again
+            raise
 
     def _expect(self, scope: Scope, call: Call, allowed: str, rpc: str, route: str) -> None:
         """The request routed to `route` (its template), standing for the gRPC method `rpc`:
