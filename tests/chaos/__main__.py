@@ -35,11 +35,7 @@ def _counts(counts: dict[str, int]) -> str:
 def table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for row in rows:
-        retried = (
-            f" (retried once after UNAVAILABLE: {_counts(row.good_retried)})"
-            if row.good_retried
-            else ""
-        )
+        retried = f" (retried once: {_counts(row.good_retried)})" if row.good_retried else ""
         cells = (
             row.attack,
             str(row.good_requests),
@@ -90,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if any(row.good_retried for row in rows):
         print(
-            "front-end SIGKILL: a good call failing UNAVAILABLE (its connection's process was "
-            f"killed) is retried once after {RETRY_BACKOFF_S} s; only a failed retry counts"
+            f"retried once after {RETRY_BACKOFF_S} s, only a failed retry counting: a good call "
+            "failing UNAVAILABLE where a front-end is SIGKILLed (its connection's process), and "
+            "a REST request never sent (its kept-alive connection closing as it was reused)"
         )
     print(table(rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
