@@ -1,9 +1,12 @@
 #!/bin/sh
-# `make bench-scale` on a many-core host with no network and no Paddle, from the repository
-# root: the wheels `make bench-scale-kit` put in .whl/ go into a folder of their own (the
-# host's Python is left as it is), and the run serves mlp_numpy, a Python-backend model of
-# mlp's shapes. Results go to $OUT (default bench-results/): scale.json, scale.txt and, where
-# NVML sees GPUs, topology.txt. The generated protobuf modules must be there (`make proto`).
+# `make bench-scale` on a many-core host with no network, from the repository root: the
+# wheels `make bench-scale-kit` put in .whl/ go into a folder of their own (the host's Python
+# is left as it is). Where the host's Python imports Paddle the run serves mlp on both paths
+# (the server's batcher, and the instance queues every process holding calls writes into);
+# without Paddle it serves mlp_numpy, a Python-backend model of mlp's shapes, which the
+# instance queues do not take (the parent's path only: said in scale.txt). MODEL overrides.
+# Results go to $OUT (default bench-results/): scale.json, scale.txt and, where NVML sees
+# GPUs, topology.txt. The generated protobuf modules must be there (`make proto`).
 # FRONTENDS, CLIENTS (default: half the cores) and DURATION size the run.
 set -eu
 out=${OUT:-bench-results}
@@ -14,6 +17,19 @@ mkdir -p "$out"
     --target "$site" .whl/*.whl
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
 "$python" -m clients.cli topology > "$out/topology.txt" 2>&1 || echo "no topology: see $out/topology.txt"
-"$python" -m scripts.bench_scale --model mlp_numpy --frontends "${FRONTENDS:-1,2,4,8}" \
-    --duration "${DURATION:-3}" ${CLIENTS:+--clients "$CLIENTS"} --out "$out/scale.json" \
-    | tee "$out/scale.txt"
+if "$python" -c "import paddle" > /dev/null 2>&1; then
+    model=${MODEL:-mlp}
+else
+    model=${MODEL:-mlp_numpy}
+fi
+if [ "$model" = mlp_numpy ]; then
+    paths=batcher
+    echo "no Paddle on this host: mlp_numpy, a Python model, on the parent's path only" \
+        | tee "$out/scale.txt"
+else
+    paths=batcher,queues
+    : > "$out/scale.txt"
+fi
+"$python" -m scripts.bench_scale --model "$model" --paths "$paths" \
+    --frontends "${FRONTENDS:-1,2,4,8}" --duration "${DURATION:-3}" \
+    ${CLIENTS:+--clients "$CLIENTS"} --out "$out/scale.json" | tee -a "$out/scale.txt"
