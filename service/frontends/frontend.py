@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -40,12 +41,14 @@ from service.frontends.shared_versions import SharedVersions
 from service.http.asgi import App
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
+from service.observability.observer import Observer
 from service.process_memory import release_large_buffers
 from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
 from transport.h3.datagram_routing import DatagramRouter
+from transport.h3.server import H3Server
 
 log = logging.getLogger("paddlequic.frontend")
 
@@ -80,9 +83,11 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     if settings.metrics:
         link.metrics = Metrics.frontend(link.view.served)
         link.served_here = ServedHere(link.metrics.registry, index)
-    tracing = None
+    # What this process observes itself: the calls its HTTP/3 transport answers before any
+    # handler (unknown methods, refused encodings, deadlines during the upload) and those it
+    # serves (--frontend-queues), summed into the parent's /metrics.
+    observer, tracing = observer_of(settings, link.metrics)
     if settings.instance_queues and settings.frontend_queues:
-        observer, tracing = observer_of(settings, link.metrics)
         link.serving = Serving(
             RequestRunner(ModelRegistry(lambda: None), observer),
             observer,
@@ -126,7 +131,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
                 await start_h3(
                     settings,
                     port,
-                    lambda s: s.add_generic_rpc_handlers([link.handlers("h3")]),
+                    functools.partial(_register_h3, link, observer),
                     tls,
                     client_auth,
                     tickets,
@@ -162,6 +167,13 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     link.flush()  # the last report goes out before the process ends
     for task in (reporter, closed, stopping, reading):
         task.cancel()
+
+
+def _register_h3(link: ParentLink, observer: Observer, server: H3Server) -> None:
+    """The front-end's handlers on an HTTP/3 server, and the calls it answers itself
+    observed here."""
+    server.add_generic_rpc_handlers([link.handlers("h3")])
+    server.answered = lambda answer: observer.transport_answered("h3", answer)
 
 
 async def _report(link: ParentLink) -> None:

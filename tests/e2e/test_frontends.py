@@ -28,6 +28,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from scripts.migration_lab import forwarded_datagrams
 from scripts.nat_rebinding import rebind
+from tests.e2e.test_described_calls import counter
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
@@ -40,6 +41,7 @@ from tests.servers import (
     refused_start,
     running_server,
 )
+from transport.grpc import headers as wire
 
 pytestmark = pytest.mark.e2e
 
@@ -423,3 +425,34 @@ def test_a_udp_port_another_process_shares_stops_the_start(tmp_path: Path, certs
         args += ["--http-port", "0", "--frontends", "2"]
         refused = refused_start(args)
     assert f"UDP port {port} (HTTP/3): Address already in use" in refused
+
+
+async def test_a_call_a_front_ends_http3_transport_answers_itself_is_counted(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """A call refused by the HTTP/3 transport before any handler (an encoding it does not
+    take) is answered in the front-end and never reaches the parent: the front-end counts
+    it, and the parent's /metrics shows it once, under `_unknown` (its path is no method)."""
+
+    def refused() -> float:
+        return counter(
+            server,
+            "paddlequic_requests_total",
+            transport="h3",
+            rpc="_unknown",
+            code="UNIMPLEMENTED",
+        )
+
+    before = refused()
+    block = [
+        *wire.request_headers(f"localhost:{server.port}", "/random.Service/Z3f9", None),
+        (b"grpc-encoding", b"snappy"),
+    ]
+    async with quic(server, certs_dir) as channel:
+        stream = (await channel.connection()).open_stream()
+        stream.send_headers(block)
+        await stream.send_data(b"", end=True)
+        answer = dict(await asyncio.wait_for(stream.wait_headers(), WAIT_S))
+    assert answer[b"grpc-status"] == b"12"
+    wait_for(lambda: refused() >= before + 1, "the refused call counted")
+    assert refused() == before + 1
