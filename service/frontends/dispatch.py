@@ -8,6 +8,7 @@ protobuf, task or servicer context here."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -152,6 +153,8 @@ class _FrontendLink(FrameConnection):
             self.server.described.refused(opened, refusal, elapsed_ns)
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
+            methods = {m for table in self.server.tables.values() for m in table.methods()}
+            self.send(Kind.METHODS, 0, json.dumps(sorted(methods)).encode())
             self.send_view(self.server.described.view(), self.server.queued_view())
             if self.server.sharing is not None:
                 self.server.sharing.connected(self.index)

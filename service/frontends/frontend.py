@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import gc
 import logging
@@ -47,6 +48,7 @@ from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
+from transport.h3.calls import TransportAnswer
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.server import H3Server
 
@@ -173,7 +175,13 @@ def _register_h3(link: ParentLink, observer: Observer, server: H3Server) -> None
     """The front-end's handlers on an HTTP/3 server, and the calls it answers itself
     observed here."""
     server.add_generic_rpc_handlers([link.handlers("h3")])
-    server.answered = lambda answer: observer.transport_answered("h3", answer)
+
+    def answered(answer: TransportAnswer) -> None:
+        # Every path is the forwarder's here: the parent's methods say which are methods.
+        labelled = dataclasses.replace(answer, registered=answer.method_path in link.methods)
+        observer.transport_answered("h3", labelled)
+
+    server.answered = answered
 
 
 async def _report(link: ParentLink) -> None:

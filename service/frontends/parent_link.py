@@ -6,6 +6,7 @@ another version the parent described, it passes on as a descriptor it decoded an
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -92,6 +93,9 @@ class ParentLink(FrameConnection):
         self.metrics: Metrics | None = None
         self.served_here: ServedHere | None = None  # counted in `metrics`
         self._left_out: set[str] = set()  # parts of reports too large to send, logged once
+        # The method paths the parent registered (METHODS): a call this process's transport
+        # answers itself is labelled by its method only if it is one of them.
+        self.methods: frozenset[str] = frozenset()
 
     def hello(self) -> None:
         """Tell the parent this front-end's listeners accept calls (its readiness waits for
@@ -231,6 +235,9 @@ class ParentLink(FrameConnection):
         if kind is Kind.QUEUED and self.shared is not None:
             self.shared.update(payload, self._configs)
             return
+        if kind is Kind.METHODS:
+            self.methods = _methods(payload)
+            return
         if kind is Kind.WORKER and self.shared is not None:
             self.shared.told(payload)
             return
@@ -336,6 +343,16 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         if method == MODEL_INFER:
             return grpc.unary_unary_rpc_method_handler(infer)
         return grpc.stream_stream_rpc_method_handler(forward)
+
+
+def _methods(payload: bytes) -> frozenset[str]:
+    try:
+        methods = json.loads(payload)
+    except ValueError:
+        methods = None
+    if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
+        raise ProtocolViolation("METHODS is not a JSON list of method paths")
+    return frozenset(methods)
 
 
 async def _one(answers: list[bytes], context: Any) -> bytes:

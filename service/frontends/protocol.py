@@ -52,6 +52,9 @@ class Kind(enum.IntEnum):
     WORKER = 16  # parent -> front-end, call 0: an instance's worker is ready, ended, or failed
     TROUBLE = 17  # front-end -> parent, call 0: a worker hung or broke its queues (JSON)
     RELEASED = 18  # front-end -> parent, call 0: it holds no more requests of a version (u32)
+    # parent -> front-end, call 0, on HELLO: the method paths the parent registered (a JSON
+    # list), which label the calls a front-end's transport answers itself
+    METHODS = 19
 
 
 class ProtocolViolation(ValueError):

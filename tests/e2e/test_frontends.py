@@ -427,25 +427,28 @@ def test_a_udp_port_another_process_shares_stops_the_start(tmp_path: Path, certs
     assert f"UDP port {port} (HTTP/3): Address already in use" in refused
 
 
+@pytest.mark.parametrize(
+    ("path", "rpc"),
+    [
+        ("/random.Service/Z3f9", "_unknown"),
+        ("/inference.GRPCInferenceService/ServerLive", "ServerLive"),
+    ],
+)
 async def test_a_call_a_front_ends_http3_transport_answers_itself_is_counted(
-    server: ServerProcess, certs_dir: Path
+    server: ServerProcess, certs_dir: Path, path: str, rpc: str
 ) -> None:
     """A call refused by the HTTP/3 transport before any handler (an encoding it does not
     take) is answered in the front-end and never reaches the parent: the front-end counts
-    it, and the parent's /metrics shows it once, under `_unknown` (its path is no method)."""
+    it, and the parent's /metrics shows it once, under its method if the parent serves one
+    by that path (METHODS), else under `_unknown`."""
 
     def refused() -> float:
-        return counter(
-            server,
-            "paddlequic_requests_total",
-            transport="h3",
-            rpc="_unknown",
-            code="UNIMPLEMENTED",
-        )
+        labels = {"transport": "h3", "rpc": rpc, "code": "UNIMPLEMENTED"}
+        return counter(server, "paddlequic_requests_total", **labels)
 
     before = refused()
     block = [
-        *wire.request_headers(f"localhost:{server.port}", "/random.Service/Z3f9", None),
+        *wire.request_headers(f"localhost:{server.port}", path, None),
         (b"grpc-encoding", b"snappy"),
     ]
     async with quic(server, certs_dir) as channel:

@@ -41,6 +41,10 @@ class HandlerTable:
         generic handlers may take)."""
         return method in self._registered
 
+    def methods(self) -> list[str]:
+        """The registered methods' paths, sorted."""
+        return sorted(self._registered)
+
     def lookup(
         self, method: str, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
