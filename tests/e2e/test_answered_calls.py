@@ -216,10 +216,18 @@ async def test_a_deadline_that_races_the_answer_is_recorded_as_deadline_exceeded
                 await testing_pb2_grpc.TestingStub(channel).Unary(late, timeout=0.5)
             assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
+    # Over HTTP/2 the client's cancel at its deadline counts as the deadline when it comes
+    # within the margin of the server's (tests/unit/test_observed_calls.py); on a host loaded
+    # enough that the headers waited longer to be read, as CANCELLED. Once, either way.
+    ended = ("DEADLINE_EXCEEDED",) if transport == "h3" else ("DEADLINE_EXCEEDED", "CANCELLED")
+
     def counted(samples: Samples) -> bool:
         return (
-            served.requests(samples, transport, "Unary", "DEADLINE_EXCEEDED")
-            - served.requests(before, transport, "Unary", "DEADLINE_EXCEEDED")
+            sum(
+                served.requests(samples, transport, "Unary", code)
+                - served.requests(before, transport, "Unary", code)
+                for code in ended
+            )
             == 1
         )
 
