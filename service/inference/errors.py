@@ -84,7 +84,11 @@ def reports_errors(
         try:
             return await method(self, request, context)
         except ServiceError as exc:
-            await abort(context, exc)
+            # Aborted outside the except block and without its traceback: otherwise the
+            # error, its traceback and this frame form a cycle that keeps the request (up to a
+            # message's size) alive until the collector's next full pass.
+            error = exc.with_traceback(None)
+        await abort(context, error)
 
     return wrapper
 
