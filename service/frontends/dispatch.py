@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,10 @@ from service.frontends.queue_sharing import QUEUES_SOCKET, SharedQueues
 from service.frontends.reports import Reports
 from service.frontends.stats import FrontendMetrics
 from service.inference.errors import ServiceError
+from service.observability.observer import deadline_passed
 from transport.grpc.handler_table import HandlerTable, run_behavior
 from transport.grpc.servicer_context import CallContext
+from transport.h3.calls import TransportAnswer
 
 log = logging.getLogger("paddlequic.frontends")
 
@@ -68,6 +71,10 @@ class DispatchServer:
         self._links: set[_FrontendLink] = set()
         self._server: asyncio.Server | None = None
         self.sharing = SharedQueues(self._send_all) if sharing else None
+        # Where a call that ended before its handler ran is observed (its transport's, the
+        # parent's Observer.transport_answered): a unary call whose message never came whole
+        # or in time, as the HTTP/3 transport observes those it answers itself.
+        self.answered: Callable[[str, TransportAnswer], None] | None = None
 
     async def start(self, path: Path) -> None:
         self._server = await asyncio.start_unix_server(self._connected, path)
@@ -242,6 +249,11 @@ class _Call:
         self.cancelled = False
         self.context: DispatchContext | None = None
         self.task: asyncio.Task[None] | None = None
+        self.invoked = False  # whether its handler's behavior ran
+        self._started = time.perf_counter()
+        self._deadline = (
+            None if opened.timeout is None else asyncio.get_running_loop().time() + opened.timeout
+        )
 
     def received(self, kind: Kind, payload: bytes) -> None:
         if kind is Kind.MESSAGE:
@@ -264,6 +276,27 @@ class _Call:
             self.task.cancel()
 
     async def run(self) -> Status:
+        status = await self._run()
+        answered = self.link.server.answered
+        if not self.invoked and answered is not None and self.opened.transport in TRANSPORTS:
+            self._observe(answered, status)
+        return status
+
+    def _observe(self, answered: Callable[[str, TransportAnswer], None], status: Status) -> None:
+        """A call that ended before its behavior ran, observed as its transport would: a
+        client's cancel that close to its deadline is the deadline."""
+        code = status.code
+        now = asyncio.get_running_loop().time()
+        remaining = None if self._deadline is None else self._deadline - now
+        if deadline_passed(remaining, code is grpc.StatusCode.CANCELLED):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        method = self.opened.method
+        table = self.link.server.tables[self.opened.transport]
+        seconds = time.perf_counter() - self._started
+        answer = TransportAnswer(method, table.registered(method), code, status.details, seconds)
+        answered(self.opened.transport, answer)
+
+    async def _run(self) -> Status:
         opened = self.opened
         table = self.link.server.tables.get(opened.transport)
         handler = table.lookup(opened.method, opened.metadata) if table is not None else None
@@ -273,6 +306,7 @@ class _Call:
         try:
             async with asyncio.timeout(opened.timeout):
                 request = await _request(handler, context)
+                self.invoked = True
                 await run_behavior(handler, request, context)
         except TimeoutError:
             context.mark_cancelled()

@@ -108,6 +108,7 @@ async def start_frontends(
             FrontendReadiness(models, count).listening,
             settings.instance_queues and settings.frontend_queues,
         )
+        dispatch.answered = observer.transport_answered
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
         if rest is not None:

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -451,11 +452,42 @@ async def test_a_call_a_front_ends_http3_transport_answers_itself_is_counted(
         *wire.request_headers(f"localhost:{server.port}", path, None),
         (b"grpc-encoding", b"snappy"),
     ]
+    assert await h3_raw_call(server, certs_dir, block, b"", end=True) == b"12"
+    wait_for(lambda: refused() >= before + 1, "the refused call counted")
+    assert refused() == before + 1
+
+
+async def test_a_call_whose_deadline_passes_during_its_upload_is_counted(
+    server: ServerProcess, certs_dir: Path
+) -> None:
+    """A unary call the front-end passes on (ModelMetadata) whose message never comes whole:
+    its deadline passes before the parent's handler runs, and the parent counts it as the
+    HTTP/3 transport of a single process does, once, DEADLINE_EXCEEDED."""
+    method = "/inference.GRPCInferenceService/ModelMetadata"
+
+    def timed_out() -> float:
+        labels = {"transport": "h3", "rpc": "ModelMetadata", "code": "DEADLINE_EXCEEDED"}
+        return counter(server, "paddlequic_requests_total", **labels)
+
+    before = timed_out()
+    block = wire.request_headers(f"localhost:{server.port}", method, 1.0)
+    half_message = struct.pack(">BI", 0, 64)
+    assert await h3_raw_call(server, certs_dir, block, half_message) == b"4"
+    wait_for(lambda: timed_out() >= before + 1, "the timed-out call counted")
+    assert timed_out() == before + 1
+
+
+async def h3_raw_call(
+    server: ServerProcess,
+    certs_dir: Path,
+    block: list[tuple[bytes, bytes]],
+    body: bytes,
+    end: bool = False,
+) -> bytes:
+    """A hand-written HTTP/3 request (its upload left open unless `end`): the grpc-status."""
     async with quic(server, certs_dir) as channel:
         stream = (await channel.connection()).open_stream()
         stream.send_headers(block)
-        await stream.send_data(b"", end=True)
+        await stream.send_data(body, end=end)
         answer = dict(await asyncio.wait_for(stream.wait_headers(), WAIT_S))
-    assert answer[b"grpc-status"] == b"12"
-    wait_for(lambda: refused() >= before + 1, "the refused call counted")
-    assert refused() == before + 1
+    return answer[b"grpc-status"]
