@@ -151,6 +151,12 @@ def test_generations_on_one_stream_each_get_their_own_tokens(
         assert text == text_of(generated(server, prompt))
 
 
+def default_sigint() -> None:
+    """A shell without job control starts background commands with SIGINT ignored, and a
+    Python started so never raises KeyboardInterrupt: the CLI gets Ctrl-C's default here."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_active(server: ServerProcess) -> None:
     """Until the server runs a generation (bounded)."""
     deadline = time.monotonic() + SETTLE_LIMIT_S
@@ -269,8 +275,9 @@ def test_cli_generate_interrupted_cancels_the_generation(
     command += ["--url", client_args(server, certs_dir, transport)["url"]]
     with paused(instance.pid):
         process = subprocess.Popen(
-            command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+            command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=default_sigint,
+        )  # fmt: skip
         try:
             wait_active(server)
             process.send_signal(signal.SIGINT)
