@@ -304,7 +304,7 @@ class _Call:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
         context = self.context = DispatchContext(self, handler)
         try:
-            async with asyncio.timeout(opened.timeout):
+            async with asyncio.timeout_at(self._deadline):
                 request = await _request(handler, context)
                 self.invoked = True
                 await run_behavior(handler, request, context)

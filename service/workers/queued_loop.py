@@ -52,7 +52,7 @@ class Producer:
         self.wake_out = wake_out
         self.written = 0  # replies so far: it is woken once for those of a step
         self.told = 0
-        self.backlog: collections.deque[bytes] = collections.deque()  # its full ring's
+        self.backlog: collections.deque[bytearray] = collections.deque()  # its full ring's
 
     def reply(self, size: int, write: Callable[[memoryview], object]) -> None:
         """An answer of `size` bytes (`write` fills it) into the reply ring, or, while the
@@ -68,7 +68,7 @@ class Producer:
         held = bytearray(size)
         with memoryview(held) as view:
             write(view)
-        self.backlog.append(bytes(held))
+        self.backlog.append(held)
 
     def flush(self) -> bool:
         """Waiting answers into the ring while it has room; whether some still wait."""
