@@ -76,7 +76,7 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
 
     def read() -> None:
         while (payload := replies.take()) is not None:
-            records.read_reply(payload, expected)
+            records.read_reply(payload, lambda _: expected)
 
     def loop() -> None:
         worker.take()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from service.inference.jobs import Timings
 from service.queues.ring import Corrupt, RingWriter, aligned8
@@ -32,8 +32,11 @@ NO_TIME = math.nan
 _REQUEST = struct.Struct("<BBHHHIQdd")  # kind, flags, inputs, outputs, priority, rows, id, ...
 _CANCEL = struct.Struct("<BxxxxxxxQ")
 _TENSOR = struct.Struct("<HHIQ")  # index, rank, 0, nbytes; then rank dims, then the data
-_REPLY = struct.Struct("<BBHIQQQQQQ")  # kind, code, outputs, batch rows, id, batch, timings
-_TEXT = struct.Struct("<I4x")
+# kind, code, outputs, batch rows, requests answered, batch, timings; then each request's
+# (id, queue ns), then the outputs
+_ANSWERS = struct.Struct("<BBHIQQQQQ")
+_ANSWERED = struct.Struct("<QQ")
+_FAILURE = struct.Struct("<BBxxxxxxQI4x")  # kind, failure kind, id, text bytes; then the text
 
 
 class Tensor(NamedTuple):  # a tuple: one per tensor of every record, built fast
@@ -58,7 +61,7 @@ class Cancel:
     id: int
 
 
-class Reply(NamedTuple):
+class Reply(NamedTuple):  # one request's
     id: int
     batch: int  # the worker's batch number
     batch_rows: int  # the rows its requests brought
@@ -68,7 +71,8 @@ class Reply(NamedTuple):
     failure: int | None = None  # FAILED, TOO_LARGE, EXPIRED or CANCELLED; None: answered
     text: str = ""
     # The batch's first answer, over all the worker's callers: the one process that counts
-    # the batch (statistics, metrics, its span) when several hold its requests.
+    # the batch (statistics, metrics, its span) when several hold its requests (in a record
+    # of several answers, its first).
     counts_batch: bool = False
 
 
@@ -193,44 +197,53 @@ def read_request(payload: bytes) -> Request | Cancel:
     )
 
 
-def reply_size(outputs: Sequence[tuple[tuple[int, ...], int]]) -> int:
-    return _REPLY.size + sum(_tensor_size(shape, nbytes) for shape, nbytes in outputs)
+def answers_size(count: int, outputs: Sequence[tuple[tuple[int, ...], int]]) -> int:
+    """The payload bytes of the answers to `count` requests with outputs of these (shape,
+    nbytes): every request's rows of an output together."""
+    return (
+        _ANSWERS.size
+        + _ANSWERED.size * count
+        + sum(_tensor_size(shape, nbytes) for shape, nbytes in outputs)
+    )
 
 
-def write_answer(
+def write_answers(
     buf: memoryview,
-    request_id: int,
     batch: int,
     batch_rows: int,
     timings: Timings,
-    queue_ns: int,
-    outputs: Sequence[tuple[int, tuple[int, ...], bytes]],
-    counts_batch: bool = True,
+    counts_batch: bool,
+    answered: Sequence[tuple[int, int]],
+    outputs: Sequence[tuple[int, tuple[int, ...], Any]],
 ) -> None:
-    """Into room of reply_size() bytes reserved in the reply ring."""
-    _REPLY.pack_into(
+    """Into room of answers_size() bytes reserved in the reply ring: the answers to requests
+    (id, ns in the worker's queue) that asked for the same outputs, in one record, each
+    output their rows in that order (the whole output for one request of a model that does
+    not batch)."""
+    _ANSWERS.pack_into(
         buf,
         0,
         ANSWER,
         COUNTS_BATCH if counts_batch else 0,
         len(outputs),
         batch_rows,
-        request_id,
+        len(answered),
         batch,
         timings.input_ns,
         timings.infer_ns,
         timings.output_ns,
-        queue_ns,
     )
-    at = _REPLY.size
+    at = _ANSWERS.size
+    for request_id, queue_ns in answered:
+        _ANSWERED.pack_into(buf, at, request_id, queue_ns)
+        at += _ANSWERED.size
     for index, shape, data in outputs:
         at = _pack_tensor(buf, at, index, shape, data)
 
 
 def failure_bytes(request_id: int, kind: int, text: str) -> bytes:
     data = text.encode()[:MAX_FAILURE_TEXT]
-    head = _REPLY.pack(FAILURE, kind, 0, 0, request_id, 0, 0, 0, 0, 0)
-    return head + _TEXT.pack(len(data)) + data
+    return _FAILURE.pack(FAILURE, kind, request_id, len(data)) + data
 
 
 @dataclass(frozen=True)
@@ -244,52 +257,108 @@ class Expected:
     max_batch_rows: int
 
 
-def _reply_head(payload: bytes | memoryview) -> tuple[int, ...]:
-    if len(payload) < _REPLY.size:
-        raise Corrupt(f"a reply of {len(payload)} bytes")
-    return _REPLY.unpack_from(payload)
+# What the process reading replies expects of a request it sent; None: it sent no such request.
+ExpectedOf = Callable[[int], "Expected | None"]
 
 
-def request_id_of(payload: bytes) -> int:
-    return int(_reply_head(payload)[4])
-
-
-def read_reply(payload: bytes, expected: Expected) -> Reply:
-    """A record the worker wrote, checked against what its request asked for."""
+def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
+    """A record the worker wrote (one failure, or the answers to one or more requests),
+    checked against what each of its requests asked for."""
     view = memoryview(payload)
-    kind, code, n_out, rows, request_id, batch, t_in, t_run, t_out, queued = _reply_head(view)
-    if kind == FAILURE:
-        if code not in (FAILED, TOO_LARGE, EXPIRED, CANCELLED):
-            raise Corrupt(f"a failure of kind {code}")
-        start = _REPLY.size + _TEXT.size
-        if len(view) < start:
-            raise Corrupt(f"a failure of {len(view)} bytes")
-        (length,) = _TEXT.unpack_from(view, _REPLY.size)
-        if length > MAX_FAILURE_TEXT or start + length != len(view):
-            raise Corrupt(f"a failure text of {length} bytes in a record of {len(view)}")
-        text = bytes(view[start:]).decode(errors="replace")
-        return Reply(request_id, 0, 0, Timings(0, 0, 0), 0, failure=code, text=text)
-    if kind != ANSWER:
-        raise Corrupt(f"a reply of kind {kind}")
+    if len(view) < 1:
+        raise Corrupt("a reply of 0 bytes")
+    if view[0] == FAILURE:
+        return [_failure(view, expected_of)]
+    if view[0] != ANSWER:
+        raise Corrupt(f"a reply of kind {view[0]}")
+    if len(view) < _ANSWERS.size:
+        raise Corrupt(f"a reply of {len(view)} bytes")
+    _, code, n_out, rows, count, batch, t_in, t_run, t_out = _ANSWERS.unpack_from(view)
     if code not in (0, COUNTS_BATCH):
         raise Corrupt(f"an answer with code {code}")
-    if not 0 < rows <= expected.max_batch_rows:
-        raise Corrupt(f"a batch of {rows} rows; the model takes {expected.max_batch_rows}")
-    outputs, end = _tensors(view, _REPLY.size, n_out)
+    at = _ANSWERS.size + _ANSWERED.size * count
+    if not count or at > len(view):
+        raise Corrupt(f"answers to {count} requests in a record of {len(view)} bytes")
+    answered = [
+        _ANSWERED.unpack_from(view, _ANSWERS.size + _ANSWERED.size * i) for i in range(count)
+    ]
+    first = _expected(expected_of, answered[0][0])
+    if count > max(first.rows and first.max_batch_rows, 1):
+        raise Corrupt(f"answers to {count} requests in one record")
+    if len({request_id for request_id, _ in answered}) != count:
+        raise Corrupt("answers to one request twice in a record")
+    wanted = [first]
+    for request_id, _ in answered[1:]:
+        expected = _expected(expected_of, request_id)
+        if expected.outputs != first.outputs:
+            raise Corrupt("answers to requests of different outputs in one record")
+        wanted.append(expected)
+    if not 0 < rows <= first.max_batch_rows:
+        raise Corrupt(f"a batch of {rows} rows; the model takes {first.max_batch_rows}")
+    outputs, end = _tensors(view, at, n_out)
     if end != len(view):
         raise Corrupt("bytes after the reply's last output")
-    if sorted(t.position for t in outputs) != sorted(expected.outputs):
+    if sorted(t.position for t in outputs) != sorted(first.outputs):
         sent = [t.position for t in outputs]
-        raise Corrupt(f"outputs {sent} for a request of {list(expected.outputs)}")
+        raise Corrupt(f"outputs {sent} for a request of {list(first.outputs)}")
+    total = sum(e.rows for e in wanted)
     for tensor in outputs:
-        if len(tensor.data) != math.prod(tensor.shape) * expected.itemsizes[tensor.position]:
+        if len(tensor.data) != math.prod(tensor.shape) * first.itemsizes[tensor.position]:
             raise Corrupt(f"an output of shape {list(tensor.shape)} in {len(tensor.data)} bytes")
-        if expected.rows and (not tensor.shape or tensor.shape[0] != expected.rows):
-            raise Corrupt(f"an output of shape {list(tensor.shape)} for {expected.rows} rows")
+        if total and (not tensor.shape or tensor.shape[0] != total):
+            raise Corrupt(f"an output of shape {list(tensor.shape)} for {total} rows")
     timings = Timings(*(min(t, _MAX_NS) for t in (t_in, t_run, t_out)))
-    return Reply(
-        request_id, batch, rows, timings, min(queued, _MAX_NS), outputs, counts_batch=bool(code)
+    if not total:  # one request of a model that does not batch: the outputs are its own
+        ((request_id, queued),) = answered
+        return [
+            Reply(
+                request_id,
+                batch,
+                rows,
+                timings,
+                min(queued, _MAX_NS),
+                outputs,
+                counts_batch=bool(code),
+            )
+        ]
+    replies: list[Reply] = []
+    start = 0
+    for (request_id, queued), expected in zip(answered, wanted, strict=True):
+        mine = tuple(_rows_of(t, start, expected.rows, total) for t in outputs)
+        start += expected.rows
+        counts = bool(code) and not replies  # the record's first answer counts the batch
+        replies.append(
+            Reply(request_id, batch, rows, timings, min(queued, _MAX_NS), mine, counts_batch=counts)
+        )
+    return replies
+
+
+def _rows_of(tensor: Tensor, start: int, rows: int, total: int) -> Tensor:
+    """One request's rows of an output that holds `total`."""
+    row = len(tensor.data) // total
+    return Tensor(
+        tensor.position, (rows, *tensor.shape[1:]), tensor.data[start * row : (start + rows) * row]
     )
+
+
+def _expected(expected_of: ExpectedOf, request_id: int) -> Expected:
+    expected = expected_of(request_id)
+    if expected is None:
+        raise Corrupt(f"a reply to request {request_id}, which it was not sent")
+    return expected
+
+
+def _failure(view: memoryview, expected_of: ExpectedOf) -> Reply:
+    if len(view) < _FAILURE.size:
+        raise Corrupt(f"a failure of {len(view)} bytes")
+    _, code, request_id, length = _FAILURE.unpack_from(view)
+    if code not in (FAILED, TOO_LARGE, EXPIRED, CANCELLED):
+        raise Corrupt(f"a failure of kind {code}")
+    if length > MAX_FAILURE_TEXT or _FAILURE.size + length != len(view):
+        raise Corrupt(f"a failure text of {length} bytes in a record of {len(view)}")
+    _expected(expected_of, request_id)
+    text = bytes(view[_FAILURE.size :]).decode(errors="replace")
+    return Reply(request_id, 0, 0, Timings(0, 0, 0), 0, failure=code, text=text)
 
 
 _MAX_NS = 3600 * 10**9  # a worker's timings are its own word: bounded so statistics stay sane

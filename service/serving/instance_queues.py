@@ -176,17 +176,16 @@ class InstanceQueue:
                 payload = self._replies.take()
                 if payload is None:
                     break
-                request_id = records.request_id_of(payload)
-                entry = self.entries.get(request_id)
-                if entry is None:
-                    raise Corrupt(f"a reply to request {request_id}, which it was not sent")
-                reply = records.read_reply(payload, entry.expected)
-                del self.entries[request_id]
-                replies.append((entry, reply))
+                for reply in records.read_reply(payload, self._expected):
+                    replies.append((self.entries.pop(reply.id), reply))
         except Corrupt as exc:
             self._broke(f"wrote a bad reply into its queue: {exc}")
         if replies:
             self._on_replies(replies)
+
+    def _expected(self, request_id: int) -> records.Expected | None:
+        entry = self.entries.get(request_id)
+        return None if entry is None else entry.expected
 
     def _broke(self, reason: str) -> None:
         """Told once: the worker is killed, and nothing more is read from or written to it."""

@@ -26,7 +26,7 @@ from typing import Any, NoReturn, cast
 import numpy as np
 
 from oip.datatypes import BY_NAME
-from service.batching.assemble import BatchInput, plan
+from service.batching.assemble import Batch, BatchInput, plan
 from service.batching.queue import BatchQueue, Pending
 from service.inference.jobs import InferJob, InputTensor, Timings
 from service.queues import records, wakeups
@@ -218,46 +218,60 @@ class QueuedWorker:
                     f"output '{name}' has shape {list(array.shape)}, which does not start with "
                     f"the batch's {planned.rows} rows; the model cannot be batched"
                 )
+        # One answer record per producer and outputs asked for: each output's rows of those
+        # requests together, not one record per request.
+        groups: dict[tuple[int, tuple[int, ...]], list[tuple[Pending, int, int]]] = {}
         start = 0
-        self._counted = False
         for pending, rows in zip(batch, planned.row_counts, strict=True):
-            parts = []
-            for index in pending.ticket[2]:
-                array = outputs[self._setup.outputs[index]]
-                if planned.rows:
-                    array = array[start : start + rows]
-                data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                parts.append((index, tuple(array.shape), data))
+            key, _, wanted = pending.ticket
+            groups.setdefault((key, wanted), []).append((pending, start, rows))
             start += rows
-            queue_ns = int((now - pending.arrival) * 1e9)
-            self._answer(pending, planned.formed, timings, queue_ns, parts)
+        self._counted = False
+        for (key, wanted), members in groups.items():
+            producer = self.producers.get(key)
+            if producer is not None:
+                self._answer(producer, wanted, members, planned, outputs, timings, now)
 
     def _answer(
         self,
-        pending: Pending,
-        rows: int,
+        producer: Producer,
+        wanted: tuple[int, ...],
+        members: list[tuple[Pending, int, int]],
+        planned: Batch,
+        outputs: dict[str, np.ndarray[Any, Any]],
         timings: Timings,
-        queue_ns: int,
-        parts: list[tuple[int, tuple[int, ...], Any]],
+        now: float,
     ) -> None:
-        key, request_id, _ = pending.ticket
-        producer = self.producers.get(key)
-        if producer is None:
-            return
-        size = records.reply_size([(shape, data.nbytes) for _, shape, data in parts])
-        if size > max_record(producer.replies.capacity):
+        """The answers to requests of one producer that asked for the same outputs, in one
+        record, or each in its own
+        where together they are more than a record takes."""
+        parts = []
+        for index in wanted:
+            array = outputs[self._setup.outputs[index]]
+            if planned.rows:  # else the model does not batch: one request, the whole output
+                array = _rows(array, [(start, count) for _, start, count in members])
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            parts.append((index, tuple(array.shape), data))
+        size = records.answers_size(len(members), [(shape, d.nbytes) for _, shape, d in parts])
+        most = max_record(producer.replies.capacity)
+        if size > most:
+            if len(members) > 1:
+                for member in members:
+                    self._answer(producer, wanted, [member], planned, outputs, timings, now)
+                return
             text = (
                 f"the outputs take {size} bytes, more than the instance queue's reply ring "
-                f"takes ({max_record(producer.replies.capacity)}); raise --instance-queue-mb"
+                f"takes ({most}); raise --instance-queue-mb"
             )
-            self._fail(pending, records.TOO_LARGE, text)
+            self._fail(members[0][0], records.TOO_LARGE, text)
             return
+        answered = [(p.ticket[1], int((now - p.arrival) * 1e9)) for p, _, _ in members]
         batch, counts = self._batch, not self._counted
         self._counted = True
         producer.reply(
             size,
-            lambda buf: records.write_answer(
-                buf, request_id, batch, rows, timings, queue_ns, parts, counts
+            lambda buf: records.write_answers(
+                buf, batch, planned.formed, timings, counts, answered, parts
             ),
         )
 
@@ -280,6 +294,17 @@ class QueuedWorker:
             wakeups.wake(producer.wake_out)
         while True:
             time.sleep(3600)
+
+
+def _rows(array: np.ndarray[Any, Any], spans: list[tuple[int, int]]) -> np.ndarray[Any, Any]:
+    """The rows (start, count) of an output, in that order: a slice where they follow each
+    other (one producer's requests, as they usually come)."""
+    first, end = spans[0][0], spans[0][0]
+    for start, count in spans:
+        if start != end:
+            return np.concatenate([array[s : s + n] for s, n in spans])
+        end += count
+    return array[first:end]
 
 
 def _holds(arrays: dict[str, np.ndarray[Any, Any]], value: float | None) -> bool:

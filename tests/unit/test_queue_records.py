@@ -1,13 +1,16 @@
 """The records of an instance's queues (service/queues/records.py): a request and a cancel
 come out of the request ring as they were written, an answer or a failure comes back as the
 worker wrote it, and a reply that lies about what its request asked for (a worker runs model
-code) is refused with Corrupt, whatever its bytes: nothing else escapes read_reply."""
+code) is refused with Corrupt, whatever its bytes: nothing else escapes read_reply. The
+answers to a batch's requests from one caller come in one record, each output their rows
+together."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import struct
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -22,8 +25,10 @@ from service.queues.ring import Corrupt, RingReader, RingWriter
 PROFILE = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 MAX_NS = 3600 * 10**9  # the most a worker's timing may say (longer ones are clamped)
 U64 = 2**64 - 1
-KIND, CODE, OUTPUTS, ROWS = 0, 1, 2, 4  # where a reply's fields are
-REPLY_HEAD = 56  # then its outputs: index, rank, 0, nbytes (16 bytes), dims, data
+KIND, OUTPUTS, COUNT = 0, 2, 8  # where an answers record's fields are
+ANSWERS_HEAD = 48  # then (id, queue ns) of each request, 16 bytes each, then its outputs:
+GOOD_OUTPUTS = ANSWERS_HEAD + 16  # index, rank, 0, nbytes (16 bytes), dims, data
+FAILURE_TEXT = 16  # a failure's text length; the text at 24
 
 
 def request_ring(request_bytes: int = 1 << 16) -> tuple[RingWriter, RingReader]:
@@ -111,23 +116,33 @@ def test_a_full_ring_takes_no_request_and_writes_nothing_of_it() -> None:
 ITEMSIZES = (4, 1, 8)  # of the setup's outputs 0, 1 and 2
 EXPECTED = Expected(outputs=(0, 2), itemsizes=ITEMSIZES, rows=2, max_batch_rows=8)
 TIMINGS = Timings(1, 2, 3)
+Output = tuple[int, tuple[int, ...], bytes]
 
 
-def answer(
-    outputs: list[tuple[int, tuple[int, ...], bytes]],
+def answers(
+    outputs: list[Output],
     batch_rows: int = 4,
-    request_id: int = 7,
+    answered: Sequence[tuple[int, int]] = ((7, 4),),
     timings: Timings = TIMINGS,
-    queue_ns: int = 4,
+    counts_batch: bool = True,
 ) -> bytes:
-    buf = bytearray(records.reply_size([(shape, len(data)) for _, shape, data in outputs]))
-    records.write_answer(memoryview(buf), request_id, 3, batch_rows, timings, queue_ns, outputs)
+    size = records.answers_size(len(answered), [(shape, len(data)) for _, shape, data in outputs])
+    buf = bytearray(size)
+    records.write_answers(
+        memoryview(buf), 3, batch_rows, timings, counts_batch, answered, outputs
+    )  # fmt: skip
     return bytes(buf)
 
 
+def sent(*expected: tuple[int, Expected]) -> Callable[[int], Expected | None]:
+    """What the reader sent: each request's id and expectations."""
+    return dict(expected).get
+
+
+SENT = sent((7, EXPECTED))
 OUT0 = (0, (2, 3), bytes(range(24)))  # 2 x 3 of 4 bytes
 OUT2 = (2, (2,), bytes(range(100, 116)))  # 2 of 8 bytes
-GOOD = answer([OUT0, OUT2])
+GOOD = answers([OUT0, OUT2])
 
 
 def patched(payload: bytes, at: int, fmt: str, value: int) -> bytes:
@@ -137,7 +152,7 @@ def patched(payload: bytes, at: int, fmt: str, value: int) -> bytes:
 
 
 def test_an_answer_comes_back_as_the_worker_wrote_it() -> None:
-    reply = records.read_reply(GOOD, EXPECTED)
+    (reply,) = records.read_reply(GOOD, SENT)
     assert (reply.id, reply.batch, reply.batch_rows, reply.timings, reply.queue_ns) == (
         7,
         3,
@@ -145,101 +160,181 @@ def test_an_answer_comes_back_as_the_worker_wrote_it() -> None:
         TIMINGS,
         4,
     )
-    assert reply.failure is None
+    assert (reply.failure, reply.counts_batch) == (None, True)
     assert [(t.position, t.shape, bytes(t.data)) for t in reply.outputs] == [OUT0, OUT2]
-    assert records.request_id_of(GOOD) == 7
+
+
+def test_the_answers_to_several_requests_are_split_by_their_rows() -> None:
+    """Requests of 1, 3 and 2 rows: each gets its own rows of each output, in order, and
+    only the record's first counts the batch."""
+    rows = {5: 1, 9: 3, 6: 2}
+    expected = {i: Expected((2, 0), ITEMSIZES, n, 8) for i, n in rows.items()}
+    out0 = (0, (6, 2), bytes(range(48)))
+    out2 = (2, (6,), bytes(range(100, 148)))
+    payload = answers([out2, out0], 6, [(5, 10), (9, 11), (6, 12)])
+    replies = records.read_reply(payload, expected.get)
+    assert [(r.id, r.queue_ns, r.counts_batch) for r in replies] == [
+        (5, 10, True),
+        (9, 11, False),
+        (6, 12, False),
+    ]
+    got = [[(t.position, t.shape, bytes(t.data)) for t in r.outputs] for r in replies]
+    assert got == [
+        [(2, (1,), bytes(range(100, 108))), (0, (1, 2), bytes(range(8)))],
+        [(2, (3,), bytes(range(108, 132))), (0, (3, 2), bytes(range(8, 32)))],
+        [(2, (2,), bytes(range(132, 148))), (0, (2, 2), bytes(range(32, 48)))],
+    ]
 
 
 @st.composite
-def answers(draw: st.DrawFn) -> tuple[Expected, list[tuple[int, tuple[int, ...], bytes]], int]:
-    """A request's expectations and an answer that meets them: its outputs in any order, each
-    starting with the request's rows where the model batches."""
+def batches(draw: st.DrawFn) -> tuple[dict[int, Expected], list[Output], list[list[Output]], int]:
+    """Requests that asked for the same outputs, and an answers record that meets them: its
+    outputs in any order, each their rows together where the model batches (one request
+    where it does not); and each request's own part of each output."""
     itemsizes = tuple(draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=5)))
     wanted = draw(st.permutations(range(len(itemsizes))))[: draw(st.integers(0, len(itemsizes)))]
-    rows = draw(st.integers(0, 8))
-    max_rows = draw(st.integers(max(rows, 1), 64))
-    outputs = []
+    max_rows = draw(st.integers(1, 64))
+    batching = draw(st.booleans())
+    counts = draw(st.lists(st.integers(1, 4), min_size=1, max_size=6)) if batching else [0]
+    max_rows = max(max_rows, sum(counts))
+    ids = draw(
+        st.lists(st.integers(0, U64), min_size=len(counts), max_size=len(counts), unique=True)
+    )
+    expected = {
+        i: Expected(tuple(wanted), itemsizes, n, max_rows) for i, n in zip(ids, counts, strict=True)
+    }
+    outputs: list[Output] = []
+    mine: list[list[Output]] = [[] for _ in counts]
     for index in draw(st.permutations(wanted)):
-        rest = draw(st.lists(st.integers(0, 3), max_size=3))
-        shape = (rows, *rest) if rows else tuple(rest)
+        rest = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+        row = math.prod(rest) * itemsizes[index]
+        shape = (sum(counts), *rest) if batching else rest
         nbytes = math.prod(shape) * itemsizes[index]
         data = draw(st.binary(min_size=nbytes, max_size=nbytes))
         outputs.append((index, shape, data))
-    return (
-        Expected(tuple(wanted), itemsizes, rows, max_rows),
-        outputs,
-        draw(st.integers(1, max_rows)),
-    )
+        start = 0
+        for place, count in enumerate(counts):
+            if batching:
+                mine[place].append(
+                    (index, (count, *rest), data[start * row : (start + count) * row])
+                )
+            else:
+                mine[place].append((index, shape, data))
+            start += count
+    return expected, outputs, mine, draw(st.integers(1, max_rows))
 
 
 @PROFILE
 @given(
-    case=answers(),
-    request_id=st.integers(0, U64),
-    timings=st.tuples(*[st.integers(0, U64)] * 4),
+    case=batches(),
+    queued=st.lists(st.integers(0, U64), min_size=6, max_size=6),
+    timings=st.tuples(*[st.integers(0, U64)] * 3),
 )
-def test_any_answer_that_meets_its_request_comes_back_as_written(
-    case: tuple[Expected, list[tuple[int, tuple[int, ...], bytes]], int],
-    request_id: int,
-    timings: tuple[int, int, int, int],
+def test_any_answers_that_meet_their_requests_come_back_as_written(
+    case: tuple[dict[int, Expected], list[Output], list[list[Output]], int],
+    queued: list[int],
+    timings: tuple[int, int, int],
 ) -> None:
-    expected, outputs, batch_rows = case
-    payload = answer(outputs, batch_rows, request_id, Timings(*timings[:3]), timings[3])
-    reply = records.read_reply(payload, expected)
-    assert (reply.id, reply.batch_rows, reply.failure) == (request_id, batch_rows, None)
-    assert [(t.position, t.shape, bytes(t.data)) for t in reply.outputs] == outputs
-    clamped = [min(t, MAX_NS) for t in timings]
-    assert (*dataclasses.astuple(reply.timings), reply.queue_ns) == tuple(clamped)
+    expected, outputs, mine, batch_rows = case
+    answered = list(zip(expected, queued, strict=False))  # 6 ids at most
+    payload = answers(outputs, batch_rows, answered, Timings(*timings))
+    replies = records.read_reply(payload, expected.get)
+    assert [(r.id, r.batch_rows, r.failure) for r in replies] == [
+        (i, batch_rows, None) for i in expected
+    ]
+    for reply, own, (_, queue_ns) in zip(replies, mine, answered, strict=True):
+        assert [(t.position, t.shape, bytes(t.data)) for t in reply.outputs] == own
+        clamped = [min(t, MAX_NS) for t in (*timings, queue_ns)]
+        assert (*dataclasses.astuple(reply.timings), reply.queue_ns) == tuple(clamped)
 
 
 @pytest.mark.parametrize(
     "kind", [records.FAILED, records.TOO_LARGE, records.EXPIRED, records.CANCELLED]
 )
 def test_a_failure_comes_back_with_its_kind_and_text(kind: int) -> None:
-    reply = records.read_reply(records.failure_bytes(7, kind, "no such luck"), EXPECTED)
+    (reply,) = records.read_reply(records.failure_bytes(7, kind, "no such luck"), SENT)
     assert (reply.id, reply.failure, reply.text, reply.outputs) == (7, kind, "no such luck", ())
 
 
 def test_a_failure_text_is_cut_at_its_bound() -> None:
     text = "é" * MAX_FAILURE_TEXT  # two bytes each
-    reply = records.read_reply(records.failure_bytes(7, records.FAILED, text), EXPECTED)
+    (reply,) = records.read_reply(records.failure_bytes(7, records.FAILED, text), SENT)
     assert reply.text == "é" * (MAX_FAILURE_TEXT // 2)
-    reply = records.read_reply(records.failure_bytes(7, records.FAILED, "x" + text), EXPECTED)
+    (reply,) = records.read_reply(records.failure_bytes(7, records.FAILED, "x" + text), SENT)
     assert reply.text == "x" + "é" * (MAX_FAILURE_TEXT // 2 - 1) + "\ufffd"
 
 
 FAILURE = records.failure_bytes(7, records.FAILED, "broken")
-LIES = {
+TWO_ROWS = Expected(outputs=(0, 2), itemsizes=ITEMSIZES, rows=2, max_batch_rows=8)
+NINE = sent(*[(i, Expected((0,), ITEMSIZES, 1, 8)) for i in range(9)])
+LIES: dict[str, tuple[bytes, str] | tuple[bytes, str, Callable[[int], Expected | None]]] = {
     "kind 0": (patched(GOOD, KIND, "<B", 0), "a reply of kind 0"),
     "kind 3": (patched(GOOD, KIND, "<B", 3), "a reply of kind 3"),
     "failure of an unknown kind": (records.failure_bytes(7, 4, "x"), "a failure of kind 4"),
+    "an answer to a request not sent": (
+        answers([OUT0, OUT2], answered=[(8, 0)]),
+        "a reply to request 8, which it was not sent",
+    ),
+    "a failure of a request not sent": (
+        records.failure_bytes(8, records.FAILED, "x"),
+        "a reply to request 8, which it was not sent",
+    ),
+    "answers to one request twice": (
+        answers([(0, (4, 3), bytes(48)), (2, (4,), bytes(32))], answered=[(7, 0), (7, 0)]),
+        "answers to one request twice",
+    ),
+    "answers to 0 requests": (patched(GOOD, COUNT, "<Q", 0), "answers to 0 requests"),
+    "answers to 2**64 - 1 requests": (
+        patched(GOOD, COUNT, "<Q", U64),
+        "answers to 18446744073709551615 requests in a record of",
+    ),
+    "more answers than the model's batch": (
+        answers([(0, (9, 3), bytes(108))], answered=[(i, 0) for i in range(9)]),
+        "answers to 9 requests in one record",
+        NINE,
+    ),
+    "two answers where the model does not batch": (
+        answers([(0, (3,), bytes(12))], answered=[(1, 0), (2, 0)]),
+        "answers to 2 requests in one record",
+        sent(*[(i, Expected((0,), ITEMSIZES, 0, 1)) for i in (1, 2)]),
+    ),
+    "answers to requests of different outputs": (
+        answers([(0, (2, 3), bytes(24))], answered=[(1, 0), (2, 0)]),
+        "answers to requests of different outputs in one record",
+        sent((1, Expected((0,), ITEMSIZES, 1, 8)), (2, Expected((0, 2), ITEMSIZES, 1, 8))),
+    ),
+    "rows that are not the requests' together": (
+        answers([(0, (3, 3), bytes(36)), (2, (3,), bytes(24))], answered=[(1, 0), (2, 0)]),
+        r"an output of shape \[3, 3\] for 4 rows",
+        sent((1, TWO_ROWS), (2, TWO_ROWS)),
+    ),
     "an output not asked for": (
-        answer([OUT0, OUT2, (1, (2,), b"ab")]),
+        answers([OUT0, OUT2, (1, (2,), b"ab")]),
         r"outputs \[0, 2, 1\] for a request of \[0, 2\]",
     ),
-    "an output outside the setup": (answer([OUT0, (9, (2,), b"ab")]), r"outputs \[0, 9\]"),
-    "an output missing": (answer([OUT0]), r"outputs \[0\] for a request of \[0, 2\]"),
-    "an output twice": (answer([OUT0, OUT0]), r"outputs \[0, 0\] for"),
-    "an output twice among the rest": (answer([OUT0, OUT2, OUT0]), r"outputs \[0, 2, 0\] for"),
+    "an output outside the setup": (answers([OUT0, (9, (2,), b"ab")]), r"outputs \[0, 9\]"),
+    "an output missing": (answers([OUT0]), r"outputs \[0\] for a request of \[0, 2\]"),
+    "an output twice": (answers([OUT0, OUT0]), r"outputs \[0, 0\] for"),
+    "an output twice among the rest": (answers([OUT0, OUT2, OUT0]), r"outputs \[0, 2, 0\] for"),
     "fewer bytes than shape x itemsize": (
-        answer([(0, (2, 3), bytes(23)), OUT2]),
+        answers([(0, (2, 3), bytes(23)), OUT2]),
         r"an output of shape \[2, 3\] in 23 bytes",
     ),
     "more bytes than shape x itemsize": (
-        answer([(0, (2, 3), bytes(32)), OUT2]),
+        answers([(0, (2, 3), bytes(32)), OUT2]),
         r"an output of shape \[2, 3\] in 32 bytes",
     ),
     "first dim not the request's rows": (
-        answer([(0, (3, 2), bytes(24)), OUT2]),
+        answers([(0, (3, 2), bytes(24)), OUT2]),
         r"an output of shape \[3, 2\] for 2 rows",
     ),
     "a scalar for a batched request": (
-        answer([OUT0, (2, (), bytes(8))]),
+        answers([OUT0, (2, (), bytes(8))]),
         r"an output of shape \[\] for 2 rows",
     ),
-    "a batch of 0 rows": (answer([OUT0, OUT2], batch_rows=0), "a batch of 0 rows"),
-    "a batch above the model's": (answer([OUT0, OUT2], batch_rows=9), "a batch of 9 rows"),
-    "a batch of 2**32 - 1 rows": (answer([OUT0, OUT2], batch_rows=2**32 - 1), "a batch of"),
+    "a batch of 0 rows": (answers([OUT0, OUT2], batch_rows=0), "a batch of 0 rows"),
+    "a batch above the model's": (answers([OUT0, OUT2], batch_rows=9), "a batch of 9 rows"),
+    "a batch of 2**32 - 1 rows": (answers([OUT0, OUT2], batch_rows=2**32 - 1), "a batch of"),
     "8 trailing bytes": (GOOD + bytes(8), "bytes after the reply's last output"),
     "1 trailing byte": (GOOD + bytes(1), "bytes after the reply's last output"),
     "an output cut short": (GOOD[:-8], "past the record's end"),
@@ -247,19 +342,19 @@ LIES = {
         patched(GOOD, OUTPUTS, "<H", 3),
         "past the record's end",
     ),
-    "a rank above the bound": (patched(GOOD, REPLY_HEAD + 2, "<H", MAX_RANK + 1), "rank 17"),
+    "a rank above the bound": (patched(GOOD, GOOD_OUTPUTS + 2, "<H", MAX_RANK + 1), "rank 17"),
     "a dim above the bound": (
-        patched(GOOD, REPLY_HEAD + 16, "<Q", MAX_DIM + 1),
+        patched(GOOD, GOOD_OUTPUTS + 16, "<Q", MAX_DIM + 1),
         r"a tensor of shape \[1099511627777, 3\]",
     ),
     "an output's bytes past the end": (
-        patched(GOOD, REPLY_HEAD + 8, "<Q", U64),
+        patched(GOOD, GOOD_OUTPUTS + 8, "<Q", U64),
         "past the record's end",
     ),
     "a failure text above the bound": (
         patched(
             records.failure_bytes(7, records.FAILED, "x" * MAX_FAILURE_TEXT) + b"x",
-            REPLY_HEAD,
+            FAILURE_TEXT,
             "<I",
             MAX_FAILURE_TEXT + 1,
         ),
@@ -268,67 +363,83 @@ LIES = {
     "a failure text longer than its record": (FAILURE[:-1], "a failure text of 6 bytes"),
     "a failure text shorter than its record": (FAILURE + b"x", "a failure text of 6 bytes"),
     "a failure text of 2**32 - 1 bytes": (
-        patched(FAILURE, REPLY_HEAD, "<I", 2**32 - 1),
+        patched(FAILURE, FAILURE_TEXT, "<I", 2**32 - 1),
         "a failure text of 4294967295 bytes",
     ),
     "no record": (b"", "a reply of 0 bytes"),
-    "half a reply": (GOOD[: REPLY_HEAD - 1], "a reply of 55 bytes"),
-    "a failure with no text length": (FAILURE[:REPLY_HEAD], "a failure of 56 bytes"),
-    "a failure with half a text length": (FAILURE[: REPLY_HEAD + 4], "a failure of 60 bytes"),
+    "half a head": (GOOD[: ANSWERS_HEAD - 1], "a reply of 47 bytes"),
+    "a head without its answers": (GOOD[: GOOD_OUTPUTS - 1], "answers to 1 requests in a record"),
+    "a failure with no text length": (FAILURE[:FAILURE_TEXT], "a failure of 16 bytes"),
+    "a failure with half a text length": (FAILURE[: FAILURE_TEXT + 4], "a failure of 20 bytes"),
 }
 
 
-@pytest.mark.parametrize(("payload", "message"), LIES.values(), ids=LIES.keys())
-def test_a_reply_that_lies_is_corrupt(payload: bytes, message: str) -> None:
+@pytest.mark.parametrize("lie", LIES.values(), ids=LIES.keys())
+def test_a_reply_that_lies_is_corrupt(
+    lie: tuple[bytes, str] | tuple[bytes, str, Callable[[int], Expected | None]],
+) -> None:
+    payload, message, *reader = lie
     with pytest.raises(Corrupt, match=message):
-        records.read_reply(payload, EXPECTED)
+        records.read_reply(payload, reader[0] if reader else SENT)
 
 
-@pytest.mark.parametrize("size", [0, 8, REPLY_HEAD - 1])
-def test_a_reply_too_short_to_name_its_request_is_corrupt(size: int) -> None:
-    with pytest.raises(Corrupt, match=f"a reply of {size} bytes"):
-        records.request_id_of(GOOD[:size])
-
-
-def check_read(payload: bytes, expected: Expected) -> None:
-    """read_reply takes it or raises Corrupt, nothing else; what it takes meets `expected`."""
+def check_read(payload: bytes, expected_of: Callable[[int], Expected | None]) -> None:
+    """read_reply takes it or raises Corrupt, nothing else; what it takes meets what each
+    request expects."""
     try:
-        reply = records.read_reply(payload, expected)
+        replies = records.read_reply(payload, expected_of)
     except Corrupt:
         return
-    if reply.failure is not None:
-        assert reply.failure in (
-            records.FAILED,
-            records.TOO_LARGE,
-            records.EXPIRED,
-            records.CANCELLED,
-        )
-        assert len(reply.text) <= MAX_FAILURE_TEXT
-        return
-    assert sorted(t.position for t in reply.outputs) == sorted(expected.outputs)
-    assert 0 < reply.batch_rows <= expected.max_batch_rows
-    for tensor in reply.outputs:
-        assert len(tensor.data) == math.prod(tensor.shape) * expected.itemsizes[tensor.position]
-        assert not expected.rows or tensor.shape[:1] == (expected.rows,)
-    assert max(*dataclasses.astuple(reply.timings), reply.queue_ns) <= MAX_NS
+    assert len({r.id for r in replies}) == len(replies) > 0
+    assert sum(r.counts_batch for r in replies) <= 1
+    for reply in replies:
+        expected = expected_of(reply.id)
+        assert expected is not None
+        if reply.failure is not None:
+            assert len(replies) == 1
+            assert reply.failure in (
+                records.FAILED,
+                records.TOO_LARGE,
+                records.EXPIRED,
+                records.CANCELLED,
+            )
+            assert len(reply.text) <= MAX_FAILURE_TEXT
+            continue
+        assert sorted(t.position for t in reply.outputs) == sorted(expected.outputs)
+        assert 0 < reply.batch_rows <= expected.max_batch_rows
+        for tensor in reply.outputs:
+            size = math.prod(tensor.shape) * expected.itemsizes[tensor.position]
+            assert len(tensor.data) == size
+            assert not expected.rows or tensor.shape[:1] == (expected.rows,)
+        assert max(*dataclasses.astuple(reply.timings), reply.queue_ns) <= MAX_NS
+
+
+# Any of ids 0-7 may be read as sent: random bytes can name them.
+MANY = sent(*[(i, Expected((0, 2), ITEMSIZES, 1 + i % 2, 8)) for i in range(8)])
 
 
 @PROFILE
 @given(payload=st.binary(max_size=300))
-def test_random_bytes_as_a_reply_are_corrupt_or_a_reply_that_meets_the_request(
+def test_random_bytes_as_a_reply_are_corrupt_or_replies_that_meet_their_requests(
     payload: bytes,
 ) -> None:
-    check_read(payload, EXPECTED)
+    check_read(payload, SENT)
+    check_read(payload, MANY)
+
+
+TWO = answers(
+    [(0, (4, 3), bytes(range(48))), (2, (4,), bytes(range(32)))], 4, [(1, 0), (2, 5)]
+)  # fmt: skip
 
 
 @PROFILE
 @given(
-    base=st.sampled_from([GOOD, FAILURE]),
-    edits=st.lists(st.tuples(st.integers(0, len(GOOD) - 1), st.integers(0, 255)), max_size=6),
-    cut=st.integers(0, len(GOOD) + 8),
+    base=st.sampled_from([GOOD, FAILURE, TWO]),
+    edits=st.lists(st.tuples(st.integers(0, len(TWO) - 1), st.integers(0, 255)), max_size=6),
+    cut=st.integers(0, len(TWO) + 8),
     tail=st.binary(max_size=16),
 )
-def test_a_scribbled_reply_is_corrupt_or_a_reply_that_meets_the_request(
+def test_a_scribbled_reply_is_corrupt_or_replies_that_meet_their_requests(
     base: bytes, edits: list[tuple[int, int]], cut: int, tail: bytes
 ) -> None:
     """Random bytes rarely get past the first checks; a real reply with a few bytes changed,
@@ -337,4 +448,6 @@ def test_a_scribbled_reply_is_corrupt_or_a_reply_that_meets_the_request(
     for at, value in edits:
         if at < len(buf):
             buf[at] = value
-    check_read(bytes(buf[:cut]) + tail, EXPECTED)
+    payload = bytes(buf[:cut]) + tail
+    check_read(payload, SENT)
+    check_read(payload, sent((1, TWO_ROWS), (2, TWO_ROWS), (7, EXPECTED)))

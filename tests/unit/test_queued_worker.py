@@ -45,6 +45,7 @@ class Caller:
         self.running = ends[2]
         self.wake_in = os.eventfd(0, os.EFD_NONBLOCK)
         self.wake_out = os.eventfd(0, os.EFD_NONBLOCK)
+        self.records = 0  # replies read: one per batch, or per request where they are large
 
     def send(self, request_id: int, value: float) -> None:
         data = np.full((1, 4), value, np.float32).tobytes()
@@ -54,9 +55,10 @@ class Caller:
 
     def answers(self) -> list[records.Reply]:
         expected = records.Expected((0,), (4,), 1, ROWS)
-        taken = []
+        taken: list[records.Reply] = []
         while (payload := self.replies.take()) is not None:
-            taken.append(records.read_reply(payload, expected))
+            taken += records.read_reply(payload, lambda _: expected)
+            self.records += 1
         return taken
 
     def release(self) -> None:
@@ -107,6 +109,7 @@ def test_one_batch_across_producers_answers_each_its_own_and_is_counted_once(
         k: [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in v] for k, v in answers.items()
     }
     assert values == {0: [2.0], 1: [10.0, 14.0]}
+    assert (first.records, second.records) == (1, 1)  # a caller's answers in one record
     every = [r for v in answers.values() for r in v]
     assert {r.batch for r in every} == {1} and {r.batch_rows for r in every} == {3}
     assert sum(r.counts_batch for r in every) == 1
@@ -137,6 +140,7 @@ def test_a_caller_that_reads_nothing_stalls_no_other_and_loses_nothing(
         got += [np.frombuffer(r.outputs[0].data, np.float32)[0] for r in held_still.answers()]
         worker.flush()
     assert got == [2.0, 4.0, 6.0, 8.0]
+    assert held_still.records == 4  # together more than its ring takes: each on its own
     assert not worker.flush()
     for key in (0, 1):
         worker.drop(key)
