@@ -27,9 +27,21 @@ TICKET_DB = "tickets.sqlite"
 TICKET_KEY_BYTES = 32
 
 
-def make_runtime_dir() -> Path:
-    """mkdtemp makes it 0700: only this user reaches the socket and the key."""
-    return Path(tempfile.mkdtemp(prefix="paddlequic-"))
+# A socket's path takes at most 107 bytes (sun_path's 108, the last a NUL); the longest name
+# of a socket in the directory, with its separator.
+MAX_SOCKET_PATH = 107
+LONGEST_SOCKET = len("/" + DISPATCH_SOCKET)
+FALLBACK_TMP = "/tmp"
+
+
+def make_runtime_dir(tmp: str | None = None) -> Path:
+    """mkdtemp makes it 0700: only this user reaches the socket and the key. Under $TMPDIR
+    (`tmp`), or under /tmp where a socket's path there would be too long to bind."""
+    base = tempfile.gettempdir() if tmp is None else tmp
+    # mkdtemp's name: the prefix and 8 characters.
+    if len(os.fsencode(base)) + len("/paddlequic-12345678") + LONGEST_SOCKET > MAX_SOCKET_PATH:
+        base = FALLBACK_TMP
+    return Path(tempfile.mkdtemp(prefix="paddlequic-", dir=base))
 
 
 def shared_tickets(settings: ServerSettings, runtime_dir: Path) -> ServerSettings:
