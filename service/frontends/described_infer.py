@@ -88,11 +88,11 @@ class DescribedInfer:
 
 def describable(served: ServedVersion) -> bool:
     """Versions whose ModelInfer calls front-ends may describe: those served by their own
-    batcher and workers (decoupled, sequence and ensemble models' calls go on as bytes)."""
+    batcher and workers, and ensembles (decoupled and sequence models' calls go on as
+    bytes)."""
     config = served.config
     return (
         served.validator is not None
-        and not served.steps
         and not served.decoupled
         and not config.HasField("sequence_batching")
     )

@@ -44,7 +44,6 @@ from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
 from service.observability.observer import Observer
 from service.process_memory import release_large_buffers
-from service.registry.versions import ModelRegistry
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings
 from service.tickets.store import open_ticket_store
@@ -90,18 +89,18 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
     # serves (--frontend-queues), summed into the parent's /metrics.
     observer, tracing = observer_of(settings, link.metrics)
     if settings.instance_queues and settings.frontend_queues:
-        link.serving = Serving(
-            RequestRunner(ModelRegistry(lambda: None), observer),
-            observer,
-            restriction,
-            settings.max_message_bytes,
-        )
         link.shared = SharedVersions(
             index,
             lambda kind, payload: link.send(kind, 0, payload),
             runtime_dir / QUEUES_SOCKET,
             observer,
             link.counts.stats,
+        )
+        link.serving = Serving(
+            RequestRunner(link.shared.models, observer),
+            observer,
+            restriction,
+            settings.max_message_bytes,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

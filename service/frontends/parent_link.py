@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -19,6 +19,7 @@ from service.frontends.described_call import Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
     Refusal,
+    ViewEntry,
     decode_view,
     encode_infer,
     encode_refusal,
@@ -82,7 +83,7 @@ class ParentLink(FrameConnection):
         self._calls: dict[int, _Forwarded] = {}
         self._next_id = 1
         self.view = ModelView()
-        self._configs: dict[int, bytes] = {}  # the view's versions' configs, by token
+        self._entries: Sequence[ViewEntry] = ()  # the view's versions
         # With --frontend-queues: the versions this process queues for itself, and what it
         # serves their calls with.
         self.shared: SharedVersions | None = None
@@ -230,10 +231,10 @@ class ParentLink(FrameConnection):
         if kind is Kind.MODELS:
             entries = decode_view(payload)
             self.view.update(entries)
-            self._configs = {entry.token: entry.config for entry in entries}
+            self._entries = entries
             return
         if kind is Kind.QUEUED and self.shared is not None:
-            self.shared.update(payload, self._configs)
+            self.shared.update(payload, self._entries)
             return
         if kind is Kind.METHODS:
             self.methods = _methods(payload)

@@ -1,7 +1,8 @@
 """A front-end's own end of the workers' queues (the parent's side: queue_sharing.py): for each
 version the parent lets it queue for itself, a QueuedBatcher of its own over views of the
 version's instances (RemoteInstance), so a ModelInfer call it holds goes from this process
-straight into a worker's queue and back, with no message to the parent.
+straight into a worker's queue and back, with no message to the parent; and the ensembles of
+the view whose steps are all such versions, run here by the same request runner.
 
 The parent tells it each worker's launches and deaths; a death's fate decides here, as in the
 parent, what becomes of the requests this process held in that worker (sent again, alone if
@@ -15,16 +16,21 @@ import base64
 import json
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from protos.inference import model_config_pb2 as mc
+from service.frontends.descriptors import ViewEntry
 from service.frontends.protocol import Kind
+from service.inference import errors
 from service.inference.validation import RequestValidator
+from service.model import ensemble
+from service.model.ensemble import MAX_ENSEMBLE_DEPTH
+from service.model.parameters import check_parameters
 from service.registry.statistics import ModelStats
-from service.registry.versions import ServedVersion, VersionState
+from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.serving.queued_batcher import BatchObserver, QueuedBatcher, batch_recorder
 from service.workers import deaths, protocol
 from service.workers.instance import State, WorkerInstance
@@ -94,6 +100,29 @@ class _Shared:
     instances: list[RemoteInstance]
 
 
+class SharedModels(ModelRegistry):
+    """The registry an ensemble's steps resolve in, in a front-end: the versions it serves."""
+
+    def __init__(self, shared: SharedVersions) -> None:
+        super().__init__(lambda: None)
+        self._shared = shared
+
+    def resolve(self, name: str, version: str) -> ServedVersion:
+        served = self._shared.resolve(name, version)
+        if served is None:  # let go since the call was routed here
+            raise errors.unavailable(f"model '{name}' is no longer served by this process")
+        return served
+
+
+def _runnable_ensemble(config_bytes: bytes) -> bool:
+    """An ensemble this process may run itself when its steps are served here: one with no
+    fallback model (a fallback may be any version)."""
+    config = mc.ModelConfig.FromString(config_bytes)
+    return (
+        config.HasField("ensemble_scheduling") and check_parameters(config).fallback_model is None
+    )
+
+
 class SharedVersions:
     def __init__(
         self,
@@ -112,23 +141,63 @@ class SharedVersions:
         self._observer = observer
         self._stats_of = stats_of
         self._versions: dict[int, _Shared] = {}
+        self._ensembles: dict[int, ServedVersion] = {}
+        self._named: dict[tuple[str, str], int] = {}  # the view's (model, version) -> token
+        self.models = SharedModels(self)  # what this process's request runner resolves in
         self._releasing: set[asyncio.Task[None]] = set()
 
     def serving(self, token: int) -> ServedVersion | None:
-        shared = self._versions.get(token)
-        return None if shared is None else shared.served
+        """The version this process serves itself: one it queues for, or an ensemble whose
+        every step (nested ones' too) it serves now; None: the parent's."""
+        return self._serving(token, 0)
 
-    def update(self, payload: bytes, configs: dict[int, bytes]) -> None:
+    def resolve(self, name: str, version: str) -> ServedVersion | None:
+        """The version a request naming `model` and `version` reaches, if served here."""
+        token = self._named.get((name, version))
+        return None if token is None else self.serving(token)
+
+    def _serving(self, token: int, depth: int) -> ServedVersion | None:
+        shared = self._versions.get(token)
+        if shared is not None:
+            return shared.served
+        served = self._ensembles.get(token)
+        if served is None or depth >= MAX_ENSEMBLE_DEPTH:
+            return None
+        for step in served.steps:
+            step_token = self._named.get((step.model, step.version))
+            if step_token is None or self._serving(step_token, depth + 1) is None:
+                return None
+        return served
+
+    def update(self, payload: bytes, entries: Sequence[ViewEntry]) -> None:
         """The parent's QUEUED: versions new to it get their batcher, those gone are let go
-        once what this process holds of them is answered. `configs`: each version's config,
-        by token, from the view."""
-        entries = {int(e["token"]): e for e in json.loads(payload)}
+        once what this process holds of them is answered. `entries`: the view it goes with
+        (each version's config; the ensembles, run here when their steps are)."""
+        configs = {entry.token: entry.config for entry in entries}
+        queued = {int(e["token"]): e for e in json.loads(payload)}
         for token in list(self._versions):
-            if token not in entries:
+            if token not in queued:
                 self._let_go(token, self._versions.pop(token))
-        for token, entry in entries.items():
+        for token, entry in queued.items():
             if token not in self._versions and token in configs:
                 self._versions[token] = self._shared(token, entry, configs[token])
+        self._named = {(entry.model, entry.version): entry.token for entry in entries}
+        self._ensembles = {
+            entry.token: self._ensembles.get(entry.token) or self._ensemble(entry)
+            for entry in entries
+            if entry.version and _runnable_ensemble(entry.config)
+        }
+
+    def _ensemble(self, entry: ViewEntry) -> ServedVersion:
+        """An ensemble of the view: its steps run through this process's runner (over
+        `models`), counted here as the parent counts them."""
+        config = mc.ModelConfig.FromString(entry.config)
+        served = ServedVersion(entry.model, int(entry.version), config)
+        served.stats = self._stats_of(served.name, served.version)
+        served.state = VersionState.READY
+        served.validator = RequestValidator(config)
+        served.steps = ensemble.plan(config)
+        return served
 
     def _shared(self, token: int, entry: dict[str, Any], config_bytes: bytes) -> _Shared:
         config = mc.ModelConfig.FromString(config_bytes)

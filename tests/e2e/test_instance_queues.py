@@ -9,6 +9,7 @@ Its own server: it pauses and breaks workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -18,13 +19,21 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from protos.inference import model_config_pb2 as mc
 from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_worker_restart import only_instance, wait_for
-from tests.reference import assert_matches_reference, example_inputs, output_names
+from tests.reference import (
+    assert_matches_reference,
+    assert_outputs,
+    example_inputs,
+    output_names,
+    run_ensemble_reference,
+)
 from tests.servers import EXAMPLE_MODELS, ServerProcess, paused, running_server, wait_arrived
 
 RPC_TIMEOUT_S = 120.0
@@ -38,6 +47,26 @@ output [ {{ name: "{output}", data_type: TYPE_FP32, dims: [ {out} ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 dynamic_batching {{ default_queue_policy {{ max_queue_size: {queue} }} }}
 parameters {{ key: "testing_scribble_on" value: {{ string_value: "{scribble}" }} }}
+"""
+
+
+# Two steps on mlp (its newest version, and version 1): every step a version front-ends queue
+# for themselves, so they run the ensemble themselves too.
+ENSEMBLE = """
+name: "twice"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [
+  {{ name: "a", data_type: TYPE_FP32, dims: [ 10 ] }},
+  {{ name: "b", data_type: TYPE_FP32, dims: [ 10 ] }}
+]
+ensemble_scheduling {{ step [
+  {{ model_name: "mlp" model_version: -1
+    input_map {{ key: "input" value: "x" }} output_map {{ key: "{output}" value: "a" }} }},
+  {{ model_name: "mlp" model_version: 1
+    input_map {{ key: "input" value: "x" }} output_map {{ key: "{output}" value: "b" }} }}
+] }}
 """
 
 
@@ -66,6 +95,9 @@ def server(
     add_mlp(root / "models", "wide", 512, 64)
     add_mlp(root / "models", "variable", 0, 64, variable=True)
     add_mlp(root / "models", "counted", 8, 64)
+    (root / "models" / "twice").mkdir()
+    ensemble = ENSEMBLE.format(output=output_names("mlp")[0])
+    (root / "models" / "twice" / "config.pbtxt").write_text(ensemble)
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
     args += ["--frontends", str(request.param)]
     with running_server(root / "models", root / "server.log", args) as process:
@@ -212,6 +244,30 @@ def test_front_ends_answer_model_infer_with_their_parent_stopped(
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_front_ends_run_an_ensemble_of_queued_steps_with_their_parent_stopped(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """An ensemble whose steps front-ends queue for themselves is run there too: answered
+    with the parent held still, each output its step's, and counted once."""
+    config = text_format.Parse(ENSEMBLE.format(output=output_names("mlp")[0]), mc.ModelConfig())
+    one = "one-process" in request.node.callspec.id
+    inputs = [{"x": one_row(40 + i)["input"]} for i in range(4)]
+    channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in inputs]
+    try:
+        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        stubs[0].ModelInfer(build_request("twice", inputs[0]), timeout=RPC_TIMEOUT_S)
+        with contextlib.nullcontext() if one else paused(server.process.pid):
+            for stub, x in zip(stubs, inputs, strict=True):
+                answer = stub.ModelInfer(build_request("twice", x), timeout=RPC_TIMEOUT_S)
+                assert_outputs(run_ensemble_reference(config, x), answer)
+    finally:
+        for channel in channels:
+            channel.close()
+    request_stats = pb.ModelStatisticsRequest(name="twice")
+    (stats,) = server.stub.ModelStatistics(request_stats, timeout=RPC_TIMEOUT_S).model_stats
+    assert stats.inference_stats.success.count == 1 + len(inputs)
 
 
 def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_served(
