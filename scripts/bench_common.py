@@ -91,6 +91,16 @@ def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     return cpu
 
 
+def cpu_spent(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds each part of a server's tree (tree_cpu) spent between two readings."""
+    spent = dict.fromkeys(("main", "frontends", "workers"), 0.0)
+    for pid, (part, cpu) in after.items():
+        spent[part] += cpu - before.get(pid, (part, 0.0))[1]
+    return spent
+
+
 def worker_predictor(directory: Path, config: mc.ModelConfig | None = None) -> PaddleModel:
     """The Paddle predictor a CPU worker makes for the model in `directory` (its config.pbtxt,
     or `config`, and version 1): same class, same config, in this process."""

@@ -40,7 +40,7 @@ from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
-from scripts.bench_common import write_json
+from scripts.bench_common import cpu_spent, tree_cpu, write_json
 from scripts.bench_generate_engine import EngineBench, percentile
 from service.backend.generation.engine import limits_from
 from tests.servers import EXAMPLE_MODELS, ServerProcess
@@ -72,6 +72,10 @@ class Measurement:
     tokens_per_second: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    # Served runs: CPU per token of the server's processes (the one holding the streams, and
+    # any front-ends) and of its workers (the engine: its steps and its own sending).
+    server_us_per_token: float | None = None
+    worker_us_per_token: float | None = None
 
 
 def repository(target: Path) -> Path:
@@ -128,8 +132,10 @@ async def measure(
     duration: float,
     stub: Any,
     draws: Sequence[int],
+    root: int,
 ) -> Measurement:
-    """Closed loop for `duration`; requests started by then run to their end and count."""
+    """Closed loop for `duration`; requests started by then run to their end and count.
+    `root`: the server's process, whose tree's CPU is read around it."""
     model = f"generate_{way}"
     end = time.perf_counter() + duration
     ttfts: list[float] = []
@@ -142,10 +148,15 @@ async def measure(
             totals[0] += tokens
             ttfts.append(first)
 
+    before = tree_cpu(root)
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - t0
+    spent = cpu_spent(before, tree_cpu(root))
     result = measurement(round_, way, transport, concurrency, totals[0], seconds, ttfts)
+    per_token = 1e6 / max(totals[0], 1)
+    result.server_us_per_token = round((spent["main"] + spent["frontends"]) * per_token, 1)
+    result.worker_us_per_token = round(spent["workers"] * per_token, 1)
     report(result)
     return result
 
@@ -175,10 +186,16 @@ def measurement(
 
 
 def report(m: Measurement) -> None:
+    cpu = (
+        ""
+        if m.server_us_per_token is None
+        else f"  CPU/token: server {m.server_us_per_token:.0f} us, worker "
+        f"{m.worker_us_per_token:.0f} us"
+    )
     print(
         f"  round {m.round} {m.way:<9} {m.transport:<6} c={m.concurrency:<3} {m.requests:>4} "
         f"requests {m.tokens_per_second:>8.1f} tokens/s  ttft p50 {m.ttft_p50_ms:>7.1f} ms "
-        f"p99 {m.ttft_p99_ms:>7.1f} ms",
+        f"p99 {m.ttft_p99_ms:>7.1f} ms{cpu}",
         flush=True,
     )
 
@@ -199,7 +216,14 @@ async def bench(
                 for way, transport in rotated(RUNS, round_):
                     results.append(
                         await measure(
-                            round_, way, transport, concurrency, duration, stubs[transport], draws
+                            round_,
+                            way,
+                            transport,
+                            concurrency,
+                            duration,
+                            stubs[transport],
+                            draws,
+                            server.process.pid,
                         )
                     )
     finally:
@@ -244,14 +268,20 @@ def spread(values: Sequence[float], digits: int = 0) -> str:
     return f"{mid:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 
 
+def cpu(ms: Sequence[Measurement], part: str) -> str:
+    values = [getattr(m, f"{part}_us_per_token") for m in ms]
+    return "-" if None in values else spread(values)
+
+
 def table(results: Sequence[Measurement]) -> str:
     by_key = {(m.round, m.way, m.transport, m.concurrency): m for m in results}
     rounds = sorted({m.round for m in results})
     rows = [
         f"{len(rounds)} rounds; median [lowest-highest] over rounds; ratios per round",
         "",
-        "| way | transport | concurrency | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| way | transport | concurrency | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | "
+        "server CPU us/token | worker CPU us/token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     runs = [run for run in (*RUNS, *ENGINE_RUNS) if (rounds[0], *run, 1) in by_key]
     for way, transport in runs:
@@ -260,11 +290,17 @@ def table(results: Sequence[Measurement]) -> str:
             rows.append(
                 f"| {way} | {transport} | {c} | {spread([m.tokens_per_second for m in ms])} | "
                 f"{spread([m.ttft_p50_ms for m in ms], 1)} | "
-                f"{spread([m.ttft_p99_ms for m in ms], 1)} |"
+                f"{spread([m.ttft_p99_ms for m in ms], 1)} | {cpu(ms, 'server')} | "
+                f"{cpu(ms, 'worker')} |"
             )
 
     def ratio(f: Any) -> str:
         return spread([f(r) for r in rounds], 2)
+
+    def cpu_of(r: int, part: str, c: int = 32, t: str = "h2") -> float:
+        value = getattr(by_key[r, "iteration", t, c], f"{part}_us_per_token")
+        assert value is not None
+        return float(value)
 
     def tps(r: int, way: str, c: int, transport: str = "h2") -> float:
         return by_key[r, way, transport, c].tokens_per_second
@@ -282,6 +318,16 @@ def table(results: Sequence[Measurement]) -> str:
             f"| iteration TTFT p99 c=32 / c=1 | {t} | <= 3 | "
             f"{ratio(lambda r, t=t: p99(r, 32, t) / p99(r, 1, t))} |",
         ]
+    if ("iteration", "h2") in runs:
+        rows += [
+            "| server / worker CPU per token (iteration), c=32 | h2 | <= 0.15 | "
+            f"{ratio(lambda r: cpu_of(r, 'server') / cpu_of(r, 'worker'))} |",
+        ]
+    if ("iteration", "engine") in runs and ("iteration", "h2") in runs:
+        rows.append(
+            "| served / engine-only tokens/s (iteration), c=32 | h2 | - | "
+            f"{ratio(lambda r: tps(r, 'iteration', 32) / tps(r, 'iteration', 32, 'engine'))} |"
+        )
     if ("iteration", "h3") not in runs:
         return "\n".join(rows)
     for c in CONCURRENCY:

@@ -51,7 +51,14 @@ import numpy as np
 
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from scripts import bench_peers
-from scripts.bench_common import begin_rounds, median_range, round_options, tree_cpu, write_json
+from scripts.bench_common import (
+    begin_rounds,
+    cpu_spent,
+    median_range,
+    round_options,
+    tree_cpu,
+    write_json,
+)
 from scripts.bench_generate import one_request
 from scripts.bench_peers import Peer, Setup, mlserver, mlserver_missing, rotated, spawned
 from tests.servers import (
@@ -239,9 +246,7 @@ def measure(load: Load, endpoint: Endpoint, protocol: str, index: int) -> Row:
     after = tree_cpu(endpoint.root_pid)
     tokens = int(endpoint.tokens() - tokens_before) if streaming and endpoint.tokens else 0
     calls = sum(job.result() for job in jobs)
-    spent = dict.fromkeys(("main", "frontends", "workers"), 0.0)
-    for pid, (part, cpu) in after.items():
-        spent[part] += cpu - before.get(pid, (part, 0.0))[1]
+    spent = cpu_spent(before, after)
     per_call = 1e6 / max(calls, 1)
     row = Row(
         index,
