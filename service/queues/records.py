@@ -283,16 +283,17 @@ def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
         _ANSWERED.unpack_from(view, _ANSWERS.size + _ANSWERED.size * i) for i in range(count)
     ]
     first = _expected(expected_of, answered[0][0])
-    if count > max(first.rows and first.max_batch_rows, 1):
-        raise Corrupt(f"answers to {count} requests in one record")
-    if len({request_id for request_id, _ in answered}) != count:
-        raise Corrupt("answers to one request twice in a record")
     wanted = [first]
-    for request_id, _ in answered[1:]:
-        expected = _expected(expected_of, request_id)
-        if expected.outputs != first.outputs:
-            raise Corrupt("answers to requests of different outputs in one record")
-        wanted.append(expected)
+    if count > 1:
+        if count > (first.rows and first.max_batch_rows):
+            raise Corrupt(f"answers to {count} requests in one record")
+        if len({request_id for request_id, _ in answered}) != count:
+            raise Corrupt("answers to one request twice in a record")
+        for request_id, _ in answered[1:]:
+            expected = _expected(expected_of, request_id)
+            if expected.outputs != first.outputs:
+                raise Corrupt("answers to requests of different outputs in one record")
+            wanted.append(expected)
     if not 0 < rows <= first.max_batch_rows:
         raise Corrupt(f"a batch of {rows} rows; the model takes {first.max_batch_rows}")
     outputs, end = _tensors(view, at, n_out)
@@ -308,7 +309,7 @@ def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
         if total and (not tensor.shape or tensor.shape[0] != total):
             raise Corrupt(f"an output of shape {list(tensor.shape)} for {total} rows")
     timings = Timings(*(min(t, _MAX_NS) for t in (t_in, t_run, t_out)))
-    if not total:  # one request of a model that does not batch: the outputs are its own
+    if count == 1:  # all of each output is the request's (a model that does not batch too)
         ((request_id, queued),) = answered
         return [
             Reply(
