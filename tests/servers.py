@@ -99,6 +99,34 @@ def model_repository(target: Path, names: Sequence[str]) -> Path:
     return target
 
 
+# An ensemble of two steps on the example mlp (its newest version, and version 1), its output
+# OUT in both; every step a version front-ends queue for, so they run it themselves too.
+TWICE = """
+name: "twice"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 256 ] }} ]
+output [
+  {{ name: "a", data_type: TYPE_FP32, dims: [ 10 ] }},
+  {{ name: "b", data_type: TYPE_FP32, dims: [ 10 ] }}
+]
+ensemble_scheduling {{ step [
+  {{ model_name: "mlp" model_version: -1
+    input_map {{ key: "input" value: "x" }} output_map {{ key: "{out}" value: "a" }} }},
+  {{ model_name: "mlp" model_version: 1
+    input_map {{ key: "input" value: "x" }} output_map {{ key: "{out}" value: "b" }} }}
+] }}
+"""
+
+
+def twice_ensemble(repository: Path, mlp_output: str) -> str:
+    """The `twice` ensemble added to a repository serving mlp: its config's text."""
+    text = TWICE.format(out=mlp_output)
+    (repository / "twice").mkdir()
+    (repository / "twice" / "config.pbtxt").write_text(text)
+    return text
+
+
 class ServerProcess:
     def __init__(
         self,

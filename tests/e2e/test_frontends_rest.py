@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from google.protobuf import text_format
 
+from protos.inference import model_config_pb2 as mc
 from tests.e2e.test_frontends import calls_by_frontend, metrics
 from tests.e2e.test_http import (
     leaving_client_stops_its_generation,
@@ -36,8 +38,16 @@ from tests.e2e.test_http3_rest import (
     leave_a_generation,
 )
 from tests.e2e.test_zero_rtt import stats
-from tests.reference import call_inputs, run_reference
-from tests.servers import free_port, model_repository, paused, refused_start, running_server
+from tests.reference import call_inputs, output_names, run_ensemble_reference, run_reference
+from tests.servers import (
+    TWICE,
+    free_port,
+    model_repository,
+    paused,
+    refused_start,
+    running_server,
+    twice_ensemble,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +64,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterato
         *("--http-port", str(port), "--http-max-input-size", str(MAX_INPUT)),
     ]
     repository = model_repository(root / "models", ["mlp", "generate"])
+    twice_ensemble(repository, output_names("mlp")[0])
     with running_server(repository, root / "log", args) as server:
         yield Served(server, port, certs_dir / "ca.pem")
 
@@ -125,6 +136,30 @@ def test_rest_infer_calls_are_answered_with_the_parent_stopped(served: Served) -
     with paused(served.server.process.pid):
         for call in range(4):
             infer_checked(served, 200 + call)
+
+
+def test_rest_infer_on_an_ensemble_of_queued_steps_is_answered_with_the_parent_stopped(
+    served: Served,
+) -> None:
+    """An ensemble whose every step a front-end queues for is run by the front-end's own
+    infer route too: each output its step's, the parent held still."""
+    config = text_format.Parse(TWICE.format(out=output_names("mlp")[0]), mc.ModelConfig())
+    with paused(served.server.process.pid):
+        for call in range(4):
+            ((_, array),) = call_inputs("mlp", 300 + call).items()
+            entry = {"name": "x", "datatype": "FP32", "shape": list(array.shape)}
+            status, answer = post(
+                served, "/v2/models/twice/infer", {"inputs": [{**entry, "data": array.tolist()}]}
+            )
+            assert status == 200, answer
+            expected = run_ensemble_reference(config, {"x": array})
+            got = {
+                o["name"]: np.array(o["data"], np.float32).reshape(o["shape"])
+                for o in answer["outputs"]
+            }
+            assert set(got) == set(expected)
+            for name, values in got.items():
+                np.testing.assert_allclose(values, expected[name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_request_asking_for_classes_is_the_parents(served: Served) -> None:

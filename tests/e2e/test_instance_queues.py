@@ -34,7 +34,15 @@ from tests.reference import (
     output_names,
     run_ensemble_reference,
 )
-from tests.servers import EXAMPLE_MODELS, ServerProcess, paused, running_server, wait_arrived
+from tests.servers import (
+    EXAMPLE_MODELS,
+    TWICE,
+    ServerProcess,
+    paused,
+    running_server,
+    twice_ensemble,
+    wait_arrived,
+)
 
 RPC_TIMEOUT_S = 120.0
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # new connections: both front-ends
@@ -47,26 +55,6 @@ output [ {{ name: "{output}", data_type: TYPE_FP32, dims: [ {out} ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 dynamic_batching {{ default_queue_policy {{ max_queue_size: {queue} }} }}
 parameters {{ key: "testing_scribble_on" value: {{ string_value: "{scribble}" }} }}
-"""
-
-
-# Two steps on mlp (its newest version, and version 1): every step a version front-ends queue
-# for themselves, so they run the ensemble themselves too.
-ENSEMBLE = """
-name: "twice"
-platform: "ensemble"
-max_batch_size: 8
-input [ {{ name: "x", data_type: TYPE_FP32, dims: [ 256 ] }} ]
-output [
-  {{ name: "a", data_type: TYPE_FP32, dims: [ 10 ] }},
-  {{ name: "b", data_type: TYPE_FP32, dims: [ 10 ] }}
-]
-ensemble_scheduling {{ step [
-  {{ model_name: "mlp" model_version: -1
-    input_map {{ key: "input" value: "x" }} output_map {{ key: "{output}" value: "a" }} }},
-  {{ model_name: "mlp" model_version: 1
-    input_map {{ key: "input" value: "x" }} output_map {{ key: "{output}" value: "b" }} }}
-] }}
 """
 
 
@@ -95,9 +83,7 @@ def server(
     add_mlp(root / "models", "wide", 512, 64)
     add_mlp(root / "models", "variable", 0, 64, variable=True)
     add_mlp(root / "models", "counted", 8, 64)
-    (root / "models" / "twice").mkdir()
-    ensemble = ENSEMBLE.format(output=output_names("mlp")[0])
-    (root / "models" / "twice" / "config.pbtxt").write_text(ensemble)
+    twice_ensemble(root / "models", output_names("mlp")[0])
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
     args += ["--frontends", str(request.param)]
     with running_server(root / "models", root / "server.log", args) as process:
@@ -251,7 +237,7 @@ def test_front_ends_run_an_ensemble_of_queued_steps_with_their_parent_stopped(
 ) -> None:
     """An ensemble whose steps front-ends queue for themselves is run there too: answered
     with the parent held still, each output its step's, and counted once."""
-    config = text_format.Parse(ENSEMBLE.format(output=output_names("mlp")[0]), mc.ModelConfig())
+    config = text_format.Parse(TWICE.format(out=output_names("mlp")[0]), mc.ModelConfig())
     one = "one-process" in request.node.callspec.id
     inputs = [{"x": one_row(40 + i)["input"]} for i in range(4)]
     channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in inputs]
