@@ -243,8 +243,7 @@ class QueuedWorker:
         now: float,
     ) -> None:
         """The answers to requests of one producer that asked for the same outputs, in one
-        record, or each in its own
-        where together they are more than a record takes."""
+        record, or each in its own where together they are more than a record takes."""
         parts = []
         for index in wanted:
             array = outputs[self._setup.outputs[index]]
