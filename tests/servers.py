@@ -99,8 +99,8 @@ def model_repository(target: Path, names: Sequence[str]) -> Path:
     return target
 
 
-# An ensemble of two steps on the example mlp (its newest version, and version 1), its output
-# OUT in both; every step a version front-ends queue for, so they run it themselves too.
+# An ensemble of two steps on the example mlp (its newest version, and version 1), `out` the
+# mlp's output; every step a version front-ends queue for, so they run it themselves too.
 TWICE = """
 name: "twice"
 platform: "ensemble"
@@ -119,12 +119,10 @@ ensemble_scheduling {{ step [
 """
 
 
-def twice_ensemble(repository: Path, mlp_output: str) -> str:
-    """The `twice` ensemble added to a repository serving mlp: its config's text."""
-    text = TWICE.format(out=mlp_output)
+def twice_ensemble(repository: Path, mlp_output: str) -> None:
+    """The `twice` ensemble added to a repository serving mlp."""
     (repository / "twice").mkdir()
-    (repository / "twice" / "config.pbtxt").write_text(text)
-    return text
+    (repository / "twice" / "config.pbtxt").write_text(TWICE.format(out=mlp_output))
 
 
 class ServerProcess:

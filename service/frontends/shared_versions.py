@@ -114,10 +114,9 @@ class SharedModels(ModelRegistry):
         return served
 
 
-def _runnable_ensemble(config_bytes: bytes) -> bool:
+def _runnable_ensemble(config: mc.ModelConfig) -> bool:
     """An ensemble this process may run itself when its steps are served here: one with no
     fallback model (a fallback may be any version)."""
-    config = mc.ModelConfig.FromString(config_bytes)
     return (
         config.HasField("ensemble_scheduling") and check_parameters(config).fallback_model is None
     )
@@ -182,16 +181,22 @@ class SharedVersions:
             if token not in self._versions and token in configs:
                 self._versions[token] = self._shared(token, entry, configs[token])
         self._named = {(entry.model, entry.version): entry.token for entry in entries}
-        self._ensembles = {
-            entry.token: self._ensembles.get(entry.token) or self._ensemble(entry)
-            for entry in entries
-            if entry.version and _runnable_ensemble(entry.config)
-        }
+        ensembles: dict[int, ServedVersion] = {}
+        for entry in entries:
+            if not entry.version:  # "": a version the view also names by its number
+                continue
+            served = self._ensembles.get(entry.token)  # kept: its config parsed once
+            if served is None:
+                config = mc.ModelConfig.FromString(entry.config)
+                if not _runnable_ensemble(config):
+                    continue
+                served = self._ensemble(entry, config)
+            ensembles[entry.token] = served
+        self._ensembles = ensembles
 
-    def _ensemble(self, entry: ViewEntry) -> ServedVersion:
+    def _ensemble(self, entry: ViewEntry, config: mc.ModelConfig) -> ServedVersion:
         """An ensemble of the view: its steps run through this process's runner (over
         `models`), counted here as the parent counts them."""
-        config = mc.ModelConfig.FromString(entry.config)
         served = ServedVersion(entry.model, int(entry.version), config)
         served.stats = self._stats_of(served.name, served.version)
         served.state = VersionState.READY
