@@ -29,6 +29,7 @@ from service.observability.observer import Observer
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
+from transport.grpc.aborts import ReleasingServer
 from transport.grpc.response_headers import PerConnection, ResponseHeadersServer
 from transport.h3.aioquic.client_auth import ClientAuth
 from transport.h3.datagram_routing import DatagramRouter
@@ -233,8 +234,9 @@ async def start_grpc(
     # Registered once the port is known: alt-svc names the HTTP/3 port, by default the same.
     headers = alt_svc_headers(settings, port)
     refresh_s = min(ADVERTISE_REFRESH_S, settings.alt_svc_max_age / 2)
+    released = ReleasingServer(server)
     register(
-        ResponseHeadersServer(server, headers, PerConnection(refresh_s)) if headers else server
+        ResponseHeadersServer(released, headers, PerConnection(refresh_s)) if headers else released
     )
     await server.start()
     log.info(
