@@ -74,10 +74,11 @@ class ControlServicer(pb_grpc.ControlServicer):
                     model_version=str(v.version),
                     queued=queue.queued if queue else 0,
                     in_flight=queue.in_flight_requests if queue else 0,
-                    breaker=v.breaker.state.value,
-                    breaker_retry_in_s=v.breaker.retry_in_s(),
+                    breaker=breaker.value,
+                    breaker_retry_in_s=retry_in_s,
                 )
                 for v in versions
                 for queue in (v.queue(),)
+                for breaker, retry_in_s in (v.shown_breaker(),)
             ],
         )

@@ -173,8 +173,12 @@ class _FrontendLink(FrameConnection):
         elif kind is Kind.STATS:
             # call_id: the last query the front-end answers with this report (0: none)
             report = self.server.reports.report(self, payload)
+            # "held" and "breakers" come in the first frame of a report split in several.
             if report is not None and self.server.sharing is not None:
-                self.server.sharing.held(self.index, report.get("held", {}))
+                if "held" in report:
+                    self.server.sharing.held(self.index, report["held"])
+                if "breakers" in report:
+                    self.server.sharing.breakers(self.index, report["breakers"])
             if call_id:
                 self._answered(call_id)
         elif (call := self._calls.get(call_id)) is not None:

@@ -270,6 +270,7 @@ class ParentLink(FrameConnection):
             totals["h3"] = report_of(self.h3).to_json()
         if self.shared is not None:
             totals["held"] = self.shared.held()
+            totals["breakers"] = self.shared.breakers()
         models = self.counts.take()
         if not (answering or totals or models or self.metrics):
             return

@@ -21,6 +21,7 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from typing import Any
 from service.frontends.protocol import Kind
 from service.model.parameters import check_parameters
 from service.registry.versions import ServedVersion
+from service.resilience.breaker import BreakerState, Shown
 from service.serving.queued_batcher import QueuedBatcher
 from service.workers import deaths, protocol
 from service.workers.instance import State
@@ -63,6 +65,11 @@ class SharedQueues:
         self._holders: dict[int, set[str]] = {}  # by token: front-ends that may hold requests
         # What each front-end last said it holds, by token: (queued, in workers' batches).
         self._held: dict[str, dict[int, tuple[int, int, list[int]]]] = {}
+        # What each front-end last said of its breakers not closed, by token; the view's
+        # versions by token, and those shown with some.
+        self._breakers: dict[str, dict[int, Shown]] = {}
+        self._described: Mapping[int, ServedVersion] = {}
+        self._shown: set[int] = set()
         self._frontends: set[str] = set()
         self._server: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -89,6 +96,8 @@ class SharedQueues:
         for themselves, with their instances now."""
         entries = []
         viewed = set()
+        self._described = described
+        self._show_breakers()
         for token, served in described.items():
             if not shareable(served):
                 continue
@@ -123,6 +132,8 @@ class SharedQueues:
         self._frontends.discard(frontend)
         self._held.pop(frontend, None)
         self._count_held()
+        self._breakers.pop(frontend, None)
+        self._show_breakers()
         for token in list(self._holders):
             self._release(token, frontend)
 
@@ -139,6 +150,34 @@ class SharedQueues:
             return
         self._held[frontend] = held
         self._count_held()
+
+    def breakers(self, frontend: str, data: Any) -> None:
+        """A front-end's report of its breakers that are not closed: each version shows the
+        worst of the parent's and the front-ends' (ListInstances, /metrics)."""
+        reported: dict[int, Shown] = {}
+        try:
+            for token, (state, retry_in_s) in data.items():
+                wait = float(retry_in_s)
+                if not math.isfinite(wait):
+                    raise ValueError(f"retry_in_s {wait}")
+                reported[int(token)] = (BreakerState(state), max(wait, 0.0))
+        except (AttributeError, TypeError, ValueError):
+            log.error("front-end %s reported breakers this server cannot read", frontend)
+            return
+        self._breakers[frontend] = reported
+        self._show_breakers()
+
+    def _show_breakers(self) -> None:
+        shown = set()
+        for token in self._shown | {t for r in self._breakers.values() for t in r}:
+            served = self._described.get(token)
+            if served is not None:
+                served.breakers_elsewhere = tuple(
+                    r[token] for r in self._breakers.values() if token in r
+                )
+                if served.breakers_elsewhere:
+                    shown.add(token)
+        self._shown = shown
 
     def _count_held(self) -> None:
         for token, served in self._versions.items():

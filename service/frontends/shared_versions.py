@@ -31,6 +31,7 @@ from service.model.ensemble import MAX_ENSEMBLE_DEPTH
 from service.model.parameters import check_parameters
 from service.registry.statistics import ModelStats
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
+from service.resilience.breaker import BreakerState
 from service.serving.queued_batcher import BatchObserver, QueuedBatcher, batch_recorder
 from service.workers import deaths, protocol
 from service.workers.instance import State, WorkerInstance
@@ -233,6 +234,17 @@ class SharedVersions:
             if queued or running:
                 counts[str(token)] = [queued, running, batcher.held_by_instance()]
         return counts
+
+    def breakers(self) -> dict[str, list[Any]]:
+        """The breakers of the versions this process serves (queued, ensembles) that are not
+        closed: state and seconds until the next probe (the parent shows the worst of every
+        process's)."""
+        versions = [*((t, s.served) for t, s in self._versions.items()), *self._ensembles.items()]
+        return {
+            str(token): [served.breaker.state.value, served.breaker.retry_in_s()]
+            for token, served in versions
+            if served.breaker.state is not BreakerState.CLOSED
+        }
 
     def told(self, payload: bytes) -> None:
         """WORKER: what a worker of a version did."""

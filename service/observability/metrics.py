@@ -293,7 +293,7 @@ class _StateCollector(Collector):
         yield live
         breakers = _breaker_state()
         for v in versions:
-            current = v.breaker.state
+            current, _ = v.shown_breaker()
             for state in BreakerState:
                 breakers.add_metric([v.name, str(v.version), state.value], state is current)
         yield breakers

@@ -22,7 +22,7 @@ from service.model.decoupled import is_decoupled
 from service.model.parameters import check_parameters
 from service.registry.names import check_model_name, parse_version
 from service.registry.statistics import ModelStats
-from service.resilience.breaker import CircuitBreaker
+from service.resilience.breaker import CircuitBreaker, Shown, worst
 from service.workers.instance import State, WorkerInstance
 from service.workers.slots import SLOTS_PER_WORKER
 
@@ -51,6 +51,8 @@ class ServedVersion:
     copy: Path | None = None  # the verified private copy its workers load (signed models)
     active: int = 0  # requests that resolved to this version and are not answered yet
     breaker: CircuitBreaker = field(init=False)
+    # With --frontends N: the breakers front-ends keep of it, as each last reported them.
+    breakers_elsewhere: tuple[Shown, ...] = ()
     steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
     # A decoupled model's places for requests running at once (it has no batcher).
     generations: ConcurrencyLimit | None = None
@@ -63,6 +65,12 @@ class ServedVersion:
     def __post_init__(self) -> None:
         # The config was checked when it was read, so its parameters parse.
         self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
+
+    def shown_breaker(self) -> Shown:
+        """The breaker state ListInstances and /metrics show: the worst of this process's
+        and the front-ends' (`worst`)."""
+        own = (self.breaker.state, self.breaker.retry_in_s())
+        return worst((own, *self.breakers_elsewhere))
 
     @property
     def decoupled(self) -> bool:

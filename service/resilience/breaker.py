@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +30,26 @@ class BreakerState(enum.Enum):
     CLOSED = "CLOSED"
     OPEN = "OPEN"
     HALF_OPEN = "HALF_OPEN"
+
+
+# How much a state tells a caller's operator, least first: where processes' breakers of one
+# version differ, the server shows the one that tells most.
+_SEVERITY = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+Shown = tuple[BreakerState, float]  # a state and the seconds until its next probe
+
+
+def worst(shown: Iterable[Shown]) -> Shown:
+    """The state of several breakers of one version (each process holding calls keeps its
+    own): OPEN if any is, else HALF_OPEN if any is, else CLOSED; the longest wait of those in
+    it."""
+    found: Shown = (BreakerState.CLOSED, 0.0)
+    for state, retry_in_s in shown:
+        if _SEVERITY[state] > _SEVERITY[found[0]]:
+            found = (state, retry_in_s)
+        elif state is found[0]:
+            found = (state, max(found[1], retry_in_s))
+    return found
 
 
 @dataclass(frozen=True)

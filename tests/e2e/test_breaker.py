@@ -60,7 +60,10 @@ def by_fallback(response: pb.ModelInferResponse) -> bool:
     return parameter is not None and parameter.bool_param
 
 
-def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: int) -> None:
+    """With front-ends, `lonely` (no fallback) is served in them, each with its own breaker;
+    ListInstances and /metrics show the worst of every process's."""
     repository = tmp_path / "models"
     fallback = 'parameters { key: "fallback_model" value: { string_value: "backup" } }'
     copy_mlp(repository, "primary", BREAKER + fallback)
@@ -68,7 +71,7 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path) -> None:
     copy_mlp(repository, "backup")
     inputs = {"input": np.random.default_rng(3).standard_normal((2, 256), dtype=np.float32)}
     metrics_port = free_port()
-    args = ["--metrics-port", str(metrics_port)]
+    args = ["--metrics-port", str(metrics_port), "--frontends", str(frontends)]
     with running_server(repository, tmp_path / "server.log", args) as server:
         expected = parse_response(infer(server, "backup", inputs))["probabilities"]
         healthy = infer(server, "primary", inputs)
@@ -100,6 +103,8 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path) -> None:
             "lonely to be open-circuited",
             lambda: True if open_circuited(server, inputs) else None,
         )
+        assert breaker_of(server, "lonely") in ("OPEN", "HALF_OPEN")
+        assert scrape(metrics_port)[("paddlequic_breaker_state", "lonely", "CLOSED")] == 0
 
         # Back: the worker restarts, a half-open probe succeeds and the breaker closes.
         (repository / "primary" / "away").rename(repository / "primary" / "1")

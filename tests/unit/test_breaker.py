@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 from google.protobuf import text_format
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protos.inference import model_config_pb2 as mc
 from service.model.parameters import BreakerPolicy, ParameterError, check_parameters
-from service.resilience.breaker import HALF_OPEN_PROBES, BreakerState, CircuitBreaker
+from service.resilience.breaker import HALF_OPEN_PROBES, BreakerState, CircuitBreaker, Shown, worst
 from service.resilience.fallback import incompatibility
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -107,6 +111,25 @@ PRIMARY = config(
     output [ { name: "y" data_type: TYPE_FP32 dims: [ 3 ] } ]
     parameters { key: "fallback_model" value: { string_value: "small" } }"""
 )
+
+
+SHOWN = st.tuples(st.sampled_from(BreakerState), st.floats(min_value=0.0, max_value=60.0))
+
+
+@given(st.lists(SHOWN, max_size=6), st.randoms())
+def test_the_worst_of_several_breakers_is_shown(shown: list[Shown], order: Any) -> None:
+    """Each process holding calls keeps its own breaker: OPEN if any is open, else HALF_OPEN
+    if any is, else CLOSED; the longest wait among those in that state; in any order."""
+    state, retry_in_s = worst(shown)
+    states = {s for s, _ in shown}
+    for expected in (BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED):
+        if expected in states or expected is BreakerState.CLOSED:
+            assert state is expected
+            break
+    assert retry_in_s == max((w for s, w in shown if s is state), default=0.0)
+    shuffled = list(shown)
+    order.shuffle(shuffled)
+    assert worst(shuffled) == (state, retry_in_s)
 
 
 def test_a_fallback_must_take_the_inputs_and_give_the_outputs() -> None:
