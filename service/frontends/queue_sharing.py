@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from service.frontends.protocol import Kind
-from service.model.parameters import check_parameters
 from service.registry.versions import ServedVersion
 from service.resilience.breaker import BreakerState, Shown
 from service.serving.queued_batcher import QueuedBatcher
@@ -49,11 +48,9 @@ def producer_of(frontend: str) -> int:
 
 def shareable(served: ServedVersion) -> bool:
     """Versions front-ends queue for themselves: those whose requests go straight into their
-    instances' queues, with no fallback model (a fallback is another version's batcher)."""
-    return (
-        isinstance(served.batcher, QueuedBatcher)
-        and check_parameters(served.config).fallback_model is None
-    )
+    instances' queues (one with a fallback model is served in a front-end while its fallback
+    is too: shared_versions.py)."""
+    return isinstance(served.batcher, QueuedBatcher)
 
 
 class SharedQueues:

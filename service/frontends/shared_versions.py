@@ -115,14 +115,6 @@ class SharedModels(ModelRegistry):
         return served
 
 
-def _runnable_ensemble(config: mc.ModelConfig) -> bool:
-    """An ensemble this process may run itself when its steps are served here: one with no
-    fallback model (a fallback may be any version)."""
-    return (
-        config.HasField("ensemble_scheduling") and check_parameters(config).fallback_model is None
-    )
-
-
 class SharedVersions:
     def __init__(
         self,
@@ -143,31 +135,41 @@ class SharedVersions:
         self._versions: dict[int, _Shared] = {}
         self._ensembles: dict[int, ServedVersion] = {}
         self._named: dict[tuple[str, str], int] = {}  # the view's (model, version) -> token
+        self._fallbacks: dict[int, str] = {}  # by token: the fallback model of one that has one
         self.models = SharedModels(self)  # what this process's request runner resolves in
         self._releasing: set[asyncio.Task[None]] = set()
 
     def serving(self, token: int) -> ServedVersion | None:
         """The version this process serves itself: one it queues for, or an ensemble whose
-        every step (nested ones' too) it serves now; None: the parent's."""
+        every step (nested ones' too) it serves now, and whose fallback model, if it has one,
+        it serves now too (its breaker, this process's, may send the call there); None: the
+        parent's."""
         return self._serving(token, 0)
 
     def resolve(self, name: str, version: str) -> ServedVersion | None:
         """The version a request naming `model` and `version` reaches, if served here."""
-        token = self._named.get((name, version))
-        return None if token is None else self.serving(token)
+        return self._resolve_at(name, version, 0)
 
     def _serving(self, token: int, depth: int) -> ServedVersion | None:
+        if depth >= MAX_ENSEMBLE_DEPTH:
+            return None
+        fallback = self._fallbacks.get(token)
+        if fallback is not None and self._resolve_at(fallback, "", depth + 1) is None:
+            return None
         shared = self._versions.get(token)
         if shared is not None:
             return shared.served
         served = self._ensembles.get(token)
-        if served is None or depth >= MAX_ENSEMBLE_DEPTH:
+        if served is None:
             return None
         for step in served.steps:
-            step_token = self._named.get((step.model, step.version))
-            if step_token is None or self._serving(step_token, depth + 1) is None:
+            if self._resolve_at(step.model, step.version, depth + 1) is None:
                 return None
         return served
+
+    def _resolve_at(self, name: str, version: str, depth: int) -> ServedVersion | None:
+        token = self._named.get((name, version))
+        return None if token is None else self._serving(token, depth)
 
     def update(self, payload: bytes, entries: Sequence[ViewEntry]) -> None:
         """The parent's QUEUED: versions new to it get their batcher, those gone are let go
@@ -189,11 +191,19 @@ class SharedVersions:
             served = self._ensembles.get(entry.token)  # kept: its config parsed once
             if served is None:
                 config = mc.ModelConfig.FromString(entry.config)
-                if not _runnable_ensemble(config):
+                if not config.HasField("ensemble_scheduling"):
                     continue
                 served = self._ensemble(entry, config)
             ensembles[entry.token] = served
         self._ensembles = ensembles
+        self._fallbacks = {
+            token: name
+            for token, served in [
+                *((t, s.served) for t, s in self._versions.items()),
+                *ensembles.items(),
+            ]
+            if (name := check_parameters(served.config).fallback_model) is not None
+        }
 
     def _ensemble(self, entry: ViewEntry, config: mc.ModelConfig) -> ServedVersion:
         """An ensemble of the view: its steps run through this process's runner (over

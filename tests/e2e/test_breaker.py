@@ -24,7 +24,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_worker_restart import only_instance, wait_for
-from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, running_server
+from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, paused, running_server
 
 Inputs = dict[str, np.ndarray[Any, Any]]
 RPC_TIMEOUT_S = 60.0
@@ -62,8 +62,9 @@ def by_fallback(response: pb.ModelInferResponse) -> bool:
 
 @pytest.mark.parametrize("frontends", [1, 2])
 def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: int) -> None:
-    """With front-ends, `lonely` (no fallback) is served in them, each with its own breaker;
-    ListInstances and /metrics show the worst of every process's."""
+    """With front-ends, `primary`, its fallback and `lonely` are served in them, each front-end
+    with its own breakers (shown as the worst of every process's by ListInstances and
+    /metrics): `primary` is answered by its fallback with the parent held still."""
     repository = tmp_path / "models"
     fallback = 'parameters { key: "fallback_model" value: { string_value: "backup" } }'
     copy_mlp(repository, "primary", BREAKER + fallback)
@@ -93,6 +94,12 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: in
         samples = scrape(metrics_port)
         assert samples[("paddlequic_fallbacks_total", "primary", "backup")] >= 1
         assert samples[("paddlequic_breaker_state", "primary", "CLOSED")] == 0
+        if frontends > 1:  # the front-end holding this test's connection falls back itself
+            with paused(server.process.pid):
+                wait_for(
+                    "primary to be answered by its fallback with the parent stopped",
+                    lambda: answer_of(server, inputs, fallback=True),
+                )
 
         # Without a fallback: UNAVAILABLE at once, not a wait for the deadline.
         with pytest.raises(grpc.RpcError) as caught:
