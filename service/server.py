@@ -190,7 +190,7 @@ async def serve(settings: ServerSettings) -> None:
     if loader.done() and loader.exception() is not None:
         stop.set()
         log.error("%s", loader.exception())
-    elif loader.done():
+    elif loader.done() and await _accepting(models, stopped):
         log.info("ready: %d model version(s) loaded", sum(v.ready for v in models.all_versions()))
         # What start-up built (modules, protobuf descriptors, loaded models: some 100,000
         # objects) lives as long as the process: the collector's full passes stop walking it.
@@ -208,6 +208,19 @@ async def serve(settings: ServerSettings) -> None:
     if tracing is not None:
         tracing.shutdown()
     log.info("stopped")
+
+
+async def _accepting(models: ModelRegistry, stopped: asyncio.Task[bool]) -> bool:
+    """Until every listener accepts calls (front-end processes start theirs once the parent
+    has loaded its models), so that "ready" in the log means what ServerReady says; False:
+    the server was stopped first."""
+    if not models.accepting:
+        accepting = asyncio.Event()
+        models.watch(lambda: accepting.set() if models.accepting else None)
+        waiting = asyncio.create_task(accepting.wait())
+        await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+    return models.accepting
 
 
 def main(argv: Sequence[str] | None = None) -> int:

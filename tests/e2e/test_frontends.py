@@ -412,6 +412,33 @@ async def test_a_frontend_stops_when_its_parent_dies(tmp_path: Path, certs_dir: 
         assert f"front-end {index}: the parent is gone; stopping" in s.log_text()
 
 
+async def test_ready_in_the_log_means_every_front_end_listens(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """The log's "ready" line comes once every front-end accepts calls (as ServerReady): a
+    call made the moment it is written connects on both transports. (Front-ends start their
+    listeners after the parent has loaded; the line used to come first.)"""
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    repository = model_repository(tmp_path / "models", [])
+    with running_server(repository, tmp_path / "log", args, wait=False) as s:
+        deadline = time.monotonic() + WAIT_S
+        while "ready: 0 model version(s) loaded" not in s.log_text():
+            assert s.process.poll() is None, s.log_text()
+            assert time.monotonic() < deadline, s.log_text()
+            await asyncio.sleep(0.01)
+        for _ in range(4):  # new connections, each to either front-end
+            async with grpc.aio.insecure_channel(s.address, options=OWN_CONNECTION) as h2:
+                ready = await pb_grpc.GRPCInferenceServiceStub(h2).ServerReady(
+                    pb.ServerReadyRequest(), timeout=10
+                )
+                assert ready.ready
+            async with quic(s, certs_dir) as h3:
+                ready = await pb_grpc.GRPCInferenceServiceStub(h3).ServerReady(
+                    pb.ServerReadyRequest(), timeout=10
+                )
+                assert ready.ready
+
+
 def test_a_udp_port_another_process_shares_stops_the_start(tmp_path: Path, certs_dir: Path) -> None:
     """Another process's SO_REUSEPORT socket on the UDP port (a second server of this user):
     front-ends binding with SO_REUSEPORT would join its group and the kernel would spread
