@@ -383,6 +383,10 @@ class DispatchContext(CallContext):
         identity = self.call.opened.identity
         return identity[0].decode() if identity else None
 
+    def auth_context(self) -> dict[str, list[bytes]]:
+        """The front-end transport's, for a call passed on as a stream (else empty)."""
+        return {name: list(values) for name, values in self.call.opened.auth}
+
     async def read(self) -> Any:
         data = await self.call.inbox.get()
         return EOF if data is None else _deserialize(self._deserialize, data)

@@ -29,11 +29,13 @@ from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView, answer_message
 from service.frontends.protocol import (
     WINDOW,
+    AuthContext,
     Frame,
     Kind,
     Open,
     ProtocolViolation,
     Status,
+    auth_of,
     decode_count,
     decode_metadata,
     decode_status,
@@ -111,7 +113,8 @@ class ParentLink(FrameConnection):
     ) -> AsyncIterator[bytes]:
         """The behavior of every method but ModelInfer: the call's messages to the parent and
         back."""
-        async for message in self.relay(_opened(method, transport, context), requests, context):
+        opened = _opened(method, transport, context, auth_of(context.auth_context()))
+        async for message in self.relay(opened, requests, context):
             yield message
 
     async def infer(self, transport: str, message: bytes, context: Any) -> bytes:
@@ -300,7 +303,7 @@ class ParentLink(FrameConnection):
             call.events.put_nowait((Kind.STATUS, _GONE))
 
 
-def _opened(method: str, transport: str, context: Any) -> Open:
+def _opened(method: str, transport: str, context: Any, auth: AuthContext = ()) -> Open:
     return Open(
         method,
         transport,
@@ -308,6 +311,7 @@ def _opened(method: str, transport: str, context: Any) -> Open:
         context.time_remaining(),
         tuple(context.invocation_metadata() or ()),
         identity_of(context),
+        auth,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ _STATUS = struct.Struct(">HI")  # code, details length
 _NO_TIMEOUT = -1.0
 
 Metadata = tuple[tuple[str, str | bytes], ...]
+AuthContext = tuple[tuple[str, tuple[bytes, ...]], ...]
 
 
 class Kind(enum.IntEnum):
@@ -75,6 +76,9 @@ class Open:
     timeout: float | None
     metadata: Metadata
     identity: Identity = ANYONE  # the client certificate's, as the front-end's TLS saw it
+    # The transport's auth context (grpcio's `auth_context()`: property -> values), for the
+    # calls passed on as streams; a ModelInfer's servicer never reads it.
+    auth: AuthContext = ()
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,24 @@ def encode_open(call: Open) -> bytes:
             encode_metadata_entries(call.metadata),
             _U16.pack(len(call.identity)),
             *(_U32.pack(len(part)) + part for part in call.identity),
+            _U16.pack(len(call.auth)),
+            *(
+                encode_text(name) + _U16.pack(len(values)) + b"".join(_parts(values))
+                for name, values in call.auth
+            ),
         )
     )
+
+
+def auth_of(context: Mapping[str, Sequence[bytes]] | None) -> AuthContext:
+    """A servicer context's `auth_context()` as an Open carries it."""
+    return tuple((name, tuple(values)) for name, values in (context or {}).items())
+
+
+def _parts(values: Sequence[bytes]) -> Iterator[bytes]:
+    for value in values:
+        yield _U32.pack(len(value))
+        yield value
 
 
 def decode_open(payload: bytes) -> Open:
@@ -116,9 +136,15 @@ def decode_open(payload: bytes) -> Open:
     metadata = reader.metadata(count)
     (parts,) = reader.unpack(_U16)
     identity = tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(parts))
+    (properties,) = reader.unpack(_U16)
+    auth = []
+    for _ in range(properties):
+        name = reader.text()
+        (count,) = reader.unpack(_U16)
+        auth.append((name, tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(count))))
     reader.end()
     timeout = None if deadline < 0 else max(deadline - time.monotonic(), 0.0)
-    return Open(method, transport, peer, timeout, metadata, identity)
+    return Open(method, transport, peer, timeout, metadata, identity, tuple(auth))
 
 
 def encode_metadata(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:

@@ -59,6 +59,7 @@ class RemoteInstance:
         self.on_ended: Callable[[deaths.Death], None] | None = None
         self.on_start_failed: Callable[[], None] | None = None
         self.queue_held: Callable[[], int] | None = None
+        self.queue_served: Callable[[], bool] | None = None
 
     @property
     def numa_node(self) -> int:

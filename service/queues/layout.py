@@ -4,7 +4,8 @@ of its own so neither side's stores touch a line the other writes.
 
 The running area is the batch the worker runs now: its number and its requests' ids, written
 before it runs, so when the worker dies the process holding the calls knows which of its
-requests were being computed (blamed) and which only waited (sent again as they were). A
+requests were being computed (blamed) and which only waited (sent again as they were), and the
+number of the last batch it ended (a worker that dies after serving is no crash loop). A
 watchdog reads the batch number: one that does not change for the execution timeout is hung.
 """
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 from service.queues.ring import CONTROL_BYTES, Corrupt, RingReader, RingWriter
 
-_RUNNING_HEAD = 16  # batch number, request count
+_RUNNING_HEAD = 24  # batch number, request count, the last batch ended
+_IDS = _RUNNING_HEAD // 8  # the word the requests' ids start at
 
 
 def _lines(size: int) -> int:
@@ -78,13 +80,15 @@ class RunningWriter:
         if len(ids) > self._slots:
             raise ValueError(f"a batch of {len(ids)} requests; the area holds {self._slots}")
         words = self._words
-        for place, request_id in enumerate(ids, start=2):
+        for place, request_id in enumerate(ids, start=_IDS):
             words[place] = request_id
         words[1] = len(ids)
         words[0] = batch
 
     def end(self) -> None:
-        self._words[1] = 0
+        words = self._words
+        words[1] = 0
+        words[2] = words[0]
 
     def release(self) -> None:
         self._words.release()
@@ -104,9 +108,13 @@ class RunningReader:
         """The number of the batch the worker ran last and how many requests it runs now."""
         return self._words[0], min(self._words[1], self._slots)
 
+    def ended(self) -> int:
+        """The number of the last batch the worker ended (0: none yet), anyone's."""
+        return self._words[2]
+
     def running(self) -> set[int]:
         """The ids of the batch it runs now (as it wrote them: the caller keeps only its own)."""
         count = self._words[1]
         if count > self._slots:
             raise Corrupt(f"a running batch of {count} requests; the area holds {self._slots}")
-        return {self._words[2 + place] for place in range(count)}
+        return {self._words[_IDS + place] for place in range(count)}

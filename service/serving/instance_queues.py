@@ -63,6 +63,7 @@ class QueueHost(Protocol):
     on_ended: Callable[[deaths.Death], None] | None
     on_start_failed: Callable[[], None] | None
     queue_held: Callable[[], int] | None
+    queue_served: Callable[[], bool] | None
 
     @property
     def numa_node(self) -> int: ...
@@ -115,6 +116,12 @@ class InstanceQueue:
 
     def running_count(self) -> int:
         return 0 if self._closed else self._running.batch()[1]
+
+    def served(self) -> bool:
+        """Whether the worker has ended a batch, anyone's (it writes each one's number into
+        every caller's running area): one that dies after serving is no crash loop
+        (restarts.py)."""
+        return not self._closed and self._running.ended() > 0
 
     def write(self, entry: Entry) -> bool:
         """The request into the worker's ring; False while the ring is full (or the worker

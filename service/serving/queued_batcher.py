@@ -144,6 +144,7 @@ class QueuedBatcher:
         )
         self._queues[index] = queue
         instance.queue_held = lambda: queue.outstanding + self.elsewhere_by_instance[index]
+        instance.queue_served = queue.served
         self._send_waiting()
         if self.events is not None:
             self.events.ready(index)
@@ -368,7 +369,7 @@ class QueuedBatcher:
         self._waiting.clear()
         for instance in self._instances:
             instance.on_ready = instance.on_ended = instance.on_start_failed = None
-            instance.queue_held = None
+            instance.queue_held = instance.queue_served = None
         self._end_all(held, lambda: errors.unavailable("the server is shutting down"))
 
     def _poison_message(self) -> str:

@@ -121,6 +121,8 @@ class WorkerInstance:
         self.on_ready: Callable[[], None] | None = None
         self.on_ended: Callable[[deaths.Death], None] | None = None
         self.queue_held: Callable[[], int] | None = None  # the requests in its queues
+        # Whether this launch served through its queues (answers that never cross _read_loop).
+        self.queue_served: Callable[[], bool] | None = None
         self.on_start_failed: Callable[[], None] | None = None  # a restart failed
         # Deaths for going past a limit of the model's ("memory", "processes"): metrics.
         self.limit_kills: dict[str, int] = {}
@@ -445,7 +447,8 @@ class WorkerInstance:
         if ended.limit is not None:
             self.limit_kills[ended.limit] = self.limit_kills.get(ended.limit, 0) + 1
         lived = time.monotonic() - self._started_at
-        self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, self._answered)
+        served = self._answered > 0 or (self.queue_served is not None and self.queue_served())
+        self._restart_delay = restarts.delay_after_death(self._restart_delay, lived, served)
         log.error(
             "worker %s (pid %d) %s; %d request(s) in it %s; restarting in %.1f s",
             self.spec.instance_name,

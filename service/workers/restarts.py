@@ -5,7 +5,7 @@ from __future__ import annotations
 MAX_RESTART_DELAY_S = 30.0
 
 
-def delay_after_death(delay: float, lived_s: float, answered: int) -> float:
+def delay_after_death(delay: float, lived_s: float, answered: bool) -> float:
     """Back off only for a worker that keeps dying young without answering anything (a
     crash loop); one that was serving comes back at once."""
     return 0.0 if lived_s > MAX_RESTART_DELAY_S or answered else delay_after_failure(delay)

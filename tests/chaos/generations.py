@@ -34,6 +34,7 @@ PROMPT = "Once upon a time"
 LONG_MAX_TOKENS = 200  # near the model's context (257 tokens with the prompt)
 STORM_PARALLEL = 8  # streams in flight at once per transport
 CALL_TIMEOUT_S = 60.0
+OPEN_CIRCUIT_RETRY_S = 0.5  # a breaker open after the kills: asked again this often
 SETTLE_LIMIT_S = 60.0
 POLL_S = 0.05
 HOLD_CHECK_S = 1.0  # the token counter unchanged this long: every generation finished or held
@@ -227,18 +228,44 @@ async def large_id_amplification(target: Target, scale: Scale) -> AttackResult:
 
 async def _read_to_end(call: Any) -> tuple[int, str]:
     """Tokens read, and how the request ended: OK, or its error's status name."""
+    tokens, outcome, _ = await _ending(call)
+    return tokens, outcome
+
+
+async def _ending(call: Any) -> tuple[int, str, str]:
+    """`_read_to_end`, and the error's words (empty unless it ended with one in the stream)."""
     tokens = 0
     try:  # read(), not async iteration: grpc.aio refuses a mix of the two on one call
         while (message := await call.read()) is not EOF:
             response = parse_stream_response(message)
             if response.error is not None:
-                return tokens, response.error.split(":", 1)[0]
+                return tokens, response.error.split(":", 1)[0], response.error
             tokens += bool(response.outputs.get("text_delta") is not None)
             if response.final:
-                return tokens, "OK"
+                return tokens, "OK", ""
     except Exception as exc:
-        return tokens, status_name(exc)
-    return tokens, "stream ended without a final response"
+        return tokens, status_name(exc), ""
+    return tokens, "stream ended without a final response", ""
+
+
+async def _generated_after_restart(target: Target) -> tuple[int, str]:
+    """Tokens, and how a new generation ends, once the killed worker is back. The killed
+    generations' UNAVAILABLE may have opened the model's breaker (as it should, when most of
+    its recent requests failed: earlier rows' count too); then the generation is asked again
+    once the breaker lets probes through, within RESTART_LIMIT_S: the row asks whether the
+    model serves again, which the breaker's probes decide."""
+    deadline = time.monotonic() + RESTART_LIMIT_S
+    while True:
+        async with target.channel("h2") as channel:
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                timeout=CALL_TIMEOUT_S
+            )
+            await call.write(_request(4))
+            await call.done_writing()
+            tokens, outcome, words = await _ending(call)
+        if "open-circuited" not in words or time.monotonic() > deadline:
+            return tokens, outcome
+        await asyncio.sleep(OPEN_CIRCUIT_RETRY_S)
 
 
 async def _started(stub: pb_grpc.GRPCInferenceServiceStub, request_id: str) -> tuple[Any, str]:
@@ -280,13 +307,7 @@ async def generation_worker_kill(target: Target, scale: Scale) -> AttackResult:
             result.problems.append(f"killed worker not replaced within {RESTART_LIMIT_S} s")
             continue
         result.outcomes["replaced"] += 1
-        async with target.channel("h2") as channel:
-            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-                timeout=CALL_TIMEOUT_S
-            )
-            await call.write(_request(4))
-            await call.done_writing()
-            tokens, outcome = await _read_to_end(call)
+        tokens, outcome = await _generated_after_restart(target)
         result.outcomes[f"after restart {outcome}"] += 1
         if outcome != "OK" or tokens == 0:
             result.problems.append(f"a generation after the restart got {outcome}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+import pytest
 
 from clients.inference_client import build_request
 from protos.paddlequic.v1 import control_pb2
@@ -114,3 +115,40 @@ def check_kill_and_restart(server: ServerProcess) -> None:
     assert f"(pid {before.pid}) was killed by signal 9;" in log
     assert "request(s) in it go back to the queue" in log
     assert f"restarted (pid {after.pid})" in log
+
+
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_a_worker_killed_after_serving_comes_back_at_once_each_time(
+    tmp_path: Path, frontends: int
+) -> None:
+    """On the instance queues a worker's answers never cross its socket; one killed after it
+    served is still no crash loop: each death, however soon after the last, restarts at once
+    (restarts.py), whichever process held the calls (the parent reads every batch's number
+    in its own running area). Once, deaths 1, 2 and 4 s apart here grew the wait to 30 s."""
+    repository = model_repository(tmp_path / "models", ["mlp"])
+    args = ["--frontends", str(frontends)]
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        killed: list[int] = []
+        for seed in range(3):
+            pid = wait_for(
+                "mlp to serve from a new worker",
+                lambda: (
+                    i.pid
+                    if (i := only_instance(server, "mlp")).state == "READY" and i.pid not in killed
+                    else None
+                ),
+            )
+            inputs = example_inputs("mlp", seed=seed)
+            answer = server.stub.ModelInfer(build_request("mlp", inputs), timeout=RPC_TIMEOUT_S)
+            assert_matches_reference("mlp", inputs, answer)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            wait_for("the death in the log", lambda: _death_logged(server, killed[-1]))
+        log = server.log_text()
+        for pid in killed:
+            (line,) = [line for line in log.splitlines() if f"(pid {pid}) was killed" in line]
+            assert "restarting in 0.0 s" in line, line
+
+
+def _death_logged(server: ServerProcess, pid: int) -> bool | None:
+    return True if f"(pid {pid}) was killed by signal 9" in server.log_text() else None

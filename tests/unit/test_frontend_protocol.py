@@ -11,6 +11,8 @@ from unittest import mock
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from service.frontends.protocol import (
     HEADER,
@@ -19,6 +21,7 @@ from service.frontends.protocol import (
     Open,
     ProtocolViolation,
     Status,
+    auth_of,
     decode_count,
     decode_metadata,
     decode_open,
@@ -49,6 +52,19 @@ def test_a_call_opening_survives_the_round_trip() -> None:
     # The client certificate's identity, which sequences are bound to.
     certified = Open("/a/b", "h3", "", None, (), (b"x509_common_name", b"alice", b"\x00"))
     assert decode_open(encode_open(certified)) == certified
+
+
+@given(
+    st.lists(
+        st.tuples(st.text(max_size=40), st.lists(st.binary(max_size=3000), max_size=4)),
+        max_size=8,
+    )
+)
+def test_an_auth_context_survives_the_round_trip(properties: list[tuple[str, list[bytes]]]) -> None:
+    """The transport's auth context (a stream passed on: PeerAuth reads it in the parent)."""
+    auth = auth_of(dict(properties))
+    opened = Open("/a/b", "h3", "", None, (), (b"x509_common_name", b"alice"), auth)
+    assert decode_open(encode_open(opened)) == opened
 
 
 def test_the_time_a_call_spent_on_its_way_is_taken_off_its_time_left() -> None:

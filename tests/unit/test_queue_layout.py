@@ -17,6 +17,7 @@ from service.queues.ring import Corrupt, RingReader, RingWriter, max_record
 PROFILE = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 U64 = 2**64 - 1
 COUNT = 8  # where the running area keeps its request count (after the batch number)
+HEAD = 3  # words before the ids: batch number, request count, the last batch ended
 
 
 def running_area(slots: int) -> tuple[bytearray, RunningWriter, RunningReader]:
@@ -44,14 +45,17 @@ def test_the_caller_reads_the_batch_the_worker_runs_and_that_it_ended(
     _, writer, reader = running_area(slots)
     assert reader.batch() == (0, 0)
     assert reader.running() == set()
+    assert reader.ended() == 0
     batches = data.draw(st.lists(st.lists(st.integers(0, U64), max_size=slots), max_size=5))
     for number, ids in enumerate(batches, start=1):
         writer.begin(number, ids)
         assert reader.batch() == (number, len(ids))
         assert reader.running() == set(ids)
+        assert reader.ended() == number - 1  # running, not ended
         writer.end()
         assert reader.batch() == (number, 0)
         assert reader.running() == set()
+        assert reader.ended() == number
 
 
 def test_a_batch_of_more_requests_than_the_area_holds_is_a_value_error() -> None:
@@ -85,17 +89,19 @@ def test_whatever_the_worker_scribbles_the_caller_reads_at_most_its_slots_or_cor
 ) -> None:
     buf, writer, reader = running_area(slots)
     at = running_offset(buf, writer)
-    words = data.draw(st.lists(st.integers(0, U64), min_size=slots + 2, max_size=slots + 2))
+    size = slots + HEAD
+    words = data.draw(st.lists(st.integers(0, U64), min_size=size, max_size=size))
     words[1] = data.draw(st.integers(0, slots + 1) | st.just(words[1]))
-    struct.pack_into(f"<{slots + 2}Q", buf, at, *words)
+    struct.pack_into(f"<{size}Q", buf, at, *words)
     number, count = reader.batch()
     assert (number, count) == (words[0], min(words[1], slots))
+    assert reader.ended() == words[2]  # only whether it served: the restart's wait
     try:
         running = reader.running()
     except Corrupt:
         assert words[1] > slots
         return
-    assert running == set(words[2 : 2 + words[1]])
+    assert running == set(words[HEAD : HEAD + words[1]])
 
 
 # ---- the segment ----
