@@ -279,6 +279,15 @@ def running_server(
         server.stop()
 
 
+def wait_logged(server: ServerProcess, text: str, limit_s: float = START_TIMEOUT_S) -> None:
+    """Until the server's log holds `text` (bounded); it must not exit meanwhile."""
+    deadline = time.monotonic() + limit_s
+    while text not in server.log_text():
+        assert server.process.poll() is None, server.log_text()
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.01)
+
+
 @contextlib.contextmanager
 def paused(pid: int) -> Iterator[None]:
     """Hold the worker still so the queue fills deterministically, whatever the machine."""

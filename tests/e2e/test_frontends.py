@@ -41,6 +41,7 @@ from tests.servers import (
     model_repository,
     refused_start,
     running_server,
+    wait_logged,
 )
 from transport.grpc import headers as wire
 
@@ -421,11 +422,7 @@ async def test_ready_in_the_log_means_every_front_end_listens(
     args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
     repository = model_repository(tmp_path / "models", [])
     with running_server(repository, tmp_path / "log", args, wait=False) as s:
-        deadline = time.monotonic() + WAIT_S
-        while "ready: 0 model version(s) loaded" not in s.log_text():
-            assert s.process.poll() is None, s.log_text()
-            assert time.monotonic() < deadline, s.log_text()
-            await asyncio.sleep(0.01)
+        wait_logged(s, "ready: 0 model version(s) loaded", WAIT_S)
         for _ in range(4):  # new connections, each to either front-end
             async with grpc.aio.insecure_channel(s.address, options=OWN_CONNECTION) as h2:
                 ready = await pb_grpc.GRPCInferenceServiceStub(h2).ServerReady(

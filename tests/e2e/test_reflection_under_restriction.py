@@ -5,7 +5,6 @@ can be restricted: on both transports, with reflection clients and with the real
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -18,7 +17,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_security import Restricted, channel
 from tests.interop.test_grpcurl import GRPCURL, GRPCURL_TIMEOUT_S
-from tests.servers import START_TIMEOUT_S, model_repository, running_server
+from tests.servers import model_repository, running_server, wait_logged
 
 pytestmark = pytest.mark.e2e
 
@@ -45,11 +44,7 @@ def restricted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restricted]
     repository = model_repository(root / "models", [])
     with running_server(repository, root / "log", args, wait=False) as s:
         # ServerReady is restricted here: the log tells when the server is ready.
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready: 0 model version(s) loaded" not in s.log_text():
-            assert s.process.poll() is None, s.log_text()
-            assert time.monotonic() < deadline, s.log_text()
-            time.sleep(0.2)
+        wait_logged(s, "ready: 0 model version(s) loaded")
         yield Restricted(s, certs)
 
 

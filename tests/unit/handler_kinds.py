@@ -80,23 +80,25 @@ class Recorder:
                 seen.append(("BidiStream", request))
                 yield Response(messages=1)
 
-        behaviors: dict[str, Callable[..., Any]] = {
-            "Unary": unary,
-            "ServerStream": server_stream,
-            "ClientStream": client_stream,
-            "BidiStream": bidi_stream,
-        }
-        return {
-            name: HANDLER_BUILDERS[KINDS[name]](
-                behaviors[name],
-                request_deserializer=deserializer,
-                response_serializer=Response.SerializeToString,
-            )
-            for name in KINDS
-        }
+        behaviors = (unary, server_stream, client_stream, bidi_stream)
+        return handlers_of(behaviors, deserializer, Response.SerializeToString)
 
     def ran(self, method: str) -> bool:
         return any(name == method for name, _ in self.seen)
+
+
+def handlers_of(
+    behaviors: Sequence[Callable[..., Any]],
+    deserializer: Callable[[bytes], Any],
+    serializer: Callable[[Any], bytes],
+) -> dict[str, Handler]:
+    """One handler of each kind, from its behavior (in the order of KINDS)."""
+    return {
+        name: HANDLER_BUILDERS[KINDS[name]](
+            behavior, request_deserializer=deserializer, response_serializer=serializer
+        )
+        for name, behavior in zip(KINDS, behaviors, strict=True)
+    }
 
 
 TRANSPORTS = ("h2", "h3")

@@ -17,10 +17,10 @@ import pytest
 from service.observability.handlers import ObservedServer
 from service.observability.logs import LineBudget, RequestLog
 from service.observability.observer import Observer
-from tests.unit.handler_kinds import KINDS, Request, call, serving
+from tests.unit.handler_kinds import KINDS, Request, call, handlers_of, serving
 from transport.grpc.aborts import ReleasingServer
 from transport.grpc.response_headers import PerConnection, ResponseHeadersServer
-from transport.grpc.wrapping import HANDLER_BUILDERS, Handler
+from transport.grpc.wrapping import Handler
 
 SERVICE = "paddlequic.v1.Testing"
 PAYLOAD = b"x" * 1024
@@ -72,18 +72,7 @@ def aborting(seen: list[weakref.ref[Held]]) -> dict[str, Handler]:
         await refuse([r async for r in requests], context)
         yield b""
 
-    behaviors: dict[str, Callable[..., Any]] = {
-        "Unary": unary,
-        "ServerStream": server_stream,
-        "ClientStream": client_stream,
-        "BidiStream": bidi_stream,
-    }
-    return {
-        name: HANDLER_BUILDERS[KINDS[name]](
-            behaviors[name], request_deserializer=Held, response_serializer=bytes
-        )
-        for name in KINDS
-    }
+    return handlers_of((unary, server_stream, client_stream, bidi_stream), Held, bytes)
 
 
 def observer() -> Observer:
