@@ -108,7 +108,7 @@ def encode_open(call: Open) -> bytes:
             _OPEN.pack(timeout, len(call.metadata)),
             encode_metadata_entries(call.metadata),
             _U16.pack(len(call.identity)),
-            *(_U32.pack(len(part)) + part for part in call.identity),
+            *_parts(call.identity),
             _U16.pack(len(call.auth)),
             *(
                 encode_text(name) + _U16.pack(len(values)) + b"".join(_parts(values))
@@ -129,19 +129,20 @@ def _parts(values: Sequence[bytes]) -> Iterator[bytes]:
         yield value
 
 
+def _read_parts(reader: Reader) -> tuple[bytes, ...]:
+    """What a 2-byte count and `_parts` wrote."""
+    (count,) = reader.unpack(_U16)
+    return tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(count))
+
+
 def decode_open(payload: bytes) -> Open:
     reader = Reader(payload)
     method, transport, peer = reader.text(), reader.text(), reader.text()
     deadline, count = reader.unpack(_OPEN)
     metadata = reader.metadata(count)
-    (parts,) = reader.unpack(_U16)
-    identity = tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(parts))
+    identity = _read_parts(reader)
     (properties,) = reader.unpack(_U16)
-    auth = []
-    for _ in range(properties):
-        name = reader.text()
-        (count,) = reader.unpack(_U16)
-        auth.append((name, tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(count))))
+    auth = [(reader.text(), _read_parts(reader)) for _ in range(properties)]
     reader.end()
     timeout = None if deadline < 0 else max(deadline - time.monotonic(), 0.0)
     return Open(method, transport, peer, timeout, metadata, identity, tuple(auth))

@@ -16,7 +16,7 @@ import base64
 import json
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -199,12 +199,15 @@ class SharedVersions:
         self._ensembles = ensembles
         self._fallbacks = {
             token: name
-            for token, served in [
-                *((t, s.served) for t, s in self._versions.items()),
-                *ensembles.items(),
-            ]
+            for token, served in self._served_here()
             if (name := check_parameters(served.config).fallback_model) is not None
         }
+
+    def _served_here(self) -> Iterator[tuple[int, ServedVersion]]:
+        """Every version this process may serve, by token: those it queues for, ensembles."""
+        for token, shared in self._versions.items():
+            yield token, shared.served
+        yield from self._ensembles.items()
 
     def _ensemble(self, entry: ViewEntry, config: mc.ModelConfig) -> ServedVersion:
         """An ensemble of the view: its steps run through this process's runner (over
@@ -250,10 +253,9 @@ class SharedVersions:
         """The breakers of the versions this process serves (queued, ensembles) that are not
         closed: state and seconds until the next probe (the parent shows the worst of every
         process's)."""
-        versions = [*((t, s.served) for t, s in self._versions.items()), *self._ensembles.items()]
         return {
             str(token): [served.breaker.state.value, served.breaker.retry_in_s()]
-            for token, served in versions
+            for token, served in self._served_here()
             if served.breaker.state is not BreakerState.CLOSED
         }
 
