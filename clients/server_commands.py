@@ -41,7 +41,7 @@ def topology(argv: Sequence[str]) -> int:
 
 def _keygen(args: argparse.Namespace) -> int:
     with server_extra("keygen"):
-        from service.lifecycle.signing import generate_keys
+        from service.lifecycle.signatures import generate_keys
 
     private = Path(args.out).with_suffix(".key")
     public = private.with_suffix(".pub")
@@ -53,7 +53,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def _sign(args: argparse.Namespace) -> int:
     with server_extra("sign"):
-        from service.lifecycle.signing import sign
+        from service.lifecycle.signatures import sign
 
     print(f"signed: {sign(Path(args.model_dir), Path(args.key))}")
     return 0
@@ -63,7 +63,8 @@ def _verify(args: argparse.Namespace) -> int:
     """Each version as the server checks it at load."""
     with server_extra("verify"):
         from service.lifecycle.repository import RepositoryError, read_config
-        from service.lifecycle.signing import SignatureError, TrustError, check_version, load_trust
+        from service.lifecycle.signatures import load_trust
+        from service.lifecycle.signing import SignatureError, TrustError, check_version
         from service.model.files import ENSEMBLE
 
     model_dir = Path(args.model_dir)

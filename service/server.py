@@ -36,7 +36,7 @@ from service.frontends.runtime import observer_of
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.loading import WorkerLimits
 from service.lifecycle.repository import ModelRepository, RepositoryError
-from service.lifecycle.signing import SigningPolicy, TrustError, load_trust
+from service.lifecycle.signing import SigningPolicy, TrustError
 from service.lifecycle.uploads import UploadLimits
 from service.lifecycle.watching import RepositoryWatcher
 from service.observability.exposition import on_loop
@@ -91,6 +91,10 @@ async def serve(settings: ServerSettings) -> None:
     )
     signing: SigningPolicy | None = None
     if settings.trusted_keys or settings.trusted_ca or settings.require_signed:
+        # Here, not at the top: model-signing takes about a third of a second to import, which
+        # every server start (and every front-end's) paid whether it checked signatures or not.
+        from service.lifecycle.signatures import load_trust
+
         trust = load_trust(
             Path(settings.trusted_keys) if settings.trusted_keys else None,
             Path(settings.trusted_ca) if settings.trusted_ca else None,

@@ -7,7 +7,6 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from service.tickets.redis_store import RedisTicketStore
 from service.tickets.seal import TicketKeyError, TicketSealer, address_token_key
 from service.tickets.sqlite_store import SqliteTicketStore
 from transport.h3.address_tokens import AddressTokens
@@ -48,6 +47,10 @@ def open_ticket_store(url: str, key_file: str, ttl_s: float) -> TicketStore:
             raise TicketStoreError(f"--ticket-store {url}: {exc}") from exc
         log.info("session tickets in %s, sealed with --ticket-key-file", path)
         return sqlite_store
+    # Here, not at the top: redis-py takes about a seventh of a second to import, which every
+    # server start (and every front-end's) paid whether it used Redis or not.
+    from service.tickets.redis_store import RedisTicketStore
+
     store = RedisTicketStore.from_url(url, sealer, ttl_s)
     if store.check():
         log.info("session tickets in Redis, sealed with --ticket-key-file")

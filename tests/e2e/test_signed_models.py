@@ -21,7 +21,7 @@ import pytest
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
-from service.lifecycle.signing import generate_keys, sign
+from service.lifecycle.signatures import generate_keys, sign
 from tests.servers import (
     EXAMPLE_MODELS,
     REPO_ROOT,

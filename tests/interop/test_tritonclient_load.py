@@ -17,7 +17,7 @@ import pytest
 from google.protobuf import json_format, text_format
 
 from protos.inference import model_config_pb2 as mc
-from service.lifecycle.signing import generate_keys, sign
+from service.lifecycle.signatures import generate_keys, sign
 from tests.servers import REPO_ROOT, running_server
 
 SCRIPT = Path(__file__).with_name("tritonclient_load_check.py")

@@ -22,16 +22,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from service.lifecycle.signatures import Trust, generate_keys, load_trust, sign
 from service.lifecycle.signing import (
     SIGNATURE_FILE,
     SignatureError,
     SigningPolicy,
-    Trust,
     TrustError,
     check_version,
-    generate_keys,
-    load_trust,
-    sign,
 )
 from tests.servers import EXAMPLE_MODELS, REPO_ROOT
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from service.lifecycle.repository import ModelRepository
-from service.lifecycle.signing import SignatureError, SigningPolicy, sign
+from service.lifecycle.signatures import sign
+from service.lifecycle.signing import SignatureError, SigningPolicy
 from service.lifecycle.verified_copies import VerifiedCopies, drop_copy
 from service.model.files import ModelFiles
 from service.registry.versions import ServedVersion
