@@ -216,6 +216,10 @@ class SharedQueues:
         if holders is None or frontend not in holders:
             return
         holders.discard(frontend)
+        # It holds nothing of the version now: its last report's count of it goes (else a
+        # version winding down would wait for requests answered long ago, until its timeout).
+        self._held.get(frontend, {}).pop(token, None)
+        self._count_held()
         served = self._versions.get(token)
         if served is not None:
             for instance in served.instances:

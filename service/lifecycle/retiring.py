@@ -18,17 +18,22 @@ RETIRE_TIMEOUT_S = 60.0
 Fail = Callable[[ServedVersion, str, str | None], Awaitable[None]]
 
 
-async def wind_down(served: ServedVersion) -> None:
-    """Let a version finish what it holds (bounded), then stop its batcher and workers and
-    drop its verified copy."""
+async def wind_down(served: ServedVersion, over: asyncio.Event | None = None) -> None:
+    """Let a version finish what it holds (bounded, and no longer once `over` is set), then
+    stop its batcher and workers and drop its verified copy."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + RETIRE_TIMEOUT_S
     batcher = served.batcher or served.sequences
-    while loop.time() < deadline and (
-        served.active
-        or (batcher and (batcher.queued or batcher.in_flight_requests))
-        # A replaced version keeps its live sequences until they end or expire.
-        or (served.sequences and served.sequences.live)
+    over = over or asyncio.Event()
+    while (
+        loop.time() < deadline
+        and not over.is_set()
+        and (
+            served.active
+            or (batcher and (batcher.queued or batcher.in_flight_requests))
+            # A replaced version keeps its live sequences until they end or expire.
+            or (served.sequences and served.sequences.live)
+        )
     ):
         await asyncio.sleep(0.01)
     if batcher is not None:
@@ -42,6 +47,9 @@ class Retiring:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        # Set at shutdown: the server's grace for its calls is over, so what a replaced version
+        # still holds is failed now rather than waited for (up to RETIRE_TIMEOUT_S).
+        self._over = asyncio.Event()
 
     def retire_soon(
         self, versions: Sequence[ServedVersion], why: str, then: Callable[[], None] | None = None
@@ -62,12 +70,13 @@ class Retiring:
         """UNLOADING while it winds down, then UNAVAILABLE for `why`."""
         if served.state is VersionState.READY:
             served.state = VersionState.UNLOADING
-        await wind_down(served)
+        await wind_down(served, self._over)
         if served.state is VersionState.UNLOADING:
             served.state, served.reason = VersionState.UNAVAILABLE, why
         log.info("model %s version %d %s; its workers stopped", served.name, served.version, why)
 
     async def finish(self) -> None:
-        """Wait for every retirement under way (at shutdown)."""
+        """End every retirement under way now (at shutdown, once the grace is over)."""
+        self._over.set()
         for task in list(self._tasks):
             await task

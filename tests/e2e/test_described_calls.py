@@ -35,6 +35,7 @@ from tests.servers import (
     paused,
     running_server,
     wait_arrived,
+    wait_logged,
 )
 
 pytestmark = pytest.mark.e2e
@@ -291,6 +292,9 @@ def test_reload_and_unload_while_calls_run(tmp_path: Path, served: bool) -> None
         outputs = {v: {out for version, out in load.answers if version == v} for v in "12"}
         assert len(outputs["1"]) == 1 and len(outputs["2"]) == 1  # each from one version
         assert all(v == "2" for v, _ in load.answers[swapped_at + 2 * lifecycle.CLIENTS :])
+        # Version 1 stops once every front-end let it go, not at its wind-down timeout (60 s:
+        # a front-end's report from under load was waited for after its release).
+        wait_logged(server, "model mlp version 1 replaced; its workers stopped", limit_s=30)
         eventually(lambda: _direct_once(server, served), "a described call on version 2")
 
         server.stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="mlp"))
