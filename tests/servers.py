@@ -27,6 +27,7 @@ from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_MODELS = Path(os.environ.get("PADDLEQUIC_TEST_MODELS", REPO_ROOT / "models"))
 START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
 # Starts on a fresh port after losing the port free_port chose to another process.
 PORT_RACE_ATTEMPTS = 3
 
@@ -249,15 +250,20 @@ class ServerProcess:
         return list(self.control.ListInstances(request, timeout=5).instances)
 
     def stop(self) -> int:
+        """SIGTERM, as a supervisor stops it. A server still running 30 s later is killed and
+        the test fails: its stop hangs (a version winding down to its timeout hid so once)."""
         self.channel.close()
+        hung = False
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(30)
+                self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                hung = True
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        assert not hung, f"still running {STOP_TIMEOUT_S} s after SIGTERM:\n{self.log_text()}"
         return self.process.returncode
 
 
