@@ -108,6 +108,12 @@ ATTACKS = (
     ),
     AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
     AttackSpec(
+        "hot reload under load (--frontends 2)",
+        workers.hot_reload,
+        frozenset({"OK"}),
+        frontends=2,
+    ),
+    AttackSpec(
         "preloaded launcher SIGKILL while a model loads",
         workers.launcher_sigkill,
         frozenset({"killed", "reload OK", "reload INTERNAL", "reload UNAVAILABLE"}),

@@ -37,6 +37,9 @@ from tests.servers import alive, children
 
 RESTART_LIMIT_S = 60.0
 RELOAD_TIMEOUT_S = 120.0
+# A replaced version's workers end once their requests are answered: half the wind-down
+# timeout (60 s, which only a request still held, or a count that never came down, waits for).
+REPLACED_LIMIT_S = 30.0
 # After a reload starts, when the preloaded launcher is killed: while it forks the new worker.
 LAUNCHER_KILL_AFTER_S = 0.2
 STOP_RESTART_S = 10.0  # after the watchdog fired: a new mlp worker starts in seconds
@@ -235,7 +238,9 @@ def _touch_version(target: Target) -> None:
 
 
 async def hot_reload(target: Target, scale: Scale) -> AttackResult:
-    """RepositoryModelLoad of `mlp` after touching its files, repeatedly, under load."""
+    """RepositoryModelLoad of `mlp` after touching its files, repeatedly, under load: each
+    reload starts new workers, and the replaced version's end once what they hold is answered
+    (with front-ends, once each lets the version go), well before its wind-down timeout."""
     result = AttackResult()
     async with grpc.aio.insecure_channel(target.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -249,6 +254,14 @@ async def hot_reload(target: Target, scale: Scale) -> AttackResult:
             after = {i.pid for i in await instances(target)}
             if outcome == "OK" and not after - before:
                 result.problems.append("the reload started no new worker process")
+            replaced = before - after
+            deadline = time.monotonic() + REPLACED_LIMIT_S
+            while any(alive(pid) for pid in replaced) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if lingering := sorted(pid for pid in replaced if alive(pid)):
+                result.problems.append(
+                    f"replaced workers {lingering} still running {REPLACED_LIMIT_S:.0f} s later"
+                )
     return result
 
 
