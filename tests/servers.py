@@ -133,9 +133,12 @@ class ServerProcess:
         log_path: Path,
         extra_args: Sequence[str] = (),
         port: int | None = None,
+        new_session: bool = False,
     ) -> None:
         """`port`: listen there (e.g. to restart a server where clients expect it); default
-        a free one."""
+        a free one. `new_session`: in a process group of its own, which a test may signal
+        whole (as a terminal or a supervisor does)."""
+        self._new_session = new_session
         self._repository = repository
         self._extra_args = tuple(extra_args)
         self._port_chosen_here = port is None
@@ -170,6 +173,7 @@ class ServerProcess:
             cwd=REPO_ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            start_new_session=self._new_session,
         )
         self.channel = grpc.insecure_channel(
             self.address,

@@ -96,6 +96,12 @@ class PreloadedLauncher:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 env=env,
+                # Out of the server's process group, and so is every launcher it forks: a
+                # signal to the group (Ctrl-C's SIGINT, `timeout`'s or a supervisor's SIGTERM)
+                # reaches the server, which drains its calls on the workers and then ends
+                # them; it must not end them first. They die with the server all the same
+                # (PR_SET_PDEATHSIG).
+                start_new_session=True,
             )
         except BaseException:
             ours.close()

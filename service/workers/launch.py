@@ -155,6 +155,8 @@ async def spawn(spec: WorkerSpec) -> Spawned:
                 stdout=output_child,
                 stderr=output_child if python else None,
                 env=env,
+                # Out of the server's process group, as the preloaded launcher (forked.py).
+                start_new_session=True,
             )
     except BaseException:
         parent.close()
