@@ -3,7 +3,7 @@ a supervisor's SIGTERM to the group) stops it as a signal to the server alone do
 workers' launchers are in sessions of their own, so the server drains the calls its workers
 hold, then ends them. Before, each launcher took the group's SIGTERM and killed its worker at
 once: each death was logged as an error and restarted the worker during the stop, its calls
-sent again (SIGINT never reached the workers' launchers: that case passed before too)."""
+sent again (the launchers always ignored SIGINT: that case passed before too)."""
 
 from __future__ import annotations
 
