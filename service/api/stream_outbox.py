@@ -64,7 +64,7 @@ class Outbox(Generic[T]):
             if waiter.done() and not waiter.cancelled():
                 self._granted = False  # given the room as it left: the next waiter takes it
                 self._wake()
-            else:
+            elif waiter in self._waiters:  # else _wake passed over it, cancelled, already
                 self._waiters.remove(waiter)
             raise
 
@@ -98,9 +98,11 @@ class Outbox(Generic[T]):
     def _wake(self) -> None:
         """Room for one more: the oldest waiter gets it (one at a time, so that each one's
         put is counted before the next looks)."""
-        if self._has_room() and self._waiters and not self._granted:
-            self._granted = True
-            self._waiters.popleft().set_result(None)
+        while self._has_room() and self._waiters and not self._granted:
+            waiter = self._waiters.popleft()
+            if not waiter.cancelled():  # cancelled: its task has yet to run and leave the line
+                self._granted = True
+                waiter.set_result(None)
 
 
 class StallWatch:

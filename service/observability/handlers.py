@@ -116,6 +116,11 @@ class _Call(Observation):
         super().__init__(observer, transport, method_path, context.invocation_metadata)
         self.context = context
         self._token = self.attach()
+        # A streaming behavior may be finished in another task: grpc.aio closes the generator
+        # of a call whose client left from its own finalizer, where the token (of this task's
+        # context) cannot be detached (opentelemetry logged "Failed to detach context" at
+        # error level for each). This task's context then ends with the task.
+        self._task = asyncio.current_task()
 
     async def requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for request in requests:
@@ -123,7 +128,7 @@ class _Call(Observation):
 
     def finish(self, error: BaseException | None, response: Any = None) -> None:
         context = self.context
-        if self._token is not None:
+        if self._token is not None and asyncio.current_task() is self._task:
             otel_context.detach(self._token)
         self.end(_status(error, context), lambda: _details(error, context), response)
 

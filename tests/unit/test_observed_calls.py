@@ -5,6 +5,7 @@ observed the same way while the behavior never runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -146,3 +147,45 @@ def test_a_call_ends_by_its_deadline_once_it_passed_or_when_cancelled_close_to_i
     expected = remaining <= 0 or (cancelled and remaining <= DEADLINE_MARGIN_S)
     assert deadline_passed(remaining, cancelled) is expected
     assert deadline_passed(None, cancelled) is False
+
+
+class _Context:
+    """What the observation reads of a grpc.aio servicer context, for a call whose client left."""
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def cancelled(self) -> bool:
+        return True
+
+    def time_remaining(self) -> None:
+        return None
+
+    def code(self) -> None:
+        return None
+
+    def details(self) -> str:
+        return ""
+
+
+async def test_a_stream_closed_from_another_task_is_observed_without_an_error(
+    observed: Observed, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc.aio closes the response generator of a stream whose client left from a task of
+    its own: the call ends CANCELLED, and nothing is logged as an error (opentelemetry's
+    "Failed to detach context", for a token of the serving task's context)."""
+    method = "ServerStream"
+    wrapped = ObservedServer(None, TRANSPORT, observed.observer).wrap(
+        f"/{SERVICE}/{method}", Recorder().handlers()[method]
+    )
+    behavior: Any = wrapped.unary_stream
+    responses = behavior(REQUESTS[0], _Context())
+
+    async def first() -> Any:
+        return await anext(responses)
+
+    assert await asyncio.create_task(first())
+    with caplog.at_level(logging.ERROR):
+        await asyncio.create_task(responses.aclose())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert observed.count(method, grpc.StatusCode.CANCELLED) == 1

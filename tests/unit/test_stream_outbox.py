@@ -82,6 +82,22 @@ async def test_a_cancelled_waiter_passes_its_room_on() -> None:
     await asyncio.wait_for(second, 1)  # the second got the room the first left
 
 
+async def test_a_waiter_cancelled_before_the_room_came_is_passed_over() -> None:
+    """Cancelled (its stream stalled, its caller left) and room made before its task ran
+    again: the room goes to the next waiter, and the cancelled one only ends cancelled (it
+    raised ValueError, 'not in deque', in a task nobody awaited, in a chaos run)."""
+    outbox: Outbox[int] = Outbox(1, 100, lambda item: item)
+    outbox.put(10)
+    first = asyncio.create_task(outbox.room())
+    second = asyncio.create_task(outbox.room())
+    await asyncio.sleep(0)
+    first.cancel()  # its wait is cancelled now; its task runs later
+    assert await outbox.get() == 10
+    await asyncio.wait_for(second, 1)
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
 async def test_a_send_that_waits_stall_s_is_a_stall_and_sends_that_move_are_not() -> None:
     loop = asyncio.get_running_loop()
     stalls: list[float] = []
