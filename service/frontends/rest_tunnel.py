@@ -163,8 +163,12 @@ class _Exchange:
         if self._answers.empty() and not task.done():
             taken = asyncio.ensure_future(self._answers.get())
             waited: set[asyncio.Future[Any]] = {taken, task}
-            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-            if taken.done():
-                return taken.result()
-            taken.cancel()
+            try:
+                await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                if taken.done():
+                    return taken.result()
+            finally:
+                # Also when this call is cancelled (its client left): a get left waiting
+                # would be destroyed pending ("Task was destroyed but it is pending!").
+                taken.cancel()
         return None if self._answers.empty() else self._answers.get_nowait()
