@@ -100,8 +100,10 @@ class PreloadedLauncher:
                 # signal to the group (Ctrl-C's SIGINT, `timeout`'s or a supervisor's SIGTERM)
                 # reaches the server, which drains its calls on the workers and then ends
                 # them; it must not end them first. They die with the server all the same
-                # (PR_SET_PDEATHSIG).
-                start_new_session=True,
+                # (PR_SET_PDEATHSIG). A group, not a session: a session of their own is a
+                # scheduling group of its own where the kernel has autogroups, which gave the
+                # workers a share of the CPU apart from the server's (and failed a test).
+                process_group=0,
             )
         except BaseException:
             ours.close()

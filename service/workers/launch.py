@@ -156,7 +156,7 @@ async def spawn(spec: WorkerSpec) -> Spawned:
                 stderr=output_child if python else None,
                 env=env,
                 # Out of the server's process group, as the preloaded launcher (forked.py).
-                start_new_session=True,
+                process_group=0,
             )
     except BaseException:
         parent.close()
