@@ -1,9 +1,9 @@
 """A signal to the server's whole process group (Ctrl-C's SIGINT in a terminal, `timeout`'s or
 a supervisor's SIGTERM to the group) stops it as a signal to the server alone does: the
 workers' launchers are in process groups of their own, so the server drains the calls its
-workers hold, then ends them. Before, each launcher took the group's SIGTERM and killed its worker at
-once: each death was logged as an error and restarted the worker during the stop, its calls
-sent again (the launchers always ignored SIGINT: that case passed before too)."""
+workers hold, then ends them. Before, each launcher took the group's SIGTERM and killed its
+worker at once: each death was logged as an error and restarted the worker during the stop,
+its calls sent again (the launchers always ignored SIGINT: that case passed before too)."""
 
 from __future__ import annotations
 
