@@ -254,15 +254,19 @@ async def hot_reload(target: Target, scale: Scale) -> AttackResult:
             after = {i.pid for i in await instances(target)}
             if outcome == "OK" and not after - before:
                 result.problems.append("the reload started no new worker process")
-            replaced = before - after
-            deadline = time.monotonic() + REPLACED_LIMIT_S
-            while any(alive(pid) for pid in replaced) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if lingering := sorted(pid for pid in replaced if alive(pid)):
+            if lingering := await _still_running(before - after, REPLACED_LIMIT_S):
                 result.problems.append(
                     f"replaced workers {lingering} still running {REPLACED_LIMIT_S:.0f} s later"
                 )
     return result
+
+
+async def _still_running(pids: set[int], limit_s: float) -> list[int]:
+    """Those of `pids` still running once all ended or `limit_s` passed."""
+    deadline = time.monotonic() + limit_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+    return sorted(pid for pid in pids if alive(pid))
 
 
 async def launcher_sigkill(target: Target, scale: Scale) -> AttackResult:
@@ -435,10 +439,7 @@ async def orphaned_child(target: Target, scale: Scale) -> AttackResult:
             result.problems.append(f"worker {victim.pid} vanished before the kill")
             continue
         result.outcomes["worker killed"] += 1
-        deadline = time.monotonic() + RESTART_LIMIT_S
-        while alive(orphan) and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_S)
-        if alive(orphan):
+        if await _still_running({orphan}, RESTART_LIMIT_S):
             result.problems.append(f"orphan {orphan} outlived its worker")
         else:
             result.outcomes["orphan ended with its worker"] += 1
