@@ -72,6 +72,12 @@ class PaddleModel:
                 TensorSpec(n, o.datatype, o.shape) for n, o in zip(names, self.outputs, strict=True)
             )
         self._in_shapes, self._out_shapes = _reshapes(mc.ModelConfig.FromString(load.config), names)
+        # A handle names its variable in the predictor's scope, valid while the predictor is:
+        # taken once, not per run (getting both of `mlp`'s cost 20 us of its 150 per batch).
+        self._in_handles = {
+            name: self.predictor.get_input_handle(name) for name in self.predictor.get_input_names()
+        }
+        self._out_handles = {name: self.predictor.get_output_handle(name) for name in names}
 
     def run(
         self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: tuple[str, ...]
@@ -82,13 +88,13 @@ class PaddleModel:
         for name, array in inputs.items():
             if name in self._in_shapes:
                 array = reshaped(array, *self._in_shapes[name])
-            handle = self.predictor.get_input_handle(name)
+            handle = self._in_handles[name]
             handle.reshape(list(array.shape))
             handle.copy_from_cpu(array)
         t1 = time.perf_counter_ns()
         self.predictor.run()
         t2 = time.perf_counter_ns()
-        result = {name: self.predictor.get_output_handle(name).copy_to_cpu() for name in outputs}
+        result = {name: self._out_handles[name].copy_to_cpu() for name in outputs}
         for name, (have, want) in self._out_shapes.items():
             if name in result:
                 result[name] = reshaped(result[name], have, want)

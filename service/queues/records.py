@@ -77,6 +77,7 @@ class Reply(NamedTuple):  # one request's
 
 
 _HEADS = [struct.Struct(f"<HHIQ{rank}Q") for rank in range(MAX_RANK + 1)]  # _TENSOR + dims
+_DIMS = [struct.Struct(f"<{rank}Q") for rank in range(MAX_RANK + 1)]
 _INDEXES = [struct.Struct(f"<{count}H") for count in range(64)]
 _REQUEST_AT = aligned8(_REQUEST.size)
 
@@ -156,25 +157,22 @@ def write_cancel(ring: RingWriter, request_id: int) -> bool:
     return True
 
 
-def _time(value: float) -> float | None:
-    return None if math.isnan(value) else value
-
-
 def _tensors(payload: memoryview, at: int, count: int) -> tuple[tuple[Tensor, ...], int]:
     tensors = []
+    end = len(payload)
     for _ in range(count):
-        if at + _TENSOR.size > len(payload):
+        if at + _TENSOR.size > end:
             raise Corrupt("a tensor past the record's end")
         index, rank, _, nbytes = _TENSOR.unpack_from(payload, at)
         at += _TENSOR.size
-        if rank > MAX_RANK or at + 8 * rank + nbytes > len(payload):
+        if rank > MAX_RANK or at + 8 * rank + nbytes > end:
             raise Corrupt(f"a tensor of rank {rank} and {nbytes} bytes past the record's end")
-        shape = _HEADS[rank].unpack_from(payload, at - _TENSOR.size)[4:]
+        shape = _DIMS[rank].unpack_from(payload, at)
         at += 8 * rank
-        if any(d > MAX_DIM for d in shape):
+        if rank and max(shape) > MAX_DIM:
             raise Corrupt(f"a tensor of shape {list(shape)}")
         tensors.append(Tensor(index, shape, payload[at : at + nbytes]))
-        at += aligned8(nbytes)
+        at += (nbytes + 7) & ~7
     return tuple(tensors), at
 
 
@@ -193,7 +191,14 @@ def read_request(payload: bytes) -> Request | Cancel:
     at += (2 * n_out + 7) & ~7
     inputs, _ = _tensors(view, at, n_in)
     return Request(
-        request_id, flags, priority, rows, _time(expires), _time(deadline), outputs, inputs
+        request_id,
+        flags,
+        priority,
+        rows,
+        None if expires != expires else expires,  # NaN: none (inline: once per request)
+        None if deadline != deadline else deadline,
+        outputs,
+        inputs,
     )
 
 

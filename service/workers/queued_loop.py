@@ -21,7 +21,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from service.workers.results import BAD_INPUT_ERRORS
 # Its answers then wait in the worker (at most one per request it has out, which its queue
 # bound limits) while the worker serves its other callers, and go in as the caller reads.
 FULL_REPLIES_WAIT_S = 0.001
+MAX_OUTPUT_CHOICES = 64  # the outputs asked for that _output_names keeps the names of
 PARENT = 0  # the producer the first Queues message brings: the server's process
 
 
@@ -113,6 +114,7 @@ class QueuedWorker:
         self._reason = reason
         self._crash_on, self._scribble_on = testing
         self._inputs = [(name, BY_NAME[datatype]) for name, datatype in setup.inputs]
+        self._names: dict[tuple[int, ...], tuple[str, ...]] = {}  # _output_names'
         self._batch = 0  # the number of the batch running
         self._counted = False  # whether an answer of the batch running counts it
 
@@ -145,12 +147,12 @@ class QueuedWorker:
                 self._queue.remove(pending)
                 self._fail(pending, records.CANCELLED, "cancelled by its caller")
             return
+        inputs = self._inputs
+        # Each tensor's data is a view of the record's own copy, read as the bytes it holds.
+        tensors = [InputTensor(*inputs[t.position], t.shape, t.data) for t in record.inputs]  # type: ignore[arg-type]
         job = InferJob(
-            tuple(
-                InputTensor(*self._inputs[t.position], t.shape, cast(bytes, t.data))
-                for t in record.inputs
-            ),
-            tuple(self._setup.outputs[i] for i in record.outputs),
+            tuple(tensors),
+            self._output_names(record.outputs),
             record.batch_size,
             record.priority,
         )
@@ -159,6 +161,15 @@ class QueuedWorker:
         pending.ticket = (key, record.id, record.outputs)
         self._queue.push(pending)
         self._waiting[key, record.id] = pending
+
+    def _output_names(self, outputs: tuple[int, ...]) -> tuple[str, ...]:
+        """The names of the outputs a request asks for, kept per choice (a model has few)."""
+        names = self._names.get(outputs)
+        if names is None:
+            names = tuple(self._setup.outputs[i] for i in outputs)
+            if len(self._names) < MAX_OUTPUT_CHOICES:
+                self._names[outputs] = names
+        return names
 
     def step(self) -> float | None:
         """Answer what expired and run the batch due now, if any; when to look again (None:
