@@ -141,11 +141,12 @@ _HELP = {
     "certs_dir": "where development certificates are created and found",
     "grace_period": "seconds in-flight calls may take to finish on shutdown",
     "max_message_bytes": "largest request or response message accepted",
-    "max_concurrent_rpcs": "RPCs handled at once on each transport; more are refused with "
-    "RESOURCE_EXHAUSTED",
+    "max_concurrent_rpcs": "RPCs handled at once on each transport, REST requests too, all "
+    "front-ends together; more are refused with RESOURCE_EXHAUSTED (REST: 429)",
     "max_metadata_bytes": "largest header block (metadata) accepted, on both transports; "
     "RFC 9114 size: names + values + 32 per entry",
-    "h2_max_connections": "HTTP/2 connections held at once; more are closed as they arrive",
+    "h2_max_connections": "HTTP/2 connections held at once, per front-end (grpc core counts "
+    "them); more are closed as they arrive",
     "idle_timeout": "seconds a connection may stay idle (HTTP/2: no call; HTTP/3: no packet) "
     "before the server closes it",
     "h3_max_connections": "HTTP/3 connections held at once; more are refused at once",
@@ -157,7 +158,7 @@ _HELP = {
     "lets it skip the Retry on later connections from the same IP address; sealed with "
     "--ticket-key-file when given, so every server sharing that file accepts it (0: no tokens)",
     "h3_receive_budget": "bytes the HTTP/3 request streams of all clients may hold received "
-    "and not yet read, per front-end process: each open stream reserves its 1 MiB window (64 "
+    "and not yet read, all front-ends together: each open stream reserves its 1 MiB window (64 "
     "KiB past half the budget), a larger message all of itself when its turn comes; a new "
     "stream past it is refused with RESOURCE_EXHAUSTED, a large message waits",
     "h3_receive_budget_per_address": "the same budget for the streams of one IP address, "

@@ -24,6 +24,7 @@ from service.frontends.described_call import Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
 )
+from service.frontends.host_limits import FrontendTally
 from service.frontends.listeners import (
     check_client_auth,
     rest_app,
@@ -45,7 +46,7 @@ from service.observability.metrics import Metrics
 from service.observability.observer import Observer
 from service.process_memory import release_large_buffers
 from service.serving.requests import RequestRunner
-from service.settings import ServerSettings
+from service.settings import ServerSettings, frontend_count
 from service.tickets.store import open_ticket_store
 from transport.h3.calls import TransportAnswer
 from transport.h3.datagram_routing import DatagramRouter
@@ -60,7 +61,7 @@ class ParentUnreachable(Exception):
     """The dispatch socket refused the front-end: nothing to serve for."""
 
 
-async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
+async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd: int) -> None:
     release_large_buffers()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -78,9 +79,11 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             f"({exc.strerror or exc}); front-ends are started by `paddlequic serve "
             "--frontends N`, not on their own"
         ) from None
+    tally = FrontendTally(tally_fd, settings, frontend_count(settings.frontends), index)
     restrictions = parse_restrictions(settings.restricted_protocol)
     restriction = restriction_of(restrictions, MODEL_INFER)
     link = ParentLink(index, reader, writer, settings.max_message_bytes, restriction)
+    link.h2_rpcs = tally.h2_rpcs(settings.max_concurrent_rpcs)
     if settings.metrics:
         link.metrics = Metrics.frontend(link.view.served)
         link.served_here = ServedHere(link.metrics.registry, index)
@@ -119,6 +122,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
             # REST infer calls on the versions this process queues for itself: served here.
             plane = FrontendPlane(link.serving.runner, link.view, link.shared)
             here = rest_app(settings, plane, link.serving.observer, restrictions)
+            here.host = tally.rest()
             rest = RestHere(here, plane, forwarder, link.served_here)
     if tls is not None and settings.h3:
         tickets = open_ticket_store(
@@ -127,7 +131,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
         # The gRPC port's, then the REST port's number when it is another (each with its own
         # datagram router): both serve gRPC and REST, each stream routed by its request.
         ports = [None, settings.http_port] if rest and serves_rest_h3(settings, port) else [None]
-        for udp_port in ports:
+        for scope, udp_port in enumerate(ports):
             link.h3.append(
                 await start_h3(
                     settings,
@@ -140,6 +144,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings) -> None:
                     router=DatagramRouter(index, runtime_dir, "rest" if udp_port else ""),
                     plain=rest,
                     udp_port=udp_port,
+                    host=tally.h3(scope),
                 )
             )
     http = (
@@ -194,13 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service.frontends.frontend")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--runtime-dir", type=Path, required=True)
+    parser.add_argument("--tally-fd", type=int, required=True)  # host_limits.py
     args = parser.parse_args(argv)
     settings = read_settings(args.runtime_dir)
     configure_logging(settings.log_format, settings.log_level)
     logging.getLogger("quic").setLevel(logging.WARNING)
     log.debug("front-end %d (pid %d) starting", args.index, os.getpid())
     try:
-        asyncio.run(run(args.index, args.runtime_dir, settings))
+        asyncio.run(run(args.index, args.runtime_dir, settings, args.tally_fd))
     except ParentUnreachable as exc:
         log.error("%s", exc)
         return 1

@@ -37,6 +37,7 @@ from transport.h3.early_data import parse_allowlist
 from transport.h3.server import H3Limits, H3Server, RetryMode
 from transport.h3.server_state import H3State
 from transport.h3.settings import H3Settings
+from transport.host_tally import ScopedTally
 from transport.tls.certs import describe_trust, ensure_dev_certificates
 from transport.tls.session_tickets import TicketStore
 
@@ -283,9 +284,11 @@ async def start_h3(
     router: DatagramRouter | None = None,
     plain: App | None = None,
     udp_port: int | None = None,
+    host: ScopedTally | None = None,
 ) -> H3Server:
     """gRPC over HTTP/3 on --h3-port (or `tcp_port`'s number), or on `udp_port`; `plain`:
-    the REST app that serves the requests that are not gRPC, on the same connections."""
+    the REST app that serves the requests that are not gRPC, on the same connections;
+    `host`: where the front-ends count what they hold together (host_limits.py)."""
     cert, key = tls
     h3_server = H3Server(
         H3Settings(
@@ -308,6 +311,7 @@ async def start_h3(
         router=router,
         address_tokens=open_address_tokens(settings.ticket_key_file, settings.h3_token_lifetime),
         plain=plain,
+        host=host,
     )
     register(h3_server)
     port = await h3_server.start(

@@ -18,6 +18,7 @@ from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
 from service.frontends.dispatch import TRANSPORTS, DispatchServer
+from service.frontends.host_limits import ParentTally
 from service.frontends.listeners import serves_rest_h3, tls_files
 from service.frontends.reports import Reports
 from service.frontends.rest_tunnel import TRANSPORT as REST_TRANSPORT
@@ -90,7 +91,7 @@ async def start_frontends(
         reserved.append(grpc_socket)
         if rest is not None:
             reserved.append(_reserve_rest_port(settings, port))
-        shared = _frontend_settings(settings, runtime_dir, port)
+        shared = _frontend_settings(settings, runtime_dir, port, count)
         write_settings(shared, runtime_dir)
         stats = FrontendStats()
         serving = Serving(
@@ -122,7 +123,7 @@ async def start_frontends(
         shutil.rmtree(runtime_dir, ignore_errors=True)
         raise
     restarts = dispatch.metrics.restarts.inc if dispatch.metrics is not None else _nothing
-    supervisor = Supervisor(count, runtime_dir, restarts)
+    supervisor = Supervisor(count, runtime_dir, restarts, ParentTally(settings, count))
     supervisor.start()
     log.info(
         "%d front-end processes on port %d (HTTP/2%s)%s, one scheduler and one set of "
@@ -153,10 +154,14 @@ class FrontendReadiness:
             self._models.changed()
 
 
-def _frontend_settings(settings: ServerSettings, runtime_dir: Path, port: int) -> ServerSettings:
+def _frontend_settings(
+    settings: ServerSettings, runtime_dir: Path, port: int, frontends: int
+) -> ServerSettings:
     """What every front-end runs with: the port resolved, certificates made once, tickets in a
     store they share (checked here, so a bad one fails the start and not each front-end)."""
-    shared = dataclasses.replace(settings, grpc_port=port, h3_port=settings.h3_port or port)
+    shared = dataclasses.replace(
+        settings, grpc_port=port, h3_port=settings.h3_port or port, frontends=str(frontends)
+    )
     if settings.h3 or settings.h2_tls or (settings.http_port and settings.http_tls):
         cert, key = tls_files(settings)
         shared = dataclasses.replace(shared, tls_cert=str(cert), tls_key=str(key))

@@ -24,6 +24,7 @@ from service.frontends.descriptors import (
     encode_infer,
     encode_refusal,
 )
+from service.frontends.host_limits import REFUSED, RpcCount
 from service.frontends.link import FrameConnection, Window
 from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView, answer_message
@@ -95,6 +96,7 @@ class ParentLink(FrameConnection):
         self.counts = LocalCounts()
         self.metrics: Metrics | None = None
         self.served_here: ServedHere | None = None  # counted in `metrics`
+        self.h2_rpcs: RpcCount | None = None  # --max-concurrent-rpcs over HTTP/2, for the host
         self._left_out: set[str] = set()  # parts of reports too large to send, logged once
         # The method paths the parent registered (METHODS): a call this process's transport
         # answers itself is labelled by its method only if it is one of them.
@@ -339,12 +341,26 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         method = handler_call_details.method
         link, transport = self._link, self._transport
 
+        rpcs = link.h2_rpcs if transport == "h2" else None  # HTTP/3 counts its own
+
         async def forward(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-            async for message in link.forward(method, transport, requests, context):
-                yield message
+            if rpcs is None:
+                async for message in link.forward(method, transport, requests, context):
+                    yield message
+                return
+            if not rpcs.room():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSED)
+            with rpcs.running():
+                async for message in link.forward(method, transport, requests, context):
+                    yield message
 
         async def infer(request: bytes, context: Any) -> bytes:
-            return await link.infer(transport, request, context)
+            if rpcs is None:
+                return await link.infer(transport, request, context)
+            if not rpcs.room():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSED)
+            with rpcs.running():
+                return await link.infer(transport, request, context)
 
         if method == MODEL_INFER:
             return grpc.unary_unary_rpc_method_handler(infer)

@@ -64,15 +64,23 @@ class RestHere:
         self._served_here = served_here
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        target = infer_target(scope["path"]) if scope["type"] == "http" else None
-        if target is None or scope["method"] != "POST" or not self._plane.here(*target[:2]):
+        if scope["type"] != "http":
             await self._forwarder(scope, receive, send)
             return
+        target = infer_target(scope["path"])
+        here = target is not None and scope["method"] == "POST" and self._plane.here(*target[:2])
+        if not here:
+            with self._app.holding(passed_on=True):
+                if not self._app.busy():
+                    await self._forwarder(scope, receive, send)
+                    return
+            # Past the host's REST limit: the app refuses it before it routes it (429).
         try:
             await self._app(scope, receive, send)
         except PassedOn as passed:
             replayed = receive if passed.body is None else _replayed(passed.body, receive)
-            await self._forwarder(scope, replayed, send)
+            with self._app.holding(passed_on=True):
+                await self._forwarder(scope, replayed, send)
             return
         if self._served_here is not None:
             self._served_here.count(TRANSPORT)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from service.frontends.host_limits import ParentTally
+
 log = logging.getLogger("paddlequic.frontends")
 
 FIRST_DELAY_S = 0.2
@@ -38,10 +40,15 @@ class RestartBackoff:
 
 
 class Supervisor:
-    def __init__(self, count: int, runtime_dir: Path, on_restart: Callable[[], None]) -> None:
+    def __init__(
+        self, count: int, runtime_dir: Path, on_restart: Callable[[], None], tally: ParentTally
+    ) -> None:
+        """`tally`: the limits the front-ends keep together; each is given its descriptor,
+        and a dead one's counts are cleared before its successor starts."""
         self._count = count
         self._runtime_dir = runtime_dir
         self._on_restart = on_restart
+        self._tally = tally
         self._processes: dict[int, asyncio.subprocess.Process] = {}
         self._keepers: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -64,11 +71,15 @@ class Supervisor:
                 str(index),
                 "--runtime-dir",
                 str(self._runtime_dir),
+                "--tally-fd",
+                str(self._tally.fd),
+                pass_fds=(self._tally.fd,),
             )
             self._processes[index] = process
             if self._stopping:  # stop() began while this one was starting
                 process.send_signal(signal.SIGTERM)
             code = await process.wait()
+            self._tally.ended(index)
             if self._stopping:
                 return
             delay = backoff.pause(time.monotonic() - started)
@@ -102,3 +113,4 @@ class Supervisor:
                 await asyncio.wait(late)
         for keeper in self._keepers:
             keeper.cancel()
+        self._tally.close()

@@ -6,8 +6,10 @@ every gRPC call is."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -25,6 +27,7 @@ from service.http.reply import Reply
 from service.http.router import HEADER_LENGTH, InferRouter
 from service.http.status import RETRY_AFTER_S, error_status
 from service.inference import errors
+from transport.host_tally import ScopedTally
 
 _JSON = (b"content-type", b"application/json")
 
@@ -37,6 +40,10 @@ class RestApp:
         self.limits = router.limits
         self.observer = router.observer
         self.in_flight = 0  # requests being handled, their bodies' reading included
+        # With --frontends N, a front-end's: the requests it passes on to the parent (not
+        # handled here, but held by this process), and where the front-ends count theirs.
+        self.passed_on = 0
+        self.host: ScopedTally | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -76,9 +83,9 @@ class RestApp:
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, call: Call) -> None:
         headers: list[tuple[bytes, bytes]] = [_JSON]
-        self.in_flight += 1
         try:
-            reply = await self._admitted(scope, receive, call)
+            with self.holding():
+                reply = await self._admitted(scope, receive, call)
         except Refused as exc:
             reply = Reply(exc.status, _error(scope, exc.status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
@@ -88,8 +95,6 @@ class RestApp:
             status = error_status(exc)
             reply = Reply(status, _error(scope, status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
-        finally:
-            self.in_flight -= 1
         call.request_id = reply.request_id
         call.version = reply.model_version or call.version
         if reply.status == 429:
@@ -146,10 +151,39 @@ class RestApp:
             lambda: call.error,
         )
 
+    def busy(self) -> bool:
+        """Past --max-concurrent-rpcs, the request asking counted: this process's requests
+        and, with front-ends, every other front-end's."""
+        held = self.in_flight + self.passed_on
+        if self.host is not None:
+            held += self.host.others(0)
+        return held > self.limits.max_requests
+
+    @contextlib.contextmanager
+    def holding(self, passed_on: bool = False) -> Iterator[None]:
+        """A request counted while this process holds it (`passed_on`: to another)."""
+        if passed_on:
+            self.passed_on += 1
+        else:
+            self.in_flight += 1
+        self._publish()
+        try:
+            yield
+        finally:
+            if passed_on:
+                self.passed_on -= 1
+            else:
+                self.in_flight -= 1
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.host is not None:
+            self.host.set(0, self.in_flight + self.passed_on)
+
     async def _admitted(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """The route's reply, unless the server already handles as many REST requests as it
         may (refused before the body is read, which the refusal's connection closes on)."""
-        if self.in_flight > self.limits.max_requests:
+        if self.busy():
             raise Refused(
                 429,
                 f"the server handles at most {self.limits.max_requests} REST requests at once "

@@ -11,28 +11,26 @@ import pytest
 
 from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
-from tests.conformance.conftest import eventually, new_channel
+from tests.conformance.conftest import H2_OPTIONS, Channel, eventually, new_channel
 from tests.servers import ServerProcess, running_server
 
 CAP = 2
+
+
+def capped(directory: Path, certs_dir: Path, cap: int, *args: str) -> Iterator[ServerProcess]:
+    repository = directory / "repository"
+    repository.mkdir()
+    extra_args = ["--testing-service", "--certs-dir", str(certs_dir)]
+    extra_args += ["--max-concurrent-rpcs", str(cap), *args]
+    with running_server(repository, directory / "server.log", extra_args) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def capped_server(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
 ) -> Iterator[ServerProcess]:
-    directory = tmp_path_factory.mktemp("capped")
-    repository = directory / "repository"
-    repository.mkdir()
-    extra_args = [
-        "--testing-service",
-        "--certs-dir",
-        str(certs_dir),
-        "--max-concurrent-rpcs",
-        str(CAP),
-    ]
-    with running_server(repository, directory / "server.log", extra_args) as server:
-        yield server
+    yield from capped(tmp_path_factory.mktemp("capped"), certs_dir, CAP)
 
 
 async def test_calls_past_the_cap_are_refused(
@@ -65,3 +63,60 @@ async def test_calls_past_the_cap_are_refused(
             return served
 
         await eventually(served_again, "a call is served once the running ones finished")
+
+
+@pytest.fixture(scope="module")
+def capped_frontends(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    directory = tmp_path_factory.mktemp("capped-frontends")
+    yield from capped(directory, certs_dir, HOST_CAP, "--frontends", "2")
+
+
+HOST_CAP = 3
+PROBES = 8
+
+
+def own_connection(transport: str, server: ServerProcess, ca_file: Path) -> Channel:
+    """A channel on a connection of its own (grpc shares one between a process's channels
+    unless told not to), so the kernel may give each channel another front-end."""
+    if transport == "h2":
+        options = [*H2_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        return grpc.aio.insecure_channel(server.address, options=options)
+    return new_channel(transport, server, ca_file)
+
+
+async def test_with_frontends_the_cap_is_the_host_s(
+    capped_frontends: ServerProcess, transport: str, ca_file: Path
+) -> None:
+    """`--frontends 2`: HOST_CAP calls held on connections of their own (spread over the
+    front-ends by the kernel), then a call on each of PROBES more connections is refused,
+    whichever front-end holds it: each counts what the others run."""
+    server = capped_frontends
+    holders = [own_connection(transport, server, ca_file) for _ in range(HOST_CAP)]
+    running = [pb_grpc.TestingStub(channel).BidiStream(timeout=60) for channel in holders]
+    for call in running:
+        await call.write(pb.EchoRequest(payload=b"hold"))
+        assert (await call.read()).payload == b"hold"
+    for _ in range(PROBES):
+        probe = own_connection(transport, server, ca_file)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.TestingStub(probe).Unary(pb.EchoRequest(payload=b"over"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await probe.close(None)
+    for call in running:
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    probe = own_connection(transport, server, ca_file)
+
+    async def served_again() -> bool:
+        try:
+            await pb_grpc.TestingStub(probe).Unary(pb.EchoRequest(payload=b"again"), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return False
+        return True
+
+    await eventually(served_again, "a call is served once the held ones finished")
+    for channel in [*holders, probe]:
+        await channel.close(None)

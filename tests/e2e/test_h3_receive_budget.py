@@ -54,19 +54,27 @@ async def live(connection: H3ClientConnection, port: int) -> tuple[grpc.StatusCo
     return answer.status, answer.message
 
 
+def front_end(connection: H3ClientConnection) -> int:
+    """The front-end holding the connection: the first byte of the connection IDs it issues
+    (transport/h3/datagram_routing.py)."""
+    return int(connection.protocol._quic._peer_cid.cid[0])
+
+
 async def hold_partial_messages(
-    server: ServerProcess, ca_file: str
+    server: ServerProcess, ca_file: str, front_ends: int = 1
 ) -> tuple[list[H3ClientConnection], list[tuple[H3ClientConnection, H3Stream]]]:
-    """CONNECTIONS connections from 127.0.0.1, STREAMS partial messages each, until every
-    stream was refused or took what it sent; the connections and the admitted streams."""
+    """CONNECTIONS connections from 127.0.0.1 (more until `front_ends` of them hold some),
+    STREAMS partial messages each, until every stream was refused or took what it sent; the
+    connections and the admitted streams."""
     configuration = client_configuration("localhost", ca_file)
-    attackers = [
-        await H3ClientConnection.connect("127.0.0.1", server.port, configuration)
-        for _ in range(CONNECTIONS)
-    ]
+    attackers: list[H3ClientConnection] = []
+    while len(attackers) < CONNECTIONS or len({front_end(c) for c in attackers}) < front_ends:
+        assert len(attackers) < 8 * CONNECTIONS, "the kernel gave every connection one front-end"
+        connection = await H3ClientConnection.connect("127.0.0.1", server.port, configuration)
+        await connection.wait_connected()
+        attackers.append(connection)
     streams = []
     for connection in attackers:
-        await connection.wait_connected()
         for _ in range(STREAMS):
             stream = connection.open_stream()
             await partial_message(stream, server.port)
@@ -117,18 +125,19 @@ async def test_many_connections_of_one_address_hold_no_more_than_its_budget(
             await connection.close()
 
 
-async def test_with_frontends_each_front_end_has_its_own_budget(
-    tmp_path: Path, certs_dir: Path
-) -> None:
+async def test_with_frontends_the_budget_is_the_host_s(tmp_path: Path, certs_dir: Path) -> None:
     """`--frontends 2`: an address's connections spread over the front-ends (by their
-    datagrams' hash), each holding at most its own budget for it."""
+    datagrams' hash), which hold no more for it together than its budget: each counts what
+    the other holds (service/frontends/host_limits.py)."""
     args = ["--h3-receive-budget-per-address", str(BUDGET), "--h3-retry", "never"]
     ca_file = str(certs_dir / "ca.pem")
     with h3_server(tmp_path, certs_dir, [*args, "--frontends", "2"]) as server:
-        attackers, admitted = await hold_partial_messages(server, ca_file)
+        attackers, admitted = await hold_partial_messages(server, ca_file, front_ends=2)
         held = sum(credit(c, s) for c, s in admitted)
-        assert held <= 2 * BUDGET + len(admitted) * HEADERS_ROOM, f"{held} bytes allowed"
-        assert ADMITTED <= len(admitted) <= 2 * ADMITTED
+        # Two reservations at the same instant may each miss the other's: one stream more.
+        most = BUDGET + NARROW_STREAM_WINDOW + len(admitted) * HEADERS_ROOM
+        assert held <= most, f"{held} bytes allowed"
+        assert ADMITTED <= len(admitted) <= ADMITTED + 1
         other = await connect_from("127.0.0.2", server.port, ca_file)
         assert (await live(other, server.port))[0] == grpc.StatusCode.OK
         for connection in [*attackers, other]:

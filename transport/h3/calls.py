@@ -47,11 +47,17 @@ class CallServer(Protocol):
 
     handlers: HandlerTable
     early_data_methods: frozenset[str]
-    max_concurrent_rpcs: int | None
-    active_rpcs: int  # handlers running now
     answered: Callable[[TransportAnswer], None] | None
 
     def count_handshake(self, kind: str) -> None: ...
+
+    def rpc_room(self) -> bool:
+        """Whether another handler may run (`--max-concurrent-rpcs`)."""
+        ...
+
+    def rpc_started(self) -> None: ...
+
+    def rpc_ended(self) -> None: ...
 
 
 class CallConnection(Protocol):
@@ -103,10 +109,7 @@ async def run_call(server: CallServer, connection: CallConnection, stream: H3Str
             answer = grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.method_path}"
             stream.send_headers(wire.trailers_only(*answer), end=True)
             return
-        if (
-            server.max_concurrent_rpcs is not None
-            and server.active_rpcs >= server.max_concurrent_rpcs
-        ):
+        if not server.rpc_room():
             answer = grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded"
             stream.send_headers(wire.trailers_only(*answer), end=True)
             return
@@ -121,7 +124,7 @@ async def run_call(server: CallServer, connection: CallConnection, stream: H3Str
             handler.request_deserializer,
             connection.peer_auth(),
         )
-        server.active_rpcs += 1
+        server.rpc_started()
         code, details, trailing = await _drive(handler, context, stream, timeout)
         if not context.invoked:
             answer = code, details
@@ -142,7 +145,7 @@ async def run_call(server: CallServer, connection: CallConnection, stream: H3Str
         _end(stream, context, *answer)
     finally:
         if context is not None:
-            server.active_rpcs -= 1
+            server.rpc_ended()
             context.finish()
         if not stream.ended:
             # The call is over while the peer still sends: nobody will read it. After a

@@ -5,17 +5,33 @@ Receive credit (aioquic/credit.py) bounds what one connection holds; an address 
 connections. Here each request stream reserves, from its peer's address and from the whole,
 the credit it may still use: its stream window when it is admitted, a whole large message when
 that message's turn comes. `ReceiveBudget` is the accounting alone (no I/O, no clock);
-`SharedReceiveBudget` adds the connections waiting for a release."""
+`SharedReceiveBudget` adds the connections waiting for a release, and, with `--frontends N`,
+what the other processes on the port hold (transport/host_tally.py): the budget is then the
+host's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 # Defaults: a quarter of a GiB from one address (an open request stream reserves its 1 MiB
 # window, so 256 open streams, or a few messages near the 64 MiB maximum); 1 GiB in all.
 DEFAULT_PER_ADDRESS = 256 << 20
 DEFAULT_TOTAL = 1 << 30
+# While a reservation waits and other processes hold part of the budget, it is tried again this
+# often: their releases wake nobody here.
+ELSEWHERE_RETRY_S = 0.05
+
+
+class Elsewhere(Protocol):
+    """What the other processes on the port hold (their bytes for an address, and in all),
+    and where this one says what it holds: a ScopedTally's received-bytes counter and column."""
+
+    def held(self, address: str) -> tuple[int, int]: ...
+
+    def publish(self, address: str, held: int, total: int) -> None: ...
 
 
 @dataclass
@@ -31,14 +47,17 @@ class ReceiveBudget:
     reserved_total: int = 0
     reserved: dict[str, int] = field(default_factory=dict)
 
-    def reserve(self, address: str, size: int, share: float = 1.0) -> bool:
+    def reserve(
+        self, address: str, size: int, share: float = 1.0, elsewhere: tuple[int, int] = (0, 0)
+    ) -> bool:
         """Reserve `size` bytes for `address`; False (nothing reserved) past either limit, or
         past that `share` of it (what may be reserved for the asking: the rest is kept for
-        smaller requests)."""
+        smaller requests). `elsewhere`: what other processes hold, for the address and in
+        all, counted against the limits too."""
         held = self.reserved.get(address, 0)
         if (
-            held + size > self.per_address * share
-            or self.reserved_total + size > self.total * share
+            held + elsewhere[0] + size > self.per_address * share
+            or self.reserved_total + elsewhere[1] + size > self.total * share
         ):
             return False
         if size:
@@ -64,21 +83,40 @@ class SharedReceiveBudget:
     """The process's budget and whoever waits for part of it: each release retries the
     waiters, oldest first (a waiter that still cannot reserve waits again)."""
 
-    def __init__(self, budget: ReceiveBudget) -> None:
+    def __init__(self, budget: ReceiveBudget, elsewhere: Elsewhere | None = None) -> None:
         self.budget = budget
         self.peak_total = 0
+        self._elsewhere = elsewhere
         self._waiting: dict[object, Callable[[], None]] = {}
         self._waking = False
+        self._retry: asyncio.TimerHandle | None = None
 
     def reserve(self, address: str, size: int, share: float = 1.0) -> bool:
-        granted = self.budget.reserve(address, size, share)
+        if self._elsewhere is None:
+            granted = self.budget.reserve(address, size, share)
+        else:
+            granted = self.budget.reserve(address, size, share, self._elsewhere.held(address))
+            if granted and size:
+                self._publish(address)
         self.peak_total = max(self.peak_total, self.budget.reserved_total)
         return granted
+
+    def _publish(self, address: str) -> None:
+        if self._elsewhere is not None:
+            budget = self.budget
+            self._elsewhere.publish(address, budget.held(address), budget.reserved_total)
 
     def release(self, address: str, size: int) -> None:
         if size <= 0:
             return
         self.budget.release(address, size)
+        self._publish(address)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self._waiting and not self._waking:
             self._waking = True
             try:
@@ -89,8 +127,11 @@ class SharedReceiveBudget:
                 self._waking = False
 
     def wait(self, key: object, retry: Callable[[], None]) -> None:
-        """Call `retry` after the next release (once)."""
+        """Call `retry` after the next release (once); with other processes on the port,
+        within ELSEWHERE_RETRY_S at the latest (their releases wake nobody here)."""
         self._waiting[key] = retry
+        if self._elsewhere is not None and self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(ELSEWHERE_RETRY_S, self._wake)
 
     def stop_waiting(self, key: object) -> None:
         self._waiting.pop(key, None)

@@ -48,8 +48,15 @@ from transport.h3.receive_budget import (
 )
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
+from transport.host_tally import ScopedTally
 from transport.tls.peer_auth import PeerAuth
 from transport.tls.session_tickets import TicketStore
+
+# What an H3Server counts in a ScopedTally (`host`), read by the other processes on its port.
+CONNECTIONS, HALF_OPEN, RPCS, RECEIVED = range(4)
+COUNTERS = 4
+CONNECTIONS_COLUMN, RECEIVED_COLUMN = range(2)  # per address
+COLUMNS = 2
 
 
 @dataclass
@@ -189,6 +196,7 @@ class _ServerProtocol(GrpcH3Protocol):
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
         self.handshake_done.set()
         self._handshake_timer.cancel()
+        self.server.handshake_finished()
         if event.early_data_accepted:
             self.server.count_handshake("0rtt_accepted")
         else:
@@ -231,6 +239,7 @@ class H3Server:
         router: DatagramRouter | None = None,
         address_tokens: AddressTokens | None = None,
         plain: App | None = None,
+        host: ScopedTally | None = None,
     ) -> None:
         """`tickets` enables session resumption; with `zero_rtt` resumed clients may also send
         early data, of which only `early_data_methods` run before the handshake completes.
@@ -254,8 +263,10 @@ class H3Server:
         self.address_tokens = address_tokens
         self.plain = plain
         self._per_address: Counter[str] = Counter()
+        self._host = host
         self.receive_budget = SharedReceiveBudget(
-            ReceiveBudget(self.limits.receive_budget_total, self.limits.receive_budget_per_address)
+            ReceiveBudget(self.limits.receive_budget_total, self.limits.receive_budget_per_address),
+            None if host is None else _ReceivedElsewhere(self, host),
         )
         self._admitted: str = ""  # the address of the connection being created
         self.handlers = HandlerTable()
@@ -324,16 +335,25 @@ class H3Server:
         """Decide on a new connection before any state exists for it; `validated`: its
         Initial carries a Retry token (checked next) or a valid NEW_TOKEN token."""
         host = str(address[0])
-        limits = self.limits
-        if len(self._connections) >= limits.max_connections:
+        limits, elsewhere = self.limits, self._host
+        connections = len(self._connections)
+        of_address = self._per_address[host]
+        half_open = self.half_open()
+        if elsewhere is not None:
+            connections += elsewhere.others(CONNECTIONS)
+            of_address += elsewhere.others_at(host)[CONNECTIONS_COLUMN]
+            half_open += elsewhere.others(HALF_OPEN)
+            if not self._per_address[host] and not elsewhere.room():
+                connections = limits.max_connections  # more addresses than it counts: refused
+        if connections >= limits.max_connections:
             self.count_refusal("connections")
             return Admission.REFUSE
-        if self._per_address[host] >= limits.max_connections_per_address:
+        if of_address >= limits.max_connections_per_address:
             self.count_refusal("connections_per_address")
             return Admission.REFUSE
         if not validated and (
             limits.retry is RetryMode.ALWAYS
-            or (limits.retry is RetryMode.AUTO and self.half_open() >= limits.retry_above_half_open)
+            or (limits.retry is RetryMode.AUTO and half_open >= limits.retry_above_half_open)
         ):
             self.count_refusal("retry")
             return Admission.RETRY
@@ -354,6 +374,37 @@ class H3Server:
     def half_open(self) -> int:
         """Connections whose handshake has not completed."""
         return sum(not c.handshake_done.is_set() for c in self._connections)
+
+    def publish(self, address: str) -> None:
+        """What this process holds, where the others on the port read it: its connections,
+        unfinished handshakes and handlers, and the address's connections and bytes
+        ("": no address changed)."""
+        host = self._host
+        if host is None:
+            return
+        host.set(CONNECTIONS, len(self._connections))
+        host.set(HALF_OPEN, self.half_open())
+        host.set(RPCS, self.active_rpcs)
+        if address:
+            held = self.receive_budget.budget.held(address)
+            host.set_at(address, (self._per_address.get(address, 0), held))
+
+    def rpc_room(self) -> bool:
+        limit = self.max_concurrent_rpcs
+        if limit is None:
+            return True
+        elsewhere = 0 if self._host is None else self._host.others(RPCS)
+        return self.active_rpcs + elsewhere < limit
+
+    def rpc_started(self) -> None:
+        self.active_rpcs += 1
+        if self._host is not None:
+            self._host.set(RPCS, self.active_rpcs)
+
+    def rpc_ended(self) -> None:
+        self.active_rpcs -= 1
+        if self._host is not None:
+            self._host.set(RPCS, self.active_rpcs)
 
     async def stop(self, grace: float | None) -> None:
         """GOAWAY, refuse new streams, let in-flight calls finish within `grace`, close."""
@@ -381,7 +432,11 @@ class H3Server:
         self.stats.connections += 1
         host, self._admitted = self._admitted, ""
         self._per_address[host] += 1
+        self.publish(host)
         return host
+
+    def handshake_finished(self) -> None:
+        self.publish("")
 
     def connection_closed(self, connection: _ServerProtocol) -> None:
         if connection in self._connections:
@@ -389,6 +444,7 @@ class H3Server:
             self._per_address[connection.address] -= 1
             if not self._per_address[connection.address]:
                 del self._per_address[connection.address]
+            self.publish(connection.address)
         self.stats.peak_send_buffered = max(
             self.stats.peak_send_buffered, connection.peak_send_buffered
         )
@@ -423,3 +479,18 @@ class H3Server:
             await serve_plain_request(self.plain, stream, connection)
         else:
             await run_call(self, connection, stream)
+
+
+class _ReceivedElsewhere:
+    """The receive budget's view of the other processes on the port (receive_budget.py)."""
+
+    def __init__(self, server: H3Server, host: ScopedTally) -> None:
+        self._server = server
+        self._host = host
+
+    def held(self, address: str) -> tuple[int, int]:
+        return self._host.others_at(address)[RECEIVED_COLUMN], self._host.others(RECEIVED)
+
+    def publish(self, address: str, held: int, total: int) -> None:
+        self._host.set(RECEIVED, total)
+        self._server.publish(address)
