@@ -194,18 +194,19 @@ class _ServerProtocol(GrpcH3Protocol):
             self.transmit_soon()
 
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
-        self.handshake_done.set()
+        if not self.handshake_done.is_set():
+            self.handshake_done.set()
+            self.server.handshake_finished()
         self._handshake_timer.cancel()
-        self.server.handshake_finished()
         if event.early_data_accepted:
             self.server.count_handshake("0rtt_accepted")
         else:
             self.server.count_handshake("resumed" if event.session_resumed else "full")
 
     def connection_lost_hook(self) -> None:
+        self.server.connection_closed(self, unfinished=not self.handshake_done.is_set())
         self.handshake_done.set()  # wakes calls held for it; their streams have failed
         self._handshake_timer.cancel()
-        self.server.connection_closed(self)
 
     def client(self) -> tuple[str, int] | None:
         address = peer_address(self._quic)
@@ -271,6 +272,7 @@ class H3Server:
         self._admitted: str = ""  # the address of the connection being created
         self.handlers = HandlerTable()
         self._connections: set[_ServerProtocol] = set()
+        self._unfinished = 0  # connections whose handshake has not completed
         self._calls: set[asyncio.Task[None]] = set()
         self._quic_server: AdmittingQuicServer | None = None
         self.shutting_down = False
@@ -338,11 +340,9 @@ class H3Server:
         limits, elsewhere = self.limits, self._host
         connections = len(self._connections)
         of_address = self._per_address[host]
-        half_open = self.half_open()
         if elsewhere is not None:
             connections += elsewhere.others(CONNECTIONS)
             of_address += elsewhere.others_at(host)[CONNECTIONS_COLUMN]
-            half_open += elsewhere.others(HALF_OPEN)
             if not self._per_address[host] and not elsewhere.room():
                 connections = limits.max_connections  # more addresses than it counts: refused
         if connections >= limits.max_connections:
@@ -353,7 +353,11 @@ class H3Server:
             return Admission.REFUSE
         if not validated and (
             limits.retry is RetryMode.ALWAYS
-            or (limits.retry is RetryMode.AUTO and half_open >= limits.retry_above_half_open)
+            or (
+                limits.retry is RetryMode.AUTO
+                and self.half_open() + (0 if elsewhere is None else elsewhere.others(HALF_OPEN))
+                >= limits.retry_above_half_open
+            )
         ):
             self.count_refusal("retry")
             return Admission.RETRY
@@ -373,7 +377,7 @@ class H3Server:
 
     def half_open(self) -> int:
         """Connections whose handshake has not completed."""
-        return sum(not c.handshake_done.is_set() for c in self._connections)
+        return self._unfinished
 
     def publish(self, address: str) -> None:
         """What this process holds, where the others on the port read it: its connections,
@@ -383,7 +387,7 @@ class H3Server:
         if host is None:
             return
         host.set(CONNECTIONS, len(self._connections))
-        host.set(HALF_OPEN, self.half_open())
+        host.set(HALF_OPEN, self._unfinished)
         host.set(RPCS, self.active_rpcs)
         if address:
             held = self.receive_budget.budget.held(address)
@@ -432,14 +436,18 @@ class H3Server:
         self.stats.connections += 1
         host, self._admitted = self._admitted, ""
         self._per_address[host] += 1
+        self._unfinished += 1
         self.publish(host)
         return host
 
     def handshake_finished(self) -> None:
+        self._unfinished -= 1
         self.publish("")
 
-    def connection_closed(self, connection: _ServerProtocol) -> None:
+    def connection_closed(self, connection: _ServerProtocol, unfinished: bool) -> None:
+        """`unfinished`: it never completed its handshake."""
         if connection in self._connections:
+            self._unfinished -= unfinished
             self._connections.discard(connection)
             self._per_address[connection.address] -= 1
             if not self._per_address[connection.address]:
