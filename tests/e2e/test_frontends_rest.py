@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from protos.inference import model_config_pb2 as mc
 from tests.e2e.test_frontends import calls_by_frontend, metrics
 from tests.e2e.test_http import (
     leaving_client_stops_its_generation,
+    raw,
     response,
     whole_chunked_body_refused,
 )
@@ -250,3 +252,55 @@ async def test_the_rest_ports_http3_connections_are_counted(served: Served) -> N
     connection = await connect(served)
     await connection.close()
     assert stats(served.server).h3_connections == before + 1
+
+
+HOST_REQUESTS = 4  # --max-concurrent-rpcs of the server below
+PROBES = 8
+
+
+def test_the_rest_limit_is_the_host_s(tmp_path: Path) -> None:
+    """Requests held reading their bodies on connections of their own (so on either
+    front-end), half of them infer requests served there, half passed on to the parent,
+    HOST_REQUESTS in all: requests on PROBES more connections in a row are refused 429,
+    whichever front-end takes each, and requests are served again once the held ones are
+    gone."""
+    port = free_port()
+    args = [
+        *("--frontends", "2", "--no-h3", "--http-port", str(port)),
+        *("--max-concurrent-rpcs", str(HOST_REQUESTS)),
+    ]
+    repository = model_repository(tmp_path / "models", ["mlp"])
+    with running_server(repository, tmp_path / "log", args) as server:
+        rest = Served(server, port, Path())
+        held = [raw(rest).socket for _ in range(HOST_REQUESTS)]
+        try:
+            for index, waiting in enumerate(held):
+                path = "/v2/models/mlp/infer" if index % 2 else "/v2/repository/index"
+                waiting.sendall(
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{{".encode()
+                )
+
+            def live() -> tuple[int, bytes]:
+                with raw(rest) as connection:
+                    connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                    return response(connection)
+
+            # Until PROBES in a row are refused: a refusal may come before every held request
+            # is counted, while an answered probe is still counted by the front-end that
+            # passed it on; then none is answered.
+            deadline, refused = time.monotonic() + 30, 0
+            while refused < PROBES:
+                assert time.monotonic() < deadline, f"{refused} refused in a row at most"
+                status, body = live()
+                if status != 429:
+                    refused = 0
+                    continue
+                assert f"at most {HOST_REQUESTS} REST requests" in json.loads(body)["error"]
+                refused += 1
+        finally:
+            for waiting in held:
+                waiting.close()
+        deadline = time.monotonic() + 30
+        while live()[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)

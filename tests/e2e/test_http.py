@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import h2.config
 import h2.connection
@@ -1307,10 +1307,15 @@ def test_raw_binary_requests_the_model_cannot_take_are_refused(rest: Rest) -> No
         assert message in json.loads(payload)["error"]
 
 
+class _Listening(Protocol):
+    @property
+    def port(self) -> int: ...
+
+
 class raw:
     """A plain TCP connection to the REST port, for requests no client would send."""
 
-    def __init__(self, server: Rest) -> None:
+    def __init__(self, server: _Listening) -> None:
         self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=60)
 
     def __enter__(self) -> socket.socket:
