@@ -91,6 +91,9 @@ class HostTally:
         self._table = _COUNTERS + layout.counters
         self._mask = layout.slots - 1
         self._live = 0  # entries in its own table: at most half of its slots
+        # Its block is its own from now: whatever a process before it in this place left (its
+        # parent clears it too, at that one's death) is not counted, nor in the way of `_live`.
+        clear(self._words, layout, index)
 
     def close(self) -> None:
         self._words.release()

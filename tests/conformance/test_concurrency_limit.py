@@ -3,8 +3,12 @@ transports, and the server takes calls again once running ones finish."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -12,11 +16,13 @@ import pytest
 from protos.paddlequic.v1 import testing_pb2 as pb
 from protos.paddlequic.v1 import testing_pb2_grpc as pb_grpc
 from tests.conformance.conftest import H2_OPTIONS, Channel, eventually, new_channel
+from tests.e2e.test_frontends import frontends, wait_for
 from tests.servers import ServerProcess, running_server
 
 CAP = 2
 
 
+@contextlib.contextmanager
 def capped(directory: Path, certs_dir: Path, cap: int, *args: str) -> Iterator[ServerProcess]:
     repository = directory / "repository"
     repository.mkdir()
@@ -30,7 +36,8 @@ def capped(directory: Path, certs_dir: Path, cap: int, *args: str) -> Iterator[S
 def capped_server(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
 ) -> Iterator[ServerProcess]:
-    yield from capped(tmp_path_factory.mktemp("capped"), certs_dir, CAP)
+    with capped(tmp_path_factory.mktemp("capped"), certs_dir, CAP) as server:
+        yield server
 
 
 async def test_calls_past_the_cap_are_refused(
@@ -70,7 +77,8 @@ def capped_frontends(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
 ) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("capped-frontends")
-    yield from capped(directory, certs_dir, HOST_CAP, "--frontends", "2")
+    with capped(directory, certs_dir, HOST_CAP, "--frontends", "2") as server:
+        yield server
 
 
 HOST_CAP = 3
@@ -120,3 +128,41 @@ async def test_with_frontends_the_cap_is_the_host_s(
     await eventually(served_again, "a call is served once the held ones finished")
     for channel in [*holders, probe]:
         await channel.close(None)
+
+
+async def hold(channels: list[Channel]) -> list[Any]:
+    """A BidiStream on each channel, running (it answered a message); a front-end that is
+    starting is waited for."""
+    stubs = [pb_grpc.TestingStub(channel) for channel in channels]
+    calls = [stub.BidiStream(timeout=60, wait_for_ready=True) for stub in stubs]
+    for call in calls:
+        await call.write(pb.EchoRequest(payload=b"hold"))
+        assert (await call.read()).payload == b"hold"
+    return calls
+
+
+async def test_a_killed_front_end_s_calls_stop_counting(tmp_path: Path, certs_dir: Path) -> None:
+    """What a killed front-end counted dies with it (its parent clears its block, and its
+    successor starts from an empty one): with the cap's calls held when every front-end is
+    killed, the new ones take the cap's calls again, and refuse one more."""
+    with capped(tmp_path, certs_dir, HOST_CAP, "--frontends", "2", "--no-h3") as server:
+        before = frontends(server)
+        channels = [own_connection("h2", server, Path()) for _ in range(HOST_CAP)]
+        await hold(channels)
+        for pid in before:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: len(frontends(server) - before) == 2, "two new front-ends")
+        for channel in channels:
+            await channel.close(None)
+        channels = [own_connection("h2", server, Path()) for _ in range(HOST_CAP + 1)]
+        calls = await hold(channels[:HOST_CAP])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pb_grpc.TestingStub(channels[-1]).Unary(
+                pb.EchoRequest(payload=b"over"), timeout=30, wait_for_ready=True
+            )
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in calls:
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+        for channel in channels:
+            await channel.close(None)
