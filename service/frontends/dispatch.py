@@ -306,9 +306,22 @@ class _Call:
         handler = table.lookup(opened.method, opened.metadata) if table is not None else None
         if handler is None:
             return Status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {opened.method}", ())
+        timer = asyncio.timeout_at(self._deadline)
+        status = await self._outcome(handler, timer)
+        if timer.expired() and status.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+            # A handler that outlived its cancel at the deadline and answered anyway: the call
+            # ended at its deadline, as grpc.aio ends it (the answer would reach a client
+            # whose own deadline timer is late, on a loaded host).
+            return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
+        return status
+
+    async def _outcome(
+        self, handler: grpc.RpcMethodHandler[Any, Any], timer: asyncio.Timeout
+    ) -> Status:
+        opened = self.opened
         context = self.context = DispatchContext(self, handler)
         try:
-            async with asyncio.timeout_at(self._deadline):
+            async with timer:
                 request = await _request(handler, context)
                 self.invoked = True
                 await run_behavior(handler, request, context)
