@@ -1,13 +1,16 @@
 """The limits the front-ends keep together: each counts what it holds in a segment the parent
 makes (transport/host_tally.py) and checks a limit against its own count plus the others', so
 `--h3-max-connections`, `--h3-max-connections-per-address`, the receive budgets and
-`--max-concurrent-rpcs` (HTTP/3 and REST) hold for the host, not for each front-end."""
+`--max-concurrent-rpcs` (HTTP/2, HTTP/3 and REST) hold for the host, not for each front-end."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
 
 from service.settings import ServerSettings
 from transport.h3 import server as h3
@@ -75,11 +78,11 @@ class RpcCount:
         self._limit = limit
         self._running = 0
 
-    def room(self) -> bool:
-        return self._running + self._host.others(0) < self._limit
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def admitted(self, context: Any) -> AsyncIterator[None]:
+        """The call counted while it runs; refused (`context.abort`) at the limit."""
+        if self._running + self._host.others(0) >= self._limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSED)
         self._running += 1
         self._host.set(0, self._running)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 from service.frontends.protocol import (
     WINDOW,
@@ -112,11 +113,17 @@ class Window:
         self._opened.set()
 
 
+class Creditor(Protocol):
+    """Where an Inbox gives credit back: its connection."""
+
+    def give_credit(self, call_id: int, count: int = 1) -> None: ...
+
+
 class Inbox:
     """Messages of one call from the other end, then None (the sender is done). Taking a
     message gives its credit back; a sender past its window breaks the protocol."""
 
-    def __init__(self, connection: FrameConnection, call_id: int) -> None:
+    def __init__(self, connection: Creditor, call_id: int) -> None:
         self._connection = connection
         self._call_id = call_id
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()

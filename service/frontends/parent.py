@@ -17,7 +17,8 @@ from service.api.restricted import Restriction, restriction_of
 from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
-from service.frontends.dispatch import TRANSPORTS, DispatchServer
+from service.frontends.dispatch import DispatchServer
+from service.frontends.dispatched_call import TRANSPORTS
 from service.frontends.host_limits import ParentTally
 from service.frontends.listeners import serves_rest_h3, tls_files
 from service.frontends.reports import Reports

@@ -6,10 +6,12 @@ another version the parent described, it passes on as a descriptor it decoded an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import grpc
@@ -24,7 +26,7 @@ from service.frontends.descriptors import (
     encode_infer,
     encode_refusal,
 )
-from service.frontends.host_limits import REFUSED, RpcCount
+from service.frontends.host_limits import RpcCount
 from service.frontends.link import FrameConnection, Window
 from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView, answer_message
@@ -343,23 +345,16 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
 
         rpcs = link.h2_rpcs if transport == "h2" else None  # HTTP/3 counts its own
 
+        def admitted(context: Any) -> AbstractAsyncContextManager[None]:
+            return contextlib.nullcontext() if rpcs is None else rpcs.admitted(context)
+
         async def forward(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-            if rpcs is None:
-                async for message in link.forward(method, transport, requests, context):
-                    yield message
-                return
-            if not rpcs.room():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSED)
-            with rpcs.running():
+            async with admitted(context):
                 async for message in link.forward(method, transport, requests, context):
                     yield message
 
         async def infer(request: bytes, context: Any) -> bytes:
-            if rpcs is None:
-                return await link.infer(transport, request, context)
-            if not rpcs.room():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSED)
-            with rpcs.running():
+            async with admitted(context):
                 return await link.infer(transport, request, context)
 
         if method == MODEL_INFER:

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from service.frontends.dispatch import _Call
+from service.frontends.dispatched_call import DispatchedCall
 from service.frontends.protocol import Kind, Open
 from transport.grpc.handler_table import HandlerTable
 
@@ -49,7 +49,7 @@ def _table(code: grpc.StatusCode) -> HandlerTable:
 
 async def _ended(code: grpc.StatusCode) -> grpc.StatusCode:
     link = _Link(_table(code))
-    call = _Call(link, 1, Open(METHOD, "h2", "ipv4:127.0.0.1:1", DEADLINE_S, ()))  # type: ignore[arg-type]
+    call = DispatchedCall(link, 1, Open(METHOD, "h2", "ipv4:127.0.0.1:1", DEADLINE_S, ()))  # type: ignore[arg-type]
     call.received(Kind.MESSAGE, b"")
     call.received(Kind.HALF_CLOSE, b"")
     status = await call.run()

@@ -31,7 +31,9 @@ class Elsewhere(Protocol):
 
     def held(self, address: str) -> tuple[int, int]: ...
 
-    def publish(self, address: str, held: int, total: int) -> None: ...
+    def publish(self, address: str) -> None:
+        """What this process holds for `address` and in all changed."""
+        ...
 
 
 @dataclass
@@ -103,8 +105,7 @@ class SharedReceiveBudget:
 
     def _publish(self, address: str) -> None:
         if self._elsewhere is not None:
-            budget = self.budget
-            self._elsewhere.publish(address, budget.held(address), budget.reserved_total)
+            self._elsewhere.publish(address)
 
     def release(self, address: str, size: int) -> None:
         if size <= 0:

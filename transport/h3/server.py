@@ -381,14 +381,15 @@ class H3Server:
 
     def publish(self, address: str) -> None:
         """What this process holds, where the others on the port read it: its connections,
-        unfinished handshakes and handlers, and the address's connections and bytes
-        ("": no address changed)."""
+        unfinished handshakes, handlers and received bytes, and the address's connections
+        and bytes ("": no address changed)."""
         host = self._host
         if host is None:
             return
         host.set(CONNECTIONS, len(self._connections))
         host.set(HALF_OPEN, self._unfinished)
         host.set(RPCS, self.active_rpcs)
+        host.set(RECEIVED, self.receive_budget.budget.reserved_total)
         if address:
             held = self.receive_budget.budget.held(address)
             host.set_at(address, (self._per_address.get(address, 0), held))
@@ -499,6 +500,5 @@ class _ReceivedElsewhere:
     def held(self, address: str) -> tuple[int, int]:
         return self._host.others_at(address)[RECEIVED_COLUMN], self._host.others(RECEIVED)
 
-    def publish(self, address: str, held: int, total: int) -> None:
-        self._host.set(RECEIVED, total)
+    def publish(self, address: str) -> None:
         self._server.publish(address)
