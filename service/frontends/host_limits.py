@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from service.settings import ServerSettings
-from transport.h3 import server as h3
+from transport.h3 import admission as h3
 from transport.host_tally import (
     HostTally,
     ScopedTally,

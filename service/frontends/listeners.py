@@ -31,10 +31,11 @@ from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
 from transport.grpc.aborts import ReleasingServer
 from transport.grpc.response_headers import PerConnection, ResponseHeadersServer
+from transport.h3.admission import H3Limits, RetryMode
 from transport.h3.aioquic.client_auth import ClientAuth
 from transport.h3.datagram_routing import DatagramRouter
 from transport.h3.early_data import parse_allowlist
-from transport.h3.server import H3Limits, H3Server, RetryMode
+from transport.h3.server import H3Server
 from transport.h3.server_state import H3State
 from transport.h3.settings import H3Settings
 from transport.host_tally import ScopedTally

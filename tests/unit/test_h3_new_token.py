@@ -15,7 +15,8 @@ import pytest
 from clients.quic_channel import QuicChannel
 from clients.tickets import SessionTicketCache
 from transport.h3.address_tokens import ADDRESS_TOKEN_TAG, KEY_BYTES, AddressTokens
-from transport.h3.server import H3Limits, H3Server, RetryMode
+from transport.h3.admission import H3Limits, RetryMode
+from transport.h3.server import H3Server
 from transport.tls.certs import DevCertificates, ensure_dev_certificates
 from transport.tls.session_tickets import MemoryTicketStore
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,13 @@ from transport.grpc.handler_table import HandlerTable
 from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_REJECTED
 from transport.h3 import udp
 from transport.h3.address_tokens import AddressTokens, TokenVerdict
+from transport.h3.admission import (
+    RECEIVED,
+    RECEIVED_COLUMN,
+    RPCS,
+    ConnectionAdmission,
+    H3Limits,
+)
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.connection_ids import tag_connection_ids
@@ -32,31 +37,19 @@ from transport.h3.aioquic.credit import NARROW_STREAM_WINDOW
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
 from transport.h3.aioquic.migration import resend_after_migration
 from transport.h3.aioquic.new_token import send_new_token
-from transport.h3.aioquic.quic_server import Admission, AdmittingQuicServer
+from transport.h3.aioquic.quic_server import AdmittingQuicServer
 from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
 from transport.h3.asgi import serve_plain_request
 from transport.h3.calls import TransportAnswer, run_call
 from transport.h3.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
 from transport.h3.protocol import GrpcH3Protocol
-from transport.h3.receive_budget import (
-    DEFAULT_PER_ADDRESS,
-    DEFAULT_TOTAL,
-    AddressShare,
-    ReceiveBudget,
-    SharedReceiveBudget,
-)
+from transport.h3.receive_budget import AddressShare, ReceiveBudget, SharedReceiveBudget
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
 from transport.host_tally import ScopedTally
 from transport.tls.peer_auth import PeerAuth
 from transport.tls.session_tickets import TicketStore
-
-# What an H3Server counts in a ScopedTally (`host`), read by the other processes on its port.
-CONNECTIONS, HALF_OPEN, RPCS, RECEIVED = range(4)
-COUNTERS = 4
-CONNECTIONS_COLUMN, RECEIVED_COLUMN = range(2)  # per address
-COLUMNS = 2
 
 
 @dataclass
@@ -74,31 +67,6 @@ class H3ServerStats:
     # their address, or all addresses, reserved the whole receive budget (receive_budget.py);
     # "retry": Retry packets sent.
     refusals: dict[str, int] = field(default_factory=dict)
-
-
-class RetryMode(Enum):
-    """When a new connection must first prove its address with a QUIC Retry (one more round
-    trip): `auto` only while many connections are half-open (a flood of Initials, possibly
-    from spoofed addresses)."""
-
-    AUTO = "auto"
-    ALWAYS = "always"
-    NEVER = "never"
-
-
-@dataclass(frozen=True)
-class H3Limits:
-    """What one server holds for connections it did not choose: all bounded."""
-
-    max_connections: int = 1024
-    max_connections_per_address: int = 64
-    handshake_timeout_s: float = 10.0
-    retry: RetryMode = RetryMode.AUTO
-    retry_above_half_open: int = 64  # auto: Retry while this many handshakes are unfinished
-    # Bytes request streams may hold (received, not yet consumed), reserved per address and in
-    # total across this server's connections (transport/h3/receive_budget.py).
-    receive_budget_per_address: int = DEFAULT_PER_ADDRESS
-    receive_budget_total: int = DEFAULT_TOTAL
 
 
 class _ServerProtocol(GrpcH3Protocol):
@@ -263,16 +231,14 @@ class H3Server:
         self.router = router
         self.address_tokens = address_tokens
         self.plain = plain
-        self._per_address: Counter[str] = Counter()
         self._host = host
+        self.admission = ConnectionAdmission(self.limits, host, self.count_refusal)
         self.receive_budget = SharedReceiveBudget(
             ReceiveBudget(self.limits.receive_budget_total, self.limits.receive_budget_per_address),
             None if host is None else _ReceivedElsewhere(self, host),
         )
-        self._admitted: str = ""  # the address of the connection being created
         self.handlers = HandlerTable()
         self._connections: set[_ServerProtocol] = set()
-        self._unfinished = 0  # connections whose handshake has not completed
         self._calls: set[asyncio.Task[None]] = set()
         self._quic_server: AdmittingQuicServer | None = None
         self.shutting_down = False
@@ -318,7 +284,7 @@ class H3Server:
         sock = udp.bind(host, port, reuse_port)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: AdmittingQuicServer(
-                admit=self._admit,
+                admit=self.admission.decide,
                 address_token=self._address_token_valid if self.address_tokens else None,
                 queued=lambda: udp.queued(sock, udp.MAX_BURST - 1),
                 steer=self.router.steer if self.router is not None else None,
@@ -333,37 +299,6 @@ class H3Server:
             self.router.start(self._quic_server.receive_forwarded)
         return self._quic_server.port
 
-    def _admit(self, address: NetworkAddress, validated: bool) -> Admission:
-        """Decide on a new connection before any state exists for it; `validated`: its
-        Initial carries a Retry token (checked next) or a valid NEW_TOKEN token."""
-        host = str(address[0])
-        limits, elsewhere = self.limits, self._host
-        connections = len(self._connections)
-        of_address = self._per_address[host]
-        if elsewhere is not None:
-            connections += elsewhere.others(CONNECTIONS)
-            of_address += elsewhere.others_at(host)[CONNECTIONS_COLUMN]
-            if not self._per_address[host] and not elsewhere.room():
-                connections = limits.max_connections  # more addresses than it counts: refused
-        if connections >= limits.max_connections:
-            self.count_refusal("connections")
-            return Admission.REFUSE
-        if of_address >= limits.max_connections_per_address:
-            self.count_refusal("connections_per_address")
-            return Admission.REFUSE
-        if not validated and (
-            limits.retry is RetryMode.ALWAYS
-            or (
-                limits.retry is RetryMode.AUTO
-                and self.half_open() + (0 if elsewhere is None else elsewhere.others(HALF_OPEN))
-                >= limits.retry_above_half_open
-            )
-        ):
-            self.count_refusal("retry")
-            return Admission.RETRY
-        self._admitted = host
-        return Admission.ACCEPT
-
     def issue_address_token(self, address: NetworkAddress) -> bytes:
         assert self.address_tokens is not None
         self.count_handshake("new_token_issued")
@@ -375,10 +310,6 @@ class H3Server:
         self.count_handshake(f"new_token_{verdict.value}")
         return verdict is TokenVerdict.VALID
 
-    def half_open(self) -> int:
-        """Connections whose handshake has not completed."""
-        return self._unfinished
-
     def publish(self, address: str) -> None:
         """What this process holds, where the others on the port read it: its connections,
         unfinished handshakes, handlers and received bytes, and the address's connections
@@ -386,13 +317,9 @@ class H3Server:
         host = self._host
         if host is None:
             return
-        host.set(CONNECTIONS, len(self._connections))
-        host.set(HALF_OPEN, self._unfinished)
         host.set(RPCS, self.active_rpcs)
         host.set(RECEIVED, self.receive_budget.budget.reserved_total)
-        if address:
-            held = self.receive_budget.budget.held(address)
-            host.set_at(address, (self._per_address.get(address, 0), held))
+        self.admission.publish(address, self.receive_budget.budget.held(address) if address else 0)
 
     def rpc_room(self) -> bool:
         limit = self.max_concurrent_rpcs
@@ -435,24 +362,19 @@ class H3Server:
         """Count the connection; returns the address it was admitted for."""
         self._connections.add(connection)
         self.stats.connections += 1
-        host, self._admitted = self._admitted, ""
-        self._per_address[host] += 1
-        self._unfinished += 1
-        self.publish(host)
-        return host
+        address = self.admission.opened()
+        self.publish(address)
+        return address
 
     def handshake_finished(self) -> None:
-        self._unfinished -= 1
+        self.admission.handshake_finished()
         self.publish("")
 
     def connection_closed(self, connection: _ServerProtocol, unfinished: bool) -> None:
         """`unfinished`: it never completed its handshake."""
         if connection in self._connections:
-            self._unfinished -= unfinished
             self._connections.discard(connection)
-            self._per_address[connection.address] -= 1
-            if not self._per_address[connection.address]:
-                del self._per_address[connection.address]
+            self.admission.closed(connection.address, unfinished)
             self.publish(connection.address)
         self.stats.peak_send_buffered = max(
             self.stats.peak_send_buffered, connection.peak_send_buffered
