@@ -27,6 +27,9 @@ from protos.paddlequic.v1 import control_pb2, control_pb2_grpc
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_MODELS = Path(os.environ.get("PADDLEQUIC_TEST_MODELS", REPO_ROOT / "models"))
 START_TIMEOUT_S = 180.0
+# How often a starting server is asked whether it is ready: each of the suite's hundreds of
+# starts waits half of it on average past the moment the server is.
+READY_POLL_S = 0.05
 STOP_TIMEOUT_S = 30.0
 # Starts on a fresh port after losing the port free_port chose to another process.
 PORT_RACE_ATTEMPTS = 3
@@ -219,7 +222,7 @@ class ServerProcess:
             with contextlib.suppress(grpc.RpcError):
                 if self.stub.ServerReady(pb.ServerReadyRequest(), timeout=1).ready:
                     return
-            time.sleep(0.2)
+            time.sleep(READY_POLL_S)
         raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()}")
 
     def wait_loaded(self) -> None:
@@ -234,7 +237,7 @@ class ServerProcess:
                 index = self.stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=1).models
                 if index and all(m.state != "LOADING" for m in index):
                     return
-            time.sleep(0.2)
+            time.sleep(READY_POLL_S)
         raise RuntimeError(f"models still loading after {START_TIMEOUT_S} s:\n{self.log_text()}")
 
     def metrics(self) -> list[Sample]:
