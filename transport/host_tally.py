@@ -18,6 +18,7 @@ read (a writer stopped mid-change must not stop every other process's admissions
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -60,6 +61,7 @@ def slots_for(entries: int) -> int:
     return slots
 
 
+@functools.lru_cache(maxsize=1024)  # a stream's reservation and release each look one up
 def address_key(scope: int, address: str) -> int:
     """The same in every process (Python's own hash is not); never 0 (an empty slot)."""
     digest = hashlib.blake2b(address.encode(), digest_size=8, person=scope.to_bytes(2, "little"))
@@ -114,19 +116,19 @@ class HostTally:
         probe ends at an empty slot."""
         words, base = self._words, self._block + self._table
         found, slot = self._find(base, key)
-        width = self.layout.entry_words
+        width, present = self.layout.entry_words, any(values)
         if not found:
-            if not any(values):
+            if not present:
                 return True
             if not self.room():
                 return False
             self._live += 1
-        elif not any(values):
+        elif not present:
             self._live -= 1
         start = base + slot * width
         words[self._block + _SEQUENCE] += 1  # odd: changing
         try:
-            if any(values):
+            if present:
                 words[start] = key
                 for column, value in enumerate(values, start=1):
                     words[start + column] = value
