@@ -88,9 +88,9 @@ class PaddleModel:
         for name, array in inputs.items():
             if name in self._in_shapes:
                 array = reshaped(array, *self._in_shapes[name])
-            handle = self._in_handles[name]
-            handle.reshape(list(array.shape))
-            handle.copy_from_cpu(array)
+            # copy_from_cpu takes the array's shape itself (Paddle's binding reshapes the
+            # tensor first): a reshape before it cost `mlp` another 20 us at batch 32.
+            self._in_handles[name].copy_from_cpu(array)
         t1 = time.perf_counter_ns()
         self.predictor.run()
         t2 = time.perf_counter_ns()
