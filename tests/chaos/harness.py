@@ -402,7 +402,10 @@ class GoodClients:
     (JSON, HTTP/1.1 keep-alive), each call with inputs of its own and its response checked
     against in-process Paddle for them (an answer given to another call fails). With
     `retry_unavailable`, a call that fails UNAVAILABLE is made once more on the same channel
-    (which reconnects) after a short backoff, and only that retry's failure counts."""
+    (which reconnects) after a short backoff, waiting for the channel to be ready (as a retry
+    policy's client does: the first reconnect can still meet a killed front-end's listening
+    socket before the kernel has closed it, and the channel then waits out its reconnect
+    backoff), and only that retry's failure counts."""
 
     def __init__(
         self, target: Target, loops: int, retry_unavailable: bool = False, rest: bool = False
@@ -455,35 +458,36 @@ class GoodClients:
         if self._session is not None:
             await self._session.close()
 
-    async def _loop(self, transport: str, make: Callable[[int], Awaitable[str]]) -> None:
-        """`make(n)`: call number n, and what went wrong with it (empty: nothing)."""
+    async def _loop(self, transport: str, make: Callable[[int, bool], Awaitable[str]]) -> None:
+        """`make(n, retry)`: call number n (`retry`: again, once the channel is ready), and
+        what went wrong with it (empty: nothing)."""
         while not self._stop.is_set():
             call = next(_CALLS)
             self.requests += 1
-            problem = await make(call)
+            problem = await make(call, False)
             if (problem.startswith(UNAVAILABLE) and self._retry_unavailable) or UNSENT in problem:
                 self.retried[transport] += 1
                 await asyncio.sleep(RETRY_BACKOFF_S)
-                problem = await make(call)
+                problem = await make(call, True)
             if problem:
                 self.failures[f"{transport} {problem[:200]}"] += 1
             self._first[transport].set()
             await asyncio.sleep(0)
 
-    async def _call(self, stub: pb_grpc.GRPCInferenceServiceStub, call: int) -> str:
+    async def _call(self, stub: pb_grpc.GRPCInferenceServiceStub, call: int, retry: bool) -> str:
         """What went wrong with call number `call`; empty when nothing did."""
         inputs = call_inputs(GOOD_MODEL, call)
         request = build_request(GOOD_MODEL, inputs)
         try:
-            response = await stub.ModelInfer(request, timeout=GOOD_TIMEOUT_S)
+            response = await stub.ModelInfer(request, timeout=GOOD_TIMEOUT_S, wait_for_ready=retry)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return self._check(parse_response(response), run_reference(GOOD_MODEL, inputs))
 
-    async def _rest_call(self, call: int) -> str:
-        """As `_call`, over REST with JSON tensors."""
+    async def _rest_call(self, call: int, retry: bool) -> str:
+        """As `_call`, over REST with JSON tensors (a retry is sent as the call was)."""
         assert self._session is not None
         inputs = call_inputs(GOOD_MODEL, call)
         tensors = [
