@@ -15,7 +15,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.observability.children import Children
-from transport.h3.server import H3Server, H3ServerStats
+from transport.h3.server import H3Server
+from transport.h3.server_state import H3ServerStats
 from transport.tls.session_tickets import TicketCounters
 
 

@@ -35,7 +35,7 @@ from service.frontends.protocol import (
 from service.frontends.runtime import read_settings, shared_tickets, write_settings
 from service.frontends.stats import FrontendStats, Report
 from service.settings import MAX_AUTO_FRONTENDS, ServerSettings, frontend_count, parse
-from transport.h3.server import H3ServerStats
+from transport.h3.server_state import H3ServerStats
 from transport.tls.session_tickets import TicketCounters
 
 METADATA = (("x-key", "value"), ("trace-bin", b"\x00\xff"), ("empty", ""))

@@ -4,23 +4,18 @@ so `add_XServicer_to_server(servicer, server)` registers one servicer on both tr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 from aioquic.h3.connection import H3_ALPN
-from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress, QuicConnection
-from aioquic.quic.packet import QuicErrorCode
 
 from transport.asgi import App
-from transport.grpc import headers as wire
 from transport.grpc.handler_table import HandlerTable
-from transport.grpc.status import H3_NO_ERROR, H3_REQUEST_REJECTED
+from transport.grpc.status import H3_NO_ERROR
 from transport.h3 import udp
 from transport.h3.address_tokens import AddressTokens, TokenVerdict
 from transport.h3.admission import (
@@ -30,168 +25,21 @@ from transport.h3.admission import (
     ConnectionAdmission,
     H3Limits,
 )
-from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
-from transport.h3.aioquic.connection import peer_address
+from transport.h3.aioquic.client_auth import ClientAuth
 from transport.h3.aioquic.connection_ids import tag_connection_ids
 from transport.h3.aioquic.credit import NARROW_STREAM_WINDOW
-from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
-from transport.h3.aioquic.migration import resend_after_migration
-from transport.h3.aioquic.new_token import send_new_token
 from transport.h3.aioquic.quic_server import AdmittingQuicServer
-from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
 from transport.h3.asgi import serve_plain_request
 from transport.h3.calls import TransportAnswer, run_call
 from transport.h3.datagram_routing import ROUTED_CID_LENGTH, DatagramRouter
 from transport.h3.early_data import DEFAULT_EARLY_DATA_METHODS
-from transport.h3.protocol import GrpcH3Protocol
-from transport.h3.receive_budget import AddressShare, ReceiveBudget, SharedReceiveBudget
+from transport.h3.receive_budget import ReceiveBudget, SharedReceiveBudget
+from transport.h3.server_connection import ServerConnection
+from transport.h3.server_state import H3ServerStats
 from transport.h3.settings import H3Settings
 from transport.h3.stream import H3Stream
 from transport.host_tally import ScopedTally
-from transport.tls.peer_auth import PeerAuth
 from transport.tls.session_tickets import TicketStore
-
-
-@dataclass
-class H3ServerStats:
-    connections: int = 0
-    calls: int = 0
-    rejected_streams: int = 0
-    peak_send_buffered: int = 0
-    # Also address tokens (transport/h3/address_tokens.py): "new_token_issued", and the
-    # verdict on each one presented, "new_token_" + valid, expired, other_address, unreadable.
-    handshakes: dict[str, int] = field(default_factory=dict)
-    # "connections", "connections_per_address": new connections refused at a limit;
-    # "handshake_timeout": dropped before completing the handshake; "metadata": streams
-    # refused for a header block over the limit; "receive_budget": streams refused because
-    # their address, or all addresses, reserved the whole receive budget (receive_budget.py);
-    # "retry": Retry packets sent.
-    refusals: dict[str, int] = field(default_factory=dict)
-
-
-class _ServerProtocol(GrpcH3Protocol):
-    answers_malformed = True
-
-    def __init__(
-        self,
-        quic: QuicConnection,
-        stream_handler: object = None,
-        *,
-        settings: H3Settings,
-        server: H3Server,
-    ) -> None:
-        super().__init__(quic, settings=settings)
-        resend_after_migration(quic)
-        self.server = server
-        # aioquic installs the 1-RTT keys and queues HandshakeCompleted together, so a request
-        # seen before that event arrived as 0-RTT early data.
-        self.handshake_done = asyncio.Event()
-        self.highest_stream_id = -4
-        if not server.zero_rtt:
-            refuse_early_data(quic)
-        if server.client_auth is not None:
-            request_client_certificates(quic, server.client_auth)
-        if server.tickets is not None:
-            issue_tickets_with_finished(quic)
-        if server.address_tokens is not None:
-            send_new_token(quic, server.issue_address_token)
-        self.address = server.connection_opened(self)
-        self.credit.use_budget(
-            AddressShare(server.receive_budget, self.address), self.transmit_soon
-        )
-        self._handshake_timer = self._loop.call_later(
-            server.limits.handshake_timeout_s, self._handshake_expired
-        )
-
-    def _handshake_expired(self) -> None:
-        """Drop a connection that never completed its handshake: a peer that only sends
-        Initials must not hold state for the whole idle timeout."""
-        if not self.handshake_done.is_set() and self.terminated is None:
-            self.server.count_refusal("handshake_timeout")
-            self._quic.close(
-                error_code=QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout"
-            )
-            self.transmit_soon()
-
-    def header_block_refused(self, stream_id: int, message: str) -> None:
-        self.server.count_refusal("metadata")
-        self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
-        block = wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        if self.server.plain is not None:
-            # REST is served here too, and the block was dropped unread: whichever the request
-            # was, it reads its refusal, REST from the HTTP status (431), gRPC from grpc-status
-            # (which a Trailers-Only answer's reader takes first).
-            block = [(b":status", b"431"), *(f for f in block if f[0] != b":status")]
-        with contextlib.suppress(Exception):
-            self.h3_send_headers(stream_id, block, True)
-
-    def stream_opened(self, stream_id: int) -> H3Stream | None:
-        if self.server.shutting_down or (
-            self.goaway_sent is not None and stream_id >= self.goaway_sent
-        ):
-            self.server.stats.rejected_streams += 1
-            self.reset(stream_id, H3_REQUEST_REJECTED)
-            return None
-        if not self.credit.admit(stream_id):
-            self.server.count_refusal("receive_budget")
-            limits = self.server.limits
-            self.stop_receiving(stream_id, H3_NO_ERROR)  # the status below is a complete response
-            message = (
-                "receive budget exhausted: the streams of one address may hold "
-                f"{limits.receive_budget_per_address} bytes not yet read, of all addresses "
-                f"{limits.receive_budget_total}; retry later"
-            )
-            with contextlib.suppress(Exception):
-                self.h3_send_headers(
-                    stream_id, wire.trailers_only(grpc.StatusCode.RESOURCE_EXHAUSTED, message), True
-                )
-            return None
-        stream = H3Stream(self, stream_id)
-        stream.early = not self.handshake_done.is_set()
-        self.streams[stream_id] = stream
-        self.highest_stream_id = max(self.highest_stream_id, stream_id)
-        self.server.start_call(self, stream)
-        return stream
-
-    goaway_sent: int | None = None
-
-    def send_goaway(self) -> None:
-        if self.goaway_sent is None and self.terminated is None:
-            self.goaway_sent = self.highest_stream_id + 4
-            self.ensure_h3().send_goaway(self.goaway_sent)
-            self.transmit_soon()
-
-    def handshake_completed(self, event: events.HandshakeCompleted) -> None:
-        if not self.handshake_done.is_set():
-            self.handshake_done.set()
-            self.server.handshake_finished()
-        self._handshake_timer.cancel()
-        if event.early_data_accepted:
-            self.server.count_handshake("0rtt_accepted")
-        else:
-            self.server.count_handshake("resumed" if event.session_resumed else "full")
-
-    def connection_lost_hook(self) -> None:
-        self.server.connection_closed(self, unfinished=not self.handshake_done.is_set())
-        self.handshake_done.set()  # wakes calls held for it; their streams have failed
-        self._handshake_timer.cancel()
-
-    def client(self) -> tuple[str, int] | None:
-        address = peer_address(self._quic)
-        return None if address is None else (str(address[0]), int(address[1]))
-
-    def early_request_held(self) -> None:
-        self.server.count_handshake("early_requests_held")
-
-    def peer_auth(self) -> PeerAuth:
-        return PeerAuth(peer_certificate(self._quic), self._quic.tls.session_resumed)
-
-    def peer(self) -> str:
-        address = peer_address(self._quic)
-        if address is None:
-            return "unknown"
-        host, port = address[:2]
-        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
 class H3Server:
@@ -238,7 +86,7 @@ class H3Server:
             None if host is None else _ReceivedElsewhere(self, host),
         )
         self.handlers = HandlerTable()
-        self._connections: set[_ServerProtocol] = set()
+        self._connections: set[ServerConnection] = set()
         self._calls: set[asyncio.Task[None]] = set()
         self._quic_server: AdmittingQuicServer | None = None
         self.shutting_down = False
@@ -279,7 +127,7 @@ class H3Server:
             tag_connection_ids(self.router.index, ROUTED_CID_LENGTH)
 
         def create_protocol(quic: QuicConnection, stream_handler: object = None) -> Any:
-            return _ServerProtocol(quic, settings=self.settings, server=self)
+            return ServerConnection(quic, settings=self.settings, server=self)
 
         sock = udp.bind(host, port, reuse_port)
         _, self._quic_server = await asyncio.get_running_loop().create_datagram_endpoint(
@@ -358,7 +206,7 @@ class H3Server:
         if self.router is not None:
             self.router.close()
 
-    def connection_opened(self, connection: _ServerProtocol) -> str:
+    def connection_opened(self, connection: ServerConnection) -> str:
         """Count the connection; returns the address it was admitted for."""
         self._connections.add(connection)
         self.stats.connections += 1
@@ -370,7 +218,7 @@ class H3Server:
         self.admission.handshake_finished()
         self.publish("")
 
-    def connection_closed(self, connection: _ServerProtocol, unfinished: bool) -> None:
+    def connection_closed(self, connection: ServerConnection, unfinished: bool) -> None:
         """`unfinished`: it never completed its handshake."""
         if connection in self._connections:
             self._connections.discard(connection)
@@ -397,13 +245,13 @@ class H3Server:
 
     # calls
 
-    def start_call(self, connection: _ServerProtocol, stream: H3Stream) -> None:
+    def start_call(self, connection: ServerConnection, stream: H3Stream) -> None:
         self.stats.calls += 1
         task = asyncio.get_running_loop().create_task(self._serve(connection, stream))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    async def _serve(self, connection: _ServerProtocol, stream: H3Stream) -> None:
+    async def _serve(self, connection: ServerConnection, stream: H3Stream) -> None:
         """The stream, routed by its request: gRPC, or a plain HTTP request for `plain`. Its
         header block arrived with the event that opened it, so it is here when this runs."""
         if self.plain is not None and stream.headers is not None and stream.state.plain:
