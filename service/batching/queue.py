@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +67,14 @@ class BatchPolicy:
 def bucket_of(job: InferJob, shapes: ShapeBuckets) -> Hashable:
     """Requests batch together only with the same non-batch shapes (after padding to the
     sequence buckets) and requested outputs."""
-    return (
-        tuple((t.name, shapes.padded_shape(t.name, t.shape)[1:]) for t in job.inputs),
-        job.outputs,
-    )
+    return bucket_key([(t.name, t.shape) for t in job.inputs], job.outputs, shapes)
+
+
+def bucket_key(
+    inputs: Sequence[tuple[str, tuple[int, ...]]], outputs: tuple[str, ...], shapes: ShapeBuckets
+) -> Hashable:
+    """bucket_of's, from each input's (name, shape)."""
+    return (tuple((name, shapes.padded_shape(name, shape)[1:]) for name, shape in inputs), outputs)
 
 
 @dataclass(eq=False)

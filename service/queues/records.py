@@ -176,7 +176,7 @@ def _tensors(payload: memoryview, at: int, count: int) -> tuple[tuple[Tensor, ..
     return tuple(tensors), at
 
 
-def read_request(payload: bytes) -> Request | Cancel:
+def read_request(payload: bytes | memoryview) -> Request | Cancel:
     """A record the process holding the calls wrote (in the worker)."""
     view = memoryview(payload)
     if view[0] == CANCEL:
@@ -198,6 +198,111 @@ def read_request(payload: bytes) -> Request | Cancel:
         None if expires != expires else expires,  # NaN: none (inline: once per request)
         None if deadline != deadline else deadline,
         outputs,
+        inputs,
+    )
+
+
+class RunInput(NamedTuple):
+    position: int  # into the setup's inputs
+    shape: tuple[int, ...]  # each request's
+    data: bytes  # every request's bytes of it, one after the other
+
+
+class Run(NamedTuple):
+    """Requests that came one after the other in the same form (every field the same but
+    their ids, times and tensors' bytes): the worker takes them at once, each input as one
+    array of all of theirs, instead of request by request."""
+
+    ids: list[int]
+    expires: list[float | None]
+    deadlines: list[float | None]
+    flags: int
+    priority: int
+    batch_size: int
+    outputs: tuple[int, ...]
+    inputs: tuple[RunInput, ...]
+
+
+_VARYING = struct.Struct("<Qdd")  # id, expires, deadline: what a run's requests may differ in
+_VARYING_AT = 12
+
+
+def read_requests(payloads: Sequence[bytes | memoryview]) -> list[Run | Cancel]:
+    """The records the process holding the calls wrote, in order (in the worker): consecutive
+    requests of one form as one Run. Each run's first request is read and checked as
+    read_request does; a request after it joins the run only where its length and every byte
+    that is not an id, a time or a tensor's data are the first one's, so it holds the same."""
+    taken: list[Run | Cancel] = []
+    index, count = 0, len(payloads)
+    while index < count:
+        payload = payloads[index]
+        record = read_request(payload)
+        if isinstance(record, Cancel):
+            taken.append(record)
+            index += 1
+            continue
+        end = index + 1
+        size = len(payload)
+        if end < count and len(payloads[end]) == size:
+            form = _form(payload, record)
+            while end < count and len(after := payloads[end]) == size:
+                for start, stop, same in form:
+                    if after[start:stop] != same:
+                        break
+                else:
+                    end += 1
+                    continue
+                break
+        taken.append(_run(record, payloads[index:end]))
+        index = end
+    return taken
+
+
+def _layout(record: Request) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where a request's fixed bytes are (all but its id and times, the padding, which a
+    writer leaves as it was, and its tensors' data), and where each tensor's data is."""
+    fixed = [(0, _VARYING_AT), (_REQUEST_AT, _REQUEST_AT + 2 * len(record.outputs))]
+    data = []
+    at = _REQUEST_AT + ((2 * len(record.outputs) + 7) & ~7)
+    for tensor in record.inputs:
+        start = at + _TENSOR.size + 8 * len(tensor.shape)
+        fixed.append((at, start))
+        data.append((start, start + len(tensor.data)))
+        at = start + ((len(tensor.data) + 7) & ~7)
+    return fixed, data
+
+
+def _form(payload: bytes | memoryview, record: Request) -> list[tuple[int, int, bytes]]:
+    """The bytes every other request of the run must hold as this one does."""
+    return [(a, b, bytes(payload[a:b])) for a, b in _layout(record)[0]]
+
+
+def _run(first: Request, payloads: Sequence[bytes | memoryview]) -> Run:
+    if len(payloads) == 1:  # copied, as a run's joined bytes are: no view keeps the take's copy
+        inputs = tuple(RunInput(t.position, t.shape, bytes(t.data)) for t in first.inputs)
+        return Run(
+            [first.id],
+            [first.expires],
+            [first.deadline],
+            first.flags,
+            first.priority,
+            first.batch_size,
+            first.outputs,
+            inputs,
+        )
+    varying = [_VARYING.unpack_from(payload, _VARYING_AT) for payload in payloads]
+    inputs = tuple(
+        RunInput(t.position, t.shape, b"".join([payload[a:b] for payload in payloads]))
+        for t, (a, b) in zip(first.inputs, _layout(first)[1], strict=True)
+    )
+    return Run(
+        [v[0] for v in varying],
+        [None if v[1] != v[1] else v[1] for v in varying],  # NaN: none
+        [None if v[2] != v[2] else v[2] for v in varying],
+        first.flags,
+        first.priority,
+        first.batch_size,
+        first.outputs,
         inputs,
     )
 

@@ -131,3 +131,37 @@ class RingReader(_Side):
         self._tail = tail + need
         self._words[_TAIL // 8] = self._tail
         return payload
+
+    def take_all(self) -> list[memoryview]:
+        """Every record written so far, in order, and all their room given back: the bytes
+        between the two positions copied once (twice where they wrap), each payload a view of
+        the copy, parsed as take() parses one. On Corrupt nothing is taken."""
+        head = self._words[_HEAD // 8]
+        tail = self._tail
+        if not tail <= head <= tail + self.capacity:
+            raise Corrupt(f"the writer's position {head}, {head - tail} ahead of the reader's")
+        taken = []
+        while tail != head:
+            offset = tail % self.capacity
+            chunk = memoryview(bytes(self._data[offset : min(offset + head - tail, self.capacity)]))
+            at = 0
+            while at < len(chunk):
+                if len(chunk) - at < _LENGTH.size:
+                    raise Corrupt(f"a record where {head - tail} bytes are written")
+                (size,) = _LENGTH.unpack_from(chunk, at)
+                if size == WRAP:
+                    tail += self.capacity - offset - at
+                    if head - tail < _PREFIX:
+                        raise Corrupt("a wrap with no record after it")
+                    break
+                need = _PREFIX + aligned8(size)
+                if size > max_record(self.capacity) or tail + need > head:
+                    raise Corrupt(f"a record of {size} bytes where {head - tail} are written")
+                if at + need > len(chunk):  # a correct writer wraps it
+                    raise Corrupt(f"a record of {size} bytes across the end of the ring")
+                taken.append(chunk[at + _PREFIX : at + _PREFIX + size])
+                at += need
+                tail += need
+        self._tail = tail
+        self._words[_TAIL // 8] = tail
+        return taken

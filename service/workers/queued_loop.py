@@ -21,19 +21,20 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 
 from oip.datatypes import BY_NAME
-from service.batching.assemble import Batch, BatchInput, plan
+from service.batching.assemble import BatchInput, plan
 from service.batching.queue import BatchQueue, Pending
-from service.inference.jobs import InferJob, InputTensor, Timings
+from service.inference.jobs import Timings
 from service.queues import records, wakeups
 from service.queues.layout import QueueLayout
 from service.queues.ring import max_record
 from service.workers import protocol
 from service.workers.results import BAD_INPUT_ERRORS
+from service.workers.runs import Arrays, Member, Source, gathered
 
 # A caller reads its replies as they come: only a burst, or a caller held still, fills its ring.
 # Its answers then wait in the worker (at most one per request it has out, which its queue
@@ -134,33 +135,27 @@ class QueuedWorker:
         producer.close()
 
     def take(self) -> None:
-        """Every record the producers wrote, into the queue (cancellations out of it)."""
+        """Every record the producers wrote, into the queue (cancellations out of it): the
+        requests that came together in one form as one run."""
         now = time.monotonic()
         for key, producer in self.producers.items():
-            while (payload := producer.requests.take()) is not None:
-                self._take(key, records.read_request(payload), now)
+            for record in records.read_requests(producer.requests.take_all()):
+                self._take(key, record, now)
 
-    def _take(self, key: int, record: records.Request | records.Cancel, now: float) -> None:
+    def _take(self, key: int, record: records.Run | records.Cancel, now: float) -> None:
         if isinstance(record, records.Cancel):
             pending = self._waiting.pop((key, record.id), None)
             if pending is not None:
                 self._queue.remove(pending)
                 self._fail(pending, records.CANCELLED, "cancelled by its caller")
             return
-        inputs = self._inputs
-        # Each tensor's data is a view of the record's own copy, read as the bytes it holds.
-        tensors = [InputTensor(*inputs[t.position], t.shape, t.data) for t in record.inputs]  # type: ignore[arg-type]
-        job = InferJob(
-            tuple(tensors),
-            self._output_names(record.outputs),
-            record.batch_size,
-            record.priority,
-        )
-        pending = Pending(job, now, record.expires, record.priority, record.deadline)
-        pending.alone = bool(record.flags & records.ALONE)
-        pending.ticket = (key, record.id, record.outputs)
-        self._queue.push(pending)
-        self._waiting[key, record.id] = pending
+        names = self._output_names(record.outputs)
+        source = Source(key, record, self._inputs, names, self._setup.policy.shapes)
+        push, waiting = self._queue.push, self._waiting
+        for index, request_id in enumerate(record.ids):
+            member = Member(source, index, now)
+            push(member)
+            waiting[key, request_id] = member
 
     def _output_names(self, outputs: tuple[int, ...]) -> tuple[str, ...]:
         """The names of the outputs a request asks for, kept per choice (a model has few)."""
@@ -216,49 +211,62 @@ class QueuedWorker:
                 producer.running.end()
 
     def _compute(self, batch: list[Pending], now: float) -> None:
-        planned = plan([p.job for p in batch], self._setup.policy.shapes)
-        arrays = {tensor.name: _array(tensor) for tensor in planned.inputs}
+        arrays, names, rows, row_counts = self._inputs_of(batch)
         if _holds(arrays, self._crash_on):
             os.abort()  # test-only (--testing-service): stands in for a crash inside Paddle
         if _holds(arrays, self._scribble_on):
             self._scribble()
-        outputs, timings = self._model.run(arrays, planned.outputs)
+        outputs, timings = self._model.run(arrays, names)
         for name, array in outputs.items():
-            if planned.rows and (not array.shape or array.shape[0] != planned.rows):
+            if rows and (not array.shape or array.shape[0] != rows):
                 raise RuntimeError(
                     f"output '{name}' has shape {list(array.shape)}, which does not start with "
-                    f"the batch's {planned.rows} rows; the model cannot be batched"
+                    f"the batch's {rows} rows; the model cannot be batched"
                 )
         # One answer record per producer and outputs asked for: each output's rows of those
         # requests together, not one record per request.
         groups: dict[tuple[int, tuple[int, ...]], list[tuple[Pending, int, int]]] = {}
         start = 0
-        for pending, rows in zip(batch, planned.row_counts, strict=True):
+        for pending, count in zip(batch, row_counts, strict=True):
             key, _, wanted = pending.ticket
-            groups.setdefault((key, wanted), []).append((pending, start, rows))
-            start += rows
+            groups.setdefault((key, wanted), []).append((pending, start, count))
+            start += count
         self._counted = False
+        formed = _Formed(rows, sum(row_counts), timings, now)
         for (key, wanted), members in groups.items():
             producer = self.producers.get(key)
             if producer is not None:
-                self._answer(producer, wanted, members, planned, outputs, timings, now)
+                self._answer(producer, wanted, members, outputs, formed)
+
+    def _inputs_of(self, batch: list[Pending]) -> tuple[Arrays, tuple[str, ...], int, list[int]]:
+        """The batch's inputs, the outputs it asks for, the rows it runs (0: the model does
+        not batch) and each request's: gathered from the runs' arrays where no input is padded
+        to sequence buckets, else planned request by request as the server's batcher does."""
+        members = cast(list[Member], batch)  # _take queues only Members
+        first = members[0].source
+        shapes = self._setup.policy.shapes
+        row_counts = [member.source.rows for member in members]
+        if first.run.batch_size and not shapes.sequence:
+            rows = shapes.batch_rows(sum(row_counts))
+            return gathered(members, rows), first.names, rows, row_counts
+        planned = plan([member.job for member in members], shapes)
+        arrays = {tensor.name: _array(tensor) for tensor in planned.inputs}
+        return arrays, planned.outputs, planned.rows, list(planned.row_counts)
 
     def _answer(
         self,
         producer: Producer,
         wanted: tuple[int, ...],
         members: list[tuple[Pending, int, int]],
-        planned: Batch,
-        outputs: dict[str, np.ndarray[Any, Any]],
-        timings: Timings,
-        now: float,
+        outputs: Arrays,
+        formed: _Formed,
     ) -> None:
         """The answers to requests of one producer that asked for the same outputs, in one
         record, or each in its own where together they are more than a record takes."""
         parts = []
         for index in wanted:
             array = outputs[self._setup.outputs[index]]
-            if planned.rows:  # else the model does not batch: one request, the whole output
+            if formed.rows:  # else the model does not batch: one request, the whole output
                 array = _rows(array, [(start, count) for _, start, count in members])
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             parts.append((index, tuple(array.shape), data))
@@ -267,7 +275,7 @@ class QueuedWorker:
         if size > most:
             if len(members) > 1:
                 for member in members:
-                    self._answer(producer, wanted, [member], planned, outputs, timings, now)
+                    self._answer(producer, wanted, [member], outputs, formed)
                 return
             text = (
                 f"the outputs take {size} bytes, more than the instance queue's reply ring "
@@ -275,13 +283,14 @@ class QueuedWorker:
             )
             self._fail(members[0][0], records.TOO_LARGE, text)
             return
+        now = formed.now
         answered = [(p.ticket[1], int((now - p.arrival) * 1e9)) for p, _, _ in members]
         batch, counts = self._batch, not self._counted
         self._counted = True
         producer.reply(
             size,
             lambda buf: records.write_answers(
-                buf, batch, planned.formed, timings, counts, answered, parts
+                buf, batch, formed.formed, formed.timings, counts, answered, parts
             ),
         )
 
@@ -304,6 +313,15 @@ class QueuedWorker:
             wakeups.wake(producer.wake_out)
         while True:
             time.sleep(3600)
+
+
+class _Formed(NamedTuple):
+    """What every answer of a batch says of it."""
+
+    rows: int  # the rows it ran, padding included; 0: the model does not batch
+    formed: int  # the rows its requests brought
+    timings: Timings
+    now: float  # when it was taken from the queue
 
 
 def _rows(array: np.ndarray[Any, Any], spans: list[tuple[int, int]]) -> np.ndarray[Any, Any]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import struct
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -109,6 +111,88 @@ def test_a_full_ring_takes_no_request_and_writes_nothing_of_it() -> None:
     assert reader.take() is None
     assert records.write_request(writer, 3, one, [0], 0, 2, None, None)
     assert records.read_request(taken(reader)).id == 3
+
+
+# A request's form: flags, priority, rows, outputs and each tensor's (index, shape, bytes).
+forms = st.tuples(
+    st.integers(0, 3),
+    st.integers(0, 2),
+    st.integers(0, 3),
+    st.lists(st.integers(0, 3), max_size=3),
+    st.lists(
+        st.tuples(st.integers(0, 3), st.lists(st.integers(0, 4), max_size=3), st.integers(0, 20)),
+        max_size=3,
+    ),
+)
+
+
+@PROFILE
+@given(
+    data=st.data(),
+    form_choices=st.lists(forms, min_size=1, max_size=3),
+    seed=st.integers(0, 2**32),
+)
+def test_requests_read_as_runs_are_the_requests_written_and_each_run_holds_all_it_can(
+    data: st.DataObject, form_choices: list[Any], seed: int
+) -> None:
+    """Requests of a few forms and cancels, written over a ring whose bytes are garbage (the
+    padding a writer skips holds whatever was there): read_requests gives back every record
+    in order, each request as it was written, consecutive requests of one form in one run,
+    and two runs side by side are of different forms."""
+    writer, reader = request_ring(1 << 14)
+    writer._data[:] = random.Random(seed).randbytes(len(writer._data))
+    written: list[Any] = []
+    for number in range(data.draw(st.integers(1, 12))):
+        if data.draw(st.integers(0, 5)) == 0:
+            assert records.write_cancel(writer, number)
+            written.append(Cancel(number))
+            continue
+        flags, priority, rows, outputs, tensors = data.draw(st.sampled_from(form_choices))
+        inputs = [
+            (i, tuple(shape), data.draw(st.binary(min_size=n, max_size=n)))
+            for i, shape, n in tensors
+        ]
+        expires, deadline = data.draw(times), data.draw(times)
+        assert records.write_request(
+            writer, number, inputs, outputs, priority, rows, expires, deadline, flags
+        )
+        form = (
+            flags,
+            priority,
+            rows,
+            tuple(outputs),
+            [(i, shape, len(d)) for i, shape, d in inputs],
+        )
+        written.append((number, expires, deadline, form, [d for _, _, d in inputs]))
+    read: list[Any] = []
+    forms_read: list[Any] = []
+    for record in records.read_requests(reader.take_all()):
+        if isinstance(record, Cancel):
+            read.append(record)
+            forms_read.append(None)
+            continue
+        count = len(record.ids)
+        assert count == len(record.expires) == len(record.deadlines) >= 1
+        form = (
+            record.flags,
+            record.priority,
+            record.batch_size,
+            record.outputs,
+            [(t.position, t.shape, len(t.data) // count) for t in record.inputs],
+        )
+        assert all(len(t.data) % count == 0 for t in record.inputs)
+        if forms_read and forms_read[-1] is not None:
+            assert forms_read[-1] != form  # else the two would be one run
+        forms_read.append(form)
+        for index in range(count):
+            own = [
+                bytes(t.data[index * len(t.data) // count : (index + 1) * len(t.data) // count])
+                for t in record.inputs
+            ]
+            read.append(
+                (record.ids[index], record.expires[index], record.deadlines[index], form, own)
+            )
+    assert read == written
 
 
 # ---- replies ----

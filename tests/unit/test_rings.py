@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -27,6 +28,8 @@ HEAD, TAIL = 0, 64  # where each side publishes its position in the control bloc
 PREFIX = 8  # a record's length and padding
 U64 = 2**64 - 1
 capacities = st.integers(4, 64).map(lambda units: 8 * units)
+Take = Callable[[RingReader], object]
+TAKES = [RingReader.take, RingReader.take_all]  # a hostile writer's bytes fail both alike
 
 
 class Ring:
@@ -186,10 +189,11 @@ def test_a_ring_needs_whole_8_byte_units_and_a_control_block() -> None:
 # ---- a hostile writer, seen by the reader ----
 
 
+@pytest.mark.parametrize("take", TAKES)
 @PROFILE
 @given(data=st.data())
 def test_a_writer_position_behind_the_reader_or_more_than_capacity_ahead_is_corrupt(
-    data: st.DataObject,
+    take: Take, data: st.DataObject
 ) -> None:
     capacity = data.draw(capacities)
     ring = advanced(capacity, data.draw(st.lists(sizes_for(capacity), min_size=1, max_size=10)))
@@ -197,51 +201,59 @@ def test_a_writer_position_behind_the_reader_or_more_than_capacity_ahead_is_corr
     head = data.draw(st.integers(0, tail - 1) | st.integers(tail + capacity + 1, U64))
     ring.set_word(HEAD, head)
     with pytest.raises(Corrupt, match="the writer's position"):
-        ring.reader.take()
+        take(ring.reader)
     assert ring.word(TAIL) == tail
 
 
+@pytest.mark.parametrize("take", TAKES)
 @pytest.mark.parametrize("length", [max_record(64) + 1, 64, WRAP - 1])
-def test_a_record_longer_than_max_record_is_corrupt(length: int) -> None:
+def test_a_record_longer_than_max_record_is_corrupt(take: Take, length: int) -> None:
     ring = Ring(64)
     ring.set_length(0, length)
     ring.set_word(HEAD, 64)
     with pytest.raises(Corrupt, match=f"a record of {length} bytes"):
-        ring.reader.take()
+        take(ring.reader)
     assert ring.word(TAIL) == 0
 
 
+@pytest.mark.parametrize("take", TAKES)
 @pytest.mark.parametrize(("length", "head"), [(1, 8), (1, 15), (8, 8), (16, 23), (24, 31)])
-def test_a_record_that_runs_past_the_writer_position_is_corrupt(length: int, head: int) -> None:
+def test_a_record_that_runs_past_the_writer_position_is_corrupt(
+    take: Take, length: int, head: int
+) -> None:
     ring = Ring(64)
     ring.set_length(0, length)
     ring.set_word(HEAD, head)
     with pytest.raises(Corrupt, match=f"a record of {length} bytes where {head} are written"):
-        ring.reader.take()
+        take(ring.reader)
     assert ring.word(TAIL) == 0
 
 
-def test_a_record_that_crosses_the_end_of_the_data_is_corrupt() -> None:
+@pytest.mark.parametrize("take", TAKES)
+def test_a_record_that_crosses_the_end_of_the_data_is_corrupt(take: Take) -> None:
     """A correct writer wraps such a record; read as it lies, its payload would be cut short
     at the end of the data and the reader's position would land mid-record."""
     ring = advanced(64, [16, 16, 0])  # positions at 56: 8 bytes to the end
     ring.set_length(56, 16)
     ring.set_word(HEAD, 56 + PREFIX + 16)
     with pytest.raises(Corrupt, match="a record of 16 bytes across the end of the ring"):
-        ring.reader.take()
+        take(ring.reader)
     assert ring.word(TAIL) == 56
 
 
+@pytest.mark.parametrize("take", TAKES)
 @pytest.mark.parametrize(
     ("sizes", "head"), [([], 64), ([0], 64), ([24], 64), ([16, 16, 0], 64), ([24], 64 + 4)]
 )
-def test_a_wrap_mark_with_nothing_after_it_is_corrupt(sizes: list[int], head: int) -> None:
+def test_a_wrap_mark_with_nothing_after_it_is_corrupt(
+    take: Take, sizes: list[int], head: int
+) -> None:
     ring = advanced(64, sizes)
     tail = ring.word(TAIL)
     ring.set_length(tail % 64, WRAP)
     ring.set_word(HEAD, head)  # the end of the data (at most a whole ring from the reader)
     with pytest.raises(Corrupt, match="a wrap with no record after it"):
-        ring.reader.take()
+        take(ring.reader)
     assert ring.word(TAIL) == tail
 
 
@@ -282,6 +294,47 @@ def test_whatever_the_writer_scribbles_take_returns_a_bounded_payload_from_the_r
         assert payload == ring.data[offset + PREFIX : offset + PREFIX + len(payload)]
         tail = after
     raise AssertionError("more records than a ring of this capacity holds")
+
+
+@PROFILE
+@given(data=st.data())
+def test_take_all_returns_what_takes_one_by_one_return_or_corrupt_where_one_of_them_is(
+    data: st.DataObject,
+) -> None:
+    """The same ring read both ways, after a correct writer's records (wrapping or not) or
+    scribbles over its data and head: take_all gives every payload the takes give, in order,
+    and leaves the reader where they leave it, or raises Corrupt where a take raises it."""
+    capacity = data.draw(capacities)
+    ring = advanced(capacity, data.draw(st.lists(sizes_for(capacity), max_size=10)))
+    tail = ring.word(TAIL)
+    for number, size in enumerate(data.draw(st.lists(sizes_for(capacity), max_size=10))):
+        if not ring.put(payload_of(number, size)):
+            break
+    if data.draw(st.booleans()):  # scribbled, as the scribble test above does
+        ring.buf[CONTROL_BYTES:] = data.draw(st.binary(min_size=capacity, max_size=capacity))
+        near = st.integers(0, capacity)  # some past max_record, yet within the head's reach
+        lengths = sizes_for(capacity) | near | st.just(WRAP) | st.integers(0, WRAP)
+        for place in range(0, capacity, 8):
+            ring.set_length(place, data.draw(lengths))
+        ring.set_word(HEAD, data.draw(st.integers(tail, tail + capacity) | st.integers(0, U64)))
+    before = bytes(ring.buf)
+    one_by_one: list[bytes] | None = []
+    try:
+        while (payload := ring.reader.take()) is not None:
+            one_by_one.append(payload)  # type: ignore[union-attr]
+    except Corrupt:
+        one_by_one = None
+    after = ring.word(TAIL)
+    ring.buf[:] = before
+    ring.reader._tail = tail  # the reader's own position, as it was before the takes
+    if one_by_one is None:
+        with pytest.raises(Corrupt):
+            ring.reader.take_all()
+        assert ring.word(TAIL) == tail  # nothing taken
+        return
+    assert [bytes(p) for p in ring.reader.take_all()] == one_by_one
+    assert ring.word(TAIL) == after
+    assert ring.reader.take() is None
 
 
 # ---- a hostile reader, seen by the writer ----
