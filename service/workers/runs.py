@@ -77,12 +77,10 @@ class Member(Pending):
         self.expires = run.expires[index]
         self.priority = run.priority
         self.deadline = run.deadlines[index]
-        self.crashes = 0
         self.alone = bool(run.flags & records.ALONE)
         self.bucket = source.bucket
         self.ticket = (source.key, run.ids[index], run.outputs)
-        self.trace = None
-        self.order = 0
+        # crashes, trace and order keep Pending's defaults (the worker requeues nothing)
 
     @property
     def job(self) -> InferJob:  # type: ignore[override]
