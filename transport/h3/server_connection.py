@@ -20,6 +20,7 @@ from transport.h3.admission import H3Limits
 from transport.h3.aioquic.client_auth import ClientAuth, request_client_certificates
 from transport.h3.aioquic.connection import peer_address
 from transport.h3.aioquic.early_tickets import issue_tickets_with_finished
+from transport.h3.aioquic.lean_handshake import release_handshake_buffers
 from transport.h3.aioquic.migration import resend_after_migration
 from transport.h3.aioquic.new_token import send_new_token
 from transport.h3.aioquic.tls_context import peer_certificate, refuse_early_data
@@ -158,6 +159,7 @@ class ServerConnection(GrpcH3Protocol):
             self.transmit_soon()
 
     def handshake_completed(self, event: events.HandshakeCompleted) -> None:
+        release_handshake_buffers(self._quic)
         if not self.handshake_done.is_set():
             self.handshake_done.set()
             self.server.handshake_finished()
