@@ -54,8 +54,11 @@ class Source:
     def arrays(self) -> Arrays:
         """Each input of the whole run (a model that batches): its requests' rows in order."""
         if self._arrays is None:
+            count = len(self.run.ids)
             self._arrays = {
-                name: np.frombuffer(t.data, datatype.numpy).reshape(-1, *t.shape[1:])
+                name: np.frombuffer(t.data, datatype.numpy).reshape(
+                    count * t.shape[0], *t.shape[1:]
+                )
                 for name, datatype, t in self._inputs
             }
         return self._arrays

@@ -16,8 +16,8 @@ from service.queues import records
 from service.workers.runs import Member, Source, gathered
 
 PROFILE = settings(max_examples=150, deadline=None, derandomize=True, database=None)
-INPUTS = [("a", BY_NAME["FP32"]), ("b", BY_NAME["INT64"])]
-WIDTHS = (3, 2)  # each input's values per row
+INPUTS = [("a", BY_NAME["FP32"]), ("b", BY_NAME["INT64"]), ("c", BY_NAME["INT32"])]
+WIDTHS = (3, 2, 0)  # each input's values per row (an empty dimension too)
 OUTPUTS = ("out",)
 
 
