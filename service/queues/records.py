@@ -224,7 +224,7 @@ class Run(NamedTuple):
 
 
 _VARYING = struct.Struct("<Qdd")  # id, expires, deadline: what a run's requests may differ in
-_VARYING_AT = 12
+_VARYING_AT = struct.calcsize("<BBHHHI")  # where they are: after _REQUEST's first six fields
 
 
 def read_requests(payloads: Sequence[bytes | memoryview]) -> list[Run | Cancel]:
