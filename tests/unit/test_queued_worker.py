@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,10 +48,10 @@ class Caller:
         self.wake_out = os.eventfd(0, os.EFD_NONBLOCK)
         self.records = 0  # replies read: one per batch, or per request where they are large
 
-    def send(self, request_id: int, value: float) -> None:
+    def send(self, request_id: int, value: float, expires: float | None = None) -> None:
         data = np.full((1, 4), value, np.float32).tobytes()
         assert records.write_request(
-            self.requests, request_id, [(0, (1, 4), data)], (0,), 1, 1, None, None
+            self.requests, request_id, [(0, (1, 4), data)], (0,), 1, 1, expires, None
         )
 
     def answers(self) -> list[records.Reply]:
@@ -144,3 +145,31 @@ def test_a_caller_that_reads_nothing_stalls_no_other_and_loses_nothing(
     assert not worker.flush()
     for key in (0, 1):
         worker.drop(key)
+
+
+def test_the_requests_of_a_run_are_each_answered_cancelled_or_expired_on_their_own(
+    callers: list[Caller],
+) -> None:
+    """Five requests of one form, taken together as one run: the one its caller cancelled
+    and the one whose queue time is over fail as such, the other three run in one batch and
+    each gets its own rows."""
+    queues = setup()
+    worker = QueuedWorker(Doubling(), queues, str, (None, None))
+    caller = attach(worker, callers, 0, queues.layout)
+    over = time.monotonic() - 1.0
+    for request_id in range(1, 6):
+        caller.send(request_id, float(request_id), expires=over if request_id == 4 else None)
+    assert records.write_cancel(caller.requests, 2)
+    worker.take()
+    held = worker._waiting.values()  # the four left after the cancel, one run's members
+    assert len({m.source for m in held}) == 1 and len(held) == 4  # type: ignore[attr-defined]
+    assert worker.step() == 0.0
+    replies = {r.id: r for r in caller.answers()}
+    assert replies[2].failure == records.CANCELLED
+    assert replies[4].failure == records.EXPIRED
+    values = {i: np.frombuffer(replies[i].outputs[0].data, np.float32).tolist() for i in (1, 3, 5)}
+    assert values == {1: [2.0] * 4, 3: [6.0] * 4, 5: [10.0] * 4}
+    assert {replies[i].batch_rows for i in (1, 3, 5)} == {3}
+    assert caller.running.batch() == (1, 0)
+    assert worker.step() is None  # nothing left
+    worker.drop(0)
