@@ -142,6 +142,12 @@ def on_loop(
     return blocking
 
 
+# How often the server's thread looks whether shutdown() was asked: every server stop waits
+# for it (socketserver's default, half a second, was most of an idle server's stop), and an
+# idle thread wakes this often for a select() that finds nothing.
+SHUTDOWN_POLL_S = 0.05
+
+
 class _Silent(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (prometheus_client's server logs none either)."""
@@ -155,5 +161,8 @@ def serve(
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
     httpd: ThreadingWSGIServer = make_server(host, port, app, server_class, handler_class=_Silent)
-    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    thread = threading.Thread(
+        target=httpd.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics", daemon=True
+    )
+    thread.start()
     return httpd
