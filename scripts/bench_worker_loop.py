@@ -3,8 +3,10 @@ spends per batch beyond the predictor's own run, at batch sizes of 1, 8 and 32 o
 requests, in this one process (no server, no sockets): the predictor alone, the worker's loop
 around it (taking each request's record, forming the batch, running it, writing each answer),
 and the server's side of the records (writing each request, reading each answer), each CPU
-time per batch and as a ratio to the predictor's. Rounds alternate and the table gives the
-median and range; issue #43's goal is the worker at most 1.5x the predictor's own."""
+time per batch and as a ratio to the predictor's. The requests come in one form (the worker
+reads them as one run), then in two forms taking turns (two priorities: every run is one
+request, the worker's worst case). Rounds alternate and the table gives the median and range;
+issue #43's goal is the worker at most 1.5x the predictor's own."""
 
 from __future__ import annotations
 
@@ -33,12 +35,14 @@ from tests.servers import EXAMPLE_MODELS
 
 MODEL = "mlp"
 BATCHES = (1, 8, 32)
+FORMS = (1, 2)  # one form (one run per batch), two taking turns (a run per request)
 RING_BYTES = 4 << 20
 
 
 @dataclass
 class Row:
     round: int
+    forms: int  # request forms taking turns (priorities 1, 2, ...)
     batch: int
     predictor_us: float  # CPU per batch: the predictor's run alone
     worker_us: float  # CPU per batch: the worker's loop, the predictor's run included
@@ -52,7 +56,9 @@ def _cpu_per(count: int, run: Callable[[], Any]) -> float:
     return (time.process_time() - start) / count * 1e6
 
 
-def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: int) -> Row:
+def measure(
+    model: Any, config: mc.ModelConfig, round_: int, forms: int, batch: int, runs: int
+) -> Row:
     outputs = tuple(o.name for o in model.outputs)
     layout = QueueLayout(RING_BYTES, RING_BYTES, max(config.max_batch_size, 1))
     segment = mmap.mmap(-1, layout.size)
@@ -69,9 +75,9 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
     expected = records.Expected((0,), (4,), 1, max(config.max_batch_size, 1))
 
     def write() -> None:
-        for data in row_bytes:
+        for index, data in enumerate(row_bytes):
             records.write_request(
-                requests, next(ids), [(0, (1, 256), data)], (0,), 1, 1, None, None
+                requests, next(ids), [(0, (1, 256), data)], (0,), 1 + index % forms, 1, None, None
             )
 
     def read() -> None:
@@ -103,7 +109,7 @@ def measure(model: Any, config: mc.ModelConfig, round_: int, batch: int, runs: i
         ring.release()
     worker.drop(PARENT)
     scale = 1e6 / runs
-    return Row(round_, batch, predictor, worker_total * scale, caller * scale)
+    return Row(round_, forms, batch, predictor, worker_total * scale, caller * scale)
 
 
 def main() -> int:
@@ -117,26 +123,31 @@ def main() -> int:
     )
     model = worker_predictor(EXAMPLE_MODELS / MODEL)
     rows: list[Row] = []
+    cases = [(forms, batch) for forms in FORMS for batch in BATCHES]
     for index in range(args.rounds):
-        for batch in BATCHES[index % len(BATCHES) :] + BATCHES[: index % len(BATCHES)]:
-            row = measure(model, config, index, batch, args.runs)
+        for forms, batch in cases[index % len(cases) :] + cases[: index % len(cases)]:
+            row = measure(model, config, index, forms, batch, args.runs)
             rows.append(row)
             print(
-                f"  round {index} batch {batch:>2}: predictor {row.predictor_us:.0f} us, worker "
-                f"{row.worker_us:.0f} us, caller {row.caller_us:.0f} us per batch",
+                f"  round {index} forms {forms} batch {batch:>2}: predictor "
+                f"{row.predictor_us:.0f} us, worker {row.worker_us:.0f} us, caller "
+                f"{row.caller_us:.0f} us per batch",
                 flush=True,
             )
     print(f"\n{MODEL}, one-row requests; CPU us per batch: median [lowest-highest] of rounds")
-    print(f"{'batch':>5} {'predictor':>16} {'worker':>16} {'worker/predictor':>22} {'caller':>14}")
-    for batch in BATCHES:
-        mine = [r for r in rows if r.batch == batch]
+    print(
+        f"{'forms':>5} {'batch':>5} {'predictor':>16} {'worker':>16} {'worker/predictor':>22} "
+        f"{'caller':>14}"
+    )
+    for forms, batch in cases:
+        mine = [r for r in rows if (r.forms, r.batch) == (forms, batch)]
 
         def spread(values: list[float]) -> str:
             return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
         ratio = median_range([r.worker_us / r.predictor_us for r in mine])
         print(
-            f"{batch:>5} {spread([r.predictor_us for r in mine]):>16} "
+            f"{forms:>5} {batch:>5} {spread([r.predictor_us for r in mine]):>16} "
             f"{spread([r.worker_us for r in mine]):>16} {ratio:>22} "
             f"{spread([r.caller_us for r in mine]):>14}"
         )

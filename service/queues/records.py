@@ -242,8 +242,10 @@ def read_requests(payloads: Sequence[bytes | memoryview]) -> list[Run | Cancel]:
             index += 1
             continue
         end = index + 1
-        size = len(payload)
-        if end < count and len(payloads[end]) == size:
+        size, head = len(payload), payload[:_VARYING_AT]
+        # The next one's length and first fields before the whole form is built: requests of
+        # forms taking turns (another priority, other outputs) are each a run of one.
+        if end < count and len(payloads[end]) == size and payloads[end][:_VARYING_AT] == head:
             form = _form(payload, record)
             while end < count and len(after := payloads[end]) == size:
                 for start, stop, same in form:

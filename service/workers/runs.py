@@ -9,6 +9,7 @@ does not batch)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -37,14 +38,14 @@ class Source:
         self.run = run
         self.names = outputs
         self.rows = max(run.batch_size, 1)
-        self._inputs = [(*inputs[t.position], t) for t in run.inputs]
-        self.bucket = bucket_key([(name, t.shape) for name, _, t in self._inputs], outputs, shapes)
+        self.inputs = [(*inputs[t.position], t) for t in run.inputs]
+        self.bucket = bucket_key([(name, t.shape) for name, _, t in self.inputs], outputs, shapes)
         self._arrays: Arrays | None = None
 
     def job(self, index: int) -> InferJob:
         """The `index`th request's own job: its tensors, views of the run's bytes."""
         tensors = []
-        for name, datatype, tensor in self._inputs:
+        for name, datatype, tensor in self.inputs:
             size = len(tensor.data) // len(self.run.ids)
             data = memoryview(tensor.data)[index * size : (index + 1) * size]
             tensors.append(InputTensor(name, datatype, tensor.shape, data))  # type: ignore[arg-type]
@@ -59,7 +60,7 @@ class Source:
                 name: np.frombuffer(t.data, datatype.numpy).reshape(
                     count * t.shape[0], *t.shape[1:]
                 )
-                for name, datatype, t in self._inputs
+                for name, datatype, t in self.inputs
             }
         return self._arrays
 
@@ -104,12 +105,18 @@ def gathered(batch: list[Member], rows: int) -> Arrays:
     if len(spans) == 1 and spans[0][2] - spans[0][1] == rows:
         source, start, end = spans[0]
         return {name: array[start:end] for name, array in source.arrays().items()}
+    # Copied as bytes, not as arrays of each run: a batch of many runs of one request (their
+    # forms interleaved) would otherwise make an array per run. One bucket: the same inputs
+    # in the same order, with the same bytes per row.
     gathered: Arrays = {}
-    for name, like in spans[0][0].arrays().items():
-        out = np.zeros((rows, *like.shape[1:]), like.dtype)
+    for index, (name, datatype, tensor) in enumerate(spans[0][0].inputs):
+        row = math.prod(tensor.shape[1:]) * datatype.numpy.itemsize
+        buf = bytearray(rows * row)  # zero bytes: the padding rows
         at = 0
         for source, start, end in spans:
-            out[at : at + end - start] = source.arrays()[name][start:end]
-            at += end - start
-        gathered[name] = out
+            size = (end - start) * row
+            data = memoryview(source.inputs[index][2].data)
+            buf[at : at + size] = data[start * row : start * row + size]
+            at += size
+        gathered[name] = np.frombuffer(buf, datatype.numpy).reshape(rows, *tensor.shape[1:])
     return gathered
