@@ -2,10 +2,10 @@
 that came one after the other in one form), and a batch's inputs gathered from them.
 
 A run's inputs are each one array of all of its requests' rows, so a batch of requests that
-came together is a slice of it (no copy) and any other batch is a few slices copied into
-place, not a tensor per request. A request's own job (its tensors) is made only where a
-batch has to be planned request by request (shapes padded to sequence buckets, a model that
-does not batch)."""
+came together is a slice of it (no copy), and any other batch its requests' rows copied into
+place as bytes, a span of consecutive requests at a time, not a tensor per request. A
+request's own job (its tensors) is made only where a batch has to be planned request by
+request (shapes padded to sequence buckets, a model that does not batch)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class Member(Pending):
 def gathered(batch: list[Member], rows: int) -> Arrays:
     """The batch's inputs (a model that batches, its requests in one bucket, no sequence
     buckets), `rows` rows each: the requests' rows in order, then zero rows of padding as
-    `assemble.plan` pads. Consecutive requests of one run are one slice of its arrays."""
+    `assemble.plan` pads. Consecutive requests of one run are one span of its rows."""
     spans: list[tuple[Source, int, int]] = []  # (run, first row, end row)
     for member in batch:
         source, start = member.source, member.index * member.source.rows
