@@ -27,7 +27,7 @@ from google.protobuf import text_format
 from protos.inference import model_config_pb2 as mc
 from scripts.bench_common import median_range, worker_predictor, write_json
 from service.batching.batcher import policy_from_config
-from service.queues import records
+from service.queues import records, replies
 from service.queues.layout import QueueLayout
 from service.workers import protocol
 from service.workers.queued_loop import PARENT, QueuedWorker
@@ -67,12 +67,12 @@ def measure(
     )
     worker = QueuedWorker(model, setup, str, (None, None))
     worker.add(PARENT, segment, os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK))
-    requests, replies, _ = layout.caller_end(memoryview(segment))
+    requests, reply_ring, _ = layout.caller_end(memoryview(segment))
     rows = np.random.default_rng(batch).standard_normal((batch, 256), np.float32)
     row_bytes = [rows[i : i + 1].tobytes() for i in range(batch)]
     whole = {"input": rows}
     ids = iter(range(1, 1 << 62))
-    expected = records.Expected((0,), (4,), 1, max(config.max_batch_size, 1))
+    expected = replies.Expected((0,), (4,), 1, max(config.max_batch_size, 1))
 
     def write() -> None:
         for index, data in enumerate(row_bytes):
@@ -81,8 +81,8 @@ def measure(
             )
 
     def read() -> None:
-        while (payload := replies.take()) is not None:
-            records.read_reply(payload, lambda _: expected)
+        while (payload := reply_ring.take()) is not None:
+            replies.read_reply(payload, lambda _: expected)
 
     def loop() -> None:
         worker.take()
@@ -105,7 +105,7 @@ def measure(
         read()
         caller += (middle - start) + (time.process_time() - end)
         worker_total += end - middle
-    for ring in (requests, replies):
+    for ring in (requests, reply_ring):
         ring.release()
     worker.drop(PARENT)
     scale = 1e6 / runs

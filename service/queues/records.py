@@ -1,42 +1,29 @@
-"""What travels in an instance's rings: requests (and cancellations) from the process holding
-the calls to the worker, and each request's answer or failure back.
+"""What travels in an instance's request ring: requests (and cancellations) from the process
+holding the calls to the worker, and the tensor encoding the replies (replies.py) share.
 
 Names are indexes into the lists the worker was given with its queues (QueueSetup), so a
-record holds shapes, bytes and a few numbers. A reply is read as hostile input (the worker
-runs model code): `read_reply` checks every count, index, shape and length against what the
-request asked for and raises Corrupt on the first that does not hold.
+record holds shapes, bytes and a few numbers.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from service.inference.jobs import Timings
 from service.queues.ring import Corrupt, RingWriter, aligned8
 
 REQUEST, CANCEL = 1, 2
-ANSWER, FAILURE = 1, 2
-COUNTS_BATCH = 1  # an answer's code: see Reply.counts_batch
 ALONE = 1  # flags: runs in a batch of its own (after its worker died running it)
-# A failure's kind, which the reader turns into a status.
-FAILED, TOO_LARGE, EXPIRED, CANCELLED = 0, 1, 2, 3
 MAX_RANK = 16
 MAX_DIM = 1 << 40
-MAX_FAILURE_TEXT = 4000
 NO_TIME = math.nan
 
 _REQUEST = struct.Struct("<BBHHHIQdd")  # kind, flags, inputs, outputs, priority, rows, id, ...
 _CANCEL = struct.Struct("<BxxxxxxxQ")
 _TENSOR = struct.Struct("<HHIQ")  # index, rank, 0, nbytes; then rank dims, then the data
-# kind, code, outputs, batch rows, requests answered, batch, timings; then each request's
-# (id, queue ns), then the outputs
-_ANSWERS = struct.Struct("<BBHIQQQQQ")
-_ANSWERED = struct.Struct("<QQ")
-_FAILURE = struct.Struct("<BBxxxxxxQI4x")  # kind, failure kind, id, text bytes; then the text
 
 
 class Tensor(NamedTuple):  # a tuple: one per tensor of every record, built fast
@@ -61,21 +48,6 @@ class Cancel:
     id: int
 
 
-class Reply(NamedTuple):  # one request's
-    id: int
-    batch: int  # the worker's batch number
-    batch_rows: int  # the rows its requests brought
-    timings: Timings
-    queue_ns: int  # in the worker's queue
-    outputs: tuple[Tensor, ...] = ()
-    failure: int | None = None  # FAILED, TOO_LARGE, EXPIRED or CANCELLED; None: answered
-    text: str = ""
-    # The batch's first answer, over all the worker's callers: the one process that counts
-    # the batch (statistics, metrics, its span) when several hold its requests (in a record
-    # of several answers, its first).
-    counts_batch: bool = False
-
-
 _HEADS = [struct.Struct(f"<HHIQ{rank}Q") for rank in range(MAX_RANK + 1)]  # _TENSOR + dims
 _DIMS = [struct.Struct(f"<{rank}Q") for rank in range(MAX_RANK + 1)]
 _INDEXES = [struct.Struct(f"<{count}H") for count in range(64)]
@@ -86,11 +58,11 @@ def _indexes(count: int) -> struct.Struct:
     return _INDEXES[count] if count < len(_INDEXES) else struct.Struct(f"<{count}H")
 
 
-def _tensor_size(shape: Sequence[int], nbytes: int) -> int:
+def tensor_size(shape: Sequence[int], nbytes: int) -> int:
     return _TENSOR.size + 8 * len(shape) + ((nbytes + 7) & ~7)
 
 
-def _pack_tensor(buf: memoryview, at: int, index: int, shape: Sequence[int], data: bytes) -> int:
+def pack_tensor(buf: memoryview, at: int, index: int, shape: Sequence[int], data: bytes) -> int:
     """One tensor at `at`: its header and dims, then its bytes; where the next one goes."""
     head = _HEADS[len(shape)]
     nbytes = len(data)
@@ -141,7 +113,7 @@ def write_request(
     _indexes(len(outputs)).pack_into(buf, at, *outputs)
     at += (2 * len(outputs) + 7) & ~7
     for index, shape, data in inputs:
-        at = _pack_tensor(buf, at, index, shape, data)
+        at = pack_tensor(buf, at, index, shape, data)
     buf.release()
     ring.commit()
     return True
@@ -157,7 +129,7 @@ def write_cancel(ring: RingWriter, request_id: int) -> bool:
     return True
 
 
-def _tensors(payload: memoryview, at: int, count: int) -> tuple[tuple[Tensor, ...], int]:
+def read_tensors(payload: memoryview, at: int, count: int) -> tuple[tuple[Tensor, ...], int]:
     tensors = []
     end = len(payload)
     for _ in range(count):
@@ -189,7 +161,7 @@ def read_request(payload: bytes | memoryview) -> Request | Cancel:
     at = _REQUEST_AT
     outputs = _indexes(n_out).unpack_from(view, at)
     at += (2 * n_out + 7) & ~7
-    inputs, _ = _tensors(view, at, n_in)
+    inputs, _ = read_tensors(view, at, n_in)
     return Request(
         request_id,
         flags,
@@ -243,10 +215,12 @@ def read_requests(payloads: Sequence[bytes | memoryview]) -> list[Run | Cancel]:
             continue
         end = index + 1
         size, head = len(payload), payload[:_VARYING_AT]
+        spans: list[tuple[int, int]] = []  # each input's data, where a second request joins
         # The next one's length and first fields before the whole form is built: requests of
         # forms taking turns (another priority, other outputs) are each a run of one.
         if end < count and len(payloads[end]) == size and payloads[end][:_VARYING_AT] == head:
-            form = _form(payload, record)
+            fixed, spans = _layout(record)
+            form = [(a, b, bytes(payload[a:b])) for a, b in fixed]  # what the others must hold
             while end < count and len(after := payloads[end]) == size:
                 for start, stop, same in form:
                     if after[start:stop] != same:
@@ -255,7 +229,7 @@ def read_requests(payloads: Sequence[bytes | memoryview]) -> list[Run | Cancel]:
                     end += 1
                     continue
                 break
-        taken.append(_run(record, payloads[index:end]))
+        taken.append(_run(record, payloads[index:end], spans))
         index = end
     return taken
 
@@ -274,12 +248,10 @@ def _layout(record: Request) -> tuple[list[tuple[int, int]], list[tuple[int, int
     return fixed, data
 
 
-def _form(payload: bytes | memoryview, record: Request) -> list[tuple[int, int, bytes]]:
-    """The bytes every other request of the run must hold as this one does."""
-    return [(a, b, bytes(payload[a:b])) for a, b in _layout(record)[0]]
-
-
-def _run(first: Request, payloads: Sequence[bytes | memoryview]) -> Run:
+def _run(
+    first: Request, payloads: Sequence[bytes | memoryview], spans: list[tuple[int, int]]
+) -> Run:
+    """The run of these requests (`spans`: where each input's data is in each of them)."""
     if len(payloads) == 1:  # copied, as a run's joined bytes are: no view keeps the take's copy
         inputs = tuple(RunInput(t.position, t.shape, bytes(t.data)) for t in first.inputs)
         return Run(
@@ -295,7 +267,7 @@ def _run(first: Request, payloads: Sequence[bytes | memoryview]) -> Run:
     varying = [_VARYING.unpack_from(payload, _VARYING_AT) for payload in payloads]
     inputs = tuple(
         RunInput(t.position, t.shape, b"".join([payload[a:b] for payload in payloads]))
-        for t, (a, b) in zip(first.inputs, _layout(first)[1], strict=True)
+        for t, (a, b) in zip(first.inputs, spans, strict=True)
     )
     return Run(
         [v[0] for v in varying],
@@ -307,171 +279,3 @@ def _run(first: Request, payloads: Sequence[bytes | memoryview]) -> Run:
         first.outputs,
         inputs,
     )
-
-
-def answers_size(count: int, outputs: Sequence[tuple[tuple[int, ...], int]]) -> int:
-    """The payload bytes of the answers to `count` requests with outputs of these (shape,
-    nbytes): every request's rows of an output together."""
-    return (
-        _ANSWERS.size
-        + _ANSWERED.size * count
-        + sum(_tensor_size(shape, nbytes) for shape, nbytes in outputs)
-    )
-
-
-def write_answers(
-    buf: memoryview,
-    batch: int,
-    batch_rows: int,
-    timings: Timings,
-    counts_batch: bool,
-    answered: Sequence[tuple[int, int]],
-    outputs: Sequence[tuple[int, tuple[int, ...], Any]],
-) -> None:
-    """Into room of answers_size() bytes reserved in the reply ring: the answers to requests
-    (id, ns in the worker's queue) that asked for the same outputs, in one record, each
-    output their rows in that order (the whole output for one request of a model that does
-    not batch)."""
-    _ANSWERS.pack_into(
-        buf,
-        0,
-        ANSWER,
-        COUNTS_BATCH if counts_batch else 0,
-        len(outputs),
-        batch_rows,
-        len(answered),
-        batch,
-        timings.input_ns,
-        timings.infer_ns,
-        timings.output_ns,
-    )
-    at = _ANSWERS.size
-    for request_id, queue_ns in answered:
-        _ANSWERED.pack_into(buf, at, request_id, queue_ns)
-        at += _ANSWERED.size
-    for index, shape, data in outputs:
-        at = _pack_tensor(buf, at, index, shape, data)
-
-
-def failure_bytes(request_id: int, kind: int, text: str) -> bytes:
-    data = text.encode()[:MAX_FAILURE_TEXT]
-    return _FAILURE.pack(FAILURE, kind, request_id, len(data)) + data
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the reply to one request may hold: the outputs it asked for, each with its
-    element size, and the rows each must start with (0: the model does not batch)."""
-
-    outputs: tuple[int, ...]
-    itemsizes: tuple[int, ...]  # by output index (the setup's outputs)
-    rows: int
-    max_batch_rows: int
-
-
-# What the process reading replies expects of a request it sent; None: it sent no such request.
-ExpectedOf = Callable[[int], "Expected | None"]
-
-
-def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
-    """A record the worker wrote (one failure, or the answers to one or more requests),
-    checked against what each of its requests asked for."""
-    view = memoryview(payload)
-    if len(view) < 1:
-        raise Corrupt("a reply of 0 bytes")
-    if view[0] == FAILURE:
-        return [_failure(view, expected_of)]
-    if view[0] != ANSWER:
-        raise Corrupt(f"a reply of kind {view[0]}")
-    if len(view) < _ANSWERS.size:
-        raise Corrupt(f"a reply of {len(view)} bytes")
-    _, code, n_out, rows, count, batch, t_in, t_run, t_out = _ANSWERS.unpack_from(view)
-    if code not in (0, COUNTS_BATCH):
-        raise Corrupt(f"an answer with code {code}")
-    at = _ANSWERS.size + _ANSWERED.size * count
-    if not count or at > len(view):
-        raise Corrupt(f"answers to {count} requests in a record of {len(view)} bytes")
-    answered = [
-        _ANSWERED.unpack_from(view, _ANSWERS.size + _ANSWERED.size * i) for i in range(count)
-    ]
-    first = _expected(expected_of, answered[0][0])
-    wanted = [first]
-    if count > 1:
-        if count > (first.rows and first.max_batch_rows):
-            raise Corrupt(f"answers to {count} requests in one record")
-        if len({request_id for request_id, _ in answered}) != count:
-            raise Corrupt("answers to one request twice in a record")
-        for request_id, _ in answered[1:]:
-            expected = _expected(expected_of, request_id)
-            if expected.outputs != first.outputs:
-                raise Corrupt("answers to requests of different outputs in one record")
-            wanted.append(expected)
-    if not 0 < rows <= first.max_batch_rows:
-        raise Corrupt(f"a batch of {rows} rows; the model takes {first.max_batch_rows}")
-    outputs, end = _tensors(view, at, n_out)
-    if end != len(view):
-        raise Corrupt("bytes after the reply's last output")
-    if sorted(t.position for t in outputs) != sorted(first.outputs):
-        sent = [t.position for t in outputs]
-        raise Corrupt(f"outputs {sent} for a request of {list(first.outputs)}")
-    total = sum(e.rows for e in wanted)
-    for tensor in outputs:
-        if len(tensor.data) != math.prod(tensor.shape) * first.itemsizes[tensor.position]:
-            raise Corrupt(f"an output of shape {list(tensor.shape)} in {len(tensor.data)} bytes")
-        if total and (not tensor.shape or tensor.shape[0] != total):
-            raise Corrupt(f"an output of shape {list(tensor.shape)} for {total} rows")
-    timings = Timings(*(min(t, _MAX_NS) for t in (t_in, t_run, t_out)))
-    if count == 1:  # all of each output is the request's (a model that does not batch too)
-        ((request_id, queued),) = answered
-        return [
-            Reply(
-                request_id,
-                batch,
-                rows,
-                timings,
-                min(queued, _MAX_NS),
-                outputs,
-                counts_batch=bool(code),
-            )
-        ]
-    replies: list[Reply] = []
-    start = 0
-    for (request_id, queued), expected in zip(answered, wanted, strict=True):
-        mine = tuple(_rows_of(t, start, expected.rows, total) for t in outputs)
-        start += expected.rows
-        counts = bool(code) and not replies  # the record's first answer counts the batch
-        replies.append(
-            Reply(request_id, batch, rows, timings, min(queued, _MAX_NS), mine, counts_batch=counts)
-        )
-    return replies
-
-
-def _rows_of(tensor: Tensor, start: int, rows: int, total: int) -> Tensor:
-    """One request's rows of an output that holds `total`."""
-    row = len(tensor.data) // total
-    return Tensor(
-        tensor.position, (rows, *tensor.shape[1:]), tensor.data[start * row : (start + rows) * row]
-    )
-
-
-def _expected(expected_of: ExpectedOf, request_id: int) -> Expected:
-    expected = expected_of(request_id)
-    if expected is None:
-        raise Corrupt(f"a reply to request {request_id}, which it was not sent")
-    return expected
-
-
-def _failure(view: memoryview, expected_of: ExpectedOf) -> Reply:
-    if len(view) < _FAILURE.size:
-        raise Corrupt(f"a failure of {len(view)} bytes")
-    _, code, request_id, length = _FAILURE.unpack_from(view)
-    if code not in (FAILED, TOO_LARGE, EXPIRED, CANCELLED):
-        raise Corrupt(f"a failure of kind {code}")
-    if length > MAX_FAILURE_TEXT or _FAILURE.size + length != len(view):
-        raise Corrupt(f"a failure text of {length} bytes in a record of {len(view)}")
-    _expected(expected_of, request_id)
-    text = bytes(view[_FAILURE.size :]).decode(errors="replace")
-    return Reply(request_id, 0, 0, Timings(0, 0, 0), 0, failure=code, text=text)
-
-
-_MAX_NS = 3600 * 10**9  # a worker's timings are its own word: bounded so statistics stay sane

@@ -19,7 +19,7 @@ from typing import Protocol
 from opentelemetry.trace import SpanContext
 
 from service.inference.jobs import Answer, InferJob
-from service.queues import records, wakeups
+from service.queues import records, replies, wakeups
 from service.queues.ring import Corrupt
 from service.workers import deaths, protocol
 from service.workers.instance import State
@@ -41,7 +41,7 @@ class Entry:
     priority: int
     inputs: list[tuple[int, tuple[int, ...], bytes]]
     outputs: tuple[int, ...]
-    expected: records.Expected
+    expected: replies.Expected
     trace: SpanContext  # the request's span, which its batch's span links to
     crashes: int = 0
     alone: bool = False
@@ -76,7 +76,7 @@ class QueueHost(Protocol):
 
 
 # Every reply one wake-up brought (a batch's come together), with the request each answers.
-Replies = Callable[[list[tuple[Entry, records.Reply]]], None]
+Replies = Callable[[list[tuple[Entry, replies.Reply]]], None]
 
 
 class InstanceQueue:
@@ -177,20 +177,20 @@ class InstanceQueue:
 
     def _read(self) -> None:
         wakeups.clear(self._woken)
-        replies: list[tuple[Entry, records.Reply]] = []
+        answered: list[tuple[Entry, replies.Reply]] = []
         try:
             while not (self._closed or self.broken):
                 payload = self._replies.take()
                 if payload is None:
                     break
-                for reply in records.read_reply(payload, self._expected):
-                    replies.append((self.entries.pop(reply.id), reply))
+                for reply in replies.read_reply(payload, self._expected):
+                    answered.append((self.entries.pop(reply.id), reply))
         except Corrupt as exc:
             self._broke(f"wrote a bad reply into its queue: {exc}")
-        if replies:
-            self._on_replies(replies)
+        if answered:
+            self._on_replies(answered)
 
-    def _expected(self, request_id: int) -> records.Expected | None:
+    def _expected(self, request_id: int) -> replies.Expected | None:
         entry = self.entries.get(request_id)
         return None if entry is None else entry.expected
 

@@ -26,7 +26,7 @@ from service.batching.batcher import CRASHES_TO_POISON, poison_message
 from service.inference import errors
 from service.inference.jobs import Answer, InferJob, OutputTensor, Timings
 from service.inference.timers import fail_at
-from service.queues import records
+from service.queues import records, replies
 from service.queues.ring import max_record
 from service.registry.versions import ServedVersion
 from service.resilience.poison import PoisonList
@@ -175,7 +175,7 @@ class QueuedBatcher:
             self.policy.priority_of(job.priority),
             [(self._input_index[t.name], t.shape, t.data) for t in job.inputs],
             wanted,
-            records.Expected(wanted, self._itemsizes, job.rows if self._batches else 0, self._rows),
+            replies.Expected(wanted, self._itemsizes, job.rows if self._batches else 0, self._rows),
             trace.get_current_span().get_span_context(),
         )
         size = records.request_size(
@@ -268,12 +268,12 @@ class QueuedBatcher:
             entry.ended = True
             self._held -= 1
 
-    def _replied(self, replies: list[tuple[Entry, records.Reply]]) -> None:
+    def _replied(self, answered: list[tuple[Entry, replies.Reply]]) -> None:
         """What one wake-up brought: each answer, and each batch counted once (a batch's
         replies come together, under its number; of several processes holding its requests,
         the one its first answer went to counts it)."""
-        batches: dict[int, tuple[list[records.Reply], list[SpanContext]]] = {}
-        for entry, reply in replies:
+        batches: dict[int, tuple[list[replies.Reply], list[SpanContext]]] = {}
+        for entry, reply in answered:
             self._answered(entry, reply)
             if reply.failure is None:
                 counting, traces = batches.setdefault(reply.batch, ([], []))
@@ -286,7 +286,7 @@ class QueuedBatcher:
         if self._waiting:
             self._send_waiting()
 
-    def _answered(self, entry: Entry, reply: records.Reply) -> None:
+    def _answered(self, entry: Entry, reply: replies.Reply) -> None:
         self._count_out(entry)
         future = entry.future
         if future.done():
@@ -302,12 +302,12 @@ class QueuedBatcher:
         waited = int((entry.written - entry.arrival) * 1e9) + reply.queue_ns
         future.set_result(Answer(outputs, reply.timings, waited, reply.batch_rows))
 
-    def _failure(self, reply: records.Reply) -> errors.ServiceError:
-        if reply.failure == records.EXPIRED:
+    def _failure(self, reply: replies.Reply) -> errors.ServiceError:
+        if reply.failure == replies.EXPIRED:
             return errors.deadline_exceeded(reply.text)
-        if reply.failure == records.CANCELLED:
+        if reply.failure == replies.CANCELLED:
             return errors.ServiceError(grpc.StatusCode.CANCELLED, reply.text)
-        failed = protocol.Failed(0, reply.text, reply.failure == records.TOO_LARGE)
+        failed = protocol.Failed(0, reply.text, reply.failure == replies.TOO_LARGE)
         return results.failure(failed, self._model)
 
     def _corrupt(self, index: int, reason: str) -> None:

@@ -12,7 +12,6 @@ each caller knows what it was computing if it dies, and each watchdog sees it pr
 
 from __future__ import annotations
 
-import collections
 import math
 import mmap
 import os
@@ -29,10 +28,11 @@ from oip.datatypes import BY_NAME
 from service.batching.assemble import BatchInput, plan
 from service.batching.queue import BatchQueue, Pending
 from service.inference.jobs import Timings
-from service.queues import records, wakeups
+from service.queues import records, replies, wakeups
 from service.queues.layout import QueueLayout
 from service.queues.ring import max_record
 from service.workers import protocol
+from service.workers.producers import Producer
 from service.workers.results import BAD_INPUT_ERRORS
 from service.workers.runs import Arrays, Member, Source, gathered
 
@@ -42,59 +42,6 @@ from service.workers.runs import Arrays, Member, Source, gathered
 FULL_REPLIES_WAIT_S = 0.001
 MAX_OUTPUT_CHOICES = 64  # the outputs asked for that _output_names keeps the names of
 PARENT = 0  # the producer the first Queues message brings: the server's process
-
-
-class Producer:
-    """One process holding calls, as the worker sees it: its segment's worker end."""
-
-    def __init__(self, layout: QueueLayout, segment: mmap.mmap, wake_in: int, wake_out: int):
-        self.segment = segment
-        self.requests, self.replies, self.running = layout.worker_end(memoryview(segment))
-        self.wake_in = wake_in
-        self.wake_out = wake_out
-        self.written = 0  # replies so far: it is woken once for those of a step
-        self.told = 0
-        self.backlog: collections.deque[bytearray] = collections.deque()  # its full ring's
-
-    def reply(self, size: int, write: Callable[[memoryview], object]) -> None:
-        """An answer of `size` bytes (`write` fills it) into the reply ring, or, while the
-        ring is full or answers wait before it, into the backlog."""
-        if not self.backlog:
-            buf = self.replies.reserve(size)
-            if buf is not None:
-                write(buf)
-                buf.release()
-                self.replies.commit()
-                self.written += 1
-                return
-        held = bytearray(size)
-        with memoryview(held) as view:
-            write(view)
-        self.backlog.append(held)
-
-    def flush(self) -> bool:
-        """Waiting answers into the ring while it has room; whether some still wait."""
-        while self.backlog:
-            buf = self.replies.reserve(len(self.backlog[0]))
-            if buf is None:
-                return True
-            buf[:] = self.backlog.popleft()
-            buf.release()
-            self.replies.commit()
-            self.written += 1
-        return False
-
-    def tell(self) -> None:
-        if self.written != self.told:
-            self.told = self.written
-            wakeups.wake(self.wake_out)
-
-    def close(self) -> None:
-        for end in (self.requests, self.replies, self.running):
-            end.release()
-        self.segment.close()
-        os.close(self.wake_in)
-        os.close(self.wake_out)
 
 
 class QueuedWorker:
@@ -147,7 +94,7 @@ class QueuedWorker:
             pending = self._waiting.pop((key, record.id), None)
             if pending is not None:
                 self._queue.remove(pending)
-                self._fail(pending, records.CANCELLED, "cancelled by its caller")
+                self._fail(pending, replies.CANCELLED, "cancelled by its caller")
             return
         names = self._output_names(record.outputs)
         source = Source(key, record, self._inputs, names, self._setup.policy.shapes)
@@ -175,7 +122,7 @@ class QueuedWorker:
             waited = now - pending.arrival
             self._fail(
                 pending,
-                records.EXPIRED,
+                replies.EXPIRED,
                 f"the request waited {waited:.3f} s in the queue and timed out before it ran",
             )
         action = self._queue.next_batch(now)
@@ -205,7 +152,7 @@ class QueuedWorker:
                     self._run([pending], now)
                 return
             for pending in batch:
-                self._fail(pending, records.FAILED, text)
+                self._fail(pending, replies.FAILED, text)
         finally:
             for producer in self.producers.values():
                 producer.running.end()
@@ -270,7 +217,7 @@ class QueuedWorker:
                 array = _rows(array, [(start, count) for _, start, count in members])
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             parts.append((index, tuple(array.shape), data))
-        size = records.answers_size(len(members), [(shape, d.nbytes) for _, shape, d in parts])
+        size = replies.answers_size(len(members), [(shape, d.nbytes) for _, shape, d in parts])
         most = max_record(producer.replies.capacity)
         if size > most:
             if len(members) > 1:
@@ -281,7 +228,7 @@ class QueuedWorker:
                 f"the outputs take {size} bytes, more than the instance queue's reply ring "
                 f"takes ({most}); raise --instance-queue-mb"
             )
-            self._fail(members[0][0], records.TOO_LARGE, text)
+            self._fail(members[0][0], replies.TOO_LARGE, text)
             return
         now = formed.now
         answered = [(p.ticket[1], int((now - p.arrival) * 1e9)) for p, _, _ in members]
@@ -289,7 +236,7 @@ class QueuedWorker:
         self._counted = True
         producer.reply(
             size,
-            lambda buf: records.write_answers(
+            lambda buf: replies.write_answers(
                 buf, batch, formed.formed, formed.timings, counts, answered, parts
             ),
         )
@@ -298,7 +245,7 @@ class QueuedWorker:
         key, request_id, _ = pending.ticket
         producer = self.producers.get(key)
         if producer is not None:
-            payload = records.failure_bytes(request_id, kind, text)
+            payload = replies.failure_bytes(request_id, kind, text)
             producer.reply(len(payload), lambda buf: buf.__setitem__(slice(None), payload))
 
     def flush(self) -> bool:

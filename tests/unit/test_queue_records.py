@@ -1,9 +1,9 @@
-"""The records of an instance's queues (service/queues/records.py): a request and a cancel
-come out of the request ring as they were written, an answer or a failure comes back as the
-worker wrote it, and a reply that lies about what its request asked for (a worker runs model
-code) is refused with Corrupt, whatever its bytes: nothing else escapes read_reply. The
-answers to a batch's requests from one caller come in one record, each output their rows
-together."""
+"""The records of an instance's queues (service/queues/records.py and replies.py): a request
+and a cancel come out of the request ring as they were written, an answer or a failure comes
+back as the worker wrote it, and a reply that lies about what its request asked for (a worker
+runs model code) is refused with Corrupt, whatever its bytes: nothing else escapes
+read_reply. The answers to a batch's requests from one caller come in one record, each
+output their rows together."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.inference.jobs import Timings
-from service.queues import records
+from service.queues import records, replies
 from service.queues.layout import QueueLayout
-from service.queues.records import MAX_DIM, MAX_FAILURE_TEXT, MAX_RANK, Cancel, Expected, Request
+from service.queues.records import MAX_DIM, MAX_RANK, Cancel, Request
+from service.queues.replies import MAX_FAILURE_TEXT, Expected
 from service.queues.ring import Corrupt, RingReader, RingWriter
 
 PROFILE = settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -210,9 +211,9 @@ def answers(
     timings: Timings = TIMINGS,
     counts_batch: bool = True,
 ) -> bytes:
-    size = records.answers_size(len(answered), [(shape, len(data)) for _, shape, data in outputs])
+    size = replies.answers_size(len(answered), [(shape, len(data)) for _, shape, data in outputs])
     buf = bytearray(size)
-    records.write_answers(
+    replies.write_answers(
         memoryview(buf), 3, batch_rows, timings, counts_batch, answered, outputs
     )  # fmt: skip
     return bytes(buf)
@@ -236,7 +237,7 @@ def patched(payload: bytes, at: int, fmt: str, value: int) -> bytes:
 
 
 def test_an_answer_comes_back_as_the_worker_wrote_it() -> None:
-    (reply,) = records.read_reply(GOOD, SENT)
+    (reply,) = replies.read_reply(GOOD, SENT)
     assert (reply.id, reply.batch, reply.batch_rows, reply.timings, reply.queue_ns) == (
         7,
         3,
@@ -256,13 +257,13 @@ def test_the_answers_to_several_requests_are_split_by_their_rows() -> None:
     out0 = (0, (6, 2), bytes(range(48)))
     out2 = (2, (6,), bytes(range(100, 148)))
     payload = answers([out2, out0], 6, [(5, 10), (9, 11), (6, 12)])
-    replies = records.read_reply(payload, expected.get)
-    assert [(r.id, r.queue_ns, r.counts_batch) for r in replies] == [
+    answers_read = replies.read_reply(payload, expected.get)
+    assert [(r.id, r.queue_ns, r.counts_batch) for r in answers_read] == [
         (5, 10, True),
         (9, 11, False),
         (6, 12, False),
     ]
-    got = [[(t.position, t.shape, bytes(t.data)) for t in r.outputs] for r in replies]
+    got = [[(t.position, t.shape, bytes(t.data)) for t in r.outputs] for r in answers_read]
     assert got == [
         [(2, (1,), bytes(range(100, 108))), (0, (1, 2), bytes(range(8)))],
         [(2, (3,), bytes(range(108, 132))), (0, (3, 2), bytes(range(8, 32)))],
@@ -322,45 +323,45 @@ def test_any_answers_that_meet_their_requests_come_back_as_written(
     expected, outputs, mine, batch_rows = case
     answered = list(zip(expected, queued, strict=False))  # 6 ids at most
     payload = answers(outputs, batch_rows, answered, Timings(*timings))
-    replies = records.read_reply(payload, expected.get)
-    assert [(r.id, r.batch_rows, r.failure) for r in replies] == [
+    answers_read = replies.read_reply(payload, expected.get)
+    assert [(r.id, r.batch_rows, r.failure) for r in answers_read] == [
         (i, batch_rows, None) for i in expected
     ]
-    for reply, own, (_, queue_ns) in zip(replies, mine, answered, strict=True):
+    for reply, own, (_, queue_ns) in zip(answers_read, mine, answered, strict=True):
         assert [(t.position, t.shape, bytes(t.data)) for t in reply.outputs] == own
         clamped = [min(t, MAX_NS) for t in (*timings, queue_ns)]
         assert (*dataclasses.astuple(reply.timings), reply.queue_ns) == tuple(clamped)
 
 
 @pytest.mark.parametrize(
-    "kind", [records.FAILED, records.TOO_LARGE, records.EXPIRED, records.CANCELLED]
+    "kind", [replies.FAILED, replies.TOO_LARGE, replies.EXPIRED, replies.CANCELLED]
 )
 def test_a_failure_comes_back_with_its_kind_and_text(kind: int) -> None:
-    (reply,) = records.read_reply(records.failure_bytes(7, kind, "no such luck"), SENT)
+    (reply,) = replies.read_reply(replies.failure_bytes(7, kind, "no such luck"), SENT)
     assert (reply.id, reply.failure, reply.text, reply.outputs) == (7, kind, "no such luck", ())
 
 
 def test_a_failure_text_is_cut_at_its_bound() -> None:
     text = "é" * MAX_FAILURE_TEXT  # two bytes each
-    (reply,) = records.read_reply(records.failure_bytes(7, records.FAILED, text), SENT)
+    (reply,) = replies.read_reply(replies.failure_bytes(7, replies.FAILED, text), SENT)
     assert reply.text == "é" * (MAX_FAILURE_TEXT // 2)
-    (reply,) = records.read_reply(records.failure_bytes(7, records.FAILED, "x" + text), SENT)
+    (reply,) = replies.read_reply(replies.failure_bytes(7, replies.FAILED, "x" + text), SENT)
     assert reply.text == "x" + "é" * (MAX_FAILURE_TEXT // 2 - 1) + "\ufffd"
 
 
-FAILURE = records.failure_bytes(7, records.FAILED, "broken")
+FAILURE = replies.failure_bytes(7, replies.FAILED, "broken")
 TWO_ROWS = Expected(outputs=(0, 2), itemsizes=ITEMSIZES, rows=2, max_batch_rows=8)
 NINE = sent(*[(i, Expected((0,), ITEMSIZES, 1, 8)) for i in range(9)])
 LIES: dict[str, tuple[bytes, str] | tuple[bytes, str, Callable[[int], Expected | None]]] = {
     "kind 0": (patched(GOOD, KIND, "<B", 0), "a reply of kind 0"),
     "kind 3": (patched(GOOD, KIND, "<B", 3), "a reply of kind 3"),
-    "failure of an unknown kind": (records.failure_bytes(7, 4, "x"), "a failure of kind 4"),
+    "failure of an unknown kind": (replies.failure_bytes(7, 4, "x"), "a failure of kind 4"),
     "an answer to a request not sent": (
         answers([OUT0, OUT2], answered=[(8, 0)]),
         "a reply to request 8, which it was not sent",
     ),
     "a failure of a request not sent": (
-        records.failure_bytes(8, records.FAILED, "x"),
+        replies.failure_bytes(8, replies.FAILED, "x"),
         "a reply to request 8, which it was not sent",
     ),
     "answers to one request twice": (
@@ -437,7 +438,7 @@ LIES: dict[str, tuple[bytes, str] | tuple[bytes, str, Callable[[int], Expected |
     ),
     "a failure text above the bound": (
         patched(
-            records.failure_bytes(7, records.FAILED, "x" * MAX_FAILURE_TEXT) + b"x",
+            replies.failure_bytes(7, replies.FAILED, "x" * MAX_FAILURE_TEXT) + b"x",
             FAILURE_TEXT,
             "<I",
             MAX_FAILURE_TEXT + 1,
@@ -464,28 +465,28 @@ def test_a_reply_that_lies_is_corrupt(
 ) -> None:
     payload, message, *reader = lie
     with pytest.raises(Corrupt, match=message):
-        records.read_reply(payload, reader[0] if reader else SENT)
+        replies.read_reply(payload, reader[0] if reader else SENT)
 
 
 def check_read(payload: bytes, expected_of: Callable[[int], Expected | None]) -> None:
     """read_reply takes it or raises Corrupt, nothing else; what it takes meets what each
     request expects."""
     try:
-        replies = records.read_reply(payload, expected_of)
+        answers_read = replies.read_reply(payload, expected_of)
     except Corrupt:
         return
-    assert len({r.id for r in replies}) == len(replies) > 0
-    assert sum(r.counts_batch for r in replies) <= 1
-    for reply in replies:
+    assert len({r.id for r in answers_read}) == len(answers_read) > 0
+    assert sum(r.counts_batch for r in answers_read) <= 1
+    for reply in answers_read:
         expected = expected_of(reply.id)
         assert expected is not None
         if reply.failure is not None:
-            assert len(replies) == 1
+            assert len(answers_read) == 1
             assert reply.failure in (
-                records.FAILED,
-                records.TOO_LARGE,
-                records.EXPIRED,
-                records.CANCELLED,
+                replies.FAILED,
+                replies.TOO_LARGE,
+                replies.EXPIRED,
+                replies.CANCELLED,
             )
             assert len(reply.text) <= MAX_FAILURE_TEXT
             continue

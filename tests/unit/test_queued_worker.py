@@ -16,7 +16,7 @@ import pytest
 
 from service.batching.queue import BatchPolicy
 from service.inference.jobs import Timings
-from service.queues import records
+from service.queues import records, replies
 from service.queues.layout import QueueLayout
 from service.queues.ring import RingReader, RingWriter
 from service.workers import protocol
@@ -54,11 +54,11 @@ class Caller:
             self.requests, request_id, [(0, (1, 4), data)], (0,), 1, 1, expires, None
         )
 
-    def answers(self) -> list[records.Reply]:
-        expected = records.Expected((0,), (4,), 1, ROWS)
-        taken: list[records.Reply] = []
+    def answers(self) -> list[replies.Reply]:
+        expected = replies.Expected((0,), (4,), 1, ROWS)
+        taken: list[replies.Reply] = []
         while (payload := self.replies.take()) is not None:
-            taken += records.read_reply(payload, lambda _: expected)
+            taken += replies.read_reply(payload, lambda _: expected)
             self.records += 1
         return taken
 
@@ -164,12 +164,12 @@ def test_the_requests_of_a_run_are_each_answered_cancelled_or_expired_on_their_o
     held = worker._waiting.values()  # the four left after the cancel, one run's members
     assert len({m.source for m in held}) == 1 and len(held) == 4  # type: ignore[attr-defined]
     assert worker.step() == 0.0
-    replies = {r.id: r for r in caller.answers()}
-    assert replies[2].failure == records.CANCELLED
-    assert replies[4].failure == records.EXPIRED
-    values = {i: np.frombuffer(replies[i].outputs[0].data, np.float32).tolist() for i in (1, 3, 5)}
+    by_id = {r.id: r for r in caller.answers()}
+    assert by_id[2].failure == replies.CANCELLED
+    assert by_id[4].failure == replies.EXPIRED
+    values = {i: np.frombuffer(by_id[i].outputs[0].data, np.float32).tolist() for i in (1, 3, 5)}
     assert values == {1: [2.0] * 4, 3: [6.0] * 4, 5: [10.0] * 4}
-    assert {replies[i].batch_rows for i in (1, 3, 5)} == {3}
+    assert {by_id[i].batch_rows for i in (1, 3, 5)} == {3}
     assert caller.running.batch() == (1, 0)
     assert worker.step() is None  # nothing left
     worker.drop(0)
