@@ -51,15 +51,13 @@ class RestApp:
             return
         if scope["type"] != "http":
             return
-        started = time.perf_counter()
-        call = Call(identity=rest_identity(scope))
+        call = Call(identity=rest_identity(scope), started=time.perf_counter())
         call.client = rest_client(scope, call.identity)
-        passed_on = False
         try:
             await self._answer(scope, receive, send, call)
         except PassedOn:
             # Neither answered nor counted here: the process that serves it counts it.
-            passed_on = True
+            call.recorded = True
             if call.observation is not None:
                 call.observation.abandon()
                 call.observation = None
@@ -71,15 +69,23 @@ class RestApp:
             call.code, call.error = grpc.StatusCode.INTERNAL, repr(exc)
             raise
         finally:
-            observation = call.observation
-            if observation is not None:
-                observation.model, observation.version = call.model, call.version
-                observation.request_id = call.request_id
-                observation.end(call.code, lambda: call.error)
-            elif self.observer is not None and not passed_on:
-                self._record(call, time.perf_counter() - started)
+            self._ended(call)
             if call.trace is not None:
                 otel_context.detach(call.trace)
+
+    def _ended(self, call: Call) -> None:
+        """The call counted and logged, once: before its response's last bytes are sent, so
+        that a client that has its answer finds it in /metrics; else as it ends."""
+        if call.recorded:
+            return
+        call.recorded = True
+        observation = call.observation
+        if observation is not None:
+            observation.model, observation.version = call.model, call.version
+            observation.request_id = call.request_id
+            observation.end(call.code, lambda: call.error)
+        elif self.observer is not None:
+            self._record(call, time.perf_counter() - call.started)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, call: Call) -> None:
         headers: list[tuple[bytes, bytes]] = [_JSON]
@@ -101,7 +107,14 @@ class RestApp:
             headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         if reply.events is not None:
             await self._start(send, call, 200, list(SSE))
-            await relay(reply.events, send, reply.gone or receive, call, self.limits.stall_s)
+            await relay(
+                reply.events,
+                send,
+                reply.gone or receive,
+                call,
+                self.limits.stall_s,
+                lambda: self._ended(call),
+            )
             return
         body = b"" if reply.document is None else json.dumps(reply.document).encode()
         if reply.document is None:
@@ -116,6 +129,7 @@ class RestApp:
             headers.append((b"content-encoding", call.encoding.encode()))
         headers.append((b"content-length", str(len(body)).encode()))
         await self._start(send, call, reply.status, headers)
+        self._ended(call)
         await send({"type": "http.response.body", "body": body})
 
     @staticmethod

@@ -4,7 +4,7 @@ may take to read each (--stream-stall-timeout), until the last, an error or the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -24,11 +24,17 @@ SSE = [
 
 
 async def relay(
-    events: AsyncGenerator[bytes, None], send: Send, receive: Receive, call: Call, stall_s: float
+    events: AsyncGenerator[bytes, None],
+    send: Send,
+    receive: Receive,
+    call: Call,
+    stall_s: float,
+    ending: Callable[[], None],
 ) -> None:
     """The events after the response's start (SSE's headers): an error is sent in-band (the
     status went with the start), and the client leaving or taking no event for `stall_s`
-    cancels the model's request; `call` says how it ended."""
+    cancels the model's request; `call` says how it ended, `ending` is told before the
+    stream's end is sent (it may be told twice)."""
 
     async def relayed() -> None:
         try:
@@ -37,6 +43,7 @@ async def relay(
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except errors.ServiceError as exc:
             call.code, call.error = exc.code, exc.message
+            ending()
             await send({"type": "http.response.body", "body": sse({"error": exc.message})})
         except TimeoutError:
             call.code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -44,6 +51,7 @@ async def relay(
             return
         finally:
             await events.aclose()
+        ending()
         await send({"type": "http.response.body", "body": b""})
 
     try:

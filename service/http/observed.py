@@ -41,6 +41,8 @@ class Call:
     identity: Identity = ANYONE  # its client certificate's (service/http/callers.py)
     observation: Observation | None = None  # a routed request's
     trace: Token[OtelContext] | None = None  # its span made current, until it ends
+    started: float = 0.0  # perf_counter() when it came
+    recorded: bool = False  # counted and logged (or passed on, to be counted elsewhere)
 
 
 def observe(observer: Observer, scope: Scope, rpc: str, route: str) -> Observation:
