@@ -46,11 +46,24 @@ async def test_calls_past_the_cap_are_refused(
     async with new_channel(transport, capped_server, ca_file) as channel:
         stub = pb_grpc.TestingStub(channel)
         # Bidirectional streams the server keeps running until the client finishes them:
-        # once each has answered a message, its handler runs.
-        running = [stub.BidiStream(timeout=60) for _ in range(CAP)]
-        for call in running:
-            await call.write(pb.EchoRequest(payload=b"hold"))
-            assert (await call.read()).payload == b"hold"
+        # once each has answered a message, its handler runs. A stream may be refused while
+        # the server still counts a call that has just ended (the fixture's readiness probes,
+        # the other transport's test): it is opened again until it runs.
+        running = []
+        for _ in range(CAP):
+
+            async def held() -> bool:
+                call = stub.BidiStream(timeout=60)
+                try:
+                    await call.write(pb.EchoRequest(payload=b"hold"))
+                    assert (await call.read()).payload == b"hold"
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    return False
+                running.append(call)
+                return True
+
+            await eventually(held, "a stream runs below the cap")
 
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Unary(pb.EchoRequest(payload=b"one too many"), timeout=10)
