@@ -7,6 +7,7 @@ record holds shapes, bytes and a few numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Sequence
@@ -220,32 +221,39 @@ def read_requests(payloads: Sequence[bytes | memoryview]) -> list[Run | Cancel]:
         # forms taking turns (another priority, other outputs) are each a run of one.
         if end < count and len(payloads[end]) == size and payloads[end][:_VARYING_AT] == head:
             fixed, spans = _layout(record)
-            form = [(a, b, bytes(payload[a:b])) for a, b in fixed]  # what the others must hold
+            form = fixed.unpack_from(payload)  # what the others must hold
             while end < count and len(after := payloads[end]) == size:
-                for start, stop, same in form:
-                    if after[start:stop] != same:
-                        break
-                else:
-                    end += 1
-                    continue
-                break
+                if fixed.unpack_from(after) != form:
+                    break
+                end += 1
         taken.append(_run(record, payloads[index:end], spans))
         index = end
     return taken
 
 
-def _layout(record: Request) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Where a request's fixed bytes are (all but its id and times, the padding, which a
-    writer leaves as it was, and its tensors' data), and where each tensor's data is."""
-    fixed = [(0, _VARYING_AT), (_REQUEST_AT, _REQUEST_AT + 2 * len(record.outputs))]
+def _layout(record: Request) -> tuple[struct.Struct, list[tuple[int, int]]]:
+    """A request's fixed fields as one struct, which skips its id and times, the padding
+    (a writer leaves it as it was) and its tensors' data: one call reads all that another
+    request of the same form must hold. And where each tensor's data is."""
+    outputs = len(record.outputs)
+    skipped = _VARYING.size + _REQUEST_AT - _REQUEST.size  # id, times, padding
+    layout = [f"<{_VARYING_AT}s{skipped}x{outputs}H"]
+    at = _REQUEST_AT + 2 * outputs
+    layout.append(f"{aligned8(at) - at}x")
+    at = aligned8(at)
     data = []
-    at = _REQUEST_AT + ((2 * len(record.outputs) + 7) & ~7)
     for tensor in record.inputs:
+        nbytes = len(tensor.data)
         start = at + _TENSOR.size + 8 * len(tensor.shape)
-        fixed.append((at, start))
-        data.append((start, start + len(tensor.data)))
-        at = start + ((len(tensor.data) + 7) & ~7)
-    return fixed, data
+        layout.append(f"HHIQ{len(tensor.shape)}Q{aligned8(nbytes)}x")
+        data.append((start, start + nbytes))
+        at = start + aligned8(nbytes)
+    return _fixed("".join(layout)), data
+
+
+@functools.lru_cache(maxsize=256)
+def _fixed(layout: str) -> struct.Struct:
+    return struct.Struct(layout)
 
 
 def _run(

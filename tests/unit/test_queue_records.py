@@ -127,10 +127,34 @@ forms = st.tuples(
 )
 
 
+@st.composite
+def neighbours(draw: st.DrawFn) -> list[Any]:
+    """A form and another of the same length and first fields that differs in one field
+    further on: an output asked for, a tensor's index or one of its dims."""
+    form = draw(forms)
+    flags, priority, rows, outputs, tensors = form
+    outputs, tensors = list(outputs), [(i, list(shape), n) for i, shape, n in tensors]
+    other = draw(st.integers(5, 9))  # never one of forms' values
+    changeable = ["output"] * bool(outputs) + ["index"] * bool(tensors)
+    changeable += ["dim"] * any(shape for _, shape, _ in tensors)
+    if not changeable:
+        return [form]
+    where = draw(st.sampled_from(changeable))
+    if where == "output":
+        outputs[draw(st.integers(0, len(outputs) - 1))] = other
+    elif where == "index":
+        at = draw(st.integers(0, len(tensors) - 1))
+        tensors[at] = (other, tensors[at][1], tensors[at][2])
+    else:
+        at = draw(st.sampled_from([k for k, (_, shape, _) in enumerate(tensors) if shape]))
+        tensors[at][1][draw(st.integers(0, len(tensors[at][1]) - 1))] = other
+    return [form, (flags, priority, rows, outputs, tensors)]
+
+
 @PROFILE
 @given(
     data=st.data(),
-    form_choices=st.lists(forms, min_size=1, max_size=3),
+    form_choices=st.lists(forms, min_size=1, max_size=3) | neighbours(),
     seed=st.integers(0, 2**32),
 )
 def test_requests_read_as_runs_are_the_requests_written_and_each_run_holds_all_it_can(
