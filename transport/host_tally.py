@@ -14,7 +14,11 @@ A block: a sequence word, the counters, then a table of per-address entries (ope
 with linear probing; a key is a hash of the scope and the address, never 0). The writer makes
 the sequence odd while it changes the table (entries move when one is removed) and even again
 after; a reader retries while it sees it odd or changed, and after `READ_TRIES` takes what it
-read (a writer stopped mid-change must not stop every other process's admissions)."""
+read (a writer stopped mid-change must not stop every other process's admissions): only the
+entries that change moves may be missed then, never the others. An entry's values changed in
+place move nothing and leave the sequence as it is: a writer preempted while it updates its
+count (every reservation of bytes does) must not make the others read its table as empty,
+which let two front-ends each grant an address its one full receive window."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import functools
 import hashlib
 import mmap
 import os
+from array import array
 from dataclasses import dataclass
 
 READ_TRIES = 8
@@ -126,6 +131,11 @@ class HostTally:
         elif not present:
             self._live -= 1
         start = base + slot * width
+        if found and present:
+            # In place: no entry moves, so a reader finds it whatever the sequence; each of
+            # its words is read whole, the old value or the new.
+            words[start + 1 : start + 1 + len(values)] = array("q", values)
+            return True
         words[self._block + _SEQUENCE] += 1  # odd: changing
         try:
             if present:
@@ -155,15 +165,13 @@ class HostTally:
         values: tuple[int, ...] = ()
         for _ in range(READ_TRIES):
             before = words[sequence]
-            if before & 1:
-                continue
             found, slot = self._find(block + self._table, key)
             if found:
                 start = block + self._table + slot * self.layout.entry_words + 1
                 values = tuple(words[start : start + self.layout.columns])
             else:
                 values = ()
-            if words[sequence] == before:
+            if not before & 1 and words[sequence] == before:
                 break
         return values
 

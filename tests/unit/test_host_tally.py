@@ -51,6 +51,24 @@ def test_a_dead_process_block_cleared_by_the_parent_counts_nothing(segment: int)
     alive.close()
 
 
+def test_a_writer_stopped_mid_change_still_shows_its_other_entries(segment: int) -> None:
+    """A writer preempted while it changes its table (its sequence odd for as long as it is
+    stopped) must not read as empty: its entries that the change does not move are still
+    counted. And a count changed in place (each reservation of bytes) leaves the sequence
+    as it is, so it never makes a reader retry. (CI: two front-ends each granted one address
+    its one full receive window when a reader took a table mid-update for empty.)"""
+    writer, reader = HostTally(segment, LAYOUT, 0), HostTally(segment, LAYOUT, 1)
+    assert writer.set_at(9, (5, 100))
+    sequence = writer._words[writer._block]
+    assert writer.set_at(9, (6, 200))
+    assert writer._words[writer._block] == sequence
+    writer._words[writer._block] += 1  # stopped mid-change, as if preempted there
+    assert reader.others_at(9) == [6, 200]
+    writer._words[writer._block] += 1
+    writer.close()
+    reader.close()
+
+
 def test_keys_differ_by_scope_and_address_and_are_never_zero() -> None:
     keys = {address_key(scope, address) for scope in (0, 1) for address in ("::1", "127.0.0.1")}
     assert len(keys) == 4 and 0 not in keys
