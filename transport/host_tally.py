@@ -17,8 +17,8 @@ after; a reader retries while it sees it odd or changed, and after `READ_TRIES` 
 read (a writer stopped mid-change must not stop every other process's admissions): only the
 entries that change moves may be missed then, never the others. An entry's values changed in
 place move nothing and leave the sequence as it is: a writer preempted while it updates its
-count (every reservation of bytes does) must not make the others read its table as empty,
-which let two front-ends each grant an address its one full receive window."""
+count (every reservation of bytes does) must not make the others read its table as empty:
+they would admit past the host's limits for as long as it stays stopped."""
 
 from __future__ import annotations
 

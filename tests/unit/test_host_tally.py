@@ -55,8 +55,9 @@ def test_a_writer_stopped_mid_change_still_shows_its_other_entries(segment: int)
     """A writer preempted while it changes its table (its sequence odd for as long as it is
     stopped) must not read as empty: its entries that the change does not move are still
     counted. And a count changed in place (each reservation of bytes) leaves the sequence
-    as it is, so it never makes a reader retry. (CI: two front-ends each granted one address
-    its one full receive window when a reader took a table mid-update for empty.)"""
+    as it is, so it never makes a reader retry. (CI once saw two front-ends hold 3.0 MB for
+    one address against its 2 MB receive budget; a reader that took a table mid-update for
+    empty admits that much.)"""
     writer, reader = HostTally(segment, LAYOUT, 0), HostTally(segment, LAYOUT, 1)
     assert writer.set_at(9, (5, 100))
     sequence = writer._words[writer._block]
