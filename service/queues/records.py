@@ -245,7 +245,7 @@ def _layout(record: Request) -> tuple[struct.Struct, list[tuple[int, int]]]:
     for tensor in record.inputs:
         nbytes = len(tensor.data)
         start = at + _TENSOR.size + 8 * len(tensor.shape)
-        layout.append(f"HHIQ{len(tensor.shape)}Q{aligned8(nbytes)}x")
+        layout.append(f"{_TENSOR.format[1:]}{len(tensor.shape)}Q{aligned8(nbytes)}x")
         data.append((start, start + nbytes))
         at = start + aligned8(nbytes)
     return _fixed("".join(layout)), data
