@@ -46,7 +46,10 @@ from tests.servers import (
 )
 
 RPC_TIMEOUT_S = 120.0
-IDLE_S = 4  # looked at while idle: 1% of a core is then 4 ticks of 100 a second
+# Looked at while idle: 1% of a core is then 10 ticks of 100 a second. CPU time is counted a
+# tick at a time (here /proc's schedstat reads 0), so a short span is noisy: over 4 s two
+# front-ends' idle tree spent 0 to 3 ticks, about 0.4% of a core on average.
+IDLE_S = 10
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # new connections: both front-ends
 SCRIBBLE = 17.0
 QUEUE_MB = 1  # rings of 512 KiB: one request takes at most 256 KiB
