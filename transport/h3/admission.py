@@ -124,4 +124,9 @@ class ConnectionAdmission:
         host.set(CONNECTIONS, self.held)
         host.set(HALF_OPEN, self.unfinished)
         if address:
-            host.set_at(address, (self.per_address.get(address, 0), received))
+            self.publish_address(address, received)
+
+    def publish_address(self, address: str, received: int) -> None:
+        """`address`'s connections and bytes alone: what a stream's reservation changes."""
+        if self._host is not None:
+            self._host.set_at(address, (self.per_address.get(address, 0), received))

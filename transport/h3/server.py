@@ -169,6 +169,14 @@ class H3Server:
         host.set(RECEIVED, self.receive_budget.budget.reserved_total)
         self.admission.publish(address, self.receive_budget.budget.held(address) if address else 0)
 
+    def publish_received(self, address: str) -> None:
+        """What a stream's reservation or release changed (every stream has two): the bytes
+        held, in all and for `address`, not every count."""
+        host = self._host
+        if host is not None:
+            host.set(RECEIVED, self.receive_budget.budget.reserved_total)
+            self.admission.publish_address(address, self.receive_budget.budget.held(address))
+
     def rpc_room(self) -> bool:
         limit = self.max_concurrent_rpcs
         if limit is None:
@@ -271,4 +279,4 @@ class _ReceivedElsewhere:
         return self._host.others_at(address)[RECEIVED_COLUMN], self._host.others(RECEIVED)
 
     def publish(self, address: str) -> None:
-        self._server.publish(address)
+        self._server.publish_received(address)
