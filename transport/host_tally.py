@@ -26,7 +26,6 @@ import functools
 import hashlib
 import mmap
 import os
-from array import array
 from dataclasses import dataclass
 
 READ_TRIES = 8
@@ -131,12 +130,11 @@ class HostTally:
         elif not present:
             self._live -= 1
         start = base + slot * width
-        if found and present:
-            # In place: no entry moves, so a reader finds it whatever the sequence; each of
-            # its words is read whole, the old value or the new.
-            words[start + 1 : start + 1 + len(values)] = array("q", values)
-            return True
-        words[self._block + _SEQUENCE] += 1  # odd: changing
+        # Changed in place, no entry moves: a reader finds it whatever the sequence, and
+        # reads each of its words whole, the old value or the new.
+        moves = not (found and present)
+        if moves:
+            words[self._block + _SEQUENCE] += 1  # odd: changing
         try:
             if present:
                 words[start] = key
@@ -145,7 +143,8 @@ class HostTally:
             else:
                 self._remove(base, slot)
         finally:
-            words[self._block + _SEQUENCE] += 1
+            if moves:
+                words[self._block + _SEQUENCE] += 1
         return True
 
     def room(self) -> bool:

@@ -210,7 +210,7 @@ def test_an_idle_worker_sleeps_in_the_kernel(server: ServerProcess) -> None:
 
 
 def test_an_idle_server_uses_under_one_percent_of_a_core(server: ServerProcess) -> None:
-    """Issue #43's bound for the whole tree (parent, front-ends, launchers, six workers):
+    """Issue #43's bound for the whole tree (parent, front-ends, launchers, workers):
     everything that waits, waits in the kernel; what wakes by a timer (the metrics server's
     shutdown poll, the watchdogs) costs well under 1% of a core."""
     inputs = example_inputs("mlp", seed=5)
