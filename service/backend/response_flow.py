@@ -38,6 +38,7 @@ class Outbox:
     def __init__(self, encode: Callable[[Reply], bytes]) -> None:
         self._encode = encode
         self._queue: queue.SimpleQueue[bytes | ResponseFlow | None] = queue.SimpleQueue()
+        self._closed = False  # next() took the close
 
     def put(self, reply: Reply) -> None:
         self._queue.put(self._encode(reply))
@@ -52,13 +53,28 @@ class Outbox:
     def close(self) -> None:
         self._queue.put(None)
 
-    def next(self) -> bytes | None:
-        """The next message to write (None: closed); settles released senders on the way."""
-        while True:
-            item = self._queue.get()
-            if item is None or isinstance(item, bytes):
-                return item
-            item.settle_abandoned()
+    def next(self, most: int) -> bytes | None:
+        """The messages to write next, joined (None: closed): all that are queued once the
+        first comes, while they are under `most` bytes, so that a step of many generations'
+        tokens goes in one write, not one per token. Settles released senders on the way."""
+        if self._closed:
+            return None
+        messages: list[bytes] = []
+        size = 0
+        while not messages or size < most:
+            try:
+                item = self._queue.get(block=not messages)
+            except queue.Empty:
+                break
+            if item is None:
+                self._closed = True
+                break
+            if isinstance(item, bytes):
+                messages.append(item)
+                size += len(item)
+            else:
+                item.settle_abandoned()
+        return b"".join(messages) if messages else None
 
 
 # Checks a response's outputs against the config: the arrays to send, or ValueError saying why.

@@ -24,6 +24,8 @@ from service.backend.response_flow import Reply
 from service.workers import protocol
 from service.workers.tensor_io import inline_arrays, input_array
 
+WRITE_BYTES = 256 << 10  # what one write of the writer may join beyond its first message
+
 
 def serve_decoupled(
     model: PythonModel,
@@ -93,8 +95,8 @@ def _run(requests: DecoupledRequests, submits: queue.SimpleQueue[protocol.Submit
 
 
 def _write(requests: DecoupledRequests, sock: socket.socket) -> None:
-    while (message := requests.outbox.next()) is not None:
-        sock.sendall(message)
+    while (messages := requests.outbox.next(WRITE_BYTES)) is not None:
+        sock.sendall(messages)
 
 
 def encoded(reply: Reply, max_message: int) -> bytes:

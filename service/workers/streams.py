@@ -1,9 +1,9 @@
 """The front-end's side of the decoupled requests one worker holds (protocol.Submit): each
 request's responses wait until its caller takes them, at most RESPONSE_WINDOW of them (the
-worker's credit: a worker that sends more broke the protocol), a Credit goes back for each one
-taken, a Cancel when the caller goes away, and the worker's death ends each request the way its
-caller can act on: one that had no response yet may run again (WorkerDied), one that had some
-fails UNAVAILABLE saying how many were delivered.
+worker's credit: a worker that sends more broke the protocol), a Credit goes back for those
+taken (half a window at a time), a Cancel when the caller goes away, and the worker's death
+ends each request the way its caller can act on: one that had no response yet may run again
+(WorkerDied), one that had some fails UNAVAILABLE saying how many were delivered.
 
 `ResponseLine` is the pure bookkeeping; `StreamRequest` drives it on the event loop."""
 
@@ -43,13 +43,18 @@ class CreditExceeded(Exception):
 
 
 class ResponseLine:
-    """One request's responses between the worker and the caller."""
+    """One request's responses between the worker and the caller. Credit for the responses
+    taken goes back half a window at a time, not one message per response (as HTTP/2 and QUIC
+    grant flow control): the worker still never waits while the caller waits, since what is
+    taken and not yet credited stays under half its window."""
 
     def __init__(self, window: int = protocol.RESPONSE_WINDOW) -> None:
         self.window = window
+        self._batch = max(window // 2, 1)
         self._waiting: deque[protocol.Response] = deque()
         self.received = 0
         self.taken = 0
+        self.owed = 0  # responses taken, their credit not given back yet
         self.final_received = False
 
     def push(self, response: protocol.Response) -> None:
@@ -58,20 +63,31 @@ class ResponseLine:
         if self.final_received:
             raise CreditExceeded(f"a response after the final one of request {response.request_id}")
         # A final response needs no credit (a flags-only final must get through a full window).
-        if len(self._waiting) >= self.window and not response.final:
+        if len(self._waiting) + self.owed >= self.window and not response.final:
             raise CreditExceeded(
-                f"more than {self.window} responses of request {response.request_id} not taken"
+                f"more than {self.window} responses of request {response.request_id} not credited"
             )
         self._waiting.append(response)
         self.received += 1
         self.final_received = response.final
 
     def take(self) -> protocol.Response | None:
-        """The oldest response the caller has not taken (credit for one more goes back)."""
+        """The oldest response the caller has not taken."""
         if not self._waiting:
             return None
         self.taken += 1
-        return self._waiting.popleft()
+        response = self._waiting.popleft()
+        if not response.final:
+            self.owed += 1
+        return response
+
+    def credit_due(self) -> int:
+        """The credit to give back now (0: not yet): what was taken, once it is half the
+        window."""
+        if self.owed < self._batch:
+            return 0
+        owed, self.owed = self.owed, 0
+        return owed
 
     @property
     def finished(self) -> bool:
@@ -124,8 +140,8 @@ class StreamRequest:
         while True:
             response = self.line.take()
             if response is not None:
-                if not response.final:
-                    self._send(protocol.Credit(self.request_id, 1))
+                if credit := self.line.credit_due():
+                    self._send(protocol.Credit(self.request_id, credit))
                 return self._answer(response)
             if self.line.final_received:
                 return None

@@ -244,10 +244,12 @@ def response(final: bool = False, request_id: int = 1) -> protocol.Response:
 @given(taken=st.integers(0, 3 * WINDOW), extra=st.integers(1, 3))
 def test_a_worker_beyond_its_credit_breaks_the_protocol(taken: int, extra: int) -> None:
     line = ResponseLine()
+    credited = 0
     for _ in range(taken):
         line.push(response())
         assert line.take() is not None
-    for _ in range(WINDOW):
+        credited += line.credit_due()
+    for _ in range(WINDOW - (taken - credited)):
         line.push(response())
     with pytest.raises(CreditExceeded):
         for _ in range(extra):
@@ -255,6 +257,37 @@ def test_a_worker_beyond_its_credit_breaks_the_protocol(taken: int, extra: int) 
     line.push(response(final=True))  # a final needs no credit
     with pytest.raises(CreditExceeded):
         line.push(response())  # nothing after the final one
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(steps=st.lists(st.sampled_from(["send", "take", "credit arrives"]), max_size=80))
+def test_credit_goes_back_in_batches_yet_a_waiting_caller_never_stalls_the_worker(
+    steps: list[str],
+) -> None:
+    """A worker that sends while it has credit, a caller that takes, credit that reaches the
+    worker late: the worker is never refused (CreditExceeded) for what its credit allowed,
+    fewer Credits go back than responses are taken, and whenever the caller has nothing to
+    take, the worker has credit to send (neither waits for the other)."""
+    line = ResponseLine()
+    uncredited = 0  # the worker's: sent, not credited yet
+    in_flight: list[int] = []  # credits on their way to the worker
+    credits = taken = 0
+    for step in steps:
+        if step == "send" and uncredited < WINDOW:
+            line.push(response())
+            uncredited += 1
+        elif step == "take":
+            if line.take() is None:  # the caller waits: the worker must have credit
+                assert uncredited - sum(in_flight) < WINDOW
+                continue
+            taken += 1
+            if due := line.credit_due():
+                in_flight.append(due)
+                credits += 1
+        elif step == "credit arrives" and in_flight:
+            uncredited -= in_flight.pop(0)
+        assert 0 <= line.owed < WINDOW // 2
+    assert credits <= taken // (WINDOW // 2)
 
 
 class Worker:
@@ -270,14 +303,16 @@ class Worker:
         return StreamRequest(1, "m", outputs, self.sent.append, self.forgotten.append)
 
 
-async def test_each_response_taken_is_credited_and_closing_early_cancels() -> None:
+async def test_responses_taken_are_credited_half_a_window_at_once_and_closing_cancels() -> None:
     worker = Worker()
     request = worker.request()
-    for _ in range(3):
+    half = WINDOW // 2
+    for _ in range(half + 1):
         request.deliver(response())
-    answers = [await request.next(None, None) for _ in range(2)]
-    assert [a.outputs[0].data for a in answers if a is not None] == [(7).to_bytes(4, "little")] * 2
-    assert worker.sent == [protocol.Credit(1, 1)] * 2
+    answers = [await request.next(None, None) for _ in range(half)]
+    data = [a.outputs[0].data for a in answers if a is not None]
+    assert data == [(7).to_bytes(4, "little")] * half
+    assert worker.sent == [protocol.Credit(1, half)]
     request.close()
     assert worker.sent[-1] == protocol.Cancel(1) and worker.forgotten == [1]
 
