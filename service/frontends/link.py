@@ -19,6 +19,7 @@ from service.frontends.protocol import (
     encode_count,
     frame,
 )
+from service.inference.credit import ReturnedCredit
 
 log = logging.getLogger("paddlequic.frontends")
 
@@ -120,16 +121,18 @@ class Creditor(Protocol):
 
 
 class Inbox:
-    """Messages of one call from the other end, then None (the sender is done). Taking a
-    message gives its credit back; a sender past its window breaks the protocol."""
+    """Messages of one call from the other end, then None (the sender is done). Messages taken
+    give their credit back half a window at a time; a sender past its window breaks the
+    protocol."""
 
     def __init__(self, connection: Creditor, call_id: int) -> None:
         self._connection = connection
         self._call_id = call_id
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._credit = ReturnedCredit(WINDOW)
 
     def put(self, message: bytes | None) -> None:
-        if self._queue.qsize() >= WINDOW + 1:
+        if message is not None and not self._credit.allows(self._queue.qsize()):
             raise ProtocolViolation(f"call {self._call_id}: messages past the credit window")
         self._queue.put_nowait(message)
 
@@ -137,6 +140,6 @@ class Inbox:
         message = await self._queue.get()
         if message is None:
             self._queue.put_nowait(None)  # every later read sees the end too
-        else:
-            self._connection.give_credit(self._call_id)
+        elif credit := self._credit.took():
+            self._connection.give_credit(self._call_id, credit)
         return message

@@ -49,6 +49,7 @@ from service.frontends.reports import report_payloads
 from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
+from service.inference.credit import ReturnedCredit
 from service.inference.identity import identity_of
 from service.observability.metrics import Metrics
 from service.observability.summed import families_json
@@ -66,6 +67,8 @@ class _Forwarded:
     def __init__(self) -> None:
         self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
         self.window = Window()
+        self.credit = ReturnedCredit(WINDOW)  # for the parent's messages the client took
+        self.unread = 0  # the parent's messages in `events`
         self.stale = False  # described, and the parent's view had changed: passed on as bytes
 
 
@@ -197,9 +200,10 @@ class ParentLink(FrameConnection):
             while True:
                 kind, value = await call.events.get()
                 if kind is Kind.MESSAGE:
+                    call.unread -= 1
                     yield message(value)
-                    if credit:
-                        self.give_credit(call_id)
+                    if credit and (count := call.credit.took()):
+                        self.give_credit(call_id, count)
                 elif kind is Kind.HEADERS:
                     await context.send_initial_metadata(value)
                 elif kind is Kind.STATUS:
@@ -253,8 +257,9 @@ class ParentLink(FrameConnection):
         if call is None:
             return  # the call ended here first (the client left)
         if kind is Kind.MESSAGE:
-            if call.events.qsize() > WINDOW + 2:  # the window, headers, a status
+            if not call.credit.allows(call.unread):
                 raise ProtocolViolation(f"call {call_id}: messages past the credit window")
+            call.unread += 1
             call.events.put_nowait((kind, payload))
         elif kind is Kind.HEADERS:
             call.events.put_nowait((kind, decode_metadata(payload)))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from service.inference import errors
+from service.inference.credit import ReturnedCredit
 from service.inference.errors import WorkerDied
 from service.inference.jobs import InputTensor, OutputTensor, StreamAnswer
 from service.inference.timers import fail_at
@@ -43,18 +44,14 @@ class CreditExceeded(Exception):
 
 
 class ResponseLine:
-    """One request's responses between the worker and the caller. Credit for the responses
-    taken goes back half a window at a time, not one message per response (as HTTP/2 and QUIC
-    grant flow control): the worker still never waits while the caller waits, since what is
-    taken and not yet credited stays under half its window."""
+    """One request's responses between the worker and the caller; the credit for those taken
+    goes back half a window at a time (ReturnedCredit)."""
 
     def __init__(self, window: int = protocol.RESPONSE_WINDOW) -> None:
-        self.window = window
-        self._batch = max(window // 2, 1)
+        self.credit = ReturnedCredit(window)
         self._waiting: deque[protocol.Response] = deque()
         self.received = 0
         self.taken = 0
-        self.owed = 0  # responses taken, their credit not given back yet
         self.final_received = False
 
     def push(self, response: protocol.Response) -> None:
@@ -63,31 +60,22 @@ class ResponseLine:
         if self.final_received:
             raise CreditExceeded(f"a response after the final one of request {response.request_id}")
         # A final response needs no credit (a flags-only final must get through a full window).
-        if len(self._waiting) + self.owed >= self.window and not response.final:
+        if not response.final and not self.credit.allows(len(self._waiting)):
             raise CreditExceeded(
-                f"more than {self.window} responses of request {response.request_id} not credited"
+                f"more than {self.credit.window} responses of request {response.request_id} "
+                "not credited"
             )
         self._waiting.append(response)
         self.received += 1
         self.final_received = response.final
 
-    def take(self) -> protocol.Response | None:
-        """The oldest response the caller has not taken."""
+    def take(self) -> tuple[protocol.Response | None, int]:
+        """The oldest response the caller has not taken, and the credit to give back now."""
         if not self._waiting:
-            return None
+            return None, 0
         self.taken += 1
         response = self._waiting.popleft()
-        if not response.final:
-            self.owed += 1
-        return response
-
-    def credit_due(self) -> int:
-        """The credit to give back now (0: not yet): what was taken, once it is half the
-        window."""
-        if self.owed < self._batch:
-            return 0
-        owed, self.owed = self.owed, 0
-        return owed
+        return response, 0 if response.final else self.credit.took()
 
     @property
     def finished(self) -> bool:
@@ -138,9 +126,9 @@ class StreamRequest:
         (execution_timeout_ms), and the worker's death as the docstring above says."""
         loop = asyncio.get_running_loop()
         while True:
-            response = self.line.take()
+            response, credit = self.line.take()
             if response is not None:
-                if credit := self.line.credit_due():
+                if credit:
                     self._send(protocol.Credit(self.request_id, credit))
                 return self._answer(response)
             if self.line.final_received:

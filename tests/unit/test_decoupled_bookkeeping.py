@@ -247,8 +247,9 @@ def test_a_worker_beyond_its_credit_breaks_the_protocol(taken: int, extra: int) 
     credited = 0
     for _ in range(taken):
         line.push(response())
-        assert line.take() is not None
-        credited += line.credit_due()
+        taken_response, credit = line.take()
+        assert taken_response is not None
+        credited += credit
     for _ in range(WINDOW - (taken - credited)):
         line.push(response())
     with pytest.raises(CreditExceeded):
@@ -277,16 +278,17 @@ def test_credit_goes_back_in_batches_yet_a_waiting_caller_never_stalls_the_worke
             line.push(response())
             uncredited += 1
         elif step == "take":
-            if line.take() is None:  # the caller waits: the worker must have credit
+            taken_response, due = line.take()
+            if taken_response is None:  # the caller waits: the worker must have credit
                 assert uncredited - sum(in_flight) < WINDOW
                 continue
             taken += 1
-            if due := line.credit_due():
+            if due:
                 in_flight.append(due)
                 credits += 1
         elif step == "credit arrives" and in_flight:
             uncredited -= in_flight.pop(0)
-        assert 0 <= line.owed < WINDOW // 2
+        assert 0 <= line.credit.owed < WINDOW // 2
     assert credits <= taken // (WINDOW // 2)
 
 
