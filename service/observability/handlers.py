@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc.aio import AbortError
+from grpc.aio import AbortError, InternalError
 from opentelemetry import context as otel_context
 
 from service.observability.metrics import UNKNOWN
@@ -138,8 +138,11 @@ def _status(error: BaseException | None, context: Any) -> grpc.StatusCode:
     Once the deadline passed, that is DEADLINE_EXCEEDED whatever the behavior did: an answer
     that races the deadline (an abort, a response) fails to go out (grpcio raises
     ExecuteBatchError), and the client's own deadline has fired; a cancel close to it is the
-    deadline too."""
-    cancelled = context.cancelled() or isinstance(error, asyncio.CancelledError | GeneratorExit)
+    deadline too. So is an answer that failed to go out (an InternalError, ExecuteBatchError's
+    base: the transport had ended the call) close to it: the client's cancel at its deadline
+    can end the call before the context says it was cancelled."""
+    ended = isinstance(error, asyncio.CancelledError | GeneratorExit | InternalError)
+    cancelled = context.cancelled() or ended
     if deadline_passed(context.time_remaining(), cancelled):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if error is None or isinstance(error, AbortError):

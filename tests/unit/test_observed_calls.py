@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc._cython.cygrpc import ExecuteBatchError  # type: ignore[import-not-found]
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
@@ -150,22 +151,62 @@ def test_a_call_ends_by_its_deadline_once_it_passed_or_when_cancelled_close_to_i
 
 
 class _Context:
-    """What the observation reads of a grpc.aio servicer context, for a call whose client left."""
+    """What the observation reads of a grpc.aio servicer context, for a call whose client left
+    (`cancelled`: whether the context says so yet; `remaining`: its deadline)."""
+
+    def __init__(self, cancelled: bool = True, remaining: float | None = None) -> None:
+        self._cancelled = cancelled
+        self._remaining = remaining
 
     def invocation_metadata(self) -> tuple[()]:
         return ()
 
     def cancelled(self) -> bool:
-        return True
+        return self._cancelled
 
-    def time_remaining(self) -> None:
-        return None
+    def time_remaining(self) -> float | None:
+        return self._remaining
 
     def code(self) -> None:
         return None
 
     def details(self) -> str:
         return ""
+
+
+@pytest.mark.parametrize(
+    ("remaining", "code"),
+    [
+        (-1.0, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (0.006, grpc.StatusCode.DEADLINE_EXCEEDED),  # as seen in CI
+        (DEADLINE_MARGIN_S, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (DEADLINE_MARGIN_S + 0.01, grpc.StatusCode.UNKNOWN),
+        (30.0, grpc.StatusCode.UNKNOWN),
+        (None, grpc.StatusCode.UNKNOWN),  # no deadline
+    ],
+)
+async def test_an_answer_that_failed_to_go_out_near_the_deadline_ended_by_the_deadline(
+    observed: Observed, remaining: float | None, code: grpc.StatusCode
+) -> None:
+    """grpcio raises ExecuteBatchError for an answer (an abort, a response) on a call its
+    transport had already ended. Where the client's cancel at its deadline did that before
+    the context said it was cancelled, the call ended by its deadline, not UNKNOWN (seen in
+    CI: a call its client timed out at 0.5 s recorded UNKNOWN at 494 ms). Far from the
+    deadline it stays UNKNOWN: nothing says why the transport ended it."""
+    method = "Unary"
+    failed = ExecuteBatchError("Failed grpc_call_start_batch: GRPC_CALL_ERROR_TOO_MANY_OPERATIONS")
+
+    async def answer_too_late(request: Any, context: Any) -> Any:
+        raise failed
+
+    wrapped = ObservedServer(None, TRANSPORT, observed.observer).wrap(
+        f"/{SERVICE}/{method}", grpc.unary_unary_rpc_method_handler(answer_too_late)
+    )
+    behavior: Any = wrapped.unary_unary
+    with pytest.raises(ExecuteBatchError):
+        await behavior(REQUESTS[0], _Context(cancelled=False, remaining=remaining))
+    assert observed.count(method, code) == 1
+    assert observed.span_statuses(method) == [code.value[0]]
 
 
 async def test_a_stream_closed_from_another_task_is_observed_without_an_error(
