@@ -24,7 +24,7 @@ from service.backend.response_flow import Reply
 from service.workers import protocol
 from service.workers.tensor_io import inline_arrays, input_array
 
-WRITE_BYTES = 256 << 10  # what one write of the writer may join beyond its first message
+WRITE_BYTES = 256 << 10  # the writer joins queued messages into one write while under this
 
 
 def serve_decoupled(
