@@ -8,7 +8,8 @@ counts in its own memory and copies into its block, so its own count is always e
 the others' may be a moment old. A limit is then checked against its own count plus what the
 others' blocks say: two processes admitting at the same instant may each count the other
 without its newest addition, so a limit may be passed by at most one per other process (per
-what is counted: connections, requests, or one reservation's bytes).
+what is counted: connections or requests; the receive budget looks again after it publishes,
+transport/h3/receive_budget.py).
 
 A block: a sequence word, the counters, then a table of per-address entries (open addressing
 with linear probing; a key is a hash of the scope and the address, never 0). The writer makes

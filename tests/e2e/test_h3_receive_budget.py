@@ -133,11 +133,14 @@ async def test_with_frontends_the_budget_is_the_host_s(tmp_path: Path, certs_dir
     ca_file = str(certs_dir / "ca.pem")
     with h3_server(tmp_path, certs_dir, [*args, "--frontends", "2"]) as server:
         attackers, admitted = await hold_partial_messages(server, ca_file, front_ends=2)
-        held = sum(credit(c, s) for c, s in admitted)
-        # Two reservations at the same instant may each miss the other's: one stream more.
-        most = BUDGET + NARROW_STREAM_WINDOW + len(admitted) * HEADERS_ROOM
-        assert held <= most, f"{held} bytes allowed"
-        assert ADMITTED <= len(admitted) <= ADMITTED + 1
+        credits = [credit(c, s) for c, s in admitted]
+        assert sum(credits) <= BUDGET + len(admitted) * HEADERS_ROOM, f"{credits} bytes allowed"
+        # At most one full window: half the budget stays for narrow ones. The first streams of
+        # the two front-ends ask at the same instant; if both gave theirs back, every stream
+        # has a narrow one, and twice as many are admitted (transport/h3/receive_budget.py).
+        wide = [size for size in credits if size > NARROW_STREAM_WINDOW + HEADERS_ROOM]
+        assert len(wide) <= 1, credits
+        assert len(admitted) >= ADMITTED - 1, credits  # the budget was used
         other = await connect_from("127.0.0.2", server.port, ca_file)
         assert (await live(other, server.port))[0] == grpc.StatusCode.OK
         for connection in [*attackers, other]:
