@@ -22,3 +22,4 @@ def test_each_case_gives_a_row_with_every_part_measured() -> None:
     assert [(row.forms, row.batch) for row in rows] == cases
     for row in rows:
         assert row.predictor_us > 0 and row.worker_us > 0 and row.caller_us > 0, row
+        assert 0 < row.inside_us < row.worker_us, row  # the run is a part of the loop
