@@ -2,7 +2,9 @@
 connections/s (handshake, one ModelInfer, close) on HTTP/2 and HTTP/3 against servers with
 1, 2 and 4 front-end processes, each figure also as a ratio to one front-end; the CPU each
 call costs every process of the server (main, front-ends, workers), and the calls/s that
-projects to on 16 and 64 cores.
+projects to on 16 and 64 cores. Rounds alternate the servers' order (each started afresh per
+round); a table gives each figure's median over the rounds and each ratio's median and range,
+the ratio taken within a round.
 
 The load comes from several client processes (one Python process saturates long before a
 server with several front-ends does), each with its own connections, so the kernel spreads
@@ -17,6 +19,7 @@ import asyncio
 import multiprocessing
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +35,7 @@ import numpy as np
 from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from scripts.bench_common import closed_loop, tree_cpu, write_json
+from scripts.bench_common import closed_loop, median_range, tree_cpu, write_json
 from tests.servers import ServerProcess, model_repository
 
 TRANSPORTS = ("h2", "h3")
@@ -65,6 +68,7 @@ class Setup:
 
 @dataclass
 class Measurement:
+    round: int
     model: str
     frontends: int
     path: str
@@ -151,6 +155,7 @@ class Load:
 def measure(
     pool: ProcessPoolExecutor,
     load: Load,
+    round_: int,
     setup: Setup,
     transport: str,
     workload: str,
@@ -168,9 +173,11 @@ def measure(
     before = tree_cpu(server.process.pid)
     count = sum(job.result() for job in jobs)
     after = tree_cpu(server.process.pid)
-    result = per_item(load.model, setup, transport, workload, count, duration, before, after)
+    result = per_item(
+        round_, load.model, setup, transport, workload, count, duration, before, after
+    )
     print(
-        f"  {setup} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
+        f"  round {round_} {setup} {transport} {workload:<16} {result.per_second:>9.1f}/s  "
         f"CPU each: {result.total_cpu_us:>6.0f} us in all, {result.main_cpu_us:.0f} main, "
         f"{result.frontends_cpu_us:.0f} front-ends, {result.workers_cpu_us:.0f} workers; "
         f"busiest {result.busiest} {result.busiest_cpu_us:.0f} us",
@@ -180,6 +187,7 @@ def measure(
 
 
 def per_item(
+    round_: int,
     model: str,
     setup: Setup,
     transport: str,
@@ -208,6 +216,7 @@ def per_item(
         for cores in PROJECTED_CORES
     }
     return Measurement(
+        round_,
         model,
         setup.frontends,
         setup.path,
@@ -228,17 +237,38 @@ def per_item(
 
 def _grid(title: str, setups: Sequence[Setup], cell: Callable[[Setup, str, str], str]) -> str:
     """A row per workload and transport, a column per server."""
-    header = f"{'workload':<16} {'transport':<9}" + "".join(f" {n!s:>26}" for n in setups)
+    header = f"{'workload':<16} {'transport':<9}" + "".join(f" {n!s:>36}" for n in setups)
     rows = [title, header]
     for workload in WORKLOADS:
         for transport in TRANSPORTS:
-            cells = "".join(f" {cell(n, transport, workload):>26}" for n in setups)
+            cells = "".join(f" {cell(n, transport, workload):>36}" for n in setups)
             rows.append(f"{workload:<16} {transport:<9}{cells}")
     return "\n".join(rows)
 
 
-def _by_key(results: Sequence[Measurement]) -> dict[tuple[Setup, str, str], Measurement]:
-    return {(Setup(m.frontends, m.path), m.transport, m.workload): m for m in results}
+Key = tuple[Setup, str, str]  # server, transport, workload
+
+
+def _by_key(results: Sequence[Measurement]) -> dict[Key, list[Measurement]]:
+    """Each figure's measurements, one per round, in round order."""
+    by_key: dict[Key, list[Measurement]] = {}
+    for m in sorted(results, key=lambda m: m.round):
+        by_key.setdefault((Setup(m.frontends, m.path), m.transport, m.workload), []).append(m)
+    return by_key
+
+
+def _against_base(
+    by_key: dict[Key, list[Measurement]],
+    base: Key,
+    key: Key,
+    figure: Callable[[Measurement], float],
+) -> str:
+    """The figure's median over the rounds, and its ratio to the base's, round by round."""
+    mine = by_key[key]
+    ratios = [
+        figure(m) / figure(b) if figure(b) else 0.0 for m, b in zip(mine, by_key[base], strict=True)
+    ]
+    return f"{statistics.median(figure(m) for m in mine):.0f} ({median_range(ratios)})"
 
 
 def table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
@@ -246,12 +276,12 @@ def table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
     by_key = _by_key(results)
 
     def cell(n: Setup, transport: str, workload: str) -> str:
-        base = by_key[setups[0], transport, workload].per_second
-        measured = by_key[n, transport, workload]
-        ratio = measured.per_second / base if base else 0.0
-        return f"{measured.per_second:.0f} (x{ratio:.2f})"
+        base = (setups[0], transport, workload)
+        return _against_base(by_key, base, (n, transport, workload), lambda m: m.per_second)
 
-    return _grid("per second (ratio to the first)", setups, cell)
+    return _grid(
+        "per second, median of the rounds (ratio to the first: median, range)", setups, cell
+    )
 
 
 def cpu_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
@@ -260,10 +290,9 @@ def cpu_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
     by_key = _by_key(results)
 
     def cell(n: Setup, transport: str, workload: str) -> str:
-        base = by_key[setups[0], transport, workload].total_cpu_us
-        measured = by_key[n, transport, workload]
-        ratio = measured.total_cpu_us / base if base else 0.0
-        return f"{measured.total_cpu_us:.0f} (x{ratio:.2f}) main {measured.main_cpu_us:.0f}"
+        key, base = (n, transport, workload), (setups[0], transport, workload)
+        main = statistics.median(m.main_cpu_us for m in by_key[key])
+        return f"{_against_base(by_key, base, key, lambda m: m.total_cpu_us)} main {main:.0f}"
 
     title = "CPU us per item, all processes (ratio to the first), then the main process's"
     return _grid(title, setups, cell)
@@ -272,13 +301,16 @@ def cpu_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
 def projection_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
     """Per second on bigger hosts: cores over the summed CPU per item, capped by the busiest
     process that does not multiply with front-ends, whose part is named (a worker caps as it
-    should; the parent must not)."""
+    should; the parent must not); the medians of the rounds."""
     by_key = _by_key(results)
 
     def cell(n: Setup, transport: str, workload: str) -> str:
-        measured = by_key[n, transport, workload]
-        cores = "/".join(f"{measured.projected[str(c)]}" for c in PROJECTED_CORES)
-        return f"{cores} ({measured.busiest})"
+        mine = by_key[n, transport, workload]
+        cores = "/".join(
+            f"{statistics.median(m.projected[str(c)] for m in mine):.0f}" for c in PROJECTED_CORES
+        )
+        busiest = statistics.mode(m.busiest for m in mine)
+        return f"{cores} ({busiest})"
 
     cores = " and ".join(str(c) for c in PROJECTED_CORES)
     return _grid(f"projected per second on {cores} cores (the busiest process)", setups, cell)
@@ -288,6 +320,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--frontends", default="1,2,4", help="front-end counts, the first is 1")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the servers' order rotating")
     parser.add_argument(
         "--clients",
         type=int,
@@ -311,9 +344,9 @@ def main() -> int:
     args = parser.parse_args()
     counts = [int(n) for n in args.frontends.split(",")]
     paths = args.paths.split(",")
-    if counts[0] != 1 or args.clients < 1 or not set(paths) <= PATHS.keys():
+    if counts[0] != 1 or min(args.clients, args.rounds) < 1 or not set(paths) <= PATHS.keys():
         parser.error(
-            "--frontends must start with 1 (the base of the ratios); --clients >= 1; "
+            "--frontends must start with 1 (the base of the ratios); --clients, --rounds >= 1; "
             f"--paths from {', '.join(PATHS)}"
         )
     setups = [Setup(n, path) for path in paths for n in counts]
@@ -332,23 +365,27 @@ def main() -> int:
         load = Load(args.clients, args.model, certs / "ca.pem", args.duration)
         print(
             f"{args.model}, {args.clients} client processes, {args.duration:g} s per measurement, "
-            f"{len(os.sched_getaffinity(0))} usable cores",
+            f"{args.rounds} rounds, {len(os.sched_getaffinity(0))} usable cores",
             flush=True,
         )
-        for setup in setups:
-            server = ServerProcess(
-                repository,
-                Path(tmp) / f"server-{setup.frontends}-{setup.path}.log",
-                ["--certs-dir", str(certs), "--frontends", str(setup.frontends)]
-                + PATHS[setup.path],
-            )
-            try:
-                server.wait_ready()
-                for workload in WORKLOADS:
-                    for transport in TRANSPORTS:
-                        results.append(measure(pool, load, setup, transport, workload, server))
-            finally:
-                server.stop()
+        for round_ in range(args.rounds):
+            turn = round_ % len(setups)
+            for setup in setups[turn:] + setups[:turn]:
+                server = ServerProcess(
+                    repository,
+                    Path(tmp) / f"server-{round_}-{setup.frontends}-{setup.path}.log",
+                    ["--certs-dir", str(certs), "--frontends", str(setup.frontends)]
+                    + PATHS[setup.path],
+                )
+                try:
+                    server.wait_ready()
+                    for workload in WORKLOADS:
+                        for transport in TRANSPORTS:
+                            results.append(
+                                measure(pool, load, round_, setup, transport, workload, server)
+                            )
+                finally:
+                    server.stop()
     print()
     print(table(results, setups))
     print()

@@ -7,7 +7,7 @@
 # instance queues do not take (the parent's path only: said in scale.txt). MODEL overrides.
 # Results go to $OUT (default bench-results/): scale.json, scale.txt and, where NVML sees
 # GPUs, topology.txt. The generated protobuf modules must be there (`make proto`).
-# FRONTENDS, CLIENTS (default: half the cores) and DURATION size the run.
+# FRONTENDS, CLIENTS (default: half the cores), DURATION and ROUNDS (default 3) size the run.
 set -eu
 out=${OUT:-bench-results}
 site=${SITE:-/tmp/paddlequic-site}
@@ -31,5 +31,5 @@ else
     : > "$out/scale.txt"
 fi
 "$python" -m scripts.bench_scale --model "$model" --paths "$paths" \
-    --frontends "${FRONTENDS:-1,2,4,8}" --duration "${DURATION:-3}" \
+    --frontends "${FRONTENDS:-1,2,4,8}" --duration "${DURATION:-3}" ${ROUNDS:+--rounds "$ROUNDS"} \
     ${CLIENTS:+--clients "$CLIENTS"} --out "$out/scale.json" | tee -a "$out/scale.txt"
