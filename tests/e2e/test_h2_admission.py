@@ -1,5 +1,7 @@
 """HTTP/2 connection bounds: --h2-max-connections closes connections past the limit as they
-arrive while the ones held keep working, and --idle-timeout closes a connection with no call."""
+arrive while the ones held keep working (per process: grpc core counts them, so with
+--frontends N each front-end holds the limit, N times it in all), and --idle-timeout closes a
+connection with no call."""
 
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ async def _live(channel: grpc.aio.Channel) -> bool:
 
 async def test_connections_past_the_limit_are_closed(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
-    args = ["--no-h3", "--h2-max-connections", str(LIMIT)]
+    # One process (whatever PADDLEQUIC_FRONTENDS says): with front-ends the kernel spreads the
+    # connections over them, and the one past the limit may reach another (the test below).
+    args = ["--no-h3", "--h2-max-connections", str(LIMIT), "--frontends", "1"]
     with running_server(tmp_path / "models", tmp_path / "server.log", args) as server:
         # The fixture's own channel holds one of the connections.
         held = [_channel(server.address) for _ in range(LIMIT - 1)]
@@ -56,6 +60,25 @@ async def test_connections_past_the_limit_are_closed(tmp_path: Path) -> None:
 
         await eventually(admitted, "a connection admitted once one closed", attempts=100)
         for channel in held:
+            await channel.close(None)
+
+
+async def test_with_front_ends_each_holds_the_limit(tmp_path: Path) -> None:
+    """`--frontends 2`: at most twice the limit in all (docs/configuration.md), and no fewer
+    than one front-end's worth, however the kernel spreads the connections."""
+    (tmp_path / "models").mkdir()
+    args = ["--no-h3", "--h2-max-connections", str(LIMIT), "--frontends", "2"]
+    with running_server(tmp_path / "models", tmp_path / "server.log", args) as server:
+        channels = [_channel(server.address) for _ in range(3 * LIMIT)]
+        admitted = 0
+        for channel in channels:
+            try:
+                admitted += await _live(channel)
+            except grpc.aio.AioRpcError as refused:
+                assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        # The fixture's own channel holds a connection of one of the front-ends.
+        assert LIMIT - 1 <= admitted <= 2 * LIMIT - 1, admitted
+        for channel in channels:
             await channel.close(None)
 
 
