@@ -100,21 +100,20 @@ class SharedReceiveBudget:
             granted = self.budget.reserve(address, size, share, self._elsewhere.held(address))
             if granted and size:
                 self._publish(address)
-                granted = self._still_within(address, size, share)
+                granted = self._still_within(self._elsewhere, address, size, share)
         self.peak_total = max(self.peak_total, self.budget.reserved_total)
         return granted
 
-    def _still_within(self, address: str, size: int, share: float) -> bool:
+    def _still_within(self, elsewhere: Elsewhere, address: str, size: int, share: float) -> bool:
         """Another process may have reserved at the same instant, each missing the other's
         reservation. Both published before looking again, so at least one of them sees the
         other's now: whoever finds the sum past the limit gives its part back (both may, which
         only refuses). Without this, two streams' full windows took all of an address's
         budget, which WIDE_SHARE keeps half of for narrow ones (CI at 5cd5999)."""
-        assert self._elsewhere is not None
-        if self.budget.reserve(address, 0, share, self._elsewhere.held(address)):
+        if self.budget.reserve(address, 0, share, elsewhere.held(address)):
             return True
         self.budget.release(address, size)
-        self._publish(address)
+        elsewhere.publish(address)
         return False
 
     def _publish(self, address: str) -> None:
