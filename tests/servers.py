@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -129,6 +130,13 @@ def twice_ensemble(repository: Path, mlp_output: str) -> None:
     (repository / "twice" / "config.pbtxt").write_text(TWICE.format(out=mlp_output))
 
 
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON lines of a server's log, whole ones only: the server may be writing the last
+    while a test reads the file (CI at eac2339 parsed half a line)."""
+    whole = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -212,6 +220,10 @@ class ServerProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log_objects(self) -> list[dict[str, Any]]:
+        """The JSON lines of its log (log records, spans), whole ones: json_lines."""
+        return json_lines(self.log_text())
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -6,7 +6,6 @@ deadlines that race the handler's answer."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 import urllib.request
 from collections.abc import Iterator
@@ -60,15 +59,11 @@ class Served:
         return self.server.log_text().splitlines()
 
     def request_lines(self, **fields: str) -> list[dict[str, Any]]:
-        found = []
-        for line in self.log_lines():
-            if line.startswith("{"):
-                obj = json.loads(line)
-                if obj.get("event") == "request" and all(
-                    obj.get(k) == v for k, v in fields.items()
-                ):
-                    found.append(obj)
-        return found
+        return [
+            obj
+            for obj in self.server.log_objects()
+            if obj.get("event") == "request" and all(obj.get(k) == v for k, v in fields.items())
+        ]
 
 
 @pytest.fixture(scope="module")

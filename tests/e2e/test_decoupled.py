@@ -249,11 +249,7 @@ async def test_the_model_sees_the_requests_id_and_parameters(
     def printed() -> list[str]:
         """The model's print, which reaches the server's log through its worker's output pipe:
         it may come after the response."""
-        messages = [
-            json.loads(line).get("message", "")
-            for line in server.log_text().splitlines()
-            if line.startswith("{")
-        ]
+        messages = [o.get("message", "") for o in server.log_objects()]
         return [m.removeprefix(prefix) for m in messages if m.startswith(prefix)]
 
     async def logged() -> bool:
@@ -429,8 +425,7 @@ async def test_each_request_gets_a_span_with_its_response_count(
         assert len(await read_all(call)) == 6
 
     def spans() -> list[dict[str, Any]]:
-        lines = server.log_text().splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
+        return server.log_objects()
 
     def generate_span() -> dict[str, Any] | None:
         return next(

@@ -322,9 +322,8 @@ def requests_counted(server: ServerProcess, transport: str, rpc: str) -> dict[st
 def requests_logged(server: ServerProcess, transport: str, rpc: str) -> list[str]:
     """The status of every request-log line for `rpc` on `transport`, whichever process
     wrote it (the front-ends write to the same log as the parent)."""
-    import json
 
-    lines = [json.loads(x) for x in server.log_text().splitlines() if x.startswith("{")]
+    lines = server.log_objects()
     return [
         line["status"]
         for line in lines

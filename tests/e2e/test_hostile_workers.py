@@ -9,7 +9,6 @@ on a real server beside a Paddle model and another Python model:
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -198,7 +197,7 @@ def test_a_model_output_flood_stays_within_its_budget(hostile: Hostile) -> None:
     def logged() -> list[str]:
         return [
             o["message"]
-            for o in (json.loads(x) for x in server.log_text().splitlines() if x.startswith("{"))
+            for o in server.log_objects()
             if o.get("logger") == "paddlequic.model" and o["message"].startswith("model flooder:")
         ]
 

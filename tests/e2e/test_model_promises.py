@@ -11,7 +11,6 @@ writes a file into its directory: nothing here waits for a duration, only for ev
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import urllib.request
 from collections.abc import Iterator
@@ -203,7 +202,7 @@ def state(server: ServerProcess, model: str) -> tuple[str, str] | None:
 
 
 def log_objects(server: ServerProcess) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+    return server.log_objects()
 
 
 def gate_request(value: float, request_id: str, model: str = "gate") -> pb.ModelInferRequest:

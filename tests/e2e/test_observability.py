@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
 from service.observability.logs import sampled_by_id
-from tests.servers import ServerProcess, free_port, model_repository, running_server
+from tests.servers import ServerProcess, free_port, json_lines, model_repository, running_server
 
 GOOD = {"input": np.ones((1, 256), np.float32)}
 BAD = {"no_such_input": np.ones((1, 256), np.float32)}  # -> INVALID_ARGUMENT
@@ -89,12 +88,7 @@ def log_objects(observed: Observed, wanted: int, match: Any) -> list[dict[str, A
     """The server log's JSON lines that `match`, once `wanted` of them were written."""
     deadline = time.monotonic() + 10
     while True:
-        found = []
-        for line in observed.server.log_text().splitlines():
-            if line.startswith("{"):
-                obj = json.loads(line)
-                if match(obj):
-                    found.append(obj)
+        found = [obj for obj in observed.server.log_objects() if match(obj)]
         if len(found) >= wanted or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -210,10 +204,9 @@ async def test_spans_continue_the_callers_trace_on_both_transports(observed: Obs
 
 def logged_request_ids(log_text: str, prefix: str) -> set[str]:
     """The ids of the request-log lines in `log_text` whose id starts with `prefix`."""
-    lines = [json.loads(x) for x in log_text.splitlines() if x.startswith("{")]
     return {
         line["request_id"]
-        for line in lines
+        for line in json_lines(log_text)
         if line.get("event") == "request" and line["request_id"].startswith(prefix)
     }
 

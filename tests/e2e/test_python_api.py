@@ -123,7 +123,7 @@ def test_python_models_are_warmed_by_model_warmup_only(server: ServerProcess) ->
 
 def model_records(server: ServerProcess, model: str) -> list[tuple[str, str]]:
     """(level, message) of each line the server logged of the model's output."""
-    records = [json.loads(line) for line in server.log_text().splitlines() if line.startswith("{")]
+    records = server.log_objects()
     prefix = f"model {model}: "
     return [
         (r["level"], r["message"].removeprefix(prefix))

@@ -137,8 +137,7 @@ def logged(observed: Observed, wanted: int, match: Callable[[dict[str, Any]], bo
     were written (or WAIT_S passed)."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        lines = observed.server.log_text().splitlines()
-        found = [o for o in (json.loads(x) for x in lines if x.startswith("{")) if match(o)]
+        found = [o for o in observed.server.log_objects() if match(o)]
         if len(found) >= wanted or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
