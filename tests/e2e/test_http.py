@@ -528,11 +528,7 @@ def test_rest_calls_are_counted_and_logged_as_grpc_calls_are(rest: Rest) -> None
     assert curl(rest, "/v2/models/mlp/infer", "2", body.encode())[0] == 200
     assert curl(rest, "/v2/models/absent-model", "1.1")[0] == 404
     assert (count(**ok), count(**failed)) == (before[0] + 1, before[1] + 1)
-    lines = [
-        json.loads(line)
-        for line in rest.process.log_text().splitlines()
-        if '"transport": "http"' in line
-    ]
+    lines = [line for line in rest.process.log_objects() if line.get("transport") == "http"]
     assert any(
         line["rpc"] == "ModelMetadata"
         and line["status"] == "NOT_FOUND"
