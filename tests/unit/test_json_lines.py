@@ -4,6 +4,7 @@ line may be half written (CI at eac2339 failed a test on one); only whole lines 
 from __future__ import annotations
 
 import json
+from itertools import accumulate
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ def test_a_half_written_last_line_is_left_for_the_next_read(
     lines = [json.dumps(r) + "\n" for r in records] + ["I1206 a line grpc wrote\n"]
     text = "".join(lines)
     written = text[: len(text) - cut]  # what a reader found: the writer stopped anywhere
-    ends = [sum(len(line) for line in lines[: i + 1]) for i in range(len(records))]
+    ends = accumulate(len(line) for line in lines)  # where each line's newline is written
     assert json_lines(written) == [
-        r for r, end in zip(records, ends, strict=True) if end <= len(written)
+        r for r, end in zip(records, ends, strict=False) if end <= len(written)
     ]

@@ -216,10 +216,7 @@ def test_two_streams_at_the_same_instant_get_one_full_window_at_most() -> None:
     instant: no more than one keeps it, so half of the address's budget stays for narrow
     windows (CI at 5cd5999: two full windows took all of it; 2 streams were admitted, not 17)."""
     board = Board(ReceiveBudget(total=10 * WINDOW, per_address=2 * WINDOW))
-    credits = [ReceiveCredit(QuicConnection(configuration=QuicConfiguration(is_client=True)))]
-    credits.append(ReceiveCredit(QuicConnection(configuration=QuicConfiguration(is_client=True))))
-    for shared, credit in zip(board.shared, credits, strict=True):
-        credit.use_budget(AddressShare(shared, "a"), lambda: None)
+    credits = [connection_credit(shared, "a") for shared in board.shared]
     board.views[0].during_next_read = lambda: credits[1].admit(0)
     assert credits[0].admit(0)
     full = [credit.reserved() for credit in credits].count(WINDOW)
