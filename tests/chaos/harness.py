@@ -156,6 +156,10 @@ class Scale:
     slow_clients: int = 24  # REST connections trickling their headers, as many their bodies
     oversized_bodies: int = 2  # REST bodies past --http-max-input-size: declared, as many streamed
     disconnects: int = 16  # REST clients vanishing, of each kind (mid-request, -answer, before it)
+    # Between one good call and the next of each loop, in rows whose point is not the load
+    # (AttackSpec.under_load): the good calls go on through the attack and must not fail, at a
+    # pace that leaves the suite's cores to the tests beside it (0: back to back).
+    good_pause_s: float = 0.0
 
 
 SHORT = Scale(
@@ -193,6 +197,7 @@ SHORT = Scale(
     partial_connections=40,
     partial_hold_s=3.0,
     attack_limit_s=60.0,
+    good_pause_s=0.02,
 )
 FULL = Scale(
     name="full",
@@ -304,6 +309,9 @@ class AttackSpec:
     # each is retried once, as a client would, and only a failed retry counts as a failure.
     retry_unavailable: bool = False
     rest: bool = False  # good clients call the REST port's /infer too
+    # The row is about calls in flight when the attack lands (a kill, a stop, a reload): its
+    # good clients call back to back at every scale, never paced (Scale.good_pause_s).
+    under_load: bool = False
 
 
 @dataclass
@@ -408,10 +416,16 @@ class GoodClients:
     backoff), and only that retry's failure counts."""
 
     def __init__(
-        self, target: Target, loops: int, retry_unavailable: bool = False, rest: bool = False
+        self,
+        target: Target,
+        loops: int,
+        retry_unavailable: bool = False,
+        rest: bool = False,
+        pause_s: float = 0.0,
     ) -> None:
         self._target = target
         self._loops = loops
+        self._pause_s = pause_s
         self._retry_unavailable = retry_unavailable
         self._rest = rest
         self._session: aiohttp.ClientSession | None = None
@@ -472,7 +486,7 @@ class GoodClients:
             if problem:
                 self.failures[f"{transport} {problem[:200]}"] += 1
             self._first[transport].set()
-            await asyncio.sleep(0)
+            await asyncio.sleep(self._pause_s)
 
     async def _call(self, stub: pb_grpc.GRPCInferenceServiceStub, call: int, retry: bool) -> str:
         """What went wrong with call number `call`; empty when nothing did."""
@@ -612,7 +626,8 @@ async def run_row(
     front-end process (`--frontends`: they terminate the attackers' connections), the largest
     of them."""
     started = time.monotonic()
-    good = GoodClients(target, scale.good_loops, spec.retry_unavailable, spec.rest)
+    pause_s = 0.0 if spec.under_load else scale.good_pause_s
+    good = GoodClients(target, scale.good_loops, spec.retry_unavailable, spec.rest, pause_s)
     try:
         await _wait_responsive(target)
         await good.start()

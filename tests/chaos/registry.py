@@ -90,28 +90,32 @@ ATTACKS = (
         "worker SIGKILL under load",
         workers.worker_sigkill,
         frozenset({"killed", "replaced"}),
+        under_load=True,
     ),
     AttackSpec(
         "model template SIGKILL under load",
         workers.template_sigkill,
         frozenset({"killed", "replaced"}),
+        under_load=True,
     ),
     AttackSpec(
         "worker SIGSTOP under load",
         workers.worker_sigstop,
         frozenset({"stopped", "replaced"}),
+        under_load=True,
     ),
     AttackSpec(
         "poison input",
         workers.poison_input,
         frozenset({"UNAVAILABLE", "INTERNAL", "INVALID_ARGUMENT"}),
     ),
-    AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"})),
+    AttackSpec("hot reload under load", workers.hot_reload, frozenset({"OK"}), under_load=True),
     AttackSpec(
         "hot reload under load (--frontends 2)",
         workers.hot_reload,
         frozenset({"OK"}),
         frontends=2,
+        under_load=True,
     ),
     AttackSpec(
         "preloaded launcher SIGKILL while a model loads",
@@ -195,6 +199,7 @@ ATTACKS = (
         frozenset({"killed", "replaced"}),
         frontends=2,
         retry_unavailable=True,
+        under_load=True,
     ),
     AttackSpec(
         "random model names (--frontends 2)",
@@ -251,6 +256,7 @@ ATTACKS = (
         workers.worker_sigkill,
         frozenset({"killed", "replaced"}),
         frontends=2,
+        under_load=True,
     ),
     AttackSpec(
         "worker scribbles over its queues (--frontends 2)",
@@ -263,5 +269,6 @@ ATTACKS = (
         workers.worker_sigkill,
         frozenset({"killed", "replaced"}),
         batcher=True,
+        under_load=True,
     ),
 )
