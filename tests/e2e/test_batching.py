@@ -31,13 +31,13 @@ def batcher_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 
 
 @pytest.fixture(params=["instance queues", "batcher"])
-def server(server: ServerProcess, request: pytest.FixtureRequest) -> ServerProcess:
+def served(request: pytest.FixtureRequest) -> ServerProcess:
     """The shared server (its workers batch from their queues), then one whose batcher
-    forms the batches."""
-    if request.param == "instance queues":
-        return server
-    batcher: ServerProcess = request.getfixturevalue("batcher_server")
-    return batcher
+    forms the batches. Not named `server`: a parametrized fixture of that name made pytest
+    parametrize the session's shared server too, and start it again for every test."""
+    name = "server" if request.param == "instance queues" else "batcher_server"
+    chosen: ServerProcess = request.getfixturevalue(name)
+    return chosen
 
 
 def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
@@ -46,42 +46,42 @@ def batch_counts(server: ServerProcess, model: str) -> dict[int, int]:
 
 
 @pytest.mark.float_kernels
-async def test_concurrent_clients_are_batched_and_get_their_own_rows(server: ServerProcess) -> None:
+async def test_concurrent_clients_are_batched_and_get_their_own_rows(served: ServerProcess) -> None:
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(CLIENTS)]
-    before = batch_counts(server, "mlp")
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    before = batch_counts(served, "mlp")
+    async with grpc.aio.insecure_channel(served.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         calls = [stub.ModelInfer(build_request("mlp", {"input": x}), timeout=60) for x in inputs]
-        responses = await gather_held(server, "mlp", calls)
+        responses = await gather_held(served, "mlp", calls)
 
-    after = batch_counts(server, "mlp")
+    after = batch_counts(served, "mlp")
     grown = {size: after.get(size, 0) - before.get(size, 0) for size in after}
     assert max(size for size, count in grown.items() if count) > 1, grown
     assert sum(size * count for size, count in grown.items()) == sum(len(x) for x in inputs)
     for x, response in zip(inputs, responses, strict=True):
-        served = parse_response(response)[output_names("mlp")[0]]
-        assert served.shape == (len(x), 10)
+        answer = parse_response(response)[output_names("mlp")[0]]
+        assert answer.shape == (len(x), 10)
         for row in range(len(x)):
             expected = run_reference("mlp", {"input": x[row : row + 1]})[output_names("mlp")[0]]
             # Within float tolerance, not bit for bit: oneDNN picks kernels by batch size.
-            np.testing.assert_allclose(served[row : row + 1], expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(answer[row : row + 1], expected, rtol=1e-5, atol=1e-6)
 
 
-async def test_bad_values_fail_only_their_own_request_within_a_batch(server: ServerProcess) -> None:
+async def test_bad_values_fail_only_their_own_request_within_a_batch(served: ServerProcess) -> None:
     """Embedding ids out of range pass validation (values are not checked) and make Paddle
     fail; batched with good requests, only the bad one may fail, with INVALID_ARGUMENT."""
     rng = np.random.default_rng(3)
     good = [rng.integers(0, 1000, (1, 7), dtype=np.int64) for _ in range(6)]
     bad = np.full((1, 7), 10**9, dtype=np.int64)
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    async with grpc.aio.insecure_channel(served.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         batch = [*good[:3], bad, *good[3:]]
         calls = [
             stub.ModelInfer(build_request("text_classifier", {"token_ids": x}), timeout=60)
             for x in batch
         ]
-        results = await gather_held(server, "text_classifier", calls, return_exceptions=True)
+        results = await gather_held(served, "text_classifier", calls, return_exceptions=True)
 
     error = results.pop(3)
     assert isinstance(error, grpc.aio.AioRpcError)
@@ -95,11 +95,11 @@ async def test_bad_values_fail_only_their_own_request_within_a_batch(server: Ser
 
 
 async def test_a_cancelled_request_still_queued_leaves_the_batch_queue(
-    server: ServerProcess,
+    served: ServerProcess,
 ) -> None:
     """With the worker held still, requests fill its slots, then queue; cancelling a queued
     call takes it out of the queue at once (before the worker moves again)."""
-    (instance,) = server.instances("mlp")
+    (instance,) = served.instances("mlp")
     x = np.zeros((1, 256), np.float32)
 
     async def held(count: int) -> tuple[int, int]:
@@ -109,7 +109,7 @@ async def test_a_cancelled_request_still_queued_leaves_the_batch_queue(
         seen: list[tuple[int, int]] = []
         for _ in range(3000):
             listed = await asyncio.to_thread(
-                server.control.ListInstances, ListInstancesRequest(model_name="mlp"), timeout=10
+                served.control.ListInstances, ListInstancesRequest(model_name="mlp"), timeout=10
             )
             (queue,) = listed.queues
             now = (queue.queued, queue.in_flight)
@@ -119,7 +119,7 @@ async def test_a_cancelled_request_still_queued_leaves_the_batch_queue(
             await asyncio.sleep(0.01)
         raise AssertionError(f"the server never held {count} requests")
 
-    async with grpc.aio.insecure_channel(server.address) as channel:
+    async with grpc.aio.insecure_channel(served.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         calls = []
         with paused(instance.pid):
