@@ -10,6 +10,7 @@ ends each request the way its caller can act on: one that had no response yet ma
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
@@ -136,31 +137,32 @@ class StreamRequest:
             if self._died is not None:
                 raise self._death()
             self._wake = loop.create_future()
-            timers = [
-                fail_at(
-                    self._wake,
-                    deadline,
-                    lambda: errors.deadline_exceeded(
-                        f"the request's deadline passed after {self.line.taken} response(s)"
-                    ),
-                ),
-                fail_at(
-                    self._wake,
-                    None if gap_s is None else loop.time() + gap_s,
-                    lambda: errors.internal(
-                        f"model '{self._model}' sent no response for {gap_s:.1f} s "
-                        f"(execution_timeout_ms) after {self.line.taken} response(s); the "
-                        "request was cancelled"
-                    ),
-                ),
-            ]
+            # One timer, at the earlier of the two limits, which says at firing which passed:
+            # a wait per response, so a second timer is CPU per token.
+            gap_end = None if gap_s is None else loop.time() + gap_s
+            at = min((t for t in (deadline, gap_end) if t is not None), default=None)
+            error = functools.partial(self._timed_out, deadline, gap_end, gap_s)
+            timer = fail_at(self._wake, at, error)
             try:
                 await self._wake
             finally:
                 self._wake = None
-                for timer in timers:
-                    if timer is not None:
-                        timer.cancel()
+                if timer is not None:
+                    timer.cancel()
+
+    def _timed_out(
+        self, deadline: float | None, gap_end: float | None, gap_s: float | None
+    ) -> errors.ServiceError:
+        """The error of the limit that passed first: the deadline where both are at once."""
+        if deadline is not None and (gap_end is None or deadline <= gap_end):
+            return errors.deadline_exceeded(
+                f"the request's deadline passed after {self.line.taken} response(s)"
+            )
+        return errors.internal(
+            f"model '{self._model}' sent no response for {gap_s:.1f} s "
+            f"(execution_timeout_ms) after {self.line.taken} response(s); the "
+            "request was cancelled"
+        )
 
     def _death(self) -> errors.ServiceError:
         message = (

@@ -367,6 +367,51 @@ async def test_a_passed_deadline_ends_the_request() -> None:
     assert late.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+limits = st.one_of(st.none(), st.integers(1, 4).map(float))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(deadline_in=limits, gap_s=limits)
+def test_the_earlier_limit_ends_the_wait_when_it_passes_with_its_own_status(
+    deadline_in: float | None, gap_s: float | None
+) -> None:
+    """One timer stands for both limits (the deadline, the gap between responses): the wait
+    ends exactly when the earlier passes, as DEADLINE_EXCEEDED where the deadline is (or ties
+    with) the earlier one, else INTERNAL naming execution_timeout_ms; with neither it waits on."""
+    loop = VirtualTimePolicy().new_event_loop()
+
+    async def wait() -> tuple[float, BaseException] | None:
+        """When the wait ended (after it began) and how; None: not within 10 s."""
+        start = loop.time()
+        deadline = None if deadline_in is None else start + deadline_in
+        waiting = asyncio.ensure_future(Worker().request().next(deadline, gap_s))
+        ended: list[float] = []
+        waiting.add_done_callback(lambda _: ended.append(loop.time() - start))
+        await asyncio.sleep(10)  # past either limit
+        if not waiting.done():
+            waiting.cancel()
+            return None
+        error = waiting.exception()
+        assert error is not None
+        return ended[0], error
+
+    try:
+        outcome = loop.run_until_complete(wait())
+    finally:
+        loop.close()
+    if deadline_in is None and gap_s is None:
+        assert outcome is None
+        return
+    assert outcome is not None
+    ended, error = outcome
+    assert isinstance(error, errors.ServiceError)
+    if gap_s is None or (deadline_in is not None and deadline_in <= gap_s):
+        assert (error.code, ended) == (grpc.StatusCode.DEADLINE_EXCEEDED, deadline_in)
+    else:
+        assert (error.code, ended) == (grpc.StatusCode.INTERNAL, gap_s)
+        assert "execution_timeout_ms" in error.message
+
+
 def test_responses_of_closed_requests_are_counted_then_dropped() -> None:
     counted = []
     streams = Streams(lambda: counted.append(1))
