@@ -141,6 +141,7 @@ class RingReader(_Side):
         if not tail <= head <= tail + self.capacity:
             raise Corrupt(f"the writer's position {head}, {head - tail} ahead of the reader's")
         taken = []
+        largest = max_record(self.capacity)  # per take, not per record: a loop of many
         while tail != head:
             offset = tail % self.capacity
             chunk = memoryview(bytes(self._data[offset : min(offset + head - tail, self.capacity)]))
@@ -154,8 +155,8 @@ class RingReader(_Side):
                     if head - tail < _PREFIX:
                         raise Corrupt("a wrap with no record after it")
                     break
-                need = _PREFIX + aligned8(size)
-                if size > max_record(self.capacity) or tail + need > head:
+                need = _PREFIX + ((size + 7) & ~7)  # aligned8, inline
+                if size > largest or tail + need > head:
                     raise Corrupt(f"a record of {size} bytes where {head - tail} are written")
                 if at + need > len(chunk):  # a correct writer wraps it
                     raise Corrupt(f"a record of {size} bytes across the end of the ring")
