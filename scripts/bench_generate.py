@@ -76,6 +76,9 @@ class Measurement:
     # any front-ends) and of its workers (the engine: its steps and its own sending).
     server_us_per_token: float | None = None
     worker_us_per_token: float | None = None
+    # Of server_us_per_token, the parent's (--frontends N: the streams' requests pass through
+    # it; with one process it is the whole server's).
+    parent_us_per_token: float | None = None
 
 
 def repository(target: Path) -> Path:
@@ -156,6 +159,7 @@ async def measure(
     result = measurement(round_, way, transport, concurrency, totals[0], seconds, ttfts)
     per_token = 1e6 / max(totals[0], 1)
     result.server_us_per_token = round((spent["main"] + spent["frontends"]) * per_token, 1)
+    result.parent_us_per_token = round(spent["main"] * per_token, 1)
     result.worker_us_per_token = round(spent["workers"] * per_token, 1)
     report(result)
     return result
@@ -189,8 +193,8 @@ def report(m: Measurement) -> None:
     cpu = (
         ""
         if m.server_us_per_token is None
-        else f"  CPU/token: server {m.server_us_per_token:.0f} us, worker "
-        f"{m.worker_us_per_token:.0f} us"
+        else f"  CPU/token: server {m.server_us_per_token:.0f} us (parent "
+        f"{m.parent_us_per_token:.0f}), worker {m.worker_us_per_token:.0f} us"
     )
     print(
         f"  round {m.round} {m.way:<9} {m.transport:<6} c={m.concurrency:<3} {m.requests:>4} "
@@ -280,8 +284,8 @@ def table(results: Sequence[Measurement]) -> str:
         f"{len(rounds)} rounds; median [lowest-highest] over rounds; ratios per round",
         "",
         "| way | transport | concurrency | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | "
-        "server CPU us/token | worker CPU us/token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "server CPU us/token | of which the parent's | worker CPU us/token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     runs = [run for run in (*RUNS, *ENGINE_RUNS) if (rounds[0], *run, 1) in by_key]
     for way, transport in runs:
@@ -291,7 +295,7 @@ def table(results: Sequence[Measurement]) -> str:
                 f"| {way} | {transport} | {c} | {spread([m.tokens_per_second for m in ms])} | "
                 f"{spread([m.ttft_p50_ms for m in ms], 1)} | "
                 f"{spread([m.ttft_p99_ms for m in ms], 1)} | {cpu(ms, 'server')} | "
-                f"{cpu(ms, 'worker')} |"
+                f"{cpu(ms, 'parent')} | {cpu(ms, 'worker')} |"
             )
 
     def ratio(f: Any) -> str:
@@ -348,16 +352,24 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per measurement")
     parser.add_argument("--seed", type=int, default=0, help="of the max_tokens draws")
     parser.add_argument("--out", type=Path, default=Path("bench-results/generate.json"))
+    parser.add_argument(
+        "--frontends",
+        type=int,
+        default=1,
+        help="the server's --frontends: with more than 1 the streams are held by front-end "
+        "processes and pass through the parent (its CPU per token is its own column)",
+    )
     args = parser.parse_args()
-    if args.rounds < 1 or args.duration <= 0:
-        parser.error("--rounds must be at least 1 and --duration positive")
+    if args.rounds < 1 or args.duration <= 0 or args.frontends < 1:
+        parser.error("--rounds and --frontends must be at least 1 and --duration positive")
     print("the engine alone, in-process ...", flush=True)
     results = bench_engine(args.rounds, args.duration, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         models = repository(Path(tmp) / "models")
         certs = Path(tmp) / "certs"
         print("starting the server (three copies of generate) ...", flush=True)
-        server = ServerProcess(models, Path(tmp) / "server.log", ["--certs-dir", str(certs)])
+        extra = ["--certs-dir", str(certs), "--frontends", str(args.frontends)]
+        server = ServerProcess(models, Path(tmp) / "server.log", extra)
         try:
             server.wait_ready()
             print(
