@@ -1,8 +1,9 @@
-"""`make bench-scale`: what `--frontends N` buys, in one run: ModelInfer requests/s and new
-connections/s (handshake, one ModelInfer, close) on HTTP/2 and HTTP/3 against servers with
-1, 2 and 4 front-end processes, each figure also as a ratio to one front-end; the CPU each
-call costs every process of the server (main, front-ends, workers), and the calls/s that
-projects to on 16 and 64 cores. Rounds alternate the servers' order (each started afresh per
+"""`make bench-scale`: what `--frontends N` buys, in one run: ModelInfer requests/s, the same
+requests in ModelStreamInfer streams (with front-ends, every stream still passes through the
+parent), and new connections/s (handshake, one ModelInfer, close) on HTTP/2 and HTTP/3 against
+servers with 1, 2 and 4 front-end processes, each figure also as a ratio to one front-end; the
+CPU each call costs every process of the server (main, front-ends, workers), and the calls/s
+that projects to on 16 and 64 cores. Rounds alternate the servers' order (each started afresh per
 round); a table gives each figure's median over the rounds and each ratio's median and range,
 the ratio taken within a round.
 
@@ -39,9 +40,10 @@ from scripts.bench_common import closed_loop, median_range, tree_cpu, write_json
 from tests.servers import ServerProcess, model_repository
 
 TRANSPORTS = ("h2", "h3")
-WORKLOADS = ("ModelInfer", "new connections")
-# Each client process: this many connections for ModelInfer, this many calls in flight on
-# each; this many connections being opened at once for `new connections`.
+WORKLOADS = ("ModelInfer", "ModelStreamInfer", "new connections")
+# Each client process: this many connections for ModelInfer (and ModelStreamInfer: a stream
+# on each), this many calls in flight on each; this many connections being opened at once for
+# `new connections`.
 CONNECTIONS_PER_CLIENT = 4
 CALLS_PER_CONNECTION = 8
 OPENERS_PER_CLIENT = 4
@@ -115,6 +117,41 @@ async def _requests(model: str, transport: str, port: int, ca_file: str, duratio
             await channel.close()
 
 
+async def _streams(model: str, transport: str, port: int, ca_file: str, duration: float) -> int:
+    request = build_request(model, {"input": np.ones((1, 256), np.float32)})
+    channels = [open_channel(transport, port, ca_file) for _ in range(CONNECTIONS_PER_CLIENT)]
+    try:
+        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        await asyncio.gather(*(stream_loop(s, request, 1, WARM_UP_S) for s in stubs))
+        done = await asyncio.gather(
+            *(stream_loop(s, request, CALLS_PER_CONNECTION, duration) for s in stubs)
+        )
+        return sum(done)
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def stream_loop(stub: Any, request: Any, in_flight: int, duration: float) -> int:
+    """One ModelStreamInfer stream with `in_flight` requests in it, the next written as each
+    answer comes, until `duration` has passed and every request is answered: how many were."""
+    end = time.perf_counter() + duration
+    call = stub.ModelStreamInfer(timeout=120)
+    for _ in range(in_flight):
+        await call.write(request)
+    sent, answered = in_flight, 0
+    async for response in call:
+        if response.error_message:
+            raise RuntimeError(response.error_message)
+        answered += 1
+        if time.perf_counter() < end:
+            await call.write(request)
+            sent += 1
+        elif answered == sent:
+            await call.done_writing()
+    return answered
+
+
 async def _connections(model: str, transport: str, port: int, ca_file: str, duration: float) -> int:
     request = build_request(model, {"input": np.ones((1, 256), np.float32)})
     end = time.perf_counter() + duration
@@ -138,7 +175,7 @@ def client(
     workload: str, model: str, transport: str, port: int, ca_file: str, duration: float
 ) -> int:
     """One client process's share of a measurement: calls or connections completed."""
-    load = _requests if workload == "ModelInfer" else _connections
+    load = {"ModelInfer": _requests, "ModelStreamInfer": _streams}.get(workload, _connections)
     return asyncio.run(load(model, transport, port, ca_file, duration))
 
 
@@ -235,11 +272,17 @@ def per_item(
     )
 
 
-def _grid(title: str, setups: Sequence[Setup], cell: Callable[[Setup, str, str], str]) -> str:
-    """A row per workload and transport, a column per server."""
+def _grid(
+    title: str,
+    setups: Sequence[Setup],
+    cell: Callable[[Setup, str, str], str],
+    results: Sequence[Measurement],
+) -> str:
+    """A row per workload measured and transport, a column per server."""
     header = f"{'workload':<16} {'transport':<9}" + "".join(f" {n!s:>36}" for n in setups)
     rows = [title, header]
-    for workload in WORKLOADS:
+    measured = {m.workload for m in results}
+    for workload in [w for w in WORKLOADS if w in measured]:
         for transport in TRANSPORTS:
             cells = "".join(f" {cell(n, transport, workload):>36}" for n in setups)
             rows.append(f"{workload:<16} {transport:<9}{cells}")
@@ -279,9 +322,8 @@ def table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
         base = (setups[0], transport, workload)
         return _against_base(by_key, base, (n, transport, workload), lambda m: m.per_second)
 
-    return _grid(
-        "per second, median of the rounds (ratio to the first: median, range)", setups, cell
-    )
+    title = "per second, median of the rounds (ratio to the first: median, range)"
+    return _grid(title, setups, cell, results)
 
 
 def cpu_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
@@ -295,7 +337,7 @@ def cpu_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
         return f"{_against_base(by_key, base, key, lambda m: m.total_cpu_us)} main {main:.0f}"
 
     title = "CPU us per item, all processes (ratio to the first), then the main process's"
-    return _grid(title, setups, cell)
+    return _grid(title, setups, cell, results)
 
 
 def projection_table(results: Sequence[Measurement], setups: Sequence[Setup]) -> str:
@@ -313,7 +355,8 @@ def projection_table(results: Sequence[Measurement], setups: Sequence[Setup]) ->
         return f"{cores} ({busiest})"
 
     cores = " and ".join(str(c) for c in PROJECTED_CORES)
-    return _grid(f"projected per second on {cores} cores (the busiest process)", setups, cell)
+    title = f"projected per second on {cores} cores (the busiest process)"
+    return _grid(title, setups, cell, results)
 
 
 def main() -> int:
@@ -340,14 +383,25 @@ def main() -> int:
         help="how calls reach the workers, each a server per front-end count: batcher (the "
         "server's), queues (--instance-queues: the worker batches); the first is the base",
     )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"what each server is measured on, from {', '.join(WORKLOADS)}",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/scale.json"))
     args = parser.parse_args()
     counts = [int(n) for n in args.frontends.split(",")]
     paths = args.paths.split(",")
-    if counts[0] != 1 or min(args.clients, args.rounds) < 1 or not set(paths) <= PATHS.keys():
+    workloads = [w for w in WORKLOADS if w in args.workloads.split(",")]
+    if (
+        counts[0] != 1
+        or min(args.clients, args.rounds) < 1
+        or not set(paths) <= PATHS.keys()
+        or len(workloads) != len(args.workloads.split(","))
+    ):
         parser.error(
             "--frontends must start with 1 (the base of the ratios); --clients, --rounds >= 1; "
-            f"--paths from {', '.join(PATHS)}"
+            f"--paths from {', '.join(PATHS)}; --workloads from {', '.join(WORKLOADS)}"
         )
     setups = [Setup(n, path) for path in paths for n in counts]
     results: list[Measurement] = []
@@ -379,7 +433,7 @@ def main() -> int:
                 )
                 try:
                     server.wait_ready()
-                    for workload in WORKLOADS:
+                    for workload in workloads:
                         for transport in TRANSPORTS:
                             results.append(
                                 measure(pool, load, round_, setup, transport, workload, server)

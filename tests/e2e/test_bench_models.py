@@ -1,9 +1,10 @@
 """The models the benchmarks bring for hosts without Paddle serve what they promise: mlp_numpy
 (`make bench-scale` on a many-core host, scripts/bench_scale_host.sh) is mlp's interface with
-numpy's arithmetic, batched like any model."""
+numpy's arithmetic, batched like any model; and bench-scale's stream load ends."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ import numpy as np
 
 from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
-from scripts.bench_scale import BENCH_MODELS
-from tests.servers import running_server
+from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from scripts.bench_scale import BENCH_MODELS, open_channel, stream_loop
+from tests.servers import ServerProcess, running_server
 
 
 def expected(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -42,3 +44,19 @@ def test_mlp_numpy_has_mlps_interface_and_answers_every_row(tmp_path: Path) -> N
     assert probabilities.shape == (3, 10)
     np.testing.assert_allclose(probabilities, expected(rows), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+
+
+async def test_bench_scale_s_stream_loop_answers_every_request_and_ends(
+    server: ServerProcess,
+) -> None:
+    """`make bench-scale`'s ModelStreamInfer load: requests kept in flight on one stream, the
+    next written as an answer comes, and the stream closed once the time is up and every
+    request was answered (a stream left open would hang the measurement)."""
+    request = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
+    channel = open_channel("h2", server.port, "")
+    try:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answered = await asyncio.wait_for(stream_loop(stub, request, 4, 0.3), 60)
+    finally:
+        await channel.close()
+    assert answered >= 4

@@ -3,6 +3,8 @@ against the first server of that round, and the table gives its median and range
 
 from __future__ import annotations
 
+import dataclasses
+
 from scripts.bench_scale import Measurement, Setup, cpu_table, projection_table, table
 
 ONE, TWO = Setup(1, "queues"), Setup(2, "queues")
@@ -35,3 +37,19 @@ def test_ratios_are_taken_within_rounds_then_their_median_and_range_given() -> N
     assert "150 (1.00x (1.00-1.00)) main 1" in cpu
     assert "750 (1.05x (0.90-1.20))" in table(results, [ONE, TWO])
     assert "750/3000 (workers)" in projection_table(results, [ONE, TWO])
+
+
+def test_a_row_per_workload_measured_and_none_for_the_others() -> None:
+    results = [
+        m
+        for m in [*measured(0, ONE, 1000, 100), *measured(0, TWO, 900, 110)]
+        if m.workload == "ModelInfer"
+    ]
+    results += [dataclasses.replace(m, workload="ModelStreamInfer") for m in results]
+    rows = table(results, [ONE, TWO]).splitlines()
+    assert [row.split()[:2] for row in rows[2:]] == [
+        ["ModelInfer", "h2"],
+        ["ModelInfer", "h3"],
+        ["ModelStreamInfer", "h2"],
+        ["ModelStreamInfer", "h3"],
+    ]
