@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,34 +102,33 @@ def open_channel(transport: str, port: int, ca_file: str) -> Any:
     return QuicChannel(f"localhost:{port}", ca_file=ca_file)
 
 
-async def _requests(model: str, transport: str, port: int, ca_file: str, duration: float) -> int:
+async def _on_connections(
+    load: Callable[[Any, Any, int, float], Awaitable[int]],
+    model: str,
+    transport: str,
+    port: int,
+    ca_file: str,
+    duration: float,
+) -> int:
+    """`load(stub, request, in flight, seconds)` on each of the client's connections, after a
+    warm-up with one in flight: what they completed."""
     request = build_request(model, {"input": np.ones((1, 256), np.float32)})
     channels = [open_channel(transport, port, ca_file) for _ in range(CONNECTIONS_PER_CLIENT)]
     try:
         stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
-        await asyncio.gather(*(closed_loop(s, request, 1, WARM_UP_S) for s in stubs))
+        await asyncio.gather(*(load(s, request, 1, WARM_UP_S) for s in stubs))
         done = await asyncio.gather(
-            *(closed_loop(s, request, CALLS_PER_CONNECTION, duration) for s in stubs)
-        )
-        return sum(len(latencies) for latencies in done)
-    finally:
-        for channel in channels:
-            await channel.close()
-
-
-async def _streams(model: str, transport: str, port: int, ca_file: str, duration: float) -> int:
-    request = build_request(model, {"input": np.ones((1, 256), np.float32)})
-    channels = [open_channel(transport, port, ca_file) for _ in range(CONNECTIONS_PER_CLIENT)]
-    try:
-        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
-        await asyncio.gather(*(stream_loop(s, request, 1, WARM_UP_S) for s in stubs))
-        done = await asyncio.gather(
-            *(stream_loop(s, request, CALLS_PER_CONNECTION, duration) for s in stubs)
+            *(load(s, request, CALLS_PER_CONNECTION, duration) for s in stubs)
         )
         return sum(done)
     finally:
         for channel in channels:
             await channel.close()
+
+
+async def unary_loop(stub: Any, request: Any, in_flight: int, duration: float) -> int:
+    """ModelInfer calls, `in_flight` at once, each sent again as its answer comes: how many."""
+    return len(await closed_loop(stub, request, in_flight, duration))
 
 
 async def stream_loop(stub: Any, request: Any, in_flight: int, duration: float) -> int:
@@ -175,8 +174,10 @@ def client(
     workload: str, model: str, transport: str, port: int, ca_file: str, duration: float
 ) -> int:
     """One client process's share of a measurement: calls or connections completed."""
-    load = {"ModelInfer": _requests, "ModelStreamInfer": _streams}.get(workload, _connections)
-    return asyncio.run(load(model, transport, port, ca_file, duration))
+    if workload == "new connections":
+        return asyncio.run(_connections(model, transport, port, ca_file, duration))
+    load = unary_loop if workload == "ModelInfer" else stream_loop
+    return asyncio.run(_on_connections(load, model, transport, port, ca_file, duration))
 
 
 @dataclass(frozen=True)
