@@ -7,7 +7,8 @@
 # instance queues do not take (the parent's path only: said in scale.txt). MODEL overrides.
 # Results go to $OUT (default bench-results/): scale.json, scale.txt and, where NVML sees
 # GPUs, topology.txt. The generated protobuf modules must be there (`make proto`).
-# FRONTENDS, CLIENTS (default: half the cores), DURATION and ROUNDS (default 3) size the run.
+# FRONTENDS, CLIENTS (default: half the cores), DURATION and ROUNDS (default 3) size the run;
+# WORKLOADS (default: ModelInfer, ModelStreamInfer and new connections) chooses what it measures.
 set -eu
 out=${OUT:-bench-results}
 site=${SITE:-/tmp/paddlequic-site}
@@ -32,4 +33,5 @@ else
 fi
 "$python" -m scripts.bench_scale --model "$model" --paths "$paths" \
     --frontends "${FRONTENDS:-1,2,4,8}" --duration "${DURATION:-3}" ${ROUNDS:+--rounds "$ROUNDS"} \
-    ${CLIENTS:+--clients "$CLIENTS"} --out "$out/scale.json" | tee -a "$out/scale.txt"
+    ${CLIENTS:+--clients "$CLIENTS"} ${WORKLOADS:+--workloads "$WORKLOADS"} \
+    --out "$out/scale.json" | tee -a "$out/scale.txt"
