@@ -34,7 +34,7 @@ help:
 	@echo "make chaos   abuse suite: attacks on a live server while good clients call (writes bench-results/)"
 	@echo "make bench   served vs the raw predictor, batching on/off (resnet18, mlp_wide), and tensors in shared memory vs raw (writes bench-results/)"
 	@echo "make bench-transport  HTTP/3 vs HTTP/2 in alternating rounds: requests/s, CPU per call and per new connection (writes bench-results/)"
-	@echo "make bench-scale  --frontends 1, 2, 4 in 3 alternating rounds: requests/s, new connections/s and CPU per call on both transports, as ratios (writes bench-results/)"
+	@echo "make bench-scale  --frontends 1, 2, 4 in 3 alternating rounds: ModelInfer and ModelStreamInfer requests/s, new connections/s and CPU per call on both transports, as ratios (writes bench-results/)"
 	@echo "make bench-peers  paddlequic vs a plain grpcio server, MLServer (batching on/off; .venv-mlserver, made when missing) and a canned-answer ceiling (writes bench-results/)"
 	@echo "make bench-http  REST (JSON, binary tensors) vs its own gRPC, MLServer's REST (.venv-mlserver) and FastAPI on uvicorn; generate_stream (SSE) vs gRPC streaming, CPU per token (writes bench-results/)"
 	@echo "make bench-scale-kit  wheels (.whl/) to run bench-scale on a many-core host without network or Paddle (scripts/bench_scale_host.sh)"
