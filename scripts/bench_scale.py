@@ -393,12 +393,13 @@ def main() -> int:
     args = parser.parse_args()
     counts = [int(n) for n in args.frontends.split(",")]
     paths = args.paths.split(",")
-    workloads = [w for w in WORKLOADS if w in args.workloads.split(",")]
+    requested = set(args.workloads.split(","))
+    workloads = [w for w in WORKLOADS if w in requested]
     if (
         counts[0] != 1
         or min(args.clients, args.rounds) < 1
         or not set(paths) <= PATHS.keys()
-        or len(workloads) != len(args.workloads.split(","))
+        or not requested <= set(WORKLOADS)
     ):
         parser.error(
             "--frontends must start with 1 (the base of the ratios); --clients, --rounds >= 1; "

@@ -155,7 +155,7 @@ class RingReader(_Side):
                     if head - tail < _PREFIX:
                         raise Corrupt("a wrap with no record after it")
                     break
-                need = _PREFIX + ((size + 7) & ~7)  # aligned8, inline
+                need = _PREFIX + aligned8(size)
                 if size > largest or tail + need > head:
                     raise Corrupt(f"a record of {size} bytes where {head - tail} are written")
                 if at + need > len(chunk):  # a correct writer wraps it
