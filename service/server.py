@@ -14,7 +14,7 @@ from service import settings as settings_module
 from service.api.control import ControlServicer
 from service.api.health import Health
 from service.api.inference import InferenceServicer
-from service.api.registration import Servicers, registration
+from service.api.registration import Servicers, part_registration, registration
 from service.api.restricted import RestrictionError, parse_restrictions
 from service.api.shared_memory import GrpcSharedMemory
 from service.api.stream_outbox import StreamBounds
@@ -145,7 +145,11 @@ async def serve(settings: ServerSettings) -> None:
                 listener=(settings.host, settings.grpc_port),
             ),
             settings.max_message_bytes,
-            StreamBounds(settings.stream_stall_timeout, settings.stream_buffer_bytes),
+            StreamBounds(
+                settings.stream_stall_timeout,
+                settings.stream_buffer_bytes,
+                observer.on_stream_stall,
+            ),
             SequenceCallers(settings.sequence_callers),
         ),
         ControlServicer(models),
@@ -163,6 +167,7 @@ async def serve(settings: ServerSettings) -> None:
             settings,
             frontends,
             register,
+            part_registration(servicers, observer, restrictions),
             observer,
             restrictions,
             models,

@@ -183,13 +183,13 @@ class RestrictedServer(WrappingServer):
         if restriction is None:
             return handler
         return HANDLER_BUILDERS[handler.request_streaming, handler.response_streaming](
-            _guarded(behavior_of(handler), restriction),
+            guarded(behavior_of(handler), restriction),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
 
-def _guarded(behavior: Behavior, restriction: Restriction) -> Behavior:
+def guarded(behavior: Behavior, restriction: Restriction) -> Behavior:
     """The behavior behind the check; every kind becomes async (fail closed: nothing runs
     before the check, whatever the behavior is)."""
 
@@ -207,9 +207,9 @@ def _guarded(behavior: Behavior, restriction: Restriction) -> Behavior:
 
         return guarded_stream
 
-    async def guarded(request: Any, context: Any) -> Any:
+    async def guarded_call(request: Any, context: Any) -> Any:
         await check(context)
         result = behavior(request, context)
         return await result if inspect.isawaitable(result) else result
 
-    return guarded
+    return guarded_call

@@ -35,6 +35,9 @@ from service.registry.versions import ModelRegistry, ServedVersion
 
 STREAM_WINDOW = 64  # requests of one stream in flight at once; more wait (backpressure)
 
+# A response to send (None: nothing), and whether it is its request's last.
+StreamItem = tuple[pb.ModelStreamInferResponse | None, bool]
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamInference:
@@ -50,8 +53,21 @@ class StreamInference:
         context: ServicerContext,
     ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
         """The stream's responses, as this module's docstring says."""
+        async with contextlib.aclosing(self.items(request_iterator, context)) as items:
+            async for response, _ in items:
+                if response is not None:
+                    yield response
+
+    async def items(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: ServicerContext,
+    ) -> AsyncGenerator[StreamItem, None]:
+        """Each response (None: a request ended with nothing to send) with whether it is its
+        request's last: what a front-end that passed these requests on needs to know which
+        of them are still in flight (stream_parts.py)."""
         # (response or None: nothing to send, whether it was the request's last)
-        outbox: Outbox[tuple[pb.ModelStreamInferResponse | None, bool] | None] = Outbox(
+        outbox: Outbox[StreamItem | None] = Outbox(
             STREAM_WINDOW + 1, self.stream_bounds.buffer_bytes, response_bytes
         )
         window = asyncio.Semaphore(STREAM_WINDOW)
@@ -63,7 +79,7 @@ class StreamInference:
         # so a sequence's requests reach its batcher in the order the stream sent them.
         chains: dict[tuple[str, int | str], asyncio.Task[None]] = {}
 
-        async def put(item: tuple[pb.ModelStreamInferResponse | None, bool]) -> None:
+        async def put(item: StreamItem) -> None:
             await outbox.room()
             outbox.put(item)
 
@@ -115,6 +131,7 @@ class StreamInference:
         def stall() -> None:
             """The caller took nothing for stall_s: its requests end now, not when it leaves."""
             cancelled.append(len(tasks))
+            self.stream_bounds.on_stall()
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
@@ -124,14 +141,12 @@ class StreamInference:
         watch = StallWatch(self.stream_bounds.stall_s, stall)
         try:
             while (item := await outbox.get()) is not None:
-                response, last = item
-                if response is not None:
-                    watch.sending()
-                    yield response
-                    watch.sent()
+                watch.sending()
+                yield item
+                watch.sent()
                 if watch.stalled:
                     break
-                if last:
+                if item[1]:  # the request's last
                     window.release()
             if watch.stalled:
                 await errors.abort(context, stalled(self.stream_bounds.stall_s, cancelled[0]))
@@ -148,7 +163,7 @@ class StreamInference:
         request: pb.ModelInferRequest,
         deadline: float | None,
         client: str,
-        outbox: Outbox[tuple[pb.ModelStreamInferResponse | None, bool] | None],
+        outbox: Outbox[StreamItem | None],
     ) -> None:
         """A decoupled model's responses to one request, put as they come; the last one put
         is final. A ServiceError before or between them ends the request (the caller turns

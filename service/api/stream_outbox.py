@@ -24,13 +24,18 @@ from protos.inference import grpc_service_pb2 as pb
 T = TypeVar("T")
 
 
+def _uncounted() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class StreamBounds:
     """Per stream: how long its caller may take no response, how many bytes of responses it
-    holds for its caller."""
+    holds for its caller; `on_stall`: a stream ended by the first bound, counted."""
 
     stall_s: float
     buffer_bytes: int
+    on_stall: Callable[[], None] = _uncounted
 
 
 class Outbox(Generic[T]):

@@ -7,6 +7,7 @@ final response that only says it is final is sent, empty, only when the request 
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
 from protos.inference import grpc_service_pb2 as pb
 from service.inference import errors
@@ -53,7 +54,21 @@ def infer_response(
     return response
 
 
-def error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+class Named(Protocol):
+    """What an error response repeats of its request (a message, or a front-end's
+    descriptor of one)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def model_version(self) -> str: ...
+
+    @property
+    def id(self) -> str: ...
+
+
+def error(request: Named, message: str) -> pb.ModelStreamInferResponse:
     return pb.ModelStreamInferResponse(
         error_message=message,
         infer_response=pb.ModelInferResponse(

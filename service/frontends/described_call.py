@@ -34,7 +34,7 @@ from service.frontends.protocol import (
 from service.inference import errors
 from service.inference.jobs import Answer, InferJob
 from service.inference.validation import Decoding
-from service.observability.observer import Observation, Observer, deadline_passed
+from service.observability.observer import Observation, Observer, Within, deadline_passed
 from service.registry.versions import ServedVersion
 from service.serving.requests import RequestRunner
 
@@ -75,8 +75,10 @@ class DescribedCall:
         served: ServedVersion,
         request: DescribedRequest,
         serving: Serving,
+        within: Observation | None = None,
     ) -> None:
-        """`served`: the version the front-end validated `request` against, still serving."""
+        """`served`: the version the front-end validated `request` against, still serving;
+        `within`: the call it is a request of (a stream's), recorded as a whole, not it."""
         self.link = link
         self.call_id = call_id
         self.opened = opened
@@ -89,8 +91,10 @@ class DescribedCall:
         self._waiting: asyncio.Future[Any] | None = None  # what cancelling abandons
         self._answering = served
         self._started = time.perf_counter_ns()
-        self.observation = Observation(
-            serving.observer, opened.transport, MODEL_INFER, self._metadata
+        self.observation: Observation | Within = (
+            Observation(serving.observer, opened.transport, MODEL_INFER, self._metadata)
+            if within is None
+            else Within(within)
         )
         self.observation.saw(request)
 

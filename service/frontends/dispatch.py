@@ -16,7 +16,7 @@ from pathlib import Path
 from service.frontends.described_call import DescribedCall
 from service.frontends.described_infer import DescribedInfer, StaleView
 from service.frontends.descriptors import decode_infer, decode_refusal
-from service.frontends.dispatched_call import TRANSPORTS, DispatchedCall
+from service.frontends.dispatched_call import TRANSPORTS, DispatchedCall, transport_of
 from service.frontends.link import FrameConnection
 from service.frontends.protocol import (
     Frame,
@@ -182,7 +182,7 @@ class _FrontendLink(FrameConnection):
 
     def _count(self, opened: Open, described: bool) -> None:
         if self.server.metrics is not None:
-            self.server.metrics.call(self.index, opened.transport, described)
+            self.server.metrics.call(self.index, transport_of(opened), described)
 
     def _open(self, call_id: int, opened: Open) -> None:
         self._count(opened, described=False)

@@ -16,6 +16,7 @@ from grpc.aio import EOF, AbortError  # type: ignore[attr-defined]
 from service.frontends.described_call import oversized
 from service.frontends.link import Inbox, Window
 from service.frontends.protocol import (
+    PART,
     Kind,
     Open,
     ProtocolViolation,
@@ -32,6 +33,11 @@ from transport.h3.calls import TransportAnswer
 log = logging.getLogger("paddlequic.frontends")
 
 TRANSPORTS = ("h2", "h3")
+
+
+def transport_of(opened: Open) -> str:
+    """The transport the call came on (h2 or h3), for a stream's part too."""
+    return opened.transport.removesuffix(PART)
 
 
 class CallServer(Protocol):
@@ -197,7 +203,7 @@ class DispatchContext(CallContext):
             handler.request_deserializer,
         )
         self.call = call
-        self.datagram_peer = opened.transport == "h3"
+        self.datagram_peer = transport_of(opened) == "h3"
 
     def peer_identities(self) -> list[bytes] | None:  # type: ignore[override]
         """The client certificate's identities, as the front-end's TLS saw them."""

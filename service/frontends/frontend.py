@@ -1,8 +1,8 @@
 """A front-end process (`python -m service.frontends.frontend`): terminates HTTP/2 and
-HTTP/3 (TLS, QUIC, 0-RTT) on the shared port, serves the ModelInfer calls (gRPC and REST) on
-versions it queues for itself straight into the workers' queues, and passes every other call
-to the parent over the dispatch connection (parent_link.py, rest_here.py). It never imports
-Paddle."""
+HTTP/3 (TLS, QUIC, 0-RTT) on the shared port, serves the ModelInfer calls (gRPC and REST) and
+the ModelStreamInfer requests on versions it queues for itself straight into the workers'
+queues, and passes every other call (and request) to the parent over the dispatch connection
+(parent_link.py, rest_here.py, stream_here.py). It never imports Paddle."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from service.api.restricted import parse_restrictions, restriction_of
+from service.api.stream_outbox import StreamBounds
 from service.backend.sandbox.privileges import undumpable
 from service.frontends.described_call import Serving
 from service.frontends.descriptors import (
@@ -40,6 +41,7 @@ from service.frontends.rest_here import FrontendPlane, RestHere
 from service.frontends.runtime import DISPATCH_SOCKET, observer_of, read_settings
 from service.frontends.served_here import ServedHere
 from service.frontends.shared_versions import SharedVersions
+from service.frontends.stream_here import StreamHere
 from service.http.asgi import App
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
@@ -104,6 +106,17 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             observer,
             restriction,
             settings.max_message_bytes,
+        )
+        link.streams = StreamHere(
+            link.serving,
+            StreamBounds(
+                settings.stream_stall_timeout,
+                settings.stream_buffer_bytes,
+                observer.on_stream_stall,
+            ),
+            link.view.describe,
+            link.shared.serving,
+            link.open,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

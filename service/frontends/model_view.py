@@ -117,9 +117,13 @@ def answer_message(payload: bytes) -> bytes:
 
 
 def response_message(answer: DescribedAnswer) -> bytes:
+    return response_of(answer).SerializeToString()
+
+
+def response_of(answer: DescribedAnswer) -> pb.ModelInferResponse:
     response = stream_responses.infer_response(
         answer.model_name, answer.model_version, answer.id, answer.outputs
     )
     if answer.fallback:
         response.parameters["fallback"].bool_param = True
-    return response.SerializeToString()
+    return response

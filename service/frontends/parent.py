@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import shutil
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from service.frontends.dispatch import DispatchServer
 from service.frontends.dispatched_call import TRANSPORTS
 from service.frontends.host_limits import ParentTally
 from service.frontends.listeners import serves_rest_h3, tls_files
+from service.frontends.protocol import PART
 from service.frontends.reports import Reports
 from service.frontends.rest_tunnel import TRANSPORT as REST_TRANSPORT
 from service.frontends.rest_tunnel import RestTunnel
@@ -75,13 +76,15 @@ async def start_frontends(
     settings: ServerSettings,
     count: int,
     register: Register,
+    register_parts: Callable[[HandlerTable], None],
     observer: Observer,
     restrictions: Mapping[str, Restriction],
     models: ModelRegistry,
     runner: RequestRunner,
     rest: RestApp | None,
 ) -> Frontends:
-    """`register`: the servicers; ModelInfer calls front-ends describe are run by `runner` on
+    """`register`: the servicers (`register_parts`: what serves the parts of the streams front-
+    ends hold, stream_here.py); ModelInfer calls front-ends describe are run by `runner` on
     the versions of `models` (whose changes they are told), observed by `observer` and
     access-checked by `restrictions` as `register` does for the others. `rest`: what runs the
     REST requests front-ends pass on (None: --http-port 0)."""
@@ -113,6 +116,8 @@ async def start_frontends(
         dispatch.answered = observer.transport_answered
         for transport in TRANSPORTS:
             register(dispatch.tables[transport], transport)
+            dispatch.tables[transport + PART] = HandlerTable()
+            register_parts(dispatch.tables[transport + PART])
         if rest is not None:
             dispatch.tables[REST_TRANSPORT] = HandlerTable()
             dispatch.tables[REST_TRANSPORT].add_generic_rpc_handlers([RestTunnel(rest)])

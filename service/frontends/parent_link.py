@@ -1,7 +1,9 @@
 """A front-end's end of its dispatch connection to the parent (`ParentLink`): what it does
 with each call. ModelInfer on a version it queues for itself it serves (served_here.py); on
 another version the parent described, it passes on as a descriptor it decoded and validated
-(model_view.py); every other call it passes on as its message bytes, unparsed."""
+(model_view.py); ModelStreamInfer it holds itself when it queues for itself (stream_here.py,
+which passes on the requests it cannot run in one stream of the parent's); every other call it
+passes on as its message bytes, unparsed."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -49,6 +51,7 @@ from service.frontends.reports import report_payloads
 from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
+from service.frontends.stream_here import MODEL_STREAM_INFER, StreamHere
 from service.inference.credit import ReturnedCredit
 from service.inference.identity import identity_of
 from service.observability.metrics import Metrics
@@ -96,6 +99,7 @@ class ParentLink(FrameConnection):
         # serves their calls with.
         self.shared: SharedVersions | None = None
         self.serving: Serving | None = None
+        self.streams: StreamHere | None = None  # ModelStreamInfer, with --frontend-queues
         # What the calls this front-end serves itself count: ModelStatistics (per version)
         # and its own metrics (None: --no-metrics), both sent in each report.
         self.counts = LocalCounts()
@@ -117,12 +121,13 @@ class ParentLink(FrameConnection):
 
     async def forward(
         self, method: str, transport: str, requests: AsyncIterator[bytes], context: Any
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The behavior of every method but ModelInfer: the call's messages to the parent and
         back."""
         opened = _opened(method, transport, context, auth_of(context.auth_context()))
-        async for message in self.relay(opened, requests, context):
-            yield message
+        async with contextlib.aclosing(self.relay(opened, requests, context)) as answers:
+            async for message in answers:
+                yield message
 
     async def infer(self, transport: str, message: bytes, context: Any) -> bytes:
         """ModelInfer: served here, on a version this process queues for itself; else passed
@@ -147,7 +152,8 @@ class ParentLink(FrameConnection):
             if len(payload) <= self.max_payload:
                 call_id, call = self._start()
                 self.send(Kind.INFER, call_id, payload)
-                answers = self._answers(call_id, call, context, answer_message, credit=False)
+                events = self._events(call_id, call, credit=False)
+                answers = self._answers(events, context, answer_message)
                 answered = [answer async for answer in answers]
                 if not call.stale:
                     return await _one(answered, context)
@@ -156,17 +162,13 @@ class ParentLink(FrameConnection):
 
     async def relay(
         self, opened: Open, requests: AsyncIterator[bytes], context: Any
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """A call opened at the parent: `requests` to it, its answers back; its metadata
         and status go to `context` (a status other than OK is `context.abort`)."""
-        call_id, call = self._start()
-        self.send(Kind.OPEN, call_id, encode_open(opened))
-        pump = asyncio.create_task(self._pump(call_id, call, requests))
-        try:
-            async for message in self._answers(call_id, call, context, bytes, credit=True):
+        answers = self._answers(self.open(opened, requests), context, bytes)
+        async with contextlib.aclosing(answers) as messages:
+            async for message in messages:
                 yield message
-        finally:
-            pump.cancel()
 
     def _answer_refusal(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> bool:
         """Report a refusal to the parent, which records it, if this front-end may answer it:
@@ -187,28 +189,51 @@ class ParentLink(FrameConnection):
 
     async def _answers(
         self,
-        call_id: int,
-        call: _Forwarded,
+        events: AsyncGenerator[tuple[Kind, Any], None],
         context: Any,
         message: Callable[[bytes], bytes],
-        credit: bool,
-    ) -> AsyncIterator[bytes]:
-        """What the parent sends for the call, to the client, up to its end (STALE: none).
-        `credit`: give it back per message (a described call's one answer needs none)."""
+    ) -> AsyncGenerator[bytes, None]:
+        """A call's `events`, to the client, up to its end (STALE: none). Every generator
+        of a call is closed by the one that reads it: a client that leaves while its answer
+        waits for the transport ends the generators at their `yield`, and the innermost's end
+        is what tells the parent (a generator left open would tell it only when collected)."""
+        status: Status | None = None
+        async with contextlib.aclosing(events):
+            async for kind, value in events:
+                if kind is Kind.MESSAGE:
+                    yield message(value)
+                elif kind is Kind.HEADERS:
+                    await context.send_initial_metadata(value)
+                else:
+                    status = value
+        if status is None:  # STALE
+            return
+        if status.code is grpc.StatusCode.OK:
+            if status.trailing:
+                context.set_trailing_metadata(status.trailing)
+            return
+        await context.abort(status.code, status.details, status.trailing)
+
+    async def _events(
+        self, call_id: int, call: _Forwarded, credit: bool
+    ) -> AsyncGenerator[tuple[Kind, Any], None]:
+        """What the parent sends for the call, in order: MESSAGEs and HEADERS, then its
+        STATUS last (none when STALE). A message's credit goes back once it was taken."""
         status = _GONE
         try:
             while True:
                 kind, value = await call.events.get()
                 if kind is Kind.MESSAGE:
                     call.unread -= 1
-                    yield message(value)
+                    yield kind, value
                     if credit and (count := call.credit.took()):
                         self.give_credit(call_id, count)
                 elif kind is Kind.HEADERS:
-                    await context.send_initial_metadata(value)
+                    yield kind, value
                 elif kind is Kind.STATUS:
                     status = value
-                    break
+                    yield kind, value
+                    return
                 elif kind is Kind.STALE:
                     call.stale = True
                     return
@@ -218,11 +243,21 @@ class ParentLink(FrameConnection):
             self._calls.pop(call_id, None)
             if status is _GONE and not call.stale:
                 self.send(Kind.CANCEL, call_id)
-        if status.code is grpc.StatusCode.OK:
-            if status.trailing:
-                context.set_trailing_metadata(status.trailing)
-            return
-        await context.abort(status.code, status.details, status.trailing)
+
+    async def open(
+        self, opened: Open, requests: AsyncIterator[bytes]
+    ) -> AsyncGenerator[tuple[Kind, Any], None]:
+        """A call opened at the parent: `requests` to it as they come, what it sends
+        back (`_events`)."""
+        call_id, call = self._start()
+        self.send(Kind.OPEN, call_id, encode_open(opened))
+        pump = asyncio.create_task(self._pump(call_id, call, requests))
+        try:
+            async with contextlib.aclosing(self._events(call_id, call, credit=True)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            pump.cancel()
 
     async def _pump(self, call_id: int, call: _Forwarded, requests: AsyncIterator[bytes]) -> None:
         try:
@@ -354,16 +389,31 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             return contextlib.nullcontext() if rpcs is None else rpcs.admitted(context)
 
         async def forward(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-            async with admitted(context):
-                async for message in link.forward(method, transport, requests, context):
+            async with (
+                admitted(context),
+                contextlib.aclosing(link.forward(method, transport, requests, context)) as answers,
+            ):
+                async for message in answers:
                     yield message
 
         async def infer(request: bytes, context: Any) -> bytes:
             async with admitted(context):
                 return await link.infer(transport, request, context)
 
+        async def stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+            assert link.streams is not None
+            opened = _opened(method, transport, context, auth_of(context.auth_context()))
+            async with (
+                admitted(context),
+                contextlib.aclosing(link.streams.responses(opened, requests, context)) as answers,
+            ):
+                async for message in answers:
+                    yield message
+
         if method == MODEL_INFER:
             return grpc.unary_unary_rpc_method_handler(infer)
+        if method == MODEL_STREAM_INFER and link.streams is not None:
+            return grpc.stream_stream_rpc_method_handler(stream)
         return grpc.stream_stream_rpc_method_handler(forward)
 
 

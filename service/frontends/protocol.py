@@ -81,6 +81,11 @@ class Open:
     auth: AuthContext = ()
 
 
+# An Open's transport with this after it: the part of a ModelStreamInfer stream that the
+# front-end holds and observes itself (stream_here.py), run by the parent unobserved.
+PART = "+part"
+
+
 @dataclass(frozen=True)
 class Status:
     code: grpc.StatusCode

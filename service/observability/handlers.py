@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -63,7 +63,7 @@ class ObservedServer(WrappingServer):
 
     def _coroutine(self, method_path: str, behavior: Behavior, request_streaming: bool) -> Behavior:
         async def observed(request: Any, context: Any) -> Any:
-            call = _Call(self._observer, self._transport, method_path, context)
+            call = ObservedCall(self._observer, self._transport, method_path, context)
             request = call.requests(request) if request_streaming else call.saw(request)
             try:
                 response = await behavior(request, context)
@@ -79,16 +79,12 @@ class ObservedServer(WrappingServer):
         self, method_path: str, behavior: Behavior, request_streaming: bool
     ) -> Behavior:
         async def observed(request: Any, context: Any) -> AsyncIterator[Any]:
-            call = _Call(self._observer, self._transport, method_path, context)
+            call = ObservedCall(self._observer, self._transport, method_path, context)
             request = call.requests(request) if request_streaming else call.saw(request)
-            try:
-                async with contextlib.aclosing(behavior(request, context)) as responses:
-                    async for response in responses:
-                        yield response
-            except BaseException as exc:
-                call.finish(exc)
-                raise
-            call.finish(None)
+            responses = observed_responses(call, behavior(request, context))
+            async with contextlib.aclosing(responses) as answers:
+                async for response in answers:
+                    yield response
 
         return observed
 
@@ -108,7 +104,21 @@ class _AnyMethod(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         return self._handler
 
 
-class _Call(Observation):
+async def observed_responses(
+    call: ObservedCall, responses: AsyncGenerator[Any, None]
+) -> AsyncGenerator[Any, None]:
+    """A streaming behavior's responses, its call recorded when they end (or fail)."""
+    try:
+        async with contextlib.aclosing(responses) as answers:
+            async for response in answers:
+                yield response
+    except BaseException as exc:
+        call.finish(exc)
+        raise
+    call.finish(None)
+
+
+class ObservedCall(Observation):
     """A wrapped behavior's call: its span current in the behavior's task throughout, its
     status read from its servicer context."""
 

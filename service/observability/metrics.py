@@ -110,6 +110,12 @@ class Metrics:
             ["model", "fallback"],
             registry=r,
         )
+        self.stream_stalls = Counter(
+            "paddlequic_stream_stalls",
+            "ModelStreamInfer streams ended because their caller took no response for "
+            "--stream-stall-timeout while one waited",
+            registry=r,
+        )
         # A decoupled model's responses (model labels: served names only, from the registry).
         self.time_to_first_token = Histogram(
             "paddlequic_time_to_first_token_seconds",

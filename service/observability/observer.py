@@ -30,6 +30,7 @@ from transport.h3.calls import TransportAnswer
 # deadline is counted DEADLINE_EXCEEDED, which it nearly was.
 DEADLINE_MARGIN_S = 0.5
 _NO_SPAN = contextlib.nullcontext()
+Metadata = tuple[tuple[str, Any], ...]
 
 
 def _sampled(requests: Sequence[SpanContext]) -> list[SpanContext]:
@@ -183,7 +184,9 @@ class Observer:
         """A span per decoupled request, a child of the RPC's (a stream carries many); the
         caller sets its response count. Not made current: the request's generator resumes
         on every response."""
-        if self.tracer is None or not trace.get_current_span().is_recording():
+        # The current span may be another process's (a front-end's stream, continued).
+        current = trace.get_current_span().get_span_context()
+        if self.tracer is None or not (current.is_valid and current.trace_flags.sampled):
             yield None
             return
         attributes = {"paddlequic.model": model, "paddlequic.request_id": request_id}
@@ -221,6 +224,10 @@ class Observer:
     def on_fallback(self, model: str, fallback: str) -> None:
         if self.metrics is not None:
             self.metrics.child(self.metrics.fallbacks, model, fallback).inc()
+
+    def on_stream_stall(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stream_stalls.inc()
 
 
 class Observation:
@@ -326,6 +333,49 @@ class Observation:
         self.observer.record(
             self.transport, self.rpc, self.model, self.version, code, seconds, fields, details
         )
+
+
+def carried(call: Observation, metadata: Metadata) -> Metadata:
+    """`metadata` for a part of the call that another process runs: its trace context
+    is the call's span (none: as it came)."""
+    if call.span is None:
+        return metadata
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(call.span))
+    kept = tuple((key, value) for key, value in metadata if key not in carrier)
+    return kept + tuple(carrier.items())
+
+
+@contextlib.contextmanager
+def continued(metadata: Metadata) -> Iterator[None]:
+    """The trace context the metadata carries made current, with no span of its own: the
+    part of a call another process observes (`carried`)."""
+    values = {str(key): value for key, value in metadata if isinstance(value, str)}
+    if "traceparent" not in values:
+        yield
+        return
+    token = otel_context.attach(propagate.extract(values))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+class Within:
+    """A request inside a call observed as a whole (a stream's): its steps run in the call's
+    span, and it is not recorded as a call of its own."""
+
+    def __init__(self, call: Observation) -> None:
+        self._call = call
+
+    def saw(self, request: Any) -> Any:
+        return request
+
+    def current(self) -> contextlib.AbstractContextManager[None]:
+        return self._call.current()
+
+    def end(self, code: grpc.StatusCode, details: Callable[[], str], response: Any = None) -> None:
+        pass
 
 
 def deadline_passed(remaining: float | None, cancelled: bool) -> bool:

@@ -608,6 +608,27 @@ async def test_through_two_frontends(
 ) -> None:
     await assert_counted(two_frontends, transport, certs_dir)
     await assert_cancel_stops(two_frontends, transport, certs_dir)
+    await assert_leaving_unread_stops(two_frontends, transport, certs_dir)
+
+
+async def assert_leaving_unread_stops(
+    server: ServerProcess, transport: str, certs_dir: Path
+) -> None:
+    """A caller that stopped reading, then leaves: its request is cancelled in the model,
+    though its responses waited for the transport (and, through a front-end, for room in
+    its stream) when it left."""
+    request_id = f"unread-{transport}"
+    async with channel_to(server, transport, certs_dir) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=CALL_TIMEOUT_S)
+        await call.write(repeat(0, request_id, mode="forever", size=64 << 10))
+        await until_id(call, request_id)
+        await quiet_count(server)  # every window between it and the model full
+        call.cancel()
+
+    async def cancelled() -> bool:
+        return f"request {request_id} cancelled after" in server.log_text()
+
+    await eventually(cancelled, "the unread request was cancelled in the model")
 
 
 # ---- what is refused at load ----

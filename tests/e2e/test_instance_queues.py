@@ -52,6 +52,8 @@ RPC_TIMEOUT_S = 120.0
 IDLE_S = 10
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # new connections: both front-ends
 SCRIBBLE = 17.0
+STALL_S = 1.0  # --stream-stall-timeout
+STALLED_REQUESTS = 400
 QUEUE_MB = 1  # rings of 512 KiB: one request takes at most 256 KiB
 CONFIG = """
 max_batch_size: {rows}
@@ -90,6 +92,7 @@ def server(
     add_mlp(root / "models", "counted", 8, 64)
     twice_ensemble(root / "models", output_names("mlp")[0])
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
+    args += ["--stream-stall-timeout", str(STALL_S)]
     args += ["--frontends", str(request.param)]
     with running_server(root / "models", root / "server.log", args) as process:
         yield process
@@ -273,6 +276,115 @@ def test_front_ends_run_an_ensemble_of_queued_steps_with_their_parent_stopped(
     request_stats = pb.ModelStatisticsRequest(name="twice")
     (stats,) = server.stub.ModelStatistics(request_stats, timeout=RPC_TIMEOUT_S).model_stats
     assert stats.inference_stats.success.count == 1 + len(inputs)
+
+
+def stream(channel: grpc.Channel, requests: list[pb.ModelInferRequest]) -> dict[str, Any]:
+    """A ModelStreamInfer of `requests`, read whole: its responses by request id."""
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    answers = list(stub.ModelStreamInfer(iter(requests), timeout=RPC_TIMEOUT_S))
+    by_id = {a.infer_response.id: a for a in answers}
+    assert len(by_id) == len(answers) == len(requests)
+    return by_id
+
+
+def test_front_ends_answer_a_stream_with_their_parent_stopped(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """A ModelStreamInfer request on a version a front-end queues for itself runs there too:
+    with the parent held still, every request of the stream is answered, each with its own
+    outputs."""
+    one = "one-process" in request.node.callspec.id
+    inputs = [one_row(50 + i) for i in range(6)]
+    requests = [build_request("mlp", x, request_id=str(i)) for i, x in enumerate(inputs)]
+    with grpc.insecure_channel(server.address, OWN_CONNECTION) as channel:
+        stream(channel, requests[:1])  # this front-end's queues attached
+        with contextlib.nullcontext() if one else paused(server.process.pid):
+            by_id = stream(channel, requests)
+    for index, x in enumerate(inputs):
+        answer = by_id[str(index)]
+        assert not answer.error_message
+        assert_matches_reference("mlp", x, answer.infer_response)
+
+
+def requests_total(server: ServerProcess, model: str, rpc: str) -> dict[str, float]:
+    """paddlequic_requests_total of `model`'s `rpc` calls, by status code."""
+    return {
+        s.labels["code"]: s.value
+        for s in server.metrics()
+        if s.name == "paddlequic_requests_total"
+        and (s.labels["model"], s.labels["rpc"]) == (model, rpc)
+    }
+
+
+def test_a_stream_runs_what_it_can_here_and_passes_the_rest_on(server: ServerProcess) -> None:
+    """Requests a front-end does not run itself (a model nobody serves, a shape its model
+    refuses) go on to the parent in the stream's part, and their answers join the stream:
+    each request answered once, the refusals in the parent's words. The stream is one call,
+    counted once under its first request's model, and ModelStatistics counts each request
+    where it ran."""
+    good = [one_row(60), one_row(61)]
+    bad_shape = {"input": np.zeros((1, 255), np.float32)}
+    requests = [
+        build_request("variable", good[0], request_id="here-0"),
+        build_request("nope", good[0], request_id="nobody"),
+        build_request("variable", bad_shape, request_id="refused"),
+        build_request("variable", good[1], request_id="here-1"),
+    ]
+    statistics = pb.ModelStatisticsRequest(name="variable", version="1")
+
+    def outcomes() -> tuple[int, int]:
+        (stats,) = server.stub.ModelStatistics(statistics, timeout=RPC_TIMEOUT_S).model_stats
+        return stats.inference_stats.success.count, stats.inference_stats.fail.count
+
+    before, calls_before = outcomes(), requests_total(server, "variable", "ModelStreamInfer")
+    with grpc.insecure_channel(server.address, OWN_CONNECTION) as channel:
+        by_id = stream(channel, requests)
+    for index, x in enumerate(good):
+        answer = by_id[f"here-{index}"]
+        assert not answer.error_message
+        assert_matches_reference("mlp", x, answer.infer_response)
+    assert by_id["nobody"].error_message.startswith("NOT_FOUND: "), by_id["nobody"]
+    assert by_id["refused"].error_message.startswith("INVALID_ARGUMENT: "), by_id["refused"]
+    assert by_id["refused"].infer_response.model_name == "variable"
+    after = outcomes()
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
+    calls = requests_total(server, "variable", "ModelStreamInfer")
+    assert calls.get("OK", 0) - calls_before.get("OK", 0) == 1
+    assert sum(calls.values()) - sum(calls_before.values()) == 1
+
+
+def stalls(server: ServerProcess) -> float:
+    (count,) = [s.value for s in server.metrics() if s.name == "paddlequic_stream_stalls_total"]
+    return count
+
+
+def test_a_stream_whose_caller_stops_reading_ends_at_the_stall_bound(
+    server: ServerProcess,
+) -> None:
+    """Wherever its requests run, a stream whose caller takes nothing for
+    --stream-stall-timeout while a response waits ends RESOURCE_EXHAUSTED, naming the bound,
+    and the server goes on answering."""
+    # Each response repeats its request's id (at most 256 bytes): about 190 fill HTTP/2's
+    # window (64 KiB, BDP probing off), then the stream's window, and the server's send waits.
+    requests = [
+        build_request("mlp", one_row(70), request_id=f"{index:04d}".ljust(256, "x"))
+        for index in range(STALLED_REQUESTS)
+    ]
+    options = [*OWN_CONNECTION, ("grpc.http2.bdp_probe", 0)]
+    before = stalls(server)
+    with grpc.insecure_channel(server.address, options) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        responses = stub.ModelStreamInfer(iter(requests), timeout=RPC_TIMEOUT_S)
+        # The stream ends once the transport takes what the server was sending: the bound
+        # passing is counted at once.
+        wait_for("the stall bound to pass", lambda: stalls(server) > before or None)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in responses:
+                pass
+    assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--stream-stall-timeout" in (ended.value.details() or "")
+    x = one_row(71)
+    assert_matches_reference("mlp", x, server.stub.ModelInfer(build_request("mlp", x)))
 
 
 def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_served(
