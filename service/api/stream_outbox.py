@@ -56,10 +56,14 @@ class Outbox(Generic[T]):
     def _has_room(self) -> bool:
         return len(self._items) < self.count and self.bytes < self.max_bytes
 
+    def _free(self) -> bool:
+        """Room that nobody waits for."""
+        return self._has_room() and not self._waiters and not self._granted
+
     async def room(self) -> None:
         """Until an item may be put; the caller then puts one without awaiting in between
         (the room is its own until it does)."""
-        if self._has_room() and not self._waiters and not self._granted:
+        if self._free():
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -72,6 +76,13 @@ class Outbox(Generic[T]):
             elif waiter in self._waiters:  # else _wake passed over it, cancelled, already
                 self._waiters.remove(waiter)
             raise
+
+    def put_now(self, item: T) -> bool:
+        """Put at once if there is room nobody waits for (False: wait with `room()`)."""
+        if not self._free():
+            return False
+        self.put(item)
+        return True
 
     def put(self, item: T) -> None:
         """Put at once (after room(), or an end that needs none)."""

@@ -116,7 +116,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             ),
             link.view.describe,
             link.shared.serving,
-            link.open,
+            link.open_part,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

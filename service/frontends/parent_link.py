@@ -64,15 +64,60 @@ log = logging.getLogger("paddlequic.frontend")
 _GONE = Status(grpc.StatusCode.UNAVAILABLE, "this front-end lost its server process", ())
 
 
-class _Forwarded:
-    """One call passed on: what the parent sent back for it, in order."""
+Sink = Callable[[Kind, Any], None]
 
-    def __init__(self) -> None:
+
+class _Forwarded:
+    """One call passed on: what the parent sent back for it, in order, queued for the task
+    that reads it, or given to its `sink` as it comes."""
+
+    def __init__(self, sink: Sink | None = None) -> None:
         self.events: asyncio.Queue[tuple[Kind, Any]] = asyncio.Queue()
+        self.sink = sink
         self.window = Window()
         self.credit = ReturnedCredit(WINDOW)  # for the parent's messages the client took
-        self.unread = 0  # the parent's messages in `events`
+        self.unread = 0  # the parent's messages not taken yet
         self.stale = False  # described, and the parent's view had changed: passed on as bytes
+
+    def deliver(self, kind: Kind, value: Any) -> None:
+        if self.sink is None:
+            self.events.put_nowait((kind, value))
+        else:
+            self.sink(kind, value)
+
+
+class PartCall:
+    """A call opened at the parent whose frames go to a sink as they come, with no task to
+    read them (a stream's part, stream_here.py): what its holder gives back and ends."""
+
+    def __init__(self, link: ParentLink, opened: Open, requests: AsyncIterator[bytes], sink: Sink):
+        self._link = link
+        self._sink = sink
+        self.call_id, self._call = link._start(self._received)
+        self.ended = False
+        link.send(Kind.OPEN, self.call_id, encode_open(opened))
+        self._pump = asyncio.create_task(link._pump(self.call_id, self._call, requests))
+
+    def _received(self, kind: Kind, value: Any) -> None:
+        if kind is Kind.STATUS:
+            self.ended = True
+            self._link._calls.pop(self.call_id, None)
+            self._pump.cancel()
+        self._sink(kind, value)
+
+    def took(self) -> None:
+        """The holder took one of the parent's messages: its credit goes back."""
+        self._call.unread -= 1
+        if count := self._call.credit.took():
+            self._link.give_credit(self.call_id, count)
+
+    def close(self) -> None:
+        """The holder is done before the parent's end: the parent is told to stop."""
+        self._pump.cancel()
+        if not self.ended:
+            self.ended = True
+            self._link._calls.pop(self.call_id, None)
+            self._link.send(Kind.CANCEL, self.call_id)
 
 
 class ParentLink(FrameConnection):
@@ -182,10 +227,13 @@ class ParentLink(FrameConnection):
         self.send(Kind.REFUSED, 0, payload)
         return True
 
-    def _start(self) -> tuple[int, _Forwarded]:
+    def _start(self, sink: Sink | None = None) -> tuple[int, _Forwarded]:
         call_id, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF or 1
-        call = self._calls[call_id] = _Forwarded()
+        call = self._calls[call_id] = _Forwarded(sink)
         return call_id, call
+
+    def open_part(self, opened: Open, requests: AsyncIterator[bytes], sink: Sink) -> PartCall:
+        return PartCall(self, opened, requests, sink)
 
     async def _answers(
         self,
@@ -267,7 +315,7 @@ class ParentLink(FrameConnection):
                 await self.drain()
             self.send(Kind.HALF_CLOSE, call_id)
         except Exception as exc:
-            call.events.put_nowait((Kind.CANCEL, exc))
+            call.deliver(Kind.CANCEL, exc)
 
     def received(self, received: Frame) -> None:
         kind, call_id, payload = received
@@ -295,15 +343,15 @@ class ParentLink(FrameConnection):
             if not call.credit.allows(call.unread):
                 raise ProtocolViolation(f"call {call_id}: messages past the credit window")
             call.unread += 1
-            call.events.put_nowait((kind, payload))
+            call.deliver(kind, payload)
         elif kind is Kind.HEADERS:
-            call.events.put_nowait((kind, decode_metadata(payload)))
+            call.deliver(kind, decode_metadata(payload))
         elif kind is Kind.STATUS:
-            call.events.put_nowait((kind, decode_status(payload)))
+            call.deliver(kind, decode_status(payload))
         elif kind is Kind.CREDIT:
             call.window.give(decode_count(payload))
         elif kind is Kind.STALE:
-            call.events.put_nowait((kind, None))
+            call.deliver(kind, None)
         else:
             raise ProtocolViolation(f"{kind.name} frame from the parent")
 
@@ -343,8 +391,8 @@ class ParentLink(FrameConnection):
             self.send(Kind.STATS, answering if position == last else 0, payload)
 
     def lost(self) -> None:
-        for call in self._calls.values():
-            call.events.put_nowait((Kind.STATUS, _GONE))
+        for call in list(self._calls.values()):
+            call.deliver(Kind.STATUS, _GONE)
 
 
 def _opened(method: str, transport: str, context: Any, auth: AuthContext = ()) -> Open:

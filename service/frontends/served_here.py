@@ -45,7 +45,7 @@ async def serve_here(
     context: Any,
 ) -> bytes:
     """The call's response message, or its status as `context.abort`."""
-    link = AnsweredHere()
+    link = _AnsweredHere()
     call = _ServedHere(link, 0, opened, served, described, serving)
     call.start()
     try:
@@ -65,7 +65,7 @@ class _ServedHere(DescribedCall):
         return response_message(answer)
 
 
-class AnsweredHere:
+class _AnsweredHere:
     """The link of a call this process serves: its answer and status, when they come."""
 
     def __init__(self) -> None:

@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -32,8 +31,7 @@ from service.api.wire_limits import request_problem
 from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import DescribedAnswer, DescribedRequest, Refusal
 from service.frontends.model_view import response_of
-from service.frontends.protocol import PART, Kind, Open, Status
-from service.frontends.served_here import AnsweredHere
+from service.frontends.protocol import PART, Kind, Open, Status, decode_status
 from service.inference import errors
 from service.observability.handlers import ObservedCall, observed_responses
 from service.observability.observer import carried
@@ -41,9 +39,16 @@ from service.registry.versions import ServedVersion
 
 MODEL_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 
-# A response's bytes for the caller, and whether taking it frees a place in the window.
-_Item = tuple[bytes, bool]
-PartEvents = AsyncGenerator[tuple[Kind, Any], None]
+
+class PartCall(Protocol):
+    """The parent's end of a stream's part, as the stream uses it (parent_link.py)."""
+
+    def took(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Sink = Callable[[Kind, Any], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +61,9 @@ class StreamHere:
     # serves for a descriptor's token (None: the parent's).
     describe: Callable[[bytes], Awaitable[DescribedRequest | Refusal | None]]
     served: Callable[[int], ServedVersion | None]
-    # A stream opened at the parent: its requests sent as they come, what it sends back.
-    open_part: Callable[[Open, AsyncIterator[bytes]], PartEvents]
+    # A stream opened at the parent: its requests sent as they come, what it sends back given
+    # to the sink as it comes.
+    open_part: Callable[[Open, AsyncIterator[bytes], Sink], PartCall]
 
     async def responses(
         self, opened: Open, requests: AsyncIterator[bytes], context: Any
@@ -76,22 +82,17 @@ class StreamHere:
                 yield response
 
 
-class _Part:
-    """The requests of a stream passed on to the parent."""
-
-    def __init__(self, open_part: Callable[[AsyncIterator[bytes]], PartEvents]) -> None:
-        self.requests: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
-        self.events = open_part(self.messages())
-        self.in_flight = 0  # passed on, their last response not put yet
-        self.task: asyncio.Task[None] | None = None
-
-    async def messages(self) -> AsyncIterator[bytes]:
-        while (message := await self.requests.get()) is not None:
-            yield message
+# Where an outbox item came from: a request run here (taking it frees a place in the window),
+# or the part (taking it gives the parent its credit back).
+_HERE, _PART = True, False
+_Item = tuple[bytes, bool]
 
 
 class _Stream:
-    """One caller's stream."""
+    """One caller's stream. Its requests' answers come by callbacks (a request run here: its
+    DescribedCall's; the part: its frames, as the link reads them), so nothing but the reader
+    and the transport's sends needs a task; an answer with no room in the outbox waits in one.
+    """
 
     def __init__(self, here: StreamHere, opened: Open, call: ObservedCall, context: Any) -> None:
         self.here = here
@@ -102,11 +103,17 @@ class _Stream:
             STREAM_WINDOW + 1, here.bounds.buffer_bytes, _size
         )
         self.window = asyncio.Semaphore(STREAM_WINDOW)
-        self.tasks: set[asyncio.Task[None]] = set()  # the requests run here, in flight
-        self.part: _Part | None = None
+        self.running: set[_RunHere] = set()  # requests run here, not answered yet
+        self.waiting: set[asyncio.Task[None]] = set()  # answers waiting for room
+        self.part: PartCall | None = None
+        self.part_requests: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
+        self.part_in_flight = 0  # passed on, their last response not come yet
+        self.part_done = False
         self.failed: Status | None = None  # how the part ended, when not OK
         self.cancelled = 0  # how many requests the stall cancelled
+        self.reading = True
         self.reader: asyncio.Task[None] | None = None
+        self._end_put = False
 
     async def run(
         self, requests: AsyncIterator[bytes], context: Any
@@ -115,40 +122,60 @@ class _Stream:
         watch = StallWatch(self.here.bounds.stall_s, self._stall)
         try:
             while (item := await self.outbox.get()) is not None:
-                data, frees = item
+                data, source = item
                 watch.sending()
                 yield data
                 watch.sent()
                 if watch.stalled:
                     break
-                if frees:
+                if source is _HERE:
                     self.window.release()
+                elif self.part is not None:
+                    self.part.took()
             if watch.stalled:
                 await errors.abort(context, stalled(self.here.bounds.stall_s, self.cancelled))
             if self.failed is not None:
                 failed = self.failed
                 await context.abort(failed.code, failed.details, failed.trailing)
-            await reader
+            await reader  # its failure (the caller's request stream's) is the stream's
         finally:
             watch.close()
             self._end()
 
     def _end(self) -> None:
         """Every request still in flight cancelled (the stream ended, or stalled)."""
+        self._cancel_here()
+        if self.part is not None:
+            self.part.close()  # the parent stops it, unless it ended already
+
+    def _cancel_here(self) -> None:
+        """The reader and the requests run here cancelled."""
         if self.reader is not None:
             self.reader.cancel()
-        for task in list(self.tasks):
+        for running in list(self.running):
+            running.call.cancel()
+        self.running.clear()
+        for task in list(self.waiting):
             task.cancel()
-        if self.part is not None and self.part.task is not None:
-            self.part.task.cancel()  # its events' end sends the parent a CANCEL
 
     def _stall(self) -> None:
         """The caller took nothing for stall_s: its requests end now, not when it leaves."""
-        part = self.part.in_flight if self.part is not None else 0
-        self.cancelled = len(self.tasks) + part
+        self.cancelled = len(self.running) + len(self.waiting) + self.part_in_flight
         self.here.bounds.on_stall()
         self._end()
         self.outbox.clear()
+
+    def _put_end(self) -> None:
+        if not self._end_put:
+            self._end_put = True
+            self.outbox.put(None)
+
+    def _check_done(self) -> None:
+        """The stream's end goes after its last answer: every request read and answered."""
+        if self.reading or self.running or self.waiting:
+            return
+        if self.part is None or self.part_done:
+            self._put_end()
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
         first = True
@@ -166,72 +193,119 @@ class _Stream:
                     continue
                 assert isinstance(described, DescribedRequest)
                 await self.window.acquire()
-                task = asyncio.create_task(self._run_here(described, served))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-            waits = list(self.tasks)
+                self._run_here(described, served)
             if self.part is not None:
-                await self.part.requests.put(None)  # the part half-closes
-                assert self.part.task is not None
-                waits.append(self.part.task)
-            if waits:
-                await asyncio.gather(*waits)
-        finally:
-            self.outbox.put(None)
-
-    async def _run_here(self, described: DescribedRequest, served: ServedVersion) -> None:
-        """One request run here, its response (or its error's) put for the caller."""
-        answered = AnsweredHere()
-        opened = dataclasses.replace(self.opened, timeout=self.context.time_remaining())
-        call = _InStream(answered, 0, opened, served, described, self.here.serving, self.call)
-        call.start()
-        try:
-            data, status = await answered.done
-        except asyncio.CancelledError:
-            call.cancel()
+                await self.part_requests.put(None)  # the part half-closes
+        except BaseException:
+            self._put_end()  # the stream ends now: run() ends the rest
             raise
-        if status.code is not grpc.StatusCode.OK:
-            text = f"{status.code.name}: {status.details}"
-            data = stream_responses.error(described, text).SerializeToString()
+        self.reading = False
+        self._check_done()
+
+    def _run_here(self, described: DescribedRequest, served: ServedVersion) -> None:
+        """One request run here; its answer comes to `answered`."""
+        running = _RunHere(self, described)
+        opened = dataclasses.replace(self.opened, timeout=self.context.time_remaining())
+        running.call = _InStream(
+            running, 0, opened, served, described, self.here.serving, self.call
+        )
+        self.running.add(running)
+        running.call.start()
+
+    def answered(self, running: _RunHere, data: bytes) -> None:
+        """A request run here answered: its response for the caller, now or once there is
+        room."""
+        if running not in self.running:
+            return  # cancelled
+        self.running.discard(running)
+        item = (data, _HERE)
+        if not self.outbox.put_now(item):
+            task = asyncio.get_running_loop().create_task(self._put_later(item))
+            self.waiting.add(task)
+            task.add_done_callback(self._waited)
+        self._check_done()
+
+    async def _put_later(self, item: _Item) -> None:
         await self.outbox.room()
-        self.outbox.put((data, True))
+        self.outbox.put(item)
+
+    def _waited(self, task: asyncio.Task[None]) -> None:
+        self.waiting.discard(task)
+        self._check_done()
 
     async def _pass_on(self, message: bytes) -> None:
-        part = self.part
-        if part is None:
+        if self.part is None:
             opened = dataclasses.replace(
                 self.opened,
                 transport=self.opened.transport + PART,
                 timeout=self.context.time_remaining(),
                 metadata=carried(self.call, self.opened.metadata),
             )
-            part = self.part = _Part(functools.partial(self.here.open_part, opened))
-            part.task = asyncio.create_task(self._take_part(part))
-        part.in_flight += 1
-        await part.requests.put(message)
+            self.part = self.here.open_part(opened, self._part_messages(), self._from_part)
+        self.part_in_flight += 1
+        await self.part_requests.put(message)
 
-    async def _take_part(self, part: _Part) -> None:
-        """The part's responses, put for the caller as they come; a part that ends in
-        error ends the caller's stream with its status. Its events are closed here, whatever
-        this waits on when cancelled: their end is what tells the parent."""
-        async with contextlib.aclosing(part.events):
-            await self._put_part(part)
+    async def _part_messages(self) -> AsyncIterator[bytes]:
+        while (message := await self.part_requests.get()) is not None:
+            yield message
 
-    async def _put_part(self, part: _Part) -> None:
-        async for kind, value in part.events:
-            if kind is Kind.MESSAGE:
-                data, last = stream_parts.decode(value)
-                if data is not None:
-                    await self.outbox.room()
-                    self.outbox.put((data, False))
-                if last:
-                    part.in_flight -= 1
-            elif kind is Kind.STATUS and value.code is not grpc.StatusCode.OK:
-                self.failed = value
-                if self.reader is not None:
-                    self.reader.cancel()  # its end puts the stream's
-                for task in list(self.tasks):
-                    task.cancel()
+    def _from_part(self, kind: Kind, value: Any) -> None:
+        """What the parent sends for the part, as the link reads it: a response goes in the
+        outbox at once (the part's credit window bounds how many wait there), and its credit
+        goes back once the caller took it; a part that ends in error ends the stream with
+        its status."""
+        if kind is Kind.MESSAGE:
+            data, last = stream_parts.decode(value)
+            if data is None:
+                assert self.part is not None
+                self.part.took()
+            else:
+                self.outbox.put((data, _PART))
+            if last:
+                self.part_in_flight -= 1
+        elif kind is Kind.STATUS:
+            self.part_done = True
+            if value.code is not grpc.StatusCode.OK:
+                self.fail(value)
+            self._check_done()
+        elif kind is Kind.CANCEL:  # sending the part's requests failed: the link is going
+            self.part_done = True
+            self.fail(Status(grpc.StatusCode.UNAVAILABLE, f"the stream's part failed: {value}", ()))
+
+    def fail(self, status: Status) -> None:
+        """The part ended in error: the stream ends with its status once what the outbox
+        holds is sent."""
+        if self.failed is None:
+            self.failed = status
+        self._cancel_here()
+        self._put_end()
+
+
+class _RunHere:
+    """A request of the stream run here: the link its DescribedCall answers on."""
+
+    def __init__(self, stream: _Stream, described: DescribedRequest) -> None:
+        self.stream = stream
+        self.described = described
+        self.call: DescribedCall
+        self._data = b""
+
+    def send(self, kind: Kind, call_id: int, payload: bytes = b"") -> None:
+        if kind is Kind.MESSAGE:
+            self._data = payload
+        elif kind is Kind.STATUS:
+            status = decode_status(payload)
+            data = self._data
+            if status.code is not grpc.StatusCode.OK:
+                text = f"{status.code.name}: {status.details}"
+                data = stream_responses.error(self.described, text).SerializeToString()
+            self.stream.answered(self, data)
+
+    def flush_large(self) -> None:
+        pass
+
+    def ended(self, call_id: int) -> None:
+        pass
 
 
 class _InStream(DescribedCall):

@@ -183,3 +183,19 @@ def test_stream_bounds_options(
         assert "--stream-stall-timeout must be above 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         server_settings.parse(["--stream-buffer-bytes", "0"])
+
+
+async def test_put_now_takes_only_room_nobody_waits_for() -> None:
+    """An answer put from a callback goes in at once only where a producer waiting with
+    `room()` would not have been passed over; else it waits its turn too."""
+    outbox: Outbox[int | None] = Outbox(1, 100, lambda item: item or 0)
+    assert outbox.put_now(1)
+    assert not outbox.put_now(2)  # full
+    waiter = asyncio.create_task(outbox.room())
+    await asyncio.sleep(0)
+    assert await outbox.get() == 1  # room again, and it is the waiter's
+    assert not outbox.put_now(3)
+    await waiter
+    outbox.put(4)
+    assert await outbox.get() == 4
+    assert outbox.put_now(5)
