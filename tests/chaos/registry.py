@@ -220,6 +220,18 @@ ATTACKS = (
         frontends=2,
     ),
     AttackSpec(
+        "never-reading streams (--frontends 2)",
+        streams.never_reading_streams,
+        _both(*STREAM_HELD),
+        frontends=2,
+    ),
+    AttackSpec(
+        "stalled generation reader (--frontends 2)",
+        generations.never_reading_generations,
+        _both("held, never read", "good generation OK"),
+        frontends=2,
+    ),
+    AttackSpec(
         "sequence hijack (--frontends 2)",
         sequences.sequence_hijack,
         frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
