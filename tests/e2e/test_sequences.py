@@ -168,6 +168,12 @@ def test_one_stream_carries_many_sequences_in_order(
 ) -> None:
     """Every request of COUNT sequences written to one ModelStreamInfer at once, round robin:
     each sequence's responses are its scores run alone (the stream keeps its order)."""
+    assert_one_stream_keeps_each_sequence_in_order(server, certs_dir, transport)
+
+
+def assert_one_stream_keeps_each_sequence_in_order(
+    server: ServerProcess, certs_dir: Path, transport: str
+) -> None:
     inputs = [chunks(100 + seed) for seed in range(COUNT)]
     sequences = [SequenceParameters() for _ in inputs]
     order = [(s, i) for i in range(LENGTH) for s in range(COUNT)]
@@ -371,6 +377,15 @@ async def test_sequences_through_two_frontends(
     for frames, served in zip(inputs, together, strict=True):
         for a, b in zip(served, kws_reference(frames), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_one_stream_carries_many_sequences_in_order_through_two_frontends(
+    two_frontends: ServerProcess, certs_dir: Path, transport: str
+) -> None:
+    """The front-end holding the stream passes a sequence's requests on in the stream's
+    part, where the parent keeps their order."""
+    assert_one_stream_keeps_each_sequence_in_order(two_frontends, certs_dir, transport)
 
 
 def test_a_reload_keeps_live_sequences_on_the_old_version(tmp_path: Path) -> None:
