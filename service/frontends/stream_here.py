@@ -7,9 +7,9 @@ one stream of the parent's, opened at the first such request, that runs them as 
 parent's words) and whose responses join the caller's as they come (stream_parts.py).
 
 The stream is one call, observed here (the part is not observed again). Its window, buffer and
-stall bound are those of a stream the parent holds (stream_inference.py): a request run here
-holds its place in the window until its response was taken; the part's requests are bounded by
-the part's own window, and count as in flight until their last response was put."""
+stall bound are those of a stream the parent holds (stream_inference.py): a request, wherever
+it runs, holds its place in the window until its last response was taken (the part says which
+is a request's last)."""
 
 from __future__ import annotations
 
@@ -82,10 +82,10 @@ class StreamHere:
                 yield response
 
 
-# Where an outbox item came from: a request run here (taking it frees a place in the window),
-# or the part (taking it gives the parent its credit back).
-_HERE, _PART = True, False
-_Item = tuple[bytes, bool]
+# What taking an outbox item does: free its request's place in the window (a request's last
+# response), give the parent its credit back (the part's responses).
+_FREES, _CREDITS = 1, 2
+_Item = tuple[bytes, int]
 
 
 class _Stream:
@@ -122,15 +122,15 @@ class _Stream:
         watch = StallWatch(self.here.bounds.stall_s, self._stall)
         try:
             while (item := await self.outbox.get()) is not None:
-                data, source = item
+                data, taking = item
                 watch.sending()
                 yield data
                 watch.sent()
                 if watch.stalled:
                     break
-                if source is _HERE:
+                if taking & _FREES:
                     self.window.release()
-                elif self.part is not None:
+                if taking & _CREDITS and self.part is not None:
                     self.part.took()
             if watch.stalled:
                 await errors.abort(context, stalled(self.here.bounds.stall_s, self.cancelled))
@@ -185,6 +185,7 @@ class _Stream:
                 if first:  # the stream's labels, as the parent takes them from its first
                     self.call.saw(described if described is not None else _named(message))
                     first = False
+                await self.window.acquire()  # each request, wherever it runs
                 served = None
                 if isinstance(described, DescribedRequest):
                     served = self.here.served(described.token)
@@ -192,7 +193,6 @@ class _Stream:
                     await self._pass_on(message)
                     continue
                 assert isinstance(described, DescribedRequest)
-                await self.window.acquire()
                 self._run_here(described, served)
             if self.part is not None:
                 await self.part_requests.put(None)  # the part half-closes
@@ -218,7 +218,7 @@ class _Stream:
         if running not in self.running:
             return  # cancelled
         self.running.discard(running)
-        item = (data, _HERE)
+        item = (data, _FREES)
         if not self.outbox.put_now(item):
             task = asyncio.get_running_loop().create_task(self._put_later(item))
             self.waiting.add(task)
@@ -252,15 +252,17 @@ class _Stream:
     def _from_part(self, kind: Kind, value: Any) -> None:
         """What the parent sends for the part, as the link reads it: a response goes in the
         outbox at once (the part's credit window bounds how many wait there), and its credit
-        goes back once the caller took it; a part that ends in error ends the stream with
-        its status."""
+        goes back once the caller took it, as does its request's place in the stream's window
+        if it is its last; a part that ends in error ends the stream with its status."""
         if kind is Kind.MESSAGE:
             data, last = stream_parts.decode(value)
             if data is None:
                 assert self.part is not None
                 self.part.took()
+                if last:
+                    self.window.release()
             else:
-                self.outbox.put((data, _PART))
+                self.outbox.put((data, _CREDITS | (_FREES if last else 0)))
             if last:
                 self.part_in_flight -= 1
         elif kind is Kind.STATUS:

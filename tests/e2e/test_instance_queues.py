@@ -26,6 +26,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
 from protos.paddlequic.v1 import control_pb2
+from service.api.stream_inference import STREAM_WINDOW
 from tests.e2e.test_worker_restart import only_instance, wait_for
 from tests.reference import (
     assert_matches_reference,
@@ -54,6 +55,7 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # new connections: bot
 SCRIBBLE = 17.0
 STALL_S = 1.0  # --stream-stall-timeout
 STALLED_REQUESTS = 400
+WINDOW_LOOKS = 20
 QUEUE_MB = 1  # rings of 512 KiB: one request takes at most 256 KiB
 CONFIG = """
 max_batch_size: {rows}
@@ -351,6 +353,32 @@ def test_a_stream_runs_what_it_can_here_and_passes_the_rest_on(server: ServerPro
     calls = requests_total(server, "variable", "ModelStreamInfer")
     assert calls.get("OK", 0) - calls_before.get("OK", 0) == 1
     assert sum(calls.values()) - sum(calls_before.values()) == 1
+
+
+def test_a_stream_holds_at_most_its_window_of_requests(server: ServerProcess) -> None:
+    """A stream runs at most STREAM_WINDOW of its requests at once, whichever process holds
+    it: with the worker held still, a stream of more puts that many in the instance and reads
+    no further (the rest wait in the transport); once the worker runs, every request is
+    answered with its own outputs."""
+    inputs = [one_row(100 + i) for i in range(STREAM_WINDOW + 20)]
+    requests = [build_request("mlp", x, request_id=str(i)) for i, x in enumerate(inputs)]
+    with grpc.insecure_channel(server.address, OWN_CONNECTION) as channel:
+        stream(channel, requests[:1])  # this front-end's queues attached
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with paused(only_instance(server, "mlp").pid):
+            responses = stub.ModelStreamInfer(iter(requests), timeout=RPC_TIMEOUT_S)
+            wait_for(
+                "the stream's window to fill",
+                lambda: only_instance(server, "mlp").outstanding >= STREAM_WINDOW or None,
+            )
+            # Looked at again and again while nothing runs: never past the window.
+            looks = [only_instance(server, "mlp").outstanding for _ in range(WINDOW_LOOKS)]
+            assert max(looks) == STREAM_WINDOW, looks
+        by_id = {r.infer_response.id: r for r in responses}
+    assert sorted(by_id, key=int) == [str(i) for i in range(len(inputs))]
+    for index, x in enumerate(inputs):
+        assert not by_id[str(index)].error_message
+        assert_matches_reference("mlp", x, by_id[str(index)].infer_response)
 
 
 def stalls(server: ServerProcess) -> float:
