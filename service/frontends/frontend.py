@@ -117,6 +117,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             link.view.describe,
             link.shared.serving,
             link.open_part,
+            *([link.served_here.stream_request] if link.served_here is not None else []),
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

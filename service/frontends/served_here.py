@@ -31,10 +31,21 @@ class ServedHere:
             ["frontend", "transport"],
             registry=registry,
         )
+        self._stream_requests = Counter(
+            "paddlequic_frontend_stream_requests",
+            "ModelStreamInfer requests of the streams a front-end process held, by where they "
+            "ran: here (straight into the workers' queues) or parent (passed on in the "
+            "stream's part)",
+            ["frontend", "ran"],
+            registry=registry,
+        )
         self._frontend = str(frontend)
 
     def count(self, transport: str) -> None:
         self._calls.labels(self._frontend, transport).inc()
+
+    def stream_request(self, here: bool) -> None:
+        self._stream_requests.labels(self._frontend, "here" if here else "parent").inc()
 
 
 async def serve_here(

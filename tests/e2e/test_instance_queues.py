@@ -318,7 +318,9 @@ def requests_total(server: ServerProcess, model: str, rpc: str) -> dict[str, flo
     }
 
 
-def test_a_stream_runs_what_it_can_here_and_passes_the_rest_on(server: ServerProcess) -> None:
+def test_a_stream_runs_what_it_can_here_and_passes_the_rest_on(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
     """Requests a front-end does not run itself (a model nobody serves, a shape its model
     refuses) go on to the parent in the stream's part, and their answers join the stream:
     each request answered once, the refusals in the parent's words. The stream is one call,
@@ -339,6 +341,7 @@ def test_a_stream_runs_what_it_can_here_and_passes_the_rest_on(server: ServerPro
         return stats.inference_stats.success.count, stats.inference_stats.fail.count
 
     before, calls_before = outcomes(), requests_total(server, "variable", "ModelStreamInfer")
+    ran_before = stream_requests_ran(server)
     with grpc.insecure_channel(server.address, OWN_CONNECTION) as channel:
         by_id = stream(channel, requests)
     for index, x in enumerate(good):
@@ -353,6 +356,20 @@ def test_a_stream_runs_what_it_can_here_and_passes_the_rest_on(server: ServerPro
     calls = requests_total(server, "variable", "ModelStreamInfer")
     assert calls.get("OK", 0) - calls_before.get("OK", 0) == 1
     assert sum(calls.values()) - sum(calls_before.values()) == 1
+    if "frontends-2" in request.node.callspec.id:  # where a front-end ran each request
+        ran = stream_requests_ran(server)
+        assert {key: ran[key] - ran_before.get(key, 0) for key in ran} == {"here": 2, "parent": 2}
+
+
+def stream_requests_ran(server: ServerProcess) -> dict[str, float]:
+    """paddlequic_frontend_stream_requests_total, summed over the front-ends, by where the
+    requests ran."""
+    ran: dict[str, float] = {}
+    for sample in server.metrics():
+        if sample.name == "paddlequic_frontend_stream_requests_total":
+            where = sample.labels["ran"]
+            ran[where] = ran.get(where, 0) + sample.value
+    return ran
 
 
 def test_a_stream_holds_at_most_its_window_of_requests(server: ServerProcess) -> None:
