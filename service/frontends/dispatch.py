@@ -8,7 +8,6 @@ protobuf, task or servicer context here."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from service.frontends.protocol import (
     ProtocolViolation,
     decode_count,
     decode_open,
+    encode_methods,
     encode_status,
 )
 from service.frontends.queue_sharing import QUEUES_SOCKET, SharedQueues
@@ -151,7 +151,7 @@ class _FrontendLink(FrameConnection):
         elif kind is Kind.HELLO:
             self.index = str(decode_count(payload))
             methods = {m for table in self.server.tables.values() for m in table.methods()}
-            self.send(Kind.METHODS, 0, json.dumps(sorted(methods)).encode())
+            self.send(Kind.METHODS, 0, encode_methods(methods))
             self.send_view(self.server.described.view(), self.server.queued_view())
             if self.server.sharing is not None:
                 self.server.sharing.connected(self.index)

@@ -25,6 +25,7 @@ from service.frontends.described_call import Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
 )
+from service.frontends.forwarder import Forwarder
 from service.frontends.host_limits import FrontendTally
 from service.frontends.listeners import (
     check_client_auth,
@@ -117,14 +118,14 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             link.view.describe,
             link.shared.serving,
             link.open_part,
-            *([link.served_here.stream_request] if link.served_here is not None else []),
+            link.served_here.stream_request if link.served_here is not None else None,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)
     tls = (Path(settings.tls_cert), Path(settings.tls_key)) if settings.tls_cert else None
     grpc_server, port = await start_grpc(
         settings,
-        lambda s: s.add_generic_rpc_handlers([link.handlers("h2")]),
+        lambda s: s.add_generic_rpc_handlers([Forwarder(link, "h2")]),
         client_auth,
         tls,
         reuse_port=True,
@@ -192,7 +193,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
 def _register_h3(link: ParentLink, observer: Observer, server: H3Server) -> None:
     """The front-end's handlers on an HTTP/3 server, and the calls it answers itself
     observed here."""
-    server.add_generic_rpc_handlers([link.handlers("h3")])
+    server.add_generic_rpc_handlers([Forwarder(link, "h3")])
 
     def answered(answer: TransportAnswer) -> None:
         # Every path is the forwarder's here: the parent's methods say which are methods.

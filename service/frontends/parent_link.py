@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import grpc
@@ -43,6 +41,7 @@ from service.frontends.protocol import (
     auth_of,
     decode_count,
     decode_metadata,
+    decode_methods,
     decode_status,
     encode_count,
     encode_open,
@@ -51,7 +50,7 @@ from service.frontends.reports import report_payloads
 from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
-from service.frontends.stream_here import MODEL_STREAM_INFER, StreamHere
+from service.frontends.stream_here import StreamHere
 from service.inference.credit import ReturnedCredit
 from service.inference.identity import identity_of
 from service.observability.metrics import Metrics
@@ -161,15 +160,12 @@ class ParentLink(FrameConnection):
         every front-end's)."""
         self.send(Kind.HELLO, 0, encode_count(self.index))
 
-    def handlers(self, transport: str) -> grpc.GenericRpcHandler[Any, Any]:
-        return _Forwarder(self, transport)
-
     async def forward(
         self, method: str, transport: str, requests: AsyncIterator[bytes], context: Any
     ) -> AsyncGenerator[bytes, None]:
-        """The behavior of every method but ModelInfer: the call's messages to the parent and
-        back."""
-        opened = _opened(method, transport, context, auth_of(context.auth_context()))
+        """The behavior of every method but ModelInfer (and ModelStreamInfer, when this
+        process holds streams): the call's messages to the parent and back."""
+        opened = opened_of(method, transport, context, auth_of(context.auth_context()))
         async with contextlib.aclosing(self.relay(opened, requests, context)) as answers:
             async for message in answers:
                 yield message
@@ -180,7 +176,7 @@ class ParentLink(FrameConnection):
         stale; else as the message it came as."""
         started = time.perf_counter_ns()
         described = await self.view.describe(message)
-        opened = _opened(MODEL_INFER, transport, context)
+        opened = opened_of(MODEL_INFER, transport, context)
         if isinstance(described, Refusal):
             if self._answer_refusal(opened, described, time.perf_counter_ns() - started):
                 await context.abort(described.status.code, described.status.details)
@@ -197,8 +193,7 @@ class ParentLink(FrameConnection):
             if len(payload) <= self.max_payload:
                 call_id, call = self._start()
                 self.send(Kind.INFER, call_id, payload)
-                events = self._events(call_id, call, credit=False)
-                answers = self._answers(events, context, answer_message)
+                answers = self._answers(call_id, call, context, answer_message, credit=False)
                 answered = [answer async for answer in answers]
                 if not call.stale:
                     return await _one(answered, context)
@@ -210,10 +205,18 @@ class ParentLink(FrameConnection):
     ) -> AsyncGenerator[bytes, None]:
         """A call opened at the parent: `requests` to it, its answers back; its metadata
         and status go to `context` (a status other than OK is `context.abort`)."""
-        answers = self._answers(self.open(opened, requests), context, bytes)
-        async with contextlib.aclosing(answers) as messages:
-            async for message in messages:
-                yield message
+        call_id, call = self._start()
+        self.send(Kind.OPEN, call_id, encode_open(opened))
+        pump = asyncio.create_task(self._pump(call_id, call, requests))
+        # Closed here, not left to the collector: its end is what tells the parent that a
+        # client who left while its answer waited for the transport is gone.
+        answers = self._answers(call_id, call, context, bytes, credit=True)
+        try:
+            async with contextlib.aclosing(answers) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            pump.cancel()
 
     def _answer_refusal(self, opened: Open, refusal: Refusal, elapsed_ns: int) -> bool:
         """Report a refusal to the parent, which records it, if this front-end may answer it:
@@ -237,51 +240,28 @@ class ParentLink(FrameConnection):
 
     async def _answers(
         self,
-        events: AsyncGenerator[tuple[Kind, Any], None],
+        call_id: int,
+        call: _Forwarded,
         context: Any,
         message: Callable[[bytes], bytes],
+        credit: bool,
     ) -> AsyncGenerator[bytes, None]:
-        """A call's `events`, to the client, up to its end (STALE: none). Every generator
-        of a call is closed by the one that reads it: a client that leaves while its answer
-        waits for the transport ends the generators at their `yield`, and the innermost's end
-        is what tells the parent (a generator left open would tell it only when collected)."""
-        status: Status | None = None
-        async with contextlib.aclosing(events):
-            async for kind, value in events:
-                if kind is Kind.MESSAGE:
-                    yield message(value)
-                elif kind is Kind.HEADERS:
-                    await context.send_initial_metadata(value)
-                else:
-                    status = value
-        if status is None:  # STALE
-            return
-        if status.code is grpc.StatusCode.OK:
-            if status.trailing:
-                context.set_trailing_metadata(status.trailing)
-            return
-        await context.abort(status.code, status.details, status.trailing)
-
-    async def _events(
-        self, call_id: int, call: _Forwarded, credit: bool
-    ) -> AsyncGenerator[tuple[Kind, Any], None]:
-        """What the parent sends for the call, in order: MESSAGEs and HEADERS, then its
-        STATUS last (none when STALE). A message's credit goes back once it was taken."""
+        """What the parent sends for the call, to the client, up to its end (STALE: none).
+        `credit`: give it back per message (a described call's one answer needs none)."""
         status = _GONE
         try:
             while True:
                 kind, value = await call.events.get()
                 if kind is Kind.MESSAGE:
                     call.unread -= 1
-                    yield kind, value
+                    yield message(value)
                     if credit and (count := call.credit.took()):
                         self.give_credit(call_id, count)
                 elif kind is Kind.HEADERS:
-                    yield kind, value
+                    await context.send_initial_metadata(value)
                 elif kind is Kind.STATUS:
                     status = value
-                    yield kind, value
-                    return
+                    break
                 elif kind is Kind.STALE:
                     call.stale = True
                     return
@@ -291,21 +271,11 @@ class ParentLink(FrameConnection):
             self._calls.pop(call_id, None)
             if status is _GONE and not call.stale:
                 self.send(Kind.CANCEL, call_id)
-
-    async def open(
-        self, opened: Open, requests: AsyncIterator[bytes]
-    ) -> AsyncGenerator[tuple[Kind, Any], None]:
-        """A call opened at the parent: `requests` to it as they come, what it sends
-        back (`_events`)."""
-        call_id, call = self._start()
-        self.send(Kind.OPEN, call_id, encode_open(opened))
-        pump = asyncio.create_task(self._pump(call_id, call, requests))
-        try:
-            async with contextlib.aclosing(self._events(call_id, call, credit=True)) as events:
-                async for event in events:
-                    yield event
-        finally:
-            pump.cancel()
+        if status.code is grpc.StatusCode.OK:
+            if status.trailing:
+                context.set_trailing_metadata(status.trailing)
+            return
+        await context.abort(status.code, status.details, status.trailing)
 
     async def _pump(self, call_id: int, call: _Forwarded, requests: AsyncIterator[bytes]) -> None:
         try:
@@ -331,7 +301,7 @@ class ParentLink(FrameConnection):
             self.shared.update(payload, self._entries)
             return
         if kind is Kind.METHODS:
-            self.methods = _methods(payload)
+            self.methods = decode_methods(payload)
             return
         if kind is Kind.WORKER and self.shared is not None:
             self.shared.told(payload)
@@ -395,7 +365,7 @@ class ParentLink(FrameConnection):
             call.deliver(Kind.STATUS, _GONE)
 
 
-def _opened(method: str, transport: str, context: Any, auth: AuthContext = ()) -> Open:
+def opened_of(method: str, transport: str, context: Any, auth: AuthContext = ()) -> Open:
     return Open(
         method,
         transport,
@@ -413,66 +383,6 @@ async def _replay(read: list[bytes], requests: AsyncIterator[bytes]) -> AsyncIte
         yield message
     async for message in requests:
         yield message
-
-
-class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[type-arg]
-    """Every method, whatever its kind, as a bidirectional stream of raw bytes: the wire
-    format is the same, and the parent enforces what a unary method may receive. ModelInfer,
-    the one most calls make, as the unary method it is: the transport reads its one message
-    (and refuses a second, as the parent would), which costs less than a stream."""
-
-    def __init__(self, link: ParentLink, transport: str) -> None:
-        self._link = link
-        self._transport = transport
-
-    def service(
-        self, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        method = handler_call_details.method
-        link, transport = self._link, self._transport
-
-        rpcs = link.h2_rpcs if transport == "h2" else None  # HTTP/3 counts its own
-
-        def admitted(context: Any) -> AbstractAsyncContextManager[None]:
-            return contextlib.nullcontext() if rpcs is None else rpcs.admitted(context)
-
-        async def forward(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-            async with (
-                admitted(context),
-                contextlib.aclosing(link.forward(method, transport, requests, context)) as answers,
-            ):
-                async for message in answers:
-                    yield message
-
-        async def infer(request: bytes, context: Any) -> bytes:
-            async with admitted(context):
-                return await link.infer(transport, request, context)
-
-        async def stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-            assert link.streams is not None
-            opened = _opened(method, transport, context, auth_of(context.auth_context()))
-            async with (
-                admitted(context),
-                contextlib.aclosing(link.streams.responses(opened, requests, context)) as answers,
-            ):
-                async for message in answers:
-                    yield message
-
-        if method == MODEL_INFER:
-            return grpc.unary_unary_rpc_method_handler(infer)
-        if method == MODEL_STREAM_INFER and link.streams is not None:
-            return grpc.stream_stream_rpc_method_handler(stream)
-        return grpc.stream_stream_rpc_method_handler(forward)
-
-
-def _methods(payload: bytes) -> frozenset[str]:
-    try:
-        methods = json.loads(payload)
-    except ValueError:
-        methods = None
-    if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
-        raise ProtocolViolation("METHODS is not a JSON list of method paths")
-    return frozenset(methods)
 
 
 async def _one(answers: list[bytes], context: Any) -> bytes:

@@ -9,9 +9,10 @@ directions grant credit per call (CREDIT frames), so a peer that stops reading h
 from __future__ import annotations
 
 import enum
+import json
 import struct
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -293,3 +294,18 @@ class Reader:
     def end(self) -> None:
         if self._offset != self._size:
             raise ProtocolViolation(f"{self._size - self._offset} bytes after the payload")
+
+
+def encode_methods(methods: Iterable[str]) -> bytes:
+    """METHODS: the method paths the parent registered, for a front-end's labels."""
+    return json.dumps(sorted(methods)).encode()
+
+
+def decode_methods(payload: bytes) -> frozenset[str]:
+    try:
+        methods = json.loads(payload)
+    except ValueError:
+        methods = None
+    if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
+        raise ProtocolViolation("METHODS is not a JSON list of method paths")
+    return frozenset(methods)

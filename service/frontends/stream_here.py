@@ -64,8 +64,8 @@ class StreamHere:
     # A stream opened at the parent: its requests sent as they come, what it sends back given
     # to the sink as it comes.
     open_part: Callable[[Open, AsyncIterator[bytes], Sink], PartCall]
-    # Where each request ran (True: here), counted (served_here.py).
-    count: Callable[[bool], None] = lambda here: None
+    # Where each request ran (True: here), counted (served_here.py); None: --no-metrics.
+    count: Callable[[bool], None] | None = None
 
     async def responses(
         self, opened: Open, requests: AsyncIterator[bytes], context: Any
@@ -191,7 +191,8 @@ class _Stream:
                 served = None
                 if isinstance(described, DescribedRequest):
                     served = self.here.served(described.token)
-                self.here.count(served is not None)
+                if self.here.count is not None:
+                    self.here.count(served is not None)
                 if served is None:
                     await self._pass_on(message)
                     continue
