@@ -16,22 +16,23 @@ import numpy as np
 
 from service.backend.python_model import PythonModel
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
-from service.backend.response_flow import Outbox, Reply, ResponseFlow
+from service.backend.response_flow import Outbox, ResponseFlow
 
 
 class DecoupledRequests:
-    """The worker's open decoupled requests. admit/credit/cancel come from the thread reading
-    the socket, execute from the one running the model; replies leave through `outbox`, as
-    `encode` makes them into the worker's messages."""
+    """The worker's open decoupled requests, keyed as the worker numbers them. admit/credit/
+    cancel come from the threads reading the sockets, execute from the one running the model;
+    each request's replies leave through the outbox of the process that sent it."""
 
-    def __init__(self, model: PythonModel, window: int, encode: Callable[[Reply], bytes]) -> None:
-        self.outbox = Outbox(encode)
+    def __init__(self, model: PythonModel, window: int) -> None:
         self._model = model
         self._window = window
         self._flows: dict[int, ResponseFlow] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # for `async def execute`
 
-    def admit(self, request_id: int, caller_id: str, outputs: tuple[str, ...]) -> None:
+    def admit(
+        self, request_id: int, caller_id: str, outputs: tuple[str, ...], outbox: Outbox
+    ) -> None:
         requested = self._requested(outputs)
 
         def check(response: pb_utils.InferenceResponse) -> dict[str, np.ndarray[Any, Any]]:
@@ -39,7 +40,7 @@ class DecoupledRequests:
 
         label = f"request '{caller_id}' of model '{self._model.name}'"
         self._flows[request_id] = ResponseFlow(
-            request_id, label, self._window, self.outbox, check, self._ended
+            request_id, label, self._window, outbox, check, self._ended
         )
 
     def execute(
@@ -121,11 +122,17 @@ class DecoupledRequests:
         if flow is not None:
             flow.cancel()
 
+    def cancel_where(self, chosen: Callable[[int], bool]) -> None:
+        """Every request whose key is `chosen` cancelled (the process that sent them is
+        gone)."""
+        for request_id, flow in self._flows.copy().items():
+            if chosen(request_id):
+                flow.cancel()
+
     def stop(self) -> None:
         """Shutdown: nothing more leaves, and senders blocked on the window return."""
         for flow in self._flows.copy().values():
             flow.stop()
-        self.outbox.close()
 
     def _requested(self, outputs: tuple[str, ...]) -> tuple[str, ...]:
         """As in Triton, a request that names no output asks for all of them."""

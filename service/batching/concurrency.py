@@ -101,14 +101,17 @@ class ConcurrencyLimit:
     def __init__(self, limit: int, queued: int, name: str) -> None:
         self._line: WaitLine[asyncio.Future[None]] = WaitLine(limit, queued)
         self._name = name
+        # With --frontends N: what front-ends said they hold in places of their own (waiting,
+        # running), shown with this process's (ListInstances; a version winds down after).
+        self.elsewhere = (0, 0)
 
     @property
     def queued(self) -> int:
-        return self._line.waiting
+        return self._line.waiting + self.elsewhere[0]
 
     @property
     def in_flight_requests(self) -> int:
-        return self._line.running
+        return self._line.running + self.elsewhere[1]
 
     @contextlib.asynccontextmanager
     async def held(self, deadline: float | None, client: Client) -> AsyncIterator[None]:

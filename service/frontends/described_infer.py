@@ -87,12 +87,8 @@ class DescribedInfer:
 
 
 def describable(served: ServedVersion) -> bool:
-    """Versions whose ModelInfer calls front-ends may describe: those served by their own
-    batcher and workers, and ensembles (decoupled and sequence models' calls go on as
-    bytes)."""
-    config = served.config
-    return (
-        served.validator is not None
-        and not served.decoupled
-        and not config.HasField("sequence_batching")
-    )
+    """Versions whose requests front-ends may describe: those served by their own batcher
+    and workers, decoupled models (a ModelInfer call on one is refused as the parent
+    refuses it, after the same checks; a stream's request keeps its parameters) and
+    ensembles (sequence models' calls go on as bytes)."""
+    return served.validator is not None and not served.config.HasField("sequence_batching")

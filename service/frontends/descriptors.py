@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from oip.datatypes import BY_NAME
+from protos.inference import grpc_service_pb2 as pb
 from service.frontends.protocol import (
     MAX_TEXT_BYTES,
     Open,
@@ -68,6 +69,9 @@ class DescribedRequest:
     # The job the validator made of it, where the process that validated it serves it too
     # (a front-end writing into the queues itself): not checked again. Never sent.
     job: InferJob | None = field(default=None, compare=False, repr=False)
+    # The message itself, for what a decoupled model's request carries beyond the job (its
+    # parameters, its id in each response). Never sent.
+    message: pb.ModelInferRequest | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             runtime_dir / QUEUES_SOCKET,
             observer,
             link.counts.stats,
+            settings.max_message_bytes,
         )
         link.serving = Serving(
             RequestRunner(link.shared.models, observer),

@@ -26,6 +26,7 @@ from service.frontends.descriptors import (
 from service.frontends.protocol import Status
 from service.inference.errors import ServiceError
 from service.inference.validation import RequestValidator, decoded
+from service.model.decoupled import is_decoupled
 
 # Request parameters a described call may carry: those the validator turns into the job's.
 SCHEDULING_PARAMETERS = frozenset(("priority", "timeout"))
@@ -35,6 +36,7 @@ SCHEDULING_PARAMETERS = frozenset(("priority", "timeout"))
 class _Version:
     token: int
     validator: RequestValidator
+    decoupled: bool  # its requests' parameters are the model's (pb_utils' parameters())
 
 
 class ModelView:
@@ -43,14 +45,15 @@ class ModelView:
 
     def update(self, entries: Sequence[ViewEntry]) -> None:
         """The parent's latest view replaces this one (one validator per version)."""
-        validators: dict[int, RequestValidator] = {}
+        described: dict[int, _Version] = {}
         versions: dict[tuple[str, str], _Version] = {}
         for entry in entries:
-            validator = validators.get(entry.token)
-            if validator is None:
+            version = described.get(entry.token)
+            if version is None:
                 config = mc.ModelConfig.FromString(entry.config)
-                validator = validators[entry.token] = RequestValidator(config)
-            versions[entry.model, entry.version] = _Version(entry.token, validator)
+                version = _Version(entry.token, RequestValidator(config), is_decoupled(config))
+                described[entry.token] = version
+            versions[entry.model, entry.version] = version
         self._versions = versions
 
     def token(self, model: str, version: str) -> int | None:
@@ -75,7 +78,7 @@ class ModelView:
         except DecodeError:
             return None
         version = self._versions.get((request.model_name, request.model_version))
-        if version is None or not _plain(request):
+        if version is None or not _plain(request, version.decoupled):
             return None
         if not fits(request.id, None):
             return None
@@ -98,14 +101,16 @@ class ModelView:
             job.priority,
             job.timeout_s,
             job,
+            request,
         )
 
 
-def _plain(request: pb.ModelInferRequest) -> bool:
-    """No parameters but the scheduling ones: shared-memory regions, sequences and the like
-    are the parent's."""
+def _plain(request: pb.ModelInferRequest, decoupled: bool) -> bool:
+    """No parameters but the scheduling ones (a decoupled model's request: any, which its
+    model reads) and none on its tensors: shared-memory regions, classes, sequences and the
+    like are the parent's."""
     return (
-        set(request.parameters) <= SCHEDULING_PARAMETERS
+        (decoupled or set(request.parameters) <= SCHEDULING_PARAMETERS)
         and not any(tensor.parameters for tensor in request.inputs)
         and not any(tensor.parameters for tensor in request.outputs)
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -47,10 +48,11 @@ def producer_of(frontend: str) -> int:
 
 
 def shareable(served: ServedVersion) -> bool:
-    """Versions front-ends queue for themselves: those whose requests go straight into their
+    """Versions front-ends serve themselves: those whose requests go straight into their
     instances' queues (one with a fallback model is served in a front-end while its fallback
-    is too: shared_versions.py)."""
-    return isinstance(served.batcher, QueuedBatcher)
+    is too: shared_versions.py), and decoupled models, whose workers take each front-end's
+    requests on a socket of its own (workers/decoupled_loop.py)."""
+    return isinstance(served.batcher, QueuedBatcher) or served.generations is not None
 
 
 class SharedQueues:
@@ -99,20 +101,20 @@ class SharedQueues:
             if not shareable(served):
                 continue
             viewed.add(token)
-            batcher = served.batcher
-            assert isinstance(batcher, QueuedBatcher)
-            if self._versions.setdefault(token, served) is served and batcher.events is None:
-                batcher.events = _Events(self, token, served)
+            if token not in self._versions:
+                self._versions[token] = served
+                _told(served, _Events(self, token, served))
             self._holders.setdefault(token, set()).update(self._frontends)
-            entries.append(
-                {
-                    "token": token,
-                    "name": served.name,
-                    "version": served.version,
-                    "setup": base64.b64encode(protocol.encode(batcher.setup)).decode(),
-                    "instances": [_instance(i) for i in served.instances],
-                }
-            )
+            entry = {
+                "token": token,
+                "name": served.name,
+                "version": served.version,
+                "instances": [_instance(i) for i in served.instances],
+            }
+            if isinstance(served.batcher, QueuedBatcher):
+                setup = protocol.encode(served.batcher.setup)
+                entry["setup"] = base64.b64encode(setup).decode()
+            entries.append(entry)
         for token in self._viewed - viewed:
             self._left_view(token)
         self._viewed = viewed
@@ -178,14 +180,19 @@ class SharedQueues:
 
     def _count_held(self) -> None:
         for token, served in self._versions.items():
+            counts = [held[token] for held in self._held.values() if token in held]
+            elsewhere = (sum(c[0] for c in counts), sum(c[1] for c in counts))
             batcher = served.batcher
             if isinstance(batcher, QueuedBatcher):
-                counts = [held[token] for held in self._held.values() if token in held]
-                batcher.elsewhere = (sum(c[0] for c in counts), sum(c[1] for c in counts))
+                batcher.elsewhere = elsewhere
                 batcher.elsewhere_by_instance = [
                     sum(c[2][i] for c in counts if i < len(c[2]))
                     for i in range(len(served.instances))
                 ]
+            elif served.generations is not None:
+                served.generations.elsewhere = elsewhere
+                for index, instance in enumerate(served.instances):
+                    instance.held_elsewhere = sum(c[2][index] for c in counts if index < len(c[2]))
 
     def released(self, frontend: str, payload: bytes) -> None:
         token = json.loads(payload)["token"]
@@ -207,8 +214,8 @@ class SharedQueues:
     def _left_view(self, token: int) -> None:
         """Out of the view: it winds down once every front-end lets it go."""
         served = self._versions.get(token)
-        if served is not None and isinstance(served.batcher, QueuedBatcher):
-            served.batcher.held_elsewhere = len(self._holders.get(token, ()))
+        if served is not None:
+            served.held_elsewhere = len(self._holders.get(token, ()))
         self._forget_if_free(token)
 
     def _release(self, token: int, frontend: str) -> None:
@@ -225,16 +232,16 @@ class SharedQueues:
             for instance in served.instances:
                 if instance.state is State.READY:
                     instance.drop_producer(producer_of(frontend))
-            if token not in self._viewed and isinstance(served.batcher, QueuedBatcher):
-                served.batcher.held_elsewhere = len(holders)
+            if token not in self._viewed:
+                served.held_elsewhere = len(holders)
         self._forget_if_free(token)
 
     def _forget_if_free(self, token: int) -> None:
         if token not in self._viewed and not self._holders.get(token):
             self._holders.pop(token, None)
             served = self._versions.pop(token, None)
-            if served is not None and isinstance(served.batcher, QueuedBatcher):
-                served.batcher.events = None
+            if served is not None:
+                _told(served, None)
 
     def _instance(self, data: Any) -> Any:
         """The instance a front-end names, if the launch it names still serves."""
@@ -257,7 +264,8 @@ class SharedQueues:
             asyncio.get_running_loop().add_reader(conn.fileno(), self._attach, conn)
 
     def _attach(self, conn: socket.socket) -> None:
-        """A front-end's segment and wake-ups for one worker launch: to that worker."""
+        """A front-end's segment and wake-ups for one worker launch (a decoupled worker: its
+        socket's end): to that worker."""
         try:
             data, fds, _, _ = socket.recv_fds(conn, MAX_ATTACH_BYTES, 3)
         except BlockingIOError:
@@ -272,7 +280,9 @@ class SharedQueues:
         try:
             message = json.loads(data)
             instance = self._instance(message)
-            if instance is not None and len(fds) == 3:
+            served = self._versions[int(message["token"])]
+            wanted = 1 if served.generations is not None else 3
+            if instance is not None and len(fds) == wanted:
                 instance.add_producer(producer_of(str(message["frontend"])), fds)
         except (ValueError, KeyError, TypeError) as exc:
             log.error("a front-end's queues message was not understood: %s", exc)
@@ -284,6 +294,20 @@ class SharedQueues:
         if token in self._versions:
             payload = {"token": token, "index": index, **event}
             self._send_all(Kind.WORKER, json.dumps(payload).encode())
+
+
+def _told(served: ServedVersion, events: _Events | None) -> None:
+    """Who hears what a shared version's instances do (None: nobody now): a queued version's
+    batcher passes it on, a decoupled version's instances tell it themselves."""
+    if isinstance(served.batcher, QueuedBatcher):
+        served.batcher.events = events
+        return
+    for index, instance in enumerate(served.instances):
+        instance.on_ready = None if events is None else functools.partial(events.ready, index)
+        instance.on_ended = None if events is None else functools.partial(events.ended, index)
+        instance.on_start_failed = (
+            None if events is None else functools.partial(events.start_failed, index)
+        )
 
 
 def _instance(instance: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import socket
@@ -21,20 +22,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
+from service.batching.concurrency import ConcurrencyLimit
 from service.frontends.descriptors import ViewEntry
 from service.frontends.protocol import Kind
+from service.frontends.remote_streams import RemoteStreams
 from service.inference import errors
 from service.inference.validation import RequestValidator
 from service.model import ensemble
+from service.model.decoupled import stream_limits
 from service.model.ensemble import MAX_ENSEMBLE_DEPTH
 from service.model.parameters import check_parameters
+from service.observability.observer import Observer
 from service.registry.statistics import ModelStats
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.resilience.breaker import BreakerState
-from service.serving.queued_batcher import BatchObserver, QueuedBatcher, batch_recorder
+from service.serving.queued_batcher import QueuedBatcher, batch_recorder
 from service.workers import deaths, protocol
 from service.workers.instance import State, WorkerInstance
+from service.workers.results import Outputs
 
 log = logging.getLogger("paddlequic.frontend")
 
@@ -98,8 +105,22 @@ class RemoteInstance:
 @dataclass
 class _Shared:
     served: ServedVersion
-    batcher: QueuedBatcher
-    instances: list[RemoteInstance]
+    batcher: QueuedBatcher | None  # None: a decoupled version's (its requests go on sockets)
+    instances: Sequence[RemoteInstance | RemoteStreams]
+
+    @property
+    def holding(self) -> bool:
+        """Whether this process holds requests of the version."""
+        queue = self.served.queue()
+        assert queue is not None
+        return bool(self.served.active or queue.queued or queue.in_flight_requests)
+
+    async def stop(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+        for instance in self.instances:
+            if isinstance(instance, RemoteStreams):
+                instance.stop()
 
 
 class SharedModels(ModelRegistry):
@@ -122,12 +143,15 @@ class SharedVersions:
         frontend: int,
         send: Callable[[Kind, bytes], None],
         queues_socket: Path,
-        observer: BatchObserver,
+        observer: Observer,
         stats_of: Callable[[str, int], ModelStats],
+        max_message: int,
     ) -> None:
         """`send`: a frame to the parent; `stats_of(model, version)`: what a version's calls
-        here are counted in (LocalCounts.stats: reported to the parent)."""
+        here are counted in (LocalCounts.stats: reported to the parent); `max_message`: what
+        a caller may receive (--max-message-bytes)."""
         self._frontend = frontend
+        self._max_message = max_message
         self._send = send
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket.connect(str(queues_socket))
@@ -221,14 +245,16 @@ class SharedVersions:
 
     def _shared(self, token: int, entry: dict[str, Any], config_bytes: bytes) -> _Shared:
         config = mc.ModelConfig.FromString(config_bytes)
-        setup = protocol.decode(base64.b64decode(entry["setup"])[protocol.header_size() :])
-        assert isinstance(setup, protocol.Queues)
         served = ServedVersion(str(entry["name"]), int(entry["version"]), config)
         served.stats = self._stats_of(served.name, served.version)
         served.state = VersionState.READY
+        served.validator = RequestValidator(config)
+        if "setup" not in entry:
+            return self._streamed(token, entry, served)
+        setup = protocol.decode(base64.b64decode(entry["setup"])[protocol.header_size() :])
+        assert isinstance(setup, protocol.Queues)
         instances = [RemoteInstance(self, token, i, d) for i, d in enumerate(entry["instances"])]
         served.instances = cast(list[WorkerInstance], instances)
-        served.validator = RequestValidator(config)
         label = f"model '{served.name}' version {served.version}"
         batcher = QueuedBatcher(
             config, instances, setup, batch_recorder(served, self._observer), label
@@ -237,6 +263,35 @@ class SharedVersions:
         batcher.start()
         return _Shared(served, batcher, instances)
 
+    def _streamed(self, token: int, entry: dict[str, Any], served: ServedVersion) -> _Shared:
+        """A decoupled version: its requests go to its workers over this process's own
+        sockets (remote_streams.py), within places of this process's own."""
+        config = served.config
+        label = f"model '{served.name}' version {served.version}"
+        places = stream_limits(config)
+        served.generations = ConcurrencyLimit(places.concurrent, places.queued, label)
+        outputs = Outputs()
+        outputs.declare({o.name: BY_CONFIG_TYPE[o.data_type] for o in config.output}, {})
+        instances = []
+        for index, data in enumerate(entry["instances"]):
+            instance = RemoteStreams(
+                served.name,
+                data,
+                outputs,
+                self._max_message,
+                functools.partial(self.attach, token, index),
+                functools.partial(self._broke, token, index),
+            )
+            instance.streams.on_response = functools.partial(
+                self._observer.on_generated, served.name
+            )
+            instances.append(instance)
+        served.instances = cast(list[WorkerInstance], instances)
+        return _Shared(served, None, instances)
+
+    def _broke(self, token: int, index: int, launch: int, reason: str) -> None:
+        self.trouble(token, index, launch, False, reason)
+
     def held(self) -> dict[str, list[Any]]:
         """The requests this process holds of each version it still serves: queued, in the
         batches workers run, and in each instance's queues (the parent's ListInstances adds
@@ -244,9 +299,16 @@ class SharedVersions:
         counts: dict[str, list[Any]] = {}
         for token, shared in self._versions.items():
             batcher = shared.batcher
-            queued, running = batcher.queued, batcher.in_flight_requests
+            queue = shared.served.queue()
+            assert queue is not None
+            queued, running = queue.queued, queue.in_flight_requests
             if queued or running:
-                counts[str(token)] = [queued, running, batcher.held_by_instance()]
+                each = (
+                    batcher.held_by_instance()
+                    if batcher is not None
+                    else [i.outstanding for i in shared.instances if isinstance(i, RemoteStreams)]
+                )
+                counts[str(token)] = [queued, running, each]
         return counts
 
     def breakers(self) -> dict[str, list[Any]]:
@@ -283,14 +345,13 @@ class SharedVersions:
     async def _release(self, token: int, shared: _Shared) -> None:
         """Once the requests this process held of a version are answered (as the parent's
         wind-down waits for its own), its queues close and the parent hears it is let go."""
-        batcher = shared.batcher
-        while batcher.queued or batcher.in_flight_requests:
+        while shared.holding:
             await asyncio.sleep(RELEASE_POLL_S)
-        await batcher.stop()
+        await shared.stop()
         self._send(Kind.RELEASED, json.dumps({"token": token}).encode())
 
     async def stop(self) -> None:
         for shared in self._versions.values():
-            await shared.batcher.stop()
+            await shared.stop()
         self._versions.clear()
         self._socket.close()

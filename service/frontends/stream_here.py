@@ -1,9 +1,10 @@
 """ModelStreamInfer in a front-end that queues for itself (--frontend-queues). A request on a
 version this process queues for itself runs here, as its ModelInfer call would (served_here.py),
-with no part for the parent. Every other request (a decoupled, sequence or Python model's, one
-the view does not describe or its validator refuses) goes to the parent in the stream's *part*:
-one stream of the parent's, opened at the first such request, that runs them as any stream's
-(ordering a sequence's requests, a decoupled model's many responses, the errors in the
+and so does a decoupled model's, its responses read from this process's own socket to the
+worker (remote_streams.py): the parent takes no part in either. Every other request (a
+sequence or Python model's, one the view does not describe or its validator refuses) goes to
+the parent in the stream's *part*: one stream of the parent's, opened at the first such
+request, that runs them as any stream's (ordering a sequence's requests, the errors in the
 parent's words) and whose responses join the caller's as they come (stream_parts.py).
 
 The stream is one call, observed here (the part is not observed again). Its window, buffer and
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import grpc
@@ -24,6 +25,7 @@ from google.protobuf.message import DecodeError
 
 from protos.inference import grpc_service_pb2 as pb
 from service.api import stream_parts, stream_responses
+from service.api.callers import client_of
 from service.api.restricted import guarded
 from service.api.stream_inference import STREAM_WINDOW, stalled
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds
@@ -106,7 +108,8 @@ class _Stream:
         )
         self.window = asyncio.Semaphore(STREAM_WINDOW)
         self.running: set[_RunHere] = set()  # requests run here, not answered yet
-        self.waiting: set[asyncio.Task[None]] = set()  # answers waiting for room
+        # Answers waiting for room, and a decoupled model's requests run here.
+        self.waiting: set[asyncio.Task[None]] = set()
         self.part: PartCall | None = None
         self.part_requests: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
         self.part_in_flight = 0  # passed on, their last response not come yet
@@ -197,7 +200,10 @@ class _Stream:
                     await self._pass_on(message)
                     continue
                 assert isinstance(described, DescribedRequest)
-                self._run_here(described, served)
+                if served.decoupled:
+                    self._wait_in(self._generate(described, served))
+                else:
+                    self._run_here(described, served)
             if self.part is not None:
                 await self.part_requests.put(None)  # the part half-closes
         except BaseException:
@@ -224,14 +230,52 @@ class _Stream:
         self.running.discard(running)
         item = (data, _FREES)
         if not self.outbox.put_now(item):
-            task = asyncio.get_running_loop().create_task(self._put_later(item))
-            self.waiting.add(task)
-            task.add_done_callback(self._waited)
+            self._wait_in(self._put_later(item))
         self._check_done()
+
+    def _wait_in(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.waiting.add(task)
+        task.add_done_callback(self._waited)
 
     async def _put_later(self, item: _Item) -> None:
         await self.outbox.room()
         self.outbox.put(item)
+
+    async def _generate(self, described: DescribedRequest, served: ServedVersion) -> None:
+        """A decoupled model's request run here, as the parent's stream runs it
+        (stream_inference.py): each response built once the outbox has room for it, the
+        last one freeing the request's place; an error its final response."""
+        request, job = described.message, described.job
+        assert request is not None and job is not None
+        remaining = self.context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        try:
+            answers = self.here.serving.runner.stream(
+                served,
+                job,
+                request.id,
+                stream_responses.parameters(request),
+                deadline,
+                client_of(self.context),
+            )
+            empty_final = stream_responses.empty_final_wanted(request)
+            async with contextlib.aclosing(answers) as each:
+                async for answer in each:
+                    await self.outbox.room()
+                    response = stream_responses.decoupled(
+                        served.name, str(served.version), request, answer, empty_final
+                    )
+                    if response is None:  # a final with nothing to send
+                        self.window.release()
+                    else:
+                        flags = _FREES if answer.final else 0
+                        self.outbox.put((response.SerializeToString(), flags))
+        except errors.ServiceError as exc:
+            response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
+            stream_responses.mark_final(response, True)
+            await self.outbox.room()
+            self.outbox.put((response.SerializeToString(), _FREES))
 
     def _waited(self, task: asyncio.Task[None]) -> None:
         self.waiting.discard(task)

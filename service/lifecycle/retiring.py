@@ -30,6 +30,7 @@ async def wind_down(served: ServedVersion, over: asyncio.Event | None = None) ->
         and not over.is_set()
         and (
             served.active
+            or served.held_elsewhere
             or (batcher and (batcher.queued or batcher.in_flight_requests))
             # A replaced version keeps its live sequences until they end or expire.
             or (served.sequences and served.sequences.live)

@@ -53,6 +53,9 @@ class ServedVersion:
     breaker: CircuitBreaker = field(init=False)
     # With --frontends N: the breakers front-ends keep of it, as each last reported them.
     breakers_elsewhere: tuple[Shown, ...] = ()
+    # With --frontends N: front-ends that may still hold requests of it in its workers (they
+    # have not said they let it go): it winds down once none does.
+    held_elsewhere: int = 0
     steps: tuple[ensemble.Step, ...] = ()  # an ensemble's; it has no instances of its own
     # A decoupled model's places for requests running at once (it has no batcher).
     generations: ConcurrencyLimit | None = None

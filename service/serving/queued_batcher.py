@@ -86,9 +86,6 @@ class QueuedBatcher:
         rows = max(config.max_batch_size, 1)
         self.setup = setup
         self.events: InstanceEvents | None = None
-        # Processes besides this one that may still hold requests in the workers (front-ends
-        # that have not said they let the version go): it winds down once none does.
-        self.held_elsewhere = 0
         self.elsewhere = (0, 0)  # what those said they hold: queued, in workers' batches
         self.elsewhere_by_instance = [0] * len(instances)  # and in each instance's queues
         self._input_index = {t.name: i for i, t in enumerate(config.input)}
@@ -117,7 +114,7 @@ class QueuedBatcher:
     @property
     def queued(self) -> int:
         own = self._held - self._running()
-        return own + self.held_elsewhere + self.elsewhere[0]
+        return own + self.elsewhere[0]
 
     @property
     def in_flight_requests(self) -> int:

@@ -121,6 +121,9 @@ class WorkerInstance:
         self.on_ready: Callable[[], None] | None = None
         self.on_ended: Callable[[deaths.Death], None] | None = None
         self.queue_held: Callable[[], int] | None = None  # the requests in its queues
+        # A decoupled model's requests front-ends hold in it, as they last said (their
+        # responses never cross this process): counted in, not exact.
+        self.held_elsewhere = 0
         # Whether this launch served through its queues (answers that never cross _read_loop).
         self.queue_served: Callable[[], bool] | None = None
         self.on_start_failed: Callable[[], None] | None = None  # a restart failed
@@ -130,7 +133,7 @@ class WorkerInstance:
     @property
     def outstanding(self) -> int:
         held = 0 if self.queue_held is None else self.queue_held()
-        return len(self._batches) + len(self.streams) + held
+        return len(self._batches) + len(self.streams) + held + self.held_elsewhere
 
     @property
     def numa_node(self) -> int:
@@ -241,15 +244,10 @@ class WorkerInstance:
             pass
         if self._writer is None:
             raise errors.unavailable(self._not_ready_message())
-        refs, data = streams.inline(job.inputs)
-        request_id = next(self._ids)
-        request = StreamRequest(
-            request_id, self.spec.model_name, self._outputs, self._send, self.streams.forget
+        model = self.spec.model_name
+        return self.streams.start(
+            next(self._ids), model, self._outputs, self._send, job, caller_id, parameters
         )
-        outputs = self._outputs.fetch_names(job.outputs)
-        self.streams.add(request)
-        self._send(protocol.Submit(request_id, refs, data, outputs, caller_id, parameters))
-        return request
 
     def _send(self, message: protocol.Message) -> None:
         """To the running worker; nothing once it is gone (its requests ended with it)."""
@@ -371,6 +369,8 @@ class WorkerInstance:
                     )
                 elif isinstance(message, protocol.BlsCancel):
                     self.bls.withdraw(message.call_id)
+                elif isinstance(message, protocol.Served):
+                    self._answered += 1  # a front-end's response (decoupled_loop.py)
                 elif isinstance(message, protocol.MetricUpdate) and self.spec.python:
                     SERVER_METRICS.apply(self.spec.model_name, message)
         except ConnectionError as exc:

@@ -106,7 +106,7 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
     if getattr(model, "decoupled", False):  # its own loop, which ends the process
         from service.workers.decoupled_loop import serve_decoupled
 
-        serve_decoupled(model, lambda: _recv(sock), sock, load.max_message_bytes)
+        serve_decoupled(model, _recv, sock, segments, load.max_message_bytes)
     maps = MappingCache(segments)
     # The front-end passes this parameter on only when it runs with --testing-service.
     crash_text = load.parameters.get(TESTING_CRASH_ON)

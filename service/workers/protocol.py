@@ -212,6 +212,13 @@ class DropProducer:
 
 
 @dataclass(frozen=True)
+class Served:
+    """A decoupled worker sent its first data response to a front-end (whose responses never
+    cross the server's socket): once per launch, so that a death after it is a serving
+    worker's, restarted at once (restarts.py)."""
+
+
+@dataclass(frozen=True)
 class MetricUpdate:
     """One change to a Python model's custom metric (pb_utils.MetricFamily / Metric): what the
     worker checked, which the front-end checks again (service/workers/model_metrics.py)."""
@@ -250,6 +257,7 @@ Message = (
     | Queues
     | AddProducer
     | DropProducer
+    | Served
 )
 
 
@@ -298,6 +306,7 @@ _MESSAGES = (
     Queues,
     AddProducer,
     DropProducer,
+    Served,
 )
 _CLASSES = {
     (cls.__module__, cls.__qualname__): cls

@@ -19,7 +19,7 @@ import grpc
 from service.inference import errors
 from service.inference.credit import ReturnedCredit
 from service.inference.errors import WorkerDied
-from service.inference.jobs import InputTensor, OutputTensor, StreamAnswer
+from service.inference.jobs import InferJob, InputTensor, OutputTensor, StreamAnswer
 from service.inference.timers import fail_at
 from service.workers import protocol, results
 from service.workers.results import Outputs
@@ -195,7 +195,7 @@ class StreamRequest:
 
 
 class Streams:
-    """The decoupled requests one worker holds."""
+    """The decoupled requests one worker holds (of the process that holds their calls)."""
 
     def __init__(self, on_response: Callable[[], None] | None = None) -> None:
         self._requests: dict[int, StreamRequest] = {}
@@ -207,8 +207,23 @@ class Streams:
     def __iter__(self) -> Iterator[StreamRequest]:
         return iter(list(self._requests.values()))
 
-    def add(self, request: StreamRequest) -> None:
-        self._requests[request.request_id] = request
+    def start(
+        self,
+        request_id: int,
+        model: str,
+        outputs: Outputs,
+        send: Callable[[protocol.Message], None],
+        job: InferJob,
+        caller_id: str,
+        parameters: str,
+    ) -> StreamRequest:
+        """One request sent to the worker (`send`), its handle returned."""
+        request = StreamRequest(request_id, model, outputs, send, self.forget)
+        self._requests[request_id] = request
+        refs, data = inline(job.inputs)
+        asked = outputs.fetch_names(job.outputs)
+        send(protocol.Submit(request_id, refs, data, asked, caller_id, parameters))
+        return request
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)

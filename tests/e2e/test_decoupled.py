@@ -492,10 +492,11 @@ async def test_a_request_with_responses_fails_unavailable_with_their_count(
     assert final_flag(error) is True
     await wait_state(server, pid)
     # It was serving when it died: it came back at once, not after a crash loop's back-off.
-    assert (
-        f"(pid {pid}) was killed by signal 9; 1 request(s) in it go back to the queue; "
-        "restarting in 0.0 s" in server.log_text()
-    )
+    # With front-ends (PADDLEQUIC_FRONTENDS) the parent counts the requests in it as the
+    # front-ends last reported them, which may be before this one came.
+    held = "1" if os.environ.get("PADDLEQUIC_FRONTENDS", "1") == "1" else r"\d+"
+    death = rf"\(pid {pid}\) was killed by signal 9; {held} request\(s\) in it go back to the queue"
+    assert re.search(death + r"; restarting in 0\.0 s", server.log_text())
 
 
 async def test_a_request_that_kills_its_worker_twice_is_refused_as_poison(

@@ -27,6 +27,7 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
 from protos.paddlequic.v1 import control_pb2
 from service.api.stream_inference import STREAM_WINDOW
+from tests.e2e.test_decoupled import decoupled_repository, final_flag, index_of, repeat
 from tests.e2e.test_worker_restart import only_instance, wait_for
 from tests.reference import (
     assert_matches_reference,
@@ -93,6 +94,7 @@ def server(
     add_mlp(root / "models", "variable", 0, 64, variable=True)
     add_mlp(root / "models", "counted", 8, 64)
     twice_ensemble(root / "models", output_names("mlp")[0])
+    decoupled_repository(root / "models")
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
     args += ["--stream-stall-timeout", str(STALL_S)]
     args += ["--frontends", str(request.param)]
@@ -254,6 +256,45 @@ def test_front_ends_answer_model_infer_with_their_parent_stopped(
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_front_ends_stream_a_decoupled_models_responses_with_their_parent_stopped(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """With --frontends 2 a decoupled model's responses do not cross the parent: each
+    front-end sends the worker its requests on a socket of its own and reads their
+    responses itself. Held still by SIGSTOP, the parent passes nothing on, and every
+    stream's requests still get each of their responses, in order, the last one final."""
+    if "one-process" in request.node.callspec.id:
+        pytest.skip("the parent is the process holding the calls")
+    channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in range(4)]
+
+    def stream(stub: pb_grpc.GRPCInferenceServiceStub, name: str) -> dict[str, list[Any]]:
+        asked = {f"{name}-a": 5, f"{name}-b": 3}
+        requests = [repeat(count, request_id) for request_id, count in asked.items()]
+        responses = stub.ModelStreamInfer(iter(requests), timeout=RPC_TIMEOUT_S)
+        seen: dict[str, list[Any]] = {request_id: [] for request_id in asked}
+        for response in responses:
+            assert not response.error_message, response.error_message
+            seen[response.infer_response.id].append((index_of(response), final_flag(response)))
+        for request_id, count in asked.items():
+            assert seen[request_id] == [(i, i == count - 1) for i in range(count)]
+        return seen
+
+    try:
+        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        for n, stub in enumerate(stubs):  # each front-end's socket attached to the worker
+            stream(stub, f"warm{n}")
+        before = stream_requests_ran(server)
+        with paused(server.process.pid):
+            for n, stub in enumerate(stubs):
+                stream(stub, f"held{n}")
+    finally:
+        for channel in channels:
+            channel.close()
+    after = stream_requests_ran(server)
+    assert after["here"] - before["here"] == 2 * len(stubs)
+    assert after.get("parent", 0) == before.get("parent", 0)
 
 
 def test_front_ends_run_an_ensemble_of_queued_steps_with_their_parent_stopped(

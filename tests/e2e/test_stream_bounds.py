@@ -201,14 +201,16 @@ def fair_server(
     tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
 ) -> Iterator[ServerProcess]:
     """The example with FAIR_PLACES places, on a dual-stack listener: 127.0.0.1 and ::1 are
-    two clients of one machine."""
+    two clients of one machine. One process holds the calls: with --frontends N each process
+    holding calls has the version's places and shares its own among its clients, and the
+    kernel would spread this test's connections over them."""
     root = tmp_path_factory.mktemp("fair-share")
     model = root / "models" / MODEL
     shutil.copytree(EXAMPLE_MODELS / MODEL, model)  # the sandbox reads no link out of it
     config = (model / "config.pbtxt").read_text()
     places = f'{{ key: "max_concurrent_requests", value: {{ string_value: "{FAIR_PLACES}" }} }},'
     (model / "config.pbtxt").write_text(config.replace("parameters [", f"parameters [\n  {places}"))
-    args = ["--certs-dir", str(certs_dir), "--host", "::", "--no-h3"]
+    args = ["--certs-dir", str(certs_dir), "--host", "::", "--no-h3", "--frontends", "1"]
     with running_server(root / "models", root / "server.log", args) as s:
         yield s
 

@@ -19,6 +19,7 @@ from protos.inference import model_config_pb2 as mc
 from service.batching.concurrency import ConcurrencyLimit, LineFull, WaitLine
 from service.inference import errors
 from service.inference.errors import WorkerDied
+from service.inference.jobs import InferJob
 from service.model.decoupled import refusal
 from service.resilience.fallback import incompatibility
 from service.workers import protocol
@@ -415,14 +416,17 @@ def test_the_earlier_limit_ends_the_wait_when_it_passes_with_its_own_status(
 def test_responses_of_closed_requests_are_counted_then_dropped() -> None:
     counted = []
     streams = Streams(lambda: counted.append(1))
-    worker = Worker()
-    request = worker.request()
-    streams.add(request)
+    sent: list[protocol.Message] = []
+    outputs = Outputs()
+    outputs.declare({"index": BY_NAME["INT32"]}, {})
+    job = InferJob((), (), 0)
+    request = streams.start(1, "m", outputs, sent.append, job, "caller", "{}")
+    assert len(streams) == 1 and isinstance(sent[0], protocol.Submit)
     streams.deliver(response())
-    request.close()
-    streams.forget(1)
+    request.close()  # it forgets itself
     streams.deliver(response())  # already cancelled: dropped, but the model did send it
     assert len(counted) == 2 and len(streams) == 0
+    assert sent[-1] == protocol.Cancel(1)
 
 
 # ---- what a decoupled config may say ----

@@ -1,0 +1,162 @@
+"""A front-end's own socket to one decoupled worker (the worker's side: decoupled_loop.py): the
+front-end sends its requests there and reads their responses itself, so no token crosses the
+parent. The parent tells it the worker's launches and deaths (WORKER, as for queues); for each
+launch it makes a socket pair and passes one end to the parent, which hands it to that worker
+(AddProducer) if the launch still serves.
+
+What the worker sends is input: a message larger than a response may be, one that cannot be
+read, one that is not a Response, or more responses than the request's credit, fails this
+process's requests in it for good and has the parent end the worker (TROUBLE), as the parent
+ends a worker that breaks its own socket's protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from service.inference import errors
+from service.inference.jobs import InferJob
+from service.workers import deaths, launch, message_bounds, protocol, streams
+from service.workers.instance import READY_WAIT_S, State
+from service.workers.results import Outputs
+from service.workers.streams import StreamRequest
+
+log = logging.getLogger("paddlequic.frontend")
+
+# attach(launch, [its end]): this process's socket for that launch, to the parent for the worker;
+# trouble(launch, reason): the worker broke the protocol on it.
+Attach = Callable[[int, list[int]], None]
+Trouble = Callable[[int, str], None]
+
+
+class RemoteStreams:
+    """One instance of a decoupled version as a front-end serves it: what streaming.py picks
+    (state, outstanding, numa_node, execution_timeout_s) and submits to."""
+
+    def __init__(
+        self,
+        model: str,
+        data: dict[str, Any],
+        outputs: Outputs,
+        max_message: int,
+        attach: Attach,
+        trouble: Trouble,
+    ) -> None:
+        self._model = model
+        self._numa = int(data["numa"])
+        timeout = data["timeout"]
+        self.execution_timeout_s = None if timeout is None else float(timeout)
+        self.launch = int(data["launch"])
+        self.state = State.READY if data["ready"] else State.STARTING
+        self.start_failure: str | None = data["failure"]
+        self.streams = streams.Streams()
+        self._outputs = outputs
+        self._largest = message_bounds.largest_message(
+            message_bounds.Holding(loaded=True, decoupled=True, bls=False), max_message
+        )
+        self._attach = attach
+        self._trouble = trouble
+        self._ids = itertools.count(1)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()  # a launch connected, ended or failed to start
+        if self.state is State.READY:
+            self._connect()
+
+    @property
+    def numa_node(self) -> int:
+        return self._numa
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.streams)
+
+    async def submit(self, job: InferJob, caller_id: str, parameters: str) -> StreamRequest:
+        """As WorkerInstance.submit: waits (bounded) for a launch to serve."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + READY_WAIT_S
+        while self._writer is None:
+            if self.state is State.STOPPED or self.start_failure is not None:
+                failure = f": {self.start_failure}" if self.start_failure else ""
+                raise errors.unavailable(f"{self._not_ready()}{failure}")
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(until - loop.time(), 0))
+            if loop.time() >= until and self._writer is None:
+                raise errors.unavailable(self._not_ready())
+        return self.streams.start(
+            next(self._ids), self._model, self._outputs, self._send, job, caller_id, parameters
+        )
+
+    def _not_ready(self) -> str:
+        return f"model '{self._model}' has no worker ready; retry shortly"
+
+    def _send(self, message: protocol.Message) -> None:
+        if self._writer is not None:
+            self._writer.write(protocol.encode(message))
+
+    def told(self, event: dict[str, Any]) -> None:
+        """What the parent says the worker did."""
+        kind = event.get("event")
+        if kind == "ready":
+            self._ended("was replaced", deaths.Fate.REQUEUE, False)
+            self.launch, self.state, self.start_failure = int(event["launch"]), State.READY, None
+            self._connect()
+        elif kind == "ended":
+            self.state = State.RESTARTING
+            fate = deaths.Fate(event["fate"])
+            self._ended(str(event["how"]), fate, bool(event["blamed"]))
+        elif kind == "failed":
+            self.start_failure = str(event["failure"])
+        self._changed.set()
+
+    def _connect(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._attach(self.launch, [theirs.fileno()])
+        finally:
+            theirs.close()
+        self._reading = asyncio.get_running_loop().create_task(self._read(mine, self.launch))
+
+    async def _read(self, sock: socket.socket, launch_number: int) -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        if self.launch != launch_number or self.state is not State.READY:
+            writer.close()
+            return
+        self._writer = writer
+        self._changed.set()
+        try:
+            while (message := await launch.read_message(reader, lambda: self._largest)) is not None:
+                if not isinstance(message, protocol.Response):
+                    raise ValueError(f"a {type(message).__name__} on a front-end's socket")
+                self.streams.deliver(message)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        except Exception as exc:
+            # Whatever breaks the protocol (a header declaring more than a response may be,
+            # a class the unpickler refuses, more responses than credit) ends that worker.
+            reason = f"sent {exc}" if isinstance(exc, protocol.Oversized) else repr(exc)
+            log.error("a worker of model '%s' broke the protocol: %s", self._model, reason)
+            self._trouble(launch_number, reason)
+            if self.launch == launch_number:
+                self._ended(f"broke the protocol ({reason})", deaths.Fate.FAIL, True)
+        finally:
+            writer.close()
+
+    def _ended(self, how: str, fate: deaths.Fate, blamed: bool) -> None:
+        """This launch is over: the requests it held end as its death's fate says."""
+        if self._reading is not None:
+            self._reading.cancel()
+            self._reading = None
+        self._writer = None
+        self.streams.died(how, fate is deaths.Fate.REQUEUE, blamed)
+
+    def stop(self) -> None:
+        self.state = State.STOPPED
+        self._ended("stopped (this process let the model go)", deaths.Fate.FAIL, False)
+        self._changed.set()
