@@ -147,6 +147,8 @@ class RemoteStreams:
                 self._ended(f"broke the protocol ({reason})", deaths.Fate.FAIL, True)
         finally:
             writer.close()
+            if self._writer is writer:  # closed by the worker's side: no more requests on it
+                self._writer = None
 
     def _ended(self, how: str, fate: deaths.Fate, blamed: bool) -> None:
         """This launch is over: the requests it held end as its death's fate says."""
