@@ -21,6 +21,7 @@ from service.frontends.stats import ProcessH3
 from service.http.app import RestApp
 from service.http.asgi import App
 from service.http.bounds import RequestLimits
+from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
 from service.http.listener import HttpListener, HttpOptions, start_http
 from service.http.router import Guard, InferRouter, Router
@@ -144,14 +145,14 @@ def rest_app(
     restrictions: Mapping[str, Restriction],
 ) -> RestApp:
     """The KServe v2 REST API over the parent's data plane, the same as gRPC's; over a
-    front-end's plane (the versions it serves itself), the infer route alone."""
+    front-end's plane (the versions it serves itself), the infer and generate routes alone."""
     limits, guard = rest_checks(settings, restrictions)
     route = InferRoute(
         plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size
     )
     if isinstance(plane, DataPlane):
         return RestApp(Router(Routes(plane, route), limits, observer, guard))
-    return RestApp(InferRouter(route, limits, observer, guard))
+    return RestApp(InferRouter(route, GenerateRoute(plane), limits, observer, guard))
 
 
 def rest_checks(

@@ -1,9 +1,10 @@
-"""A front-end's REST app (`RestHere`): an infer request on a version it serves itself
-(shared_versions.py) is answered here by the parent's own route (the same conversion, checks,
-observation and request runner: InferRouter over a plane of this process's versions), straight
-into the workers' queues; every other request goes to the parent (rest_forward.py), as does
-one whose tensors name shared-memory regions (registered in the parent) or that asks for
-classes (the labels are the parent's), whole."""
+"""A front-end's REST app (`RestHere`): an infer or generate request on a version it serves
+itself (shared_versions.py) is answered here by the parent's own routes (the same conversion,
+checks, observation and request runner: InferRouter over a plane of this process's versions),
+straight into the workers' queues or, a decoupled model's, on this process's own socket to its
+worker; every other request goes to the parent (rest_forward.py), as does one whose tensors
+name shared-memory regions (registered in the parent) or that asks for classes (the labels are
+the parent's), whole."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from service.http.app import RestApp
 from service.http.asgi import Message, Receive, Scope, Send
 from service.http.infer_route import PassedOn
 from service.http.observed import TRANSPORT
-from service.http.router import infer_target
+from service.http.router import model_target
 from service.registry.versions import ServedVersion
 from service.serving.requests import RequestRunner
 
@@ -67,8 +68,8 @@ class RestHere:
         if scope["type"] != "http":
             await self._forwarder(scope, receive, send)
             return
-        target = infer_target(scope["path"])
-        here = target is not None and scope["method"] == "POST" and self._plane.here(*target[:2])
+        target = model_target(scope["path"])
+        here = target is not None and scope["method"] == "POST" and self._plane.here(*target)
         if not here:
             with self._app.holding(passed_on=True):
                 if not self._app.busy():

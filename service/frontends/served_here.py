@@ -26,16 +26,17 @@ class ServedHere:
     def __init__(self, registry: CollectorRegistry, frontend: int) -> None:
         self._calls = Counter(
             "paddlequic_frontend_served_calls",
-            "ModelInfer calls a front-end process served itself, straight into the workers' "
-            "queues (--frontend-queues), by the transport it got them on",
+            "ModelInfer calls (and REST infer and generate requests) a front-end process "
+            "served itself, straight into the workers' queues or on its own socket to a "
+            "decoupled model's worker (--frontend-queues), by the transport it got them on",
             ["frontend", "transport"],
             registry=registry,
         )
         self._stream_requests = Counter(
             "paddlequic_frontend_stream_requests",
             "ModelStreamInfer requests of the streams a front-end process held, by where they "
-            "ran: here (straight into the workers' queues) or parent (passed on in the "
-            "stream's part)",
+            "ran: here (straight into the workers' queues, or on its own socket to a "
+            "decoupled model's worker) or parent (passed on in the stream's part)",
             ["frontend", "ran"],
             registry=registry,
         )

@@ -13,6 +13,7 @@ from service.http.asgi import Receive, Scope, header
 from service.http.batchstream import BatchStreams
 from service.http.bounds import Refused, RequestLimits, check_headers, decoded, read_body
 from service.http.encoding import preferred
+from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute, PassedOn
 from service.http.leaving import unless_gone
 from service.http.observed import Call, observe
@@ -39,22 +40,44 @@ class InferRouter:
     def __init__(
         self,
         inference: InferRoute,
+        generation: GenerateRoute,
         limits: RequestLimits,
         observer: Observer | None,
         guard: Guard | None,
     ) -> None:
         self.inference = inference
+        self.generation = generation
         self.limits = limits
         self.observer = observer
         self.guard = guard
 
     async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
-        """An infer request; any other is passed on, unread (PassedOn)."""
+        """An infer or generate request; any other is passed on, unread (PassedOn)."""
         check_headers(scope, self.limits.max_header_bytes)
-        target = infer_target(scope["path"])
-        if target is None:
-            raise PassedOn(f"no infer route {errors.echoed(scope['path'])!r}")
-        return await self.infer(scope, receive, call, target)
+        path = scope["path"]
+        target = infer_target(path)
+        if target is not None:
+            return await self.infer(scope, receive, call, target)
+        generating = generate_target(path)
+        if generating is None:
+            raise PassedOn(f"no infer or generate route {errors.echoed(path)!r}")
+        return await self.generate(scope, receive, call, *generating)
+
+    async def generate(
+        self, scope: Scope, receive: Receive, call: Call, model: str, version: str, action: str
+    ) -> Reply:
+        """`action`: generate or generate_stream."""
+        route = "/v2/models/{model}" + ("/versions/{version}" if version else "") + f"/{action}"
+        self._expect(scope, call, "POST", _MODEL_ROUTES[action], route)
+        call.model, call.version = model, version
+        body = await read_body(scope, receive, self.limits)
+        stream = action == "generate_stream"
+        work = self.generation.generate(model, version, body, stream, call.client)
+        try:
+            return await unless_gone(receive, work)
+        except PassedOn as passed:
+            passed.body = body  # as it came: the process it goes to reads it again
+            raise
 
     async def infer(
         self, scope: Scope, receive: Receive, call: Call, target: tuple[str, str, str]
@@ -118,7 +141,7 @@ class Router(InferRouter):
         observer: Observer | None,
         guard: Guard | None,
     ) -> None:
-        super().__init__(routes.inference, limits, observer, guard)
+        super().__init__(routes.inference, routes.generation, limits, observer, guard)
         self.routes = routes
         self.openai = OpenAIRoutes(routes.plane)
         self.batchstream = BatchStreams(routes.plane, limits.body_timeout_s)
@@ -167,16 +190,12 @@ class Router(InferRouter):
         rpc = _MODEL_ROUTES.get(action) if action is not None else None
         if rpc is None:
             raise _no_route(scope)
-        posted = action in ("generate", "generate_stream")
+        if action in _GENERATE:
+            return await self.generate(scope, receive, call, model, version, action)
         route = "/v2/models/{model}" + ("/versions/{version}" if version else "")
         route += f"/{action}" if action else ""
-        self._expect(scope, call, "POST" if posted else "GET", rpc, route)
+        self._expect(scope, call, "GET", rpc, route)
         call.model, call.version = model, version
-        if action in ("generate", "generate_stream"):
-            body = await read_body(scope, receive, self.limits)
-            stream = action == "generate_stream"
-            work = self.routes.generate(model, version, body, stream, call.client)
-            return await unless_gone(receive, work)
         if action == "ready":
             return self.routes.model_ready(model, version)
         if action == "config":
@@ -251,6 +270,30 @@ _MODEL_ROUTES = {
     "generate": "ModelInfer",
     "generate_stream": "ModelStreamInfer",
 }
+_GENERATE = ("generate", "generate_stream")
+
+
+def generate_target(path: str) -> tuple[str, str, str] | None:
+    """The model, version and action (generate, generate_stream) a generate route names
+    (`/v2/models/NAME[/versions/V]/generate[_stream]`); None: another route."""
+    parts = path.strip("/").split("/")
+    if len(parts) == 4 and parts[:2] == ["v2", "models"] and parts[3] in _GENERATE:
+        return parts[2], "", parts[3]
+    if (
+        len(parts) == 6
+        and parts[:2] == ["v2", "models"]
+        and parts[3] == "versions"
+        and parts[5] in _GENERATE
+    ):
+        return parts[2], parts[4], parts[5]
+    return None
+
+
+def model_target(path: str) -> tuple[str, str] | None:
+    """The model and version an infer or generate route names: what a front-end may serve
+    itself; None: another route."""
+    target = infer_target(path) or generate_target(path)
+    return None if target is None else (target[0], target[1])
 
 
 def infer_target(path: str) -> tuple[str, str, str] | None:

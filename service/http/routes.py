@@ -4,31 +4,18 @@ same calls gRPC's servicer makes), with Triton's behaviour where the protocol is
 from __future__ import annotations
 
 import base64
-import contextlib
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from protos.inference import grpc_service_pb2 as pb
 from service.dataplane.plane import DataPlane, TensorMetadata
-from service.http.generate import (
-    TextDecoder,
-    event,
-    generate_inputs,
-    generate_request,
-    single,
-    sse,
-)
+from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
 from service.http.json_tensors import parsed
 from service.http.reply import OK, Reply
-from service.http.textgen import checked
 from service.inference import errors
 from service.inference.errors import echoed
-from service.inference.jobs import StreamAnswer
-from service.inference.validation import Decoding
 from service.lifecycle.uploads import FILE_PREFIX
 from service.model.config_json import config_dict
-from service.registry.versions import ServedVersion
 
 # Extensions the REST routes serve: the data plane's, less those only gRPC serves so far.
 REST_EXTENSIONS = frozenset(
@@ -51,6 +38,7 @@ class Routes:
         """`inference`: the infer route, over the same plane."""
         self.plane = plane
         self.inference = inference
+        self.generation = GenerateRoute(plane)
         self.shared_memory = inference.shared_memory
 
     def live(self) -> Reply:
@@ -132,73 +120,6 @@ class Routes:
         _parameters(body)
         await self.plane.unload(model)
         return OK
-
-    async def generate(
-        self, model: str, version: str, body: bytes, stream: bool, client: str
-    ) -> Reply:
-        """Triton's generate (`stream`: generate_stream). A decoupled model's responses stream
-        as they come; an error before the first is the reply's status, as for /infer. `client`:
-        whom the request counts against for the fair share of a decoupled version's places."""
-        async with self.plane.serving(model, version, None) as served:
-            # Until the request is queued (a stream's first response): not evicted meanwhile.
-            return await self._generate(served, body, stream, client)
-
-    async def _generate(
-        self, served: ServedVersion, body: bytes, stream: bool, client: str
-    ) -> Reply:
-        request = generate_request(parsed(body))
-        validator = served.validator
-        assert validator is not None  # a resolved version serves
-
-        def admit() -> Decoding:
-            return validator.check(generate_inputs(request, validator), ())
-
-        job = await self.plane.admitted(served, admit)
-        if not served.decoupled:
-            inferred = await self.plane.infer(served, job, None, {})
-            answered = inferred.answered
-            answer = event(answered.name, str(answered.version), inferred.outputs)
-            if stream:
-                return Reply(200, events=single(sse(answer)))
-            return Reply(200, answer, model_version=str(answered.version))
-        answers = self.plane.runner.stream(served, job, "", request.parameters_json, None, client)
-        if stream:
-            return Reply(200, events=await _first_then_rest(served, answers))
-        async with contextlib.aclosing(answers) as responses:
-            collected = [a async for a in responses if checked(a).outputs]
-        if len(collected) != 1:
-            raise errors.invalid(
-                f"model '{served.name}' answered with {len(collected)} responses; generate "
-                "takes one: use generate_stream"
-            )
-        return Reply(200, event(served.name, str(served.version), collected[0].outputs))
-
-
-async def _first_then_rest(
-    served: ServedVersion, answers: AsyncGenerator[StreamAnswer, None]
-) -> AsyncGenerator[bytes, None]:
-    """The events of a decoupled model's responses, the first one awaited here (so that a
-    refusal before it, a full queue, is the reply's status)."""
-    decoder = TextDecoder()
-    version = str(served.version)
-    try:
-        first = checked(await anext(answers))
-    except BaseException:
-        await answers.aclose()
-        raise
-
-    async def events() -> AsyncGenerator[bytes, None]:
-        async with contextlib.aclosing(answers) as rest:
-            answer: StreamAnswer | None = first
-            while answer is not None:
-                if answer.error is not None:
-                    yield sse({"error": answer.error})
-                    return
-                if answer.outputs:
-                    yield sse(decoder.event(served.name, version, answer.outputs, answer.final))
-                answer = None if answer.final else await anext(rest, None)
-
-    return events()
 
 
 def _parameters(body: bytes) -> dict[str, Any]:

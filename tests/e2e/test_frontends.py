@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,6 +30,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from scripts.migration_lab import forwarded_datagrams
 from scripts.nat_rebinding import rebind
+from tests.e2e.test_decoupled import decoupled_repository, index_of, repeat, until_id
 from tests.e2e.test_described_calls import counter
 from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once, stats
@@ -304,6 +306,68 @@ def test_a_killed_frontend_is_restarted_and_sigterm_stops_every_process(
         assert s.stop() == 0
     # multiprocessing's resource tracker exits once the parent is gone: wait, do not race it.
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in everything), "no process")
+
+
+async def test_a_killed_front_ends_generations_are_cancelled_and_the_others_go_on(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """A decoupled model's worker takes each front-end's requests on that front-end's own
+    socket. A front-end killed mid-generation: the worker cancels the requests that came on
+    its socket (the model sees is_cancelled(), and says so), and goes on with the other
+    front-end's, whose stream never notices, and the restarted front-end's."""
+    repository = decoupled_repository(model_repository(tmp_path / "models", ["mlp"]))
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    with running_server(repository, tmp_path / "log", args) as s:
+        held: dict[str, tuple[grpc.aio.Channel, Any, str]] = {}  # by front-end index
+        try:
+            for n in range(MAX_CONNECTIONS):  # until each front-end holds a generation
+                before = stream_requests_by_frontend(s)
+                channel = grpc.aio.insecure_channel(s.address, OWN_CONNECTION)
+                call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=120)
+                request_id = f"gen-{n}"
+                await call.write(repeat(0, request_id, mode="forever", delay_ms=20))
+                await until_id(call, request_id)
+                after = stream_requests_by_frontend(s)
+                (frontend,) = [k for k, v in after.items() if v != before.get(k, 0)]
+                if frontend in held:
+                    await channel.close(None)
+                    continue
+                held[frontend] = (channel, call, request_id)
+                if len(held) == 2:
+                    break
+            assert len(held) == 2, "no connection reached the second front-end"
+            pids = frontends(s)
+            victim = min(pids)
+            os.kill(victim, signal.SIGKILL)
+            lost, kept = [], []  # the generations of the killed front-end, of the other
+            for _, call, request_id in held.values():
+                try:
+                    for _ in range(20):  # more than the killed one could have had on its way
+                        await until_id(call, request_id)
+                    kept.append((call, request_id))
+                except (grpc.aio.AioRpcError, AssertionError):
+                    lost.append(request_id)
+            assert len(lost) == len(kept) == 1
+            wait_for(lambda: f"request {lost[0]} cancelled after" in s.log_text(), "the cancel")
+            wait_for(lambda: len(frontends(s)) == 2 and victim not in frontends(s), "a restart")
+            # The survivor's generation still runs, and a new connection's (either front-end).
+            ((call, request_id),) = kept
+            await until_id(call, request_id)
+            async with grpc.aio.insecure_channel(s.address, OWN_CONNECTION) as fresh:
+                requests = iter([repeat(3, "fresh")])
+                stub = pb_grpc.GRPCInferenceServiceStub(fresh)
+                answers = [r async for r in stub.ModelStreamInfer(requests, timeout=60)]
+                assert [index_of(a) for a in answers] == [0, 1, 2]
+            assert f"request {request_id} cancelled after" not in s.log_text()
+        finally:
+            for channel, _, _ in held.values():
+                await channel.close(None)
+
+
+def stream_requests_by_frontend(server: ServerProcess) -> dict[str, float]:
+    """paddlequic_frontend_stream_requests_total{ran="here"}, by front-end."""
+    pattern = r'paddlequic_frontend_stream_requests_total{frontend="(\d+)",ran="here"} (\S+)'
+    return {index: float(count) for index, count in re.findall(pattern, metrics(server))}
 
 
 RESTRICTION_KEY = "frontends-Secret"

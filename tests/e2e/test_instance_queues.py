@@ -10,8 +10,11 @@ Its own server: it pauses and breaks workers.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
 from protos.paddlequic.v1 import control_pb2
 from service.api.stream_inference import STREAM_WINDOW
+from tests.e2e.test_decoupled import MODEL as REPEAT
 from tests.e2e.test_decoupled import decoupled_repository, final_flag, index_of, repeat
 from tests.e2e.test_worker_restart import only_instance, wait_for
 from tests.reference import (
@@ -35,12 +39,14 @@ from tests.reference import (
     example_inputs,
     output_names,
     run_ensemble_reference,
+    run_reference,
 )
 from tests.servers import (
     EXAMPLE_MODELS,
     TWICE,
     ServerProcess,
     descendants,
+    free_port,
     paused,
     running_server,
     twice_ensemble,
@@ -97,7 +103,7 @@ def server(
     decoupled_repository(root / "models")
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
     args += ["--stream-stall-timeout", str(STALL_S)]
-    args += ["--frontends", str(request.param)]
+    args += ["--frontends", str(request.param), "--http-port", str(free_port())]
     with running_server(root / "models", root / "server.log", args) as process:
         yield process
 
@@ -295,6 +301,39 @@ def test_front_ends_stream_a_decoupled_models_responses_with_their_parent_stoppe
     after = stream_requests_ran(server)
     assert after["here"] - before["here"] == 2 * len(stubs)
     assert after.get("parent", 0) == before.get("parent", 0)
+
+
+def test_front_ends_answer_rest_generate_with_their_parent_stopped(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """REST's generate routes on a version a front-end serves itself are answered there:
+    generate_stream on the decoupled model, its events read from the front-end's own socket
+    to the worker, and generate on a queued one, with the parent held still (each request a
+    new connection, whichever front-end it reaches)."""
+    if "one-process" in request.node.callspec.id:
+        pytest.skip("the parent is the process holding the calls")
+    port = re.findall(r"KServe v2 REST over [^\"]* on 127\.0\.0\.1:(\d+)", server.log_text())[0]
+    url = f"http://127.0.0.1:{port}/v2/models"
+
+    def post(path: str, body: dict[str, Any]) -> bytes:
+        sent = urllib.request.Request(f"{url}/{path}", json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(sent, timeout=RPC_TIMEOUT_S) as answer:
+            return bytes(answer.read())
+
+    def generated(count: int) -> list[int]:
+        payload = post(f"{REPEAT}/generate_stream", {"count": count, "delay_ms": 0, "mode": ""})
+        events = [e for e in payload.split(b"\n\n") if e.strip()]
+        return [json.loads(e.removeprefix(b"data: "))["index"] for e in events]
+
+    row = one_row(60)
+    generated(2)  # each front-end's socket attached before the parent stops
+    with paused(server.process.pid):
+        for count in range(1, 6):
+            assert generated(count) == list(range(count))
+        answer = json.loads(post("mlp/generate", {"input": row["input"].ravel().tolist()}))
+    (name,) = output_names("mlp")
+    expected = run_reference("mlp", {"input": row["input"]})[name]
+    np.testing.assert_allclose(answer[name], expected.ravel(), rtol=1e-4, atol=1e-6)
 
 
 def test_front_ends_run_an_ensemble_of_queued_steps_with_their_parent_stopped(

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from service.http.app import RestApp
 from service.http.bounds import RequestLimits
 from service.http.event_stream import relay
+from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
 from service.http.observed import Call
 from service.http.router import InferRouter
@@ -46,8 +47,9 @@ async def never() -> dict[str, Any]:
 async def test_a_whole_answer_is_counted_before_its_body_is_sent() -> None:
     metrics = Metrics(ModelRegistry(lambda: None), cpu_only_topology())
     observer = Observer(metrics, RequestLog(1e9, 0.0, None, LineBudget(10, 1.0)), None)
-    # The infer route is never reached: the request is refused before it is routed.
-    app = RestApp(InferRouter(InferRoute.__new__(InferRoute), LIMITS, observer, None))
+    # No route is reached: the request is refused before it is routed.
+    inference, generation = InferRoute.__new__(InferRoute), GenerateRoute.__new__(GenerateRoute)
+    app = RestApp(InferRouter(inference, generation, LIMITS, observer, None))
     counted_at: dict[str, float] = {}
 
     async def send(message: dict[str, Any]) -> None:
