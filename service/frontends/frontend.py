@@ -137,7 +137,8 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
         if link.serving is not None and link.shared is not None:
             # REST infer calls on the versions this process queues for itself: served here.
             plane = FrontendPlane(link.serving.runner, link.view, link.shared)
-            here = rest_app(settings, plane, link.serving.observer, restrictions)
+            observing = link.serving.observer
+            here = rest_app(settings, plane, observing, restrictions, plane.generation_model)
             here.host = tally.rest()
             rest = RestHere(here, plane, forwarder, link.served_here)
     if tls is not None and settings.h3:

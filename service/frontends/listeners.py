@@ -24,9 +24,11 @@ from service.http.bounds import RequestLimits
 from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
 from service.http.listener import HttpListener, HttpOptions, start_http
+from service.http.openai import Completions
 from service.http.router import Guard, InferRouter, Router
 from service.http.routes import Routes
 from service.observability.observer import Observer
+from service.registry.versions import ServedVersion
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
@@ -143,16 +145,21 @@ def rest_app(
     plane: InferencePlane,
     observer: Observer,
     restrictions: Mapping[str, Restriction],
+    generation_model: Callable[[str], Awaitable[ServedVersion]] | None = None,
 ) -> RestApp:
     """The KServe v2 REST API over the parent's data plane, the same as gRPC's; over a
-    front-end's plane (the versions it serves itself), the infer and generate routes alone."""
+    front-end's plane (the versions it serves itself), the infer, generate and completions
+    routes alone (`generation_model`: the generation model a completion names, if served
+    there)."""
     limits, guard = rest_checks(settings, restrictions)
     route = InferRoute(
         plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size
     )
     if isinstance(plane, DataPlane):
         return RestApp(Router(Routes(plane, route), limits, observer, guard))
-    return RestApp(InferRouter(route, GenerateRoute(plane), limits, observer, guard))
+    assert generation_model is not None
+    completions = Completions(plane, generation_model)
+    return RestApp(InferRouter(route, GenerateRoute(plane), completions, limits, observer, guard))
 
 
 def rest_checks(

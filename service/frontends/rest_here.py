@@ -20,7 +20,8 @@ from service.http.app import RestApp
 from service.http.asgi import Message, Receive, Scope, Send
 from service.http.infer_route import PassedOn
 from service.http.observed import TRANSPORT
-from service.http.router import model_target
+from service.http.router import COMPLETIONS, model_target
+from service.http.textgen import generation_checked
 from service.registry.versions import ServedVersion
 from service.serving.requests import RequestRunner
 
@@ -43,10 +44,18 @@ class FrontendPlane(InferencePlane):
     def serving(
         self, name: str, version: str, deadline: float | None
     ) -> AbstractAsyncContextManager[ServedVersion]:
+        return Resolved(self._here_or_passed(name, version))
+
+    async def generation_model(self, name: str) -> ServedVersion:
+        """The generation model a completion names, served here (else PassedOn: the parent
+        answers it, loading it first under --model-memory-budget, or refuses it)."""
+        return generation_checked(self._here_or_passed(name, ""), name)
+
+    def _here_or_passed(self, name: str, version: str) -> ServedVersion:
         served = self.here(name, version)
-        if served is None:  # let go since the request was routed here
-            raise PassedOn(f"model '{name}' is no longer served by this process")
-        return Resolved(served)
+        if served is None:  # not served here, or let go since the request was routed here
+            raise PassedOn(f"model '{name}' is not served by this process")
+        return served
 
 
 class RestHere:
@@ -68,8 +77,11 @@ class RestHere:
         if scope["type"] != "http":
             await self._forwarder(scope, receive, send)
             return
-        target = model_target(scope["path"])
-        here = target is not None and scope["method"] == "POST" and self._plane.here(*target)
+        path = scope["path"]
+        target = model_target(path)
+        posted = scope["method"] == "POST"
+        # A completion names its model in its body: read here, passed on if it is not here's.
+        here = posted and (self._plane.here(*target) if target is not None else path in COMPLETIONS)
         if not here:
             with self._app.holding(passed_on=True):
                 if not self._app.busy():

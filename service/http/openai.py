@@ -13,10 +13,10 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
-from service.dataplane.plane import DataPlane
+from service.dataplane.plane import DataPlane, InferencePlane
 from service.http.json_tensors import parsed
 from service.http.openai_requests import (
     CompletionRequest,
@@ -32,10 +32,10 @@ from service.http.textgen import (
     Sampling,
     chat_template,
     generation,
-    generation_model,
     generation_models,
 )
 from service.inference import errors
+from service.registry.versions import ServedVersion
 
 DONE = b"data: [DONE]\n\n"
 OWNER = "paddlequic"
@@ -70,21 +70,31 @@ class Labels(Protocol):
     model: str
 
 
-class OpenAIRoutes:
-    def __init__(self, plane: DataPlane) -> None:
-        self.plane = plane
+def models(plane: DataPlane) -> Reply:
+    """`GET /v1/models`: the generation models the server serves."""
+    listed = [
+        {
+            "id": served.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": OWNER,
+        }
+        for served in generation_models(plane)
+    ]
+    return Reply(200, {"object": "list", "data": listed})
 
-    def models(self) -> Reply:
-        listed = [
-            {
-                "id": served.name,
-                "object": "model",
-                "created": 0,
-                "owned_by": OWNER,
-            }
-            for served in generation_models(self.plane)
-        ]
-        return Reply(200, {"object": "list", "data": listed})
+
+class Completions:
+    """`POST /v1/completions` and `/v1/chat/completions` over any inference plane: the
+    server's, or a front-end's for the generation models it serves itself."""
+
+    def __init__(
+        self, plane: InferencePlane, resolve: Callable[[str], Awaitable[ServedVersion]]
+    ) -> None:
+        """`resolve`: the generation model a request names (textgen.generation_model, or a
+        front-end's: PassedOn when it does not serve it)."""
+        self.plane = plane
+        self.resolve = resolve
 
     async def completions(self, body: bytes, chat: bool, client: str, call: Labels) -> Reply:
         """`chat`: /v1/chat/completions. `client`: whom the generation counts against for
@@ -92,7 +102,7 @@ class OpenAIRoutes:
         request log and metrics."""
         request = completion_request(parsed(body), chat)
         call.model = request.model
-        served = await generation_model(self.plane, request.model)
+        served = await self.resolve(request.model)
         sampling = request.sampling
         if isinstance(request.prompt, Messages):
             prompt = rendered(request.prompt, chat_template(served), served.name)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import grpc
 
 from service.dataplane.shared_memory import Peer
+from service.http import openai
 from service.http.asgi import Receive, Scope, header
 from service.http.batchstream import BatchStreams
 from service.http.bounds import Refused, RequestLimits, check_headers, decoded, read_body
@@ -17,7 +18,7 @@ from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute, PassedOn
 from service.http.leaving import unless_gone
 from service.http.observed import Call, observe
-from service.http.openai import OpenAIRoutes
+from service.http.openai import Completions
 from service.http.reply import Reply
 from service.http.routes import Routes
 from service.http.shared_memory_routes import rest_peer
@@ -41,27 +42,44 @@ class InferRouter:
         self,
         inference: InferRoute,
         generation: GenerateRoute,
+        completions: Completions,
         limits: RequestLimits,
         observer: Observer | None,
         guard: Guard | None,
     ) -> None:
         self.inference = inference
         self.generation = generation
+        self.completions = completions
         self.limits = limits
         self.observer = observer
         self.guard = guard
 
     async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
-        """An infer or generate request; any other is passed on, unread (PassedOn)."""
+        """An infer, generate or completions request; any other is passed on, unread
+        (PassedOn)."""
         check_headers(scope, self.limits.max_header_bytes)
         path = scope["path"]
         target = infer_target(path)
         if target is not None:
             return await self.infer(scope, receive, call, target)
         generating = generate_target(path)
-        if generating is None:
-            raise PassedOn(f"no infer or generate route {errors.echoed(path)!r}")
-        return await self.generate(scope, receive, call, *generating)
+        if generating is not None:
+            return await self.generate(scope, receive, call, *generating)
+        if path in COMPLETIONS:
+            return await self.complete(scope, receive, call, path)
+        raise PassedOn(f"no route served here {errors.echoed(path)!r}")
+
+    async def complete(self, scope: Scope, receive: Receive, call: Call, path: str) -> Reply:
+        """OpenAI's completions (`path`: one of COMPLETIONS)."""
+        self._expect(scope, call, "POST", "ModelStreamInfer", path)
+        body = await read_body(scope, receive, self.limits)
+        chat = path == "/v1/chat/completions"
+        work = self.completions.completions(body, chat, call.client, call)
+        try:
+            return await unless_gone(receive, work)
+        except PassedOn as passed:
+            passed.body = body  # as it came: the process it goes to reads it again
+            raise
 
     async def generate(
         self, scope: Scope, receive: Receive, call: Call, model: str, version: str, action: str
@@ -141,9 +159,10 @@ class Router(InferRouter):
         observer: Observer | None,
         guard: Guard | None,
     ) -> None:
-        super().__init__(routes.inference, routes.generation, limits, observer, guard)
+        super().__init__(
+            routes.inference, routes.generation, routes.completions, limits, observer, guard
+        )
         self.routes = routes
-        self.openai = OpenAIRoutes(routes.plane)
         self.batchstream = BatchStreams(routes.plane, limits.body_timeout_s)
 
     async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
@@ -243,12 +262,9 @@ class Router(InferRouter):
         batchstream.py)."""
         if rest == ["models"]:
             self._expect(scope, call, "GET", "RepositoryIndex", "/v1/models")
-            return self.openai.models()
-        if rest in (["completions"], ["chat", "completions"]):
-            self._expect(scope, call, "POST", "ModelStreamInfer", "/v1/" + "/".join(rest))
-            body = await read_body(scope, receive, self.limits)
-            work = self.openai.completions(body, rest[0] == "chat", call.client, call)
-            return await unless_gone(receive, work)
+            return openai.models(self.routes.plane)
+        if "/v1/" + "/".join(rest) in COMPLETIONS:
+            return await self.complete(scope, receive, call, "/v1/" + "/".join(rest))
         if rest == ["inference", "advanced", "batchstream"]:
             route = "/v1/inference/advanced/batchstream"
             self._expect(scope, call, "POST", "ModelStreamInfer", route)
@@ -271,6 +287,7 @@ _MODEL_ROUTES = {
     "generate_stream": "ModelStreamInfer",
 }
 _GENERATE = ("generate", "generate_stream")
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")  # OpenAI's, a request naming its model
 
 
 def generate_target(path: str) -> tuple[str, str, str] | None:

@@ -4,6 +4,7 @@ same calls gRPC's servicer makes), with Triton's behaviour where the protocol is
 from __future__ import annotations
 
 import base64
+import functools
 from typing import Any
 
 from protos.inference import grpc_service_pb2 as pb
@@ -11,7 +12,9 @@ from service.dataplane.plane import DataPlane, TensorMetadata
 from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
 from service.http.json_tensors import parsed
+from service.http.openai import Completions
 from service.http.reply import OK, Reply
+from service.http.textgen import generation_model
 from service.inference import errors
 from service.inference.errors import echoed
 from service.lifecycle.uploads import FILE_PREFIX
@@ -39,6 +42,7 @@ class Routes:
         self.plane = plane
         self.inference = inference
         self.generation = GenerateRoute(plane)
+        self.completions = Completions(plane, functools.partial(generation_model, plane))
         self.shared_memory = inference.shared_memory
 
     def live(self) -> Reply:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.inference import model_config_pb2 as mc
-from service.dataplane.plane import DataPlane
+from service.dataplane.plane import DataPlane, InferencePlane
 from service.http.generate import GenerateRequest, TextDecoder, generate_inputs
 from service.inference import errors
 from service.inference.errors import echoed
@@ -71,7 +71,11 @@ async def generation_model(plane: DataPlane, name: str) -> ServedVersion:
     """The model's serving version, if it is a generation model (NOT_FOUND otherwise); under
     --model-memory-budget loaded first if it is not in memory."""
     await plane.in_memory(name, None)
-    served = plane.resolve(name, "")
+    return generation_checked(plane.resolve(name, ""), name)
+
+
+def generation_checked(served: ServedVersion, name: str) -> ServedVersion:
+    """`served` (the version `name` resolved to), if it is a generation model's."""
     if not serves_generation(served.config):
         raise errors.ServiceError(
             grpc.StatusCode.NOT_FOUND,
@@ -200,7 +204,7 @@ class Generation:
 
 
 async def generation(
-    plane: DataPlane, served: ServedVersion, sampling: Sampling, client: str
+    plane: InferencePlane, served: ServedVersion, sampling: Sampling, client: str
 ) -> Generation:
     """The generation, started: refused here (its status) if the model refuses it before its
     first response; after that, its errors end `pieces` (ServiceError). Closing `pieces`, or

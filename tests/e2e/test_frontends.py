@@ -8,6 +8,7 @@ wrong caller fails."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -36,11 +38,13 @@ from tests.e2e.test_shared_tickets import aimed_at, ticket_from
 from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
+    EXAMPLE_MODELS,
     ServerProcess,
     children,
     free_port,
     gather_held,
     model_repository,
+    paused,
     refused_start,
     running_server,
     wait_logged,
@@ -362,6 +366,47 @@ async def test_a_killed_front_ends_generations_are_cancelled_and_the_others_go_o
         finally:
             for channel, _, _ in held.values():
                 await channel.close(None)
+
+
+def test_completions_run_in_the_front_ends_with_their_parent_stopped(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """OpenAI's completions name their model in the body: a front-end reads it and, on a
+    generation model it serves itself, runs the generation there, its tokens read from its
+    own socket to the worker. Held still by SIGSTOP, the parent passes nothing on, and
+    completions, whole and streamed, are still answered, each new connection's the greedy
+    text the first one got; one naming no generation model is refused as the parent
+    refuses it, once the parent runs again."""
+    repository = tmp_path / "models"
+    repository.mkdir()
+    (repository / "generate").symlink_to(EXAMPLE_MODELS / "generate")
+    port = free_port()
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir), "--http-port", str(port)]
+    base = f"http://127.0.0.1:{port}/v1"
+    body = {"model": "generate", "prompt": "Once upon a time", "max_tokens": 8}
+
+    def complete(document: dict[str, Any]) -> httpx.Response:
+        with httpx.Client(base_url=base, timeout=60) as client:  # a new connection each
+            return client.post("/completions", json=document)
+
+    with running_server(repository, tmp_path / "log", args) as s:
+        first = complete(body)
+        assert first.status_code == 200, first.text
+        text = first.json()["choices"][0]["text"]
+        assert text
+        for _ in range(4):  # each front-end's socket to the worker attached
+            assert complete(body).json()["choices"][0]["text"] == text
+        with paused(s.process.pid):
+            for _ in range(4):
+                assert complete(body).json()["choices"][0]["text"] == text
+                streamed = complete({**body, "stream": True})
+                chunks = streamed.content.split(b"\n\n")
+                assert chunks[-2:] == [b"data: [DONE]", b""]
+                pieces = [json.loads(c.removeprefix(b"data: ")) for c in chunks[:-2]]
+                assert "".join(p["choices"][0]["text"] for p in pieces) == text
+        refused = complete({**body, "model": "nothing"})
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["code"] == "not_found"
 
 
 def stream_requests_by_frontend(server: ServerProcess) -> dict[str, float]:

@@ -17,6 +17,7 @@ from service.http.event_stream import relay
 from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
 from service.http.observed import Call
+from service.http.openai import Completions
 from service.http.router import InferRouter
 from service.inference import errors
 from service.observability.logs import LineBudget, RequestLog
@@ -49,7 +50,8 @@ async def test_a_whole_answer_is_counted_before_its_body_is_sent() -> None:
     observer = Observer(metrics, RequestLog(1e9, 0.0, None, LineBudget(10, 1.0)), None)
     # No route is reached: the request is refused before it is routed.
     inference, generation = InferRoute.__new__(InferRoute), GenerateRoute.__new__(GenerateRoute)
-    app = RestApp(InferRouter(inference, generation, LIMITS, observer, None))
+    completions = Completions.__new__(Completions)
+    app = RestApp(InferRouter(inference, generation, completions, LIMITS, observer, None))
     counted_at: dict[str, float] = {}
 
     async def send(message: dict[str, Any]) -> None:
