@@ -34,7 +34,24 @@ Attach = Callable[[int, list[int]], None]
 Trouble = Callable[[int, str], None]
 
 
-class RemoteStreams:
+class RemoteWorker:
+    """One instance's worker as the parent describes it to a front-end (QUEUED): its launch
+    now, its state, its NUMA node and execution timeout."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._numa = int(data["numa"])
+        timeout = data["timeout"]
+        self.execution_timeout_s = None if timeout is None else float(timeout)
+        self.launch = int(data["launch"])
+        self.state = State.READY if data["ready"] else State.STARTING
+        self.start_failure: str | None = data["failure"]
+
+    @property
+    def numa_node(self) -> int:
+        return self._numa
+
+
+class RemoteStreams(RemoteWorker):
     """One instance of a decoupled version as a front-end serves it: what streaming.py picks
     (state, outstanding, numa_node, execution_timeout_s) and submits to."""
 
@@ -47,13 +64,8 @@ class RemoteStreams:
         attach: Attach,
         trouble: Trouble,
     ) -> None:
+        super().__init__(data)
         self._model = model
-        self._numa = int(data["numa"])
-        timeout = data["timeout"]
-        self.execution_timeout_s = None if timeout is None else float(timeout)
-        self.launch = int(data["launch"])
-        self.state = State.READY if data["ready"] else State.STARTING
-        self.start_failure: str | None = data["failure"]
         self.streams = streams.Streams()
         self._outputs = outputs
         self._largest = message_bounds.largest_message(
@@ -67,10 +79,6 @@ class RemoteStreams:
         self._changed = asyncio.Event()  # a launch connected, ended or failed to start
         if self.state is State.READY:
             self._connect()
-
-    @property
-    def numa_node(self) -> int:
-        return self._numa
 
     @property
     def outstanding(self) -> int:

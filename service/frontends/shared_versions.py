@@ -27,7 +27,7 @@ from protos.inference import model_config_pb2 as mc
 from service.batching.concurrency import ConcurrencyLimit
 from service.frontends.descriptors import ViewEntry
 from service.frontends.protocol import Kind
-from service.frontends.remote_streams import RemoteStreams
+from service.frontends.remote_streams import RemoteStreams, RemoteWorker
 from service.inference import errors
 from service.inference.validation import RequestValidator
 from service.model import ensemble
@@ -48,29 +48,20 @@ log = logging.getLogger("paddlequic.frontend")
 RELEASE_POLL_S = 0.01
 
 
-class RemoteInstance:
+class RemoteInstance(RemoteWorker):
     """A front-end's view of one instance of a version: the QueueHost its QueuedBatcher
     serves through, told by the parent what the worker does."""
 
     def __init__(self, owner: SharedVersions, token: int, index: int, data: dict[str, Any]):
+        super().__init__(data)
         self._owner = owner
         self._token = token
         self._index = index
-        self._numa = int(data["numa"])
-        timeout = data["timeout"]
-        self.execution_timeout_s = None if timeout is None else float(timeout)
-        self.launch = int(data["launch"])
-        self.state = State.READY if data["ready"] else State.STARTING
-        self.start_failure: str | None = data["failure"]
         self.on_ready: Callable[[], None] | None = None
         self.on_ended: Callable[[deaths.Death], None] | None = None
         self.on_start_failed: Callable[[], None] | None = None
         self.queue_held: Callable[[], int] | None = None
         self.queue_served: Callable[[], bool] | None = None
-
-    @property
-    def numa_node(self) -> int:
-        return self._numa
 
     def send_queues(self, setup: protocol.Queues, fds: list[int]) -> None:
         """This process's segment for the launch serving now, to the parent, for the worker."""

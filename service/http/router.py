@@ -4,7 +4,8 @@ the gRPC method it stands for (its labels, its restricted-protocol category) in 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 
@@ -75,11 +76,7 @@ class InferRouter:
         body = await read_body(scope, receive, self.limits)
         chat = path == "/v1/chat/completions"
         work = self.completions.completions(body, chat, call.client, call)
-        try:
-            return await unless_gone(receive, work)
-        except PassedOn as passed:
-            passed.body = body  # as it came: the process it goes to reads it again
-            raise
+        return await _answered(receive, work, body)
 
     async def generate(
         self, scope: Scope, receive: Receive, call: Call, model: str, version: str, action: str
@@ -91,11 +88,7 @@ class InferRouter:
         body = await read_body(scope, receive, self.limits)
         stream = action == "generate_stream"
         work = self.generation.generate(model, version, body, stream, call.client)
-        try:
-            return await unless_gone(receive, work)
-        except PassedOn as passed:
-            passed.body = body  # as it came: the process it goes to reads it again
-            raise
+        return await _answered(receive, work, body)
 
     async def infer(
         self, scope: Scope, receive: Receive, call: Call, target: tuple[str, str, str]
@@ -114,16 +107,10 @@ class InferRouter:
             if self.guard is not None
             else None
         )
-        try:
-            return await unless_gone(
-                receive,
-                self.inference.infer(
-                    model, version, body, header_length, peer, call.identity, refusal
-                ),
-            )
-        except PassedOn as passed:
-            passed.body = sent  # as it came: the process it goes to reads it again
-            raise
+        work = self.inference.infer(
+            model, version, body, header_length, peer, call.identity, refusal
+        )
+        return await _answered(receive, work, sent)
 
     def _expect(self, scope: Scope, call: Call, allowed: str, rpc: str, route: str) -> None:
         """The request routed to `route` (its template), standing for the gRPC method `rpc`:
@@ -288,6 +275,16 @@ _MODEL_ROUTES = {
 }
 _GENERATE = ("generate", "generate_stream")
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")  # OpenAI's, a request naming its model
+
+
+async def _answered(receive: Receive, work: Coroutine[Any, Any, Reply], sent: bytes) -> Reply:
+    """`work`'s reply, unless the client leaves first; passed on (PassedOn), it carries the
+    body `sent` as it came: the process it goes to reads it again."""
+    try:
+        return await unless_gone(receive, work)
+    except PassedOn as passed:
+        passed.body = sent
+        raise
 
 
 def generate_target(path: str) -> tuple[str, str, str] | None:
