@@ -232,6 +232,12 @@ ATTACKS = (
         frontends=2,
     ),
     AttackSpec(
+        "generation worker SIGKILL mid-generation (--frontends 2)",
+        generations.generation_worker_kill,
+        frozenset({"killed", "replaced", "after restart OK"}) | _both("UNAVAILABLE"),
+        frontends=2,
+    ),
+    AttackSpec(
         "sequence hijack (--frontends 2)",
         sequences.sequence_hijack,
         frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
