@@ -1,10 +1,11 @@
 """The parent's side of front-ends writing into workers' queues themselves (the front-end's
 side: shared_versions.py). The parent takes no part in such a call; it governs:
 
-- it tells every front-end which versions it may queue for itself (QUEUED: each version's
-  queue setup and instances) and what happens to their workers (WORKER: ready under launch
-  number N, ended with its death's fate, a restart failed);
-- a front-end makes its own segment for each worker launch (as the parent does for itself) and
+- it tells every front-end which versions it may serve itself (QUEUED: each version's
+  queue setup, none for a decoupled one, and instances) and what happens to their workers
+  (WORKER: ready under launch number N, ended with its death's fate, a restart failed);
+- a front-end makes its own segment for each worker launch (as the parent does for itself; a
+  decoupled worker's: one end of a socket pair) and
   passes it over the queues socket (SOCK_SEQPACKET, descriptors attached); the parent hands
   it to that worker if the launch is still the one serving, so nothing of it passes through
   the parent again;

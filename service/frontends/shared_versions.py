@@ -1,7 +1,9 @@
 """A front-end's own end of the workers' queues (the parent's side: queue_sharing.py): for each
 version the parent lets it queue for itself, a QueuedBatcher of its own over views of the
 version's instances (RemoteInstance), so a ModelInfer call it holds goes from this process
-straight into a worker's queue and back, with no message to the parent; and the ensembles of
+straight into a worker's queue and back, with no message to the parent; for each decoupled
+version, its places here and a socket of this process's own to each of its workers
+(RemoteStreams), so a generation's tokens come straight from the worker; and the ensembles of
 the view whose steps are all such versions, run here by the same request runner.
 
 The parent tells it each worker's launches and deaths; a death's fate decides here, as in the
