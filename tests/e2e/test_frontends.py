@@ -345,12 +345,16 @@ async def test_a_killed_front_ends_generations_are_cancelled_and_the_others_go_o
             os.kill(victim, signal.SIGKILL)
             lost, kept = [], []  # the generations of the killed front-end, of the other
             for _, call, request_id in held.values():
+                ids: set[str] = set()  # of the responses this stream read
                 try:
                     for _ in range(20):  # more than the killed one could have had on its way
-                        await until_id(call, request_id)
+                        seen = await until_id(call, request_id)
+                        ids.update(r.infer_response.id for r in seen)
                     kept.append((call, request_id))
-                except (grpc.aio.AioRpcError, AssertionError):
+                except (grpc.aio.AioRpcError, AssertionError):  # failed, or ended
                     lost.append(request_id)
+                # Both front-ends number their requests from 1: neither got the other's.
+                assert ids <= {request_id}, f"{request_id} read responses of {ids}"
             assert len(lost) == len(kept) == 1
             wait_for(lambda: f"request {lost[0]} cancelled after" in s.log_text(), "the cancel")
             wait_for(lambda: len(frontends(s)) == 2 and victim not in frontends(s), "a restart")
