@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -370,6 +371,43 @@ async def test_a_killed_front_ends_generations_are_cancelled_and_the_others_go_o
         finally:
             for channel, _, _ in held.values():
                 await channel.close(None)
+
+
+async def test_a_decoupled_model_reloaded_while_front_ends_generate(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """A new version of a decoupled model while a front-end's generation runs on the old one:
+    new requests reach the new version's workers (each front-end attaches a socket to them),
+    the old generation runs on until its caller ends it, and the old version then stops at
+    once, not at its wind-down timeout: it waits for every front-end to let it go."""
+    repository = decoupled_repository(tmp_path / "models")
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir)]
+    args += ["--model-control-mode", "explicit", "--load-model", "repeat"]
+    with running_server(repository, tmp_path / "log", args) as s:
+        async with grpc.aio.insecure_channel(s.address, OWN_CONNECTION) as channel:
+            old = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(timeout=120)
+            await old.write(repeat(0, "old", mode="forever", delay_ms=20))
+            (first,) = await until_id(old, "old")
+            assert first.infer_response.model_version == "1"
+            shutil.copytree(repository / "repeat" / "1", repository / "repeat" / "2")
+            load = pb.RepositoryModelLoadRequest(model_name="repeat")
+            await asyncio.to_thread(s.stub.RepositoryModelLoad, load, timeout=120)
+            for n in range(4):  # new connections, whichever front-end they reach
+                async with grpc.aio.insecure_channel(s.address, OWN_CONNECTION) as fresh:
+                    stub = pb_grpc.GRPCInferenceServiceStub(fresh)
+                    requests = iter([repeat(3, f"new-{n}")])
+                    answers = [r async for r in stub.ModelStreamInfer(requests, timeout=60)]
+                assert [(index_of(a), a.infer_response.model_version) for a in answers] == [
+                    (0, "2"),
+                    (1, "2"),
+                    (2, "2"),
+                ]
+            for _ in range(5):  # the old generation runs on, on the old version
+                (response,) = await until_id(old, "old")
+                assert response.infer_response.model_version == "1"
+            assert "model repeat version 1 replaced" not in s.log_text()
+            old.cancel()
+        wait_logged(s, "model repeat version 1 replaced; its workers stopped", limit_s=30)
 
 
 def test_completions_run_in_the_front_ends_with_their_parent_stopped(
