@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -30,6 +30,7 @@ from service.api.stream_outbox import Outbox, StallWatch, StreamBounds, response
 from service.dataplane.plane import DataPlane
 from service.inference import classification, errors
 from service.inference.errors import ServicerContext
+from service.inference.jobs import StreamAnswer
 from service.inference.validation import request_sequence
 from service.registry.versions import ModelRegistry, ServedVersion
 
@@ -167,27 +168,41 @@ class StreamInference:
     ) -> None:
         """A decoupled model's responses to one request, put as they come; the last one put
         is final. A ServiceError before or between them ends the request (the caller turns
-        it into the request's final error_message). Each response is built only once the
-        outbox has room for it: a response repeats the request's id, and one built per token
-        while the caller does not read would hold that id once per token."""
-        empty_final = stream_responses.empty_final_wanted(request)
+        it into the request's final error_message)."""
         counts = classification.class_counts(request)
         job = await decode(self.plane, served, request)
         stream = self.plane.runner.stream(
             served, job, request.id, stream_responses.parameters(request), deadline, client
         )
-        async with contextlib.aclosing(stream) as answers:
-            async for answer in answers:
-                if counts and answer.outputs:
-                    ranked = classification.classified(
-                        answer.outputs, counts, served.config.max_batch_size > 0, served.labels
-                    )
-                    answer = dataclasses.replace(answer, outputs=ranked)
-                await outbox.room()
-                response = stream_responses.decoupled(
-                    served.name, str(served.version), request, answer, empty_final
+        async for item in generated(stream, served, request, outbox.room, counts):
+            outbox.put(item)
+
+
+async def generated(
+    answers: AsyncGenerator[StreamAnswer, None],
+    served: ServedVersion,
+    request: pb.ModelInferRequest,
+    room: Callable[[], Awaitable[None]],
+    counts: dict[str, int] | None = None,
+) -> AsyncGenerator[StreamItem, None]:
+    """A decoupled request's answers as its stream's items, the last one final (closing
+    this closes `answers`). Each is built only once `room()` returns: a response repeats the
+    request's id, and one built per token while the caller does not read would hold that id
+    once per token. `counts`: the outputs to classify (classification.class_counts)."""
+    empty_final = stream_responses.empty_final_wanted(request)
+    async with contextlib.aclosing(answers) as each:
+        async for answer in each:
+            if counts and answer.outputs:
+                ranked = classification.classified(
+                    answer.outputs, counts, served.config.max_batch_size > 0, served.labels
                 )
-                outbox.put((response, answer.final))
+                answer = dataclasses.replace(answer, outputs=ranked)
+            await room()
+            version = str(served.version)
+            response = stream_responses.decoupled(
+                served.name, version, request, answer, empty_final
+            )
+            yield response, answer.final
 
 
 def _served_decoupled(models: ModelRegistry, request: pb.ModelInferRequest) -> bool:

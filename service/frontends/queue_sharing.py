@@ -281,9 +281,7 @@ class SharedQueues:
         try:
             message = json.loads(data)
             instance = self._instance(message)
-            served = self._versions[int(message["token"])]
-            wanted = 1 if served.generations is not None else 3
-            if instance is not None and len(fds) == wanted:
+            if instance is not None and len(fds) == (1 if instance.spec.decoupled else 3):
                 instance.add_producer(producer_of(str(message["frontend"])), fds)
         except (ValueError, KeyError, TypeError) as exc:
             log.error("a front-end's queues message was not understood: %s", exc)

@@ -50,6 +50,29 @@ class RemoteWorker:
     def numa_node(self) -> int:
         return self._numa
 
+    def told(self, event: dict[str, Any]) -> None:
+        """What the parent says the worker did (WORKER), kept, then acted on."""
+        kind = event.get("event")
+        if kind == "ready":
+            self.launch, self.state, self.start_failure = int(event["launch"]), State.READY, None
+            self.launched()
+        elif kind == "ended":
+            self.state = State.RESTARTING
+            fate = deaths.Fate(event["fate"])
+            self.ended(deaths.Death(str(event["how"]), fate, bool(event["blamed"])))
+        elif kind == "failed":
+            self.start_failure = str(event["failure"])
+            self.start_failed()
+
+    def launched(self) -> None:
+        """A new launch serves."""
+
+    def ended(self, death: deaths.Death) -> None:
+        """The launch serving died."""
+
+    def start_failed(self) -> None:
+        """A restart failed."""
+
 
 class RemoteStreams(RemoteWorker):
     """One instance of a decoupled version as a front-end serves it: what streaming.py picks
@@ -108,19 +131,16 @@ class RemoteStreams(RemoteWorker):
         if self._writer is not None:
             self._writer.write(protocol.encode(message))
 
-    def told(self, event: dict[str, Any]) -> None:
-        """What the parent says the worker did."""
-        kind = event.get("event")
-        if kind == "ready":
-            self._ended("was replaced", deaths.Fate.REQUEUE, False)
-            self.launch, self.state, self.start_failure = int(event["launch"]), State.READY, None
-            self._connect()
-        elif kind == "ended":
-            self.state = State.RESTARTING
-            fate = deaths.Fate(event["fate"])
-            self._ended(str(event["how"]), fate, bool(event["blamed"]))
-        elif kind == "failed":
-            self.start_failure = str(event["failure"])
+    def launched(self) -> None:
+        self._ended(deaths.Death("was replaced", deaths.Fate.REQUEUE, False))
+        self._connect()
+        self._changed.set()
+
+    def ended(self, death: deaths.Death) -> None:
+        self._ended(death)
+        self._changed.set()
+
+    def start_failed(self) -> None:
         self._changed.set()
 
     def _connect(self) -> None:
@@ -152,21 +172,20 @@ class RemoteStreams(RemoteWorker):
             log.error("a worker of model '%s' broke the protocol: %s", self._model, reason)
             self._trouble(launch_number, reason)
             if self.launch == launch_number:
-                self._ended(f"broke the protocol ({reason})", deaths.Fate.FAIL, True)
+                self._ended(deaths.Death(f"broke the protocol ({reason})", deaths.Fate.FAIL, True))
         finally:
             writer.close()
             if self._writer is writer:  # closed by the worker's side: no more requests on it
                 self._writer = None
 
-    def _ended(self, how: str, fate: deaths.Fate, blamed: bool) -> None:
+    def _ended(self, death: deaths.Death) -> None:
         """This launch is over: the requests it held end as its death's fate says."""
         if self._reading is not None:
             self._reading.cancel()
             self._reading = None
         self._writer = None
-        self.streams.died(how, fate is deaths.Fate.REQUEUE, blamed)
+        self.streams.died(death.how, death.fate is deaths.Fate.REQUEUE, death.blamed)
 
     def stop(self) -> None:
         self.state = State.STOPPED
-        self._ended("stopped (this process let the model go)", deaths.Fate.FAIL, False)
-        self._changed.set()
+        self.ended(deaths.Death("stopped (this process let the model go)", deaths.Fate.FAIL, False))

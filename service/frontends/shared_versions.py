@@ -42,7 +42,7 @@ from service.registry.versions import ModelRegistry, ServedVersion, VersionState
 from service.resilience.breaker import BreakerState
 from service.serving.queued_batcher import QueuedBatcher, batch_recorder
 from service.workers import deaths, protocol
-from service.workers.instance import State, WorkerInstance
+from service.workers.instance import WorkerInstance
 from service.workers.results import Outputs
 
 log = logging.getLogger("paddlequic.frontend")
@@ -75,24 +75,17 @@ class RemoteInstance(RemoteWorker):
     def end_hung(self) -> None:
         self._owner.trouble(self._token, self._index, self.launch, True, "")
 
-    def told(self, event: dict[str, Any]) -> None:
-        """What the parent says the worker did."""
-        kind = event.get("event")
-        if kind == "ready":
-            self.launch, self.state, self.start_failure = int(event["launch"]), State.READY, None
-            if self.on_ready is not None:
-                self.on_ready()
-        elif kind == "ended":
-            self.state = State.RESTARTING
-            death = deaths.Death(
-                str(event["how"]), deaths.Fate(event["fate"]), bool(event["blamed"])
-            )
-            if self.on_ended is not None:
-                self.on_ended(death)
-        elif kind == "failed":
-            self.start_failure = str(event["failure"])
-            if self.on_start_failed is not None:
-                self.on_start_failed()
+    def launched(self) -> None:
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def ended(self, death: deaths.Death) -> None:
+        if self.on_ended is not None:
+            self.on_ended(death)
+
+    def start_failed(self) -> None:
+        if self.on_start_failed is not None:
+            self.on_start_failed()
 
 
 @dataclass

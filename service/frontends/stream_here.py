@@ -27,7 +27,7 @@ from protos.inference import grpc_service_pb2 as pb
 from service.api import stream_parts, stream_responses
 from service.api.callers import client_of
 from service.api.restricted import guarded
-from service.api.stream_inference import STREAM_WINDOW, stalled
+from service.api.stream_inference import STREAM_WINDOW, generated, stalled
 from service.api.stream_outbox import Outbox, StallWatch, StreamBounds
 from service.api.wire_limits import request_problem
 from service.frontends.described_call import DescribedCall, Serving
@@ -259,17 +259,13 @@ class _Stream:
                 deadline,
                 client_of(self.context),
             )
-            empty_final = stream_responses.empty_final_wanted(request)
-            async with contextlib.aclosing(answers) as each:
-                async for answer in each:
-                    await self.outbox.room()
-                    response = stream_responses.decoupled(
-                        served.name, str(served.version), request, answer, empty_final
-                    )
+            items = generated(answers, served, request, self.outbox.room)
+            async with contextlib.aclosing(items) as each:
+                async for response, final in each:
                     if response is None:  # a final with nothing to send
                         self.window.release()
                     else:
-                        flags = _FREES if answer.final else 0
+                        flags = _FREES if final else 0
                         self.outbox.put((response.SerializeToString(), flags))
         except errors.ServiceError as exc:
             response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")

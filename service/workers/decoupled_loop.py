@@ -71,15 +71,19 @@ class _Producer:
         while True:
             msg = recv(self.sock)
             if isinstance(msg, protocol.Submit):
-                key = self._base | (msg.request_id & _OWN_ID)
+                key = self._key(msg.request_id)
                 self.requests.admit(key, msg.id, msg.outputs, self.outbox)
                 submits.put((key, msg))
             elif isinstance(msg, protocol.Credit):
-                self.requests.credit(self._base | (msg.request_id & _OWN_ID), msg.count)
+                self.requests.credit(self._key(msg.request_id), msg.count)
             elif isinstance(msg, protocol.Cancel):
-                self.requests.cancel(self._base | (msg.request_id & _OWN_ID))
+                self.requests.cancel(self._key(msg.request_id))
             else:
                 return msg
+
+    def _key(self, request_id: int) -> int:
+        """The request as this worker keys it: this process's number above its own id."""
+        return self._base | (request_id & _OWN_ID)
 
     def write(self) -> None:
         while (messages := self.outbox.next(WRITE_BYTES)) is not None:
@@ -130,13 +134,11 @@ def serve_decoupled(
     )
     producers: dict[int, _Producer] = {}
     submits: _Submits = queue.SimpleQueue()
-    told = threading.Event()
 
     def served() -> None:
-        """The server hears of a front-end's first response, once per launch."""
-        if not told.is_set():
-            told.set()
-            server.outbox.post(protocol.encode(protocol.Served()))
+        """The server hears of a front-end's first response (its answers never cross the
+        server's socket)."""
+        server.outbox.post(protocol.encode(protocol.Served()))
 
     runner = _thread("execute", lambda: _run(requests, submits))
     writer = _thread("write", server.write)

@@ -214,8 +214,8 @@ class DropProducer:
 @dataclass(frozen=True)
 class Served:
     """A decoupled worker sent its first data response to a front-end (whose responses never
-    cross the server's socket): once per launch, so that a death after it is a serving
-    worker's, restarted at once (restarts.py)."""
+    cross the server's socket): once per front-end and launch, so that a death after it is a
+    serving worker's, restarted at once (restarts.py)."""
 
 
 @dataclass(frozen=True)
