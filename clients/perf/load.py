@@ -27,7 +27,12 @@ STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 # handshake each time, or resumed with 0-RTT from a session ticket: an edge device waking up).
 CONNECT_MODES = ("reuse", "full", "0rtt")
 STREAM_ERROR = "STREAM_ERROR"  # a ModelStreamInfer response carrying an error_message
-_CPU_SECONDS = re.compile(rb"^process_cpu_seconds_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+# The server's CPU: its own process's, and with --frontends N each front-end's.
+_CPU_SECONDS = re.compile(
+    rb"^(?:process_cpu_seconds_total|paddlequic_frontend_cpu_seconds_total)(?:\{[^}]*\})? "
+    rb"([0-9.eE+-]+)$",
+    re.M,
+)
 
 # (phase, seconds into the phase, its length, requests so far, errors so far)
 Progress = Callable[[str, float, float, int, int], None]
@@ -127,10 +132,10 @@ async def _clock(spec: LoadSpec, step: Step, records: _Records, progress: Progre
     await _phase("warm-up", spec.warmup_s, records, progress)
     window_start = time.perf_counter_ns()
     cpu = time.process_time()
-    server = await _server_cpu(spec.server_metrics)
+    server = await server_cpu(spec.server_metrics)
     await _phase("measuring", spec.duration_s, records, progress)
     step.client_cpu_s = time.process_time() - cpu
-    after = await _server_cpu(spec.server_metrics)
+    after = await server_cpu(spec.server_metrics)
     if server is not None and after is not None:
         step.server_cpu_s = after - server
     return window_start
@@ -144,8 +149,9 @@ async def _phase(name: str, length: float, records: _Records, progress: Progress
         await asyncio.sleep(min(0.25, length - elapsed))
 
 
-async def _server_cpu(url: str) -> float | None:
-    """The server process's CPU seconds from its Prometheus endpoint (None without one)."""
+async def server_cpu(url: str) -> float | None:
+    """The CPU seconds of the server's processes that hold calls (the parent and its
+    front-ends; not the workers) from its Prometheus endpoint (None without one)."""
     if not url:
         return None
 
@@ -154,8 +160,8 @@ async def _server_cpu(url: str) -> float | None:
             body: bytes = response.read()
             return body
 
-    found = _CPU_SECONDS.search(await asyncio.to_thread(scrape))
-    return float(found.group(1)) if found else None
+    found = _CPU_SECONDS.findall(await asyncio.to_thread(scrape))
+    return sum(float(value) for value in found) if found else None
 
 
 def _code(exc: BaseException) -> str:

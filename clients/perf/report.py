@@ -28,7 +28,7 @@ class Row:
     errors: dict[str, int]  # failed requests by status code
     connect_modes: dict[str, int]  # new connections by how they started
     client_cpu_us: float | None  # this process's CPU per request
-    server_cpu_us: float | None  # the server front-end's CPU per request (--server-metrics)
+    server_cpu_us: float | None  # the server's CPU per request, workers aside (--server-metrics)
     # Decoupled models only (None otherwise): time to first token and inter-token gaps
     # (p50, p99), and data responses (tokens) per second in the window.
     time_to_first_token_ms: dict[str, float | None] | None = None

@@ -6,10 +6,13 @@ parent; its answer is the response message at once."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import DescribedAnswer, DescribedRequest
@@ -41,12 +44,32 @@ class ServedHere:
             registry=registry,
         )
         self._frontend = str(frontend)
+        registry.register(_ProcessCpu(self._frontend))
 
     def count(self, transport: str) -> None:
         self._calls.labels(self._frontend, transport).inc()
 
     def stream_request(self, here: bool) -> None:
         self._stream_requests.labels(self._frontend, "here" if here else "parent").inc()
+
+
+class _ProcessCpu:
+    """The front-end process's CPU time: /metrics' `process_*` families are the parent's, so
+    without this the CPU of the calls served here would show nowhere (`paddlequic perf
+    --server-metrics` adds it to the parent's)."""
+
+    def __init__(self, frontend: str) -> None:
+        self._frontend = frontend
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "paddlequic_frontend_cpu_seconds",
+            "CPU time (user and system) of a front-end process; the parent's own is "
+            "process_cpu_seconds_total",
+            labels=["frontend"],
+        )
+        family.add_metric([self._frontend], time.process_time())
+        yield family
 
 
 async def serve_here(

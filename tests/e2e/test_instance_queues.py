@@ -513,11 +513,11 @@ def test_a_stream_whose_caller_stops_reading_ends_at_the_stall_bound(
 
 
 def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_served(
-    server: ServerProcess,
+    server: ServerProcess, request: pytest.FixtureRequest
 ) -> None:
     """A call a front-end serves itself is counted there and reported to the parent, which
     asks every front-end before it answers: ModelStatistics and /metrics show each call
-    answered, once, as soon as it is answered."""
+    answered, once, as soon as it is answered, and each front-end's CPU."""
     channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in range(4)]
     try:
         for seed, channel in enumerate(channels):
@@ -527,8 +527,8 @@ def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_serv
     finally:
         for channel in channels:
             channel.close()
-    request = pb.ModelStatisticsRequest(name="counted", version="1")
-    (stats,) = server.stub.ModelStatistics(request).model_stats
+    asked = pb.ModelStatisticsRequest(name="counted", version="1")
+    (stats,) = server.stub.ModelStatistics(asked).model_stats
     assert (stats.inference_count, stats.inference_stats.success.count) == (12, 12)
     assert stats.inference_stats.fail.count == 0
     assert sum(b.compute_infer.count for b in stats.batch_stats) == stats.execution_count
@@ -540,6 +540,17 @@ def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_serv
         and (s.labels["model"], s.labels["rpc"], s.labels["code"]) == served
     ]
     assert sum(answered) == 12
+    # The CPU those calls took: the parent's process_*, and with front-ends each one's own.
+    cpu = {
+        s.labels["frontend"]: s.value
+        for s in server.metrics()
+        if s.name == "paddlequic_frontend_cpu_seconds_total"
+    }
+    assert any(s.name == "process_cpu_seconds_total" for s in server.metrics())
+    if "frontends-2" in request.node.callspec.id:
+        assert len(cpu) == 2 and all(seconds > 0 for seconds in cpu.values()), cpu
+    else:
+        assert cpu == {}
 
 
 def test_an_instance_counts_the_requests_every_process_holds_in_it(server: ServerProcess) -> None:

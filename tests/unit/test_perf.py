@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,7 @@ import pytest
 
 from clients.perf.command import parse_concurrency
 from clients.perf.inputs import model_inputs, parse_shapes
-from clients.perf.load import Step
+from clients.perf.load import Step, server_cpu
 from clients.perf.report import summarize, table, write
 from protos.inference import grpc_service_pb2 as pb
 
@@ -136,3 +140,44 @@ def test_a_decoupled_step_reports_time_to_first_token_and_tokens_per_second(
     plain = summarize(step, 1, [50, 90, 99])
     assert (plain.tokens_per_s, plain.time_to_first_token_ms) == (None, None)
     assert "tokens/s" not in table([plain])
+
+
+SCRAPE = b"""# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.
+# TYPE process_cpu_seconds_total counter
+process_cpu_seconds_total 1.5
+# HELP paddlequic_frontend_cpu_seconds_total CPU time of a front-end process
+# TYPE paddlequic_frontend_cpu_seconds_total counter
+paddlequic_frontend_cpu_seconds_total{frontend="1"} 2.25
+paddlequic_frontend_cpu_seconds_total{frontend="2"} 3.0
+paddlequic_frontend_calls_total{frontend="1",transport="h2"} 100.0
+"""
+
+
+@pytest.fixture
+def metrics_url() -> Iterator[str]:
+    """A /metrics endpoint answering SCRAPE, as a server with two front-ends writes it."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(SCRAPE)))
+            self.end_headers()
+            self.wfile.write(SCRAPE)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_servers_cpu_is_the_parents_and_every_front_ends(metrics_url: str) -> None:
+    """With --frontends N, process_* is the parent's alone: the calls the front-ends serve
+    show in their own counters, which --server-metrics adds."""
+    assert asyncio.run(server_cpu(metrics_url)) == pytest.approx(1.5 + 2.25 + 3.0)
+    assert asyncio.run(server_cpu("")) is None
