@@ -35,7 +35,7 @@ from service.registry.versions import ServedVersion
 from service.resilience.breaker import BreakerState, Shown
 from service.serving.queued_batcher import QueuedBatcher
 from service.workers import deaths, protocol
-from service.workers.instance import State
+from service.workers.worker_process import State
 
 log = logging.getLogger("paddlequic.frontends")
 

@@ -22,9 +22,9 @@ from typing import Any
 from service.inference import errors
 from service.inference.jobs import InferJob
 from service.workers import deaths, launch, message_bounds, protocol, streams
-from service.workers.instance import READY_WAIT_S, State
 from service.workers.results import Outputs
 from service.workers.streams import StreamRequest
+from service.workers.worker_process import READY_WAIT_S, State
 
 log = logging.getLogger("paddlequic.frontend")
 

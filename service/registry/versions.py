@@ -23,8 +23,9 @@ from service.model.parameters import check_parameters
 from service.registry.names import check_model_name, parse_version
 from service.registry.statistics import ModelStats
 from service.resilience.breaker import CircuitBreaker, Shown, worst
-from service.workers.instance import State, WorkerInstance
+from service.workers.instance import WorkerInstance
 from service.workers.slots import SLOTS_PER_WORKER
+from service.workers.worker_process import State
 
 
 class VersionState(enum.Enum):

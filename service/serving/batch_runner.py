@@ -15,7 +15,8 @@ from service.batching.assemble import Batch
 from service.inference.jobs import InferResult, Timings
 from service.registry.versions import ServedVersion
 from service.workers import routing
-from service.workers.instance import State, WorkerInstance
+from service.workers.instance import WorkerInstance
+from service.workers.worker_process import State
 
 
 class BatchObserver(Protocol):

@@ -22,8 +22,8 @@ from service.inference.jobs import Answer, InferJob
 from service.queues import records, replies, wakeups
 from service.queues.ring import Corrupt
 from service.workers import deaths, protocol
-from service.workers.instance import State
 from service.workers.shm import Segment
+from service.workers.worker_process import State
 
 MIN_WATCH_S = 0.05
 WATCH_PARTS = 4  # the watchdog looks this often per execution timeout

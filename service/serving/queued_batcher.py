@@ -32,7 +32,7 @@ from service.registry.versions import ServedVersion
 from service.resilience.poison import PoisonList
 from service.serving.instance_queues import Entry, InstanceQueue, QueueHost
 from service.workers import deaths, protocol, results, routing
-from service.workers.instance import State
+from service.workers.worker_process import State
 
 
 class BatchObserver(Protocol):

@@ -20,7 +20,8 @@ from service.inference.errors import WorkerDied
 from service.inference.jobs import InferJob, StreamAnswer, Timings
 from service.registry.versions import ServedVersion
 from service.serving.circuit import admit, open_circuit
-from service.workers.instance import State, WorkerInstance
+from service.workers.instance import WorkerInstance
+from service.workers.worker_process import State
 
 
 class StreamObserver(Protocol):

@@ -18,8 +18,9 @@ from service.observability.logs import LineBudget, RequestLog
 from service.observability.observer import Observer
 from service.registry.versions import ServedVersion
 from service.serving.batch_runner import BatchRunner
-from service.workers.instance import State, WorkerInstance
+from service.workers.instance import WorkerInstance
 from service.workers.spec import WorkerSpec
+from service.workers.worker_process import State
 
 FILES = ModelFiles(1, Path("/nonexistent"), Path("model.py"), Path("model.py"))
 
