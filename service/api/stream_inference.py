@@ -193,10 +193,9 @@ async def generated(
     async with contextlib.aclosing(answers) as each:
         async for answer in each:
             if counts and answer.outputs:
-                ranked = classification.classified(
-                    answer.outputs, counts, served.config.max_batch_size > 0, served.labels
+                answer = dataclasses.replace(
+                    answer, outputs=served.classified(answer.outputs, counts)
                 )
-                answer = dataclasses.replace(answer, outputs=ranked)
             await room()
             version = str(served.version)
             response = stream_responses.decoupled(

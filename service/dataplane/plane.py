@@ -20,7 +20,7 @@ from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.dataplane.shared_memory import SharedMemory
-from service.inference import classification, errors
+from service.inference import errors
 from service.inference.jobs import InferJob, OutputTensor
 from service.inference.validation import Decoding, decoded
 from service.lifecycle.lifecycle import Lifecycle
@@ -91,10 +91,9 @@ class InferencePlane:
         self.runner = runner
         self.shared_memory = shared_memory
 
-    # Whether this process holds the shared-memory regions callers registered and the
-    # versions' labels (classification); where not, a request that names regions or asks for
-    # classes goes where they are.
-    whole = True
+    # Whether this process holds the shared-memory regions callers registered; where not, a
+    # request that names regions goes where they are.
+    regions_here = True
 
     def serving(
         self, name: str, version: str, deadline: float | None
@@ -125,8 +124,7 @@ class InferencePlane:
         answered, result = await self.runner.infer(served, job, deadline)
         produced = result.outputs
         if class_counts:
-            batched = answered.config.max_batch_size > 0
-            produced = classification.classified(produced, class_counts, batched, answered.labels)
+            produced = answered.classified(produced, class_counts)
         return Inferred(served, answered, produced)
 
 

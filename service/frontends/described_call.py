@@ -32,7 +32,7 @@ from service.frontends.protocol import (
     encode_status,
 )
 from service.inference import errors
-from service.inference.jobs import Answer, InferJob
+from service.inference.jobs import Answer, InferJob, OutputTensor
 from service.inference.validation import Decoding
 from service.observability.observer import Observation, Observer, Within, deadline_passed
 from service.registry.versions import ServedVersion
@@ -173,12 +173,13 @@ class DescribedCall:
         answering = self._answering
         with self.observation.current():
             try:
+                outputs = self._classified(answering, answer.result().outputs)
                 with self.serving.runner.encode_span():  # as the servicer's, its contents
                     described = DescribedAnswer(
                         answering.name,
                         str(answering.version),
                         self.request.id,
-                        answer.result().outputs,
+                        outputs,
                         answering is not self.served,
                     )
                     data = self.encode(described)
@@ -188,6 +189,15 @@ class DescribedCall:
                 self._end(exc)
                 return
         self._end(None, described, data)
+
+    def _classified(
+        self, answering: ServedVersion, outputs: tuple[OutputTensor, ...]
+    ) -> tuple[OutputTensor, ...]:
+        """The outputs the request asked classes of, as their top k (with the labels of the
+        version that answered: a fallback's own), as the servicer's plane ranks them."""
+        if not self.request.classes:
+            return outputs
+        return answering.classified(outputs, dict(self.request.classes))
 
     def encode(self, answer: DescribedAnswer) -> bytes:
         """The answer as the call's link carries it (to a front-end: a descriptor)."""

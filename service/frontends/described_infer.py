@@ -17,6 +17,11 @@ from service.inference import errors
 from service.observability.observer import Observation
 from service.registry.versions import ModelRegistry, ServedVersion
 
+# A version's labels the view carries at most (every front-end's copy, sent whenever the view
+# changes): a few thousand classes' names. A version with more is not described; the parent
+# answers its calls.
+MAX_VIEW_LABEL_BYTES = 1 << 20
+
 
 class StaleView(Exception):
     """The front-end's view no longer holds for this call: it passes the call on as bytes."""
@@ -49,7 +54,9 @@ class DescribedInfer:
                     token = tokens[id(served)] = self._next_token
                     self._next_token += 1
                 described[token] = served
-                entries.append(ViewEntry(name, key, token, served.config.SerializeToString()))
+                config = served.config.SerializeToString()
+                labels = tuple(served.labels.items())
+                entries.append(ViewEntry(name, key, token, config, labels))
         self._described = described
         return encode_view(entries)
 
@@ -90,5 +97,11 @@ def describable(served: ServedVersion) -> bool:
     """Versions whose requests front-ends may describe: those served by their own batcher
     and workers, decoupled models (a ModelInfer call on one is refused as the parent
     refuses it, after the same checks; a stream's request keeps its parameters) and
-    ensembles (sequence models' calls go on as bytes)."""
-    return served.validator is not None and not served.config.HasField("sequence_batching")
+    ensembles (sequence models' calls go on as bytes), whose labels are at most
+    MAX_VIEW_LABEL_BYTES (the view carries them, each time it changes)."""
+    return (
+        served.validator is not None
+        and not served.config.HasField("sequence_batching")
+        and sum(len(line) for lines in served.labels.values() for line in lines)
+        <= MAX_VIEW_LABEL_BYTES
+    )

@@ -52,6 +52,8 @@ class ViewEntry:
     version: str  # as requests name it: "" (the newest ready one) or its number
     token: int  # the version the parent described; checked again on every call
     config: bytes  # its ModelConfig, serialized
+    # Each output's labels (its label_filename's lines), for the classification extension.
+    labels: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class DescribedRequest:
     outputs: tuple[str, ...]  # as the request named them (none: every output)
     priority: int | None
     timeout_s: float | None
+    # The outputs to answer as their top k classes (the classification extension): (name, k).
+    classes: tuple[tuple[str, int], ...] = ()
     # The job the validator made of it, where the process that validated it serves it too
     # (a front-end writing into the queues itself): not checked again. Never sent.
     job: InferJob | None = field(default=None, compare=False, repr=False)
@@ -113,7 +117,11 @@ def encode_view(entries: Sequence[ViewEntry]) -> bytes:
             _U64.pack(entry.token),
             _U32.pack(len(entry.config)),
             entry.config,
+            _U16.pack(len(entry.labels)),
         )
+        for output, lines in entry.labels:
+            parts += (encode_text(output), _U32.pack(len(lines)))
+            parts += (piece for line in lines for piece in (_U32.pack(len(line)), line))
     return b"".join(parts)
 
 
@@ -125,7 +133,16 @@ def decode_view(payload: bytes) -> tuple[ViewEntry, ...]:
         model, version = reader.text(), reader.text()
         (token,) = reader.unpack(_U64)
         (size,) = reader.unpack(_U32)
-        entries.append(ViewEntry(model, version, token, reader.take(size)))
+        config = reader.take(size)
+        (outputs,) = reader.unpack(_U16)
+        labels = []
+        for _ in range(outputs):
+            output = reader.text()
+            (count,) = reader.unpack(_U32)
+            labels.append(
+                (output, tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(count)))
+            )
+        entries.append(ViewEntry(model, version, token, config, tuple(labels)))
     reader.end()
     return tuple(entries)
 
@@ -138,6 +155,8 @@ def encode_infer(opened: Open, request: DescribedRequest) -> bytes:
         _SCHEDULING.pack(priority, timeout),
         _U16.pack(len(request.outputs)),
         *(encode_text(name) for name in request.outputs),
+        _U16.pack(len(request.classes)),
+        *(encode_text(name) + _U64.pack(k) for name, k in request.classes),
         _tensors(request.inputs),
     ]
     return b"".join(parts)
@@ -149,6 +168,10 @@ def decode_infer(payload: bytes) -> tuple[Open, DescribedRequest]:
     priority, timeout = reader.unpack(_SCHEDULING)
     (count,) = reader.unpack(_U16)
     outputs = tuple(reader.text() for _ in range(count))
+    (count,) = reader.unpack(_U16)
+    classes = tuple((reader.text(), reader.unpack(_U64)[0]) for _ in range(count))
+    if any(k == 0 for _, k in classes):
+        raise ProtocolViolation("a classification of 0 classes")
     inputs = _read_tensors(reader, InputTensor)
     reader.end()
     request = DescribedRequest(
@@ -160,6 +183,7 @@ def decode_infer(payload: bytes) -> tuple[Open, DescribedRequest]:
         outputs,
         None if priority < 0 else priority,
         None if timeout < 0 else timeout,
+        classes,
     )
     return opened, request
 

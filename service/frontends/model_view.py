@@ -24,6 +24,7 @@ from service.frontends.descriptors import (
     fits,
 )
 from service.frontends.protocol import Status
+from service.inference import classification
 from service.inference.errors import ServiceError
 from service.inference.validation import RequestValidator, decoded
 from service.model.decoupled import is_decoupled
@@ -83,6 +84,10 @@ class ModelView:
         if not fits(request.id, None):
             return None
         try:
+            classes = tuple(classification.class_counts(request).items())
+        except ServiceError:  # refused by the parent, before the request is decoded
+            return None
+        try:
             job = await decoded(version.validator.admit(request))
         except ServiceError as exc:
             status = Status(exc.code, exc.message, ())
@@ -100,6 +105,7 @@ class ModelView:
             job.outputs,
             job.priority,
             job.timeout_s,
+            classes,
             job,
             request,
         )
@@ -107,12 +113,16 @@ class ModelView:
 
 def _plain(request: pb.ModelInferRequest, decoupled: bool) -> bool:
     """No parameters but the scheduling ones (a decoupled model's request: any, which its
-    model reads) and none on its tensors: shared-memory regions, classes, sequences and the
-    like are the parent's."""
+    model reads) and none on its tensors but classification on an output (not a decoupled
+    model's): shared-memory regions, sequences and the like are the parent's."""
     return (
         (decoupled or set(request.parameters) <= SCHEDULING_PARAMETERS)
         and not any(tensor.parameters for tensor in request.inputs)
-        and not any(tensor.parameters for tensor in request.outputs)
+        and all(
+            not tensor.parameters
+            or (not decoupled and set(tensor.parameters) == {classification.CLASSIFICATION})
+            for tensor in request.outputs
+        )
     )
 
 

@@ -3,8 +3,8 @@ itself (shared_versions.py) is answered here by the parent's own routes (the sam
 checks, observation and request runner: InferRouter over a plane of this process's versions),
 straight into the workers' queues or, a decoupled model's, on this process's own socket to its
 worker; every other request goes to the parent (rest_forward.py), as does one whose tensors
-name shared-memory regions (registered in the parent) or that asks for classes (the labels are
-the parent's), whole."""
+name shared-memory regions (registered in the parent), whole. A request asking for classes is
+answered here: the view carries each version's labels."""
 
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ from service.serving.requests import RequestRunner
 
 
 class FrontendPlane(InferencePlane):
-    """The versions this process serves itself; shared-memory regions and labels are the
-    parent's."""
+    """The versions this process serves itself; shared-memory regions are the parent's."""
 
-    whole = False
+    regions_here = False
 
     def __init__(self, runner: RequestRunner, view: ModelView, shared: SharedVersions) -> None:
         super().__init__(runner, SharedMemory("off"))

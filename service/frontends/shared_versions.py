@@ -186,14 +186,14 @@ class SharedVersions:
         """The parent's QUEUED: versions new to it get their batcher, those gone are let go
         once what this process holds of them is answered. `entries`: the view it goes with
         (each version's config; the ensembles, run here when their steps are)."""
-        configs = {entry.token: entry.config for entry in entries}
+        described = {entry.token: entry for entry in entries}
         queued = {int(e["token"]): e for e in json.loads(payload)}
         for token in list(self._versions):
             if token not in queued:
                 self._let_go(token, self._versions.pop(token))
         for token, entry in queued.items():
-            if token not in self._versions and token in configs:
-                self._versions[token] = self._shared(token, entry, configs[token])
+            if token not in self._versions and token in described:
+                self._versions[token] = self._shared(token, entry, described[token])
         self._named = {(entry.model, entry.version): entry.token for entry in entries}
         ensembles: dict[int, ServedVersion] = {}
         for entry in entries:
@@ -222,16 +222,18 @@ class SharedVersions:
     def _ensemble(self, entry: ViewEntry, config: mc.ModelConfig) -> ServedVersion:
         """An ensemble of the view: its steps run through this process's runner (over
         `models`), counted here as the parent counts them."""
-        served = ServedVersion(entry.model, int(entry.version), config)
+        served = ServedVersion(entry.model, int(entry.version), config, labels=dict(entry.labels))
         served.stats = self._stats_of(served.name, served.version)
         served.state = VersionState.READY
         served.validator = RequestValidator(config)
         served.steps = ensemble.plan(config)
         return served
 
-    def _shared(self, token: int, entry: dict[str, Any], config_bytes: bytes) -> _Shared:
-        config = mc.ModelConfig.FromString(config_bytes)
-        served = ServedVersion(str(entry["name"]), int(entry["version"]), config)
+    def _shared(self, token: int, entry: dict[str, Any], viewed: ViewEntry) -> _Shared:
+        """`viewed`: the version as the view describes it (its config and labels)."""
+        config = mc.ModelConfig.FromString(viewed.config)
+        name, version = str(entry["name"]), int(entry["version"])
+        served = ServedVersion(name, version, config, labels=dict(viewed.labels))
         served.stats = self._stats_of(served.name, served.version)
         served.state = VersionState.READY
         served.validator = RequestValidator(config)

@@ -88,8 +88,8 @@ class InferRoute:
         document_bytes, binary = split(body, header_length)
         raw = document_bytes is None
         request = RAW_REQUEST if document_bytes is None else infer_request(parsed(document_bytes))
-        if not self.plane.whole and (request.names_regions or request.class_counts):
-            raise PassedOn(f"model '{served.name}': regions or classes, which the parent holds")
+        if not self.plane.regions_here and request.names_regions:
+            raise PassedOn(f"model '{served.name}': shared-memory regions, which the parent holds")
         validator = served.validator
         assert validator is not None  # a resolved version serves
         shared = self.plane.shared_memory

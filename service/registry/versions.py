@@ -5,7 +5,7 @@ it."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,8 +14,9 @@ from protos.inference import model_config_pb2 as mc
 from service.batching.batcher import Batcher
 from service.batching.concurrency import ConcurrencyLimit
 from service.batching.sequence_batcher import SequenceBatcher
-from service.inference import errors
+from service.inference import classification, errors
 from service.inference.identity import Identity
+from service.inference.jobs import OutputTensor
 from service.inference.validation import RequestValidator
 from service.model import ensemble
 from service.model.decoupled import is_decoupled
@@ -69,6 +70,14 @@ class ServedVersion:
     def __post_init__(self) -> None:
         # The config was checked when it was read, so its parameters parse.
         self.breaker = CircuitBreaker(check_parameters(self.config).breaker)
+
+    def classified(
+        self, outputs: Sequence[OutputTensor], counts: Mapping[str, int]
+    ) -> tuple[OutputTensor, ...]:
+        """`outputs` with each one named in `counts` as its top k classes (Triton's
+        classification extension), with this version's labels."""
+        batched = self.config.max_batch_size > 0
+        return classification.classified(outputs, counts, batched, self.labels)
 
     def shown_breaker(self) -> Shown:
         """The breaker state ListInstances and /metrics show: the worst of this process's

@@ -165,9 +165,9 @@ def test_rest_infer_on_an_ensemble_of_queued_steps_is_answered_with_the_parent_s
                 np.testing.assert_allclose(values, expected[name], rtol=1e-5, atol=1e-6)
 
 
-def test_a_request_asking_for_classes_is_the_parents(served: Served) -> None:
-    """The labels are the parent's: a front-end passes the request on, body and all, and the
-    answer is the single process's."""
+def test_a_request_asking_for_classes_is_served_by_the_front_end(served: Served) -> None:
+    """The view carries each version's labels (this mlp has none): a front-end ranks the
+    classes itself, as the single process does, with the parent held still."""
     ((name, array),) = call_inputs("mlp", 7).items()
     entry = {"name": name, "datatype": "FP32", "shape": list(array.shape), "data": array.tolist()}
     output = run_reference("mlp", {name: array})
@@ -176,17 +176,20 @@ def test_a_request_asking_for_classes_is_the_parents(served: Served) -> None:
         "inputs": [entry],
         "outputs": [{"name": output_name, "parameters": {"classification": 2}}],
     }
+    for _ in range(4):  # each front-end's queues attached
+        infer_checked(served, 0)
     here = sum(served_here(served).values())
     passed_on = sum(calls_by_frontend(served.server, "http").values())
-    status, answer = post(served, "/v2/models/mlp/infer", body)
+    with paused(served.server.process.pid):
+        status, answer = post(served, "/v2/models/mlp/infer", body)
     assert status == 200, answer
     (classes,) = answer["outputs"]
     assert classes["datatype"] == "BYTES" and classes["shape"] == [array.shape[0], 2]
     best = np.argsort(-output[output_name], axis=1)[:, :2]
     ranked = [int(c.split(":")[1]) for c in classes["data"]]  # "score:index", row by row
     assert ranked == best.ravel().tolist()
-    assert sum(served_here(served).values()) == here
-    assert sum(calls_by_frontend(served.server, "http").values()) == passed_on + 1
+    assert sum(served_here(served).values()) == here + 1
+    assert sum(calls_by_frontend(served.server, "http").values()) == passed_on
 
 
 def test_errors_and_bounds_are_the_parents(served: Served) -> None:

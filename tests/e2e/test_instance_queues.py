@@ -25,6 +25,7 @@ import pytest
 from google.protobuf import text_format
 
 from clients.inference_client import build_request
+from oip.bytes_tensor import deserialize_bytes
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
@@ -88,6 +89,21 @@ def add_mlp(root: Path, name: str, rows: int, queue: int, variable: bool = False
     (model / "config.pbtxt").write_text(config)
 
 
+LABELS = [f"class-{index}" for index in range(10)]
+
+
+def add_labelled(root: Path) -> None:
+    """mlp whose output has a label_filename (the classification extension)."""
+    add_mlp(root, "labelled", 8, 64)
+    config = root / "labelled" / "config.pbtxt"
+    labelled = config.read_text().replace(
+        "dims: [ 10 ] }", 'dims: [ 10 ], label_filename: "labels.txt" }'
+    )
+    assert labelled != config.read_text()
+    config.write_text(labelled)
+    (root / "labelled" / "labels.txt").write_text("".join(f"{label}\n" for label in LABELS))
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "frontends-2"])
 def server(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
@@ -99,6 +115,7 @@ def server(
     add_mlp(root / "models", "wide", 512, 64)
     add_mlp(root / "models", "variable", 0, 64, variable=True)
     add_mlp(root / "models", "counted", 8, 64)
+    add_labelled(root / "models")
     twice_ensemble(root / "models", output_names("mlp")[0])
     decoupled_repository(root / "models")
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
@@ -386,6 +403,58 @@ def test_front_ends_answer_a_stream_with_their_parent_stopped(
         answer = by_id[str(index)]
         assert not answer.error_message
         assert_matches_reference("mlp", x, answer.infer_response)
+
+
+def classes_asked(inputs: dict[str, Any], k: int, request_id: str = "") -> pb.ModelInferRequest:
+    asked = build_request("labelled", inputs, request_id=request_id)
+    output = asked.outputs.add(name=output_names("mlp")[0])
+    output.parameters["classification"].int64_param = k
+    return asked
+
+
+def assert_top_classes(inputs: dict[str, Any], k: int, answer: pb.ModelInferResponse) -> None:
+    """Each row's `k` best classes, best first, as `score:index:label` (Triton's texts)."""
+    name = output_names("mlp")[0]
+    expected = run_reference("mlp", {"input": inputs["input"]})[name]
+    (output,) = answer.outputs
+    assert (output.name, output.datatype, list(output.shape)) == (name, "BYTES", [len(expected), k])
+    texts = [
+        t.decode() for t in deserialize_bytes(answer.raw_output_contents[0], len(expected) * k)
+    ]
+    for row, ranked in zip(expected, np.array(texts).reshape(len(expected), k), strict=True):
+        best = np.argsort(-row, kind="stable")[:k]
+        fields = [text.split(":") for text in ranked]
+        assert [int(index) for _, index, _ in fields] == best.tolist()
+        assert [label for _, _, label in fields] == [LABELS[i] for i in best]
+        scores = [float(score) for score, _, _ in fields]
+        np.testing.assert_allclose(scores, row[best], rtol=1e-4, atol=1e-5)
+
+
+def test_classes_are_ranked_where_the_call_is_held_with_the_versions_labels(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
+    """A request asking for an output's top classes is served by the process holding its
+    call, a front-end's included (the view carries each version's labels): ModelInfer and a
+    stream's request, with the parent held still, each ranked as the model's own outputs rank
+    them and labelled from the version's label_filename."""
+    one = "one-process" in request.node.callspec.id
+    rng = np.random.default_rng(71)
+    inputs = [{"input": rng.standard_normal((2, 256), np.float32)} for _ in range(4)]
+    channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in range(4)]
+    try:
+        stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        for stub, x in zip(stubs, inputs, strict=True):  # each front-end's queues attached
+            assert_top_classes(x, 3, stub.ModelInfer(classes_asked(x, 3), timeout=RPC_TIMEOUT_S))
+        with contextlib.nullcontext() if one else paused(server.process.pid):
+            for stub, x in zip(stubs, inputs, strict=True):
+                answer = stub.ModelInfer(classes_asked(x, 2), timeout=RPC_TIMEOUT_S)
+                assert_top_classes(x, 2, answer)
+            by_id = stream(channels[0], [classes_asked(inputs[0], 4, request_id="ranked")])
+        assert not by_id["ranked"].error_message
+        assert_top_classes(inputs[0], 4, by_id["ranked"].infer_response)
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 def requests_total(server: ServerProcess, model: str, rpc: str) -> dict[str, float]:

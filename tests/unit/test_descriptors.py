@@ -50,6 +50,7 @@ requests = st.builds(
     st.lists(texts, max_size=4).map(tuple),
     st.none() | st.integers(0, 2**63 - 1),
     st.none() | st.floats(0, 1e9),
+    st.lists(st.tuples(texts, st.integers(1, 2**63 - 1)), max_size=3).map(tuple),
 )
 answers = st.builds(
     DescribedAnswer,
@@ -68,7 +69,16 @@ refusals = st.builds(
     st.builds(Status, st.sampled_from(list(grpc.StatusCode)), st.text(max_size=200), st.just(())),
 )
 views = st.lists(
-    st.builds(ViewEntry, texts, texts, st.integers(0, 2**64 - 1), st.binary(max_size=64)),
+    st.builds(
+        ViewEntry,
+        texts,
+        texts,
+        st.integers(0, 2**64 - 1),
+        st.binary(max_size=64),
+        st.lists(
+            st.tuples(texts, st.lists(st.binary(max_size=16), max_size=5).map(tuple)), max_size=3
+        ).map(tuple),
+    ),
     max_size=4,
 )
 
@@ -150,3 +160,11 @@ def test_a_rank_over_the_limit_is_refused() -> None:
     encoded[rank_at] = 65
     with pytest.raises(ProtocolViolation, match="rank 65"):
         decode_answer(bytes(encoded))
+
+
+def test_a_classification_of_no_classes_is_refused() -> None:
+    """k is at least 1 (the front-end's view refuses 0 before it describes a request)."""
+    request = DescribedRequest(1, "m", "", "", (), ("out",), None, None, (("out", 0),))
+    opened = Open("/inference.GRPCInferenceService/ModelInfer", "h2", "", None, ())
+    with frozen_clock(0.0), pytest.raises(ProtocolViolation, match="0 classes"):
+        decode_infer(encode_infer(opened, request))
