@@ -113,15 +113,13 @@ class ModelView:
 
 def _plain(request: pb.ModelInferRequest, decoupled: bool) -> bool:
     """No parameters but the scheduling ones (a decoupled model's request: any, which its
-    model reads) and none on its tensors but classification on an output (not a decoupled
-    model's): shared-memory regions, sequences and the like are the parent's."""
+    model reads) and none on its tensors but classification on an output: shared-memory
+    regions, sequences and the like are the parent's."""
     return (
         (decoupled or set(request.parameters) <= SCHEDULING_PARAMETERS)
         and not any(tensor.parameters for tensor in request.inputs)
         and all(
-            not tensor.parameters
-            or (not decoupled and set(tensor.parameters) == {classification.CLASSIFICATION})
-            for tensor in request.outputs
+            set(tensor.parameters) <= {classification.CLASSIFICATION} for tensor in request.outputs
         )
     )
 

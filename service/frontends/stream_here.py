@@ -259,7 +259,8 @@ class _Stream:
                 deadline,
                 client_of(self.context),
             )
-            items = generated(answers, served, request, self.outbox.room)
+            counts = dict(described.classes)
+            items = generated(answers, served, request, self.outbox.room, counts)
             async with contextlib.aclosing(items) as each:
                 async for response, final in each:
                     if response is None:  # a final with nothing to send

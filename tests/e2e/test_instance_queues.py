@@ -434,9 +434,9 @@ def test_classes_are_ranked_where_the_call_is_held_with_the_versions_labels(
     server: ServerProcess, request: pytest.FixtureRequest
 ) -> None:
     """A request asking for an output's top classes is served by the process holding its
-    call, a front-end's included (the view carries each version's labels): ModelInfer and a
-    stream's request, with the parent held still, each ranked as the model's own outputs rank
-    them and labelled from the version's label_filename."""
+    call, a front-end's included (the view carries each version's labels): ModelInfer, a
+    stream's request and a decoupled model's, with the parent held still, each ranked as the
+    model's own outputs rank them and labelled from the version's label_filename."""
     one = "one-process" in request.node.callspec.id
     rng = np.random.default_rng(71)
     inputs = [{"input": rng.standard_normal((2, 256), np.float32)} for _ in range(4)]
@@ -450,8 +450,19 @@ def test_classes_are_ranked_where_the_call_is_held_with_the_versions_labels(
                 answer = stub.ModelInfer(classes_asked(x, 2), timeout=RPC_TIMEOUT_S)
                 assert_top_classes(x, 2, answer)
             by_id = stream(channels[0], [classes_asked(inputs[0], 4, request_id="ranked")])
+            # A decoupled model's request: each response's tensor as its top k.
+            generated = repeat(3, "ranked-stream", size=4)
+            generated.outputs.add(name="data").parameters["classification"].int64_param = 2
+            stub = pb_grpc.GRPCInferenceServiceStub(channels[0])
+            responses = list(stub.ModelStreamInfer(iter([generated]), timeout=RPC_TIMEOUT_S))
         assert not by_id["ranked"].error_message
         assert_top_classes(inputs[0], 4, by_id["ranked"].infer_response)
+        assert [r.error_message for r in responses] == [""] * 3
+        for index, response in enumerate(responses):
+            (data,) = response.infer_response.outputs
+            assert (data.name, data.datatype, list(data.shape)) == ("data", "BYTES", [2])
+            ranked = deserialize_bytes(response.infer_response.raw_output_contents[0], 2)
+            assert ranked == [f"{index}:0".encode(), f"{index}:1".encode()]
     finally:
         for channel in channels:
             channel.close()
