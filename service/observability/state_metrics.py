@@ -1,5 +1,5 @@
 """The metrics of state the server already keeps (queues, sequences, breakers, worker
-restarts and kills, HTTP/3 counters, GPU memory), read when Prometheus scrapes rather than
+restarts, kills and CPU, HTTP/3 counters, GPU memory), read when Prometheus scrapes rather than
 counted as things happen."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from service.placement.topology import Topology
 from service.registry.versions import ModelRegistry
 from service.resilience.breaker import BreakerState
+from service.workers.watchdog import process_cpu_s
 from transport.h3.server_state import H3State
 
 
@@ -37,6 +38,7 @@ class StateCollector(Collector):
         yield _worker_breaches()
         yield _output_dropped()
         yield _worker_limit_kills()
+        yield _worker_cpu()
         yield _h3_connections(0)
         yield _h3_handshakes()
         yield _gpu_memory()
@@ -88,6 +90,13 @@ class StateCollector(Collector):
         for labels, count in sorted(limit_kills.items()):
             kills.add_metric(list(labels), count)
         yield kills
+        cpu = _worker_cpu()
+        for v in versions:
+            for instance in list(v.instances):
+                if instance.pid:
+                    named = [v.name, str(v.version), instance.spec.instance_name]
+                    cpu.add_metric(named, process_cpu_s(instance.pid))
+        yield cpu
         if self.h3 is not None:
             stats = self.h3.stats
             yield _h3_connections(stats.connections)
@@ -167,6 +176,15 @@ def _worker_limit_kills() -> CounterMetricFamily:
         "memory.max) or processes (python_child_processes); their requests failed with "
         "RESOURCE_EXHAUSTED, not retried",
         labels=["model", "limit"],
+    )
+
+
+def _worker_cpu() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        "paddlequic_worker_cpu_seconds",
+        "CPU time (user and system) of each instance's worker process, its children aside; "
+        "it starts again from 0 when the worker is restarted, as a restarted process's does",
+        labels=["model", "version", "instance"],
     )
 
 

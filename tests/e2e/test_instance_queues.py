@@ -597,7 +597,7 @@ def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_serv
 ) -> None:
     """A call a front-end serves itself is counted there and reported to the parent, which
     asks every front-end before it answers: ModelStatistics and /metrics show each call
-    answered, once, as soon as it is answered, and each front-end's CPU."""
+    answered, once, as soon as it is answered, and each front-end's and worker's CPU."""
     channels = [grpc.insecure_channel(server.address, OWN_CONNECTION) for _ in range(4)]
     try:
         for seed, channel in enumerate(channels):
@@ -631,6 +631,13 @@ def test_model_statistics_and_metrics_count_every_call_once_wherever_it_was_serv
         assert len(cpu) == 2 and all(seconds > 0 for seconds in cpu.values()), cpu
     else:
         assert cpu == {}
+    # And each worker's, by instance.
+    workers = {
+        s.labels["instance"]: s.value
+        for s in server.metrics()
+        if s.name == "paddlequic_worker_cpu_seconds_total" and s.labels["model"] == "counted"
+    }
+    assert len(workers) == 1 and all(seconds > 0 for seconds in workers.values()), workers
 
 
 def test_an_instance_counts_the_requests_every_process_holds_in_it(server: ServerProcess) -> None:
