@@ -26,7 +26,7 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2
 from service.inference.validation import INLINE_DECODE_ELEMENTS
 from tests.e2e import test_lifecycle as lifecycle
-from tests.reference import assert_matches_reference, call_inputs
+from tests.reference import assert_matches_reference, call_inputs, output_names
 from tests.servers import (
     ServerProcess,
     eventually,
@@ -166,6 +166,12 @@ def _good() -> pb.ModelInferRequest:
     return build_request("mlp", {"input": np.ones((2, 256), np.float32)})
 
 
+def _classes(request: pb.ModelInferRequest, **parameter: Any) -> None:
+    """The request asks for its output's top classes (the classification extension)."""
+    output = request.outputs.add(name=output_names("mlp")[0])
+    output.parameters["classification"].CopyFrom(pb.InferParameter(**parameter))
+
+
 def _edited(edit: Callable[[pb.ModelInferRequest], object]) -> bytes:
     request = _good()
     edit(request)
@@ -186,6 +192,8 @@ BAD_REQUESTS: dict[str, bytes] = {
     ),
     "not protobuf": b"\xff\xff\xff",
     "too many outputs": _edited(lambda r: [r.outputs.add(name="o") for _ in range(1100)]),
+    "classification of 0 classes": _edited(lambda r: _classes(r, int64_param=0)),
+    "classification not an int64": _edited(lambda r: _classes(r, string_param="3")),
 }
 
 
@@ -324,6 +332,9 @@ UNUSUAL_REQUESTS: dict[str, bytes] = {
         lambda r: r.parameters["priority"].__setattr__("uint64_param", 2**64 - 1)
     ),
     "typed contents": _edited(_typed_contents),
+    # Ranked by whoever runs the call: the single process, the parent for a descriptor that
+    # carries the classes, the front-end serving it.
+    "classes": _edited(lambda r: _classes(r, int64_param=3)),
 }
 
 
@@ -343,6 +354,17 @@ def test_unusual_requests_get_the_single_process_answer(
 ) -> None:
     outcomes = {n: _outcome(s, UNUSUAL_REQUESTS[unusual]) for n, s in servers.items()}
     assert len(set(outcomes.values())) == 1
+
+
+def test_a_request_asking_for_classes_goes_as_a_descriptor(
+    servers: dict[str, ServerProcess],
+) -> None:
+    """The descriptor carries the outputs to rank and their k: the parent ranks them (the
+    single process's answer, above), the call described, not passed on as bytes."""
+    server = servers["described"]
+    before = described(server, "h2")
+    assert _outcome(server, UNUSUAL_REQUESTS["classes"])[0] == "OK"
+    eventually(lambda: described(server, "h2") == before + 1, "the call counted as described")
 
 
 def test_a_descriptor_larger_than_its_message_goes_as_bytes(
