@@ -27,12 +27,13 @@ STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 # handshake each time, or resumed with 0-RTT from a session ticket: an edge device waking up).
 CONNECT_MODES = ("reuse", "full", "0rtt")
 STREAM_ERROR = "STREAM_ERROR"  # a ModelStreamInfer response carrying an error_message
-# The server's CPU: its own process's, and with --frontends N each front-end's.
+# The server's CPU: its own process's, with --frontends N each front-end's, and its workers'.
 _CPU_SECONDS = re.compile(
-    rb"^(?:process_cpu_seconds_total|paddlequic_frontend_cpu_seconds_total)(?:\{[^}]*\})? "
-    rb"([0-9.eE+-]+)$",
+    rb"^(process_cpu_seconds_total|paddlequic_frontend_cpu_seconds_total"
+    rb"|paddlequic_worker_cpu_seconds_total)(?:\{[^}]*\})? ([0-9.eE+-]+)$",
     re.M,
 )
+_WORKERS = b"paddlequic_worker_cpu_seconds_total"
 
 # (phase, seconds into the phase, its length, requests so far, errors so far)
 Progress = Callable[[str, float, float, int, int], None]
@@ -67,6 +68,7 @@ class Step:
     modes: dict[str, int] = field(default_factory=dict)  # how each connection started
     client_cpu_s: float = 0.0
     server_cpu_s: float | None = None
+    worker_cpu_s: float | None = None  # the server's workers' (--server-metrics)
     # Decoupled models: of the successful requests in the window, the wait for the first data
     # response (time to first token) and the gaps between the next ones; and the data
     # responses (tokens) that arrived in the window, whatever request they belong to.
@@ -137,7 +139,10 @@ async def _clock(spec: LoadSpec, step: Step, records: _Records, progress: Progre
     step.client_cpu_s = time.process_time() - cpu
     after = await server_cpu(spec.server_metrics)
     if server is not None and after is not None:
-        step.server_cpu_s = after - server
+        step.server_cpu_s = after.holding - server.holding
+        # A worker restarted in the window started its count again: no figure then.
+        workers = after.workers - server.workers
+        step.worker_cpu_s = workers if workers >= 0 else None
     return window_start
 
 
@@ -149,9 +154,16 @@ async def _phase(name: str, length: float, records: _Records, progress: Progress
         await asyncio.sleep(min(0.25, length - elapsed))
 
 
-async def server_cpu(url: str) -> float | None:
-    """The CPU seconds of the server's processes that hold calls (the parent and its
-    front-ends; not the workers) from its Prometheus endpoint (None without one)."""
+@dataclass(frozen=True)
+class ServerCpu:
+    """CPU seconds, as the server's /metrics counts them."""
+
+    holding: float  # of its processes that hold calls: the server process or parent, front-ends
+    workers: float  # of its workers (a restarted one's from its restart)
+
+
+async def server_cpu(url: str) -> ServerCpu | None:
+    """The server's CPU seconds from its Prometheus endpoint (None without one)."""
     if not url:
         return None
 
@@ -161,7 +173,11 @@ async def server_cpu(url: str) -> float | None:
             return body
 
     found = _CPU_SECONDS.findall(await asyncio.to_thread(scrape))
-    return sum(float(value) for value in found) if found else None
+    if not found:
+        return None
+    workers = sum(float(value) for name, value in found if name == _WORKERS)
+    holding = sum(float(value) for name, value in found if name != _WORKERS)
+    return ServerCpu(holding, workers)
 
 
 def _code(exc: BaseException) -> str:

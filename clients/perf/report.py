@@ -29,6 +29,7 @@ class Row:
     connect_modes: dict[str, int]  # new connections by how they started
     client_cpu_us: float | None  # this process's CPU per request
     server_cpu_us: float | None  # the server's CPU per request, workers aside (--server-metrics)
+    worker_cpu_us: float | None  # its workers' CPU per request (--server-metrics)
     # Decoupled models only (None otherwise): time to first token and inter-token gaps
     # (p50, p99), and data responses (tokens) per second in the window.
     time_to_first_token_ms: dict[str, float | None] | None = None
@@ -67,11 +68,8 @@ def summarize(
         errors=dict(sorted(step.errors.items())),
         connect_modes=dict(sorted(step.modes.items())),
         client_cpu_us=step.client_cpu_s * per_request if per_request else None,
-        server_cpu_us=(
-            step.server_cpu_s * per_request
-            if per_request and step.server_cpu_s is not None
-            else None
-        ),
+        server_cpu_us=_per(step.server_cpu_s, per_request),
+        worker_cpu_us=_per(step.worker_cpu_s, per_request),
         time_to_first_token_ms=(
             _distribution(step.first_token_ns, TOKEN_PERCENTILES, False) if decoupled else None
         ),
@@ -80,6 +78,10 @@ def summarize(
         ),
         tokens_per_s=step.tokens / step.window_s if decoupled else None,
     )
+
+
+def _per(seconds: float | None, per_request: float | None) -> float | None:
+    return None if seconds is None or per_request is None else seconds * per_request
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -97,6 +99,7 @@ def table(rows: Sequence[Row]) -> str:
     names = [k for k in rows[0].latency_ms if k != "avg"]
     header = ["concurrency", "connect", "req/s", "infer/s", "avg ms"]
     header += [f"{n} ms" for n in names] + ["errors", "client CPU us/req", "server CPU us/req"]
+    header.append("worker CPU us/req")
     with_modes = any(r.connect_modes for r in rows)
     if with_modes:
         header.append("connections")
@@ -108,6 +111,7 @@ def table(rows: Sequence[Row]) -> str:
         line = [str(r.concurrency), r.connect, f"{r.throughput:.1f}", f"{r.inferences:.1f}"]
         line += [_number(r.latency_ms[k], 2) for k in ("avg", *names)]
         line += [_counts(r.errors), _number(r.client_cpu_us, 0), _number(r.server_cpu_us, 0)]
+        line.append(_number(r.worker_cpu_us, 0))
         if with_modes:
             line.append(_counts(r.connect_modes))
         if with_tokens:
@@ -137,7 +141,7 @@ def write(path: Path, rows: Sequence[Row], run: dict[str, Any]) -> None:
         writer.writerow(
             ["concurrency", "connect", "requests", "throughput_rps", "inferences_per_s"]
             + [f"latency_{n}_ms" for n in names]
-            + ["errors", "client_cpu_us", "server_cpu_us", "connect_modes"]
+            + ["errors", "client_cpu_us", "server_cpu_us", "worker_cpu_us", "connect_modes"]
         )
         for r in rows:
             writer.writerow(
@@ -147,6 +151,7 @@ def write(path: Path, rows: Sequence[Row], run: dict[str, Any]) -> None:
                     _counts(r.errors),
                     _number(r.client_cpu_us, 1),
                     _number(r.server_cpu_us, 1),
+                    _number(r.worker_cpu_us, 1),
                     _counts(r.connect_modes),
                 ]
             )

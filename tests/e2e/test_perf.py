@@ -93,6 +93,7 @@ def test_streaming_with_variable_dims_batches_and_csv(
     assert int(row["requests"]) > 0
     assert float(row["inferences_per_s"]) == pytest.approx(3 * float(row["throughput_rps"]))
     assert float(row["server_cpu_us"]) > 0 and float(row["client_cpu_us"]) > 0
+    assert float(row["worker_cpu_us"]) > 0
 
 
 def test_connect_each_shows_full_handshakes_and_0rtt(

@@ -93,7 +93,7 @@ def test_a_step_summary_and_its_table_csv_and_json(tmp_path: Path) -> None:
     assert row.latency_ms["p50"] == pytest.approx(50.5)
     assert row.latency_ms["p99"] == pytest.approx(99.01)
     assert row.client_cpu_us == pytest.approx(100.0)  # over 102 answered requests
-    assert row.server_cpu_us is None
+    assert row.server_cpu_us is None and row.worker_cpu_us is None
     lines = table([row]).splitlines()
     assert lines[0].split()[:3] == ["concurrency", "connect", "req/s"]
     assert "UNAVAILABLE:2" in lines[1] and "0rtt-accepted:98 full:4" in lines[1]
@@ -150,6 +150,10 @@ process_cpu_seconds_total 1.5
 paddlequic_frontend_cpu_seconds_total{frontend="1"} 2.25
 paddlequic_frontend_cpu_seconds_total{frontend="2"} 3.0
 paddlequic_frontend_calls_total{frontend="1",transport="h2"} 100.0
+# HELP paddlequic_worker_cpu_seconds_total CPU time of each instance's worker process
+# TYPE paddlequic_worker_cpu_seconds_total counter
+paddlequic_worker_cpu_seconds_total{instance="mlp_0",model="mlp",version="1"} 4.5
+paddlequic_worker_cpu_seconds_total{instance="mlp_1",model="mlp",version="1"} 0.25
 """
 
 
@@ -178,6 +182,8 @@ def metrics_url() -> Iterator[str]:
 
 def test_the_servers_cpu_is_the_parents_and_every_front_ends(metrics_url: str) -> None:
     """With --frontends N, process_* is the parent's alone: the calls the front-ends serve
-    show in their own counters, which --server-metrics adds."""
-    assert asyncio.run(server_cpu(metrics_url)) == pytest.approx(1.5 + 2.25 + 3.0)
+    show in their own counters, which --server-metrics adds; the workers' apart."""
+    cpu = asyncio.run(server_cpu(metrics_url))
+    assert cpu is not None
+    assert (cpu.holding, cpu.workers) == pytest.approx((1.5 + 2.25 + 3.0, 4.5 + 0.25))
     assert asyncio.run(server_cpu("")) is None
