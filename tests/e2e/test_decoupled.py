@@ -531,10 +531,18 @@ async def test_beyond_the_concurrency_bound_requests_wait_then_are_refused(
         for n, call in enumerate(waiting):
             await call.write(repeat(1, f"wait-{n}"))
 
-        async def queued(count: int) -> bool:
-            return (await queue_of(server)) == (count, CONCURRENT)
+        seen: list[tuple[int, int]] = []  # ListInstances' (waiting, running), as last read
 
-        await eventually(lambda: queued(QUEUED), "the waiters queued")
+        async def queued(count: int) -> bool:
+            seen[:] = [await queue_of(server)]
+            return seen[0] == (count, CONCURRENT)
+
+        try:
+            await eventually(lambda: queued(QUEUED), "the waiters queued")
+        except AssertionError as exc:  # what was counted instead, for the failure's reader
+            raise AssertionError(
+                f"{exc}; ListInstances last read (waiting, running) {seen}"
+            ) from None
         refused = stub.ModelStreamInfer(timeout=CALL_TIMEOUT_S)
         await refused.write(repeat(1, "refused"))
         (error,) = await until_id(refused, "refused")
