@@ -17,9 +17,10 @@ from service.inference import errors
 from service.observability.observer import Observation
 from service.registry.versions import ModelRegistry, ServedVersion
 
-# A version's labels the view carries at most (every front-end's copy, sent whenever the view
-# changes): a few thousand classes' names. A version with more is not described; the parent
-# answers its calls.
+# The labels the view carries at most, all versions' together: the view is one frame, sent to
+# every front-end whenever it changes, and a frame has FRAME_OVERHEAD (1 MiB) of room beyond
+# the largest message. A version whose labels would go past it is not described (in the order
+# of the model names); the parent answers its calls.
 MAX_VIEW_LABEL_BYTES = 1 << 20
 
 
@@ -40,6 +41,7 @@ class DescribedInfer:
         tokens = {id(served): token for token, served in self._described.items()}
         described: dict[int, ServedVersion] = {}
         entries: list[ViewEntry] = []
+        labelled = _LabelBudget()
         for name in self._models.loaded_names():
             numbers = sorted(self._models.serving(name))
             for key in ("", *map(str, numbers)):
@@ -47,7 +49,7 @@ class DescribedInfer:
                     served = self._models.resolve(name, key)
                 except errors.ServiceError:
                     continue
-                if not describable(served):
+                if not describable(served) or not labelled.fits(served):
                     continue
                 token = tokens.get(id(served))
                 if token is None:
@@ -55,7 +57,8 @@ class DescribedInfer:
                     self._next_token += 1
                 described[token] = served
                 config = served.config.SerializeToString()
-                labels = tuple(served.labels.items())
+                # Once per version: under its number ("" names one of them too).
+                labels = tuple(served.labels.items()) if key else ()
                 entries.append(ViewEntry(name, key, token, config, labels))
         self._described = described
         return encode_view(entries)
@@ -97,11 +100,23 @@ def describable(served: ServedVersion) -> bool:
     """Versions whose requests front-ends may describe: those served by their own batcher
     and workers, decoupled models (a ModelInfer call on one is refused as the parent
     refuses it, after the same checks; a stream's request keeps its parameters) and
-    ensembles (sequence models' calls go on as bytes), whose labels are at most
-    MAX_VIEW_LABEL_BYTES (the view carries them, each time it changes)."""
-    return (
-        served.validator is not None
-        and not served.config.HasField("sequence_batching")
-        and sum(len(line) for lines in served.labels.values() for line in lines)
-        <= MAX_VIEW_LABEL_BYTES
-    )
+    ensembles (sequence models' calls go on as bytes)."""
+    return served.validator is not None and not served.config.HasField("sequence_batching")
+
+
+class _LabelBudget:
+    """The view's labels, all versions' together, within MAX_VIEW_LABEL_BYTES."""
+
+    def __init__(self) -> None:
+        self._left = MAX_VIEW_LABEL_BYTES
+        self._taken: dict[int, bool] = {}  # each version's answer, once
+
+    def fits(self, served: ServedVersion) -> bool:
+        known = self._taken.get(id(served))
+        if known is None:
+            # As the view encodes them: each line's bytes and its 4-byte length.
+            size = sum(len(line) + 4 for lines in served.labels.values() for line in lines)
+            known = self._taken[id(served)] = size <= self._left
+            if known:
+                self._left -= size
+        return known

@@ -52,7 +52,8 @@ class ViewEntry:
     version: str  # as requests name it: "" (the newest ready one) or its number
     token: int  # the version the parent described; checked again on every call
     config: bytes  # its ModelConfig, serialized
-    # Each output's labels (its label_filename's lines), for the classification extension.
+    # Each output's labels (its label_filename's lines), for the classification extension:
+    # in the entry that names the version by its number.
     labels: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
 
 

@@ -186,7 +186,8 @@ class SharedVersions:
         """The parent's QUEUED: versions new to it get their batcher, those gone are let go
         once what this process holds of them is answered. `entries`: the view it goes with
         (each version's config; the ensembles, run here when their steps are)."""
-        described = {entry.token: entry for entry in entries}
+        # Each version as its number names it (where the view carries its labels).
+        described = {entry.token: entry for entry in entries if entry.version}
         queued = {int(e["token"]): e for e in json.loads(payload)}
         for token in list(self._versions):
             if token not in queued:
