@@ -101,9 +101,8 @@ class StreamInference:
                         )
                     )
             except errors.ServiceError as exc:
-                response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
-                if _served_decoupled(self.plane.models, request):
-                    stream_responses.mark_final(response, True)
+                decoupled = _served_decoupled(self.plane.models, request)
+                response = stream_responses.failed(request, exc, decoupled)
             await put((response, True))
 
         async def read_requests() -> None:
@@ -190,6 +189,7 @@ async def generated(
     request's id, and one built per token while the caller does not read would hold that id
     once per token. `counts`: the outputs to classify (classification.class_counts)."""
     empty_final = stream_responses.empty_final_wanted(request)
+    version = str(served.version)
     async with contextlib.aclosing(answers) as each:
         async for answer in each:
             if counts and answer.outputs:
@@ -197,7 +197,6 @@ async def generated(
                     answer, outputs=served.classified(answer.outputs, counts)
                 )
             await room()
-            version = str(served.version)
             response = stream_responses.decoupled(
                 served.name, version, request, answer, empty_final
             )

@@ -77,6 +77,17 @@ def error(request: Named, message: str) -> pb.ModelStreamInferResponse:
     )
 
 
+def failed(
+    request: Named, exc: errors.ServiceError, decoupled: bool
+) -> pb.ModelStreamInferResponse:
+    """The error response of a request that failed with `exc` ("CODE: message"); a decoupled
+    model's says it is the request's last."""
+    response = error(request, f"{exc.code.name}: {exc.message}")
+    if decoupled:
+        mark_final(response, True)
+    return response
+
+
 def mark_final(response: pb.ModelStreamInferResponse, final: bool) -> None:
     response.infer_response.parameters[FINAL_RESPONSE].bool_param = final
 

@@ -269,8 +269,7 @@ class _Stream:
                         flags = _FREES if final else 0
                         self.outbox.put((response.SerializeToString(), flags))
         except errors.ServiceError as exc:
-            response = stream_responses.error(request, f"{exc.code.name}: {exc.message}")
-            stream_responses.mark_final(response, True)
+            response = stream_responses.failed(request, exc, decoupled=True)
             await self.outbox.room()
             self.outbox.put((response.SerializeToString(), _FREES))
 

@@ -250,8 +250,9 @@ class Router(InferRouter):
         if rest == ["models"]:
             self._expect(scope, call, "GET", "RepositoryIndex", "/v1/models")
             return openai.models(self.routes.plane)
-        if "/v1/" + "/".join(rest) in COMPLETIONS:
-            return await self.complete(scope, receive, call, "/v1/" + "/".join(rest))
+        path = "/v1/" + "/".join(rest)
+        if path in COMPLETIONS:
+            return await self.complete(scope, receive, call, path)
         if rest == ["inference", "advanced", "batchstream"]:
             route = "/v1/inference/advanced/batchstream"
             self._expect(scope, call, "POST", "ModelStreamInfer", route)
@@ -290,39 +291,39 @@ async def _answered(receive: Receive, work: Coroutine[Any, Any, Reply], sent: by
 def generate_target(path: str) -> tuple[str, str, str] | None:
     """The model, version and action (generate, generate_stream) a generate route names
     (`/v2/models/NAME[/versions/V]/generate[_stream]`); None: another route."""
-    parts = path.strip("/").split("/")
-    if len(parts) == 4 and parts[:2] == ["v2", "models"] and parts[3] in _GENERATE:
-        return parts[2], "", parts[3]
-    if (
-        len(parts) == 6
-        and parts[:2] == ["v2", "models"]
-        and parts[3] == "versions"
-        and parts[5] in _GENERATE
-    ):
-        return parts[2], parts[4], parts[5]
-    return None
+    named = _model_action(path)
+    return named if named is not None and named[2] in _GENERATE else None
 
 
 def model_target(path: str) -> tuple[str, str] | None:
     """The model and version an infer or generate route names: what a front-end may serve
     itself; None: another route."""
-    target = infer_target(path) or generate_target(path)
-    return None if target is None else (target[0], target[1])
+    named = _model_action(path)
+    if named is None or named[2] not in ("infer", *_GENERATE):
+        return None
+    return named[0], named[1]
 
 
 def infer_target(path: str) -> tuple[str, str, str] | None:
     """The model and version an infer route names (`/v2/models/NAME[/versions/V]/infer`),
     with its template; None: another route."""
+    named = _model_action(path)
+    if named is None or named[2] != "infer":
+        return None
+    model, version, _ = named
+    if version:
+        return model, version, "/v2/models/{model}/versions/{version}/infer"
+    return model, "", "/v2/models/{model}/infer"
+
+
+def _model_action(path: str) -> tuple[str, str, str] | None:
+    """The model, version ("": none named) and action of `/v2/models/NAME[/versions/V]/ACTION`;
+    None: a path of another shape."""
     parts = path.strip("/").split("/")
-    if len(parts) == 4 and parts[:2] == ["v2", "models"] and parts[3] == "infer":
-        return parts[2], "", "/v2/models/{model}/infer"
-    if (
-        len(parts) == 6
-        and parts[:2] == ["v2", "models"]
-        and parts[3] == "versions"
-        and parts[5] == "infer"
-    ):
-        return parts[2], parts[4], "/v2/models/{model}/versions/{version}/infer"
+    if len(parts) == 4 and parts[:2] == ["v2", "models"]:
+        return parts[2], "", parts[3]
+    if len(parts) == 6 and parts[:2] == ["v2", "models"] and parts[3] == "versions":
+        return parts[2], parts[4], parts[5]
     return None
 
 
