@@ -173,6 +173,7 @@ async def serve(settings: ServerSettings) -> None:
             models,
             runner,
             rest_app(settings, plane, observer, restrictions) if settings.http_port else None,
+            plane.shared_memory,
         )
     else:
         public = await listen(

@@ -134,7 +134,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.SystemSharedMemoryRegisterResponse:
         shared = self.shared_memory
         caller = await shared.caller(context)
-        shared.regions.register(
+        await shared.shared.register(
             caller, request.name, request.key, request.offset, request.byte_size
         )
         return pb.SystemSharedMemoryRegisterResponse()
@@ -144,7 +144,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: ServicerContext
     ) -> pb.SystemSharedMemoryUnregisterResponse:
         shared = self.shared_memory
-        shared.regions.unregister(await shared.caller(context), request.name)
+        await shared.shared.unregister(await shared.caller(context), request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @errors.reports_errors

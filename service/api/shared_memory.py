@@ -76,9 +76,7 @@ class GrpcSharedMemory:
     ) -> Caller | None:
         """The caller of a request whose tensors name regions (None: none does), once the
         `shared-memory` restricted category, if any, let it through."""
-        if not any(REGION in t.parameters for t in request.inputs) and not any(
-            REGION in t.parameters for t in request.outputs
-        ):
+        if not names_regions(request):
             return None
         restriction = self.restriction
         if restriction is not None and not restriction.allows(context.invocation_metadata() or ()):
@@ -170,6 +168,13 @@ class GrpcSharedMemory:
         """Write the outputs that go to regions; the response carries them as empty raw
         contents (tritonclient reads raw_output_contents by position)."""
         return self.shared.write_outputs(outputs, targets, caller)
+
+
+def names_regions(request: pb.ModelInferRequest) -> bool:
+    """Whether a tensor of the request lies in shared memory."""
+    return any(REGION in t.parameters for t in request.inputs) or any(
+        REGION in t.parameters for t in request.outputs
+    )
 
 
 def placement(parameters: Mapping[str, Any], what: str) -> Placement | None:

@@ -9,7 +9,7 @@ model or version answers, is decided here for both."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib import metadata
@@ -22,6 +22,7 @@ from protos.inference import model_config_pb2 as mc
 from service.dataplane.shared_memory import SharedMemory
 from service.inference import errors
 from service.inference.jobs import InferJob, OutputTensor
+from service.inference.shared_memory import Caller
 from service.inference.validation import Decoding, decoded
 from service.lifecycle.lifecycle import Lifecycle
 from service.registry.versions import ModelRegistry, ServedVersion, unknown_model
@@ -91,9 +92,10 @@ class InferencePlane:
         self.runner = runner
         self.shared_memory = shared_memory
 
-    # Whether this process holds the shared-memory regions callers registered; where not, a
-    # request that names regions goes where they are.
-    regions_here = True
+    def holds_regions(self, caller: Caller, names: Iterable[str]) -> bool:
+        """Whether this process holds the caller's regions named (registered here, or copied
+        here); where not, the request goes to the process that does."""
+        return True
 
     def serving(
         self, name: str, version: str, deadline: float | None

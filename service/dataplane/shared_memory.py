@@ -26,14 +26,14 @@ import os
 import pwd
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import grpc
 
 from oip.datatypes import BY_NAME
 from service.inference import errors
 from service.inference.jobs import OutputTensor
-from service.inference.shared_memory import Caller, SharedMemoryRegions
+from service.inference.shared_memory import Caller, Region, SharedMemoryRegions
 from service.inference.socket_owners import Address, canonical, socket_owner
 
 MODES = ("off", "local", "any")
@@ -73,12 +73,39 @@ class Peer:
         return self.socket is not None and canonical(self.socket[0]).is_loopback
 
 
+class RegionMirror(Protocol):
+    """Other processes that serve requests naming regions (front-ends), each with its copy of
+    the registry (service/frontends/region_copies.py)."""
+
+    async def registered(self, region: Region) -> None:
+        """Told to each; waits a moment for them to hold it (one that does not yet passes
+        such requests on to this process)."""
+
+    async def unregistered(self, regions: Sequence[Region]) -> None:
+        """Told to each; returns once none may use them any more."""
+
+
 class SharedMemory:
     """The registered regions and who may use them."""
 
     def __init__(self, mode: str, regions: SharedMemoryRegions | None = None) -> None:
         self.mode = mode
         self.regions = regions or SharedMemoryRegions()
+        self.mirror: RegionMirror | None = None
+
+    async def register(
+        self, caller: Caller, name: str, key: str, offset: int, byte_size: int
+    ) -> None:
+        region = self.regions.register(caller, name, key, offset, byte_size)
+        if self.mirror is not None:
+            await self.mirror.registered(region)
+
+    async def unregister(self, caller: Caller, name: str) -> None:
+        """Answered once no process serves a request on the regions any more (a request
+        holding one already finishes with it)."""
+        dropped = self.regions.unregister(caller, name)
+        if dropped and self.mirror is not None:
+            await self.mirror.unregistered(dropped)
 
     def check_mode(self, peer: Peer) -> None:
         """Whether this caller may use shared memory at all (--shared-memory)."""

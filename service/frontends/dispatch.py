@@ -16,7 +16,7 @@ from service.frontends.described_call import DescribedCall
 from service.frontends.described_infer import DescribedInfer, StaleView
 from service.frontends.descriptors import decode_infer, decode_refusal
 from service.frontends.dispatched_call import TRANSPORTS, DispatchedCall, transport_of
-from service.frontends.link import FrameConnection
+from service.frontends.link import FrameConnection, Questions
 from service.frontends.protocol import (
     Frame,
     Kind,
@@ -36,7 +36,6 @@ from transport.h3.calls import TransportAnswer
 log = logging.getLogger("paddlequic.frontends")
 
 STATS_QUERY_TIMEOUT_S = 1.0
-_QUERIES = 0xFFFFFFFF  # STATS_QUERY numbers, 1 to this (a frame's call id), then 1 again
 
 
 class DispatchServer:
@@ -122,8 +121,7 @@ class _FrontendLink(FrameConnection):
         self.server = server
         self.index = "?"
         self._calls: dict[int, DispatchedCall | DescribedCall] = {}
-        self._queries = 0
-        self._stats_wanted: list[tuple[int, asyncio.Future[None]]] = []
+        self._stats_wanted = Questions()
 
     def received(self, received: Frame) -> None:
         kind, call_id, payload = received
@@ -170,7 +168,7 @@ class _FrontendLink(FrameConnection):
                 if "breakers" in report:
                     self.server.sharing.breakers(self.index, report["breakers"])
             if call_id:
-                self._answered(call_id)
+                self._stats_wanted.answered(call_id)
         elif (call := self._calls.get(call_id)) is not None:
             # Frames for a call that already ended cross its STATUS on the way: dropped.
             call.received(kind, payload)
@@ -204,22 +202,9 @@ class _FrontendLink(FrameConnection):
 
     def query_stats(self) -> asyncio.Future[None]:
         """A report asked for: done once the front-end's answer is in."""
-        self._queries = self._queries % _QUERIES + 1
-        wanted = asyncio.get_running_loop().create_future()
-        self._stats_wanted.append((self._queries, wanted))
-        self.send(Kind.STATS_QUERY, self._queries)
+        number, wanted = self._stats_wanted.ask()
+        self.send(Kind.STATS_QUERY, number)
         return wanted
-
-    def _answered(self, query: int) -> None:
-        """Queries up to `query` answered (the front-end answers them in order)."""
-        waiting = []
-        for asked, wanted in self._stats_wanted:
-            if asked <= query:
-                if not wanted.done():
-                    wanted.set_result(None)
-            else:
-                waiting.append((asked, wanted))
-        self._stats_wanted = waiting
 
     def abort_calls(self) -> None:
         for call in list(self._calls.values()):
@@ -230,4 +215,4 @@ class _FrontendLink(FrameConnection):
         self.server.reports.retire(self)
         if self.server.sharing is not None and self.index != "?":
             self.server.sharing.lost(self.index)
-        self._answered(_QUERIES)  # no answer is coming: nobody waits for one
+        self._stats_wanted.none_coming()

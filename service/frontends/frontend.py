@@ -19,8 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from service.api.restricted import parse_restrictions, restriction_of
+from service.api.shared_memory import GrpcSharedMemory
 from service.api.stream_outbox import StreamBounds
 from service.backend.sandbox.privileges import undumpable
+from service.dataplane.shared_memory import SharedMemory
 from service.frontends.described_call import Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
@@ -37,6 +39,7 @@ from service.frontends.listeners import (
 )
 from service.frontends.parent_link import ParentLink
 from service.frontends.queue_sharing import QUEUES_SOCKET
+from service.frontends.region_copies import RegionCopies
 from service.frontends.rest_forward import RestForwarder
 from service.frontends.rest_here import FrontendPlane, RestHere
 from service.frontends.runtime import DISPATCH_SOCKET, observer_of, read_settings
@@ -44,6 +47,7 @@ from service.frontends.served_here import ServedHere
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stream_here import StreamHere
 from service.http.asgi import App
+from service.inference.shared_memory import SharedMemoryRegions
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
 from service.observability.observer import Observer
@@ -121,6 +125,14 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             link.open_part,
             link.served_here.stream_request if link.served_here is not None else None,
         )
+    # The parent's shared-memory regions, copied here to serve the calls naming them.
+    shared_memory = SharedMemory(settings.shared_memory, SharedMemoryRegions())
+    if link.shared is not None and settings.shared_memory != "off":
+        RegionCopies(shared_memory.regions).listen(link.shared.queues, index)
+        listener = (settings.host, settings.grpc_port)
+        link.shared_memory = GrpcSharedMemory(
+            shared_memory, restrictions.get("shared-memory"), listener
+        )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)
     tls = (Path(settings.tls_cert), Path(settings.tls_key)) if settings.tls_cert else None
@@ -136,7 +148,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
         rest = forwarder = RestForwarder(link)
         if link.serving is not None and link.shared is not None:
             # REST infer calls on the versions this process queues for itself: served here.
-            plane = FrontendPlane(link.serving.runner, link.view, link.shared)
+            plane = FrontendPlane(link.serving.runner, link.view, link.shared, shared_memory)
             observing = link.serving.observer
             here = rest_app(settings, plane, observing, restrictions, plane.generation_model)
             here.host = tally.rest()

@@ -143,3 +143,37 @@ class Inbox:
         elif credit := self._credit.took():
             self._connection.give_credit(self._call_id, credit)
         return message
+
+
+QUESTIONS = 0xFFFFFFFF  # questions on a link are numbered 1 to this (a frame's call id), round
+
+
+class Questions:
+    """Questions one end asks the other on its link (a report wanted, regions to hold),
+    numbered by the frames' call ids and answered in order: an answer numbered N answers every
+    question up to N."""
+
+    def __init__(self) -> None:
+        self._number = 0
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+
+    def ask(self) -> tuple[int, asyncio.Future[None]]:
+        """The next question's number, and what is done once it is answered."""
+        self._number = self._number % QUESTIONS + 1
+        answered = asyncio.get_running_loop().create_future()
+        self._waiting.append((self._number, answered))
+        return self._number, answered
+
+    def answered(self, number: int) -> None:
+        waiting = []
+        for asked, answered in self._waiting:
+            if asked <= number:
+                if not answered.done():
+                    answered.set_result(None)
+            else:
+                waiting.append((asked, answered))
+        self._waiting = waiting
+
+    def none_coming(self) -> None:
+        """The link is gone: nobody waits for an answer."""
+        self.answered(QUESTIONS)

@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import model_config_pb2 as mc
 from service.api import stream_responses
+from service.api.shared_memory import names_regions
 from service.api.wire_limits import request_problem
 from service.frontends.descriptors import (
     DescribedAnswer,
@@ -23,6 +24,7 @@ from service.frontends.descriptors import (
     decode_answer,
     fits,
 )
+from service.frontends.placed_here import PLACEMENT_PARAMETERS, PlacedTensors
 from service.frontends.protocol import Status
 from service.inference import classification
 from service.inference.errors import ServiceError
@@ -67,11 +69,15 @@ class ModelView:
         """The (model, version number) pairs of the view (metrics' labels name only these)."""
         return [(model, version) for model, version in self._versions if version]
 
-    async def describe(self, message: bytes) -> DescribedRequest | Refusal | None:
+    async def describe(
+        self, message: bytes, placed: PlacedTensors | None = None
+    ) -> DescribedRequest | Refusal | None:
         """The ModelInferRequest in `message` as a descriptor, or as the refusal of its
         version's validator (the parent's words: its validator is the same); None: pass it on
         as bytes (over the wire limits, unparsable, not on a described version, carrying
-        parameters only the parent handles)."""
+        parameters only the parent handles). `placed`: where tensors that name shared-memory
+        regions are read from and written to (None: such requests are the parent's; so are a
+        decoupled model's)."""
         if not self._versions or request_problem(message)[0]:
             return None
         try:
@@ -79,7 +85,10 @@ class ModelView:
         except DecodeError:
             return None
         version = self._versions.get((request.model_name, request.model_version))
-        if version is None or not _plain(request, version.decoupled):
+        if version is None:
+            return None
+        placing = placed if not version.decoupled else None
+        if not _plain(request, version.decoupled, placing is not None):
             return None
         if not fits(request.id, None):
             return None
@@ -87,8 +96,14 @@ class ModelView:
             classes = tuple(classification.class_counts(request).items())
         except ServiceError:  # refused by the parent, before the request is decoded
             return None
+        raw = None
+        if placing is not None and names_regions(request):
+            try:
+                raw = await placing.read(request)
+            except ServiceError:  # the parent answers it, in its words
+                return None
         try:
-            job = await decoded(version.validator.admit(request))
+            job = await decoded(version.validator.admit(request, raw))
         except ServiceError as exc:
             status = Status(exc.code, exc.message, ())
             return Refusal(
@@ -111,16 +126,16 @@ class ModelView:
         )
 
 
-def _plain(request: pb.ModelInferRequest, decoupled: bool) -> bool:
+def _plain(request: pb.ModelInferRequest, decoupled: bool, placed: bool) -> bool:
     """No parameters but the scheduling ones (a decoupled model's request: any, which its
-    model reads) and none on its tensors but classification on an output: shared-memory
-    regions, sequences and the like are the parent's."""
+    model reads) and none on its tensors but classification on an output and, where `placed`,
+    shared-memory placements: sequences and the like are the parent's."""
+    inputs = PLACEMENT_PARAMETERS if placed else frozenset()
+    outputs = inputs | {classification.CLASSIFICATION}
     return (
         (decoupled or set(request.parameters) <= SCHEDULING_PARAMETERS)
-        and not any(tensor.parameters for tensor in request.inputs)
-        and all(
-            set(tensor.parameters) <= {classification.CLASSIFICATION} for tensor in request.outputs
-        )
+        and all(set(tensor.parameters) <= inputs for tensor in request.inputs)
+        and all(set(tensor.parameters) <= outputs for tensor in request.outputs)
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from service.api.registration import Register
 from service.api.restricted import Restriction, restriction_of
+from service.dataplane.shared_memory import SharedMemory
 from service.frontends.described_call import Serving
 from service.frontends.described_infer import DescribedInfer
 from service.frontends.descriptors import MODEL_INFER
@@ -22,6 +23,7 @@ from service.frontends.dispatched_call import TRANSPORTS
 from service.frontends.host_limits import ParentTally
 from service.frontends.listeners import serves_rest_h3, tls_files
 from service.frontends.protocol import PART
+from service.frontends.region_copies import FrontendRegions
 from service.frontends.reports import Reports
 from service.frontends.rest_tunnel import TRANSPORT as REST_TRANSPORT
 from service.frontends.rest_tunnel import RestTunnel
@@ -82,12 +84,14 @@ async def start_frontends(
     models: ModelRegistry,
     runner: RequestRunner,
     rest: RestApp | None,
+    shared_memory: SharedMemory,
 ) -> Frontends:
     """`register`: the servicers (`register_parts`: what serves the parts of the streams front-
     ends hold, stream_here.py); ModelInfer calls front-ends describe are run by `runner` on
     the versions of `models` (whose changes they are told), observed by `observer` and
     access-checked by `restrictions` as `register` does for the others. `rest`: what runs the
-    REST requests front-ends pass on (None: --http-port 0)."""
+    REST requests front-ends pass on (None: --http-port 0). Front-ends that serve calls
+    themselves hold copies of `shared_memory`'s regions (region_copies.py)."""
     runtime_dir = make_runtime_dir()
     reserved: list[socket.socket] = []
     try:
@@ -130,6 +134,9 @@ async def start_frontends(
         raise
     restarts = dispatch.metrics.restarts.inc if dispatch.metrics is not None else _nothing
     supervisor = Supervisor(count, runtime_dir, restarts, ParentTally(settings, count))
+    if dispatch.sharing is not None and shared_memory.mode != "off":
+        regions = FrontendRegions(shared_memory.regions, supervisor.kill)
+        dispatch.sharing.regions = shared_memory.mirror = regions
     supervisor.start()
     log.info(
         "%d front-end processes on port %d (HTTP/2%s)%s, one scheduler and one set of "

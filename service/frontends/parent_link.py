@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from service.api.restricted import Restriction
+from service.api.shared_memory import GrpcSharedMemory
 from service.frontends.described_call import Serving
 from service.frontends.descriptors import (
     MODEL_INFER,
@@ -30,6 +31,7 @@ from service.frontends.host_limits import RpcCount
 from service.frontends.link import FrameConnection, Window
 from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView, answer_message
+from service.frontends.placed_here import PlacedTensors
 from service.frontends.protocol import (
     WINDOW,
     AuthContext,
@@ -132,6 +134,7 @@ class ParentLink(FrameConnection):
     ) -> None:
         """`restriction`: ModelInfer's (--restricted-protocol inference:...), if any."""
         super().__init__(reader, writer, max_message)
+        self.max_message = max_message
         self.index = index
         self.restriction = restriction
         self.h3: list[H3Server] = []  # the gRPC port's, and the REST port's
@@ -154,6 +157,9 @@ class ParentLink(FrameConnection):
         # The method paths the parent registered (METHODS): a call this process's transport
         # answers itself is labelled by its method only if it is one of them.
         self.methods: frozenset[str] = frozenset()
+        # The parent's shared-memory regions this process holds copies of, as ModelInfer
+        # calls use them (region_copies.py, placed_here.py; None: such calls go to the parent).
+        self.shared_memory: GrpcSharedMemory | None = None
 
     def hello(self) -> None:
         """Tell the parent this front-end's listeners accept calls (its readiness waits for
@@ -175,18 +181,31 @@ class ParentLink(FrameConnection):
         on as a descriptor when the view describes it, unless the parent says the view is
         stale; else as the message it came as."""
         started = time.perf_counter_ns()
-        described = await self.view.describe(message)
-        opened = opened_of(MODEL_INFER, transport, context)
-        if isinstance(described, Refusal):
-            if self._answer_refusal(opened, described, time.perf_counter_ns() - started):
-                await context.abort(described.status.code, described.status.details)
-            described = None
-        if described is not None:
-            served = None if self.shared is None else self.shared.serving(described.token)
-            if served is not None and self.serving is not None:
-                if self.served_here is not None:
-                    self.served_here.count(transport)
-                return await serve_here(self.serving, opened, described, served, context)
+        placed = (
+            None
+            if self.shared_memory is None
+            else PlacedTensors(self.shared_memory, context, self.max_message)
+        )
+        try:
+            described = await self.view.describe(message, placed)
+            opened = opened_of(MODEL_INFER, transport, context)
+            if isinstance(described, Refusal):
+                if self._answer_refusal(opened, described, time.perf_counter_ns() - started):
+                    await context.abort(described.status.code, described.status.details)
+                described = None
+            if described is not None:
+                served = None if self.shared is None else self.shared.serving(described.token)
+                if served is not None and self.serving is not None:
+                    if self.served_here is not None:
+                        self.served_here.count(transport)
+                    return await serve_here(
+                        self.serving, opened, described, served, context, placed
+                    )
+        finally:
+            if placed is not None:
+                placed.close()
+        # Tensors in shared-memory regions are the parent's to read and write, but here.
+        if described is not None and not (placed is not None and placed.named):
             # Raw BYTES elements take 4 bytes of length where the message may have used 1:
             # a descriptor past the frame limit goes as the message it came as.
             payload = encode_infer(opened, described)

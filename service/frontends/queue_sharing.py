@@ -13,7 +13,9 @@ side: shared_versions.py). The parent takes no part in such a call; it governs:
   so (TROUBLE), and the parent ends that worker as it ends its own;
 - a version that leaves the view winds down only once every front-end said it holds nothing
   of it any more (RELEASED), or is gone; a front-end that is gone is dropped from every
-  worker."""
+  worker;
+- the system shared-memory regions callers register go to every front-end on the same
+  socket, descriptors attached (region_copies.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from service.frontends.protocol import Kind
+from service.frontends.region_copies import FrontendRegions
 from service.registry.versions import ServedVersion
 from service.resilience.breaker import BreakerState, Shown
 from service.serving.queued_batcher import QueuedBatcher
@@ -73,6 +76,9 @@ class SharedQueues:
         self._frontends: set[str] = set()
         self._server: socket.socket | None = None
         self._conns: set[socket.socket] = set()
+        # What front-ends hold of the system shared-memory regions, told on the same sockets
+        # (region_copies.py; None: they hold none, and pass the requests naming them on).
+        self.regions: FrontendRegions | None = None
 
     def start(self, path: Path) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -276,10 +282,18 @@ class SharedQueues:
         if not data:
             asyncio.get_running_loop().remove_reader(conn.fileno())
             self._conns.discard(conn)
+            if self.regions is not None:
+                self.regions.closed(conn)
             conn.close()
             return
         try:
             message = json.loads(data)
+            if self.regions is not None and "regions" in message:
+                self.regions.connected(str(message["frontend"]), conn)
+                return
+            if self.regions is not None and "held" in message:
+                self.regions.held(str(message["frontend"]), int(message["held"]))
+                return
             instance = self._instance(message)
             if instance is not None and len(fds) == (1 if instance.spec.decoupled else 3):
                 instance.add_producer(producer_of(str(message["frontend"])), fds)

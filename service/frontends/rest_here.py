@@ -2,12 +2,13 @@
 itself (shared_versions.py) is answered here by the parent's own routes (the same conversion,
 checks, observation and request runner: InferRouter over a plane of this process's versions),
 straight into the workers' queues or, a decoupled model's, on this process's own socket to its
-worker; every other request goes to the parent (rest_forward.py), as does one whose tensors
-name shared-memory regions (registered in the parent), whole. A request asking for classes is
-answered here: the view carries each version's labels."""
+worker; every other request goes to the parent (rest_forward.py), whole, as does one whose
+tensors name a shared-memory region this process holds no copy of (region_copies.py). A
+request asking for classes is answered here: the view carries each version's labels."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 
 from service.dataplane.plane import InferencePlane, Resolved
@@ -22,19 +23,28 @@ from service.http.infer_route import PassedOn
 from service.http.observed import TRANSPORT
 from service.http.router import COMPLETIONS, model_target
 from service.http.textgen import generation_checked
+from service.inference.shared_memory import Caller
 from service.registry.versions import ServedVersion
 from service.serving.requests import RequestRunner
 
 
 class FrontendPlane(InferencePlane):
-    """The versions this process serves itself; shared-memory regions are the parent's."""
+    """The versions this process serves itself, and the shared-memory regions it holds copies
+    of (region_copies.py)."""
 
-    regions_here = False
-
-    def __init__(self, runner: RequestRunner, view: ModelView, shared: SharedVersions) -> None:
-        super().__init__(runner, SharedMemory("off"))
+    def __init__(
+        self,
+        runner: RequestRunner,
+        view: ModelView,
+        shared: SharedVersions,
+        shared_memory: SharedMemory,
+    ) -> None:
+        super().__init__(runner, shared_memory)
         self._view = view
         self._shared = shared
+
+    def holds_regions(self, caller: Caller, names: Iterable[str]) -> bool:
+        return self.shared_memory.regions.holds(caller, names)
 
     def here(self, model: str, version: str) -> ServedVersion | None:
         token = self._view.token(model, version)

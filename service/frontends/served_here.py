@@ -6,6 +6,7 @@ parent; its answer is the response message at once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import DescribedAnswer, DescribedRequest
 from service.frontends.model_view import response_message
+from service.frontends.placed_here import PlacedTensors
 from service.frontends.protocol import Kind, Open, Status, decode_status
 from service.registry.versions import ServedVersion
 
@@ -78,10 +80,13 @@ async def serve_here(
     described: DescribedRequest,
     served: ServedVersion,
     context: Any,
+    placed: PlacedTensors | None = None,
 ) -> bytes:
-    """The call's response message, or its status as `context.abort`."""
+    """The call's response message, or its status as `context.abort`. `placed`: where its
+    tensors in shared-memory regions go (placed_here.py)."""
     link = _AnsweredHere()
     call = _ServedHere(link, 0, opened, served, described, serving)
+    call.placed = placed
     call.start()
     try:
         data, status = await link.done
@@ -94,9 +99,14 @@ async def serve_here(
 
 
 class _ServedHere(DescribedCall):
-    """A described call this process serves itself: its answer is the response message."""
+    """A described call this process serves itself: its answer is the response message,
+    its outputs that go to shared-memory regions written there first."""
+
+    placed: PlacedTensors | None = None
 
     def encode(self, answer: DescribedAnswer) -> bytes:
+        if self.placed is not None:
+            answer = dataclasses.replace(answer, outputs=self.placed.written(answer.outputs))
         return response_message(answer)
 
 

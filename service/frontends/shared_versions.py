@@ -139,8 +139,10 @@ class SharedVersions:
         self._frontend = frontend
         self._max_message = max_message
         self._send = send
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._socket.connect(str(queues_socket))
+        # To the parent's queues socket: this process's segments go there, and the parent's
+        # shared-memory regions come from there (region_copies.py).
+        self.queues = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.queues.connect(str(queues_socket))
         self._observer = observer
         self._stats_of = stats_of
         self._versions: dict[int, _Shared] = {}
@@ -320,7 +322,7 @@ class SharedVersions:
 
     def attach(self, token: int, index: int, launch: int, fds: list[int]) -> None:
         message = {"frontend": self._frontend, "token": token, "index": index, "launch": launch}
-        socket.send_fds(self._socket, [json.dumps(message).encode()], fds)
+        socket.send_fds(self.queues, [json.dumps(message).encode()], fds)
 
     def trouble(self, token: int, index: int, launch: int, hung: bool, reason: str) -> None:
         message = {"token": token, "index": index, "launch": launch, "hung": hung}
@@ -343,4 +345,5 @@ class SharedVersions:
         for shared in self._versions.values():
             await shared.stop()
         self._versions.clear()
-        self._socket.close()
+        asyncio.get_running_loop().remove_reader(self.queues.fileno())
+        self.queues.close()

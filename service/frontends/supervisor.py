@@ -59,6 +59,13 @@ class Supervisor:
     def pids(self) -> list[int]:
         return [p.pid for p in self._processes.values()]
 
+    def kill(self, index: str) -> None:
+        """A front-end that must not go on (it is started again, as one that died)."""
+        process = self._processes.get(int(index))
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
     async def _keep(self, index: int) -> None:
         backoff = RestartBackoff()
         while not self._stopping:

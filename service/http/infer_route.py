@@ -88,8 +88,6 @@ class InferRoute:
         document_bytes, binary = split(body, header_length)
         raw = document_bytes is None
         request = RAW_REQUEST if document_bytes is None else infer_request(parsed(document_bytes))
-        if not self.plane.regions_here and request.names_regions:
-            raise PassedOn(f"model '{served.name}': shared-memory regions, which the parent holds")
         validator = served.validator
         assert validator is not None  # a resolved version serves
         shared = self.plane.shared_memory
@@ -98,6 +96,8 @@ class InferRoute:
             if request.names_regions
             else None
         )
+        if caller is not None and not self.plane.holds_regions(caller, request.regions):
+            raise PassedOn(f"model '{served.name}': a shared-memory region not held here")
         region = self.shared_memory.reader(caller, self.max_input_bytes)
 
         def admit() -> Decoding:

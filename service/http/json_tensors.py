@@ -55,6 +55,17 @@ class InferRequest:
     output_regions: Mapping[str, Placement]  # outputs to write into shared-memory regions
 
     @property
+    def regions(self) -> frozenset[str]:
+        """The regions the request's tensors name (a name that is not text is refused where
+        its tensor is read)."""
+        named = {where.region for where in self.output_regions.values()}
+        for entry in self.inputs:
+            parameters = entry.get("parameters")
+            if isinstance(parameters, dict) and isinstance(parameters.get(REGION), str):
+                named.add(parameters[REGION])
+        return frozenset(named)
+
+    @property
     def names_regions(self) -> bool:
         """Whether a tensor of the request lies in shared memory."""
         return bool(self.output_regions) or any(

@@ -59,11 +59,11 @@ class SharedMemoryRoutes:
                 raise errors.invalid(f"register: '{field}' must be a non-negative integer")
         assert isinstance(byte_size, int)  # checked above
         caller = await self.shared.caller(peer)
-        self.shared.regions.register(caller, name, key, offset, byte_size)
+        await self.shared.register(caller, name, key, offset, byte_size)
 
     async def unregister(self, peer: Peer, name: str) -> None:
         """`POST .../region/NAME/unregister`, or `.../unregister` for every region."""
-        self.shared.regions.unregister(await self.shared.caller(peer), name)
+        await self.shared.unregister(await self.shared.caller(peer), name)
 
     async def tensor_caller(self, peer: Peer, refusal: str | None) -> Caller:
         """The caller of an infer request whose tensors name regions, unless the

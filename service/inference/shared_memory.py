@@ -22,7 +22,7 @@ import fcntl
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -103,7 +103,7 @@ class SharedMemoryRegions:
         self._regions: dict[tuple[int, str], Region] = {}
         self._limit = limit
 
-    def register(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> Region:
         if not name or len(name) > _NAME_LIMIT:
             raise errors.invalid(f"a region name has 1 to {_NAME_LIMIT} characters")
         if (caller.uid, name) in self._regions:
@@ -136,18 +136,40 @@ class SharedMemoryRegions:
         except BaseException:
             os.close(fd)
             raise
-        self._regions[caller.uid, name] = Region(
-            name, key, offset, byte_size, fd, caller.uid, read_only
-        )
+        region = Region(name, key, offset, byte_size, fd, caller.uid, read_only)
+        self._regions[caller.uid, name] = region
+        return region
 
-    def unregister(self, caller: Caller, name: str) -> None:
+    def unregister(self, caller: Caller, name: str) -> list[Region]:
         """One of the caller's regions, or every one when `name` is empty; an unknown name is
-        no error (Triton's behaviour)."""
+        no error (Triton's behaviour). The regions dropped."""
         if name:
             region = self._regions.get((caller.uid, name))
-            self._drop([region] if region is not None else [])
+            dropped = [region] if region is not None else []
         else:
-            self._drop(self.status(caller, ""))
+            dropped = self.status(caller, "")
+        self._drop(dropped)
+        return dropped
+
+    def adopt(self, region: Region) -> None:
+        """A region registered elsewhere, with a descriptor of this process's own (a front-
+        end's copy of the parent's, region_copies.py): in place of one of the same owner and
+        name."""
+        self.forget(region.owner, region.name)
+        self._regions[region.owner, region.name] = region
+
+    def forget(self, owner: int, name: str) -> None:
+        """A region unregistered elsewhere; its descriptor is closed once no request here
+        holds it."""
+        region = self._regions.get((owner, name))
+        self._drop([region] if region is not None else [])
+
+    def holds(self, caller: Caller, names: Iterable[str]) -> bool:
+        """Whether every region named is one of the caller's here."""
+        return all((caller.uid, name) in self._regions for name in names)
+
+    def __iter__(self) -> Iterator[Region]:
+        return iter(list(self._regions.values()))
 
     def status(self, caller: Caller, name: str) -> list[Region]:
         if not name:

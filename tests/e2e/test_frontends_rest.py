@@ -1,16 +1,19 @@
 """REST through `--frontends 2`: both front-end processes listen on the REST port (TCP and,
 for HTTP/3, UDP; SO_REUSEPORT); an infer request on a version a front-end queues for itself is
 served there, straight into the worker's queues (the parent held still by SIGSTOP does not stop
-it), and every other request, or one that names shared-memory regions or asks for classes, is
-passed to the parent, which serves it as a single process does. Every call's answer is compared
+it), as is one asking for classes or naming shared-memory regions (the parent gives each
+front-end a copy of every region), and every other request is passed to the parent, which
+serves it as a single process does. Every call's answer is compared
 with in-process Paddle's for its own inputs; a client that leaves, over TCP or HTTP/3, stops its
 generation in the parent."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
+import signal
 import socket
 import time
 import urllib.error
@@ -24,7 +27,7 @@ import pytest
 from google.protobuf import text_format
 
 from protos.inference import model_config_pb2 as mc
-from tests.e2e.test_frontends import calls_by_frontend, metrics
+from tests.e2e.test_frontends import calls_by_frontend, frontends, metrics
 from tests.e2e.test_http import (
     leaving_client_stops_its_generation,
     raw,
@@ -40,10 +43,12 @@ from tests.e2e.test_http3_rest import (
     infer_body,
     leave_a_generation,
 )
+from tests.e2e.test_shared_memory import Segment
 from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, output_names, run_ensemble_reference, run_reference
 from tests.servers import (
     TWICE,
+    eventually,
     free_port,
     model_repository,
     paused,
@@ -81,7 +86,8 @@ def post(served: Served, path: str, document: Any) -> tuple[int, Any]:
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
+            answer = response.read()
+            return response.status, json.loads(answer) if answer else None  # a register's
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
 
@@ -190,6 +196,90 @@ def test_a_request_asking_for_classes_is_served_by_the_front_end(served: Served)
     assert ranked == best.ravel().tolist()
     assert sum(served_here(served).values()) == here + 1
     assert sum(calls_by_frontend(served.server, "http").values()) == passed_on
+
+
+def region_infer(served: Served, input_region: str, output_region: str) -> tuple[int, Any]:
+    """mlp's call 8: its input read from `input_region`, its output written to
+    `output_region`."""
+    ((name, array),) = call_inputs("mlp", 8).items()
+    (output_name,) = output_names("mlp")
+    placed = {"shared_memory_region": input_region, "shared_memory_byte_size": array.nbytes}
+    entry = {"name": name, "datatype": "FP32", "shape": list(array.shape), "parameters": placed}
+    output = {"shared_memory_region": output_region, "shared_memory_byte_size": REGION_BYTES}
+    body = {"inputs": [entry], "outputs": [{"name": output_name, "parameters": output}]}
+    return post(served, "/v2/models/mlp/infer", body)
+
+
+REGION_BYTES = 4096
+
+
+def test_requests_naming_shared_memory_regions_are_served_by_the_front_ends(
+    served: Served,
+) -> None:
+    """The parent gives each front-end a copy of each region it registers: a request naming
+    regions is served by a front-end, with the parent held still, its input read from one
+    region and its output written to another; once the region is unregistered, no process
+    serves it; a front-end started again is given the regions registered before."""
+    ((name, array),) = call_inputs("mlp", 8).items()
+    (output_name,) = output_names("mlp")
+    expected = run_reference("mlp", {name: array})[output_name]
+    source, target = Segment(REGION_BYTES), Segment(REGION_BYTES)
+    source.write(array.tobytes())
+    registered = []
+    try:
+        for region, segment in (("in", source), ("out", target)):
+            document = {"key": segment.key, "offset": 0, "byte_size": REGION_BYTES}
+            path = f"/v2/systemsharedmemory/region/{region}/register"
+            assert post(served, path, document)[0] == 200
+            registered.append(region)
+        for _ in range(4):  # each front-end's queues attached
+            infer_checked(served, 0)
+
+        def served_in_frontends() -> None:
+            here = sum(served_here(served).values())
+            passed_on = sum(calls_by_frontend(served.server, "http").values())
+            with paused(served.server.process.pid):
+                for _ in range(4):
+                    target.write(bytes(REGION_BYTES))
+                    status, answer = region_infer(served, "in", "out")
+                    assert status == 200, answer
+                    (placed,) = answer["outputs"]
+                    assert placed["parameters"]["shared_memory_byte_size"] == expected.nbytes
+                    written = np.frombuffer(target.read(expected.nbytes), np.float32)
+                    np.testing.assert_allclose(
+                        written.reshape(expected.shape), expected, rtol=1e-5, atol=1e-6
+                    )
+            assert sum(served_here(served).values()) == here + 4
+            assert sum(calls_by_frontend(served.server, "http").values()) == passed_on
+
+        served_in_frontends()
+        old = frontends(served.server)
+        for pid in old:
+            os.kill(pid, signal.SIGKILL)
+        eventually(lambda: len(frontends(served.server) - old) == 2, "both front-ends restarted")
+        served.server.wait_ready()
+        eventually(lambda: all_served_here(served), "the restarted front-ends serve regions")
+        served_in_frontends()
+        status, _ = post(served, "/v2/systemsharedmemory/region/in/unregister", {})
+        assert status == 200
+        registered.remove("in")
+        for _ in range(4):  # on either front-end: none holds it, the parent answers
+            status, answer = region_infer(served, "in", "out")
+            assert status == 404 and "'in' is not registered" in answer["error"], answer
+    finally:
+        for region in registered:
+            post(served, f"/v2/systemsharedmemory/region/{region}/unregister", {})
+        for segment in (source, target):
+            segment.path.unlink(missing_ok=True)
+
+
+def all_served_here(served: Served) -> bool:
+    """Whether requests naming regions, 8 in a row (on either front-end), were served by
+    front-ends (a front-end started moments ago may not hold the copies yet)."""
+    passed_on = sum(calls_by_frontend(served.server, "http").values())
+    for _ in range(8):
+        assert region_infer(served, "in", "out")[0] == 200
+    return sum(calls_by_frontend(served.server, "http").values()) == passed_on
 
 
 def test_errors_and_bounds_are_the_parents(served: Served) -> None:

@@ -28,7 +28,7 @@ from tests.call_as import run_as
 from tests.conformance.conftest import H2_OPTIONS, new_channel
 from tests.e2e.test_python_model import python_repository
 from tests.reference import example_inputs, output_names, run_reference
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, model_repository, paused, running_server
 
 Array = np.ndarray[Any, Any]
 OUTPUT = "probabilities"
@@ -139,6 +139,46 @@ async def test_tensors_travel_in_shared_memory(
     served = np.frombuffer(outputs.read(ROWS * CLASSES * 4), np.float32).reshape(ROWS, CLASSES)
     expected = run_reference("mlp", {"input": array})[output_names("mlp")[0]]
     np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+async def test_a_frontend_serves_tensors_in_shared_memory_with_the_parent_stopped(
+    two_frontends: ServerProcess, certs_dir: Path, segments: list[Segment], transport: str
+) -> None:
+    """The parent gives each front-end a copy of each region it registers: a front-end reads
+    the input from its region and writes the output into its own, the parent held still by
+    SIGSTOP; once unregistered, the regions are no process's."""
+    server = two_frontends
+    inputs, outputs = Segment(4096), Segment(ROWS * CLASSES * 4)
+    segments += [inputs, outputs]
+    names = (f"here-in-{transport}", f"here-out-{transport}")
+    expected = []
+    async with new_channel(transport, server, certs_dir / "ca.pem") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for name, segment in zip(names, (inputs, outputs), strict=True):
+            size = segment.path.stat().st_size
+            await stub.SystemSharedMemoryRegister(
+                pb.SystemSharedMemoryRegisterRequest(name=name, key=segment.key, byte_size=size)
+            )
+        for seed in range(3):  # this front-end's queues attached
+            plain = example_inputs("mlp", seed=seed)
+            await stub.ModelInfer(build_request("mlp", plain), timeout=30)
+        with paused(server.process.pid):
+            for seed in range(3):
+                array = example_inputs("mlp", seed=40 + seed)["input"]
+                inputs.write(array.tobytes())
+                response = await stub.ModelInfer(shm_request(*names, array), timeout=30)
+                assert list(response.raw_output_contents) == [b""]
+                served = np.frombuffer(outputs.read(ROWS * CLASSES * 4), np.float32)
+                expected.append((served.reshape(ROWS, CLASSES).copy(), array))
+        await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.ModelInfer(shm_request(*names, array), timeout=30)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    assert f"'{names[0]}' is not registered" in (gone.value.details() or "")
+    for served, array in expected:
+        reference = run_reference("mlp", {"input": array})[output_names("mlp")[0]]
+        np.testing.assert_allclose(served, reference, rtol=1e-4, atol=1e-5)
 
 
 def test_a_callers_mistakes_are_refused_and_nothing_else_changes(

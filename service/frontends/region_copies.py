@@ -1,0 +1,186 @@
+"""System shared-memory regions in front-ends. The parent registers every region (its checks:
+the caller's uid, the object's owner and mode) and sends each front-end a copy with the
+region's descriptor attached, on the front-end's queues socket (queue_sharing.py): the same
+object the parent opened, whatever has since been unlinked or made under its name. A front-
+end serves the requests naming regions it holds copies of; one naming a region it does not
+hold goes to the parent, which answers it.
+
+A front-end says which of the parent's messages it has applied (numbered, in order): a
+register is answered once every front-end holds the region or a moment passed (the requests
+of one that does not yet go to the parent); an unregister only once every front-end let go
+of it, so that after the answer no process serves a request on the region. A front-end that
+does not within UNREGISTER_WAIT_S, or cannot be told, is ended (and started again)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from service.frontends.link import Questions
+from service.inference.shared_memory import Region, SharedMemoryRegions
+
+log = logging.getLogger("paddlequic.frontends")
+
+REGISTER_WAIT_S = 1.0
+UNREGISTER_WAIT_S = 10.0
+# The largest message either way: a region (names of at most 128 and 201 characters), or the
+# names of a uid's regions dropped at once (at most MAX_REGIONS of them).
+MAX_MESSAGE_BYTES = 64 << 10
+
+
+class FrontendRegions:
+    """The parent's end: what the front-ends hold of `regions` (the parent's registry's
+    RegionMirror). `end(frontend)`: a front-end that must not go on."""
+
+    def __init__(self, regions: SharedMemoryRegions, end: Callable[[str], None]) -> None:
+        self._regions = regions
+        self._end = end
+        self._conns: dict[str, socket.socket] = {}
+        self._questions: dict[str, Questions] = {}
+
+    def connected(self, frontend: str, conn: socket.socket) -> None:
+        """A front-end's queues connection: it is told of every region registered now."""
+        self._lose(frontend)  # its predecessor's, if that one's end was not read yet
+        self._conns[frontend] = conn
+        self._questions[frontend] = Questions()
+        for region in self._regions:
+            self._tell(frontend, _added(region), region.fd)
+
+    def held(self, frontend: str, number: int) -> None:
+        """The front-end applied the messages up to `number`."""
+        questions = self._questions.get(frontend)
+        if questions is not None:
+            questions.answered(number)
+
+    def closed(self, conn: socket.socket) -> None:
+        for frontend, held in list(self._conns.items()):
+            if held is conn:
+                self._lose(frontend)
+
+    async def registered(self, region: Region) -> None:
+        await self._tell_all(_added(region), region.fd, REGISTER_WAIT_S)
+
+    async def unregistered(self, regions: Sequence[Region]) -> None:
+        message = {"drop": [[r.owner, r.name] for r in regions]}
+        for frontend in await self._tell_all(message, None, UNREGISTER_WAIT_S):
+            log.error(
+                "front-end %s did not let go of unregistered shared-memory regions within "
+                "%.0f s; ending it",
+                frontend,
+                UNREGISTER_WAIT_S,
+            )
+            self._lose(frontend)
+            self._end(frontend)
+
+    async def _tell_all(self, message: dict[str, Any], fd: int | None, wait_s: float) -> list[str]:
+        """Every front-end told; those that did not say they applied it within `wait_s`."""
+        told = {}
+        for frontend in list(self._conns):
+            applied = self._tell(frontend, message, fd)
+            if applied is not None:
+                told[applied] = frontend
+        if not told:
+            return []
+        _, late = await asyncio.wait(told, timeout=wait_s)
+        return [told[wait] for wait in late]
+
+    def _tell(
+        self, frontend: str, message: dict[str, Any], fd: int | None
+    ) -> asyncio.Future[None] | None:
+        number, applied = self._questions[frontend].ask()
+        data = json.dumps({**message, "number": number}).encode()
+        conn = self._conns[frontend]
+        try:
+            if fd is None:
+                conn.send(data)
+            else:
+                socket.send_fds(conn, [data], [fd])
+        except OSError as exc:
+            log.error(
+                "front-end %s cannot be told of shared-memory regions (%s); ending it",
+                frontend,
+                exc.strerror or exc,
+            )
+            self._lose(frontend)
+            self._end(frontend)
+            return None
+        return applied
+
+    def _lose(self, frontend: str) -> None:
+        self._conns.pop(frontend, None)
+        questions = self._questions.pop(frontend, None)
+        if questions is not None:
+            questions.none_coming()
+
+
+def _added(region: Region) -> dict[str, Any]:
+    added = {
+        "owner": region.owner,
+        "name": region.name,
+        "key": region.key,
+        "offset": region.offset,
+        "byte_size": region.byte_size,
+        "read_only": region.read_only,
+    }
+    return {"add": added}
+
+
+class RegionCopies:
+    """A front-end's end: its copies of the parent's regions, in `regions`."""
+
+    def __init__(self, regions: SharedMemoryRegions) -> None:
+        self.regions = regions
+
+    def listen(self, conn: socket.socket, frontend: int) -> None:
+        """Take the parent's messages on this front-end's queues connection."""
+        conn.send(json.dumps({"frontend": frontend, "regions": True}).encode())
+        asyncio.get_running_loop().add_reader(conn.fileno(), self._received, conn, frontend)
+
+    def _received(self, conn: socket.socket, frontend: int) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds = b"", []
+        if not data:  # the parent is gone
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+            return
+        number = self.apply(data, fds)
+        with contextlib.suppress(OSError):
+            conn.send(json.dumps({"frontend": frontend, "held": number}).encode())
+
+    def apply(self, data: bytes, fds: list[int]) -> int:
+        """One of the parent's messages (the descriptor attached to it, if any, is this
+        object's to keep or close); its number."""
+        try:
+            message = json.loads(data)
+            number = int(message["number"])
+            for owner, name in message.get("drop", ()):
+                self.regions.forget(int(owner), str(name))
+            added = message.get("add")
+            if added is not None:
+                owner, name = int(added["owner"]), str(added["name"])
+                self.regions.forget(owner, name)  # an older registration under the name
+                read_only = added["read_only"]
+                if len(fds) == 1:
+                    region = Region(
+                        name,
+                        str(added["key"]),
+                        int(added["offset"]),
+                        int(added["byte_size"]),
+                        fds.pop(),
+                        owner,
+                        None if read_only is None else str(read_only),
+                    )
+                    self.regions.adopt(region)
+            return number
+        finally:
+            for fd in fds:
+                os.close(fd)
