@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import Protocol
 
 from service.frontends.protocol import (
@@ -177,3 +178,17 @@ class Questions:
     def none_coming(self) -> None:
         """The link is gone: nobody waits for an answer."""
         self.answered(QUESTIONS)
+
+
+def received_with_fds(
+    conn: socket.socket, max_bytes: int, max_fds: int
+) -> tuple[bytes, list[int]] | None:
+    """One message of a SOCK_SEQPACKET connection and the descriptors attached to it (b"":
+    the other end closed it, or it broke); None: none is waiting."""
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, max_bytes, max_fds)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b"", []
+    return data, fds

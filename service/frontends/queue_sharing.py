@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from service.frontends.link import received_with_fds
 from service.frontends.protocol import Kind
 from service.frontends.region_copies import FrontendRegions
 from service.registry.versions import ServedVersion
@@ -273,12 +274,10 @@ class SharedQueues:
     def _attach(self, conn: socket.socket) -> None:
         """A front-end's segment and wake-ups for one worker launch (a decoupled worker: its
         socket's end): to that worker."""
-        try:
-            data, fds, _, _ = socket.recv_fds(conn, MAX_ATTACH_BYTES, 3)
-        except BlockingIOError:
+        received = received_with_fds(conn, MAX_ATTACH_BYTES, 3)
+        if received is None:
             return
-        except OSError:
-            data, fds = b"", []
+        data, fds = received
         if not data:
             asyncio.get_running_loop().remove_reader(conn.fileno())
             self._conns.discard(conn)

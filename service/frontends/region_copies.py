@@ -22,7 +22,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from service.frontends.link import Questions
+from service.frontends.link import Questions, received_with_fds
 from service.inference.shared_memory import Region, SharedMemoryRegions
 
 log = logging.getLogger("paddlequic.frontends")
@@ -143,12 +143,10 @@ class RegionCopies:
         asyncio.get_running_loop().add_reader(conn.fileno(), self._received, conn, frontend)
 
     def _received(self, conn: socket.socket, frontend: int) -> None:
-        try:
-            data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 1)
-        except BlockingIOError:
+        received = received_with_fds(conn, MAX_MESSAGE_BYTES, 1)
+        if received is None:
             return
-        except OSError:
-            data, fds = b"", []
+        data, fds = received
         if not data:  # the parent is gone
             asyncio.get_running_loop().remove_reader(conn.fileno())
             return

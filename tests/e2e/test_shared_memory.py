@@ -103,6 +103,15 @@ def shm_request(region_in: str, region_out: str, array: Array, offset: int = 0) 
     return request
 
 
+async def register_whole(stub: Any, names: tuple[str, ...], segments: tuple[Segment, ...]) -> None:
+    """Each segment registered whole under its name."""
+    for name, segment in zip(names, segments, strict=True):
+        size = segment.path.stat().st_size
+        await stub.SystemSharedMemoryRegister(
+            pb.SystemSharedMemoryRegisterRequest(name=name, key=segment.key, byte_size=size)
+        )
+
+
 @pytest.mark.parametrize("processes", ["single", "two_frontends"])
 @pytest.mark.parametrize("transport", ["h2", "h3"])
 async def test_tensors_travel_in_shared_memory(
@@ -122,11 +131,7 @@ async def test_tensors_travel_in_shared_memory(
     names = (f"in-{transport}", f"out-{transport}")
     async with new_channel(transport, server, certs_dir / "ca.pem") as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for name, segment in zip(names, (inputs, outputs), strict=True):
-            size = segment.path.stat().st_size
-            await stub.SystemSharedMemoryRegister(
-                pb.SystemSharedMemoryRegisterRequest(name=name, key=segment.key, byte_size=size)
-            )
+        await register_whole(stub, names, (inputs, outputs))
         status = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
         response = await stub.ModelInfer(shm_request(*names, array, offset=64), timeout=30)
         for name in names:
@@ -155,11 +160,7 @@ async def test_a_frontend_serves_tensors_in_shared_memory_with_the_parent_stoppe
     expected = []
     async with new_channel(transport, server, certs_dir / "ca.pem") as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for name, segment in zip(names, (inputs, outputs), strict=True):
-            size = segment.path.stat().st_size
-            await stub.SystemSharedMemoryRegister(
-                pb.SystemSharedMemoryRegisterRequest(name=name, key=segment.key, byte_size=size)
-            )
+        await register_whole(stub, names, (inputs, outputs))
         for seed in range(3):  # this front-end's queues attached
             plain = example_inputs("mlp", seed=seed)
             await stub.ModelInfer(build_request("mlp", plain), timeout=30)
