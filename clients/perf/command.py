@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 MAX_CONCURRENCY = 4096
+DEFAULT_OUTPUT_BYTES = 102400  # perf_analyzer's --output-shared-memory-size
 CONNECT_EACH = {"full": ("full",), "0rtt": ("0rtt",), "both": ("full", "0rtt")}
 
 
@@ -87,6 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "session ticket, request in 0-RTT early data) or both, one after the other",
     )
     parser.add_argument(
+        "--shared-memory",
+        choices=("none", "system"),
+        default="none",
+        help="system: the inputs in a POSIX shared-memory region and the outputs written into "
+        "regions (the server must be on this host); none: in the messages (default)",
+    )
+    parser.add_argument(
+        "--output-shared-memory-size",
+        type=int,
+        default=DEFAULT_OUTPUT_BYTES,
+        help="bytes of each output's region with --shared-memory system (default %(default)s)",
+    )
+    parser.add_argument(
         "--percentile",
         type=int,
         action="append",
@@ -132,17 +147,37 @@ async def _run(
     connects: tuple[str, ...],
 ) -> int:
     from clients.inference_client import AsyncInferenceClient
+
+    async with contextlib.AsyncExitStack() as held:
+        client = await held.enter_async_context(
+            AsyncInferenceClient(
+                args.url, args.ca_file, None, args.client_cert, args.client_key, metadata
+            )
+        )
+        info = await client.metadata(args.model, args.model_version)
+        config = await _config(client, args.model, args.model_version, info)
+        return await _measure(args, metadata, levels, connects, held, client, info, config)
+
+
+async def _measure(
+    args: argparse.Namespace,
+    metadata: list[tuple[str, str]],
+    levels: list[int],
+    connects: tuple[str, ...],
+    held: contextlib.AsyncExitStack,
+    client: Any,
+    info: Any,
+    config: _Config,
+) -> int:
+    """The steps, with `client` open (`held`: where shared-memory regions stay registered
+    while they run)."""
     from clients.perf.inputs import model_inputs, parse_shapes, serialized_request
     from clients.perf.load import LoadSpec, run_step
     from clients.perf.report import PERCENTILES, summarize, table, write
+    from clients.perf.shared_memory import placed_request
     from clients.streaming import EMPTY_FINAL_RESPONSE
 
     shapes = parse_shapes(args.shape)
-    async with AsyncInferenceClient(
-        args.url, args.ca_file, None, args.client_cert, args.client_key, metadata
-    ) as client:
-        info = await client.metadata(args.model, args.model_version)
-        config = await _config(client, args.model, args.model_version, info)
     if config.decoupled and not args.streaming:
         raise ValueError(
             f"model {args.model!r} is decoupled (many responses per request, ModelStreamInfer "
@@ -155,9 +190,24 @@ async def _run(
         raise ValueError(f"model {args.model!r} does not batch: leave out --batch-size")
     # A decoupled request's end is then always marked, whatever its model's last response was.
     parameters = {EMPTY_FINAL_RESPONSE: True} if config.decoupled else {}
+    if args.shared_memory == "system":
+        outputs = [output.name for output in info.outputs]
+        placed = placed_request(
+            client.stub,
+            metadata,
+            args.model,
+            args.model_version,
+            inputs,
+            outputs,
+            args.output_shared_memory_size,
+            parameters,
+        )
+        request = await held.enter_async_context(placed)
+    else:
+        request = serialized_request(args.model, args.model_version, inputs, parameters)
     spec = LoadSpec(
         target=client.target,
-        request=serialized_request(args.model, args.model_version, inputs, parameters),
+        request=request,
         warmup_s=args.warmup,
         duration_s=args.duration,
         timeout_s=args.timeout,
@@ -173,7 +223,8 @@ async def _run(
     shape_text = ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in inputs.items())
     print(
         f"perf {args.model} at {args.url}: {shape_text}; {len(spec.request)} bytes per request"
-        f"{', streaming' if args.streaming else ''}",
+        f"{', streaming' if args.streaming else ''}"
+        f"{', tensors in shared memory' if args.shared_memory == 'system' else ''}",
         file=sys.stderr,
     )
     rows = []
@@ -191,6 +242,7 @@ async def _run(
             "url": args.url,
             "transport": "h3" if client.target.scheme == "h3" else "h2",
             "streaming": args.streaming,
+            "shared_memory": args.shared_memory,
             "decoupled": config.decoupled,
             "batch_size": args.batch_size,
             "inputs": {

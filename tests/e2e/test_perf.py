@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from protos.inference import grpc_service_pb2 as pb
 from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 
 QUICK = ["--duration", "0.4", "--warmup", "0.2"]
+SHM = Path("/dev/shm")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +144,35 @@ def test_failed_requests_are_counted_by_code(
     assert row["requests"] == 0 and row["errors"]["INVALID_ARGUMENT"] > 0
     assert row["latency_ms"]["p99"] is None
     assert "INVALID_ARGUMENT:" in table(done.stdout)[0]["errors"]
+
+
+@pytest.mark.parametrize("transport", ["h2", "h3"])
+def test_tensors_in_shared_memory_are_registered_for_the_run_only(
+    server: ServerProcess, certs_dir: Path, tmp_path: Path, transport: str
+) -> None:
+    """--shared-memory system: every request names the regions perf registered (its input
+    read there, its output written there); a region too small for the output fails each
+    request in the server's words; either way the regions and their objects are gone after."""
+    out = tmp_path / "perf.json"
+    before = set(SHM.glob("pq-perf-*"))
+    done = perf(
+        certs_dir, "mlp", "--url", url(server, transport), "--shared-memory", "system",
+        "--concurrency-range", "2", "-f", str(out), *QUICK,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    document: dict[str, Any] = json.loads(out.read_text())
+    assert document["shared_memory"] == "system"
+    (row,) = document["rows"]
+    assert row["requests"] > 0 and row["errors"] == {}
+    too_small = perf(
+        certs_dir, "mlp", "--url", url(server, transport), "--shared-memory", "system",
+        "--output-shared-memory-size", "4", *QUICK,
+    )  # fmt: skip
+    assert too_small.returncode == 1  # no request succeeded
+    assert table(too_small.stdout)[0]["errors"].startswith("INVALID_ARGUMENT:")
+    status = server.stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+    assert not [name for name in status.regions if name.startswith("pq-perf-")]
+    assert set(SHM.glob("pq-perf-*")) == before
 
 
 @pytest.mark.parametrize(
