@@ -24,6 +24,7 @@ import dataclasses
 import math
 import os
 import pwd
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol
@@ -34,7 +35,7 @@ from oip.datatypes import BY_NAME
 from service.inference import errors
 from service.inference.jobs import OutputTensor
 from service.inference.shared_memory import Caller, Region, SharedMemoryRegions
-from service.inference.socket_owners import Address, canonical, socket_owner
+from service.inference.socket_owners import Address, canonical, exact_owner, socket_owner
 
 MODES = ("off", "local", "any")
 REGION, BYTE_SIZE, OFFSET = (
@@ -123,17 +124,15 @@ class SharedMemory:
     async def caller(self, peer: Peer) -> Caller:
         """Who calls, if it may use shared memory: the uid that owns its socket."""
         self.check_mode(peer)
-        uid = (
-            None
-            if peer.socket is None
-            else await asyncio.to_thread(
-                socket_owner,
-                *peer.socket,
-                peer.datagram,
-                peer.server,
-                listener_port=peer.listener_port,
-            )
-        )
+        uid = None
+        if peer.socket is not None:
+            address, port = peer.socket
+            lookup = (address, port, peer.datagram, peer.server)
+            settled, uid = exact_owner(*lookup, peer.listener_port)
+            if not settled:  # the tables: milliseconds, off the event loop
+                uid = await asyncio.to_thread(
+                    socket_owner, *lookup, listener_port=peer.listener_port
+                )
         if uid is None:
             raise errors.ServiceError(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -259,12 +258,28 @@ def _too_large(name: str, limit: tuple[int, str]) -> errors.ServiceError:
     )
 
 
+GROUPS_FOR_S = 10.0  # how long a uid's groups, read from the user database, are taken as read
+MAX_UIDS_KNOWN = 256  # uids whose groups are kept (the oldest read goes first)
+_known_groups: dict[int, tuple[float, frozenset[int]]] = {}
+
+
 def _groups(uid: int) -> frozenset[int]:
     """The groups of `uid` in the user database, which a process of that user has from its
     login; none for a uid the database does not know (then only owner and others' bits
-    count)."""
+    count). Kept GROUPS_FOR_S: reading the database costs tens of microseconds, on every call
+    naming a region, and a running process keeps the groups it had at login anyway."""
+    now = time.monotonic()
+    known = _known_groups.get(uid)
+    if known is not None and now - known[0] < GROUPS_FOR_S:
+        return known[1]
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
-        return frozenset()
-    return frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        groups: frozenset[int] = frozenset()
+    else:
+        groups = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    _known_groups.pop(uid, None)
+    while len(_known_groups) >= MAX_UIDS_KNOWN:
+        del _known_groups[next(iter(_known_groups))]
+    _known_groups[uid] = (now, groups)
+    return groups

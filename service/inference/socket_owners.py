@@ -137,6 +137,32 @@ def connected_owner(address: Address, port: int, server: Address, server_port: i
     return None if state in _NOT_A_CALLER else uid
 
 
+def exact_owner(
+    address: Address,
+    port: int,
+    datagram: bool,
+    server: tuple[Address, int] | None = None,
+    listener_port: int = 0,
+) -> tuple[bool, int | None]:
+    """(settled, uid): the owner by one exact lookup of a TCP connection (sock_diag, a few
+    microseconds: fine on the event loop, where a thread's round trip would cost ten times
+    that), when that settles it; else socket_owner reads the tables. `server`: the one
+    address and port a TCP call can have reached (a listener bound to one address): its
+    lookup settles it either way. `listener_port`: a wildcard listener's port: a local
+    caller's connection almost always comes from the very address it reached (the kernel takes
+    a local destination as the source), and a connection's two ends name it alone, so one
+    exact lookup of that connection settles it when it exists."""
+    if not datagram and server is not None:
+        with contextlib.suppress(OSError):
+            return True, connected_owner(address, port, *server)
+    if not datagram and listener_port:
+        with contextlib.suppress(OSError):
+            uid = connected_owner(address, port, address, listener_port)
+            if uid is not None:
+                return True, uid
+    return False, None
+
+
 def socket_owner(
     address: Address,
     port: int,
@@ -146,22 +172,13 @@ def socket_owner(
     listener_port: int = 0,
 ) -> int | None:
     """The uid that owns the socket `address`:`port` of this host (UDP if `datagram`, else
-    TCP), None when no socket of this host is that, or sockets of several uids could be.
-    `server`: the one address and port a TCP call can have reached (a listener bound to one
-    address), for the exact lookup. `listener_port`: a wildcard listener's port: a local
-    caller's connection almost always comes from the very address it reached (the kernel takes
-    a local destination as the source), and a connection's two ends name it alone, so one
-    exact lookup of that connection settles it when it exists. Reading the tables takes the
+    TCP), None when no socket of this host is that, or sockets of several uids could be:
+    exact_owner's answer when it settles it, else the tables'. Reading the tables takes the
     kernel 10 to 30 ms (about 100 ms per table with 10,000 TCP sockets): call it off the event
     loop."""
-    if not datagram and server is not None:
-        with contextlib.suppress(OSError):
-            return connected_owner(address, port, *server)
-    if not datagram and listener_port:
-        with contextlib.suppress(OSError):
-            uid = connected_owner(address, port, address, listener_port)
-            if uid is not None:
-                return uid
+    settled, uid = exact_owner(address, port, datagram, server, listener_port)
+    if settled:
+        return uid
     names = ("udp", "udp6") if datagram else ("tcp", "tcp6")
     sockets: list[Socket] = []
     for name in names:
