@@ -105,6 +105,7 @@ models-bench: models
 bench: setup models-bench
 	$(BIN)/python -m scripts.bench_batching $(ARGS)
 	$(BIN)/python -m scripts.bench_shared_memory
+	$(BIN)/python -m scripts.bench_shared_memory_frontends
 
 bench-transport: setup models
 	$(BIN)/python -m scripts.bench_transport $(ARGS)
