@@ -23,6 +23,7 @@ from service.frontends.descriptors import (
     DescribedRequest,
     encode_answer,
 )
+from service.frontends.placed_here import PlacedTensors
 from service.frontends.protocol import (
     Kind,
     Metadata,
@@ -66,6 +67,10 @@ class Serving:
 
 class DescribedCall:
     """One described call, from its INFER frame to its STATUS (or its cancel)."""
+
+    # Where its outputs that go to shared-memory regions are written, in a front-end that
+    # holds copies of them (placed_here.py); they come back with no data.
+    placed: PlacedTensors | None = None
 
     def __init__(
         self,
@@ -174,6 +179,8 @@ class DescribedCall:
         with self.observation.current():
             try:
                 outputs = self._classified(answering, answer.result().outputs)
+                if self.placed is not None:
+                    outputs = self.placed.written(outputs)
                 with self.serving.runner.encode_span():  # as the servicer's, its contents
                     described = DescribedAnswer(
                         answering.name,

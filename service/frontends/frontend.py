@@ -98,6 +98,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
     # handler (unknown methods, refused encodings, deadlines during the upload) and those it
     # serves (--frontend-queues), summed into the parent's /metrics.
     observer, tracing = observer_of(settings, link.metrics)
+    shared_memory = SharedMemory(settings.shared_memory, SharedMemoryRegions())
     if settings.instance_queues and settings.frontend_queues:
         link.shared = SharedVersions(
             index,
@@ -113,6 +114,13 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             restriction,
             settings.max_message_bytes,
         )
+        if settings.shared_memory != "off":
+            # The parent's shared-memory regions, copied here to serve the calls naming them.
+            RegionCopies(shared_memory.regions).listen(link.shared.queues, index)
+            listener = (settings.host, settings.grpc_port)
+            link.shared_memory = GrpcSharedMemory(
+                shared_memory, restrictions.get("shared-memory"), listener
+            )
         link.streams = StreamHere(
             link.serving,
             StreamBounds(
@@ -124,14 +132,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             link.shared.serving,
             link.open_part,
             link.served_here.stream_request if link.served_here is not None else None,
-        )
-    # The parent's shared-memory regions, copied here to serve the calls naming them.
-    shared_memory = SharedMemory(settings.shared_memory, SharedMemoryRegions())
-    if link.shared is not None and settings.shared_memory != "off":
-        RegionCopies(shared_memory.regions).listen(link.shared.queues, index)
-        listener = (settings.host, settings.grpc_port)
-        link.shared_memory = GrpcSharedMemory(
-            shared_memory, restrictions.get("shared-memory"), listener
+            link.placed,
         )
     reading = asyncio.create_task(link.run())
     client_auth = check_client_auth(settings)

@@ -181,11 +181,7 @@ class ParentLink(FrameConnection):
         on as a descriptor when the view describes it, unless the parent says the view is
         stale; else as the message it came as."""
         started = time.perf_counter_ns()
-        placed = (
-            None
-            if self.shared_memory is None
-            else PlacedTensors(self.shared_memory, context, self.max_message)
-        )
+        placed = self.placed(context)
         try:
             described = await self.view.describe(message, placed)
             opened = opened_of(MODEL_INFER, transport, context)
@@ -218,6 +214,13 @@ class ParentLink(FrameConnection):
                     return await _one(answered, context)
         requests = _replay([message], _none())
         return await _one([m async for m in self.relay(opened, requests, context)], context)
+
+    def placed(self, context: Any) -> PlacedTensors | None:
+        """Where a call's tensors in shared-memory regions go, if this process holds copies
+        of the regions (else such calls go to the parent)."""
+        if self.shared_memory is None:
+            return None
+        return PlacedTensors(self.shared_memory, context, self.max_message)
 
     async def relay(
         self, opened: Open, requests: AsyncIterator[bytes], context: Any

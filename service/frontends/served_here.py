@@ -6,7 +6,6 @@ parent; its answer is the response message at once."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -99,14 +98,9 @@ async def serve_here(
 
 
 class _ServedHere(DescribedCall):
-    """A described call this process serves itself: its answer is the response message,
-    its outputs that go to shared-memory regions written there first."""
-
-    placed: PlacedTensors | None = None
+    """A described call this process serves itself: its answer is the response message."""
 
     def encode(self, answer: DescribedAnswer) -> bytes:
-        if self.placed is not None:
-            answer = dataclasses.replace(answer, outputs=self.placed.written(answer.outputs))
         return response_message(answer)
 
 

@@ -33,6 +33,7 @@ from service.api.wire_limits import request_problem
 from service.frontends.described_call import DescribedCall, Serving
 from service.frontends.descriptors import DescribedAnswer, DescribedRequest, Refusal
 from service.frontends.model_view import response_of
+from service.frontends.placed_here import PlacedTensors
 from service.frontends.protocol import PART, Kind, Open, Status, decode_status
 from service.inference import errors
 from service.observability.handlers import ObservedCall, observed_responses
@@ -61,13 +62,16 @@ class StreamHere:
     bounds: StreamBounds
     # The view's descriptor of a request (model_view.py), and the version this process
     # serves for a descriptor's token (None: the parent's).
-    describe: Callable[[bytes], Awaitable[DescribedRequest | Refusal | None]]
+    describe: Callable[[bytes, PlacedTensors | None], Awaitable[DescribedRequest | Refusal | None]]
     served: Callable[[int], ServedVersion | None]
     # A stream opened at the parent: its requests sent as they come, what it sends back given
     # to the sink as it comes.
     open_part: Callable[[Open, AsyncIterator[bytes], Sink], PartCall]
     # Where each request ran (True: here), counted (served_here.py); None: --no-metrics.
     count: Callable[[bool], None] | None = None
+    # Where a request's tensors in shared-memory regions go, given the stream's context
+    # (placed_here.py; None: such requests go to the parent, in the stream's part).
+    placed: Callable[[Any], PlacedTensors | None] = lambda context: None
 
     async def responses(
         self, opened: Open, requests: AsyncIterator[bytes], context: Any
@@ -186,14 +190,21 @@ class _Stream:
         first = True
         try:
             async for message in requests:
-                described = await self.here.describe(message)
-                if first:  # the stream's labels, as the parent takes them from its first
-                    self.call.saw(described if described is not None else _named(message))
-                    first = False
-                await self.window.acquire()  # each request, wherever it runs
-                served = None
-                if isinstance(described, DescribedRequest):
-                    served = self.here.served(described.token)
+                # Where its tensors in regions go: held from its description until it ends,
+                # if it runs here (a request passed on, or a decoupled one, reads none here).
+                placed = self.here.placed(self.context)
+                served: ServedVersion | None = None
+                try:
+                    described = await self.here.describe(message, placed)
+                    if first:  # the stream's labels, as the parent takes them from its first
+                        self.call.saw(described if described is not None else _named(message))
+                        first = False
+                    await self.window.acquire()  # each request, wherever it runs
+                    if isinstance(described, DescribedRequest):
+                        served = self.here.served(described.token)
+                finally:
+                    if placed is not None and (served is None or served.decoupled):
+                        placed.close()
                 if self.here.count is not None:
                     self.here.count(served is not None)
                 if served is None:
@@ -203,7 +214,7 @@ class _Stream:
                 if served.decoupled:
                     self._wait_in(self._generate(described, served))
                 else:
-                    self._run_here(described, served)
+                    self._run_here(described, served, placed)
             if self.part is not None:
                 await self.part_requests.put(None)  # the part half-closes
         except BaseException:
@@ -212,13 +223,17 @@ class _Stream:
         self.reading = False
         self._check_done()
 
-    def _run_here(self, described: DescribedRequest, served: ServedVersion) -> None:
-        """One request run here; its answer comes to `answered`."""
-        running = _RunHere(self, described)
+    def _run_here(
+        self, described: DescribedRequest, served: ServedVersion, placed: PlacedTensors | None
+    ) -> None:
+        """One request run here; its answer comes to `answered`. `placed`: where its tensors
+        in shared-memory regions go (released once it ended)."""
+        running = _RunHere(self, described, placed)
         opened = dataclasses.replace(self.opened, timeout=self.context.time_remaining())
         running.call = _InStream(
             running, 0, opened, served, described, self.here.serving, self.call
         )
+        running.call.placed = placed
         self.running.add(running)
         running.call.start()
 
@@ -330,9 +345,12 @@ class _Stream:
 class _RunHere:
     """A request of the stream run here: the link its DescribedCall answers on."""
 
-    def __init__(self, stream: _Stream, described: DescribedRequest) -> None:
+    def __init__(
+        self, stream: _Stream, described: DescribedRequest, placed: PlacedTensors | None
+    ) -> None:
         self.stream = stream
         self.described = described
+        self.placed = placed
         self.call: DescribedCall
         self._data = b""
 
@@ -351,7 +369,9 @@ class _RunHere:
         pass
 
     def ended(self, call_id: int) -> None:
-        pass
+        """Its call ended, answered or cancelled: its regions are let go."""
+        if self.placed is not None:
+            self.placed.close()
 
 
 class _InStream(DescribedCall):

@@ -151,8 +151,9 @@ async def test_a_frontend_serves_tensors_in_shared_memory_with_the_parent_stoppe
     two_frontends: ServerProcess, certs_dir: Path, segments: list[Segment], transport: str
 ) -> None:
     """The parent gives each front-end a copy of each region it registers: a front-end reads
-    the input from its region and writes the output into its own, the parent held still by
-    SIGSTOP; once unregistered, the regions are no process's."""
+    the input from its region and writes the output into its own, for ModelInfer and for a
+    stream's requests, the parent held still by SIGSTOP; once unregistered, the regions are
+    no process's."""
     server = two_frontends
     inputs, outputs = Segment(4096), Segment(ROWS * CLASSES * 4)
     segments += [inputs, outputs]
@@ -172,6 +173,18 @@ async def test_a_frontend_serves_tensors_in_shared_memory_with_the_parent_stoppe
                 assert list(response.raw_output_contents) == [b""]
                 served = np.frombuffer(outputs.read(ROWS * CLASSES * 4), np.float32)
                 expected.append((served.reshape(ROWS, CLASSES).copy(), array))
+            # A stream's requests too, each answered before the next is sent (one region).
+            stream = stub.ModelStreamInfer(timeout=30)
+            for seed in range(2):
+                array = example_inputs("mlp", seed=50 + seed)["input"]
+                inputs.write(array.tobytes())
+                await stream.write(shm_request(*names, array))
+                answer = await stream.read()
+                assert not answer.error_message, answer.error_message
+                assert list(answer.infer_response.raw_output_contents) == [b""]
+                served = np.frombuffer(outputs.read(ROWS * CLASSES * 4), np.float32)
+                expected.append((served.reshape(ROWS, CLASSES).copy(), array))
+            await stream.done_writing()
         await stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
         with pytest.raises(grpc.aio.AioRpcError) as gone:
             await stub.ModelInfer(shm_request(*names, array), timeout=30)
