@@ -49,7 +49,7 @@ def _holds(table: Path, port: int, state: str, inodes: set[str]) -> bool:
     return False
 
 
-def _restarts(target: Target) -> float:
+def frontend_restarts(target: Target) -> float:
     with urllib.request.urlopen(target.metrics_url, timeout=10) as response:
         found = RESTARTS.search(response.read().decode())
     return float(found.group(1)) if found else 0.0
@@ -66,7 +66,7 @@ async def _replaced(target: Target, victim: int, count: int, restarts: float) ->
             back = back and all(_serving(pid, target.port) for pid in running)
         except OSError:  # a process that just started or exited
             back = False
-        if back and await asyncio.to_thread(_restarts, target) > restarts:
+        if back and await asyncio.to_thread(frontend_restarts, target) > restarts:
             return True
         await asyncio.sleep(POLL_S)
     return False
@@ -85,14 +85,14 @@ async def frontend_sigkill(target: Target, scale: Scale) -> AttackResult:
         if kill:
             await asyncio.sleep(scale.frontend_kill_gap_s)
         victim = min(frontend_pids(target.pid))  # the oldest: a new one gets a higher pid
-        restarts = await asyncio.to_thread(_restarts, target)
+        restarts = await asyncio.to_thread(frontend_restarts, target)
         os.kill(victim, signal.SIGKILL)
         result.outcomes["killed"] += 1
         if await _replaced(target, victim, count, restarts):
             result.outcomes["replaced"] += 1
         else:
             result.problems.append(f"front-end {victim} not replaced within {RESTART_LIMIT_S} s")
-    result.notes["frontend_restarts"] = await asyncio.to_thread(_restarts, target)
+    result.notes["frontend_restarts"] = await asyncio.to_thread(frontend_restarts, target)
     after = {(i.name, i.pid, i.restarts) for i in await instances(target)}
     if after != workers:
         result.problems.append(f"model workers changed: {sorted(workers)} -> {sorted(after)}")

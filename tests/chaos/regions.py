@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -18,6 +19,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from service.inference.shared_memory import SHM_DIR
 from tests.call_as import run_as
+from tests.chaos.frontends import frontend_restarts
 from tests.chaos.harness import (
     GOOD_MODEL,
     MLP_OUTPUT,
@@ -113,4 +115,46 @@ async def region_misuse(target: Target, scale: Scale) -> AttackResult:
                 pb.SystemSharedMemoryUnregisterRequest(name=VICTIM), timeout=10
             )
             path.unlink()
+    return result
+
+
+CHURNED = 8  # names the churning user registers and unregisters, round after round
+
+
+async def region_churn(target: Target, scale: Scale) -> AttackResult:
+    """Another user registers and unregisters regions as fast as it can, round after round on
+    both transports (every register and unregister is told to each front-end, and an
+    unregister waits for each to let go): each is answered, and no front-end is ended for
+    not letting go in time (their restarts do not move)."""
+    result = AttackResult()
+    key = f"/pq-churn-{secrets.token_hex(4)}"
+    path = Path(SHM_DIR) / key.lstrip("/")
+    path.write_bytes(bytes(4096))
+    path.chmod(0o644)  # the churning user may read it: registering it is its right
+    restarts_before = frontend_restarts(target)
+    try:
+        rounds: list[tuple[str, Any]] = []
+        for name in (f"churn-{n}" for n in range(CHURNED)):
+            register = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, byte_size=4096)
+            rounds.append(("SystemSharedMemoryRegister", register))
+        rounds.append((UNREGISTER, pb.SystemSharedMemoryUnregisterRequest()))  # all of its own
+        rounds *= scale.region_misuse
+        for transport in TRANSPORTS:
+            answers = await asyncio.to_thread(
+                run_as,
+                ATTACKER_UID,
+                transport,
+                target.address,
+                rounds,
+                target.ca_file,
+                scale.attack_limit_s,
+            )
+            for (method, _), (code, _) in zip(rounds, answers, strict=True):
+                action = method.removeprefix("SystemSharedMemory")
+                result.outcomes[f"{transport} {action} {code}"] += 1
+    finally:
+        path.unlink()
+    restarts = frontend_restarts(target) - restarts_before
+    if restarts:
+        result.problems.append(f"{restarts:g} front-end(s) ended while regions churned")
     return result

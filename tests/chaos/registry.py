@@ -238,6 +238,18 @@ ATTACKS = (
         frontends=2,
     ),
     AttackSpec(
+        "region misuse (--frontends 2)",
+        regions.region_misuse,
+        _both("PERMISSION_DENIED", "NOT_FOUND", "unregistered nothing"),
+        frontends=2,
+    ),
+    AttackSpec(
+        "region churn (--frontends 2)",
+        regions.region_churn,
+        _both("Register OK", "Unregister OK"),
+        frontends=2,
+    ),
+    AttackSpec(
         "sequence hijack (--frontends 2)",
         sequences.sequence_hijack,
         frozenset({"NOT_FOUND", "ALREADY_EXISTS"}),
