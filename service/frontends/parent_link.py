@@ -200,7 +200,8 @@ class ParentLink(FrameConnection):
         finally:
             if placed is not None:
                 placed.close()
-        # Tensors in shared-memory regions are the parent's to read and write, but here.
+        # A call naming regions that is not served here goes to the parent whole, which reads
+        # and writes the regions itself.
         if described is not None and not (placed is not None and placed.named):
             # Raw BYTES elements take 4 bytes of length where the message may have used 1:
             # a descriptor past the frame limit goes as the message it came as.
