@@ -9,11 +9,13 @@ A front-end says which of the parent's messages it has applied (numbered, in ord
 register is answered once every front-end holds the region or a moment passed (the requests
 of one that does not yet go to the parent); an unregister only once every front-end let go
 of it, so that after the answer no process serves a request on the region. A front-end that
-does not within UNREGISTER_WAIT_S, or cannot be told, is ended (and started again)."""
+does not within UNREGISTER_WAIT_S, leaves more than MAX_QUEUED messages unread, or cannot be
+told, is ended (and started again)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -32,6 +34,9 @@ UNREGISTER_WAIT_S = 10.0
 # The largest message either way: a region (names of at most 128 and 201 characters), or the
 # names of a uid's regions dropped at once (at most MAX_REGIONS of them).
 MAX_MESSAGE_BYTES = 64 << 10
+# Messages waiting for one front-end to read them: every region registered, when it connects,
+# then each change. A front-end that leaves more waiting is not reading: it is ended.
+MAX_QUEUED = 16384
 
 
 class FrontendRegions:
@@ -41,48 +46,42 @@ class FrontendRegions:
     def __init__(self, regions: SharedMemoryRegions, end: Callable[[str], None]) -> None:
         self._regions = regions
         self._end = end
-        self._conns: dict[str, socket.socket] = {}
-        self._questions: dict[str, Questions] = {}
+        self._told: dict[str, _Told] = {}
 
     def connected(self, frontend: str, conn: socket.socket) -> None:
         """A front-end's queues connection: it is told of every region registered now."""
         self._lose(frontend)  # its predecessor's, if that one's end was not read yet
-        self._conns[frontend] = conn
-        self._questions[frontend] = Questions()
+        self._told[frontend] = _Told(conn)
         for region in self._regions:
-            self._tell(frontend, _added(region), region.fd)
+            if self._tell(frontend, _added(region), region) is None:
+                return  # ended
 
     def held(self, frontend: str, number: int) -> None:
         """The front-end applied the messages up to `number`."""
-        questions = self._questions.get(frontend)
-        if questions is not None:
-            questions.answered(number)
+        told = self._told.get(frontend)
+        if told is not None:
+            told.questions.answered(number)
 
     def closed(self, conn: socket.socket) -> None:
-        for frontend, held in list(self._conns.items()):
-            if held is conn:
+        for frontend, told in list(self._told.items()):
+            if told.conn is conn:
                 self._lose(frontend)
 
     async def registered(self, region: Region) -> None:
-        await self._tell_all(_added(region), region.fd, REGISTER_WAIT_S)
+        await self._tell_all(_added(region), region, REGISTER_WAIT_S)
 
     async def unregistered(self, regions: Sequence[Region]) -> None:
         message = {"drop": [[r.owner, r.name] for r in regions]}
         for frontend in await self._tell_all(message, None, UNREGISTER_WAIT_S):
-            log.error(
-                "front-end %s did not let go of unregistered shared-memory regions within "
-                "%.0f s; ending it",
-                frontend,
-                UNREGISTER_WAIT_S,
-            )
-            self._lose(frontend)
-            self._end(frontend)
+            self._ended(frontend, f"it did not let go of them within {UNREGISTER_WAIT_S:.0f} s")
 
-    async def _tell_all(self, message: dict[str, Any], fd: int | None, wait_s: float) -> list[str]:
+    async def _tell_all(
+        self, message: dict[str, Any], region: Region | None, wait_s: float
+    ) -> list[str]:
         """Every front-end told; those that did not say they applied it within `wait_s`."""
         told = {}
-        for frontend in list(self._conns):
-            applied = self._tell(frontend, message, fd)
+        for frontend in list(self._told):
+            applied = self._tell(frontend, message, region)
             if applied is not None:
                 told[applied] = frontend
         if not told:
@@ -91,32 +90,71 @@ class FrontendRegions:
         return [told[wait] for wait in late]
 
     def _tell(
-        self, frontend: str, message: dict[str, Any], fd: int | None
+        self, frontend: str, message: dict[str, Any], region: Region | None
     ) -> asyncio.Future[None] | None:
-        number, applied = self._questions[frontend].ask()
-        data = json.dumps({**message, "number": number}).encode()
-        conn = self._conns[frontend]
-        try:
-            if fd is None:
-                conn.send(data)
-            else:
-                socket.send_fds(conn, [data], [fd])
-        except OSError as exc:
-            log.error(
-                "front-end %s cannot be told of shared-memory regions (%s); ending it",
-                frontend,
-                exc.strerror or exc,
-            )
-            self._lose(frontend)
-            self._end(frontend)
+        """The message queued for the front-end and sent as its socket takes it (`region`:
+        whose descriptor goes with it); what is done once the front-end applied it (None:
+        the front-end is gone, or ended now)."""
+        told = self._told.get(frontend)
+        if told is None:
             return None
+        number, applied = told.questions.ask()
+        told.queued.append((json.dumps({**message, "number": number}).encode(), region))
+        if len(told.queued) > MAX_QUEUED:
+            self._ended(frontend, f"more than {MAX_QUEUED} messages wait for it to read them")
+            return None
+        self._send(frontend)
         return applied
 
+    def _send(self, frontend: str) -> None:
+        """What waits for the front-end, as far as its socket takes it; the rest once it has
+        room. A region unregistered meanwhile goes without its descriptor (closed, its
+        number perhaps another file's now): the front-end holds no copy of it."""
+        told = self._told.get(frontend)
+        if told is None:
+            return
+        loop = asyncio.get_running_loop()
+        while told.queued:
+            data, region = told.queued[0]
+            try:
+                if region is None or region.closed:
+                    told.conn.send(data)
+                else:
+                    socket.send_fds(told.conn, [data], [region.fd])
+            except BlockingIOError:
+                if not told.writing:
+                    told.writing = True
+                    loop.add_writer(told.conn.fileno(), self._send, frontend)
+                return
+            except OSError as exc:
+                self._ended(frontend, f"its socket failed: {exc.strerror or exc}")
+                return
+            told.queued.popleft()
+        if told.writing:
+            told.writing = False
+            loop.remove_writer(told.conn.fileno())
+
+    def _ended(self, frontend: str, why: str) -> None:
+        log.error("front-end %s is ended: told of shared-memory regions, %s", frontend, why)
+        self._lose(frontend)
+        self._end(frontend)
+
     def _lose(self, frontend: str) -> None:
-        self._conns.pop(frontend, None)
-        questions = self._questions.pop(frontend, None)
-        if questions is not None:
-            questions.none_coming()
+        told = self._told.pop(frontend, None)
+        if told is not None:
+            if told.writing:
+                asyncio.get_running_loop().remove_writer(told.conn.fileno())
+            told.questions.none_coming()
+
+
+class _Told:
+    """One front-end's queues connection, as region messages go on it."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.questions = Questions()
+        self.queued: collections.deque[tuple[bytes, Region | None]] = collections.deque()
+        self.writing = False  # waiting for the socket to take more
 
 
 def _added(region: Region) -> dict[str, Any]:

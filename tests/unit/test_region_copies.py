@@ -1,8 +1,9 @@
 """The parent's shared-memory regions copied to front-ends (service/frontends/region_copies.py)
 over a real SOCK_SEQPACKET pair and real POSIX shared memory: a copy reads the object the
 parent registered even once another is made under its name, a front-end connecting later is
-given every region, an unregister returns once the front-end let go of it, and a front-end that
-does not, or cannot be told, is ended."""
+given every region (more than its socket holds at once: the rest as it reads), an unregister
+returns once the front-end let go of it, and a front-end that does not, leaves too much
+unread, or cannot be told, is ended."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from service.dataplane.shared_memory import SharedMemory
 from service.frontends import region_copies
 from service.frontends.region_copies import FrontendRegions, RegionCopies
 from service.inference import errors
-from service.inference.shared_memory import SHM_DIR, Caller, SharedMemoryRegions
+from service.inference.shared_memory import MAX_REGIONS, SHM_DIR, Caller, SharedMemoryRegions
 
 ROOT = Caller(0)
 SIZE = 64
@@ -147,4 +148,44 @@ async def test_a_frontend_that_cannot_be_told_is_ended(host: Host, key: str) -> 
     await host.shared.register(ROOT, "a", key, 0, 8)
     assert host.ended == ["0"]
     await host.shared.register(ROOT, "b", key, 0, 8)  # it is no longer told
+    assert host.ended == ["0"]
+
+
+UIDS = 5  # callers that each register the most regions a uid may hold
+
+
+async def many_regions(host: Host, key: str) -> list[tuple[Caller, str]]:
+    Path(SHM_DIR, key.lstrip("/")).chmod(0o666)  # every uid may open it
+    named = []
+    for uid in range(UIDS):
+        for n in range(MAX_REGIONS):
+            await host.shared.register(Caller(uid), f"r{n}", key, 0, 8)
+            named.append((Caller(uid), f"r{n}"))
+    return named
+
+
+async def test_a_frontend_slow_to_read_gets_every_region_as_it_reads(host: Host, key: str) -> None:
+    """More regions than the socket's buffer holds wait in the parent until the front-end
+    reads: none is lost, none ends it."""
+    host.parent_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    named = await many_regions(host, key)
+    host.connect()  # the front-end's loop reads as the socket fills, the parent sends the rest
+    host.held()
+    for _ in range(1000):
+        if all(host.copies.regions.holds(caller, [name]) for caller, name in named):
+            break
+        await asyncio.sleep(0.01)
+    assert all(host.copies.regions.holds(caller, [name]) for caller, name in named)
+    assert host.ended == []
+
+
+async def test_a_frontend_that_leaves_too_much_unread_is_ended(
+    host: Host, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(region_copies, "MAX_QUEUED", 10)
+    host.parent_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    await many_regions(host, key)
+    host.frontend_end.send(json.dumps({"frontend": 0, "regions": True}).encode())
+    assert host.parent_end.recv(1024)
+    host.mirror.connected("0", host.parent_end)  # the front-end never reads
     assert host.ended == ["0"]
