@@ -14,7 +14,6 @@ alternate: the table reports the median ratio and its range.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
@@ -34,11 +33,12 @@ from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.inference import model_config_pb2 as mc
 from scripts.bench_common import (
     closed_loop,
+    finish,
     median_range,
     percentiles_ms,
+    rounds_parser,
     rss_bytes,
     worker_predictor,
-    write_json,
 )
 from tests.servers import EXAMPLE_MODELS, ServerProcess
 
@@ -248,11 +248,8 @@ def summary(rows: list[Row]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
+    parser = rounds_parser(__doc__, "batching.json")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", type=Path, default=Path("bench-results/batching.json"))
     args = parser.parse_args()
     rows: list[Row] = []
     for model in args.models:
@@ -261,10 +258,7 @@ def main() -> int:
         print(f"{model}: starting the server(s)", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             rows += run_model(model, args.rounds, args.duration, Path(tmp))
-    print()
-    print(summary(rows))
-    write_json(args.out, rows)
-    return 0
+    return finish(summary(rows), args.out, rows)
 
 
 if __name__ == "__main__":

@@ -141,11 +141,41 @@ def rss_bytes(pids: Sequence[int]) -> int:
     return total
 
 
+def round_ratios(rows: Sequence[Any], way: str, reference: str, field: str) -> list[float]:
+    """`field` of `way` over that of `reference`, within each round (rows with `round` and
+    `way`), in round order."""
+    by_round: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        by_round.setdefault(row.round, {})[row.way] = row
+    return [
+        getattr(ways[way], field) / getattr(ways[reference], field)
+        for _, ways in sorted(by_round.items())
+    ]
+
+
 def write_json(path: Path, rows: Sequence[Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = [asdict(r) if is_dataclass(r) and not isinstance(r, type) else r for r in rows]
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"\nwrote {path}")
+
+
+def rounds_parser(description: str | None, out: str) -> argparse.ArgumentParser:
+    """What every benchmark of alternating rounds takes: their number and length, and where
+    its JSON goes (`out`, under bench-results/)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results") / out)
+    return parser
+
+
+def finish(summary: str, out: Path, rows: Sequence[Any]) -> int:
+    """The summary printed after the rounds' lines, the rows written as JSON."""
+    print()
+    print(summary)
+    write_json(out, rows)
+    return 0
 
 
 def round_options(parser: argparse.ArgumentParser, servers: Sequence[str]) -> None:

@@ -13,7 +13,6 @@ alternate and every ratio is taken within one round: the table gives the median 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import statistics
@@ -27,11 +26,12 @@ import numpy as np
 
 from clients.inference_client import AsyncInferenceClient
 from scripts.bench_common import (
+    finish,
     median_range,
     percentiles_ms,
     process_cpu_seconds,
+    rounds_parser,
     worker_predictor,
-    write_json,
 )
 from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository
 
@@ -183,10 +183,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/sequences.json"))
+    parser = rounds_parser(__doc__, "sequences.json")
     args = parser.parse_args()
     logging.getLogger("quic").setLevel(logging.WARNING)  # importing paddle logs INFO to stderr
     if not (EXAMPLE_MODELS / MODEL / "1").is_dir():
@@ -194,10 +191,7 @@ def main() -> int:
     print(f"{MODEL}: starting the server", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure(args.rounds, args.duration, Path(tmp))
-    print()
-    print(summary(rows))
-    write_json(args.out, rows)
-    return 0
+    return finish(summary(rows), args.out, rows)
 
 
 if __name__ == "__main__":

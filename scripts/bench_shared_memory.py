@@ -7,7 +7,6 @@ process (the worker's is the same either way: the same batches run)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import secrets
 import statistics
@@ -22,7 +21,14 @@ import numpy as np
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from scripts.bench_common import closed_loop, median_range, process_cpu_seconds, write_json
+from scripts.bench_common import (
+    closed_loop,
+    finish,
+    median_range,
+    process_cpu_seconds,
+    round_ratios,
+    rounds_parser,
+)
 from service.inference.shared_memory import SHM_DIR
 from tests.servers import EXAMPLE_MODELS, ServerProcess, model_repository
 
@@ -95,14 +101,8 @@ async def measure(server: ServerProcess, rounds: int, duration: float) -> list[R
 
 
 def summary(rows: list[Row]) -> str:
-    by_round: dict[int, dict[str, Row]] = {}
-    for r in rows:
-        by_round.setdefault(r.round, {})[r.way] = r
-    speed = [g["shared-memory"].requests_per_s / g["raw"].requests_per_s for g in by_round.values()]
-    cpu = [
-        g["shared-memory"].frontend_cpu_us_per_request / g["raw"].frontend_cpu_us_per_request
-        for g in by_round.values()
-    ]
+    speed = round_ratios(rows, "shared-memory", "raw", "requests_per_s")
+    cpu = round_ratios(rows, "shared-memory", "raw", "frontend_cpu_us_per_request")
     lines = [f"{'way':<13} {'req/s':>8} {'front-end CPU us/req':>21}"]
     for way in WAYS:
         group = [r for r in rows if r.way == way]
@@ -119,10 +119,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/shared_memory.json"))
+    parser = rounds_parser(__doc__, "shared_memory.json")
     args = parser.parse_args()
     if not (EXAMPLE_MODELS / MODEL / "1").is_dir():
         raise SystemExit(f"model {MODEL} is not exported; run `make models`")
@@ -135,10 +132,7 @@ def main() -> int:
             rows = asyncio.run(measure(server, args.rounds, args.duration))
         finally:
             server.stop()
-    print()
-    print(summary(rows))
-    write_json(args.out, rows)
-    return 0
+    return finish(summary(rows), args.out, rows)
 
 
 if __name__ == "__main__":

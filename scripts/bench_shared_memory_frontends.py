@@ -10,7 +10,6 @@ and of the parent alone, whose part in a call is the point: with copies it shoul
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -20,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.bench_common import median_range, write_json
+from scripts.bench_common import finish, median_range, round_ratios, rounds_parser
 from tests.servers import REPO_ROOT, ServerProcess, model_repository
 
 MODEL = "mlp"
@@ -44,7 +43,9 @@ def parent_cpu_s(server: ServerProcess) -> float:
     return float(found.group(1))
 
 
-def measure(server: ServerProcess, way: str, index: int, duration: float, out: Path) -> Row:
+def measure(
+    server: ServerProcess, way: str, index: int, duration: float, out: Path, warmup: float = 1.0
+) -> Row:
     metrics = re.search(r"metrics on (http://\S+/metrics)", server.log_text())
     assert metrics is not None
     before = parent_cpu_s(server)
@@ -52,7 +53,7 @@ def measure(server: ServerProcess, way: str, index: int, duration: float, out: P
         [
             sys.executable, "-m", "clients.cli", "perf", MODEL, "--url", server.url,
             "--shared-memory", "system", "--concurrency-range", str(CONCURRENCY),
-            "--warmup", "1", "--duration", str(duration),
+            "--warmup", str(warmup), "--duration", str(duration),
             "--server-metrics", metrics.group(1), "-f", str(out),
         ],
         cwd=REPO_ROOT, capture_output=True, text=True, check=False,
@@ -62,7 +63,7 @@ def measure(server: ServerProcess, way: str, index: int, duration: float, out: P
     spent = parent_cpu_s(server) - before
     (step,) = json.loads(out.read_text())["rows"]
     # The parent's CPU over the whole run (warm-up and measurement) per request answered in it.
-    answered = step["throughput"] * (1 + duration)
+    answered = step["throughput"] * (warmup + duration)
     return Row(
         way,
         index,
@@ -74,14 +75,8 @@ def measure(server: ServerProcess, way: str, index: int, duration: float, out: P
 
 
 def summary(rows: list[Row]) -> str:
-    by_round: dict[int, dict[str, Row]] = {}
-    for row in rows:
-        by_round.setdefault(row.round, {})[row.way] = row
-    speed = [g["front-ends"].requests_per_s / g["parent"].requests_per_s for g in by_round.values()]
-    cpu = [
-        g["front-ends"].server_cpu_us_per_request / g["parent"].server_cpu_us_per_request
-        for g in by_round.values()
-    ]
+    speed = round_ratios(rows, "front-ends", "parent", "requests_per_s")
+    cpu = round_ratios(rows, "front-ends", "parent", "server_cpu_us_per_request")
     lines = [f"{'way':<11} {'req/s':>8} {'server CPU us/req':>18} {'worker':>7} {'parent':>7}"]
     for way in WAYS:
         group = [r for r in rows if r.way == way]
@@ -101,12 +96,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
-    parser.add_argument(
-        "--out", type=Path, default=Path("bench-results/shared_memory_frontends.json")
-    )
+    parser = rounds_parser(__doc__, "shared_memory_frontends.json")
     args = parser.parse_args()
     print(f"{MODEL}: starting two servers with --frontends 2", flush=True)
     rows: list[Row] = []
@@ -134,10 +124,7 @@ def main() -> int:
         finally:
             for server in servers.values():
                 server.stop()
-    print()
-    print(summary(rows))
-    write_json(args.out, rows)
-    return 0
+    return finish(summary(rows), args.out, rows)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ async def region_misuse(target: Target, scale: Scale) -> AttackResult:
             stolen = build_request(GOOD_MODEL, inputs)
             _placed(stolen, array.nbytes, len(expected))
             del stolen.raw_input_contents[:]
-            rounds = [
+            rounds: list[tuple[str, Any]] = [
                 (
                     "SystemSharedMemoryRegister",
                     pb.SystemSharedMemoryRegisterRequest(
@@ -78,22 +78,10 @@ async def region_misuse(target: Target, scale: Scale) -> AttackResult:
                 ("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest(name=VICTIM)),
                 (UNREGISTER, pb.SystemSharedMemoryUnregisterRequest(name=VICTIM)),
             ] * scale.region_misuse
-            for transport in TRANSPORTS:
-                answers = await asyncio.to_thread(
-                    run_as,
-                    ATTACKER_UID,
-                    transport,
-                    target.address,
-                    rounds,
-                    target.ca_file,
-                    scale.attack_limit_s,
-                )
-                for (method, _), (code, _) in zip(rounds, answers, strict=True):
-                    # Unregistering a name one does not hold is no error (Triton's behaviour).
-                    label = (
-                        "unregistered nothing" if method == UNREGISTER and code == "OK" else code
-                    )
-                    result.outcomes[f"{transport} {label}"] += 1
+            for transport, method, code in await _as_attacker(target, scale, rounds):
+                # Unregistering a name one does not hold is no error (Triton's behaviour).
+                label = "unregistered nothing" if method == UNREGISTER and code == "OK" else code
+                result.outcomes[f"{transport} {label}"] += 1
             status = await stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
             if VICTIM not in status.regions:
                 result.problems.append("the victim's region is gone")
@@ -139,22 +127,33 @@ async def region_churn(target: Target, scale: Scale) -> AttackResult:
             rounds.append(("SystemSharedMemoryRegister", register))
         rounds.append((UNREGISTER, pb.SystemSharedMemoryUnregisterRequest()))  # all of its own
         rounds *= scale.region_misuse
-        for transport in TRANSPORTS:
-            answers = await asyncio.to_thread(
-                run_as,
-                ATTACKER_UID,
-                transport,
-                target.address,
-                rounds,
-                target.ca_file,
-                scale.attack_limit_s,
-            )
-            for (method, _), (code, _) in zip(rounds, answers, strict=True):
-                action = method.removeprefix("SystemSharedMemory")
-                result.outcomes[f"{transport} {action} {code}"] += 1
+        for transport, method, code in await _as_attacker(target, scale, rounds):
+            action = method.removeprefix("SystemSharedMemory")
+            result.outcomes[f"{transport} {action} {code}"] += 1
     finally:
         path.unlink()
     restarts = frontend_restarts(target) - restarts_before
     if restarts:
         result.problems.append(f"{restarts:g} front-end(s) ended while regions churned")
     return result
+
+
+async def _as_attacker(
+    target: Target, scale: Scale, calls: list[tuple[str, Any]]
+) -> list[tuple[str, str, str]]:
+    """Each call's transport, method and status code name, the calls made in turn by a
+    process of ATTACKER_UID on each transport."""
+    answered = []
+    for transport in TRANSPORTS:
+        answers = await asyncio.to_thread(
+            run_as,
+            ATTACKER_UID,
+            transport,
+            target.address,
+            calls,
+            target.ca_file,
+            scale.attack_limit_s,
+        )
+        for (method, _), (code, _) in zip(calls, answers, strict=True):
+            answered.append((transport, method, code))
+    return answered

@@ -16,7 +16,7 @@ def test_a_round_gives_a_row_of_each_way(tmp_path: Path) -> None:
     for way, extra in WAYS.items():
         args = ["--no-h3", "--frontends", "2", *extra]
         with running_server(repository, tmp_path / f"{way}.log", args) as server:
-            rows.append(measure(server, way, 0, 0.5, tmp_path / "perf.json"))
+            rows.append(measure(server, way, 0, 0.3, tmp_path / "perf.json", warmup=0.1))
     for row in rows:
         assert row.requests_per_s > 0 and row.server_cpu_us_per_request > 0, row
         assert row.parent_cpu_us_per_request >= 0, row
