@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from service.inference.socket_owners import connected_owner, owners, parse_table, socket_owner
+from service.inference.socket_owners import (
+    connected_owner,
+    exact_owner,
+    owners,
+    parse_table,
+    socket_owner,
+)
 
 V4 = ipaddress.IPv4Address
 V6 = ipaddress.IPv6Address
@@ -129,6 +135,26 @@ def test_a_connection_is_found_by_its_four_ends() -> None:
         with client, accepted:
             ipv6 = ipaddress.ip_address("::1")
             assert connected_owner(ipv6, client.getsockname()[1], ipv6, server_port) == uid
+
+
+def test_the_exact_lookup_settles_what_it_can_on_its_own() -> None:
+    """exact_owner (made on the event loop): a TCP connection to one address settles it, found
+    or not; a wildcard listener's settles it only when found; a UDP socket never does (the
+    tables, read in a thread, are the only way)."""
+    uid = os.geteuid()
+    loopback = ipaddress.ip_address("127.0.0.1")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server_port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", server_port))
+        accepted, _ = server.accept()
+        with client, accepted:
+            port = client.getsockname()[1]
+            bound = (loopback, server_port)
+            assert exact_owner(loopback, port, False, bound) == (True, uid)
+            assert exact_owner(loopback, port + 1, False, bound) == (True, None)  # none such
+            assert exact_owner(loopback, port, False, None, server_port) == (True, uid)
+            assert exact_owner(loopback, port + 1, False, None, server_port) == (False, None)
+            assert exact_owner(loopback, port, True, bound, server_port) == (False, None)
 
 
 def test_a_wildcard_listeners_local_caller_is_found_by_one_lookup(tmp_path: Path) -> None:
