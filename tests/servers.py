@@ -34,6 +34,9 @@ READY_POLL_S = 0.05
 STOP_TIMEOUT_S = 30.0
 # Starts on a fresh port after losing the port free_port chose to another process.
 PORT_RACE_ATTEMPTS = 3
+# In a server's extra args: a free port for its REST API, chosen again with the gRPC port's
+# when another process took it before the server bound it (ServerProcess.http_port).
+HTTP_PORT = "{free http port}"
 
 
 def free_port() -> int:
@@ -159,6 +162,8 @@ class ServerProcess:
 
     def _start(self, port: int) -> None:
         self.port = port
+        self.http_port = free_port() if HTTP_PORT in self._extra_args else 0
+        extra = [str(self.http_port) if a == HTTP_PORT else a for a in self._extra_args]
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.address}"
         self._log = self.log_path.open("wb")
@@ -179,7 +184,7 @@ class ServerProcess:
                 # REST off unless a test asks for it (--http-port PORT in extra_args wins).
                 "--http-port",
                 "0",
-                *self._extra_args,
+                *extra,
             ],
             cwd=REPO_ROOT,
             stdout=self._log,
@@ -203,18 +208,18 @@ class ServerProcess:
 
     def exited(self) -> None:
         """The server exited while starting. free_port's number can be taken by another
-        process (any UDP socket bound to port 0) before the server binds it: on a port chosen
-        here, start again on another; otherwise say why it exited."""
+        process (any UDP socket bound to port 0) before the server binds it: on ports chosen
+        here (the gRPC port, HTTP_PORT), start again on others; otherwise say why it exited."""
         log = self.log_text()
         if (
-            self._port_chosen_here
+            (self._port_chosen_here or self.http_port)
             and "Address already in use" in log
             and self._start_attempts < PORT_RACE_ATTEMPTS
         ):
             self._start_attempts += 1
             self.channel.close()
             self._log.close()
-            self._start(free_port())
+            self._start(free_port() if self._port_chosen_here else self.port)
             return
         raise RuntimeError(f"server exited ({self.process.returncode}):\n{log}")
 

@@ -47,9 +47,9 @@ from tests.e2e.test_shared_memory import Segment
 from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, output_names, run_ensemble_reference, run_reference
 from tests.servers import (
+    HTTP_PORT,
     TWICE,
     eventually,
-    free_port,
     model_repository,
     paused,
     refused_start,
@@ -66,15 +66,14 @@ MAX_INPUT = 1 << 20  # --http-max-input-size
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, certs_dir: Path) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("frontends_rest")
-    port = free_port()
     args = [
         *("--frontends", "2", "--certs-dir", str(certs_dir)),
-        *("--http-port", str(port), "--http-max-input-size", str(MAX_INPUT)),
+        *("--http-port", HTTP_PORT, "--http-max-input-size", str(MAX_INPUT)),
     ]
     repository = model_repository(root / "models", ["mlp", "generate"])
     twice_ensemble(repository, output_names("mlp")[0])
     with running_server(repository, root / "log", args) as server:
-        yield Served(server, port, certs_dir / "ca.pem")
+        yield Served(server, server.http_port, certs_dir / "ca.pem")
 
 
 def post(served: Served, path: str, document: Any) -> tuple[int, Any]:
@@ -358,14 +357,13 @@ def test_the_rest_limit_is_the_host_s(tmp_path: Path) -> None:
     HOST_REQUESTS in all: requests on PROBES more connections in a row are refused 429,
     whichever front-end takes each, and requests are served again once the held ones are
     gone."""
-    port = free_port()
     args = [
-        *("--frontends", "2", "--no-h3", "--http-port", str(port)),
+        *("--frontends", "2", "--no-h3", "--http-port", HTTP_PORT),
         *("--max-concurrent-rpcs", str(HOST_REQUESTS)),
     ]
     repository = model_repository(tmp_path / "models", ["mlp"])
     with running_server(repository, tmp_path / "log", args) as server:
-        rest = Served(server, port, Path())
+        rest = Served(server, server.http_port, Path())
 
         def hold(index: int) -> socket.socket:
             path = "/v2/models/mlp/infer" if index % 2 else "/v2/repository/index"

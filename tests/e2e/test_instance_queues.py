@@ -44,10 +44,10 @@ from tests.reference import (
 )
 from tests.servers import (
     EXAMPLE_MODELS,
+    HTTP_PORT,
     TWICE,
     ServerProcess,
     descendants,
-    free_port,
     paused,
     running_server,
     twice_ensemble,
@@ -120,7 +120,7 @@ def server(
     decoupled_repository(root / "models")
     args = ["--instance-queues", "--instance-queue-mb", str(QUEUE_MB), "--testing-service"]
     args += ["--stream-stall-timeout", str(STALL_S)]
-    args += ["--frontends", str(request.param), "--http-port", str(free_port())]
+    args += ["--frontends", str(request.param), "--http-port", HTTP_PORT]
     with running_server(root / "models", root / "server.log", args) as process:
         yield process
 

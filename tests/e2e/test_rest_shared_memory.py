@@ -21,7 +21,7 @@ import pytest
 from protos.inference import grpc_service_pb2 as pb
 from tests.e2e.test_shared_memory import NOBODY, ROOT_ONLY, Segment
 from tests.reference import example_inputs
-from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from tests.servers import HTTP_PORT, REPO_ROOT, ServerProcess, model_repository, running_server
 
 CALL_TIMEOUT_S = 60
 STRINGS = REPO_ROOT / "tests" / "fixtures" / "simple_string"
@@ -71,10 +71,8 @@ def start(root: Path, name: str, args: list[str]) -> Any:
     (repository / "simple_string" / "1").mkdir(parents=True)
     shutil.copy(STRINGS / "config.pbtxt", repository / "simple_string" / "config.pbtxt")
     shutil.copy(STRINGS / "model.py", repository / "simple_string" / "1" / "model.py")
-    port = free_port()
-    return port, running_server(
-        repository, root / f"{name}.log", ["--no-h3", "--http-port", str(port), *args]
-    )
+    args = ["--no-h3", "--http-port", HTTP_PORT, *args]
+    return running_server(repository, root / f"{name}.log", args)
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +81,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Rest
     with shared memory off, one whose shared-memory category is restricted, and one whose
     REST calls come through front-end processes (the parent looks their callers up)."""
     root = tmp_path_factory.mktemp("rest-shm")
-    plain_port, plain = start(root, "plain", ["--http-max-input-size", str(MAX_INPUT)])
-    off_port, off = start(root, "off", ["--shared-memory", "off"])
+    plain = start(root, "plain", ["--http-max-input-size", str(MAX_INPUT)])
+    off = start(root, "off", ["--shared-memory", "off"])
     restricted_args = ["--restricted-protocol", "shared-memory:admin-key=let-me-in"]
-    restricted_port, restricted = start(root, "restricted", restricted_args)
-    frontends_port, frontends = start(root, "frontends", ["--frontends", "2"])
+    restricted = start(root, "restricted", restricted_args)
+    frontends = start(root, "frontends", ["--frontends", "2"])
     with plain as p, off as o, restricted as r, frontends as f:
         yield {
-            "plain": Rest(p, plain_port),
-            "off": Rest(o, off_port),
-            "restricted": Rest(r, restricted_port),
-            "frontends": Rest(f, frontends_port),
+            "plain": Rest(p, p.http_port),
+            "off": Rest(o, o.http_port),
+            "restricted": Rest(r, r.http_port),
+            "frontends": Rest(f, f.http_port),
         }
 
 
