@@ -24,7 +24,13 @@ from aioquic.tls import SessionTicket
 from protos.inference import grpc_service_pb2 as pb
 from tests.e2e.test_zero_rtt import stats
 from tests.reference import call_inputs, run_reference
-from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from tests.servers import (
+    HTTP_PORT,
+    REPO_ROOT,
+    ServerProcess,
+    model_repository,
+    running_server,
+)
 from transport.grpc.framing import encode_message
 from transport.grpc.headers import Status, parse_response_headers
 from transport.h3.client import H3ClientConnection, client_configuration
@@ -46,15 +52,14 @@ class Served:
 
 
 def serve(root: Path, certs_dir: Path, extra: list[str]) -> Iterator[Served]:
-    port = free_port()
     args = [
-        *("--http-port", str(port), "--certs-dir", str(certs_dir)),
+        *("--http-port", HTTP_PORT, "--certs-dir", str(certs_dir)),
         *("--http-max-input-size", str(MAX_INPUT), "--http-body-timeout", str(BODY_TIMEOUT_S)),
         *extra,
     ]
     repository = model_repository(root / "models", ["mlp", "generate"])
     with running_server(repository, root / "log", args) as server:
-        yield Served(server, port, certs_dir / "ca.pem")
+        yield Served(server, server.http_port, certs_dir / "ca.pem")
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from service.http.batchstream import MAX_IN_FLIGHT, MAX_LINE_BYTES, MAX_LINES
 from service.http.openai_requests import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_TOKENS
 from tests.servers import (
     EXAMPLE_MODELS,
+    HTTP_PORT,
     REPO_ROOT,
     ServerProcess,
-    free_port,
     paused,
     running_server,
 )
@@ -75,10 +75,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         shutil.copytree(EXAMPLE_MODELS / "generate", repository / name)
         named = config.replace('name: "generate"', f'name: "{name}"')
         (repository / name / "config.pbtxt").write_text(named)
-    port = free_port()
-    args = (*("--http-port", str(port)), *("--http-body-timeout", str(BODY_TIMEOUT_S)))
+    args = (*("--http-port", HTTP_PORT), *("--http-body-timeout", str(BODY_TIMEOUT_S)))
     with running_server(repository, root / "server.log", args) as process:
-        yield Server(port, process)
+        yield Server(process.http_port, process)
 
 
 def grpc_text(server: Server, prompt: str, max_tokens: int, model: str = "generate") -> str:

@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from service.observability.metrics import UNKNOWN
-from tests.servers import ServerProcess, free_port, model_repository, paused, running_server
+from tests.servers import (
+    HTTP_PORT,
+    ServerProcess,
+    model_repository,
+    paused,
+    running_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -42,15 +48,14 @@ def observed(
     """A server with REST and spans on stderr; its own listeners, or front-end processes that
     pass each REST request on to the parent, where it is observed once."""
     root = tmp_path_factory.mktemp("rest-observability")
-    port = free_port()
     args = [
-        *("--http-port", str(port), "--trace-console"),
+        *("--http-port", HTTP_PORT, "--trace-console"),
         *("--log-sample-ratio", "0", "--slow-request-ms", "600000"),
         *([] if request.param == "own listeners" else request.param.split()),
     ]
     repository = model_repository(root / "models", ["mlp", "generate"])
     with running_server(repository, root / "server.log", args) as server:
-        yield Observed(server, port)
+        yield Observed(server, server.http_port)
 
 
 @dataclass(frozen=True)

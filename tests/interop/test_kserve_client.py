@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 
 from tests.reference import example_inputs, run_reference
-from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from tests.servers import (
+    HTTP_PORT,
+    REPO_ROOT,
+    ServerProcess,
+    model_repository,
+    running_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +39,10 @@ def served(
 ) -> Iterator[tuple[ServerProcess, int]]:
     root = tmp_path_factory.mktemp(request.param.replace(" ", "-"))
     repository = model_repository(root / "models", MODELS)
-    port = free_port()
     frontends = ("--frontends", "2") if request.param == "front-ends" else ()
-    args = ("--http-port", str(port), *frontends)
+    args = ("--http-port", HTTP_PORT, *frontends)
     with running_server(repository, root / "server.log", args) as server:
-        yield server, port
+        yield server, server.http_port
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import REPO_ROOT, ServerProcess, free_port, running_server
+from tests.servers import HTTP_PORT, REPO_ROOT, ServerProcess, running_server
 
 SCRIPT = Path(__file__).with_name("triton_examples_check.py")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -31,11 +31,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
         (repository / name / "1").mkdir(parents=True)
         shutil.copy(FIXTURES / name / "config.pbtxt", repository / name / "config.pbtxt")
         shutil.copy(FIXTURES / name / "model.py", repository / name / "1" / "model.py")
-    http_port = free_port()
     args = ["--no-h3", "--server-name", "triton", "--model-control-mode", "explicit"]
-    args += ["--load-model", ",".join(MODELS), "--http-port", str(http_port)]
+    args += ["--load-model", ",".join(MODELS), "--http-port", HTTP_PORT]
     with running_server(repository, root / "server.log", args) as s:
-        yield s, http_port
+        yield s, s.http_port
 
 
 def run(server: tuple[ServerProcess, int], example: str, protocol: str, *extra: str) -> None:
