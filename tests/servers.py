@@ -163,6 +163,7 @@ class ServerProcess:
     def _start(self, port: int) -> None:
         self.port = port
         self.http_port = free_port() if HTTP_PORT in self._extra_args else 0
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         extra = [str(self.http_port) if a == HTTP_PORT else a for a in self._extra_args]
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.address}"

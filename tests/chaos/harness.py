@@ -31,7 +31,13 @@ from clients.quic_channel import QuicChannel
 from oip.datatypes import from_numpy
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.reference import call_inputs, example_inputs, output_names, run_reference
-from tests.servers import EXAMPLE_MODELS, ServerProcess, children, free_port, running_server
+from tests.servers import (
+    EXAMPLE_MODELS,
+    HTTP_PORT,
+    ServerProcess,
+    children,
+    running_server,
+)
 from transport.h3.client import DEFAULT_UNRESPONSIVE_S
 from transport.h3.stream_state import StreamClosed
 from transport.tls.certs import issue_client_certificate
@@ -717,32 +723,34 @@ def chaos_server(
     directory = directory / f"frontends-{frontends}{'-batcher' if batcher else ''}"
     directory.mkdir(parents=True, exist_ok=True)
     repository = chaos_repository(directory)
-    metrics_port, http_port = free_port(), free_port()
     certs = directory / "certs"
     for name in CLIENT_NAMES:
         issue_client_certificate(certs, name)
     args = [
         *("--model-control-mode", "explicit", "--load-model", "*", "--testing-service"),
-        *("--certs-dir", str(certs), "--metrics-port", str(metrics_port)),
+        *("--certs-dir", str(certs)),
         *("--log-sample-ratio", "0", "--frontends", str(frontends)),
         *("--max-message-bytes", str(MAX_MESSAGE)),
         *("--tls-client-ca", str(certs / "ca.pem")),
         *("--h3-receive-budget-per-address", str(RECEIVE_BUDGET_PER_ADDRESS)),
-        *("--http-port", str(http_port), "--http-max-input-size", str(HTTP_MAX_INPUT)),
+        *("--http-port", HTTP_PORT, "--http-max-input-size", str(HTTP_MAX_INPUT)),
         *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
         *("--http-body-timeout", str(HTTP_BODY_S)),
         *(("--no-instance-queues",) if batcher else ()),
     ]
     with running_server(repository, directory / "server.log", args) as server:
+        # On a port the server chose (--metrics-port 0): no other process can take it first.
+        metrics = re.search(r"metrics on (http://\S+/metrics)", server.log_text())
+        assert metrics is not None, "the server logs no metrics URL"
         yield (
             server,
             Target(
                 address=server.address,
                 port=server.port,
-                http_port=http_port,
+                http_port=server.http_port,
                 pid=server.process.pid,
                 ca_file=certs / "ca.pem",
-                metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                metrics_url=metrics.group(1),
                 repository=repository,
                 log_path=server.log_path,
             ),

@@ -24,10 +24,10 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
 from tests.servers import (
     EXAMPLE_MODELS,
+    HTTP_PORT,
     ServerProcess,
     children,
     eventually,
-    free_port,
     model_repository,
     paused,
     running_server,
@@ -321,14 +321,15 @@ def test_a_budget_too_small_for_one_model_says_so(tmp_path: Path) -> None:
 def test_rest_loads_on_demand_as_grpc_does(tmp_path: Path) -> None:
     """REST infer and metadata load an evicted or never-loaded model, as ModelInfer does."""
     repo = repository(tmp_path / "models", "m1", "m2", "m3")
-    port = free_port()
-    args = [*BUDGET, "--http-port", str(port)]
+    args = [*BUDGET, "--http-port", HTTP_PORT]
     body = {
         "inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]
     }
     with (
         running_server(repo, tmp_path / "log", args) as server,
-        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=CALL_TIMEOUT_S) as rest,
+        httpx.Client(
+            base_url=f"http://127.0.0.1:{server.http_port}", timeout=CALL_TIMEOUT_S
+        ) as rest,
     ):
         for name in ("m1", "m2", "m3", "m1"):  # m3 evicts m1, which is loaded again
             answer = rest.post(f"/v2/models/{name}/infer", json=body)

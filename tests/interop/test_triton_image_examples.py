@@ -22,7 +22,13 @@ import pytest
 from PIL import Image
 
 from tests.reference import run_program
-from tests.servers import EXAMPLE_MODELS, REPO_ROOT, ServerProcess, free_port, running_server
+from tests.servers import (
+    EXAMPLE_MODELS,
+    HTTP_PORT,
+    REPO_ROOT,
+    ServerProcess,
+    running_server,
+)
 
 SCRIPT = Path(__file__).with_name("triton_image_check.py")
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -64,10 +70,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Iterator[tuple[ServerProcess, int]]:
-    http_port = free_port()
-    args = ["--no-h3", "--server-name", "triton", "--http-port", str(http_port)]
+    args = ["--no-h3", "--server-name", "triton", "--http-port", HTTP_PORT]
     with running_server(repository, repository.parent / "server.log", args) as s:
-        yield s, http_port
+        yield s, s.http_port
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +92,9 @@ def ensemble_server(
     ensemble.mkdir()
     (ensemble / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
     (ensemble / "labels.txt").write_text("".join(f"{label}\n" for label in ENSEMBLE_LABELS))
-    http_port = free_port()
-    args = ["--no-h3", "--server-name", "triton", "--http-port", str(http_port)]
+    args = ["--no-h3", "--server-name", "triton", "--http-port", HTTP_PORT]
     with running_server(root / "models", root / "server.log", args) as s:
-        yield s, http_port
+        yield s, s.http_port
 
 
 def picture(path: Path, height: int, width: int, seed: int) -> Path:
