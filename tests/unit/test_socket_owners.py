@@ -6,10 +6,12 @@ the live tables for sockets this test makes."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,29 +114,32 @@ def test_live_sockets_are_found_with_their_owner() -> None:
         assert socket_owner(mapped, port, datagram=False) is None
 
 
+@contextlib.contextmanager
+def connection(host: str) -> Iterator[tuple[int, int]]:
+    """A TCP connection to a listener on `host`: the client's port and the listener's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family) as server:
+        server_port = server.getsockname()[1]
+        client = socket.create_connection((host, server_port))
+        accepted, _ = server.accept()
+        with client, accepted:
+            yield client.getsockname()[1], server_port
+
+
 def test_a_connection_is_found_by_its_four_ends() -> None:
     """One exact lookup (sock_diag) when the listener is bound to one address; a listener or
     another far end is no caller."""
     uid = os.geteuid()
     loopback = ipaddress.ip_address("127.0.0.1")
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server_port = server.getsockname()[1]
-        client = socket.create_connection(("127.0.0.1", server_port))
-        accepted, _ = server.accept()
-        with client, accepted:
-            port = client.getsockname()[1]
-            assert connected_owner(loopback, port, loopback, server_port) == uid
-            assert socket_owner(loopback, port, False, (loopback, server_port)) == uid
-            other_end = ipaddress.ip_address("127.0.0.2")
-            assert connected_owner(loopback, port, other_end, server_port) is None
-            assert connected_owner(loopback, server_port, loopback, 1) is None  # a listener
-    with socket.create_server(("::1", 0), family=socket.AF_INET6) as server:
-        server_port = server.getsockname()[1]
-        client = socket.create_connection(("::1", server_port))
-        accepted, _ = server.accept()
-        with client, accepted:
-            ipv6 = ipaddress.ip_address("::1")
-            assert connected_owner(ipv6, client.getsockname()[1], ipv6, server_port) == uid
+    with connection("127.0.0.1") as (port, server_port):
+        assert connected_owner(loopback, port, loopback, server_port) == uid
+        assert socket_owner(loopback, port, False, (loopback, server_port)) == uid
+        other_end = ipaddress.ip_address("127.0.0.2")
+        assert connected_owner(loopback, port, other_end, server_port) is None
+        assert connected_owner(loopback, server_port, loopback, 1) is None  # a listener
+    with connection("::1") as (port, server_port):
+        ipv6 = ipaddress.ip_address("::1")
+        assert connected_owner(ipv6, port, ipv6, server_port) == uid
 
 
 def test_the_exact_lookup_settles_what_it_can_on_its_own() -> None:
@@ -143,18 +148,13 @@ def test_the_exact_lookup_settles_what_it_can_on_its_own() -> None:
     tables, read in a thread, are the only way)."""
     uid = os.geteuid()
     loopback = ipaddress.ip_address("127.0.0.1")
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server_port = server.getsockname()[1]
-        client = socket.create_connection(("127.0.0.1", server_port))
-        accepted, _ = server.accept()
-        with client, accepted:
-            port = client.getsockname()[1]
-            bound = (loopback, server_port)
-            assert exact_owner(loopback, port, False, bound) == (True, uid)
-            assert exact_owner(loopback, port + 1, False, bound) == (True, None)  # none such
-            assert exact_owner(loopback, port, False, None, server_port) == (True, uid)
-            assert exact_owner(loopback, port + 1, False, None, server_port) == (False, None)
-            assert exact_owner(loopback, port, True, bound, server_port) == (False, None)
+    with connection("127.0.0.1") as (port, server_port):
+        bound = (loopback, server_port)
+        assert exact_owner(loopback, port, False, bound) == (True, uid)
+        assert exact_owner(loopback, port + 1, False, bound) == (True, None)  # none such
+        assert exact_owner(loopback, port, False, None, server_port) == (True, uid)
+        assert exact_owner(loopback, port + 1, False, None, server_port) == (False, None)
+        assert exact_owner(loopback, port, True, bound, server_port) == (False, None)
 
 
 def test_a_wildcard_listeners_local_caller_is_found_by_one_lookup(tmp_path: Path) -> None:
