@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 
 from service.frontends.descriptors import MODEL_INFER
-from service.frontends.parent_link import ParentLink, opened_of
-from service.frontends.protocol import auth_of
+from service.frontends.parent_link import ParentLink
+from service.frontends.protocol import auth_of, opened_of
 from service.frontends.stream_here import MODEL_STREAM_INFER
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
@@ -34,7 +33,6 @@ from service.frontends.model_view import ModelView, answer_message
 from service.frontends.placed_here import PlacedTensors
 from service.frontends.protocol import (
     WINDOW,
-    AuthContext,
     Frame,
     Kind,
     Open,
@@ -47,19 +45,17 @@ from service.frontends.protocol import (
     decode_status,
     encode_count,
     encode_open,
+    opened_of,
 )
-from service.frontends.reports import report_payloads
+from service.frontends.reports import ReportFrames
 from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
 from service.frontends.stream_here import StreamHere
 from service.inference.credit import ReturnedCredit
-from service.inference.identity import identity_of
 from service.observability.metrics import Metrics
 from service.observability.summed import families_json
 from transport.h3.server import H3Server
-
-log = logging.getLogger("paddlequic.frontend")
 
 # The call's end when the parent never sent one: the parent is gone, or the client left first.
 _GONE = Status(grpc.StatusCode.UNAVAILABLE, "this front-end lost its server process", ())
@@ -153,7 +149,11 @@ class ParentLink(FrameConnection):
         self.metrics: Metrics | None = None
         self.served_here: ServedHere | None = None  # counted in `metrics`
         self.h2_rpcs: RpcCount | None = None  # --max-concurrent-rpcs over HTTP/2, for the host
-        self._left_out: set[str] = set()  # parts of reports too large to send, logged once
+        self._reports = ReportFrames(
+            index,
+            self.max_payload,
+            lambda call_id, payload: self.send(Kind.STATS, call_id, payload),
+        )
         # The method paths the parent registered (METHODS): a call this process's transport
         # answers itself is labelled by its method only if it is one of them.
         self.methods: frozenset[str] = frozenset()
@@ -362,42 +362,12 @@ class ParentLink(FrameConnection):
         models = self.counts.take()
         if not (answering or totals or models or self.metrics):
             return
-        report = report_payloads(
-            totals,
-            models,
-            families_json(self.metrics.registry.collect()) if self.metrics else None,
-            self.max_payload,
-        )
-        for part, size in report.left_out.items():
-            if part not in self._left_out:
-                self._left_out.add(part)
-                log.error(
-                    "front-end %d: its report's %s (%d bytes) are past the dispatch frame "
-                    "limit (%d bytes): left out of the server's counts",
-                    self.index,
-                    part,
-                    size,
-                    self.max_payload,
-                )
-        last = len(report.payloads) - 1
-        for position, payload in enumerate(report.payloads):
-            self.send(Kind.STATS, answering if position == last else 0, payload)
+        metrics = families_json(self.metrics.registry.collect()) if self.metrics else None
+        self._reports.send(totals, models, metrics, answering)
 
     def lost(self) -> None:
         for call in list(self._calls.values()):
             call.deliver(Kind.STATUS, _GONE)
-
-
-def opened_of(method: str, transport: str, context: Any, auth: AuthContext = ()) -> Open:
-    return Open(
-        method,
-        transport,
-        context.peer(),
-        context.time_remaining(),
-        tuple(context.invocation_metadata() or ()),
-        identity_of(context),
-        auth,
-    )
 
 
 async def _replay(read: list[bytes], requests: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

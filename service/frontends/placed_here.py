@@ -31,7 +31,7 @@ class PlacedTensors:
         self._max_message = max_message
         self._caller: Caller | None = None
         self._targets: dict[str, Placement] = {}
-        self._held = contextlib.ExitStack()
+        self._held: contextlib.ExitStack | None = None  # made once a call names regions
 
     @property
     def named(self) -> bool:
@@ -43,6 +43,7 @@ class PlacedTensors:
         ServiceError: the parent's to answer."""
         self._caller = await self._shared.tensor_caller(request, self._context)
         raw = self._shared.read_inputs(request, self._caller, self._max_message)
+        self._held = contextlib.ExitStack()
         self._targets = self._held.enter_context(self._shared.output_targets(request, self._caller))
         return raw
 
@@ -51,4 +52,5 @@ class PlacedTensors:
         return self._shared.write_outputs(outputs, self._targets, self._caller)
 
     def close(self) -> None:
-        self._held.close()
+        if self._held is not None:
+            self._held.close()

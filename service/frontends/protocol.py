@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from service.inference.identity import ANYONE, Identity
+from service.inference.identity import ANYONE, Identity, identity_of
 
 WINDOW = 8  # messages of one call, per direction, sent before the receiver gives credit
 HEADER = struct.Struct(">IBI")
@@ -80,6 +80,19 @@ class Open:
     # The transport's auth context (grpcio's `auth_context()`: property -> values), for the
     # calls passed on as streams; a ModelInfer's servicer never reads it.
     auth: AuthContext = ()
+
+
+def opened_of(method: str, transport: str, context: Any, auth: AuthContext = ()) -> Open:
+    """The Open of a call a front-end's transport got, from its servicer context."""
+    return Open(
+        method,
+        transport,
+        context.peer(),
+        context.time_remaining(),
+        tuple(context.invocation_metadata() or ()),
+        identity_of(context),
+        auth,
+    )
 
 
 # An Open's transport with this after it: the part of a ModelStreamInfer stream that the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from service.observability.summed import ReportedMetrics, families_from_json
 from service.registry.versions import ModelRegistry
 
 log = logging.getLogger("paddlequic.frontends")
+_frontend_log = logging.getLogger("paddlequic.frontend")  # ReportFrames runs in a front-end
 
 
 @dataclass
@@ -65,6 +67,43 @@ def report_payloads(
     if chunk or totals or not out.payloads:  # one at least: it may answer a query
         out.payloads.append(_encode(totals, chunk, None))
     return out
+
+
+class ReportFrames:
+    """A front-end's reports as STATS frames within the frame limit; a part that never fits
+    is logged the first time it is left out."""
+
+    def __init__(self, frontend: int, limit: int, send: Callable[[int, bytes], None]) -> None:
+        """`send(call_id, payload)`: one STATS frame to the parent."""
+        self._frontend = frontend
+        self._limit = limit
+        self._send = send
+        self._left_out: set[str] = set()
+
+    def send(
+        self,
+        totals: dict[str, Any],
+        models: list[dict[str, Any]],
+        metrics: list[Any] | None,
+        answering: int,
+    ) -> None:
+        """`answering`: the STATS_QUERY this report answers (0: none); its last frame
+        carries it."""
+        report = report_payloads(totals, models, metrics, self._limit)
+        for part, size in report.left_out.items():
+            if part not in self._left_out:
+                self._left_out.add(part)
+                _frontend_log.error(
+                    "front-end %d: its report's %s (%d bytes) are past the dispatch frame "
+                    "limit (%d bytes): left out of the server's counts",
+                    self._frontend,
+                    part,
+                    size,
+                    self._limit,
+                )
+        last = len(report.payloads) - 1
+        for position, payload in enumerate(report.payloads):
+            self._send(answering if position == last else 0, payload)
 
 
 def _encode(totals: dict[str, Any], models: list[dict[str, Any]], metrics: Any) -> bytes:
