@@ -37,6 +37,8 @@ PORT_RACE_ATTEMPTS = 3
 # In a server's extra args: a free port for its REST API, chosen again with the gRPC port's
 # when another process took it before the server bound it (ServerProcess.http_port).
 HTTP_PORT = "{free http port}"
+# The same for its metrics port (ServerProcess.metrics_port).
+METRICS_PORT = "{free metrics port}"
 
 
 def free_port() -> int:
@@ -164,7 +166,9 @@ class ServerProcess:
         self.port = port
         self.http_port = free_port() if HTTP_PORT in self._extra_args else 0
         self.http_url = f"http://127.0.0.1:{self.http_port}"
-        extra = [str(self.http_port) if a == HTTP_PORT else a for a in self._extra_args]
+        self.metrics_port = free_port() if METRICS_PORT in self._extra_args else 0
+        chosen = {HTTP_PORT: str(self.http_port), METRICS_PORT: str(self.metrics_port)}
+        extra = [chosen.get(a, a) for a in self._extra_args]
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.address}"
         self._log = self.log_path.open("wb")
@@ -210,10 +214,11 @@ class ServerProcess:
     def exited(self) -> None:
         """The server exited while starting. free_port's number can be taken by another
         process (any UDP socket bound to port 0) before the server binds it: on ports chosen
-        here (the gRPC port, HTTP_PORT), start again on others; otherwise say why it exited."""
+        here (the gRPC port, HTTP_PORT, METRICS_PORT), start again on others; otherwise say
+        why it exited."""
         log = self.log_text()
         if (
-            (self._port_chosen_here or self.http_port)
+            (self._port_chosen_here or self.http_port or self.metrics_port)
             and "Address already in use" in log
             and self._start_attempts < PORT_RACE_ATTEMPTS
         ):

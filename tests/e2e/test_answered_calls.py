@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients.quic_channel import QuicChannel
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
-from tests.servers import ServerProcess, free_port, model_repository, running_server
+from tests.servers import METRICS_PORT, ServerProcess, model_repository, running_server
 from transport.grpc import headers as wire
 
 TRANSPORTS = ("h2", "h3")
@@ -69,15 +69,14 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("answered")
-    metrics_port = free_port()
     args = [
-        *("--certs-dir", str(root / "certs"), "--metrics-port", str(metrics_port)),
+        *("--certs-dir", str(root / "certs"), "--metrics-port", METRICS_PORT),
         *("--log-sample-ratio", "0", "--testing-service"),
         *("--log-failure-burst", str(BURST), "--log-failure-rate", "0.0001"),
     ]
     repository = model_repository(root / "models", ["mlp"])
     with running_server(repository, root / "server.log", args) as server:
-        yield Served(server, root / "certs", metrics_port)
+        yield Served(server, root / "certs", server.metrics_port)
 
 
 async def until_counted(served: Served, check: Any) -> Samples:

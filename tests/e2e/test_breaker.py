@@ -24,7 +24,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
 from tests.e2e.test_worker_restart import only_instance, wait_for
-from tests.servers import EXAMPLE_MODELS, ServerProcess, free_port, paused, running_server
+from tests.servers import EXAMPLE_MODELS, METRICS_PORT, ServerProcess, paused, running_server
 
 Inputs = dict[str, np.ndarray[Any, Any]]
 RPC_TIMEOUT_S = 60.0
@@ -71,8 +71,7 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: in
     copy_mlp(repository, "lonely", BREAKER)
     copy_mlp(repository, "backup")
     inputs = {"input": np.random.default_rng(3).standard_normal((2, 256), dtype=np.float32)}
-    metrics_port = free_port()
-    args = ["--metrics-port", str(metrics_port), "--frontends", str(frontends)]
+    args = ["--metrics-port", METRICS_PORT, "--frontends", str(frontends)]
     with running_server(repository, tmp_path / "server.log", args) as server:
         expected = parse_response(infer(server, "backup", inputs))["probabilities"]
         healthy = infer(server, "primary", inputs)
@@ -91,7 +90,7 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: in
         assert (answered.model_name, answered.model_version) == ("backup", "1")
         np.testing.assert_allclose(parse_response(answered)["probabilities"], expected, rtol=1e-5)
         assert breaker_of(server, "primary") in ("OPEN", "HALF_OPEN")
-        samples = scrape(metrics_port)
+        samples = scrape(server.metrics_port)
         assert samples[("paddlequic_fallbacks_total", "primary", "backup")] >= 1
         assert samples[("paddlequic_breaker_state", "primary", "CLOSED")] == 0
         if frontends > 1:  # the front-end holding this test's connection falls back itself
@@ -111,7 +110,7 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: in
             lambda: True if open_circuited(server, inputs) else None,
         )
         assert breaker_of(server, "lonely") in ("OPEN", "HALF_OPEN")
-        assert scrape(metrics_port)[("paddlequic_breaker_state", "lonely", "CLOSED")] == 0
+        assert scrape(server.metrics_port)[("paddlequic_breaker_state", "lonely", "CLOSED")] == 0
 
         # Back: the worker restarts, a half-open probe succeeds and the breaker closes.
         (repository / "primary" / "away").rename(repository / "primary" / "1")
@@ -125,7 +124,7 @@ def test_breaker_opens_falls_back_and_closes_again(tmp_path: Path, frontends: in
         assert again.model_name == "primary"
         np.testing.assert_allclose(parse_response(again)["probabilities"], expected, rtol=1e-5)
         assert breaker_of(server, "primary") == "CLOSED"
-        assert scrape(metrics_port)[("paddlequic_breaker_state", "primary", "CLOSED")] == 1
+        assert scrape(server.metrics_port)[("paddlequic_breaker_state", "primary", "CLOSED")] == 1
 
 
 def scrape(port: int) -> dict[tuple[str, ...], float]:

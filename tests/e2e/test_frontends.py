@@ -40,6 +40,7 @@ from tests.e2e.test_zero_rtt import infer_once, stats
 from tests.reference import assert_matches_reference, call_inputs
 from tests.servers import (
     EXAMPLE_MODELS,
+    HTTP_PORT,
     ServerProcess,
     children,
     free_port,
@@ -422,12 +423,11 @@ def test_completions_run_in_the_front_ends_with_their_parent_stopped(
     repository = tmp_path / "models"
     repository.mkdir()
     (repository / "generate").symlink_to(EXAMPLE_MODELS / "generate")
-    port = free_port()
-    args = ["--frontends", "2", "--certs-dir", str(certs_dir), "--http-port", str(port)]
-    base = f"http://127.0.0.1:{port}/v1"
+    args = ["--frontends", "2", "--certs-dir", str(certs_dir), "--http-port", HTTP_PORT]
     body = {"model": "generate", "prompt": "Once upon a time", "max_tokens": 8}
 
     def complete(document: dict[str, Any]) -> httpx.Response:
+        base = f"{s.http_url}/v1"
         with httpx.Client(base_url=base, timeout=60) as client:  # a new connection each
             return client.post("/completions", json=document)
 

@@ -38,6 +38,7 @@ from service.http.lingering import LINGER_BYTES, LINGER_S
 from service.http.listener import MAX_STREAMS_PER_CONNECTION
 from service.model.config_json import config_dict
 from tests.servers import (
+    HTTP_PORT,
     REPO_ROOT,
     ServerProcess,
     free_port,
@@ -86,9 +87,8 @@ class Rest:
 def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
     root = tmp_path_factory.mktemp("http")
     repository = model_repository(root / "models", MODELS)
-    port = free_port()
     args = (
-        *("--http-port", str(port)),
+        *("--http-port", HTTP_PORT),
         *("--http-max-input-size", str(MAX_INPUT)),
         *("--http-body-timeout", str(BODY_TIMEOUT_S)),
         *("--http-keepalive-timeout", str(KEEPALIVE_TIMEOUT_S)),
@@ -96,7 +96,7 @@ def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
     )
     shutil.copytree(RUNNING_SUM_FIXTURE, repository / "running_sum")
     with running_server(repository, root / "server.log", args) as server:
-        yield Rest(port, server.stub, server)
+        yield Rest(server.http_port, server.stub, server)
 
 
 def base(server: Rest) -> str:
@@ -268,16 +268,15 @@ def test_certified_sequences_are_refused_to_rest_callers(tmp_path: Path) -> None
     repository = tmp_path / "models"
     repository.mkdir()
     shutil.copytree(RUNNING_SUM_FIXTURE, repository / "running_sum")
-    port = free_port()
     args = (
-        *("--http-port", str(port), "--certs-dir", str(tmp_path / "certs")),
+        *("--http-port", HTTP_PORT, "--certs-dir", str(tmp_path / "certs")),
         *("--tls-client-ca", str(ca), "--sequence-callers", "certified"),
     )
     with running_server(repository, tmp_path / "server.log", args) as server:
         tensor = {"name": "value", "datatype": "INT64", "shape": [1, 1], "data": [[1]]}
         request = {"inputs": [tensor], "parameters": {"sequence_id": 5, "sequence_start": True}}
         status, _, payload = curl(
-            Rest(port, server.stub, server),
+            Rest(server.http_port, server.stub, server),
             "/v2/models/running_sum/infer",
             "1.1",
             json.dumps(request).encode(),
@@ -290,10 +289,9 @@ def test_repository_load_and_unload(tmp_path: Path) -> None:
     """--model-control-mode explicit: a model loads (with a config in place of its
     config.pbtxt), serves, and unloads over REST; without explicit mode both are refused."""
     repository = model_repository(tmp_path / "models", ["mlp"])
-    port = free_port()
-    args = ("--http-port", str(port), "--model-control-mode", "explicit")
+    args = ("--http-port", HTTP_PORT, "--model-control-mode", "explicit")
     with running_server(repository, tmp_path / "server.log", args) as server:
-        rest = Rest(port, server.stub, server)
+        rest = Rest(server.http_port, server.stub, server)
         assert curl(rest, "/v2/models/mlp/ready", "1.1")[0] == 400
         config = config_dict(
             text_format.Parse((repository / "mlp" / "config.pbtxt").read_text(), mc.ModelConfig())
@@ -438,11 +436,11 @@ def leaving_client_stops_its_generation(server: ServerProcess, port: int) -> Non
 def test_a_graceful_stop_finishes_a_stream_in_flight(tmp_path: Path) -> None:
     """SIGTERM while a generate_stream answers: the stream goes on to its last event, a new
     connection is refused, and the server exits once nothing is in flight."""
-    port = free_port()
     repository = model_repository(tmp_path / "models", ["generate"])
-    args = ("--http-port", str(port), "--grace-period", "120")
+    args = ("--http-port", HTTP_PORT, "--grace-period", "120")
     body = json.dumps({"text": "x", "max_tokens": 64}).encode()
     with running_server(repository, tmp_path / "server.log", args) as server:
+        port = server.http_port
         with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
             connection.sendall(
                 b"POST /v2/models/generate/generate_stream HTTP/1.1\r\nHost: x\r\n"
@@ -913,16 +911,14 @@ def test_restricted_categories_need_their_header_on_rest_too(tmp_path: Path) -> 
     """--restricted-protocol CATEGORIES:KEY=VALUE: a REST route of a restricted category is
     served to requests carrying `KEY: VALUE` (Triton's --http-restricted-api header), refused
     403 in Triton's words before its body is read otherwise; other categories stay open."""
-    port = free_port()
     repository = model_repository(tmp_path / "models", ["mlp"])
     args = (
-        *("--http-port", str(port)),
+        *("--http-port", HTTP_PORT),
         *("--restricted-protocol", "model-repository,statistics:admin-key=s3cret"),
     )
-    url = f"http://127.0.0.1:{port}"
 
     def status(path: str, body: bytes | None = None, **headers: str) -> tuple[int, bytes]:
-        request = urllib.request.Request(url + path, data=body, headers=headers)
+        request = urllib.request.Request(server.http_url + path, data=body, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, response.read()
@@ -974,11 +970,11 @@ def test_rest_is_not_served_in_clear_text_beside_required_client_certificates(
 
 
 def test_rest_over_tls_negotiates_http2_by_alpn(tmp_path: Path) -> None:
-    port = free_port()
     repository = model_repository(tmp_path / "models", ["mlp"])
     certs = tmp_path / "certs"
-    args = ("--http-port", str(port), "--http-tls", "--certs-dir", str(certs), "--no-h3")
-    with running_server(repository, tmp_path / "server.log", args):
+    args = ("--http-port", HTTP_PORT, "--http-tls", "--certs-dir", str(certs), "--no-h3")
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        port = server.http_port
         for flag, spoken in (("--http2", "2"), ("--http1.1", "1.1")):
             done = subprocess.run(
                 [

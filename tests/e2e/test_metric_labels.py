@@ -19,7 +19,7 @@ from clients.inference_client import build_request
 from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.servers import ServerProcess, free_port, model_repository, running_server
+from tests.servers import METRICS_PORT, ServerProcess, model_repository, running_server
 
 ROUNDS = 100  # per kind of call and transport
 Series = set[tuple[str, tuple[tuple[str, str], ...]]]
@@ -49,11 +49,10 @@ class Labelled:
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Labelled]:
     root = tmp_path_factory.mktemp("labels")
-    metrics_port = free_port()
-    args = ["--certs-dir", str(root / "certs"), "--metrics-port", str(metrics_port)]
+    args = ["--certs-dir", str(root / "certs"), "--metrics-port", METRICS_PORT]
     repository = model_repository(root / "models", ["mlp"])
     with running_server(repository, root / "server.log", args) as server:
-        yield Labelled(server, root / "certs", metrics_port)
+        yield Labelled(server, root / "certs", server.metrics_port)
 
 
 def _name(rng: random.Random) -> str:

@@ -27,7 +27,7 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from tests.e2e.test_worker_restart import wait_for
-from tests.servers import ServerProcess, free_port, model_repository, running_server
+from tests.servers import METRICS_PORT, ServerProcess, model_repository, running_server
 
 TIMEOUT_S = 60.0
 LONG_LINE = 10_000  # characters gate's initialize() prints on one line
@@ -181,16 +181,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         if model is not None:
             (repository / name / "1").mkdir()
             (repository / name / "1" / "model.py").write_text(model)
-    metrics_port = free_port()
     args = [
-        *("--metrics-port", str(metrics_port), "--model-control-mode", "explicit"),
+        *("--metrics-port", METRICS_PORT, "--model-control-mode", "explicit"),
         *("--certs-dir", str(root / "certs")),
         *("--load-model", "*", "--log-sample-ratio", "0", "--slow-request-ms", "0"),
         *OUTPUT_BUDGET,
     ]
     with running_server(repository, root / "server.log", args, wait=False) as server:
         server.wait_loaded()
-        yield Served(server, repository, root / "certs", metrics_port)
+        yield Served(server, repository, root / "certs", server.metrics_port)
 
 
 def state(server: ServerProcess, model: str) -> tuple[str, str] | None:
@@ -357,13 +356,12 @@ def test_no_metrics_opens_no_metrics_port_serves_and_finalizes_at_stop(tmp_path:
     (repository / "gate" / "1").mkdir(parents=True)
     (repository / "gate" / "config.pbtxt").write_text(GATE)
     (repository / "gate" / "1" / "model.py").write_text(GATED_MODEL)
-    metrics_port = free_port()
-    args = ["--no-metrics", "--metrics-port", str(metrics_port), "--no-h3", *OUTPUT_BUDGET]
+    args = ["--no-metrics", "--metrics-port", METRICS_PORT, "--no-h3", *OUTPUT_BUDGET]
     with running_server(repository, tmp_path / "server.log", args) as server:
         response = server.stub.ModelInfer(gate_request(2.0, "unmetered"), timeout=TIMEOUT_S)
         assert parse_response(response)["y"].tolist() == [[4.0]]
         with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", metrics_port), timeout=10).close()
+            socket.create_connection(("127.0.0.1", server.metrics_port), timeout=10).close()
         assert "/metrics" not in server.log_text()
     # A stopping server finalizes its Python models too, and logs every line they print
     # while they stop (their output is read to its end, not cut off at their exit).

@@ -18,7 +18,7 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
 from service.observability.logs import sampled_by_id
-from tests.servers import ServerProcess, free_port, json_lines, model_repository, running_server
+from tests.servers import METRICS_PORT, ServerProcess, json_lines, model_repository, running_server
 
 GOOD = {"input": np.ones((1, 256), np.float32)}
 BAD = {"no_such_input": np.ones((1, 256), np.float32)}  # -> INVALID_ARGUMENT
@@ -38,15 +38,14 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     root = tmp_path_factory.mktemp("observability")
-    metrics_port = free_port()
     args = [
-        *("--certs-dir", str(root / "certs"), "--metrics-port", str(metrics_port)),
+        *("--certs-dir", str(root / "certs"), "--metrics-port", METRICS_PORT),
         *("--log-sample-ratio", "0", "--log-sample-seed", "1", "--slow-request-ms", "600000"),
         *("--trace-console", "--testing-service"),
     ]
     repository = model_repository(root / "models", ["mlp"])
     with running_server(repository, root / "server.log", args) as server:
-        yield Observed(server, root / "certs", metrics_port)
+        yield Observed(server, root / "certs", server.metrics_port)
 
 
 def channel(observed: Observed, transport: str) -> grpc.aio.Channel | QuicChannel:

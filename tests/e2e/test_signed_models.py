@@ -24,10 +24,10 @@ from protos.inference import grpc_service_pb2 as pb
 from service.lifecycle.signatures import generate_keys, sign
 from tests.servers import (
     EXAMPLE_MODELS,
+    METRICS_PORT,
     REPO_ROOT,
     ServerProcess,
     eventually,
-    free_port,
     running_server,
 )
 
@@ -115,8 +115,7 @@ def keys(tmp_path: Path) -> tuple[Path, Path]:
 def test_signing_policy(tmp_path: Path, required: bool) -> None:
     key, trusted = keys(tmp_path)
     repo = repository(tmp_path / "models", key)
-    metrics_port = free_port()
-    args = ["--trusted-keys", str(trusted), "--no-h3", "--metrics-port", str(metrics_port)]
+    args = ["--trusted-keys", str(trusted), "--no-h3", "--metrics-port", METRICS_PORT]
     args += ["--require-signed"] if required else []
     with running_server(repo, tmp_path / "server.log", args, wait=False) as server:
         server.wait_loaded()
@@ -144,7 +143,7 @@ def test_signing_policy(tmp_path: Path, required: bool) -> None:
         else:
             assert models["unsigned", "1"].state == "READY"
             assert "is not signed (no model.sig); loading it" in server.log_text()
-        assert signature_failures(metrics_port) == len(expected) + required
+        assert signature_failures(server.metrics_port) == len(expected) + required
         listed = subprocess.run(
             [sys.executable, "-m", "clients.cli", "models", "--url", server.url],
             capture_output=True,

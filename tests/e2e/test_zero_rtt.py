@@ -19,7 +19,7 @@ from clients.quic_channel import QuicChannel
 from clients.tickets import SessionTicketCache
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import control_pb2, testing_pb2, testing_pb2_grpc
-from tests.servers import REPO_ROOT, ServerProcess, free_port, model_repository, running_server
+from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
 from transport.h3.client import H3ClientConnection, client_configuration
 
 REQUEST = build_request("mlp", {"input": np.ones((1, 256), np.float32)})
@@ -206,7 +206,6 @@ def test_tickets_persist_across_client_processes(
 async def test_reconnect_after_a_server_restart_then_resume(
     tmp_path: Path, certs_dir: Path
 ) -> None:
-    port = free_port()
     repo = model_repository(tmp_path / "models", ["mlp"])
     args = ["--certs-dir", str(certs_dir)]
 
@@ -216,9 +215,9 @@ async def test_reconnect_after_a_server_restart_then_resume(
             await stub.ModelInfer(REQUEST, timeout=60)
 
     cache = SessionTicketCache()
-    with running_server(repo, tmp_path / "first.log", args, port=port) as first:
+    with running_server(repo, tmp_path / "first.log", args) as first:
         assert await infer_once(first, certs_dir, cache) == "full"
-    with running_server(repo, tmp_path / "second.log", args, port=port) as second:
+    with running_server(repo, tmp_path / "second.log", args, port=first.port) as second:
         # The restarted server forgot its tickets: early data is refused, the call completes.
         assert await infer_once(second, certs_dir, cache) == "0rtt-rejected"
         assert await infer_once(second, certs_dir, cache) == "0rtt-accepted"
