@@ -60,6 +60,7 @@ LAUNCHER = "service.workers.subreaper"
 PRELOADED = "service.workers.preloaded"
 WAIT_S = 60.0
 MAX_CONNECTIONS = 200  # new connections tried until both front-ends got one
+KILLED_STREAM_READ_S = 3.0  # a stream read this long after its front-end was killed: ended
 REBINDS = 20  # new client ports: the chance that none reaches the other front-end is 2^-20
 CALLERS = 16  # concurrent callers, each on a connection of its own
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
@@ -349,7 +350,11 @@ async def test_a_killed_front_ends_generations_are_cancelled_and_the_others_go_o
             for _, call, request_id in held.values():
                 ids: set[str] = set()  # of the responses this stream read
                 try:
-                    for _ in range(20):  # more than the killed one could have had on its way
+                    # Longer than the killed one's responses on their way last (what its
+                    # client buffered while the test looked for the second front-end can be
+                    # many: a count of them was flaky on a loaded machine).
+                    reading = time.monotonic() + KILLED_STREAM_READ_S
+                    while time.monotonic() < reading:
                         seen = await until_id(call, request_id)
                         ids.update(r.infer_response.id for r in seen)
                     kept.append((call, request_id))
