@@ -1,10 +1,10 @@
 #!/bin/sh
 # `make bench-scale` on a many-core host with no network, from the repository root: the
 # wheels `make bench-scale-kit` put in .whl/ go into a folder of their own (the host's Python
-# is left as it is). Where the host's Python imports Paddle the run serves mlp on both paths
-# (the server's batcher, and the instance queues every process holding calls writes into);
-# without Paddle it serves mlp_numpy, a Python-backend model of mlp's shapes, which the
-# instance queues do not take (the parent's path only: said in scale.txt). MODEL overrides.
+# is left as it is). It serves mlp where the host's Python imports Paddle, else mlp_numpy, a
+# Python-backend model of mlp's shapes whose config asks for instance queues
+# (python_instance_queues), on both paths: the server's batcher, and the instance queues every
+# process holding calls writes into. MODEL overrides.
 # Results go to $OUT (default bench-results/): scale.json, scale.txt and, where NVML sees
 # GPUs, topology.txt. The generated protobuf modules must be there (`make proto`).
 # FRONTENDS, CLIENTS (default: half the cores), DURATION and ROUNDS (default 3) size the run;
@@ -24,14 +24,12 @@ else
     model=${MODEL:-mlp_numpy}
 fi
 if [ "$model" = mlp_numpy ]; then
-    paths=batcher
-    echo "no Paddle on this host: mlp_numpy, a Python model, on the parent's path only" \
+    echo "no Paddle on this host: mlp_numpy, mlp's shapes in numpy on the Python backend" \
         | tee "$out/scale.txt"
 else
-    paths=batcher,queues
     : > "$out/scale.txt"
 fi
-"$python" -m scripts.bench_scale --model "$model" --paths "$paths" \
+"$python" -m scripts.bench_scale --model "$model" --paths batcher,queues \
     --frontends "${FRONTENDS:-1,2,4,8}" --duration "${DURATION:-3}" ${ROUNDS:+--rounds "$ROUNDS"} \
     ${CLIENTS:+--clients "$CLIENTS"} ${WORKLOADS:+--workloads "$WORKLOADS"} \
     --out "$out/scale.json" | tee -a "$out/scale.txt"

@@ -36,6 +36,7 @@ from service.model.files import ENSEMBLE, PYTHON_BACKEND, ModelFiles
 from service.model.parameters import (
     TESTING_PARAMETERS,
     check_parameters,
+    python_instance_queues,
     string_parameters,
     worker_memory_mb,
 )
@@ -262,6 +263,18 @@ class VersionLoader:
                         label,
                         served.ready_instances,
                     )
+            if (
+                config.backend == PYTHON_BACKEND
+                and python_instance_queues(string_parameters(config))
+                and not isinstance(served.batcher, QueuedBatcher)
+            ):
+                log.warning(
+                    "%s asks for python_instance_queues, but its requests go through the "
+                    "server: the instance queues take models whose tensors have fixed-size "
+                    "datatypes, not sequence or decoupled ones, and none with "
+                    "--no-instance-queues",
+                    label,
+                )
         except RepositoryError as exc:
             await self.fail(served, str(exc), "load")
             return

@@ -55,6 +55,10 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # A Python model's sandbox; only a model whose code is trusted says "off", explicitly.
 PYTHON_SANDBOX = "python_sandbox"
 PYTHON_SANDBOX_CHOICES = ("on", "off")
+# A Python model that makes no BLS calls says "true": its requests go straight to its
+# instances' queues as a Paddle model's do (service/serving/queue_setup.py), its BLS calls
+# refused. Off by default: a BLS call must go back through the process holding the request.
+PYTHON_INSTANCE_QUEUES = "python_instance_queues"
 # Test-only: a worker aborts when any input element equals this number. Honoured only
 # when the server runs with --testing-service; otherwise it never reaches the worker.
 TESTING_CRASH_ON = "testing_crash_on"
@@ -117,6 +121,7 @@ def check_parameters(config: mc.ModelConfig) -> ModelLimits:
             f"parameter {PYTHON_CHILD_PROCESSES} must be <= {MAX_CHILD_PROCESSES}, "
             f"not {numbers[PYTHON_CHILD_PROCESSES]}"
         )
+    python_instance_queues(params)
     sandbox = params.get(PYTHON_SANDBOX, "on")
     if sandbox not in PYTHON_SANDBOX_CHOICES:
         raise ParameterError(f"parameter {PYTHON_SANDBOX} must be on or off, not {sandbox!r}")
@@ -169,6 +174,11 @@ def engine_options(params: Mapping[str, str]) -> EngineOptions:
             "tensorrt_min_subgraph_size", default.tensorrt_min_subgraph_size
         ),
     )
+
+
+def python_instance_queues(params: Mapping[str, str]) -> bool:
+    """Whether a Python model asked for instance queues (PYTHON_INSTANCE_QUEUES)."""
+    return boolean(params, PYTHON_INSTANCE_QUEUES, False)
 
 
 def child_processes(params: Mapping[str, str]) -> int:

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from oip.datatypes import BY_CONFIG_TYPE
 from protos.inference import model_config_pb2 as mc
 from service.batching.queue import BatchPolicy
+from service.model.files import PYTHON_BACKEND
+from service.model.parameters import python_instance_queues, string_parameters
 from service.queues import records
 from service.queues.layout import QueueLayout
 from service.queues.ring import aligned8
@@ -20,10 +22,11 @@ MB = 1 << 20
 
 def queueable(config: mc.ModelConfig) -> bool:
     """Versions whose requests can go straight to their instances: Paddle models' with
-    fixed-size datatypes, run by the dynamic batcher (not sequences, streams, ensembles, nor
-    Python models, whose BLS calls go through the server)."""
+    fixed-size datatypes, run by the dynamic batcher (not sequences, streams, ensembles), and
+    Python models' that say they make no BLS calls (python_instance_queues: a BLS call goes
+    back through the process holding its request, which a queued worker has no channel to)."""
     return (
-        config.backend != "python"
+        (config.backend != PYTHON_BACKEND or python_instance_queues(string_parameters(config)))
         and not config.HasField("sequence_batching")
         and not config.HasField("ensemble_scheduling")
         and not config.model_transaction_policy.decoupled

@@ -11,6 +11,7 @@ process, before model.py was imported."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import queue
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from service.backend.python_runtime import triton_python_backend_utils as pb_utils
+from service.queues import wakeups
 from service.workers import protocol
 from service.workers.message_bounds import bls_inline_bytes
 from service.workers.tensor_io import inline_arrays, input_array
@@ -49,11 +51,42 @@ class BlsLink:
         self._closed = False
         # The Infer the main loop runs now: the caller every BLS call is made for.
         self.caller = 0
+        # Once the worker serves from its instance queues: what a BLS call is answered, and
+        # the eventfd woken for each message the main loop may take (queued_loop.Inbox).
+        self._refusal: str | None = None
+        self._arrived: int | None = None
         threading.Thread(target=self._read, name="read", daemon=True).start()
 
     def recv(self) -> protocol.Message | None:
         """The main loop's next message; None once the server closed the socket."""
         return self._inbox.get()
+
+    def queued(self, model: str) -> BlsLink:
+        """The worker now serves from its instance queues (python_instance_queues): its
+        model's BLS calls are refused, and the main loop polls `fileno()` for messages."""
+        self._refusal = (
+            f"model '{model}' takes its requests through its instance queues "
+            "(python_instance_queues), where it cannot make BLS calls: remove that parameter "
+            "from its config.pbtxt to make them"
+        )
+        self._arrived = wakeups.make()
+        if not self._inbox.empty():  # come before the eventfd did
+            wakeups.wake(self._arrived)
+        return self
+
+    def fileno(self) -> int:
+        assert self._arrived is not None
+        return self._arrived
+
+    def take(self) -> list[protocol.Message | None]:
+        """The messages waiting for the main loop, without blocking."""
+        assert self._arrived is not None
+        wakeups.clear(self._arrived)
+        taken: list[protocol.Message | None] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                taken.append(self._inbox.get_nowait())
+        return taken
 
     def send(self, message: protocol.Message) -> None:
         encoded = protocol.encode(message)
@@ -61,6 +94,8 @@ class BlsLink:
             self._sock.sendall(encoded)
 
     def submit(self, request: pb_utils.InferenceRequest, decoupled: bool) -> _Future:
+        if self._refusal is not None:
+            raise pb_utils.TritonModelException(self._refusal)
         arrays = [(t.name(), _wire_array(t.as_numpy())) for t in request.inputs()]
         refs, data = inline_arrays(arrays)
         if len(data) > self._max_bytes:
@@ -101,6 +136,8 @@ class BlsLink:
                 self._answer(message)
                 continue
             self._inbox.put(message)
+            if self._arrived is not None:
+                wakeups.wake(self._arrived)
             if message is None:
                 break
         with self._calls_lock:

@@ -120,12 +120,13 @@ def serve(sock: socket.socket, segments: socket.socket) -> int:
                 model.finalize()
             return 0
         if isinstance(msg, protocol.Queues):
-            from service.workers.queued_loop import serve_queued
+            from service.workers.queued_loop import SocketInbox, serve_queued
 
             scribble = load.parameters.get(TESTING_SCRIBBLE_ON)
             testing = (crash_on, None if scribble is None else float(scribble))
+            inbox = SocketInbox(sock, recv) if link is None else link.queued(load.model_name)
             return serve_queued(
-                model, msg, recv, sock, segments, lambda e: _reason(e, load.backend), testing
+                model, msg, inbox, segments, lambda e: _reason(e, load.backend), testing
             )
         if not isinstance(msg, protocol.Infer):
             continue

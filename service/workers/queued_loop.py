@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, Protocol, cast
 
 import numpy as np
 
@@ -297,11 +297,34 @@ def _array(tensor: BatchInput) -> np.ndarray[Any, Any]:
     return np.frombuffer(buf, dtype).reshape(tensor.shape)
 
 
+class Inbox(Protocol):
+    """Where the server's messages come from: readable when some can be taken."""
+
+    def fileno(self) -> int: ...
+
+    def take(self) -> list[protocol.Message | None]:
+        """The messages there are (None: the server closed the socket)."""
+        ...
+
+
+class SocketInbox:
+    """The server's socket itself (a Paddle worker's: nothing else reads it)."""
+
+    def __init__(self, sock: socket.socket, recv: Callable[[], protocol.Message | None]):
+        self._sock = sock
+        self._recv = recv
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def take(self) -> list[protocol.Message | None]:
+        return [self._recv()]
+
+
 def serve_queued(
     model: Any,
     setup: protocol.Queues,
-    recv: Callable[[], protocol.Message | None],
-    sock: socket.socket,
+    inbox: Inbox,
     channel: socket.socket,
     reason: Callable[[BaseException], str],
     testing: tuple[float | None, float | None],
@@ -309,7 +332,7 @@ def serve_queued(
     """Serve from the producers' rings until Shutdown or the server's socket closes."""
     worker = QueuedWorker(model, setup, reason, testing)
     poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(inbox.fileno(), select.POLLIN)
     watched: set[int] = set()
     if not _add(worker, setup.layout, PARENT, channel):
         return 2
@@ -326,19 +349,19 @@ def serve_queued(
         watched = _watch(poller, watched, {p.wake_in for p in worker.producers.values()})
         timeout = -1 if look is None else max(0, math.ceil((look - time.monotonic()) * 1000))
         for fd, _ in poller.poll(timeout):
-            if fd != sock.fileno():
+            if fd != inbox.fileno():
                 wakeups.clear(fd)
                 continue
-            msg = recv()
-            if isinstance(msg, protocol.AddProducer):
-                if not _add(worker, setup.layout, msg.producer, channel):
-                    return 2
-            elif isinstance(msg, protocol.DropProducer):
-                worker.drop(msg.producer)
-            elif msg is None or isinstance(msg, protocol.Shutdown):
-                if isinstance(msg, protocol.Shutdown) and hasattr(model, "finalize"):
-                    model.finalize()
-                return 0
+            for msg in inbox.take():
+                if isinstance(msg, protocol.AddProducer):
+                    if not _add(worker, setup.layout, msg.producer, channel):
+                        return 2
+                elif isinstance(msg, protocol.DropProducer):
+                    worker.drop(msg.producer)
+                elif msg is None or isinstance(msg, protocol.Shutdown):
+                    if isinstance(msg, protocol.Shutdown) and hasattr(model, "finalize"):
+                        model.finalize()
+                    return 0
 
 
 def _add(worker: QueuedWorker, layout: QueueLayout, key: int, channel: socket.socket) -> bool:

@@ -15,7 +15,7 @@ from clients.inference_client import build_request, parse_response
 from protos.inference import grpc_service_pb2 as pb
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from scripts.bench_scale import BENCH_MODELS, open_channel, stream_loop
-from tests.servers import ServerProcess, running_server
+from tests.servers import ServerProcess, paused, running_server
 
 
 def expected(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -30,16 +30,23 @@ def expected(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def test_mlp_numpy_has_mlps_interface_and_answers_every_row(tmp_path: Path) -> None:
+    """With --frontends 2 its calls are served with the parent held still: the instance
+    queues take it, so a host without Paddle measures the new path too."""
     repository = tmp_path / "models"
     shutil.copytree(BENCH_MODELS / "mlp_numpy", repository / "mlp_numpy")
     rows = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
-    with running_server(repository, tmp_path / "server.log") as server:
+    args = ["--frontends", "2", "--no-h3"]
+    with running_server(repository, tmp_path / "server.log", args) as server:
         metadata = server.stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp_numpy"), timeout=30)
         assert [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs] == [
             ("input", "FP32", [-1, 256])
         ]
-        response = server.stub.ModelInfer(build_request("mlp_numpy", {"input": rows}), timeout=60)
+        request = build_request("mlp_numpy", {"input": rows})
+        first = parse_response(server.stub.ModelInfer(request, timeout=60))["probabilities"]
+        with paused(server.process.pid):
+            response = server.stub.ModelInfer(request, timeout=60)
         probabilities = parse_response(response)["probabilities"]
+    np.testing.assert_array_equal(probabilities, first)
     assert probabilities.dtype == np.float32
     assert probabilities.shape == (3, 10)
     np.testing.assert_allclose(probabilities, expected(rows), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """`mlp`'s shapes and architecture (256 -> 128 -> ReLU -> 10 -> softmax) in numpy, with random
 weights drawn at load from a fixed seed: `make bench-scale ARGS="--model mlp_numpy"` on a host
-without Paddle (the device machine), where only the server's own per-call cost is measured."""
+without Paddle (the device machine). Its config asks for instance queues
+(python_instance_queues), so both of bench-scale's paths serve it as they serve mlp."""
 
 from __future__ import annotations
 

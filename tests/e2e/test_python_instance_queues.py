@@ -1,0 +1,162 @@
+"""python_instance_queues: a Python model that says it makes no BLS calls takes its requests
+through its instances' queues, as a Paddle model does, so with --frontends N the front-end
+holding a call writes it there and the parent takes no part. Beside it, the same model without
+the parameter, served as before: both answer alike, and only the queued one refuses BLS calls,
+naming the parameter."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import grpc
+import numpy as np
+import pytest
+
+from clients.inference_client import build_request, parse_response
+from tests.servers import ServerProcess, paused, running_server
+
+TIMEOUT_S = 60.0
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [
+  {{ name: "INPUT0", data_type: TYPE_INT32, dims: [ 16 ] }},
+  {{ name: "INPUT1", data_type: TYPE_INT32, dims: [ 16 ] }}
+]
+output [
+  {{ name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 16 ] }},
+  {{ name: "OUTPUT1", data_type: TYPE_INT32, dims: [ 16 ] }}
+]
+instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+dynamic_batching {{ }}
+{parameters}
+"""
+QUEUED = 'parameters { key: "python_instance_queues" value: { string_value: "true" } }'
+# INPUT0 holding -1: the model asks `simple` through a BLS call; -2: it answers an error.
+MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            first = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            second = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            if (first == -2).any():
+                error = pb_utils.TritonError("told to fail")
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            if (first == -1).any():
+                call = pb_utils.InferenceRequest(
+                    model_name="simple",
+                    requested_output_names=["OUTPUT0"],
+                    inputs=[pb_utils.Tensor("INPUT0", first), pb_utils.Tensor("INPUT1", second)],
+                )
+                answer = call.exec()
+                first = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy() - second
+            outputs = [
+                pb_utils.Tensor("OUTPUT0", first + second),
+                pb_utils.Tensor("OUTPUT1", first - second),
+            ]
+            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
+        return responses
+"""
+
+
+class Served(NamedTuple):
+    server: ServerProcess
+    frontends: int
+
+
+def repository(root: Path) -> Path:
+    """`queued` and `plain`, `simple` (their BLS calls' target), and `upper` asking for the
+    queues with string tensors, which they do not take."""
+    for name in ("simple", "python_model"):
+        shutil.copytree(FIXTURES / name, root / name / "1")
+        shutil.move(root / name / "1" / "config.pbtxt", root / name / "config.pbtxt")
+    shutil.move(root / "python_model", root / "upper")
+    with (root / "upper" / "config.pbtxt").open("a") as config:
+        config.write(f"\n{QUEUED}\n")
+    for name, parameters in (("queued", QUEUED), ("plain", "")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(MODEL)
+        (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, parameters=parameters))
+    return root
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "frontends-2"])
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("python_queues")
+    args = ["--no-h3", "--frontends", str(request.param)]
+    with running_server(repository(root / "models"), root / "server.log", args) as server:
+        yield Served(server, request.param)
+
+
+def infer(server: ServerProcess, model: str, first: int) -> dict[str, Any]:
+    inputs = {
+        "INPUT0": np.full((1, 16), first, np.int32),
+        "INPUT1": np.arange(16, dtype=np.int32).reshape(1, 16),
+    }
+    return parse_response(server.stub.ModelInfer(build_request(model, inputs), timeout=TIMEOUT_S))
+
+
+def refusal(server: ServerProcess, model: str, first: int) -> tuple[grpc.StatusCode, str]:
+    """The call's status code and details."""
+    with pytest.raises(grpc.RpcError) as refused:
+        infer(server, model, first)
+    error: Any = refused.value
+    return error.code(), error.details() or ""
+
+
+def test_both_answer_alike_and_only_the_queued_one_refuses_bls_calls(served: Served) -> None:
+    server = served.server
+    second = np.arange(16, dtype=np.int32).reshape(1, 16)
+    for model in ("queued", "plain"):
+        answered = infer(server, model, 5)
+        np.testing.assert_array_equal(answered["OUTPUT0"], 5 + second)
+        np.testing.assert_array_equal(answered["OUTPUT1"], 5 - second)
+    # An error the model answers is the caller's, in the same words and code on both paths.
+    queued, plain = (refusal(server, model, -2) for model in ("queued", "plain"))
+    assert queued == (plain[0], plain[1].replace("'plain'", "'queued'"))
+    assert "told to fail" in queued[1]
+    # A BLS call: served for the plain model, refused (naming the fix) for the queued one.
+    np.testing.assert_array_equal(infer(server, "plain", -1)["OUTPUT0"], -1 + second)
+    _, refused = refusal(server, "queued", -1)
+    assert "cannot make BLS calls" in refused
+    assert "python_instance_queues" in refused
+    assert infer(server, "queued", 3)["OUTPUT0"].tolist() == (3 + second).tolist()
+
+
+def test_with_front_ends_the_queued_model_is_served_with_the_parent_stopped(
+    served: Served,
+) -> None:
+    if served.frontends == 1:
+        pytest.skip("one process: it holds every call")
+    server = served.server
+    infer(server, "queued", 1)  # each front-end's queues attached to the worker
+    with paused(server.process.pid):
+        for value in range(8):
+            answered = infer(server, "queued", value)
+            assert answered["OUTPUT0"].tolist() == [[value + i for i in range(16)]]
+
+
+def test_a_model_the_queues_cannot_take_is_served_as_before_and_the_log_says_why(
+    served: Served,
+) -> None:
+    text = np.array([[b"quiet"]], dtype=object)
+    response = served.server.stub.ModelInfer(build_request("upper", {"text": text}), timeout=60)
+    assert parse_response(response)["upper"].tolist() == [[b"QUIET"]]
+    said = [
+        line
+        for line in served.server.log_text().splitlines()
+        if "model 'upper'" in line and "python_instance_queues" in line
+    ]
+    assert len(said) == 1 and "fixed-size datatypes" in said[0]
