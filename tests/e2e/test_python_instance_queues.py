@@ -6,7 +6,9 @@ naming the parameter."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from clients.inference_client import build_request, parse_response
+from tests.e2e.test_worker_restart import only_instance, wait_for
 from tests.servers import ServerProcess, paused, running_server
 
 TIMEOUT_S = 60.0
@@ -160,3 +163,24 @@ def test_a_model_the_queues_cannot_take_is_served_as_before_and_the_log_says_why
         if "model 'upper'" in line and "python_instance_queues" in line
     ]
     assert len(said) == 1 and "fixed-size datatypes" in said[0]
+
+
+def test_a_killed_worker_comes_back_on_its_queues(served: Served) -> None:
+    """SIGKILL the queued model's worker: its restart is told of its queues again (with
+    front-ends, each one's through the worker's BLS link, which wakes its loop), and calls
+    go on; with front-ends, served with the parent held still once it is back."""
+    server = served.server
+    before = only_instance(server, "queued")
+    os.kill(before.pid, signal.SIGKILL)
+    after = wait_for(
+        "the worker's restart",
+        lambda: next(
+            (i for i in server.instances("queued") if i.state == "READY" and i.pid != before.pid),
+            None,
+        ),
+    )
+    assert after.restarts == before.restarts + 1
+    assert infer(server, "queued", 2)["OUTPUT1"].tolist() == [[2 - i for i in range(16)]]
+    if served.frontends > 1:
+        with paused(server.process.pid):
+            assert infer(server, "queued", 4)["OUTPUT0"].tolist() == [[4 + i for i in range(16)]]
