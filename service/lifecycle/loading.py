@@ -270,9 +270,8 @@ class VersionLoader:
             ):
                 log.warning(
                     "%s asks for python_instance_queues, but its requests go through the "
-                    "server: the instance queues take models whose tensors have fixed-size "
-                    "datatypes, not sequence or decoupled ones, and none with "
-                    "--no-instance-queues",
+                    "server: the instance queues take no sequence or decoupled model, and "
+                    "none with --no-instance-queues",
                     label,
                 )
         except RepositoryError as exc:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from oip.bytes_tensor import scan_bytes, split_bytes
 from service.inference.jobs import Timings
 from service.queues.records import Tensor, pack_tensor, read_tensors, tensor_size
 from service.queues.ring import Corrupt
@@ -101,7 +102,7 @@ class Expected:
     element size, and the rows each must start with (0: the model does not batch)."""
 
     outputs: tuple[int, ...]
-    itemsizes: tuple[int, ...]  # by output index (the setup's outputs)
+    itemsizes: tuple[int, ...]  # by output index (the setup's outputs); 0: BYTES
     rows: int
     max_batch_rows: int
 
@@ -153,7 +154,13 @@ def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
         raise Corrupt(f"outputs {sent} for a request of {list(first.outputs)}")
     total = sum(e.rows for e in wanted)
     for tensor in outputs:
-        if len(tensor.data) != math.prod(tensor.shape) * first.itemsizes[tensor.position]:
+        elements = math.prod(tensor.shape)
+        itemsize = first.itemsizes[tensor.position]
+        if not (
+            len(tensor.data) == elements * itemsize
+            if itemsize
+            else scan_bytes(tensor.data, elements).matches(elements)
+        ):
             raise Corrupt(f"an output of shape {list(tensor.shape)} in {len(tensor.data)} bytes")
         if total and (not tensor.shape or tensor.shape[0] != total):
             raise Corrupt(f"an output of shape {list(tensor.shape)} for {total} rows")
@@ -171,11 +178,14 @@ def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
                 counts_batch=bool(code),
             )
         ]
+    counts_of = [e.rows for e in wanted]
+    split = [_split(t, counts_of, total, first.itemsizes[t.position]) for t in outputs]
     replies: list[Reply] = []
-    start = 0
-    for (request_id, queued), expected in zip(answered, wanted, strict=True):
-        mine = tuple(_rows_of(t, start, expected.rows, total) for t in outputs)
-        start += expected.rows
+    for index, ((request_id, queued), expected) in enumerate(zip(answered, wanted, strict=True)):
+        mine = tuple(
+            Tensor(t.position, (expected.rows, *t.shape[1:]), parts[index])
+            for t, parts in zip(outputs, split, strict=True)
+        )
         counts = bool(code) and not replies  # the record's first answer counts the batch
         replies.append(
             Reply(request_id, batch, rows, timings, min(queued, _MAX_NS), mine, counts_batch=counts)
@@ -183,12 +193,19 @@ def read_reply(payload: bytes, expected_of: ExpectedOf) -> list[Reply]:
     return replies
 
 
-def _rows_of(tensor: Tensor, start: int, rows: int, total: int) -> Tensor:
-    """One request's rows of an output that holds `total`."""
+def _split(tensor: Tensor, rows: list[int], total: int, itemsize: int) -> list[memoryview]:
+    """Each request's rows of an output that holds `total` (checked whole already): slices
+    of the bytes, or of a BYTES output's elements, row by row."""
+    per_row = math.prod(tensor.shape[1:])
+    if not itemsize:
+        return [memoryview(p) for p in split_bytes(tensor.data, [n * per_row for n in rows])]
     row = len(tensor.data) // total
-    return Tensor(
-        tensor.position, (rows, *tensor.shape[1:]), tensor.data[start * row : (start + rows) * row]
-    )
+    parts: list[memoryview] = []
+    start = 0
+    for count in rows:
+        parts.append(tensor.data[start * row : (start + count) * row])
+        start += count
+    return parts
 
 
 def _expected(expected_of: ExpectedOf, request_id: int) -> Expected:

@@ -21,21 +21,17 @@ MB = 1 << 20
 
 
 def queueable(config: mc.ModelConfig) -> bool:
-    """Versions whose requests can go straight to their instances: Paddle models' with
-    fixed-size datatypes, run by the dynamic batcher (not sequences, streams, ensembles), and
-    Python models' that say they make no BLS calls (python_instance_queues: a BLS call goes
-    back through the process holding its request, which a queued worker has no channel to)."""
+    """Versions whose requests can go straight to their instances: Paddle models', run by
+    the dynamic batcher (not sequences, streams, ensembles), and Python models' that say they
+    make no BLS calls (python_instance_queues: a BLS call goes back through the process
+    holding its request, which a queued worker has no channel to)."""
     return (
         (config.backend != PYTHON_BACKEND or python_instance_queues(string_parameters(config)))
         and not config.HasField("sequence_batching")
         and not config.HasField("ensemble_scheduling")
         and not config.model_transaction_policy.decoupled
-        and all(
-            t.data_type != mc.TYPE_STRING and len(t.dims) < records.MAX_RANK for t in config.input
-        )
-        and all(
-            t.data_type != mc.TYPE_STRING and len(t.dims) < records.MAX_RANK for t in config.output
-        )
+        and all(len(t.dims) < records.MAX_RANK for t in config.input)
+        and all(len(t.dims) < records.MAX_RANK for t in config.output)
     )
 
 
@@ -64,8 +60,11 @@ def ring_bytes(
 ) -> int:
     """A ring's data bytes: `least`, or room for a full batch's tensors in one record where
     the config fixes their size (a ring takes records of up to half its size), so that a
-    model's largest request always fits, its warm-up's included."""
-    if any(d < 0 for t in tensors for d in t.dims):
+    model's largest request always fits, its warm-up's included (BYTES elements have no
+    fixed size: `least` then)."""
+    if any(d < 0 for t in tensors for d in t.dims) or any(
+        t.data_type == mc.TYPE_STRING for t in tensors
+    ):
         return aligned8(least)
     full = rows * sum(
         math.prod(t.dims) * BY_CONFIG_TYPE[t.data_type].numpy.itemsize for t in tensors

@@ -91,7 +91,10 @@ class QueuedBatcher:
         self._input_index = {t.name: i for i, t in enumerate(config.input)}
         self._output_index = {t.name: i for i, t in enumerate(config.output)}
         self._outputs = [(t.name, BY_CONFIG_TYPE[t.data_type]) for t in config.output]
-        self._itemsizes = tuple(d.numpy.itemsize for _, d in self._outputs)
+        # 0: BYTES, whose elements the reader checks instead (replies.Expected)
+        self._itemsizes = tuple(
+            0 if d.name == "BYTES" else d.numpy.itemsize for _, d in self._outputs
+        )
         self._rows = rows
         self._batches = config.max_batch_size > 0
         self._queues: dict[int, InstanceQueue] = {}  # by instance, while its worker serves

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple, NoReturn, Protocol, cast
 
 import numpy as np
 
-from oip.datatypes import BY_NAME
+from oip.bytes_tensor import to_numpy_bytes
+from oip.datatypes import BY_NAME, is_bytes
 from service.batching.assemble import BatchInput, plan
 from service.batching.queue import BatchQueue, Pending
 from service.inference.jobs import Timings
@@ -35,6 +36,7 @@ from service.workers import protocol
 from service.workers.producers import Producer
 from service.workers.results import BAD_INPUT_ERRORS
 from service.workers.runs import Arrays, Member, Source, gathered
+from service.workers.tensor_io import wire_form
 
 # A caller reads its replies as they come: only a burst, or a caller held still, fills its ring.
 # Its answers then wait in the worker (at most one per request it has out, which its queue
@@ -62,6 +64,8 @@ class QueuedWorker:
         self._reason = reason
         self._crash_on, self._scribble_on = testing
         self._inputs = [(name, BY_NAME[datatype]) for name, datatype in setup.inputs]
+        # BYTES inputs: no fixed row size to gather by, each batch planned request by request.
+        self._gathers = not any(datatype.name == "BYTES" for _, datatype in self._inputs)
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}  # _output_names'
         self._batch = 0  # the number of the batch running
         self._counted = False  # whether an answer of the batch running counts it
@@ -193,7 +197,7 @@ class QueuedWorker:
         first = members[0].source
         shapes = self._setup.policy.shapes
         row_counts = [member.source.rows for member in members]
-        if first.run.batch_size and not shapes.sequence:
+        if first.run.batch_size and not shapes.sequence and self._gathers:
             rows = shapes.batch_rows(sum(row_counts))
             return gathered(members, rows), first.names, rows, row_counts
         planned = plan([member.job for member in members], shapes)
@@ -215,7 +219,7 @@ class QueuedWorker:
             array = outputs[self._setup.outputs[index]]
             if formed.rows:  # else the model does not batch: one request, the whole output
                 array = _rows(array, [(start, count) for _, start, count in members])
-            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            _, data = wire_form(array)
             parts.append((index, tuple(array.shape), data))
         size = replies.answers_size(len(members), [(shape, d.nbytes) for _, shape, d in parts])
         most = max_record(producer.replies.capacity)
@@ -288,13 +292,17 @@ def _holds(arrays: dict[str, np.ndarray[Any, Any]], value: float | None) -> bool
 
 def _array(tensor: BatchInput) -> np.ndarray[Any, Any]:
     """The batch's input: the one request's bytes as they are, else the requests' rows and
-    the padding written into a buffer of its own."""
+    the padding written into a buffer of its own (BYTES: its elements, as a Python model
+    receives them)."""
     dtype = np.dtype(tensor.dtype)
     if len(tensor.parts) == 1 and tensor.consecutive and len(tensor.parts[0].data) == tensor.nbytes:
-        return np.frombuffer(tensor.parts[0].data, dtype).reshape(tensor.shape)
-    buf = bytearray(tensor.nbytes)
-    tensor.write(memoryview(buf))
-    return np.frombuffer(buf, dtype).reshape(tensor.shape)
+        data: bytes | bytearray | memoryview = tensor.parts[0].data
+    else:
+        data = bytearray(tensor.nbytes)
+        tensor.write(memoryview(data))
+    if is_bytes(dtype):
+        return to_numpy_bytes(bytes(data), tensor.shape)
+    return np.frombuffer(data, dtype).reshape(tensor.shape)
 
 
 class Inbox(Protocol):

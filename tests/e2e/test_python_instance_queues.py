@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ import pytest
 
 from clients.inference_client import build_request, parse_response
 from tests.e2e.test_worker_restart import only_instance, wait_for
-from tests.servers import ServerProcess, paused, running_server
+from tests.servers import ServerProcess, paused, running_server, wait_arrived
 
 TIMEOUT_S = 60.0
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -78,14 +79,16 @@ class Served(NamedTuple):
 
 
 def repository(root: Path) -> Path:
-    """`queued` and `plain`, `simple` (their BLS calls' target), and `upper` asking for the
-    queues with string tensors, which they do not take."""
-    for name in ("simple", "python_model"):
-        shutil.copytree(FIXTURES / name, root / name / "1")
-        shutil.move(root / name / "1" / "config.pbtxt", root / name / "config.pbtxt")
-    shutil.move(root / "python_model", root / "upper")
-    with (root / "upper" / "config.pbtxt").open("a") as config:
-        config.write(f"\n{QUEUED}\n")
+    """`queued` and `plain`, `simple` (their BLS calls' target), `upper` (BYTES tensors)
+    asking for the queues, and `decoupled` asking for them too, which they do not take."""
+    shutil.copytree(FIXTURES / "simple", root / "simple" / "1")
+    shutil.move(root / "simple" / "1" / "config.pbtxt", root / "simple" / "config.pbtxt")
+    shutil.copytree(FIXTURES / "python_model", root / "upper" / "1")
+    shutil.move(root / "upper" / "1" / "config.pbtxt", root / "upper" / "config.pbtxt")
+    shutil.copytree(FIXTURES / "python_decoupled", root / "decoupled")
+    for name in ("upper", "decoupled"):
+        with (root / name / "config.pbtxt").open("a") as config:
+            config.write(f"\n{QUEUED}\n")
     for name, parameters in (("queued", QUEUED), ("plain", "")):
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(MODEL)
@@ -151,18 +154,47 @@ def test_with_front_ends_the_queued_model_is_served_with_the_parent_stopped(
             assert answered["OUTPUT0"].tolist() == [[value + i for i in range(16)]]
 
 
+def upper(server: ServerProcess, words: list[bytes]) -> tuple[list[bytes], list[int]]:
+    text = np.array([[w] for w in words], dtype=object)
+    answer = parse_response(
+        server.stub.ModelInfer(build_request("upper", {"text": text}), timeout=TIMEOUT_S)
+    )
+    return [v for (v,) in answer["upper"].tolist()], [n for (n,) in answer["length"].tolist()]
+
+
+def test_bytes_tensors_go_through_the_queues_and_a_batch_of_them_is_split_right(
+    served: Served,
+) -> None:
+    """Requests held while the worker is stopped meet in one batch: each gets its own
+    elements of the BYTES output back (and of the other), whatever their lengths."""
+    server = served.server
+    assert upper(server, [b"warm", b"up"]) == ([b"WARM", b"UP"], [4, 2])
+    calls = [[b"a"], [b"bb", b""], [b"\xc3\xa9t\xc3\xa9"], [b"d" * 300, b"e", b"ff"]]
+    worker = only_instance(server, "upper").pid
+    with ThreadPoolExecutor(len(calls)) as pool:
+        with paused(worker):
+            answers = [pool.submit(upper, server, words) for words in calls]
+            wait_arrived(server, "upper", len(calls))
+        got = [answer.result() for answer in answers]
+    assert got == [
+        ([w.decode().upper().encode() for w in words], [len(w.decode()) for w in words])
+        for words in calls
+    ]
+    assert "model upper: batch of 7" in server.log_text()  # the four requests' rows together
+    if served.frontends > 1:
+        with paused(server.process.pid):
+            assert upper(server, [b"held"]) == ([b"HELD"], [4])
+
+
 def test_a_model_the_queues_cannot_take_is_served_as_before_and_the_log_says_why(
     served: Served,
 ) -> None:
-    text = np.array([[b"quiet"]], dtype=object)
-    response = served.server.stub.ModelInfer(build_request("upper", {"text": text}), timeout=60)
-    assert parse_response(response)["upper"].tolist() == [[b"QUIET"]]
     said = [
         line
         for line in served.server.log_text().splitlines()
-        if "model 'upper'" in line and "python_instance_queues" in line
+        if "model 'decoupled'" in line and "python_instance_queues" in line
     ]
-    assert len(said) == 1 and "fixed-size datatypes" in said[0]
+    assert len(said) == 1 and "no sequence or decoupled model" in said[0]
 
 
 def test_a_killed_worker_comes_back_on_its_queues(served: Served) -> None:

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oip.bytes_tensor import scan_bytes, serialize_bytes
 from service.inference.jobs import Timings
 from service.queues import records, replies
 from service.queues.layout import QueueLayout
@@ -299,8 +300,9 @@ def test_the_answers_to_several_requests_are_split_by_their_rows() -> None:
 def batches(draw: st.DrawFn) -> tuple[dict[int, Expected], list[Output], list[list[Output]], int]:
     """Requests that asked for the same outputs, and an answers record that meets them: its
     outputs in any order, each their rows together where the model batches (one request
-    where it does not); and each request's own part of each output."""
-    itemsizes = tuple(draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=5)))
+    where it does not); and each request's own part of each output. An itemsize of 0: a
+    BYTES output, its elements serialized (each request's part: its rows' elements)."""
+    itemsizes = tuple(draw(st.lists(st.sampled_from([0, 1, 2, 4, 8]), min_size=1, max_size=5)))
     wanted = draw(st.permutations(range(len(itemsizes))))[: draw(st.integers(0, len(itemsizes)))]
     max_rows = draw(st.integers(1, 64))
     batching = draw(st.booleans())
@@ -318,17 +320,26 @@ def batches(draw: st.DrawFn) -> tuple[dict[int, Expected], list[Output], list[li
         rest = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
         row = math.prod(rest) * itemsizes[index]
         shape = (sum(counts), *rest) if batching else rest
-        nbytes = math.prod(shape) * itemsizes[index]
-        data = draw(st.binary(min_size=nbytes, max_size=nbytes))
+        elements = math.prod(shape)
+        if itemsizes[index]:
+            nbytes = elements * itemsizes[index]
+            data = draw(st.binary(min_size=nbytes, max_size=nbytes))
+        else:
+            values = draw(st.lists(st.binary(max_size=5), min_size=elements, max_size=elements))
+            data = serialize_bytes(values)
         outputs.append((index, shape, data))
         start = 0
         for place, count in enumerate(counts):
-            if batching:
+            if not batching:
+                mine[place].append((index, shape, data))
+            elif itemsizes[index]:
                 mine[place].append(
                     (index, (count, *rest), data[start * row : (start + count) * row])
                 )
             else:
-                mine[place].append((index, shape, data))
+                per_row = math.prod(rest)
+                own = values[start * per_row : (start + count) * per_row]
+                mine[place].append((index, (count, *rest), serialize_bytes(own)))
             start += count
     return expected, outputs, mine, draw(st.integers(1, max_rows))
 
@@ -517,8 +528,11 @@ def check_read(payload: bytes, expected_of: Callable[[int], Expected | None]) ->
         assert sorted(t.position for t in reply.outputs) == sorted(expected.outputs)
         assert 0 < reply.batch_rows <= expected.max_batch_rows
         for tensor in reply.outputs:
-            size = math.prod(tensor.shape) * expected.itemsizes[tensor.position]
-            assert len(tensor.data) == size
+            elements = math.prod(tensor.shape)
+            if expected.itemsizes[tensor.position]:
+                assert len(tensor.data) == elements * expected.itemsizes[tensor.position]
+            else:
+                assert scan_bytes(tensor.data, elements).matches(elements)
             assert not expected.rows or tensor.shape[:1] == (expected.rows,)
         assert max(*dataclasses.astuple(reply.timings), reply.queue_ns) <= MAX_NS
 
@@ -539,13 +553,21 @@ def test_random_bytes_as_a_reply_are_corrupt_or_replies_that_meet_their_requests
 TWO = answers(
     [(0, (4, 3), bytes(range(48))), (2, (4,), bytes(range(32)))], 4, [(1, 0), (2, 5)]
 )  # fmt: skip
+# Two requests' BYTES output 1 (of 2 rows each), with output 0.
+BYTES_SIZES = (4, 0, 8)
+TWO_BYTES = answers(
+    [(1, (4, 2), serialize_bytes([b"ab", b"", b"c", b"def"] * 2)), (0, (4,), bytes(range(16)))],
+    4,
+    [(1, 0), (2, 5)],
+)
+TWO_BYTES_SENT = sent(*[(i, Expected((1, 0), BYTES_SIZES, 2, 8)) for i in (1, 2)])
 
 
 @PROFILE
 @given(
-    base=st.sampled_from([GOOD, FAILURE, TWO]),
-    edits=st.lists(st.tuples(st.integers(0, len(TWO) - 1), st.integers(0, 255)), max_size=6),
-    cut=st.integers(0, len(TWO) + 8),
+    base=st.sampled_from([GOOD, FAILURE, TWO, TWO_BYTES]),
+    edits=st.lists(st.tuples(st.integers(0, len(TWO_BYTES) - 1), st.integers(0, 255)), max_size=6),
+    cut=st.integers(0, len(TWO_BYTES) + 8),
     tail=st.binary(max_size=16),
 )
 def test_a_scribbled_reply_is_corrupt_or_replies_that_meet_their_requests(
@@ -560,3 +582,29 @@ def test_a_scribbled_reply_is_corrupt_or_replies_that_meet_their_requests(
     payload = bytes(buf[:cut]) + tail
     check_read(payload, SENT)
     check_read(payload, sent((1, TWO_ROWS), (2, TWO_ROWS), (7, EXPECTED)))
+    check_read(payload, TWO_BYTES_SENT)
+
+
+def test_a_bytes_output_is_split_by_its_requests_rows_of_elements() -> None:
+    first, second = replies.read_reply(TWO_BYTES, TWO_BYTES_SENT)
+    assert [(t.position, t.shape, bytes(t.data)) for t in first.outputs] == [
+        (1, (2, 2), serialize_bytes([b"ab", b"", b"c", b"def"])),
+        (0, (2,), bytes(range(8))),
+    ]
+    assert bytes(second.outputs[0].data) == serialize_bytes([b"ab", b"", b"c", b"def"])
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        serialize_bytes([b"a"] * 7),  # an element short
+        serialize_bytes([b"a"] * 9),  # one too many
+        serialize_bytes([b"a"] * 8)[:-1],  # the last cut short
+        struct.pack("<I", 1 << 30) + serialize_bytes([b"a"] * 7),  # a length past the end
+    ],
+    ids=["short", "long", "cut", "huge length"],
+)
+def test_a_bytes_output_that_does_not_hold_its_elements_is_corrupt(data: bytes) -> None:
+    payload = answers([(1, (4, 2), data), (0, (4,), bytes(range(16)))], 4, [(1, 0), (2, 5)])
+    with pytest.raises(Corrupt, match="an output of shape"):
+        replies.read_reply(payload, TWO_BYTES_SENT)

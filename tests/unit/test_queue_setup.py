@@ -1,6 +1,6 @@
-"""Which versions the instance queues take (queue_setup.queueable): Paddle models with
-fixed-size tensors as before, and now Python models whose config asks for them
-(python_instance_queues), never one the queues cannot carry."""
+"""Which versions the instance queues take (queue_setup.queueable): Paddle models as before,
+and Python models whose config asks for them (python_instance_queues), BYTES tensors too, never
+a sequence or decoupled one."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def test_a_python_model_that_asks_is_queued(asked: str) -> None:
     check_parameters(config(PYTHON, asked))
 
 
+def test_bytes_tensors_go_into_the_queues_too() -> None:
+    text = PYTHON.replace(
+        "TYPE_FP32, dims: [ 4 ] } ]\noutput", "TYPE_STRING, dims: [ 4 ] } ]\noutput"
+    )
+    assert "TYPE_STRING" in text
+    assert queueable(config(text, "true"))
+
+
 @pytest.mark.parametrize("asked", [None, "false", "0", "no", "off"])
 def test_a_python_model_that_does_not_ask_is_not(asked: str | None) -> None:
     assert not queueable(config(PYTHON, asked))
@@ -43,11 +51,10 @@ def test_a_python_model_that_does_not_ask_is_not(asked: str | None) -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        ("TYPE_FP32, dims: [ 4 ] } ]\noutput", "TYPE_STRING, dims: [ 4 ] } ]\noutput"),
         ("max_batch_size: 8", "max_batch_size: 8\nsequence_batching { }"),
         ("max_batch_size: 8", "max_batch_size: 8\nmodel_transaction_policy { decoupled: true }"),
     ],
-    ids=["string input", "sequence", "decoupled"],
+    ids=["sequence", "decoupled"],
 )
 def test_asking_does_not_queue_what_the_queues_cannot_carry(change: tuple[str, str]) -> None:
     text = PYTHON.replace(*change)
