@@ -21,7 +21,7 @@ from clients.inference_client import build_request, parse_response
 from scripts import export_models
 from tests.interop.test_grpcurl import GRPCURL, grpcurl_ok
 from tests.reference import run_sentiment_reference
-from tests.servers import REPO_ROOT, ServerProcess, model_repository, running_server
+from tests.servers import REPO_ROOT, ServerProcess, model_repository, paused, running_server
 
 TEXTS = ("A wonderful, brilliant movie!", "boring and awful", "")
 SCRIPT = Path(__file__).with_name("sentiment_check.py")
@@ -53,6 +53,22 @@ def test_the_ensemble_answers_as_its_steps_do(sentiment_server: ServerProcess) -
     alone = ask(sentiment_server, "sentiment", {"text": text[1:2]})
     assert alone["label"].tolist() == got["label"][1:2].tolist()
     np.testing.assert_allclose(alone["score"], got["score"][1:2], rtol=1e-5)
+
+
+def test_with_front_ends_they_run_the_ensemble_with_the_parent_stopped(tmp_path: Path) -> None:
+    """Its Python steps ask for instance queues (python_instance_queues), so every step is a
+    version the front-ends queue for: a front-end runs the whole ensemble itself."""
+    names = ["tokenizer", "text_classifier", "label_postprocess", "sentiment"]
+    repository = model_repository(tmp_path / "models", names)
+    args = ["--frontends", "2", "--no-h3"]
+    text = np.array([[t.encode()] for t in TEXTS], dtype=np.object_)
+    labels, scores = run_sentiment_reference(TEXTS)
+    with running_server(repository, tmp_path / "server.log", args) as server:
+        ask(server, "sentiment", {"text": text})  # this front-end's queues attached
+        with paused(server.process.pid):
+            got = ask(server, "sentiment", {"text": text})
+    assert [v.decode() for v in got["label"].reshape(-1)] == labels
+    np.testing.assert_allclose(got["score"].reshape(-1), scores, rtol=1e-5)
 
 
 def test_tritonclient_sends_and_reads_bytes(sentiment_server: ServerProcess) -> None:
