@@ -202,21 +202,17 @@ class QueuedBatcher:
         return future
 
     def _place(self, entry: Entry, refuse: bool = False) -> None:
-        """Into a serving instance's queue (the least busy: service/workers/routing.py), or
-        to wait for one; `refuse`: a new request, refused when the queues are full or no
-        instance can serve it."""
+        """Into a serving instance's queue (the least busy: service/workers/routing.py, else
+        any other with room), or to wait for one; `refuse`: a new request, refused when no
+        instance can serve it. A request that finds every ring full waits, counted in the
+        queue's bound: the worker frees room as it takes records, and each wake-up with its
+        answers sends what waits (a full window of a stream's requests can outgrow a ring,
+        which refused the last of them while the worker was busy)."""
         ready = [q for i, q in self._queues.items() if self._instances[i].state is State.READY]
         if ready:
             queue = routing.choose(ready, None, self._random)
-            if queue.write(entry):
+            if queue.write(entry) or any(q.write(entry) for q in ready if q is not queue):
                 return
-            if refuse and not queue.broken:
-                held = self.setup.layout.request_bytes
-                raise errors.ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the instance queue of {self.name} is full ({held} bytes of requests: "
-                    "--instance-queue-mb)",
-                )
         elif refuse:
             self._check_startable()
         self._waiting.append(entry)

@@ -166,6 +166,23 @@ def test_a_full_batch_fits_a_ring_and_a_variable_request_past_it_is_refused(
     assert_matches_reference("mlp", fits, answer)
 
 
+def test_requests_that_find_the_ring_full_wait_for_room_and_are_answered(
+    server: ServerProcess,
+) -> None:
+    """Rings of 512 KiB take two requests of 200 KiB: while the worker is held still, the
+    other three wait in the process holding them (counted as queued), not refused, and go in
+    as the worker takes records."""
+    inputs = [
+        {"input": np.random.default_rng(seed).standard_normal((200, 256), np.float32)}
+        for seed in range(5)
+    ]
+    with paused(only_instance(server, "variable").pid):
+        held = [call(server, "variable", x, RPC_TIMEOUT_S) for x in inputs]
+        wait_arrived(server, "variable", len(held))
+    for x, answer in zip(inputs, held, strict=True):
+        assert_matches_reference("mlp", x, answer.result())
+
+
 def test_a_deadline_passing_in_the_worker_queue_leaves_nothing_behind(
     server: ServerProcess,
 ) -> None:
