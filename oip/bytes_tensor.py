@@ -92,7 +92,9 @@ def split_bytes(data: bytes | memoryview, counts: Sequence[int]) -> list[bytes]:
     return parts
 
 
-def to_numpy_bytes(data: bytes, shape: Sequence[int]) -> np.ndarray[Any, np.dtype[Any]]:
+def to_numpy_bytes(
+    data: bytes | memoryview, shape: Sequence[int]
+) -> np.ndarray[Any, np.dtype[Any]]:
     """A serialized BYTES tensor of `shape` as the object array Triton's Python models
     receive; ValueError unless it holds exactly the shape's elements."""
     elements = deserialize_bytes(data, math.prod(shape))

@@ -301,7 +301,7 @@ def _array(tensor: BatchInput) -> np.ndarray[Any, Any]:
         data = bytearray(tensor.nbytes)
         tensor.write(memoryview(data))
     if is_bytes(dtype):
-        return to_numpy_bytes(bytes(data), tensor.shape)
+        return to_numpy_bytes(memoryview(data), tensor.shape)
     return np.frombuffer(data, dtype).reshape(tensor.shape)
 
 
@@ -340,7 +340,8 @@ def serve_queued(
     """Serve from the producers' rings until Shutdown or the server's socket closes."""
     worker = QueuedWorker(model, setup, reason, testing)
     poller = select.poll()
-    poller.register(inbox.fileno(), select.POLLIN)
+    messages = inbox.fileno()
+    poller.register(messages, select.POLLIN)
     watched: set[int] = set()
     if not _add(worker, setup.layout, PARENT, channel):
         return 2
@@ -357,7 +358,7 @@ def serve_queued(
         watched = _watch(poller, watched, {p.wake_in for p in worker.producers.values()})
         timeout = -1 if look is None else max(0, math.ceil((look - time.monotonic()) * 1000))
         for fd, _ in poller.poll(timeout):
-            if fd != inbox.fileno():
+            if fd != messages:
                 wakeups.clear(fd)
                 continue
             for msg in inbox.take():
