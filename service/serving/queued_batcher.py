@@ -207,14 +207,16 @@ class QueuedBatcher:
         instance can serve it. A request that finds every ring full waits, counted in the
         queue's bound: the worker frees room as it takes records, and each wake-up with its
         answers sends what waits (a full window of a stream's requests can outgrow a ring,
-        which refused the last of them while the worker was busy)."""
+        which refused the last of them while the worker was busy). A new request finding
+        others waiting waits behind them: taking the room they wait for would starve them."""
         ready = [q for i, q in self._queues.items() if self._instances[i].state is State.READY]
-        if ready:
+        if not ready:
+            if refuse:
+                self._check_startable()
+        elif not (refuse and self._waiting):
             queue = routing.choose(ready, None, self._random)
             if queue.write(entry) or any(q.write(entry) for q in ready if q is not queue):
                 return
-        elif refuse:
-            self._check_startable()
         self._waiting.append(entry)
 
     def _check_startable(self) -> None:
@@ -239,12 +241,17 @@ class QueuedBatcher:
             self._end_all(list(waiting), lambda: refused)
 
     def _send_waiting(self) -> None:
+        """What waits, in its order, until one finds no room: those behind it wait on."""
         waiting, self._waiting = self._waiting, collections.deque()
-        for entry in waiting:
-            if not entry.future.done():
-                self._place(entry)
-            else:
+        while waiting:
+            entry = waiting.popleft()
+            if entry.future.done():
                 self._count_out(entry)
+                continue
+            self._place(entry)
+            if self._waiting:
+                self._waiting.extend(waiting)
+                return
 
     def _settled(self, entry: Entry, timer: asyncio.TimerHandle | None, future: object) -> None:
         if timer is not None:

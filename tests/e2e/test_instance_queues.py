@@ -183,6 +183,33 @@ def test_requests_that_find_the_ring_full_wait_for_room_and_are_answered(
         assert_matches_reference("mlp", x, answer.result())
 
 
+def test_a_request_finding_others_waiting_for_room_waits_behind_them(
+    server: ServerProcess,
+) -> None:
+    """A one-row request that would fit beside two 200 KiB requests in a ring of 512 KiB does
+    not go ahead of a third that waits for room: it waits behind it (it took the room the
+    third waits for, which a steady stream of small requests would starve), the instance
+    holds two until the worker moves, and the third is answered before it."""
+    big = [
+        {"input": np.random.default_rng(40 + seed).standard_normal((200, 256), np.float32)}
+        for seed in range(3)
+    ]
+    small = {"input": np.random.default_rng(43).standard_normal((1, 256), np.float32)}
+    answered: list[str] = []
+    with paused(only_instance(server, "variable").pid):
+        held = [call(server, "variable", x, RPC_TIMEOUT_S) for x in big]
+        wait_arrived(server, "variable", len(held))
+        held.append(call(server, "variable", small, RPC_TIMEOUT_S))
+        wait_arrived(server, "variable", len(held))
+        assert only_instance(server, "variable").outstanding == 2
+        for name, future in zip(["big0", "big1", "big2", "small"], held, strict=True):
+            future.add_done_callback(lambda _, name=name: answered.append(name))
+    for x, answer in zip([*big, small], held, strict=True):
+        assert_matches_reference("mlp", x, answer.result())
+    wait_for("every answer's callback", lambda: True if len(answered) == 4 else None)
+    assert answered.index("big2") < answered.index("small")
+
+
 def test_a_deadline_passing_in_the_worker_queue_leaves_nothing_behind(
     server: ServerProcess,
 ) -> None:
