@@ -40,6 +40,7 @@ from service.model.parameters import (
     string_parameters,
     worker_memory_mb,
 )
+from service.model.python_code import bls_reason
 from service.model.sequences import (
     SequenceSettings,
     sequence_settings,
@@ -241,11 +242,15 @@ class VersionLoader:
                         self.observer.on_generated, served.name
                     )
             else:
+                reason, auto = None, False
                 if config.backend == PYTHON_BACKEND:
                     for instance in served.instances:
                         instance.bls.handler = self.bls
+                    auto = python_instance_queues(string_parameters(config)) is None
+                    if auto:
+                        reason = await asyncio.to_thread(bls_reason, files.path.parent)
                 policy = policy_from_config(served.config, len(served.instances))
-                if self.limits.instance_queues and queueable(served.config):
+                if self.limits.instance_queues and queueable(served.config, reason):
                     queued = QueuedBatcher(
                         served.config,
                         served.instances,
@@ -255,7 +260,22 @@ class VersionLoader:
                     )
                     queued.start()
                     served.batcher = queued
+                    if auto:
+                        log.info(
+                            "%s takes its requests through its instances' queues, where it "
+                            "cannot make BLS calls: no file of its code names "
+                            "pb_utils.InferenceRequest (python_instance_queues false keeps it "
+                            "off them, for calls made by code outside its directory)",
+                            label,
+                        )
                 else:
+                    if self.limits.instance_queues and reason is not None:
+                        log.info(
+                            "%s takes its requests through the server's batcher, not its "
+                            "instances' queues, as it may make BLS calls: %s",
+                            label,
+                            reason,
+                        )
                     served.batcher = DynamicBatcher(
                         policy,
                         BatchRunner(served, self.observer),

@@ -55,9 +55,10 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # A Python model's sandbox; only a model whose code is trusted says "off", explicitly.
 PYTHON_SANDBOX = "python_sandbox"
 PYTHON_SANDBOX_CHOICES = ("on", "off")
-# A Python model that makes no BLS calls says "true": its requests go straight to its
-# instances' queues as a Paddle model's do (service/serving/queue_setup.py), its BLS calls
-# refused. Off by default: a BLS call must go back through the process holding the request.
+# Whether a Python model's requests go straight to its instances' queues as a Paddle model's
+# do (service/serving/queue_setup.py), its BLS calls refused there: a BLS call must go back
+# through the process holding the request. Unset: when no file of its code names a BLS call
+# (service/model/python_code.py).
 PYTHON_INSTANCE_QUEUES = "python_instance_queues"
 # Test-only: a worker aborts when any input element equals this number. Honoured only
 # when the server runs with --testing-service; otherwise it never reaches the worker.
@@ -176,8 +177,11 @@ def engine_options(params: Mapping[str, str]) -> EngineOptions:
     )
 
 
-def python_instance_queues(params: Mapping[str, str]) -> bool:
-    """Whether a Python model asked for instance queues (PYTHON_INSTANCE_QUEUES)."""
+def python_instance_queues(params: Mapping[str, str]) -> bool | None:
+    """What a Python model's config says of its instance queues (PYTHON_INSTANCE_QUEUES);
+    None: nothing, the server reads its code."""
+    if PYTHON_INSTANCE_QUEUES not in params:
+        return None
     return boolean(params, PYTHON_INSTANCE_QUEUES, False)
 
 

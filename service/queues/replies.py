@@ -23,7 +23,9 @@ ANSWER, FAILURE = 1, 2
 COUNTS_BATCH = 1  # an answer's code: see Reply.counts_batch
 # A failure's kind, which the reader turns into a status.
 FAILED, TOO_LARGE, EXPIRED, CANCELLED = 0, 1, 2, 3
-MAX_FAILURE_TEXT = 4000
+# A failure's text, in bytes: a Python model's is cut first, saying how much (at 4096,
+# python_model.MAX_FAILURE_BYTES), and must reach its caller so, as on the socket.
+MAX_FAILURE_TEXT = 4096
 
 # kind, code, outputs, batch rows, requests answered, batch, timings; then each request's
 # (id, queue ns), then the outputs

@@ -20,13 +20,16 @@ from service.workers import protocol
 MB = 1 << 20
 
 
-def queueable(config: mc.ModelConfig) -> bool:
+def queueable(config: mc.ModelConfig, bls_reason: str | None) -> bool:
     """Versions whose requests can go straight to their instances: Paddle models', run by
-    the dynamic batcher (not sequences, streams, ensembles), and Python models' that say they
-    make no BLS calls (python_instance_queues: a BLS call goes back through the process
-    holding its request, which a queued worker has no channel to)."""
+    the dynamic batcher (not sequences, streams, ensembles), and Python models' that make no
+    BLS calls, which a queued worker has no channel for (a BLS call goes back through the
+    process holding its request): as python_instance_queues says, else where `bls_reason`
+    (service/model/python_code.py) finds no reason to think they make some."""
+    said = python_instance_queues(string_parameters(config))
+    python = bls_reason is None if said is None else said
     return (
-        (config.backend != PYTHON_BACKEND or python_instance_queues(string_parameters(config)))
+        (config.backend != PYTHON_BACKEND or python)
         and not config.HasField("sequence_batching")
         and not config.HasField("ensemble_scheduling")
         and not config.model_transaction_policy.decoupled

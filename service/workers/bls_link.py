@@ -62,12 +62,13 @@ class BlsLink:
         return self._inbox.get()
 
     def queued(self, model: str) -> BlsLink:
-        """The worker now serves from its instance queues (python_instance_queues): its
-        model's BLS calls are refused, and the main loop polls `fileno()` for messages."""
+        """The worker now serves from its instance queues (its config's
+        python_instance_queues, or its code names no BLS call): its model's BLS calls are
+        refused, and the main loop polls `fileno()` for messages."""
         self._refusal = (
-            f"model '{model}' takes its requests through its instance queues "
-            "(python_instance_queues), where it cannot make BLS calls: remove that parameter "
-            "from its config.pbtxt to make them"
+            f"model '{model}' takes its requests through its instance queues, where it "
+            "cannot make BLS calls: set parameter python_instance_queues to false in its "
+            "config.pbtxt to make them"
         )
         self._arrived = wakeups.make()
         if not self._inbox.empty():  # come before the eventfd did

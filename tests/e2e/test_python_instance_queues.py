@@ -1,8 +1,9 @@
-"""python_instance_queues: a Python model that says it makes no BLS calls takes its requests
-through its instances' queues, as a Paddle model does, so with --frontends N the front-end
-holding a call writes it there and the parent takes no part. Beside it, the same model without
-the parameter, served as before: both answer alike, and only the queued one refuses BLS calls,
-naming the parameter."""
+"""python_instance_queues: a Python model that says it makes no BLS calls, or says nothing
+and whose code names none, takes its requests through its instances' queues, as a Paddle model
+does, so with --frontends N the front-end holding a call writes it there and the parent takes
+no part. Beside it, the same model without the parameter, whose code names a BLS call, served
+as before: both answer alike, and only the queued one refuses BLS calls, naming the
+parameter."""
 
 from __future__ import annotations
 
@@ -73,14 +74,37 @@ class TritonPythonModel:
 """
 
 
+# What MODEL does without its BLS call: no file of it names one, so it says nothing and takes
+# the queues (service/model/python_code.py).
+SAYS_NOTHING = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            first = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            second = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            outputs = [
+                pb_utils.Tensor("OUTPUT0", first + second),
+                pb_utils.Tensor("OUTPUT1", first - second),
+            ]
+            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
+        return responses
+"""
+
+
 class Served(NamedTuple):
     server: ServerProcess
     frontends: int
 
 
 def repository(root: Path) -> Path:
-    """`queued` and `plain`, `simple` (their BLS calls' target), `upper` (BYTES tensors)
-    asking for the queues, and `decoupled` asking for them too, which they do not take."""
+    """`queued` and `plain` (which says nothing, and whose code names a BLS call), `simple`
+    (their BLS calls' target), `upper` (BYTES tensors) asking for the queues, `decoupled`
+    asking for them too, which they do not take, and `says_nothing`, whose code names no BLS
+    call."""
     shutil.copytree(FIXTURES / "simple", root / "simple" / "1")
     shutil.move(root / "simple" / "1" / "config.pbtxt", root / "simple" / "config.pbtxt")
     shutil.copytree(FIXTURES / "python_model", root / "upper" / "1")
@@ -89,9 +113,13 @@ def repository(root: Path) -> Path:
     for name in ("upper", "decoupled"):
         with (root / name / "config.pbtxt").open("a") as config:
             config.write(f"\n{QUEUED}\n")
-    for name, parameters in (("queued", QUEUED), ("plain", "")):
+    for name, parameters, code in (
+        ("queued", QUEUED, MODEL),
+        ("plain", "", MODEL),
+        ("says_nothing", "", SAYS_NOTHING),
+    ):
         (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(MODEL)
+        (root / name / "1" / "model.py").write_text(code)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, parameters=parameters))
     return root
 
@@ -152,6 +180,33 @@ def test_with_front_ends_the_queued_model_is_served_with_the_parent_stopped(
         for value in range(8):
             answered = infer(server, "queued", value)
             assert answered["OUTPUT0"].tolist() == [[value + i for i in range(16)]]
+
+
+def test_a_model_that_says_nothing_takes_the_queues_unless_its_code_names_a_bls_call(
+    served: Served,
+) -> None:
+    """Where the config says nothing, the server reads the model's code: `says_nothing` takes
+    the queues (with front-ends, served with the parent stopped), `plain`, whose model.py
+    names pb_utils.InferenceRequest, does not, and its BLS calls are served."""
+    server = served.server
+    log = server.log_text()
+    assert (
+        "model 'says_nothing' version 1 takes its requests through its instances' queues, "
+        "where it cannot make BLS calls: no file of its code names pb_utils.InferenceRequest"
+    ) in log
+    assert (
+        "model 'plain' version 1 takes its requests through the server's batcher, not its "
+        "instances' queues, as it may make BLS calls: 1/model.py names "
+        "pb_utils.InferenceRequest (BLS calls)"
+    ) in log
+    second = np.arange(16, dtype=np.int32).reshape(1, 16)
+    np.testing.assert_array_equal(infer(server, "plain", -1)["OUTPUT0"], -1 + second)
+    np.testing.assert_array_equal(infer(server, "says_nothing", 7)["OUTPUT1"], 7 - second)
+    if served.frontends > 1:
+        with paused(server.process.pid):
+            for value in range(4):
+                answered = infer(server, "says_nothing", value)
+                np.testing.assert_array_equal(answered["OUTPUT0"], value + second)
 
 
 def upper(server: ServerProcess, words: list[bytes]) -> tuple[list[bytes], list[int]]:

@@ -41,12 +41,21 @@ class Sandboxed:
     root: Path
 
 
-def python_model(repository: Path, name: str, fixture: str, sandbox: str | None) -> None:
+# Its batch's answer on the socket its attack is written to (the server's batcher), so that the
+# call fails with the kill: on its instance queues the answer comes through a ring, and
+# whether it or the kill comes first is a race (the socket is read alike on both paths).
+ON_THE_SOCKET = 'parameters { key: "python_instance_queues" value: { string_value: "false" } }\n'
+
+
+def python_model(
+    repository: Path, name: str, fixture: str, sandbox: str | None, extra: str = ""
+) -> None:
     source = FIXTURES / fixture
     shutil.copytree(source, repository / name)
     config = (source / "config.pbtxt").read_text().replace('name: "attack"', f'name: "{name}"')
     if sandbox is not None:
         config += f'parameters {{ key: "python_sandbox" value: {{ string_value: "{sandbox}" }} }}\n'
+    config += extra
     (repository / name / "config.pbtxt").write_text(config)
 
 
@@ -57,7 +66,7 @@ def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
     python_model(repository, "attack", "python_attack", None)
     python_model(repository, "trusted", "python_attack", "off")
     python_model(repository, "typo", "python_attack", "no")
-    python_model(repository, "pickler", "python_attack", None)
+    python_model(repository, "pickler", "python_attack", None, ON_THE_SOCKET)
     shutil.copytree(FIXTURES / "python_model", repository / "upper" / "1")
     shutil.move(repository / "upper" / "1" / "config.pbtxt", repository / "upper")
     args = ["--certs-dir", str(root / "certs")]

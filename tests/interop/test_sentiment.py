@@ -56,8 +56,9 @@ def test_the_ensemble_answers_as_its_steps_do(sentiment_server: ServerProcess) -
 
 
 def test_with_front_ends_they_run_the_ensemble_with_the_parent_stopped(tmp_path: Path) -> None:
-    """Its Python steps ask for instance queues (python_instance_queues), so every step is a
-    version the front-ends queue for: a front-end runs the whole ensemble itself."""
+    """Its Python steps' code names no BLS call and their configs say nothing, so they take
+    their instance queues (python_code.py) and every step is a version the front-ends queue
+    for: a front-end runs the whole ensemble itself."""
     names = ["tokenizer", "text_classifier", "label_postprocess", "sentiment"]
     repository = model_repository(tmp_path / "models", names)
     args = ["--frontends", "2", "--no-h3"]

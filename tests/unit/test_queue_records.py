@@ -478,7 +478,7 @@ LIES: dict[str, tuple[bytes, str] | tuple[bytes, str, Callable[[int], Expected |
             "<I",
             MAX_FAILURE_TEXT + 1,
         ),
-        "a failure text of 4001 bytes",
+        f"a failure text of {MAX_FAILURE_TEXT + 1} bytes",
     ),
     "a failure text longer than its record": (FAILURE[:-1], "a failure text of 6 bytes"),
     "a failure text shorter than its record": (FAILURE + b"x", "a failure text of 6 bytes"),

@@ -1,5 +1,6 @@
 """Which versions the instance queues take (queue_setup.queueable): Paddle models as before,
-and Python models whose config asks for them (python_instance_queues), BYTES tensors too, never
+and Python models whose config asks for them (python_instance_queues) or, where it says
+nothing, whose code names no BLS call (python_code.bls_reason: None), BYTES tensors too, never
 a sequence or decoupled one."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 from protos.inference import model_config_pb2 as mc
 from service.model.parameters import ParameterError, check_parameters
 from service.serving.queue_setup import queueable
+
+BLS = "1/model.py names pb_utils.InferenceRequest (BLS calls)"  # a bls_reason
 
 PYTHON = """
 backend: "python"
@@ -30,7 +33,7 @@ def config(text: str, asked: str | None = None) -> mc.ModelConfig:
 
 @pytest.mark.parametrize("asked", ["true", "TRUE", "1", "yes", "on"])
 def test_a_python_model_that_asks_is_queued(asked: str) -> None:
-    assert queueable(config(PYTHON, asked))
+    assert queueable(config(PYTHON, asked), None)
     check_parameters(config(PYTHON, asked))
 
 
@@ -39,13 +42,19 @@ def test_bytes_tensors_go_into_the_queues_too() -> None:
         "TYPE_FP32, dims: [ 4 ] } ]\noutput", "TYPE_STRING, dims: [ 4 ] } ]\noutput"
     )
     assert "TYPE_STRING" in text
-    assert queueable(config(text, "true"))
+    assert queueable(config(text, "true"), None)
 
 
-@pytest.mark.parametrize("asked", [None, "false", "0", "no", "off"])
-def test_a_python_model_that_does_not_ask_is_not(asked: str | None) -> None:
-    assert not queueable(config(PYTHON, asked))
+@pytest.mark.parametrize("asked", ["false", "0", "no", "off"])
+def test_a_python_model_that_says_no_is_not(asked: str) -> None:
+    assert not queueable(config(PYTHON, asked), None)
     check_parameters(config(PYTHON, asked))
+
+
+def test_a_python_model_that_says_nothing_is_queued_unless_its_code_may_make_bls_calls() -> None:
+    assert queueable(config(PYTHON), None)
+    assert not queueable(config(PYTHON), BLS)
+    assert queueable(config(PYTHON, "true"), BLS)  # what it says, whatever its code names
 
 
 @pytest.mark.parametrize(
@@ -59,7 +68,8 @@ def test_a_python_model_that_does_not_ask_is_not(asked: str | None) -> None:
 def test_asking_does_not_queue_what_the_queues_cannot_carry(change: tuple[str, str]) -> None:
     text = PYTHON.replace(*change)
     assert text != PYTHON
-    assert not queueable(config(text, "true"))
+    assert not queueable(config(text, "true"), None)
+    assert not queueable(config(text), None)
 
 
 @given(st.text(min_size=1, max_size=12))
