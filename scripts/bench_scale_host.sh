@@ -2,9 +2,9 @@
 # `make bench-scale` on a many-core host with no network, from the repository root: the
 # wheels `make bench-scale-kit` put in .whl/ go into a folder of their own (the host's Python
 # is left as it is). It serves mlp where the host's Python imports Paddle, else mlp_numpy, a
-# Python-backend model of mlp's shapes whose config asks for instance queues
-# (python_instance_queues), on both paths: the server's batcher, and the instance queues every
-# process holding calls writes into. MODEL overrides.
+# Python-backend model of mlp's shapes that names no BLS call, so it takes instance queues as
+# mlp does, on both paths: the server's batcher, and the instance queues every process holding
+# calls writes into. MODEL overrides.
 # Results go to $OUT (default bench-results/): scale.json, scale.txt and, where NVML sees
 # GPUs, topology.txt. The generated protobuf modules must be there (`make proto`).
 # FRONTENDS, CLIENTS (default: half the cores), DURATION and ROUNDS (default 3) size the run;

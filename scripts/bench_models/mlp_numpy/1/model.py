@@ -1,7 +1,7 @@
 """`mlp`'s shapes and architecture (256 -> 128 -> ReLU -> 10 -> softmax) in numpy, with random
 weights drawn at load from a fixed seed: `make bench-scale ARGS="--model mlp_numpy"` on a host
-without Paddle (the device machine). Its config asks for instance queues
-(python_instance_queues), so both of bench-scale's paths serve it as they serve mlp."""
+without Paddle (the device machine). It names no BLS call, so it takes its instance queues
+(python_code.py) and both of bench-scale's paths serve it as they serve mlp."""
 
 from __future__ import annotations
 
