@@ -193,14 +193,12 @@ class SharedQueues:
             batcher = served.batcher
             if isinstance(batcher, QueuedBatcher):
                 batcher.elsewhere = elsewhere
-                batcher.elsewhere_by_instance = [
-                    sum(c[2][i] for c in counts if i < len(c[2]))
-                    for i in range(len(served.instances))
-                ]
             elif served.generations is not None:
                 served.generations.elsewhere = elsewhere
-                for index, instance in enumerate(served.instances):
-                    instance.held_elsewhere = sum(c[2][index] for c in counts if index < len(c[2]))
+            else:
+                continue
+            for index, instance in enumerate(served.instances):
+                instance.held_elsewhere = sum(c[2][index] for c in counts if index < len(c[2]))
 
     def released(self, frontend: str, payload: bytes) -> None:
         token = json.loads(payload)["token"]
@@ -345,8 +343,10 @@ class _Events:
         self._sharing.event(self._token, index, {"event": "ready", "launch": launch})
 
     def ended(self, index: int, death: deaths.Death) -> None:
+        instance = self._served.instances[index]
         event = {"event": "ended", "how": death.how, "fate": death.fate.value}
-        self._sharing.event(self._token, index, {**event, "blamed": death.blamed})
+        worker = f"{instance.spec.instance_name} (pid {instance.pid})"
+        self._sharing.event(self._token, index, {**event, "blamed": death.blamed, "worker": worker})
 
     def start_failed(self, index: int) -> None:
         failure = self._served.instances[index].start_failure

@@ -59,10 +59,23 @@ class RemoteWorker:
         elif kind == "ended":
             self.state = State.RESTARTING
             fate = deaths.Fate(event["fate"])
+            if held := self.held():
+                # The parent's line counts only its own requests: this process says its own.
+                log.error(
+                    "worker %s %s; %d request(s) in it %s (held by this front-end)",
+                    event.get("worker", "?"),
+                    event["how"],
+                    held,
+                    fate.value,
+                )
             self.ended(deaths.Death(str(event["how"]), fate, bool(event["blamed"])))
         elif kind == "failed":
             self.start_failure = str(event["failure"])
             self.start_failed()
+
+    def held(self) -> int:
+        """The requests this process holds in the launch serving."""
+        return 0
 
     def launched(self) -> None:
         """A new launch serves."""
@@ -105,6 +118,9 @@ class RemoteStreams(RemoteWorker):
 
     @property
     def outstanding(self) -> int:
+        return len(self.streams)
+
+    def held(self) -> int:
         return len(self.streams)
 
     async def submit(self, job: InferJob, caller_id: str, parameters: str) -> StreamRequest:

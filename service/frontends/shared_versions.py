@@ -75,6 +75,9 @@ class RemoteInstance(RemoteWorker):
     def end_hung(self) -> None:
         self._owner.trouble(self._token, self._index, self.launch, True, "")
 
+    def held(self) -> int:
+        return 0 if self.queue_held is None else self.queue_held()
+
     def launched(self) -> None:
         if self.on_ready is not None:
             self.on_ready()

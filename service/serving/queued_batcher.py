@@ -87,7 +87,6 @@ class QueuedBatcher:
         self.setup = setup
         self.events: InstanceEvents | None = None
         self.elsewhere = (0, 0)  # what those said they hold: queued, in workers' batches
-        self.elsewhere_by_instance = [0] * len(instances)  # and in each instance's queues
         self._input_index = {t.name: i for i, t in enumerate(config.input)}
         self._output_index = {t.name: i for i, t in enumerate(config.output)}
         self._outputs = [(t.name, BY_CONFIG_TYPE[t.data_type]) for t in config.output]
@@ -143,7 +142,7 @@ class QueuedBatcher:
             instance, self.setup, self._replied, functools.partial(self._corrupt, index)
         )
         self._queues[index] = queue
-        instance.queue_held = lambda: queue.outstanding + self.elsewhere_by_instance[index]
+        instance.queue_held = lambda: queue.outstanding
         instance.queue_served = queue.served
         self._send_waiting()
         if self.events is not None:

@@ -54,14 +54,18 @@ class WorkerInstance(WorkerProcess):
         self.bls = bls_calls.BlsCalls(id(self), self._send, self._watch_oldest)
         self._batches = SlotBatches(spec, self._outputs, self.bls, self._watch_oldest)
         self.queue_held: Callable[[], int] | None = None  # the requests in its queues
-        # A decoupled model's requests front-ends hold in it, as they last said (their
-        # responses never cross this process): counted in, not exact.
+        # The requests front-ends hold in it, in its queues or on their sockets, as they last
+        # said (their answers never cross this process): counted in, not exact.
         self.held_elsewhere = 0
 
     @property
     def outstanding(self) -> int:
+        return self.held_here + self.held_elsewhere
+
+    @property
+    def held_here(self) -> int:
         held = 0 if self.queue_held is None else self.queue_held()
-        return len(self._batches) + len(self.streams) + held + self.held_elsewhere
+        return len(self._batches) + len(self.streams) + held
 
     @property
     def numa_node(self) -> int:

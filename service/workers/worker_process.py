@@ -95,6 +95,11 @@ class WorkerProcess:
     def outstanding(self) -> int:
         raise NotImplementedError
 
+    @property
+    def held_here(self) -> int:
+        """The requests in it this process holds (each front-end logs its own at a death)."""
+        return self.outstanding
+
     def _largest_message(self) -> int:
         raise NotImplementedError
 
@@ -312,7 +317,7 @@ class WorkerProcess:
             self.spec.instance_name,
             self.pid,
             ended.how,
-            self.outstanding,
+            self.held_here,
             ended.fate.value,
             self._restart_delay,
         )

@@ -271,3 +271,26 @@ def test_a_killed_worker_comes_back_on_its_queues(served: Served) -> None:
     if served.frontends > 1:
         with paused(server.process.pid):
             assert infer(server, "queued", 4)["OUTPUT0"].tolist() == [[4 + i for i in range(16)]]
+
+
+def test_each_process_logs_the_requests_it_held_in_a_worker_that_died(served: Served) -> None:
+    """A request held in the worker when it is SIGKILLed goes again and is answered; the
+    line that says how many requests the worker held is written by the process that held
+    them (with front-ends, the one holding the call; the parent's own line counts none)."""
+    server = served.server
+    infer(server, "says_nothing", 0)  # this connection's process attached to the worker
+    worker = only_instance(server, "says_nothing").pid
+    with ThreadPoolExecutor(1) as pool:
+        with paused(worker):
+            held = pool.submit(infer, server, "says_nothing", 9)
+            wait_arrived(server, "says_nothing", 1)
+            os.kill(worker, signal.SIGKILL)
+        second = np.arange(16, dtype=np.int32).reshape(1, 16)
+        np.testing.assert_array_equal(held.result()["OUTPUT0"], 9 + second)
+    died = f"(pid {worker}) was killed by signal 9; "
+    lines = [line for line in server.log_text().splitlines() if died in line]
+    counted = [line for line in lines if "1 request(s) in it go back to the queue" in line]
+    assert len(counted) == 1
+    assert ("held by this front-end" in counted[0]) == (served.frontends > 1)
+    if served.frontends > 1:
+        assert any("0 request(s) in it go back to the queue; restarting" in x for x in lines)
