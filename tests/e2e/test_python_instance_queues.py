@@ -74,27 +74,6 @@ class TritonPythonModel:
 """
 
 
-# What MODEL does without its BLS call: no file of it names one, so it says nothing and takes
-# the queues (service/model/python_code.py).
-SAYS_NOTHING = """
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            first = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            second = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
-            outputs = [
-                pb_utils.Tensor("OUTPUT0", first + second),
-                pb_utils.Tensor("OUTPUT1", first - second),
-            ]
-            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
-        return responses
-"""
-
-
 class Served(NamedTuple):
     server: ServerProcess
     frontends: int
@@ -102,9 +81,9 @@ class Served(NamedTuple):
 
 def repository(root: Path) -> Path:
     """`queued` and `plain` (which says nothing, and whose code names a BLS call), `simple`
-    (their BLS calls' target), `upper` (BYTES tensors) asking for the queues, `decoupled`
-    asking for them too, which they do not take, and `says_nothing`, whose code names no BLS
-    call."""
+    (their BLS calls' target, which says nothing and whose code names none), `upper` (BYTES
+    tensors) asking for the queues, and `decoupled` asking for them too, which they do not
+    take."""
     shutil.copytree(FIXTURES / "simple", root / "simple" / "1")
     shutil.move(root / "simple" / "1" / "config.pbtxt", root / "simple" / "config.pbtxt")
     shutil.copytree(FIXTURES / "python_model", root / "upper" / "1")
@@ -113,13 +92,9 @@ def repository(root: Path) -> Path:
     for name in ("upper", "decoupled"):
         with (root / name / "config.pbtxt").open("a") as config:
             config.write(f"\n{QUEUED}\n")
-    for name, parameters, code in (
-        ("queued", QUEUED, MODEL),
-        ("plain", "", MODEL),
-        ("says_nothing", "", SAYS_NOTHING),
-    ):
+    for name, parameters in (("queued", QUEUED), ("plain", "")):
         (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(code)
+        (root / name / "1" / "model.py").write_text(MODEL)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, parameters=parameters))
     return root
 
@@ -185,13 +160,13 @@ def test_with_front_ends_the_queued_model_is_served_with_the_parent_stopped(
 def test_a_model_that_says_nothing_takes_the_queues_unless_its_code_names_a_bls_call(
     served: Served,
 ) -> None:
-    """Where the config says nothing, the server reads the model's code: `says_nothing` takes
+    """Where the config says nothing, the server reads the model's code: `simple` takes
     the queues (with front-ends, served with the parent stopped), `plain`, whose model.py
     names pb_utils.InferenceRequest, does not, and its BLS calls are served."""
     server = served.server
     log = server.log_text()
     assert (
-        "model 'says_nothing' version 1 takes its requests through its instances' queues, "
+        "model 'simple' version 1 takes its requests through its instances' queues, "
         "where it cannot make BLS calls: no file of its code names pb_utils.InferenceRequest"
     ) in log
     assert (
@@ -201,11 +176,11 @@ def test_a_model_that_says_nothing_takes_the_queues_unless_its_code_names_a_bls_
     ) in log
     second = np.arange(16, dtype=np.int32).reshape(1, 16)
     np.testing.assert_array_equal(infer(server, "plain", -1)["OUTPUT0"], -1 + second)
-    np.testing.assert_array_equal(infer(server, "says_nothing", 7)["OUTPUT1"], 7 - second)
+    np.testing.assert_array_equal(infer(server, "simple", 7)["OUTPUT1"], 7 - second)
     if served.frontends > 1:
         with paused(server.process.pid):
             for value in range(4):
-                answered = infer(server, "says_nothing", value)
+                answered = infer(server, "simple", value)
                 np.testing.assert_array_equal(answered["OUTPUT0"], value + second)
 
 
@@ -278,12 +253,12 @@ def test_each_process_logs_the_requests_it_held_in_a_worker_that_died(served: Se
     line that says how many requests the worker held is written by the process that held
     them (with front-ends, the one holding the call; the parent's own line counts none)."""
     server = served.server
-    infer(server, "says_nothing", 0)  # this connection's process attached to the worker
-    worker = only_instance(server, "says_nothing").pid
+    infer(server, "simple", 0)  # this connection's process attached to the worker
+    worker = only_instance(server, "simple").pid
     with ThreadPoolExecutor(1) as pool:
         with paused(worker):
-            held = pool.submit(infer, server, "says_nothing", 9)
-            wait_arrived(server, "says_nothing", 1)
+            held = pool.submit(infer, server, "simple", 9)
+            wait_arrived(server, "simple", 1)
             os.kill(worker, signal.SIGKILL)
         second = np.arange(16, dtype=np.int32).reshape(1, 16)
         np.testing.assert_array_equal(held.result()["OUTPUT0"], 9 + second)
