@@ -22,7 +22,7 @@ from protos.inference import grpc_service_pb2 as pb
 from protos.paddlequic.v1 import control_pb2
 from service.backend.sandbox import landlock, privileges, seccomp
 from tests.e2e.test_python_model import infer
-from tests.servers import ServerProcess, model_repository, running_server
+from tests.servers import ServerProcess, eventually, model_repository, running_server
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SECRET = "admin-Sandbox-5e1d"
@@ -67,6 +67,7 @@ def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
     python_model(repository, "trusted", "python_attack", "off")
     python_model(repository, "typo", "python_attack", "no")
     python_model(repository, "pickler", "python_attack", None, ON_THE_SOCKET)
+    python_model(repository, "queued_pickler", "python_attack", None)  # on its queues
     shutil.copytree(FIXTURES / "python_model", repository / "upper" / "1")
     shutil.move(repository / "upper" / "1" / "config.pbtxt", repository / "upper")
     args = ["--certs-dir", str(root / "certs")]
@@ -189,3 +190,32 @@ def test_a_message_from_a_model_runs_no_code_in_the_front_end(sandboxed: Sandbox
         sandboxed.server.log_text()
     )
     assert infer(sandboxed.server, "still")["upper"].tolist() == [[b"STILL"]]
+
+
+def test_a_message_from_a_model_on_its_queues_runs_no_code_in_the_front_end(
+    sandboxed: Sandboxed,
+) -> None:
+    """The same attack from a model whose requests go through its instance queues (its code
+    names no BLS call): its socket is read as any worker's, the worker is killed for it, and
+    no code runs; its answer comes through the queues, before or after the kill (a race, so
+    only what the call cannot be is asserted)."""
+    target = sandboxed.root / "made-by-the-front-end-too"
+    server = sandboxed.server
+    assert "model 'queued_pickler' version 1 takes its requests through its instances'" in (
+        server.log_text()
+    )
+    (before,) = instances(server, "queued_pickler")
+    try:
+        attack(sandboxed, "queued_pickler", {"pickle": str(target)})
+    except grpc.RpcError as failed:
+        assert failed.code() is grpc.StatusCode.INTERNAL
+    killed = f"(pid {before.pid}) broke the protocol (UnpicklingError('worker message refers to"
+    eventually(lambda: killed in server.log_text(), "the worker killed for its message")
+    assert not target.exists()
+    eventually(
+        lambda: any(
+            i.pid != before.pid and i.state == "READY" for i in instances(server, "queued_pickler")
+        ),
+        "the worker restarted",
+    )
+    assert infer(server, "still")["upper"].tolist() == [[b"STILL"]]
