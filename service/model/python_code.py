@@ -4,12 +4,12 @@ cannot make BLS calls, only when no file of the model's directory names
 `pb_utils.InferenceRequest`, through which every BLS call is made.
 
 Any doubt keeps the model off the queues, where BLS calls work as they always did: code the
-server cannot read (compiled modules, archives), a file it cannot open, or a directory larger
-than it reads. Code outside the directory (an installed package; any module at all for a
-model without its sandbox) is not read: a model whose BLS calls are made there says
-`python_instance_queues` false, and until it does its calls are refused with an error naming
-that parameter. Model code is untrusted, but a model that hides its calls from this reading
-only has its own calls refused."""
+server cannot read (compiled modules, archives), a file it cannot open, a linked directory, or
+a directory larger than it reads. Code outside the directory (an installed package; any
+module at all for a model without its sandbox) is not read: a model whose BLS calls are made
+there says `python_instance_queues` false, and until it does its calls are refused with an
+error naming that parameter. Model code is untrusted, but a model that hides its calls from
+this reading only has its own calls refused."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def _read(directory: Path) -> str | None:
             )
         if Path(root).name == CACHE:
             continue
+        for name in dirs:  # os.walk does not go into linked ones
+            if (linked := Path(root, name)).is_symlink():
+                return f"{linked.relative_to(directory)} is a link the server does not follow"
         for name in sorted(names):
             path = Path(root, name)
             shown = path.relative_to(directory)

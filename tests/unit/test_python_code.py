@@ -81,6 +81,14 @@ def test_a_source_that_is_no_file_is_a_reason_not_a_hang(tmp_path: Path) -> None
     assert bls_reason(tmp_path) == "1/waits.py is not a file the server reads"
 
 
+def test_a_linked_directory_is_a_reason(tmp_path: Path) -> None:
+    """Its files are not read (os.walk does not follow it): what they name is unknown."""
+    elsewhere = model(tmp_path / "elsewhere", {"calls.py": CALLS})
+    root = model(tmp_path / "model", {"1/model.py": PLAIN})
+    (root / "1" / "helpers").symlink_to(elsewhere)
+    assert bls_reason(root) == "1/helpers is a link the server does not follow"
+
+
 def test_a_directory_past_what_the_server_reads_is_a_reason(tmp_path: Path) -> None:
     model(tmp_path, {"1/model.py": PLAIN})
     for index in range(MAX_ENTRIES):
