@@ -90,12 +90,20 @@ certs: $(CERTS)/server.pem
 serve: setup models certs
 	$(BIN)/paddlequic serve --model-repository $(MODELS) --certs-dir $(CERTS) $(ARGS)
 
+# Every server, front-end and worker process the tests start imports the project's modules:
+# compiled once here, each loads their bytecode (PYTHONDONTWRITEBYTECODE, which some hosts set,
+# stops Python from writing it, not from reading it). Not the model repository's: a model's
+# files stay as they were deployed.
+BYTECODE = $(BIN)/python -m compileall -q service transport oip clients protos >/dev/null
+
 test: setup models
+	$(BYTECODE)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The tests that compare floats across batch sizes, with the AVX2 kernels an AVX-512 host would
 # not pick (docs/development.md, "Floats on any x86-64 CPU"); .ci/run runs it after make test.
 test-avx2: setup models
+	$(BYTECODE)
 	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 		$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m float_kernels $(ARGS)
 
