@@ -247,7 +247,7 @@ class VersionLoader:
                     for instance in served.instances:
                         instance.bls.handler = self.bls
                     auto = python_instance_queues(string_parameters(config)) is None
-                    if auto:
+                    if auto and self.limits.instance_queues:  # else no queues to choose
                         reason = await asyncio.to_thread(bls_reason, files.path.parent)
                 policy = policy_from_config(served.config, len(served.instances))
                 if self.limits.instance_queues and queueable(served.config, reason):
@@ -269,7 +269,7 @@ class VersionLoader:
                             label,
                         )
                 else:
-                    if self.limits.instance_queues and reason is not None:
+                    if reason is not None:
                         log.info(
                             "%s takes its requests through the server's batcher, not its "
                             "instances' queues, as it may make BLS calls: %s",
