@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -220,7 +221,7 @@ def _register_h3(link: ParentLink, observer: Observer, server: H3Server) -> None
 
 async def _report(link: ParentLink) -> None:
     while True:
-        link.report()
+        link.report_if_moved(time.monotonic())
         await asyncio.sleep(REPORT_EVERY_S)
 
 

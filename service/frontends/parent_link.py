@@ -47,7 +47,7 @@ from service.frontends.protocol import (
     encode_open,
     opened_of,
 )
-from service.frontends.reports import ReportFrames
+from service.frontends.reports import ReportFrames, ReportPacing
 from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
 from service.frontends.stats import report_of
@@ -117,6 +117,11 @@ class PartCall:
             self._link.send(Kind.CANCEL, self.call_id)
 
 
+# The longest a front-end's report waits while no call moves its counts: what drifts without
+# calls (its process's CPU and memory) is at most this stale between scrapes' fresh reports.
+IDLE_REPORT_EVERY_S = 30.0
+
+
 class ParentLink(FrameConnection):
     """The front-end's end of its dispatch connection."""
 
@@ -154,6 +159,7 @@ class ParentLink(FrameConnection):
             self.max_payload,
             lambda call_id, payload: self.send(Kind.STATS, call_id, payload),
         )
+        self._pacing = ReportPacing(IDLE_REPORT_EVERY_S)
         # The method paths the parent registered (METHODS): a call this process's transport
         # answers itself is labelled by its method only if it is one of them.
         self.methods: frozenset[str] = frozenset()
@@ -353,13 +359,27 @@ class ParentLink(FrameConnection):
         requests it holds of the versions it queues for itself, the ModelStatistics counts and
         metrics of the calls it serves itself. `answering`: the STATS_QUERY this answers (0:
         none; its last frame carries it)."""
+        self._send_report(self._totals(), self.counts.take(), answering)
+
+    def report_if_moved(self, now: float) -> None:
+        """The periodic report (each REPORT_EVERY_S), left out while nothing in it moved:
+        no call started or ended here, the totals are as last sent (ReportPacing)."""
+        totals = self._totals()
+        models = self.counts.take()
+        moved = (totals, self.metrics.calls_seen() if self.metrics else None)
+        if self._pacing.due(now, moved) or models:
+            self._send_report(totals, models, 0)
+
+    def _totals(self) -> dict[str, Any]:
         totals: dict[str, Any] = {}
         if self.h3:
             totals["h3"] = report_of(self.h3).to_json()
         if self.shared is not None:
             totals["held"] = self.shared.held()
             totals["breakers"] = self.shared.breakers()
-        models = self.counts.take()
+        return totals
+
+    def _send_report(self, totals: dict[str, Any], models: list[Any], answering: int) -> None:
         if not (answering or totals or models or self.metrics):
             return
         metrics = families_json(self.metrics.registry.collect()) if self.metrics else None

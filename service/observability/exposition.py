@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import gzip
 import math
+import selectors
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -142,27 +143,51 @@ def on_loop(
     return blocking
 
 
-# How often the server's thread looks whether shutdown() was asked: every server stop waits
-# for it (socketserver's default, half a second, was most of an idle server's stop), and an
-# idle thread wakes this often for a select() that finds nothing.
-SHUTDOWN_POLL_S = 0.05
-
-
 class _Silent(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (prometheus_client's server logs none either)."""
 
 
+class MetricsServer(ThreadingWSGIServer):
+    """Sleeps in the kernel between scrapes. socketserver's serve_forever wakes every
+    poll_interval to look whether shutdown() was asked: at 0.05 s (a stop waits for the next
+    look) that was an idle server's most frequent wake-up; here shutdown() wakes the thread
+    through a socket pair instead."""
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._wake, self._waker = socket.socketpair()
+        self._stopped = threading.Event()
+
+    def serve_until_shutdown(self) -> None:
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake, selectors.EVENT_READ)
+                while not any(key.fileobj is self._wake for key, _ in selector.select()):
+                    self.handle_request()  # ready: it accepts without waiting
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stops serve_until_shutdown and waits until it has (as socketserver's does)."""
+        self._waker.send(b"\0")
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake.close()
+        self._waker.close()
+
+
 def serve(
     host: str, port: int, app: Callable[[dict[str, Any], StartResponse], list[bytes]]
-) -> ThreadingWSGIServer:
+) -> MetricsServer:
     """The HTTP server of `app` on host:port, in a daemon thread of its own (`server_port`,
     `shutdown()`). An OSError if the port cannot be bound."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-    httpd: ThreadingWSGIServer = make_server(host, port, app, server_class, handler_class=_Silent)
-    thread = threading.Thread(
-        target=httpd.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics", daemon=True
-    )
+    server_class = type("MetricsServer", (MetricsServer,), {"address_family": family})
+    httpd: MetricsServer = make_server(host, port, app, server_class, handler_class=_Silent)
+    thread = threading.Thread(target=httpd.serve_until_shutdown, name="metrics", daemon=True)
     thread.start()
     return httpd

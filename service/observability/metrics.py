@@ -209,6 +209,16 @@ class Metrics:
             ) from None
         return server
 
+    def calls_seen(self) -> tuple[float, float]:
+        """(RPCs finished, RPCs being handled): changes whenever a call may have moved any
+        family of this registry but the process collector's."""
+        finished = being_handled = 0.0
+        for family in self.requests.collect():
+            finished += sum(s.value for s in family.samples if s.name.endswith("_total"))
+        for family in self.inflight.collect():
+            being_handled += sum(s.value for s in family.samples)
+        return finished, being_handled
+
     def observe_batch(self, model: str, rows: int, timings: Timings) -> None:
         self.child(self.batch_size, model).observe(rows)
         self.child(self.compute_duration, model).observe(timings.infer_ns / 1e9)

@@ -3,9 +3,15 @@ read back by prometheus_client's parser as the families, kinds, labels and value
 
 from __future__ import annotations
 
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.observability.exposition import families_text
+from service.observability.exposition import families_text, serve
 from service.workers.model_metrics import Family, Series
 
 
@@ -31,3 +37,31 @@ def test_families_read_back_as_written() -> None:
         if s.name.endswith("_bucket")
     ]
     assert buckets == [("1.0", 1.0), ("10.0", 2.0), ("+Inf", 3.0)]
+
+
+def test_the_metrics_thread_sleeps_in_the_kernel_until_a_scrape_or_its_stop() -> None:
+    """No poll for shutdown: the idle thread is not switched in at all, a scrape is
+    answered, and shutdown() returns with the thread ended."""
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"up 1\n"]
+
+    server = serve("127.0.0.1", 0, app)
+    thread = next(t for t in threading.enumerate() if t.name == "metrics")
+    try:
+        status = Path(f"/proc/self/task/{thread.native_id}/status")
+        before = _switches(status.read_text())
+        time.sleep(0.5)  # a span to look at, not a timing asserted on
+        assert _switches(status.read_text()) == before
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        assert urllib.request.urlopen(url).read() == b"up 1\n"
+    finally:
+        server.shutdown()
+        server.server_close()
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def _switches(status: str) -> int:
+    return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)

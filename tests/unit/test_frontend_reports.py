@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,7 +30,7 @@ from service.frontends.dispatch import DispatchServer
 from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView
 from service.frontends.parent_link import ParentLink
-from service.frontends.reports import Reports, report_payloads
+from service.frontends.reports import ReportPacing, Reports, report_payloads
 from service.frontends.stats import FrontendStats
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import ModelRepository
@@ -206,3 +209,31 @@ def test_a_front_ends_metrics_label_the_versions_of_its_view_and_leave_process_o
     assert metrics.names.labels("m", "2") == ("m", "_unknown")
     assert metrics.names.labels("other", "") == ("_unknown", "")
     assert not [f for f in metrics.registry.collect() if f.name.startswith("process_")]
+
+
+@given(steps=st.lists(st.tuples(st.floats(0.0, 40.0), st.integers(0, 3)), min_size=1, max_size=30))
+def test_a_periodic_report_goes_out_when_its_counts_moved_or_the_idle_span_passed(
+    steps: list[tuple[float, int]],
+) -> None:
+    """ReportPacing: every change of what a report carries goes out at the next tick; while
+    nothing moves, one report per IDLE span and no more."""
+    idle = 30.0
+    pacing = ReportPacing(idle)
+    now, last_moved, last_sent = 0.0, None, -math.inf
+    for gap, moved in steps:
+        now += gap
+        due = pacing.due(now, moved)
+        assert due == (moved != last_moved or now - last_sent >= idle)
+        if due:
+            last_moved, last_sent = moved, now
+
+
+def test_a_front_ends_calls_seen_move_with_every_call_it_starts_or_ends() -> None:
+    """What ReportPacing compares: a call that starts, then one that ends, each moves it."""
+    metrics = Metrics.frontend(ModelView().served)
+    idle = metrics.calls_seen()
+    metrics.child(metrics.inflight, "h2").inc()
+    started = metrics.calls_seen()
+    metrics.child(metrics.inflight, "h2").dec()
+    metrics.child(metrics.requests, "m", "1", "h2", "ModelInfer", "OK").inc()
+    assert len({idle, started, metrics.calls_seen()}) == 3
