@@ -121,7 +121,7 @@ class RemoteStreams(RemoteWorker):
         return len(self.streams)
 
     def held(self) -> int:
-        return len(self.streams)
+        return self.outstanding
 
     async def submit(self, job: InferJob, caller_id: str, parameters: str) -> StreamRequest:
         """As WorkerInstance.submit: waits (bounded) for a launch to serve."""

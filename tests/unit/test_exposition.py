@@ -49,12 +49,15 @@ def test_the_metrics_thread_sleeps_in_the_kernel_until_a_scrape_or_its_stop() ->
 
     server = serve("127.0.0.1", 0, app)
     thread = next(t for t in threading.enumerate() if t.name == "metrics")
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
     try:
+        assert urllib.request.urlopen(url).read() == b"up 1\n"  # its loop is running
         status = Path(f"/proc/self/task/{thread.native_id}/status")
-        before = _switches(status.read_text())
+        while "State:\tS" not in status.read_text():  # back in select(), or still on its way
+            time.sleep(0.01)
+        before = _slept(status.read_text())
         time.sleep(0.5)  # a span to look at, not a timing asserted on
-        assert _switches(status.read_text()) == before
-        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        assert _slept(status.read_text()) == before  # it never woke up to sleep again
         assert urllib.request.urlopen(url).read() == b"up 1\n"
     finally:
         server.shutdown()
@@ -63,5 +66,10 @@ def test_the_metrics_thread_sleeps_in_the_kernel_until_a_scrape_or_its_stop() ->
     assert not thread.is_alive()
 
 
-def _switches(status: str) -> int:
-    return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+def _slept(status: str) -> int:
+    """How many times the thread went to sleep (a poll loop sleeps again at each timeout)."""
+    return next(
+        int(line.split()[1])
+        for line in status.splitlines()
+        if line.startswith("voluntary_ctxt_switches")
+    )
