@@ -9,10 +9,12 @@ from service.frontends.descriptors import (
     MODEL_INFER,
     DescribedRequest,
     Refusal,
+    View,
     ViewEntry,
     encode_view,
 )
 from service.frontends.protocol import Open
+from service.http.textgen import generation_models
 from service.inference import errors
 from service.observability.observer import Observation
 from service.registry.versions import ModelRegistry, ServedVersion
@@ -61,7 +63,8 @@ class DescribedInfer:
                 labels = tuple(served.labels.items()) if key else ()
                 entries.append(ViewEntry(name, key, token, config, labels))
         self._described = described
-        return encode_view(entries)
+        generation = tuple(served.name for served in generation_models(self._models))
+        return encode_view(View(tuple(entries), generation))
 
     @property
     def described(self) -> dict[int, ServedVersion]:

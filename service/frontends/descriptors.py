@@ -109,7 +109,17 @@ def fits(request_id: str, priority: int | None) -> bool:
     return len(request_id.encode()) <= MAX_TEXT_BYTES and (priority or 0) <= MAX_PRIORITY
 
 
-def encode_view(entries: Sequence[ViewEntry]) -> bytes:
+@dataclass(frozen=True)
+class View:
+    """The parent's view: the versions front-ends may describe calls for, and the names of
+    every generation model it serves (described or not: a batchstream names any of them)."""
+
+    entries: tuple[ViewEntry, ...]
+    generation: tuple[str, ...] = ()
+
+
+def encode_view(view: View) -> bytes:
+    entries = view.entries
     parts = [_U32.pack(len(entries))]
     for entry in entries:
         parts += (
@@ -123,10 +133,12 @@ def encode_view(entries: Sequence[ViewEntry]) -> bytes:
         for output, lines in entry.labels:
             parts += (encode_text(output), _U32.pack(len(lines)))
             parts += (piece for line in lines for piece in (_U32.pack(len(line)), line))
+    parts.append(_U32.pack(len(view.generation)))
+    parts += (encode_text(name) for name in view.generation)
     return b"".join(parts)
 
 
-def decode_view(payload: bytes) -> tuple[ViewEntry, ...]:
+def decode_view(payload: bytes) -> View:
     reader = Reader(payload)
     (count,) = reader.unpack(_U32)
     entries = []
@@ -144,8 +156,10 @@ def decode_view(payload: bytes) -> tuple[ViewEntry, ...]:
                 (output, tuple(reader.take(reader.unpack(_U32)[0]) for _ in range(count)))
             )
         entries.append(ViewEntry(model, version, token, config, tuple(labels)))
+    (count,) = reader.unpack(_U32)
+    generation = tuple(reader.text() for _ in range(count))
     reader.end()
-    return tuple(entries)
+    return View(tuple(entries), generation)
 
 
 def encode_infer(opened: Open, request: DescribedRequest) -> bytes:

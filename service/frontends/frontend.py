@@ -150,9 +150,15 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
         rest = forwarder = RestForwarder(link)
         if link.serving is not None and link.shared is not None:
             # REST infer calls on the versions this process queues for itself: served here.
-            plane = FrontendPlane(link.serving.runner, link.view, link.shared, shared_memory)
+            plane = FrontendPlane(
+                link.serving.runner,
+                link.view,
+                link.shared,
+                shared_memory,
+                batchstreams=not settings.model_memory_budget,
+            )
             observing = link.serving.observer
-            here = rest_app(settings, plane, observing, restrictions, plane.generation_model)
+            here = rest_app(settings, plane, observing, restrictions)
             here.host = tally.rest()
             rest = RestHere(here, plane, forwarder, link.served_here)
     if tls is not None and settings.h3:

@@ -15,11 +15,13 @@ from cryptography import x509
 
 from service.api.registration import Register
 from service.api.restricted import Restriction, rest_guard
-from service.dataplane.plane import DataPlane, InferencePlane
+from service.dataplane.plane import DataPlane
 from service.dataplane.sequence_callers import SequenceCallers
+from service.frontends.rest_here import FrontendPlane
 from service.frontends.stats import ProcessH3
 from service.http.app import RestApp
 from service.http.asgi import App
+from service.http.batchstream import BatchStreams
 from service.http.bounds import RequestLimits
 from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
@@ -28,7 +30,6 @@ from service.http.openai import Completions
 from service.http.router import Guard, InferRouter, Router
 from service.http.routes import Routes
 from service.observability.observer import Observer
-from service.registry.versions import ServedVersion
 from service.settings import ServerSettings
 from service.tickets.store import open_address_tokens
 from transport.grpc import alt_svc
@@ -142,24 +143,25 @@ def serves_rest_h3(settings: ServerSettings, grpc_port: int) -> bool:
 
 def rest_app(
     settings: ServerSettings,
-    plane: InferencePlane,
+    plane: DataPlane | FrontendPlane,
     observer: Observer,
     restrictions: Mapping[str, Restriction],
-    generation_model: Callable[[str], Awaitable[ServedVersion]] | None = None,
 ) -> RestApp:
     """The KServe v2 REST API over the parent's data plane, the same as gRPC's; over a
-    front-end's plane (the versions it serves itself), the infer, generate and completions
-    routes alone (`generation_model`: the generation model a completion names, if served
-    there)."""
+    front-end's plane (the versions it serves itself), the infer, generate, completions and
+    batchstream routes alone."""
     limits, guard = rest_checks(settings, restrictions)
     route = InferRoute(
         plane, SequenceCallers(settings.sequence_callers), settings.http_max_input_size
     )
     if isinstance(plane, DataPlane):
         return RestApp(Router(Routes(plane, route), limits, observer, guard))
-    assert generation_model is not None
-    completions = Completions(plane, generation_model)
-    return RestApp(InferRouter(route, GenerateRoute(plane), completions, limits, observer, guard))
+    completions = Completions(plane, plane.generation_model)
+    batchstream = BatchStreams(
+        plane, plane.streamed_generation_model, plane.generation_names, limits.body_timeout_s
+    )
+    generate = GenerateRoute(plane)
+    return RestApp(InferRouter(route, generate, completions, limits, observer, guard, batchstream))
 
 
 def rest_checks(

@@ -45,9 +45,11 @@ class _Version:
 class ModelView:
     def __init__(self) -> None:
         self._versions: dict[tuple[str, str], _Version] = {}
+        self.generation: tuple[str, ...] = ()  # every generation model the parent serves
 
-    def update(self, entries: Sequence[ViewEntry]) -> None:
+    def update(self, entries: Sequence[ViewEntry], generation: Sequence[str] = ()) -> None:
         """The parent's latest view replaces this one (one validator per version)."""
+        self.generation = tuple(generation)
         described: dict[int, _Version] = {}
         versions: dict[tuple[str, str], _Version] = {}
         for entry in entries:

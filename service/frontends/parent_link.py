@@ -322,9 +322,9 @@ class ParentLink(FrameConnection):
             self.report(answering=call_id)
             return
         if kind is Kind.MODELS:
-            entries = decode_view(payload)
-            self.view.update(entries)
-            self._entries = entries
+            view = decode_view(payload)
+            self.view.update(view.entries, view.generation)
+            self._entries = view.entries
             return
         if kind is Kind.QUEUED and self.shared is not None:
             self.shared.update(payload, self._entries)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 
+import grpc
+
 from service.dataplane.plane import InferencePlane, Resolved
 from service.dataplane.shared_memory import SharedMemory
 from service.frontends.model_view import ModelView
@@ -21,8 +23,9 @@ from service.http.app import RestApp
 from service.http.asgi import Message, Receive, Scope, Send
 from service.http.infer_route import PassedOn
 from service.http.observed import TRANSPORT
-from service.http.router import COMPLETIONS, model_target
+from service.http.router import BATCHSTREAM, COMPLETIONS, model_target
 from service.http.textgen import generation_checked
+from service.inference import errors
 from service.inference.shared_memory import Caller
 from service.registry.versions import ServedVersion
 from service.serving.requests import RequestRunner
@@ -38,10 +41,14 @@ class FrontendPlane(InferencePlane):
         view: ModelView,
         shared: SharedVersions,
         shared_memory: SharedMemory,
+        batchstreams: bool,
     ) -> None:
+        """`batchstreams`: whether it may serve batchstream (not under --model-memory-budget,
+        where a line may name a model the parent loads first)."""
         super().__init__(runner, shared_memory)
         self._view = view
         self._shared = shared
+        self.batchstreams = batchstreams
 
     def holds_regions(self, caller: Caller, names: Iterable[str]) -> bool:
         return self.shared_memory.regions.holds(caller, names)
@@ -59,6 +66,34 @@ class FrontendPlane(InferencePlane):
         """The generation model a completion names, served here (else PassedOn: the parent
         answers it, loading it first under --model-memory-budget, or refuses it)."""
         return generation_checked(self._here_or_passed(name, ""), name)
+
+    def serves_batchstream(self) -> bool:
+        """A batchstream's lines may name any generation model: it is served here only when
+        every one the parent serves is served here."""
+        names = self._view.generation
+        return self.batchstreams and bool(names) and all(self.here(n, "") for n in names)
+
+    def generation_names(self) -> tuple[str, ...]:
+        return self._view.generation
+
+    async def streamed_generation_model(self, name: str) -> ServedVersion:
+        """The generation model a batchstream line names: no line can be passed on, so a
+        model not served here is refused (UNAVAILABLE while the parent serves it: this process
+        takes it up or lets it go; NOT_FOUND for a name that is no generation model)."""
+        served = self.here(name, "")
+        if served is not None:
+            return generation_checked(served, name)
+        names = self._view.generation
+        if name in names:
+            raise errors.unavailable(
+                f"model '{errors.echoed(name)}' is not served by this process at the moment; "
+                "send the request again"
+            )
+        raise errors.ServiceError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model '{errors.echoed(name)}' is not a generation model of this server (it "
+            f"serves {list(names)}); GET /v1/models lists them",
+        )
 
     def _here_or_passed(self, name: str, version: str) -> ServedVersion:
         served = self.here(name, version)
@@ -90,7 +125,11 @@ class RestHere:
         target = model_target(path)
         posted = scope["method"] == "POST"
         # A completion names its model in its body: read here, passed on if it is not here's.
-        here = posted and (self._plane.here(*target) if target is not None else path in COMPLETIONS)
+        here = posted and (
+            self._plane.here(*target)
+            if target is not None
+            else path in COMPLETIONS or (path == BATCHSTREAM and self._plane.serves_batchstream())
+        )
         if not here:
             with self._app.holding(passed_on=True):
                 if not self._app.busy():

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.dataplane.plane import DataPlane
+from service.dataplane.plane import InferencePlane
 from service.http.json_tensors import MAX_ID_CHARS, parsed
 from service.http.ndjson import Line, LineSplitter
 from service.http.openai_requests import OpenAIError, completion_request
 from service.http.reply import Reply
-from service.http.textgen import generation, generation_model, generation_models
+from service.http.textgen import generation
 from service.inference import errors
+from service.registry.versions import ServedVersion
 
 MAX_LINES = 1024  # request lines per body
 MAX_LINE_BYTES = 64 << 10  # per line
@@ -38,12 +39,19 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class BatchStreams:
-    plane: DataPlane
+    """Over any inference plane, as Completions: the server's, or a front-end's when it
+    serves every generation model itself."""
+
+    plane: InferencePlane
+    # The generation model a line names (textgen.generation_model, or a front-end's), and the
+    # names of every generation model served (a line naming none takes the only one).
+    resolve: Callable[[str], Awaitable[ServedVersion]]
+    names: Callable[[], Sequence[str]]
     idle_s: float  # the body may send nothing this long while no request of it generates
 
     def reply(self, receive: Callable[[], Awaitable[Message]], client: str) -> Reply:
         """`client`: whom its requests count against for the fair share of a model's places."""
-        stream = _BatchStream(self.plane, receive, client, self.idle_s)
+        stream = _BatchStream(self, receive, client)
         return Reply(200, events=stream.events(), gone=stream.gone)
 
 
@@ -62,16 +70,12 @@ class _Failed(Exception):
 
 class _BatchStream:
     def __init__(
-        self,
-        plane: DataPlane,
-        receive: Callable[[], Awaitable[Message]],
-        client: str,
-        idle_s: float,
+        self, streams: BatchStreams, receive: Callable[[], Awaitable[Message]], client: str
     ) -> None:
-        self.plane = plane
+        self.streams = streams
         self.receive = receive
         self.client = client
-        self.idle_s = idle_s
+        self.idle_s = streams.idle_s
         self.events_ready: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.running: dict[asyncio.Task[None], str] = {}  # request task -> its request_id
         self.lines = LineSplitter(MAX_LINE_BYTES)
@@ -192,20 +196,20 @@ class _BatchStream:
         if not isinstance(fields.get("prompt"), str):
             raise _Failed("invalid_prompt", "'prompt' must be a string")
         if "model" not in fields:
-            served = generation_models(self.plane)
-            if len(served) != 1:
+            names = self.streams.names()
+            if len(names) != 1:
                 raise _Failed(
                     "model_required",
-                    f"the server has {len(served)} generation models: name one in 'model'",
+                    f"the server has {len(names)} generation models: name one in 'model'",
                 )
-            fields["model"] = served[0].name
+            fields["model"] = names[0]
         return fields
 
     async def _generate(self, request_id: str, number: int, fields: dict[str, Any]) -> None:
         try:
             request = completion_request(fields, chat=False)
-            served = await generation_model(self.plane, request.model)
-            started = await generation(self.plane, served, request.sampling, self.client)
+            served = await self.streams.resolve(request.model)
+            started = await generation(self.streams.plane, served, request.sampling, self.client)
             text, reason = await started.collected()
         except OpenAIError as exc:
             code = f"invalid_{exc.param}" if exc.param in _FIELDS else exc.kind

@@ -79,7 +79,7 @@ def models(plane: DataPlane) -> Reply:
             "created": 0,
             "owned_by": OWNER,
         }
-        for served in generation_models(plane)
+        for served in generation_models(plane.models)
     ]
     return Reply(200, {"object": "list", "data": listed})
 

@@ -4,6 +4,7 @@ the gRPC method it stands for (its labels, its restricted-protocol category) in 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -23,6 +24,7 @@ from service.http.openai import Completions
 from service.http.reply import Reply
 from service.http.routes import Routes
 from service.http.shared_memory_routes import rest_peer
+from service.http.textgen import generation_model, generation_models
 from service.inference import errors
 from service.observability.observer import Observer
 
@@ -47,17 +49,21 @@ class InferRouter:
         limits: RequestLimits,
         observer: Observer | None,
         guard: Guard | None,
+        batchstream: BatchStreams | None = None,
     ) -> None:
+        """`batchstream`: None where it is not served (a front-end that does not serve every
+        generation model passes it on)."""
         self.inference = inference
         self.generation = generation
         self.completions = completions
         self.limits = limits
         self.observer = observer
         self.guard = guard
+        self.batchstream = batchstream
 
     async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
-        """An infer, generate or completions request; any other is passed on, unread
-        (PassedOn)."""
+        """An infer, generate, completions or batchstream request; any other is passed on,
+        unread (PassedOn)."""
         check_headers(scope, self.limits.max_header_bytes)
         path = scope["path"]
         target = infer_target(path)
@@ -68,7 +74,16 @@ class InferRouter:
             return await self.generate(scope, receive, call, *generating)
         if path in COMPLETIONS:
             return await self.complete(scope, receive, call, path)
+        if path == BATCHSTREAM and self.batchstream is not None:
+            return self.stream_batch(scope, receive, call, self.batchstream)
         raise PassedOn(f"no route served here {errors.echoed(path)!r}")
+
+    def stream_batch(
+        self, scope: Scope, receive: Receive, call: Call, batchstream: BatchStreams
+    ) -> Reply:
+        """Batchstream: the route reads its body itself, a line at a time."""
+        self._expect(scope, call, "POST", "ModelStreamInfer", BATCHSTREAM)
+        return batchstream.reply(receive, call.client)
 
     async def complete(self, scope: Scope, receive: Receive, call: Call, path: str) -> Reply:
         """OpenAI's completions (`path`: one of COMPLETIONS)."""
@@ -146,11 +161,23 @@ class Router(InferRouter):
         observer: Observer | None,
         guard: Guard | None,
     ) -> None:
+        plane = routes.plane
+        batchstream = BatchStreams(
+            plane,
+            functools.partial(generation_model, plane),
+            lambda: [served.name for served in generation_models(plane.models)],
+            limits.body_timeout_s,
+        )
         super().__init__(
-            routes.inference, routes.generation, routes.completions, limits, observer, guard
+            routes.inference,
+            routes.generation,
+            routes.completions,
+            limits,
+            observer,
+            guard,
+            batchstream,
         )
         self.routes = routes
-        self.batchstream = BatchStreams(routes.plane, limits.body_timeout_s)
 
     async def route(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """The route the path names, its gRPC method's name in `call` (UNKNOWN: no route)."""
@@ -253,10 +280,8 @@ class Router(InferRouter):
         path = "/v1/" + "/".join(rest)
         if path in COMPLETIONS:
             return await self.complete(scope, receive, call, path)
-        if rest == ["inference", "advanced", "batchstream"]:
-            route = "/v1/inference/advanced/batchstream"
-            self._expect(scope, call, "POST", "ModelStreamInfer", route)
-            return self.batchstream.reply(receive, call.client)
+        if path == BATCHSTREAM and self.batchstream is not None:
+            return self.stream_batch(scope, receive, call, self.batchstream)
         raise _no_route(scope)
 
 
@@ -276,6 +301,7 @@ _MODEL_ROUTES = {
 }
 _GENERATE = ("generate", "generate_stream")
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")  # OpenAI's, a request naming its model
+BATCHSTREAM = "/v1/inference/advanced/batchstream"
 
 
 async def _answered(receive: Receive, work: Coroutine[Any, Any, Reply], sent: bytes) -> Reply:

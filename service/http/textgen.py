@@ -23,7 +23,7 @@ from service.inference import errors
 from service.inference.errors import echoed
 from service.inference.jobs import StreamAnswer
 from service.inference.validation import Decoding
-from service.registry.versions import ServedVersion
+from service.registry.versions import ModelRegistry, ServedVersion
 
 _INPUTS = {"text": mc.TYPE_STRING, "max_tokens": mc.TYPE_INT32}
 _OPTIONAL = {"temperature": mc.TYPE_FP32, "seed": mc.TYPE_INT64}
@@ -86,10 +86,10 @@ def generation_checked(served: ServedVersion, name: str) -> ServedVersion:
     return served
 
 
-def generation_models(plane: DataPlane) -> list[ServedVersion]:
+def generation_models(models: ModelRegistry) -> list[ServedVersion]:
     """The serving version of each generation model, by name."""
     chosen: dict[str, ServedVersion] = {}
-    for served in plane.models.all_versions():
+    for served in models.all_versions():
         if served.ready and serves_generation(served.config):
             latest = chosen.get(served.name)
             if latest is None or served.version > latest.version:

@@ -423,8 +423,10 @@ def test_completions_run_in_the_front_ends_with_their_parent_stopped(
     generation model it serves itself, runs the generation there, its tokens read from its
     own socket to the worker. Held still by SIGSTOP, the parent passes nothing on, and
     completions, whole and streamed, are still answered, each new connection's the greedy
-    text the first one got; one naming no generation model is refused as the parent
-    refuses it, once the parent runs again."""
+    text the first one got, and so is a batchstream (a front-end serving every generation
+    model takes it: each line's generation, a line naming no model given the only one, one
+    naming no generation model failing alone); a completion naming no generation model is
+    refused as the parent refuses it, once the parent runs again."""
     repository = tmp_path / "models"
     repository.mkdir()
     (repository / "generate").symlink_to(EXAMPLE_MODELS / "generate")
@@ -435,6 +437,26 @@ def test_completions_run_in_the_front_ends_with_their_parent_stopped(
         base = f"{s.http_url}/v1"
         with httpx.Client(base_url=base, timeout=60) as client:  # a new connection each
             return client.post("/completions", json=document)
+
+    def batchstream() -> set[tuple[str, str | None, Any]]:
+        """Each event of a batchstream of three lines: its name, request and outcome."""
+        named = [{**body, "request_id": "a"}, {"prompt": body["prompt"], "max_tokens": 8}]
+        named[1]["request_id"] = "b"
+        named.append({**body, "request_id": "c", "model": "nothing"})
+        sent = b"".join(json.dumps(line).encode() + b"\n" for line in named)
+        with httpx.Client(base_url=f"{s.http_url}/v1", timeout=60) as client:
+            answer = client.post("/inference/advanced/batchstream", content=sent)
+        assert answer.status_code == 200, answer.text
+        events = set()
+        for block in answer.content.decode().strip().split("\n\n"):
+            name, data = (line.split(": ", 1)[1] for line in block.splitlines())
+            event = json.loads(data)
+            if name == "done":
+                counts = (event["requests"], event["completed"], event["failed"])
+                events.add((name, None, counts))
+            else:
+                events.add((name, event["request_id"], event.get("text", event.get("code"))))
+        return events
 
     with running_server(repository, tmp_path / "log", args) as s:
         first = complete(body)
@@ -451,6 +473,12 @@ def test_completions_run_in_the_front_ends_with_their_parent_stopped(
                 assert chunks[-2:] == [b"data: [DONE]", b""]
                 pieces = [json.loads(c.removeprefix(b"data: ")) for c in chunks[:-2]]
                 assert "".join(p["choices"][0]["text"] for p in pieces) == text
+                assert batchstream() == {
+                    ("completion", "a", text),
+                    ("completion", "b", text),  # it names no model: the only one
+                    ("error", "c", "not_found"),
+                    ("done", None, (3, 2, 1)),
+                }
         refused = complete({**body, "model": "nothing"})
         assert refused.status_code == 404, refused.text
         assert refused.json()["error"]["code"] == "not_found"

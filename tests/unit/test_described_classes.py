@@ -44,7 +44,7 @@ def viewed(sizes: list[int]) -> dict[str, tuple[bytes, ...] | None]:
         registry.publish(f"m{index}", {1: served_with(f"m{index}", (b"x" * size,))})
     parent = DescribedInfer(registry, cast(Serving, None))
     shown: dict[str, tuple[bytes, ...] | None] = {f"m{i}": None for i in range(len(sizes))}
-    for entry in decode_view(parent.view()):
+    for entry in decode_view(parent.view()).entries:
         assert entry.version in ("", "1")
         if entry.version:  # the labels, once per version: under its number
             shown[entry.model] = dict(entry.labels)["y"]
