@@ -447,7 +447,7 @@ def test_completions_run_in_the_front_ends_with_their_parent_stopped(
         with httpx.Client(base_url=f"{s.http_url}/v1", timeout=60) as client:
             answer = client.post("/inference/advanced/batchstream", content=sent)
         assert answer.status_code == 200, answer.text
-        events = set()
+        events: set[tuple[str, str | None, Any]] = set()
         for block in answer.content.decode().strip().split("\n\n"):
             name, data = (line.split(": ", 1)[1] for line in block.splitlines())
             event = json.loads(data)
