@@ -2,7 +2,9 @@
 itself (shared_versions.py) is answered here by the parent's own routes (the same conversion,
 checks, observation and request runner: InferRouter over a plane of this process's versions),
 straight into the workers' queues or, a decoupled model's, on this process's own socket to its
-worker; every other request goes to the parent (rest_forward.py), whole, as does one whose
+worker, and so is a batchstream while this process serves every generation model (its lines
+may name any, and none can be passed on); every other request goes to the parent
+(rest_forward.py), whole, as does one whose
 tensors name a shared-memory region this process holds no copy of (region_copies.py). A
 request asking for classes is answered here: the view carries each version's labels."""
 
