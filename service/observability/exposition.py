@@ -156,6 +156,9 @@ class MetricsServer(ThreadingWSGIServer):
 
     def server_activate(self) -> None:
         super().server_activate()
+        # handle_request() then never waits: a connection gone between the select() that
+        # saw it and the accept() is no reason to stop looking at the wake-up socket.
+        self.socket.setblocking(False)
         self._wake, self._waker = socket.socketpair()
         self._stopped = threading.Event()
 
@@ -165,7 +168,7 @@ class MetricsServer(ThreadingWSGIServer):
                 selector.register(self, selectors.EVENT_READ)
                 selector.register(self._wake, selectors.EVENT_READ)
                 while not any(key.fileobj is self._wake for key, _ in selector.select()):
-                    self.handle_request()  # ready: it accepts without waiting
+                    self.handle_request()
         finally:
             self._stopped.set()
 
