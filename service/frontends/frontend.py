@@ -52,7 +52,7 @@ from service.inference.shared_memory import SharedMemoryRegions
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics
 from service.observability.observer import Observer
-from service.process_memory import release_large_buffers
+from service.process_memory import FreedMemory, release_freed_memory, release_large_buffers
 from service.serving.requests import RequestRunner
 from service.settings import ServerSettings, frontend_count
 from service.tickets.store import open_ticket_store
@@ -63,6 +63,7 @@ from transport.h3.server import H3Server
 log = logging.getLogger("paddlequic.frontend")
 
 REPORT_EVERY_S = 1.0
+FREED_AFTER_S = 5.0  # calls standing still this long: a burst is over (process_memory.py)
 
 
 class ParentUnreachable(Exception):
@@ -226,8 +227,11 @@ def _register_h3(link: ParentLink, observer: Observer, server: H3Server) -> None
 
 
 async def _report(link: ParentLink) -> None:
+    freed = FreedMemory(FREED_AFTER_S)
     while True:
-        link.report_if_moved(time.monotonic())
+        now = time.monotonic()
+        if freed.due(now, link.report_if_moved(now)):
+            release_freed_memory()
         await asyncio.sleep(REPORT_EVERY_S)
 
 

@@ -361,14 +361,16 @@ class ParentLink(FrameConnection):
         none; its last frame carries it)."""
         self._send_report(self._totals(), self.counts.take(), answering)
 
-    def report_if_moved(self, now: float) -> None:
+    def report_if_moved(self, now: float) -> object:
         """The periodic report (each REPORT_EVERY_S), left out while nothing in it moved:
-        no call started or ended here, the totals are as last sent (ReportPacing)."""
+        no call started or ended here, the totals are as last sent (ReportPacing). Returns
+        what it compared."""
         totals = self._totals()
         models = self.counts.take()
         moved = (totals, self.metrics.calls_seen() if self.metrics else None)
         if self._pacing.due(now, moved) or models:
             self._send_report(totals, models, 0)
+        return moved
 
     def _totals(self) -> dict[str, Any]:
         totals: dict[str, Any] = {}
