@@ -17,15 +17,19 @@ from hypothesis import strategies as st
 from service.process_memory import FreedMemory
 from tests.servers import REPO_ROOT
 
+# What each script reads its memory with: a /proc/self/status field, in MiB.
+MIB = """
+def mib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+"""
+
 GROW = """
 import json, sys
 from service.process_memory import release_large_buffers
-
-def rss_mib():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
+rss_mib = lambda: mib("VmRSS")
 
 fixed = release_large_buffers() if sys.argv[1] == "fixed" else False
 before = rss_mib()
@@ -41,12 +45,7 @@ print(json.dumps({"fixed": fixed, "kept_mib": rss_mib() - before}))
 TRIM = """
 import json
 from service.process_memory import release_freed_memory
-
-def anon_mib():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) / 1024
+anon_mib = lambda: mib("RssAnon")
 
 buffers = [bytearray(b"x" * (64 << 10)) for _ in range(480)]  # 30 MiB, each its own malloc
 kept = buffers.pop()  # above the others: the heap's top cannot shrink past it
@@ -61,7 +60,7 @@ print(json.dumps({"trimmed": trimmed, "freed_mib": before - held, "released_mib"
 
 def kept(mode: str, script: str = GROW) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", script, mode],
+        [sys.executable, "-c", MIB + script, mode],
         capture_output=True,
         text=True,
         timeout=60,
