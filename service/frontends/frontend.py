@@ -207,7 +207,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
         await link.shared.stop()
     if tracing is not None:
         tracing.shutdown()
-    link.report()
+    link.reports.report()
     link.flush()  # the last report goes out before the process ends
     for task in (reporter, closed, stopping, reading):
         task.cancel()
@@ -230,7 +230,7 @@ async def _report(link: ParentLink) -> None:
     freed = FreedMemory(FREED_AFTER_S)
     while True:
         now = time.monotonic()
-        if freed.due(now, link.report_if_moved(now)):
+        if freed.due(now, link.reports.report_if_moved(now)):
             release_freed_memory()
         await asyncio.sleep(REPORT_EVERY_S)
 

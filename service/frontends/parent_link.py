@@ -47,14 +47,13 @@ from service.frontends.protocol import (
     encode_open,
     opened_of,
 )
-from service.frontends.reports import ReportFrames, ReportPacing
+from service.frontends.report_sender import ReportSender
+from service.frontends.reports import ReportFrames
 from service.frontends.served_here import ServedHere, serve_here
 from service.frontends.shared_versions import SharedVersions
-from service.frontends.stats import report_of
 from service.frontends.stream_here import StreamHere
 from service.inference.credit import ReturnedCredit
 from service.observability.metrics import Metrics
-from service.observability.summed import families_json
 from transport.h3.server import H3Server
 
 # The call's end when the parent never sent one: the parent is gone, or the client left first.
@@ -117,11 +116,6 @@ class PartCall:
             self._link.send(Kind.CANCEL, self.call_id)
 
 
-# The longest a front-end's report waits while no call moves its counts: what drifts without
-# calls (its process's CPU and memory) is at most this stale between scrapes' fresh reports.
-IDLE_REPORT_EVERY_S = 30.0
-
-
 class ParentLink(FrameConnection):
     """The front-end's end of its dispatch connection."""
 
@@ -154,12 +148,14 @@ class ParentLink(FrameConnection):
         self.metrics: Metrics | None = None
         self.served_here: ServedHere | None = None  # counted in `metrics`
         self.h2_rpcs: RpcCount | None = None  # --max-concurrent-rpcs over HTTP/2, for the host
-        self._reports = ReportFrames(
-            index,
-            self.max_payload,
-            lambda call_id, payload: self.send(Kind.STATS, call_id, payload),
+        self.reports = ReportSender(
+            self,
+            ReportFrames(
+                index,
+                self.max_payload,
+                lambda call_id, payload: self.send(Kind.STATS, call_id, payload),
+            ),
         )
-        self._pacing = ReportPacing(IDLE_REPORT_EVERY_S)
         # The method paths the parent registered (METHODS): a call this process's transport
         # answers itself is labelled by its method only if it is one of them.
         self.methods: frozenset[str] = frozenset()
@@ -319,7 +315,7 @@ class ParentLink(FrameConnection):
     def received(self, received: Frame) -> None:
         kind, call_id, payload = received
         if kind is Kind.STATS_QUERY:
-            self.report(answering=call_id)
+            self.reports.report(answering=call_id)
             return
         if kind is Kind.MODELS:
             view = decode_view(payload)
@@ -353,39 +349,6 @@ class ParentLink(FrameConnection):
             call.deliver(kind, None)
         else:
             raise ProtocolViolation(f"{kind.name} frame from the parent")
-
-    def report(self, answering: int = 0) -> None:
-        """This process's counts, to the parent (reports.py): its HTTP/3 servers', the
-        requests it holds of the versions it queues for itself, the ModelStatistics counts and
-        metrics of the calls it serves itself. `answering`: the STATS_QUERY this answers (0:
-        none; its last frame carries it)."""
-        self._send_report(self._totals(), self.counts.take(), answering)
-
-    def report_if_moved(self, now: float) -> object:
-        """The periodic report (each REPORT_EVERY_S), left out while nothing in it moved:
-        no call started or ended here, the totals are as last sent (ReportPacing). Returns
-        what it compared."""
-        totals = self._totals()
-        models = self.counts.take()
-        moved = (totals, self.metrics.calls_seen() if self.metrics else None)
-        if self._pacing.due(now, moved) or models:
-            self._send_report(totals, models, 0)
-        return moved
-
-    def _totals(self) -> dict[str, Any]:
-        totals: dict[str, Any] = {}
-        if self.h3:
-            totals["h3"] = report_of(self.h3).to_json()
-        if self.shared is not None:
-            totals["held"] = self.shared.held()
-            totals["breakers"] = self.shared.breakers()
-        return totals
-
-    def _send_report(self, totals: dict[str, Any], models: list[Any], answering: int) -> None:
-        if not (answering or totals or models or self.metrics):
-            return
-        metrics = families_json(self.metrics.registry.collect()) if self.metrics else None
-        self._reports.send(totals, models, metrics, answering)
 
     def lost(self) -> None:
         for call in list(self._calls.values()):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,27 +67,6 @@ def report_payloads(
     if chunk or totals or not out.payloads:  # one at least: it may answer a query
         out.payloads.append(_encode(totals, chunk, None))
     return out
-
-
-class ReportPacing:
-    """Whether a front-end's periodic report goes out: when what it carries moved since the
-    last one, else only once each `idle_every_s`. An idle server's front-ends otherwise woke
-    the parent every second with the same counts; what drifts with no call at all (process
-    CPU and memory) waits at most `idle_every_s`, and the parent asks for a fresh report
-    before each scrape and ModelStatistics answer anyway."""
-
-    def __init__(self, idle_every_s: float) -> None:
-        self._idle_every_s = idle_every_s
-        self._last: object = None
-        self._sent_at = -math.inf
-
-    def due(self, now: float, moved: object) -> bool:
-        """`moved`: what changes whenever the report may have (compared by ==); a report
-        that goes out is taken as sent at `now`."""
-        if moved == self._last and now - self._sent_at < self._idle_every_s:
-            return False
-        self._last, self._sent_at = moved, now
-        return True
 
 
 class ReportFrames:

@@ -50,7 +50,7 @@ class FrontendPlane(InferencePlane):
         super().__init__(runner, shared_memory)
         self._view = view
         self._shared = shared
-        self.batchstreams = batchstreams
+        self._batchstreams = batchstreams
 
     def holds_regions(self, caller: Caller, names: Iterable[str]) -> bool:
         return self.shared_memory.regions.holds(caller, names)
@@ -73,7 +73,7 @@ class FrontendPlane(InferencePlane):
         """A batchstream's lines may name any generation model: it is served here only when
         every one the parent serves is served here."""
         names = self._view.generation
-        return self.batchstreams and bool(names) and all(self.here(n, "") for n in names)
+        return self._batchstreams and bool(names) and all(self.here(n, "") for n in names)
 
     def generation_names(self) -> tuple[str, ...]:
         return self._view.generation

@@ -49,10 +49,8 @@ class InferRouter:
         limits: RequestLimits,
         observer: Observer | None,
         guard: Guard | None,
-        batchstream: BatchStreams | None = None,
+        batchstream: BatchStreams,
     ) -> None:
-        """`batchstream`: None where it is not served (a front-end that does not serve every
-        generation model passes it on)."""
         self.inference = inference
         self.generation = generation
         self.completions = completions
@@ -74,16 +72,14 @@ class InferRouter:
             return await self.generate(scope, receive, call, *generating)
         if path in COMPLETIONS:
             return await self.complete(scope, receive, call, path)
-        if path == BATCHSTREAM and self.batchstream is not None:
-            return self.stream_batch(scope, receive, call, self.batchstream)
+        if path == BATCHSTREAM:
+            return self.stream_batch(scope, receive, call)
         raise PassedOn(f"no route served here {errors.echoed(path)!r}")
 
-    def stream_batch(
-        self, scope: Scope, receive: Receive, call: Call, batchstream: BatchStreams
-    ) -> Reply:
+    def stream_batch(self, scope: Scope, receive: Receive, call: Call) -> Reply:
         """Batchstream: the route reads its body itself, a line at a time."""
         self._expect(scope, call, "POST", "ModelStreamInfer", BATCHSTREAM)
-        return batchstream.reply(receive, call.client)
+        return self.batchstream.reply(receive, call.client)
 
     async def complete(self, scope: Scope, receive: Receive, call: Call, path: str) -> Reply:
         """OpenAI's completions (`path`: one of COMPLETIONS)."""
@@ -280,8 +276,8 @@ class Router(InferRouter):
         path = "/v1/" + "/".join(rest)
         if path in COMPLETIONS:
             return await self.complete(scope, receive, call, path)
-        if path == BATCHSTREAM and self.batchstream is not None:
-            return self.stream_batch(scope, receive, call, self.batchstream)
+        if path == BATCHSTREAM:
+            return self.stream_batch(scope, receive, call)
         raise _no_route(scope)
 
 

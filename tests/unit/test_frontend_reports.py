@@ -30,7 +30,8 @@ from service.frontends.dispatch import DispatchServer
 from service.frontends.local_counts import LocalCounts
 from service.frontends.model_view import ModelView
 from service.frontends.parent_link import ParentLink
-from service.frontends.reports import ReportPacing, Reports, report_payloads
+from service.frontends.report_sender import ReportPacing
+from service.frontends.reports import Reports, report_payloads
 from service.frontends.stats import FrontendStats
 from service.lifecycle.lifecycle import Lifecycle, LifecycleOptions
 from service.lifecycle.repository import ModelRepository
@@ -157,7 +158,7 @@ async def test_a_refresh_holds_every_count_recorded_before_the_question_was_read
     refresh = asyncio.create_task(linked.dispatch.refresh_stats())
     await asyncio.sleep(0)  # the question is sent ...
     link.counts.stats("m", 1).record_failure(5)
-    link.report()  # ... and crosses a periodic report, sent before it was read
+    link.reports.report()  # ... and crosses a periodic report, sent before it was read
     link.counts.stats("m", 1).record_failure(7)
     await refresh
     assert (served.stats.fail.count, served.stats.fail.ns) == (2, 12)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.http.app import RestApp
+from service.http.batchstream import BatchStreams
 from service.http.bounds import RequestLimits
 from service.http.event_stream import relay
 from service.http.generate_route import GenerateRoute
@@ -51,7 +52,9 @@ async def test_a_whole_answer_is_counted_before_its_body_is_sent() -> None:
     # No route is reached: the request is refused before it is routed.
     inference, generation = InferRoute.__new__(InferRoute), GenerateRoute.__new__(GenerateRoute)
     completions = Completions.__new__(Completions)
-    app = RestApp(InferRouter(inference, generation, completions, LIMITS, observer, None))
+    batchstream = BatchStreams.__new__(BatchStreams)
+    router = InferRouter(inference, generation, completions, LIMITS, observer, None, batchstream)
+    app = RestApp(router)
     counted_at: dict[str, float] = {}
 
     async def send(message: dict[str, Any]) -> None:
