@@ -42,6 +42,7 @@ from service.lifecycle.watching import RepositoryWatcher
 from service.observability.exposition import on_loop
 from service.observability.logs import configure_logging
 from service.observability.metrics import Metrics, MetricsUnavailable
+from service.observability.scrape_bounds import ScrapeLimits
 from service.observability.tracing import TracingUnavailable
 from service.placement.host import load_topology
 from service.process_memory import release_large_buffers
@@ -120,7 +121,13 @@ async def serve(settings: ServerSettings) -> None:
     )
     watcher = RepositoryWatcher(lifecycle, options)
     metrics_server = (
-        metrics.serve(settings.metrics_host, settings.metrics_port) if metrics else None
+        metrics.serve(
+            settings.metrics_host,
+            settings.metrics_port,
+            ScrapeLimits(settings.metrics_max_connections, settings.metrics_timeout),
+        )
+        if metrics
+        else None
     )
     if metrics_server is not None:
         log.info(

@@ -14,6 +14,7 @@ from service.api.restricted import RESTRICTABLE
 from service.dataplane.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.dataplane.shared_memory import MODES as SHARED_MEMORY_MODES
 from service.observability.logs import LOG_FORMATS
+from service.observability.scrape_bounds import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S
 from transport.h3.receive_budget import DEFAULT_PER_ADDRESS, DEFAULT_TOTAL
 from transport.h3.settings import H3Settings
 
@@ -79,6 +80,8 @@ class ServerSettings:
     metrics: bool = True
     metrics_port: int = 8002
     metrics_host: str = "127.0.0.1"
+    metrics_max_connections: int = DEFAULT_MAX_CONNECTIONS
+    metrics_timeout: float = DEFAULT_TIMEOUT_S
     log_format: str = "auto"
     slow_request_ms: float = 1000.0
     log_sample_ratio: float = 0.01
@@ -187,6 +190,10 @@ _HELP = {
     "metrics": "serve Prometheus metrics at http://HOST:METRICS_PORT/metrics",
     "metrics_port": "TCP port for /metrics (0: any free port, logged)",
     "metrics_host": "address /metrics listens on (0.0.0.0: every interface)",
+    "metrics_max_connections": "/metrics connections held at once (one listener per host, "
+    "whatever --frontends); more are closed as soon as they are accepted",
+    "metrics_timeout": "seconds a /metrics connection may stay open, its request read and its "
+    "answer sent; then it is shut",
     "log_format": "auto (text on a terminal, JSON lines otherwise), json or text; text is "
     "coloured on a terminal unless NO_COLOR is set",
     "slow_request_ms": "requests at least this slow are always logged",
@@ -340,6 +347,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error("--http-max-input-size must be at least 1")
     if settings.http_keepalive_timeout <= 0 or settings.http_body_timeout <= 0:
         parser.error("--http-keepalive-timeout and --http-body-timeout must be above 0")
+    if settings.metrics_max_connections < 1 or not settings.metrics_timeout > 0:
+        parser.error("--metrics-max-connections must be at least 1, --metrics-timeout above 0")
     if settings.stream_buffer_bytes < 1:
         parser.error("--stream-buffer-bytes must be at least 1")
     name = settings.server_name

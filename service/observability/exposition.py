@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gzip
+import logging
 import math
 import selectors
 import socket
+import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import parse_qs
@@ -26,10 +30,12 @@ from prometheus_client.exposition import ThreadingWSGIServer, choose_encoder, gz
 from prometheus_client.openmetrics.exposition import escape_label_name
 from prometheus_client.registry import Collector
 
+from service.observability.scrape_bounds import ScrapeConnections, ScrapeLimits
 from service.observability.summed import Restricted
 from service.workers.model_metrics import Family
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+log = logging.getLogger("paddlequic.metrics")
 
 
 def families_text(families: Iterable[Family]) -> bytes:
@@ -152,7 +158,11 @@ class MetricsServer(ThreadingWSGIServer):
     """Sleeps in the kernel between scrapes. socketserver's serve_forever wakes every
     poll_interval to look whether shutdown() was asked: at 0.05 s (a stop waits for the next
     look) that was an idle server's most frequent wake-up; here shutdown() wakes the thread
-    through a socket pair instead."""
+    through a socket pair instead. It holds at most `limits.max_connections` at once, each for
+    at most `limits.timeout_s` (scrape_bounds.py): its loop wakes at the next one's time while
+    it holds any, never while it holds none."""
+
+    limits = ScrapeLimits()
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -161,16 +171,57 @@ class MetricsServer(ThreadingWSGIServer):
         self.socket.setblocking(False)
         self._wake, self._waker = socket.socketpair()
         self._stopped = threading.Event()
+        # Taken by this loop and by each connection's thread as it closes its socket: a
+        # connection is shut past its time only while it is held, so never once closed.
+        self._lock = threading.Lock()
+        self._held: ScrapeConnections[socket.socket] = ScrapeConnections(self.limits)
 
     def serve_until_shutdown(self) -> None:
         try:
             with selectors.DefaultSelector() as selector:
                 selector.register(self, selectors.EVENT_READ)
                 selector.register(self._wake, selectors.EVENT_READ)
-                while not any(key.fileobj is self._wake for key, _ in selector.select()):
-                    self.handle_request()
+                while True:
+                    ready = selector.select(self._next_look())
+                    if any(key.fileobj is self._wake for key, _ in ready):
+                        break
+                    if ready:
+                        self.handle_request()
+                    self._shut_expired()
         finally:
             self._stopped.set()
+
+    def _next_look(self) -> float | None:
+        with self._lock:
+            deadline = self._held.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _shut_expired(self) -> None:
+        """Connections past their time shut both ways: the thread reading or writing one
+        then ends (wsgiref takes a connection ended by its peer quietly)."""
+        with self._lock:
+            for connection in self._held.expired(time.monotonic()):
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection, if held; else it is closed at once."""
+        with self._lock:
+            held = self._held.admit(request, time.monotonic())
+        if held:
+            super().process_request(request, client_address)
+        else:
+            self.shutdown_request(request)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._held.ended(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line in the log, not socketserver's traceback on stderr: a connection that
+        broke, or was shut at its time, is the peer's doing."""
+        log.debug("a /metrics connection from %s failed: %r", client_address, sys.exc_info()[1])
 
     def shutdown(self) -> None:
         """Stops serve_until_shutdown and waits until it has (as socketserver's does)."""
@@ -184,12 +235,16 @@ class MetricsServer(ThreadingWSGIServer):
 
 
 def serve(
-    host: str, port: int, app: Callable[[dict[str, Any], StartResponse], list[bytes]]
+    host: str,
+    port: int,
+    app: Callable[[dict[str, Any], StartResponse], list[bytes]],
+    limits: ScrapeLimits,
 ) -> MetricsServer:
     """The HTTP server of `app` on host:port, in a daemon thread of its own (`server_port`,
     `shutdown()`). An OSError if the port cannot be bound."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    server_class = type("MetricsServer", (MetricsServer,), {"address_family": family})
+    attributes = {"address_family": family, "limits": limits}
+    server_class = type("MetricsServer", (MetricsServer,), attributes)
     httpd: MetricsServer = make_server(host, port, app, server_class, handler_class=_Silent)
     thread = threading.Thread(target=httpd.serve_until_shutdown, name="metrics", daemon=True)
     thread.start()

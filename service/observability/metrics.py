@@ -22,6 +22,7 @@ from prometheus_client.core import Metric
 from service.inference.jobs import Timings
 from service.observability.children import Children
 from service.observability.exposition import metrics_app, serve
+from service.observability.scrape_bounds import ScrapeLimits
 from service.observability.state_metrics import StateCollector
 from service.observability.summed import ReportedMetrics, Summed
 from service.placement.topology import Topology
@@ -192,7 +193,7 @@ class Metrics:
         metrics.names = ServedNames(served)
         return metrics
 
-    def serve(self, host: str, port: int) -> Any:
+    def serve(self, host: str, port: int, limits: ScrapeLimits) -> Any:
         """Start the HTTP server in its own thread; returns it (`server_port`, `shutdown()`)."""
         try:
             app = metrics_app(
@@ -201,7 +202,7 @@ class Metrics:
                 _custom_families,
                 self._refresh,
             )
-            server = serve(host, port, app)
+            server = serve(host, port, app, limits)
         except OSError as exc:
             raise MetricsUnavailable(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror} "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,6 +28,7 @@ BAD = {"no_such_input": np.ones((1, 256), np.float32)}  # -> INVALID_ARGUMENT
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 LOG_WAIT_S = 60.0
+METRICS_HELD = 4  # the server's --metrics-max-connections
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -32,6 +36,7 @@ class Observed:
     def __init__(self, server: ServerProcess, certs: Path, metrics_port: int) -> None:
         self.server = server
         self.certs = certs
+        self.metrics_port = metrics_port
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
 
 
@@ -42,6 +47,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         *("--certs-dir", str(root / "certs"), "--metrics-port", METRICS_PORT),
         *("--log-sample-ratio", "0", "--log-sample-seed", "1", "--slow-request-ms", "600000"),
         *("--trace-console", "--testing-service"),
+        *("--metrics-max-connections", str(METRICS_HELD), "--metrics-timeout", "3"),
     ]
     repository = model_repository(root / "models", ["mlp"])
     with running_server(repository, root / "server.log", args) as server:
@@ -91,6 +97,28 @@ def log_objects(observed: Observed, wanted: int, match: Any) -> list[dict[str, A
         if len(found) >= wanted or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
+
+
+def test_metrics_holds_its_connections_bound_each_for_its_time(observed: Observed) -> None:
+    """Peers that connect to /metrics and never finish a request hold at most
+    --metrics-max-connections of the server's threads, each until --metrics-timeout: those
+    past the bound are closed as they come, the others when their time is up."""
+    threads = f"/proc/{observed.server.process.pid}/task"
+    before = len(os.listdir(threads))
+    address = ("127.0.0.1", observed.metrics_port)
+    with contextlib.ExitStack() as stack:
+        idle = [stack.enter_context(socket.create_connection(address)) for _ in range(40)]
+        for connection in idle:
+            connection.sendall(b"GET /metr")
+        # Unbounded, the server took a thread for each of the 40 and kept them.
+        time.sleep(0.5)  # for threads to start, were they to: not a timing asserted on
+        assert len(os.listdir(threads)) - before <= METRICS_HELD + 4  # others come and go
+        for connection in idle:
+            connection.settimeout(30)  # a bound on the wait: the server closes it by 3 s
+            with contextlib.suppress(ConnectionResetError):
+                assert connection.recv(1) == b""
+    # A scrape is answered once they are gone.
+    assert any(name == "paddlequic_inflight_requests" for name, _ in scrape(observed))
 
 
 async def test_requests_are_counted_per_transport_and_code(observed: Observed) -> None:

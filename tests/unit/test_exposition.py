@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.observability.exposition import families_text, serve
+from service.observability.scrape_bounds import ScrapeLimits
 from service.workers.model_metrics import Family, Series
 
 
@@ -47,7 +48,7 @@ def test_the_metrics_thread_sleeps_in_the_kernel_until_a_scrape_or_its_stop() ->
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"up 1\n"]
 
-    server = serve("127.0.0.1", 0, app)
+    server = serve("127.0.0.1", 0, app, ScrapeLimits())
     thread = next(t for t in threading.enumerate() if t.name == "metrics")
     url = f"http://127.0.0.1:{server.server_port}/metrics"
     try:

@@ -39,6 +39,7 @@ from service.observability.exposition import on_loop
 from service.observability.logs import LineBudget, RequestLog
 from service.observability.metrics import Metrics
 from service.observability.observer import Observer
+from service.observability.scrape_bounds import ScrapeLimits
 from service.observability.summed import ReportedMetrics, families_json
 from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry, ServedVersion, VersionState
@@ -185,7 +186,7 @@ async def test_a_scrape_asks_the_front_ends_first_and_sums_their_metrics(linked:
     frontend.child(frontend.requests, "m", "1", "h3", "ModelInfer", "OK").inc()
     linked.metrics.child(linked.metrics.requests, "m", "1", "h2", "ModelInfer", "OK").inc(2)
     linked.metrics.refresh = on_loop(asyncio.get_running_loop(), linked.dispatch.refresh_stats, 5)
-    server = linked.metrics.serve("127.0.0.1", 0)
+    server = linked.metrics.serve("127.0.0.1", 0, ScrapeLimits())
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())

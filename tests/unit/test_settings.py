@@ -97,3 +97,21 @@ def test_model_memory_budget_flag_and_environment(
     with pytest.raises(SystemExit):
         settings.parse(["--model-memory-budget", "-1"])
     assert "--model-memory-budget must be at least 0" in capsys.readouterr().err
+
+
+def test_metrics_connections_are_bounded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    defaults = settings.parse([])
+    assert (defaults.metrics_max_connections, defaults.metrics_timeout) == (16, 10.0)
+    monkeypatch.setenv("PADDLEQUIC_METRICS_TIMEOUT", "2.5")
+    chosen = settings.parse(["--metrics-max-connections", "4"])
+    assert (chosen.metrics_max_connections, chosen.metrics_timeout) == (4, 2.5)
+    for bad in (
+        ["--metrics-max-connections", "0"],
+        ["--metrics-timeout", "0"],
+        ["--metrics-timeout", "nan"],
+    ):
+        with pytest.raises(SystemExit):
+            settings.parse(bad)
+        assert "--metrics-max-connections must be at least 1" in capsys.readouterr().err
