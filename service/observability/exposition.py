@@ -163,6 +163,10 @@ class MetricsServer(ThreadingWSGIServer):
     it holds any, never while it holds none."""
 
     limits = ScrapeLimits()
+    # Connections the kernel completes before this loop accepts them (socketserver's 5 left a
+    # burst of peers in the kernel's queue, each accepted only as others were closed, instead
+    # of all taken at once and those past the bound closed).
+    request_queue_size = 128
 
     def server_activate(self) -> None:
         super().server_activate()

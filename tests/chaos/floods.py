@@ -1,14 +1,16 @@
 """Attacks by volume: random model names, a flood of QUIC Initials, thousands of idle
-connections."""
+connections, peers holding /metrics connections."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import socket
 import string
 import time
+from urllib.parse import urlsplit
 
 import numpy as np
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -19,7 +21,15 @@ from aioquic.quic.connection import QuicConnection
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
-from tests.chaos.harness import TRANSPORTS, AttackResult, Scale, Target, outcomes_of, status_name
+from tests.chaos.harness import (
+    METRICS_TIMEOUT_S,
+    TRANSPORTS,
+    AttackResult,
+    Scale,
+    Target,
+    outcomes_of,
+    status_name,
+)
 from transport.h3.client import client_configuration
 
 NAME_LENGTH = 60
@@ -32,6 +42,11 @@ LONG_HEADER_TYPES = ("Initial", "0-RTT", "Handshake", "Retry")
 # of its own, as on the internet, so the per-address limit is what holds it back (on one
 # address the attacker would lock the good clients out with it).
 ATTACKER_HOST = "127.0.0.2"
+# How many /metrics connections the chaos server holds at once (--metrics-max-connections'
+# default): a flood of them grows its threads by that, at most.
+METRICS_HELD = 16
+METRICS_CLOSED_AT_ONCE = "closed as it was accepted"
+METRICS_CLOSED_IN_TIME = "closed at its time"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
 
 
@@ -187,3 +202,50 @@ async def idle_connections(target: Target, scale: Scale) -> AttackResult:
         for protocol in h3:
             protocol.abandon()
     return result
+
+
+async def metrics_connections(target: Target, scale: Scale) -> AttackResult:
+    """`metrics_connections` peers connect to /metrics at once and send the start of a
+    request line, never its end. The listener holds at most its bound (the others closed as
+    they are accepted), each until its time; the server's threads grow by that bound at most,
+    where each connection used to hold a thread for as long as its peer liked."""
+    result = AttackResult()
+    address = urlsplit(target.metrics_url)
+    threads = f"/proc/{target.pid}/task"
+    before = len(os.listdir(threads))
+    opened = await asyncio.gather(
+        *(
+            asyncio.open_connection(address.hostname, address.port, local_addr=(ATTACKER_HOST, 0))
+            for _ in range(scale.metrics_connections)
+        )
+    )
+    try:
+        for _, writer in opened:
+            writer.write(b"GET /metr")
+        closed_at_once = await asyncio.gather(*(_closed(r, 0.5) for r, _ in opened))
+        grown = len(os.listdir(threads)) - before
+        result.notes["server_threads_grown"] = grown
+        if grown > METRICS_HELD + 8:  # other threads of the server's come and go
+            result.problems.append(f"the server's threads grew by {grown} for /metrics peers")
+        held = [
+            reader for (reader, _), gone in zip(opened, closed_at_once, strict=True) if not gone
+        ]
+        closed_later = await asyncio.gather(*(_closed(r, METRICS_TIMEOUT_S * 5) for r in held))
+        result.outcomes.update(
+            [METRICS_CLOSED_AT_ONCE] * (len(opened) - len(held))
+            + [METRICS_CLOSED_IN_TIME if gone else "held past its time" for gone in closed_later]
+        )
+    finally:
+        for _, writer in opened:
+            writer.close()
+    return result
+
+
+async def _closed(reader: asyncio.StreamReader, limit_s: float) -> bool:
+    """Whether the server closed the connection within `limit_s` (a bound on the wait)."""
+    try:
+        return await asyncio.wait_for(reader.read(1), limit_s) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True

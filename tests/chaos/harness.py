@@ -47,6 +47,9 @@ REFUSED = "refused at transport"  # an attacking call's connection closed or res
 REST = "http"  # the good clients of the REST port (AttackSpec.rest)
 FRONTEND = "service.frontends.frontend"  # a front-end process's module
 GOAL_RSS_MB = 32.0
+# The chaos server's --metrics-timeout: its /metrics peers closed sooner than by default, so
+# the row about them stays short.
+METRICS_TIMEOUT_S = 2.0
 # The chaos server's --max-message-bytes: below the RSS goal, so that the goal tells a server
 # that holds at most what the limit allows (grpcio inflates a gzip bomb up to it before it
 # refuses) from one that holds what a message inflates to.
@@ -162,6 +165,7 @@ class Scale:
     slow_clients: int = 24  # REST connections trickling their headers, as many their bodies
     oversized_bodies: int = 2  # REST bodies past --http-max-input-size: declared, as many streamed
     disconnects: int = 16  # REST clients vanishing, of each kind (mid-request, -answer, before it)
+    metrics_connections: int = 64  # peers holding /metrics connections, at once
     # Between one good call and the next of each loop, in rows whose point is not the load
     # (AttackSpec.under_load): the good calls go on through the attack and must not fail, at a
     # pace that leaves the suite's cores to the tests beside it (0: back to back).
@@ -745,6 +749,7 @@ def chaos_server(
         *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
         *("--http-body-timeout", str(HTTP_BODY_S)),
         *(("--no-instance-queues",) if batcher else ()),
+        *("--metrics-timeout", str(METRICS_TIMEOUT_S)),
     ]
     with running_server(repository, directory / "server.log", args) as server:
         # On a port the server chose (--metrics-port 0): no other process can take it first.

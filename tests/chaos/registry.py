@@ -82,6 +82,11 @@ ATTACKS = (
         _both("connected", REFUSED, "UNAVAILABLE", "no answer"),
     ),
     AttackSpec(
+        "/metrics connections held",
+        floods.metrics_connections,
+        frozenset({floods.METRICS_CLOSED_AT_ONCE, floods.METRICS_CLOSED_IN_TIME}),
+    ),
+    AttackSpec(
         "slow-reading HTTP/3 client",
         streams.slow_reader,
         frozenset({"read slowly, then cancelled", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}),
