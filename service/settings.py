@@ -39,6 +39,7 @@ class ServerSettings:
     http_tls: bool = False
     http_max_input_size: int = 64 << 20
     http_keepalive_timeout: float = 5.0
+    http_max_connections: int = 1024
     http_body_timeout: float = 30.0
     log_level: str = "info"
     h3: bool = True
@@ -120,6 +121,8 @@ _HELP = {
     "advertise HTTP/3 (alt-svc)",
     "http_max_input_size": "largest HTTP request body accepted, in bytes, per request; more is "
     "refused with 400 before it is read",
+    "http_max_connections": "REST connections held at once, per front-end (a TLS handshake in "
+    "progress counts); more are closed as soon as they are accepted",
     "http_keepalive_timeout": "seconds an HTTP connection may go without a request in progress "
     "(its first request's headers included) before the server closes it",
     "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
@@ -345,6 +348,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error("--http-port must be from 0 to 65535")
     if settings.http_max_input_size < 1:
         parser.error("--http-max-input-size must be at least 1")
+    if settings.http_max_connections < 1:
+        parser.error("--http-max-connections must be at least 1")
     if settings.http_keepalive_timeout <= 0 or settings.http_body_timeout <= 0:
         parser.error("--http-keepalive-timeout and --http-body-timeout must be above 0")
     if settings.metrics_max_connections < 1 or not settings.metrics_timeout > 0:

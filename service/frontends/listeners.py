@@ -194,6 +194,7 @@ async def start_rest(
         settings.http_port,
         settings.max_metadata_bytes,
         settings.http_keepalive_timeout,
+        settings.http_max_connections,
         tls if settings.http_tls else None,
         reuse_port,
         # HTTP/3 answers on the same number over UDP (it speaks only TLS: an https origin).

@@ -5,7 +5,8 @@ hypercorn is the one Python server that embeds in a running asyncio loop and spe
 (uvicorn has no HTTP/2, granian runs its own worker processes): docs/architecture.md gives
 the measurement. The bounds it enforces itself are set here: header block size, the idle
 time of a connection without a request in progress (which bounds a slow first request's
-headers too), and the streams one HTTP/2 connection runs at once.
+headers too), and the streams one HTTP/2 connection runs at once; the connections held at
+once are bounded by the listening socket (held_connections.py).
 
 Connections are accepted here rather than by hypercorn's `worker_serve`, each handed to its
 `TCPServer` as `worker_serve` does, for three things it lacks: the TLS context trusts only
@@ -32,6 +33,7 @@ from hypercorn.config import Config
 from hypercorn.utils import wrap_app
 
 from service.http.asgi import App, Message, Receive, Scope, Send
+from service.http.held_connections import HeldConnections
 from service.http.lingering import LINGER_S, LingeringWriter
 from transport.asgi import tls_extension
 from transport.h3.aioquic.client_auth import ClientAuth
@@ -50,6 +52,7 @@ class HttpOptions:
     port: int
     max_header_bytes: int  # a request's header block (--max-metadata-bytes)
     keepalive_timeout_s: float  # a connection without a request in progress
+    max_connections: int  # held at once by this process, TLS handshakes included
     tls: tuple[Path, Path] | None = None  # certificate chain and key (None: clear text)
     reuse_port: bool = False  # share the port with other processes (SO_REUSEPORT: front-ends)
     # What every response adds (such as `alt-svc`, where HTTP/3 answers).
@@ -90,6 +93,7 @@ async def start_http(app: App, options: HttpOptions, grace: float) -> HttpListen
         listening = reuse_port_socket(options.host, options.port)
     else:
         (listening,) = config.create_sockets().insecure_sockets  # no certfile: bound as is
+    listening = HeldConnections.listening(listening, options.max_connections)
     port = int(listening.getsockname()[1])
     if options.response_headers:
         app = _with_headers(app, options.response_headers)

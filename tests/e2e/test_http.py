@@ -5,9 +5,11 @@ network hit once."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import json
+import os
 import shutil
 import signal
 import socket
@@ -55,6 +57,7 @@ MODELS = ("mlp", "two_tower", "text_classifier", "tokenizer", "label_postprocess
 MAX_INPUT = 4 << 20  # --http-max-input-size: a million-value tensor fits, 8 MiB does not
 BODY_TIMEOUT_S = 3.0
 MAX_REQUESTS = 8  # --max-concurrent-rpcs
+MAX_CONNECTIONS = 32  # --http-max-connections
 KEEPALIVE_TIMEOUT_S = 1.0
 PAST_LIMIT = 48 << 20  # a refused body's bytes past --http-max-input-size that a client sends
 # What a connection's socket buffers may hold on loopback, both ends (tcp_rmem's and tcp_wmem's
@@ -93,6 +96,7 @@ def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rest]:
         *("--http-body-timeout", str(BODY_TIMEOUT_S)),
         *("--http-keepalive-timeout", str(KEEPALIVE_TIMEOUT_S)),
         *("--max-concurrent-rpcs", str(MAX_REQUESTS)),
+        *("--http-max-connections", str(MAX_CONNECTIONS)),
     )
     shutil.copytree(RUNNING_SUM_FIXTURE, repository / "running_sum")
     with running_server(repository, root / "server.log", args) as server:
@@ -839,6 +843,31 @@ def test_requests_past_the_concurrency_limit_are_answered_429(rest: Rest) -> Non
         time.sleep(0.1)
 
 
+def test_connections_past_the_bound_are_closed_as_they_are_accepted(rest: Rest) -> None:
+    """Peers holding MAX_CONNECTIONS connections (each with half a request line): more are
+    closed at once, the server's descriptors grow by the bound only, and once the held ones
+    are gone requests are served again."""
+    fds = f"/proc/{rest.process.process.pid}/fd"
+    before = len(os.listdir(fds))
+    with contextlib.ExitStack() as stack:
+        peers = [stack.enter_context(raw(rest)) for _ in range(MAX_CONNECTIONS + 16)]
+        for peer in peers:
+            peer.sendall(b"GET /v2/hea")
+        # Until the server has closed those past the bound (the idle timeout may close more):
+        # unbounded, it held a descriptor for each of them meanwhile, until that timeout.
+        most = 0
+        deadline = time.monotonic() + 30
+        while sum(_closed_now(peer) for peer in peers) < 16:
+            assert time.monotonic() < deadline
+            most = max(most, len(os.listdir(fds)) - before)
+            time.sleep(0.01)
+        assert most <= MAX_CONNECTIONS + 4  # others come and go
+    deadline = time.monotonic() + 30
+    while curl(rest, "/v2/health/live", "1.1")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_a_body_that_stalls_is_answered_408(rest: Rest) -> None:
     with raw(rest) as connection:
         connection.sendall(
@@ -1297,6 +1326,17 @@ def test_raw_binary_requests_the_model_cannot_take_are_refused(rest: Rest) -> No
         status, payload, _ = raw_binary(rest, model, body, "1.1")
         assert status == 400, payload
         assert message in json.loads(payload)["error"]
+
+
+def _closed_now(connection: socket.socket) -> bool:
+    """Whether the server has closed the connection (it reads its end, never waits)."""
+    connection.setblocking(False)
+    try:
+        return connection.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
 
 
 class _Listening(Protocol):

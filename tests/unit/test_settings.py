@@ -115,3 +115,11 @@ def test_metrics_connections_are_bounded(
         with pytest.raises(SystemExit):
             settings.parse(bad)
         assert "--metrics-max-connections must be at least 1" in capsys.readouterr().err
+
+
+def test_rest_connections_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    assert settings.parse([]).http_max_connections == 1024
+    assert settings.parse(["--http-max-connections", "8"]).http_max_connections == 8
+    with pytest.raises(SystemExit):
+        settings.parse(["--http-max-connections", "0"])
+    assert "--http-max-connections must be at least 1" in capsys.readouterr().err
