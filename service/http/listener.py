@@ -106,7 +106,9 @@ async def start_http(app: App, options: HttpOptions, grace: float) -> HttpListen
             backlog=config.backlog,
             ssl=context,
             sock=listening,
-            ssl_handshake_timeout=config.ssl_handshake_timeout if context else None,
+            # A TLS handshake is a connection with no request in progress (hypercorn's 60 s
+            # held a silent peer's place among --http-max-connections twelve times as long).
+            ssl_handshake_timeout=options.keepalive_timeout_s if context else None,
         )
     except BaseException:
         listening.close()

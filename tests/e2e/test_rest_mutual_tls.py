@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -245,3 +246,14 @@ def test_certified_sequences_serve_rest_callers_with_a_certificate(optional: Mut
     assert uncertified[0] == 400, uncertified
     assert "--sequence-callers certified" in json.loads(uncertified[2])["error"]
     assert (total(started), hijacked[0], total(ended)) == (1, 404, 3)
+
+
+def test_a_peer_that_never_starts_its_tls_handshake_is_closed_at_the_idle_timeout(
+    optional: Mutual,
+) -> None:
+    """A TLS handshake is a connection with no request in progress: --http-keepalive-timeout
+    (5 s) ends it, not hypercorn's 60 s."""
+    with socket.create_connection(("127.0.0.1", optional.port)) as connection:
+        connection.settimeout(30)  # a bound on the wait: closed by 5 s
+        with suppress(ConnectionResetError):
+            assert connection.recv(1) == b""
