@@ -397,3 +397,26 @@ async def held_still(read: Callable[[], float], looks: int, limit_s: float) -> f
             last = now
             await asyncio.sleep(0.02)
     return last
+
+
+def closed_by_peer(connection: socket.socket, limit_s: float) -> bool:
+    """Whether the other end closed the connection within `limit_s` (a bound on the wait;
+    0: only whether it has already)."""
+    connection.settimeout(limit_s)
+    try:
+        return connection.recv(1) == b""
+    except (TimeoutError, BlockingIOError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+async def stream_closed_by_peer(reader: asyncio.StreamReader, limit_s: float) -> bool:
+    """closed_by_peer for an asyncio stream."""
+    try:
+        async with asyncio.timeout(limit_s):
+            return await reader.read(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True

@@ -30,6 +30,7 @@ from tests.chaos.harness import (
     outcomes_of,
     status_name,
 )
+from tests.servers import stream_closed_by_peer
 from transport.h3.client import client_configuration
 
 NAME_LENGTH = 60
@@ -222,7 +223,7 @@ async def metrics_connections(target: Target, scale: Scale) -> AttackResult:
     try:
         for _, writer in opened:
             writer.write(b"GET /metr")
-        closed_at_once = await asyncio.gather(*(_closed(r, 0.5) for r, _ in opened))
+        closed_at_once = await asyncio.gather(*(stream_closed_by_peer(r, 0.5) for r, _ in opened))
         grown = len(os.listdir(threads)) - before
         result.notes["server_threads_grown"] = grown
         if grown > METRICS_HELD + 8:  # other threads of the server's come and go
@@ -230,7 +231,9 @@ async def metrics_connections(target: Target, scale: Scale) -> AttackResult:
         held = [
             reader for (reader, _), gone in zip(opened, closed_at_once, strict=True) if not gone
         ]
-        closed_later = await asyncio.gather(*(_closed(r, METRICS_TIMEOUT_S * 5) for r in held))
+        closed_later = await asyncio.gather(
+            *(stream_closed_by_peer(r, METRICS_TIMEOUT_S * 5) for r in held)
+        )
         result.outcomes.update(
             [METRICS_CLOSED_AT_ONCE] * (len(opened) - len(held))
             + [METRICS_CLOSED_IN_TIME if gone else "held past its time" for gone in closed_later]
@@ -239,13 +242,3 @@ async def metrics_connections(target: Target, scale: Scale) -> AttackResult:
         for _, writer in opened:
             writer.close()
     return result
-
-
-async def _closed(reader: asyncio.StreamReader, limit_s: float) -> bool:
-    """Whether the server closed the connection within `limit_s` (a bound on the wait)."""
-    try:
-        return await asyncio.wait_for(reader.read(1), limit_s) == b""
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True

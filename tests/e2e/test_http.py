@@ -43,6 +43,7 @@ from tests.servers import (
     HTTP_PORT,
     REPO_ROOT,
     ServerProcess,
+    closed_by_peer,
     free_port,
     model_repository,
     paused,
@@ -857,7 +858,7 @@ def test_connections_past_the_bound_are_closed_as_they_are_accepted(rest: Rest) 
         # unbounded, it held a descriptor for each of them meanwhile, until that timeout.
         most = 0
         deadline = time.monotonic() + 30
-        while sum(_closed_now(peer) for peer in peers) < 16:
+        while sum(closed_by_peer(peer, 0) for peer in peers) < 16:
             assert time.monotonic() < deadline
             most = max(most, len(os.listdir(fds)) - before)
             time.sleep(0.01)
@@ -1326,17 +1327,6 @@ def test_raw_binary_requests_the_model_cannot_take_are_refused(rest: Rest) -> No
         status, payload, _ = raw_binary(rest, model, body, "1.1")
         assert status == 400, payload
         assert message in json.loads(payload)["error"]
-
-
-def _closed_now(connection: socket.socket) -> bool:
-    """Whether the server has closed the connection (it reads its end, never waits)."""
-    connection.setblocking(False)
-    try:
-        return connection.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
 
 
 class _Listening(Protocol):

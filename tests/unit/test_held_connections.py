@@ -13,6 +13,7 @@ from pathlib import Path
 
 from service.http.held_connections import HeldConnections
 from service.http.listener import tls_context
+from tests.servers import stream_closed_by_peer
 from transport.tls.certs import ensure_dev_certificates
 
 LIMIT = 3
@@ -23,16 +24,6 @@ async def _held(listener: HeldConnections, count: int) -> None:
     async with asyncio.timeout(WAIT_S):
         while listener.held != count:
             await asyncio.sleep(0.01)
-
-
-async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
-    try:
-        async with asyncio.timeout(0.5):
-            return await reader.read(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True
 
 
 @contextlib.asynccontextmanager
@@ -59,7 +50,7 @@ async def test_past_its_bound_a_connection_is_closed_as_it_is_accepted() -> None
     async with serving(None) as listener:
         port = listener.getsockname()[1]
         peers = [await asyncio.open_connection("127.0.0.1", port) for _ in range(LIMIT * 3)]
-        closed = [await _closed_by_server(reader) for reader, _ in peers]
+        closed = [await stream_closed_by_peer(reader, 0.5) for reader, _ in peers]
         assert closed.count(False) == LIMIT
         assert (listener.held, listener.refused) == (LIMIT, LIMIT * 2)
         # A held one answered and closed by the server frees its place, for a new peer.

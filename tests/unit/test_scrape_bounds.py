@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from service.observability.exposition import MetricsServer, serve
 from service.observability.scrape_bounds import ScrapeConnections, ScrapeLimits
+from tests.servers import closed_by_peer
 
 # (connection, time) events: a connection accepted, one closed by its thread, the loop looking
 _EVENTS = st.lists(
@@ -91,17 +92,6 @@ def _connection_threads() -> int:
     )
 
 
-def _closed_by_server(connection: socket.socket, limit_s: float) -> bool:
-    """Whether the server closed it within `limit_s` (a bound on the wait, not a timing)."""
-    connection.settimeout(limit_s)
-    try:
-        return connection.recv(1) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
 def test_idle_peers_hold_at_most_its_bound_and_only_until_its_time(
     listener: MetricsServer,
 ) -> None:
@@ -114,11 +104,11 @@ def test_idle_peers_hold_at_most_its_bound_and_only_until_its_time(
             connection.sendall(b"GET /metr")  # a request line that never ends
             idle.append(connection)
         # Those past the bound are closed as they are accepted, the held ones kept.
-        closed = [_closed_by_server(c, TIMEOUT_S / 5) for c in idle]
+        closed = [closed_by_peer(c, TIMEOUT_S / 5) for c in idle]
         assert closed.count(False) <= HELD
         assert _connection_threads() - before <= HELD
         # Every one is closed by the server by its time, and its thread ends.
-        assert all(_closed_by_server(c, 10.0) for c in idle)
+        assert all(closed_by_peer(c, 10.0) for c in idle)
     deadline = time.monotonic() + 10.0
     while _connection_threads() > before and time.monotonic() < deadline:
         time.sleep(0.01)
