@@ -59,6 +59,7 @@ class ServerSettings:
     max_concurrent_rpcs: int = 1024
     max_metadata_bytes: int = 16 << 10
     h2_max_connections: int = 1024
+    h2_handshake_timeout: float = 10.0
     idle_timeout: float = 60.0
     h3_max_connections: int = 1024
     h3_max_connections_per_address: int = 64
@@ -153,6 +154,8 @@ _HELP = {
     "RFC 9114 size: names + values + 32 per entry",
     "h2_max_connections": "HTTP/2 connections held at once, per front-end (grpc core counts "
     "them); more are closed as they arrive",
+    "h2_handshake_timeout": "seconds an HTTP/2 connection may take to complete its handshake "
+    "(with --h2-tls, its TLS handshake) before grpc core drops it",
     "idle_timeout": "seconds a connection may stay idle (HTTP/2: no call; HTTP/3: no packet) "
     "before the server closes it",
     "h3_max_connections": "HTTP/3 connections held at once; more are refused at once",
@@ -352,6 +355,8 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error("--http-max-connections must be at least 1")
     if settings.http_keepalive_timeout <= 0 or settings.http_body_timeout <= 0:
         parser.error("--http-keepalive-timeout and --http-body-timeout must be above 0")
+    if not settings.h2_handshake_timeout > 0:
+        parser.error("--h2-handshake-timeout must be above 0")
     if settings.metrics_max_connections < 1 or not settings.metrics_timeout > 0:
         parser.error("--metrics-max-connections must be at least 1, --metrics-timeout above 0")
     if settings.stream_buffer_bytes < 1:

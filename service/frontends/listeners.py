@@ -227,6 +227,9 @@ async def start_grpc(
         # grpc core has no per-address limit; the total and idle connections are bounded.
         ("grpc.max_allowed_incoming_connections", settings.h2_max_connections),
         ("grpc.max_connection_idle_ms", int(settings.idle_timeout * 1000)),
+        # Idle time starts once the handshake is done; grpc core's own bound on a handshake
+        # (a TLS peer that never sends its ClientHello) is 120 s.
+        ("grpc.server_handshake_timeout_ms", int(settings.h2_handshake_timeout * 1000)),
     ]
     if reuse_port:
         options.append(("grpc.so_reuseport", 1))

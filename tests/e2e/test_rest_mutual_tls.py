@@ -89,7 +89,8 @@ def required(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
 @pytest.fixture(scope="module")
 def optional(tmp_path_factory: pytest.TempPathFactory) -> Any:
     yield from serve(
-        tmp_path_factory.mktemp("rest-mtls-optional"), ["--sequence-callers", "certified"]
+        tmp_path_factory.mktemp("rest-mtls-optional"),
+        ["--sequence-callers", "certified", "--h2-handshake-timeout", "5"],
     )
 
 
@@ -255,5 +256,14 @@ def test_a_peer_that_never_starts_its_tls_handshake_is_closed_at_the_idle_timeou
     (5 s) ends it, not hypercorn's 60 s."""
     with socket.create_connection(("127.0.0.1", optional.port)) as connection:
         connection.settimeout(30)  # a bound on the wait: closed by 5 s
+        with suppress(ConnectionResetError):
+            assert connection.recv(1) == b""
+
+
+def test_a_peer_that_never_starts_its_grpc_tls_handshake_is_dropped(optional: Mutual) -> None:
+    """--h2-tls: --h2-handshake-timeout (5 s here) drops a peer that never sends its
+    ClientHello; grpc core's own bound held it 120 s."""
+    with socket.create_connection(("127.0.0.1", optional.server.port)) as connection:
+        connection.settimeout(60)  # a bound on the wait: dropped by 5 s
         with suppress(ConnectionResetError):
             assert connection.recv(1) == b""

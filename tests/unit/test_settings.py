@@ -18,6 +18,7 @@ def test_transport_limits_are_bounded_by_default() -> None:
     defaults = settings.parse([])
     assert defaults.max_metadata_bytes == 16 << 10
     assert defaults.h2_max_connections == 1024
+    assert defaults.h2_handshake_timeout == 10.0
     assert defaults.idle_timeout == 60.0
     assert defaults.h3_max_connections == 1024
     assert defaults.h3_max_connections_per_address == 64
