@@ -21,15 +21,15 @@ from typing import Any
 class HeldConnections(socket.socket):
     """A listening socket that holds at most `limit` accepted connections at once."""
 
-    limit = 1
-    held = 0
-    refused = 0
+    limit: int
+    held: int  # accepted and not yet closed
+    refused: int  # closed as they were accepted, so far
 
     @classmethod
     def listening(cls, sock: socket.socket, limit: int) -> HeldConnections:
         """`sock` (bound, listening or about to) as one of these: it takes over its descriptor."""
         bounded = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        bounded.limit = limit
+        bounded.limit, bounded.held, bounded.refused = limit, 0, 0
         return bounded
 
     def accept(self) -> tuple[socket.socket, Any]:

@@ -21,6 +21,7 @@ from aioquic.quic.connection import QuicConnection
 
 from clients.inference_client import build_request
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
+from service.observability.scrape_bounds import DEFAULT_MAX_CONNECTIONS
 from tests.chaos.harness import (
     METRICS_TIMEOUT_S,
     TRANSPORTS,
@@ -45,7 +46,7 @@ LONG_HEADER_TYPES = ("Initial", "0-RTT", "Handshake", "Retry")
 ATTACKER_HOST = "127.0.0.2"
 # How many /metrics connections the chaos server holds at once (--metrics-max-connections'
 # default): a flood of them grows its threads by that, at most.
-METRICS_HELD = 16
+METRICS_HELD = DEFAULT_MAX_CONNECTIONS
 METRICS_CLOSED_AT_ONCE = "closed as it was accepted"
 METRICS_CLOSED_IN_TIME = "closed at its time"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")

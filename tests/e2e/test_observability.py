@@ -21,7 +21,14 @@ from clients.quic_channel import QuicChannel
 from protos.inference import grpc_service_pb2_grpc as pb_grpc
 from protos.paddlequic.v1 import testing_pb2, testing_pb2_grpc
 from service.observability.logs import sampled_by_id
-from tests.servers import METRICS_PORT, ServerProcess, json_lines, model_repository, running_server
+from tests.servers import (
+    METRICS_PORT,
+    ServerProcess,
+    closed_by_peer,
+    json_lines,
+    model_repository,
+    running_server,
+)
 
 GOOD = {"input": np.ones((1, 256), np.float32)}
 BAD = {"no_such_input": np.ones((1, 256), np.float32)}  # -> INVALID_ARGUMENT
@@ -114,9 +121,7 @@ def test_metrics_holds_its_connections_bound_each_for_its_time(observed: Observe
         time.sleep(0.5)  # for threads to start, were they to: not a timing asserted on
         assert len(os.listdir(threads)) - before <= METRICS_HELD + 4  # others come and go
         for connection in idle:
-            connection.settimeout(30)  # a bound on the wait: the server closes it by 3 s
-            with contextlib.suppress(ConnectionResetError):
-                assert connection.recv(1) == b""
+            assert closed_by_peer(connection, 30)  # a bound on the wait: closed by 3 s
     # A scrape is answered once they are gone.
     assert any(name == "paddlequic_inflight_requests" for name, _ in scrape(observed))
 
