@@ -118,6 +118,9 @@ class SharedQueues:
                 "name": served.name,
                 "version": served.version,
                 "instances": [_instance(i) for i in served.instances],
+                # The parent's NUMA node, whose instances its front-ends prefer too: they run
+                # on the CPUs it may (instance_groups.frontend_numa_node).
+                "local_numa": served.local_numa,
             }
             if isinstance(served.batcher, QueuedBatcher):
                 setup = protocol.encode(served.batcher.setup)

@@ -243,6 +243,7 @@ class SharedVersions:
         served.stats = self._stats_of(served.name, served.version)
         served.state = VersionState.READY
         served.validator = RequestValidator(config)
+        served.local_numa = _numa_node(entry.get("local_numa"))
         if "setup" not in entry:
             return self._streamed(token, entry, served)
         setup = protocol.decode(base64.b64decode(entry["setup"])[protocol.header_size() :])
@@ -251,7 +252,12 @@ class SharedVersions:
         served.instances = cast(list[WorkerInstance], instances)
         label = f"model '{served.name}' version {served.version}"
         batcher = QueuedBatcher(
-            config, instances, setup, batch_recorder(served, self._observer), label
+            config,
+            instances,
+            setup,
+            batch_recorder(served, self._observer),
+            label,
+            served.local_numa,
         )
         served.batcher = batcher
         batcher.start()
@@ -350,3 +356,8 @@ class SharedVersions:
         self._versions.clear()
         asyncio.get_running_loop().remove_reader(self.queues.fileno())
         self.queues.close()
+
+
+def _numa_node(value: Any) -> int | None:
+    """The view's NUMA node (None: the parent knows none)."""
+    return None if value is None else int(value)

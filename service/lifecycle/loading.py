@@ -257,6 +257,7 @@ class VersionLoader:
                         queue_setup(served.config, policy, renamed, self.limits.instance_queue_mb),
                         batch_recorder(served, self.observer),
                         label,
+                        served.local_numa,
                     )
                     queued.start()
                     served.batcher = queued

@@ -7,6 +7,8 @@ before it runs, so when the worker dies the process holding the calls knows whic
 requests were being computed (blamed) and which only waited (sent again as they were), and the
 number of the last batch it ended (a worker that dies after serving is no crash loop). A
 watchdog reads the batch number: one that does not change for the execution timeout is hung.
+It also says how many requests of the worker's other callers it holds, so a process choosing
+an instance weighs the work every process gave it, not only its own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from dataclasses import dataclass
 
 from service.queues.ring import CONTROL_BYTES, Corrupt, RingReader, RingWriter
 
-_RUNNING_HEAD = 24  # batch number, request count, the last batch ended
+# batch number, request count, the last batch ended, the other callers' requests held
+_RUNNING_HEAD = 32
+# What a caller takes of the worker's word on its other callers' requests: a count past any
+# queue's bound says no more than "busy", and a hostile worker gains nothing by a larger one.
+MAX_OTHERS_HELD = 1 << 20
 _IDS = _RUNNING_HEAD // 8  # the word the requests' ids start at
 
 
@@ -90,6 +96,10 @@ class RunningWriter:
         words[1] = 0
         words[2] = words[0]
 
+    def others_held(self, count: int) -> None:
+        """How many requests of its other callers the worker holds now."""
+        self._words[3] = count
+
     def release(self) -> None:
         self._words.release()
 
@@ -111,6 +121,11 @@ class RunningReader:
     def ended(self) -> int:
         """The number of the last batch the worker ended (0: none yet), anyone's."""
         return self._words[2]
+
+    def others_held(self) -> int:
+        """How many requests of its other callers the worker says it holds: a hint for
+        choosing an instance, clamped, never a count anything else relies on."""
+        return min(self._words[3], MAX_OTHERS_HELD)
 
     def running(self) -> set[int]:
         """The ids of the batch it runs now (as it wrote them: the caller keeps only its own)."""

@@ -88,4 +88,9 @@ class BatchRunner:
         ready = [i for i in instances if i.state is State.READY] or instances
         if batch.chain.waiting:  # a BLS call's: never behind a batch that waits for it
             ready = [i for i in ready if not i.would_wait_for_itself(batch)] or ready
-        return routing.choose(ready, self._served.local_numa, self._random)
+        return routing.choose(ready, self._served.local_numa, self._random, _outstanding)
+
+
+def _outstanding(instance: WorkerInstance) -> int:
+    """What the batcher weighs: every request the instance holds (front-ends' as they said)."""
+    return instance.outstanding

@@ -111,6 +111,12 @@ class InstanceQueue:
         return len(self.entries)
 
     @property
+    def load(self) -> int:
+        """What choosing an instance weighs: this process's requests in its queues, and what
+        the worker says it holds of other processes' (front-ends': --frontends N)."""
+        return len(self.entries) + (0 if self._closed else self._running.others_held())
+
+    @property
     def numa_node(self) -> int:
         return self.instance.numa_node
 

@@ -76,7 +76,9 @@ class QueuedBatcher:
         setup: protocol.Queues,
         on_batch: Callable[[int, Timings, list[SpanContext]], None],
         name: str,
+        local_numa: int | None,
     ) -> None:
+        """`local_numa`: this process's NUMA node, whose instances it prefers (routing.py)."""
         policy = setup.policy
         self.policy = policy
         self.name = name
@@ -102,6 +104,7 @@ class QueuedBatcher:
         self._limit = policy.max_queue_size + len(instances) * rows
         self._on_batch = on_batch
         self._random = random.Random(0)
+        self._local_numa = local_numa
 
     def start(self) -> None:
         """Serve through the instances' queues: those ready now at once, the others (and
@@ -201,8 +204,9 @@ class QueuedBatcher:
         return future
 
     def _place(self, entry: Entry, refuse: bool = False) -> None:
-        """Into a serving instance's queue (the least busy: service/workers/routing.py, else
-        any other with room), or to wait for one; `refuse`: a new request, refused when no
+        """Into a serving instance's queue (the least busy, by what this process and the
+        worker say it holds, near this process first: service/workers/routing.py; else any
+        other with room), or to wait for one; `refuse`: a new request, refused when no
         instance can serve it. A request that finds every ring full waits, counted in the
         queue's bound: the worker frees room as it takes records, and each wake-up with its
         answers sends what waits (a full window of a stream's requests can outgrow a ring,
@@ -213,7 +217,7 @@ class QueuedBatcher:
             if refuse:
                 self._check_startable()
         elif not (refuse and self._waiting):
-            queue = routing.choose(ready, None, self._random)
+            queue = routing.choose(ready, self._local_numa, self._random, _load)
             if queue.write(entry) or any(q.write(entry) for q in ready if q is not queue):
                 return
         self._waiting.append(entry)
@@ -376,3 +380,7 @@ class QueuedBatcher:
 
     def _poison_message(self) -> str:
         return poison_message(self.name, self.poison)
+
+
+def _load(queue: InstanceQueue) -> int:
+    return queue.load

@@ -24,6 +24,14 @@ class Producer:
         self.written = 0  # replies so far: it is woken once for those of a step
         self.told = 0
         self.backlog: collections.deque[bytearray] = collections.deque()  # its full ring's
+        self._others = 0  # what its running area last said of the others' requests held
+
+    def others_held(self, count: int) -> None:
+        """How many requests of the other producers the worker holds (written on a change:
+        the caller reads the line it is on whenever it chooses an instance)."""
+        if count != self._others:
+            self._others = count
+            self.running.others_held(count)
 
     def reply(self, size: int, write: Callable[[memoryview], object]) -> None:
         """An answer of `size` bytes (`write` fills it) into the reply ring, or, while the

@@ -8,10 +8,13 @@ It sleeps in poll() on its producers' wake-up descriptors and its message socket
 request comes or the queue's next decision is due (the oldest request's batching window, a
 queue timeout): an idle worker uses no CPU. Before it runs a batch it writes the batch's
 number into every producer's running area, with the ids of that producer's requests in it, so
-each caller knows what it was computing if it dies, and each watchdog sees it progressing."""
+each caller knows what it was computing if it dies, and each watchdog sees it progressing;
+and, in each caller's running area, how many requests of the other callers it holds, so a
+process choosing an instance weighs what every process gave each one."""
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 import os
@@ -107,6 +110,19 @@ class QueuedWorker:
             member = Member(source, index, now)
             push(member)
             waiting[key, request_id] = member
+
+    def publish(self) -> None:
+        """Tell each producer how many requests of the others the worker holds, after each
+        take: those queued, the batch the next step runs among them (what it says stays
+        until the loop's next turn, after that batch)."""
+        if len(self.producers) == 1:
+            for producer in self.producers.values():
+                producer.others_held(0)  # once more than one, now alone
+            return
+        total = len(self._waiting)
+        own = collections.Counter(key for key, _ in self._waiting) if total else {}
+        for key, producer in self.producers.items():
+            producer.others_held(total - own.get(key, 0))
 
     def _output_names(self, outputs: tuple[int, ...]) -> tuple[str, ...]:
         """The names of the outputs a request asks for, kept per choice (a model has few)."""
@@ -347,6 +363,7 @@ def serve_queued(
         return 2
     while True:
         worker.take()
+        worker.publish()
         look = worker.step()
         waiting = worker.flush()
         worker.tell()

@@ -26,7 +26,7 @@ def queued_version() -> ServedVersion:
     config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[2])
     served = ServedVersion("mlp", 1, config)
     setup = queue_setup(config, policy_from_config(config, 1), {}, 4)
-    served.batcher = QueuedBatcher(config, [], setup, lambda *_: None, "mlp")
+    served.batcher = QueuedBatcher(config, [], setup, lambda *_: None, "mlp", None)
     return served
 
 

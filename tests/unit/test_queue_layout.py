@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.queues.layout import QueueLayout, RunningReader, RunningWriter
+from service.queues.layout import MAX_OTHERS_HELD, QueueLayout, RunningReader, RunningWriter
 from service.queues.ring import Corrupt, RingReader, RingWriter, max_record
 
 PROFILE = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 U64 = 2**64 - 1
 COUNT = 8  # where the running area keeps its request count (after the batch number)
-HEAD = 3  # words before the ids: batch number, request count, the last batch ended
+# Words before the ids: batch number, request count, the last batch ended, others' held.
+HEAD = 4
 
 
 def running_area(slots: int) -> tuple[bytearray, RunningWriter, RunningReader]:
@@ -58,6 +59,21 @@ def test_the_caller_reads_the_batch_the_worker_runs_and_that_it_ended(
         assert reader.ended() == number
 
 
+@PROFILE
+@given(slots=st.integers(1, 40), counts=st.lists(st.integers(0, MAX_OTHERS_HELD), max_size=5))
+def test_the_caller_reads_how_many_requests_of_others_the_worker_holds(
+    slots: int, counts: list[int]
+) -> None:
+    _, writer, reader = running_area(slots)
+    assert reader.others_held() == 0
+    for number, count in enumerate(counts, start=1):
+        writer.others_held(count)
+        writer.begin(number, list(range(min(count, slots))))
+        assert reader.others_held() == count  # not touched by the batch's own words
+        writer.end()
+        assert reader.others_held() == count
+
+
 def test_a_batch_of_more_requests_than_the_area_holds_is_a_value_error() -> None:
     _, writer, reader = running_area(4)
     writer.begin(1, [1, 2])
@@ -96,6 +112,7 @@ def test_whatever_the_worker_scribbles_the_caller_reads_at_most_its_slots_or_cor
     number, count = reader.batch()
     assert (number, count) == (words[0], min(words[1], slots))
     assert reader.ended() == words[2]  # only whether it served: the restart's wait
+    assert reader.others_held() == min(words[3], MAX_OTHERS_HELD)  # a hint, clamped
     try:
         running = reader.running()
     except Corrupt:

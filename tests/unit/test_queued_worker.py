@@ -70,8 +70,8 @@ class Caller:
             os.close(fd)
 
 
-def setup(reply_bytes: int = 1 << 16) -> protocol.Queues:
-    policy = BatchPolicy(max_batch_size=ROWS)
+def setup(reply_bytes: int = 1 << 16, batch: int = ROWS) -> protocol.Queues:
+    policy = BatchPolicy(max_batch_size=batch)
     layout = QueueLayout(1 << 16, reply_bytes, ROWS)
     return protocol.Queues(layout, policy, (("input", "FP32"),), ("out",))
 
@@ -117,6 +117,45 @@ def test_one_batch_across_producers_answers_each_its_own_and_is_counted_once(
     assert first.running.batch() == (1, 0) and second.running.batch() == (1, 0)
     for key in (0, 1):
         worker.drop(key)
+
+
+def test_each_caller_reads_how_many_requests_of_the_others_the_worker_holds(
+    callers: list[Caller],
+) -> None:
+    """What a process choosing an instance weighs besides its own: said after each take, the
+    batch the step then runs among them, and nothing once the others are answered or gone."""
+    queues = setup(batch=2)
+    worker = QueuedWorker(Doubling(), queues, str, (None, None))
+    first = attach(worker, callers, 0, queues.layout)
+    second = attach(worker, callers, 1, queues.layout)
+    third = attach(worker, callers, 2, queues.layout)
+    for request_id in range(1, 4):
+        first.send(request_id, 1.0)
+    second.send(1, 2.0)
+    worker.take()
+    worker.publish()
+    assert [c.running.others_held() for c in (first, second, third)] == [1, 3, 4]
+    assert worker.step() == 0.0  # a batch of two of the first's
+    assert [c.running.others_held() for c in (first, second, third)] == [1, 3, 4]
+    worker.take()
+    worker.publish()
+    assert [c.running.others_held() for c in (first, second, third)] == [1, 1, 2]
+    worker.drop(1)  # the second caller gone: its request with it
+    worker.take()
+    worker.publish()
+    assert [c.running.others_held() for c in (first, third)] == [0, 1]
+    third.send(1, 3.0)
+    worker.take()
+    worker.publish()
+    assert [c.running.others_held() for c in (first, third)] == [1, 1]
+    worker.drop(2)
+    worker.take()
+    worker.publish()
+    assert first.running.others_held() == 0  # alone: nobody else's
+    while worker.step() == 0.0:
+        pass
+    assert len(first.answers()) == 3
+    worker.drop(0)
 
 
 def test_a_caller_that_reads_nothing_stalls_no_other_and_loses_nothing(
