@@ -123,7 +123,9 @@ class SequenceQueue:
 
     @property
     def queued(self) -> int:
-        return sum(len(s.waiting) for s in self._live.values())
+        """Read by /metrics from its own thread too: over a copy of the live sequences made
+        in one step, so the loop starting or ending one meanwhile changes nothing it sums."""
+        return sum(len(s.waiting) for s in list(self._live.values()))
 
     def holds(self, corrid: CorrId, owner: Identity) -> bool:
         return self.sequence(corrid, owner) is not None

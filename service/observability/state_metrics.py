@@ -63,7 +63,8 @@ class StateCollector(Collector):
             outputs = {id(i.output): i.output for i in instances}
             dropped[v.name] = dropped.get(v.name, 0) + sum(o.dropped for o in outputs.values())
             for instance in instances:
-                for limit, count in instance.limit_kills.items():
+                # A copy made in one step: the loop adds a limit at a worker's kill.
+                for limit, count in dict(instance.limit_kills).items():
                     key = (v.name, limit)
                     limit_kills[key] = limit_kills.get(key, 0) + count
         yield depth

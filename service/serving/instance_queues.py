@@ -121,7 +121,12 @@ class InstanceQueue:
         return self.instance.numa_node
 
     def running_count(self) -> int:
-        return 0 if self._closed else self._running.batch()[1]
+        """Read by /metrics from its own thread too, where the loop may close the queue (its
+        worker ended) between the look at `_closed` and the read: then it runs nothing."""
+        try:
+            return 0 if self._closed else self._running.batch()[1]
+        except ValueError:  # the running area's memory released since
+            return 0
 
     def served(self) -> bool:
         """Whether the worker has ended a batch, anyone's (it writes each one's number into

@@ -133,7 +133,9 @@ class QueuedBatcher:
         ]
 
     def _running(self) -> int:
-        return sum(q.running_count() for q in self._queues.values())
+        """Read by /metrics from its own thread too: over a copy made in one step, so a
+        worker attached or ended meanwhile changes nothing it sums."""
+        return sum(q.running_count() for q in list(self._queues.values()))
 
     def attach(self, index: int) -> None:
         """The instance's worker is ready: give it its queues (again, after a restart)."""

@@ -25,6 +25,7 @@ from service.workers.producers import Producer
 from service.workers.worker_process import State
 
 REQUESTS = 12
+STOPPED = deaths.Death("was stopped by the test", deaths.Fate.FAIL, blamed=False)
 
 
 class Host:
@@ -48,17 +49,22 @@ class Host:
         return self._numa_node
 
     def send_queues(self, setup: protocol.Queues, fds: list[int]) -> None:
-        """The worker's end of the segment, mapped as the worker maps it (queued_loop._add)."""
+        """The worker's end of the segment, mapped as the worker maps it (queued_loop._add);
+        a worker started again maps its new one."""
+        if self.producer is not None:
+            self.release()
         segment = mmap.mmap(fds[0], setup.layout.size)
         self.producer = Producer(setup.layout, segment, os.dup(fds[1]), os.dup(fds[2]))
 
     def release(self) -> None:
-        assert self.producer is not None
+        if self.producer is None:
+            return
         for end in (self.producer.requests, self.producer.replies, self.producer.running):
             end.release()
         self.producer.segment.close()
         os.close(self.producer.wake_in)
         os.close(self.producer.wake_out)
+        self.producer = None
 
     def kill_misbehaving(self, reason: str, detail: str | None = None) -> None:
         raise AssertionError(f"killed as misbehaving: {reason}")
@@ -72,6 +78,10 @@ def config() -> mc.ModelConfig:
     made.input.add(name="x", data_type=mc.TYPE_FP32, dims=[4])
     made.output.add(name="y", data_type=mc.TYPE_FP32, dims=[2])
     return made
+
+
+def setup_of(served_config: mc.ModelConfig, instances: int) -> protocol.Queues:
+    return queue_setup(served_config, policy_from_config(served_config, instances), {}, 4)
 
 
 def job() -> InferJob:
@@ -94,7 +104,7 @@ async def placed(
     hosts = [Host(node) for node in numa_nodes]
     made += hosts
     served_config = config()
-    setup = queue_setup(served_config, policy_from_config(served_config, len(hosts)), {}, 4)
+    setup = setup_of(served_config, len(hosts))
     batcher = QueuedBatcher(served_config, hosts, setup, lambda *_: None, "mlp", local_numa)
     batcher.start()
     for host, count in zip(hosts, others, strict=True):
@@ -104,10 +114,9 @@ async def placed(
     held = batcher.held_by_instance()
     for future in futures:
         future.cancel()
-    ended = deaths.Death("was stopped by the test", deaths.Fate.FAIL, blamed=False)
     for host in hosts:
         assert host.on_ended is not None
-        host.on_ended(ended)
+        host.on_ended(STOPPED)
     await asyncio.sleep(0)
     return held
 
