@@ -115,9 +115,9 @@ class QueuedWorker:
         """Tell each producer how many requests of the others the worker holds, after each
         take: those queued, the batch the next step runs among them (what it says stays
         until the loop's next turn, after that batch)."""
-        if len(self.producers) == 1:
+        if len(self.producers) == 1:  # alone: nobody else's (written once, after others left)
             for producer in self.producers.values():
-                producer.others_held(0)  # once more than one, now alone
+                producer.others_held(0)
             return
         total = len(self._waiting)
         own = collections.Counter(key for key, _ in self._waiting) if total else {}
