@@ -7,8 +7,8 @@ the loop closes (its worker ended) between the scrape's look at it and its read 
 running area counts nothing, where the read raised on the released memory.
 
 Real threads, switching as often as the interpreter allows, for a bounded number of reads:
-before the copies each test failed at once in every run; the released memory showed in about
-one run of six."""
+without the copies both tests failed in each of six runs; with the copies but without the
+released memory's count of 0, the second failed in one run of six."""
 
 from __future__ import annotations
 
