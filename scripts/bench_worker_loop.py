@@ -31,7 +31,8 @@ from service.batching.batcher import policy_from_config
 from service.queues import records, replies
 from service.queues.layout import QueueLayout
 from service.workers import protocol
-from service.workers.queued_loop import PARENT, QueuedWorker
+from service.workers.queued_loop import PARENT
+from service.workers.queued_worker import QueuedWorker
 from tests.servers import EXAMPLE_MODELS
 
 MODEL = "mlp"

@@ -1,5 +1,5 @@
 """A version's requests written straight into its instances' queues (--instance-queues): the
-worker forms the batches (service/workers/queued_loop.py), so this process does no batching
+worker forms the batches (service/workers/queued_worker.py), so this process does no batching
 and no scheduling, and hears from a worker once per batch. It keeps the promises of the
 batcher it replaces (service/batching/batcher.py): the queue is bounded (RESOURCE_EXHAUSTED at
 once), each request is answered exactly once (DEADLINE_EXCEEDED at its deadline), a request

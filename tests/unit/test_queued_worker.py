@@ -1,5 +1,5 @@
-"""The worker's loop over several producers (service/workers/queued_loop.py), in this process
-with a model of plain numpy (the loop is what is tested, not Paddle): one batch across the
+"""The worker's batches over several producers (service/workers/queued_worker.py), in this
+process with a model of plain numpy (the worker is what is tested, not Paddle): one batch across the
 producers' requests, each answer to its own caller, the batch counted once, every running area
 numbered, and a caller that reads nothing stalling no other caller and losing nothing."""
 
@@ -20,7 +20,7 @@ from service.queues import records, replies
 from service.queues.layout import QueueLayout
 from service.queues.ring import RingReader, RingWriter
 from service.workers import protocol
-from service.workers.queued_loop import QueuedWorker
+from service.workers.queued_worker import QueuedWorker
 
 ROWS = 8
 ROW_BYTES = 16  # four FP32 values
