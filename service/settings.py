@@ -13,6 +13,9 @@ from typing import Any
 from service.api.restricted import RESTRICTABLE
 from service.dataplane.sequence_callers import MODES as SEQUENCE_CALLER_MODES
 from service.dataplane.shared_memory import MODES as SHARED_MEMORY_MODES
+from service.http.body_budget import BINARY_HOLD_FACTOR, JSON_HOLD_FACTOR
+from service.http.body_budget import DEFAULT_PER_ADDRESS as BODY_BUDGET_PER_ADDRESS
+from service.http.body_budget import DEFAULT_TOTAL as BODY_BUDGET_TOTAL
 from service.observability.logs import LOG_FORMATS
 from service.observability.scrape_bounds import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S
 from transport.h3.receive_budget import DEFAULT_PER_ADDRESS, DEFAULT_TOTAL
@@ -41,6 +44,8 @@ class ServerSettings:
     http_keepalive_timeout: float = 5.0
     http_max_connections: int = 1024
     http_body_timeout: float = 30.0
+    http_receive_budget: int = BODY_BUDGET_TOTAL
+    http_receive_budget_per_address: int = BODY_BUDGET_PER_ADDRESS
     log_level: str = "info"
     h3: bool = True
     h2_tls: bool = False
@@ -128,6 +133,11 @@ _HELP = {
     "(its first request's headers included) before the server closes it",
     "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
     "the request is answered 408 and its connection closed",
+    "http_receive_budget": "bytes the REST requests' bodies may hold in each process serving "
+    f"the port while they are read, inflated and parsed (a JSON body {JSON_HOLD_FACTOR} times its "
+    f"bytes, binary data {BINARY_HOLD_FACTOR} times): a declared body waits for room within "
+    "--http-body-timeout, then 429; one that could never fit is 413",
+    "http_receive_budget_per_address": "the same budget for the requests of one client IP address",
     "log_level": "debug, info, warning or error",
     "h3": "also serve gRPC and REST over HTTP/3 (QUIC, UDP)",
     "h2_tls": "serve HTTP/2 with TLS too, with the HTTP/3 certificate",
@@ -353,6 +363,10 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error("--http-max-input-size must be at least 1")
     if settings.http_max_connections < 1:
         parser.error("--http-max-connections must be at least 1")
+    if min(settings.http_receive_budget, settings.http_receive_budget_per_address) < 1 << 20:
+        parser.error(
+            "--http-receive-budget and --http-receive-budget-per-address must be at least 1 MiB"
+        )
     if settings.http_keepalive_timeout <= 0 or settings.http_body_timeout <= 0:
         parser.error("--http-keepalive-timeout and --http-body-timeout must be above 0")
     if not settings.h2_handshake_timeout > 0:

@@ -174,6 +174,8 @@ def rest_checks(
         settings.http_body_timeout,
         settings.max_concurrent_rpcs,
         settings.stream_stall_timeout,
+        settings.http_receive_budget,
+        settings.http_receive_budget_per_address,
     )
     return limits, rest_guard(restrictions) if restrictions else None
 

@@ -16,7 +16,8 @@ import grpc
 from opentelemetry import context as otel_context
 
 from service.http.asgi import Receive, Scope, Send, lifespan
-from service.http.bounds import Refused
+from service.http.body_budget import BodyBudget
+from service.http.bounds import HEADER_LENGTH, Refused
 from service.http.callers import rest_client, rest_identity
 from service.http.encoding import deflated
 from service.http.event_stream import SSE, relay
@@ -24,7 +25,7 @@ from service.http.infer_route import PassedOn
 from service.http.observed import TRANSPORT, Call
 from service.http.openai import error_document
 from service.http.reply import Reply
-from service.http.router import HEADER_LENGTH, InferRouter
+from service.http.router import InferRouter
 from service.http.status import RETRY_AFTER_S, error_status
 from service.inference import errors
 from transport.host_tally import ScopedTally
@@ -44,6 +45,7 @@ class RestApp:
         # handled here, but held by this process), and where the front-ends count theirs.
         self.passed_on = 0
         self.host: ScopedTally | None = None
+        self.budget = BodyBudget(self.limits.receive_budget, self.limits.receive_budget_per_address)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -205,7 +207,12 @@ class RestApp:
                 close=True,
                 code=grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
-        return await self.router.route(scope, receive, call)
+        client = scope.get("client")
+        call.charge = self.budget.charge(str(client[0]) if client else "")
+        try:
+            return await self.router.route(scope, receive, call)
+        finally:
+            call.charge.release()
 
 
 def _error(scope: Scope, status: int, message: str, exc: Exception) -> Any:

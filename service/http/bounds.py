@@ -10,7 +10,11 @@ from dataclasses import dataclass
 import grpc
 
 from service.http.asgi import Receive, Scope, header
+from service.http.body_budget import JSON_HOLD_FACTOR, BodyCharge, held_for
 from service.http.encoding import EncodingError, inflated
+
+# Triton's binary tensor data extension: where a body's JSON ends and its binary data begins.
+HEADER_LENGTH = b"inference-header-content-length"
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,8 @@ class RequestLimits:
     body_timeout_s: float  # for all of one request's body (--http-body-timeout)
     max_requests: int  # handled at once, every connection together (--max-concurrent-rpcs)
     stall_s: float  # a stream's client may take no event this long (--stream-stall-timeout)
+    receive_budget: int  # what bodies may hold in this process (--http-receive-budget)
+    receive_budget_per_address: int  # of one client address (--http-receive-budget-per-address)
 
 
 class Refused(Exception):
@@ -41,10 +47,18 @@ class Refused(Exception):
         self.code = code
 
 
-async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> bytes:
+async def read_body(
+    scope: Scope,
+    receive: Receive,
+    limits: RequestLimits,
+    charge: BodyCharge,
+    binary: bool = False,
+) -> bytes:
     """The request's body, at most `max_bytes` (a larger Content-Length is refused before
     anything is read, a longer chunked body as soon as it passes the limit), all of it within
-    `timeout_s`."""
+    `timeout_s`, charged to the process's body budget as it comes (body_budget.py; a declared
+    length whole before it is read). `binary`: the route reads Triton's binary tensor data
+    after the JSON its Inference-Header-Content-Length measures."""
     declared = _content_length(scope)
     if declared is not None and declared > limits.max_body_bytes:
         raise Refused(
@@ -54,9 +68,17 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
             close=True,
             code=grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
+    json_bytes = _json_length(scope, binary)
     body = bytearray()
+    waiting = False
     try:
         async with asyncio.timeout(limits.body_timeout_s):
+            if declared:
+                whole = held_for(declared, json_bytes)
+                _check_fits(charge, whole, declared)
+                waiting = True
+                await charge.wait_for(whole)
+                waiting = False
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -66,8 +88,8 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
                         close=True,
                         code=grpc.StatusCode.CANCELLED,
                     )
-                body += message.get("body", b"")
-                if len(body) > limits.max_body_bytes:
+                chunk = message.get("body", b"")
+                if len(body) + len(chunk) > limits.max_body_bytes:
                     raise Refused(
                         400,
                         f"the request body has more than --http-max-input-size "
@@ -75,9 +97,20 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
                         close=True,
                         code=grpc.StatusCode.RESOURCE_EXHAUSTED,
                     )
+                take(charge, held_for(len(body) + len(chunk), json_bytes) - charge.held)
+                body += chunk
                 if not message.get("more_body", False):
                     return bytes(body)
     except TimeoutError:
+        if waiting:
+            raise Refused(
+                429,
+                f"no room in this process's REST receive budget for a body of {declared} "
+                f"bytes within --http-body-timeout {limits.body_timeout_s:g} s "
+                f"({_budget_words(charge)}); try again",
+                close=True,
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ) from None
         raise Refused(
             408,
             f"the request body took more than --http-body-timeout {limits.body_timeout_s:g} s "
@@ -87,13 +120,76 @@ async def read_body(scope: Scope, receive: Receive, limits: RequestLimits) -> by
         ) from None
 
 
-async def decoded(scope: Scope, body: bytes, limit: int) -> bytes:
-    """The body before its Content-Encoding (Triton's: gzip, deflate), within `limit`."""
+def take(charge: BodyCharge, size: int) -> None:
+    """`size` more of the budget for a request already holding some, or its refusal (never a
+    wait: body_budget.py)."""
+    if charge.take(size):
+        return
+    _check_fits(charge, size, None)
+    raise Refused(
+        429,
+        f"no room in this process's REST receive budget for the rest of the request "
+        f"({_budget_words(charge)}); try again",
+        close=True,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+
+
+def _check_fits(charge: BodyCharge, size: int, declared: int | None) -> None:
+    """413 for a request that could never be granted what it needs."""
+    if charge.could_fit(size):
+        return
+    what = f"a body of {declared} bytes" if declared is not None else "this body"
+    raise Refused(
+        413,
+        f"{what} would hold {charge.held + size} bytes while it is read and parsed (JSON: "
+        f"{JSON_HOLD_FACTOR} times its bytes), more than this process's REST receive budget "
+        f"({_budget_words(charge)}): send tensors as binary data (Triton's binary tensor data "
+        "extension) or raise the budget",
+        close=True,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+
+
+def _budget_words(charge: BodyCharge) -> str:
+    return (
+        f"--http-receive-budget-per-address {charge.per_address}, "
+        f"--http-receive-budget {charge.total}"
+    )
+
+
+def _json_length(scope: Scope, binary: bool) -> int | None:
+    """How many of the body's first bytes are JSON (None: all of them): none of a compressed
+    body (charged again once inflated: decoded), else all but the binary data of a route that
+    reads it (`binary`)."""
+    encoding = header(scope, b"content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        return 0
+    return _header_length(scope) if binary else None
+
+
+def _header_length(scope: Scope) -> int | None:
+    """The JSON's bytes before the binary data (Inference-Header-Content-Length), None: the
+    whole body's."""
+    value = header(scope, HEADER_LENGTH)
+    try:
+        return None if value is None else max(int(value), 0)
+    except ValueError:
+        return None
+
+
+async def decoded(scope: Scope, body: bytes, limit: int, charge: BodyCharge) -> bytes:
+    """The body before its Content-Encoding (Triton's: gzip, deflate), within `limit`, what it
+    inflates to charged before it is built (its JSON as any JSON body: binary data after the
+    JSON its Inference-Header-Content-Length measures)."""
     encoding = header(scope, b"content-encoding")
     if encoding is None:
         return body
+    json_bytes = _header_length(scope)
     try:
-        return await inflated(body, encoding, limit)
+        return await inflated(
+            body, encoding, limit, lambda size: take(charge, held_for(size, json_bytes))
+        )
     except EncodingError as exc:
         if exc.unsupported:
             raise Refused(501, str(exc), code=grpc.StatusCode.UNIMPLEMENTED) from None

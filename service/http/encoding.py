@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import gzip
 import zlib
+from collections.abc import Callable
 
 from transport.grpc.errors import ProtocolError
-from transport.grpc.framing import IDENTITY, inflate
+from transport.grpc.framing import IDENTITY, decompress, inflated_size
 
 ENCODINGS = ("gzip", "deflate")  # deflate is zlib's format, as tritonclient and Triton send it
 INLINE_BYTES = 1 << 20  # bodies larger than this are (in|de)flated in a thread (zlib lets go
@@ -24,9 +25,12 @@ class EncodingError(ValueError):
         self.unsupported = unsupported
 
 
-async def inflated(body: bytes, encoding: str, limit: int) -> bytes:
+async def inflated(
+    body: bytes, encoding: str, limit: int, admit: Callable[[int], None] = lambda size: None
+) -> bytes:
     """The body as sent before its `Content-Encoding`, at most `limit` bytes (a body that would
-    inflate past it is refused once its output passes the limit, never built whole)."""
+    inflate past it is refused once its output passes the limit, never built whole). `admit`
+    hears the inflated size before the body is built, and may refuse it by raising."""
     encoding = encoding.strip().lower()
     if encoding in ("", IDENTITY):
         return body
@@ -37,8 +41,10 @@ async def inflated(body: bytes, encoding: str, limit: int) -> bytes:
         )
     try:
         if len(body) <= INLINE_BYTES:
-            return inflate(body, encoding, limit)
-        return await asyncio.to_thread(inflate, body, encoding, limit)
+            admit(inflated_size(body, encoding, limit))
+            return decompress(body, encoding)
+        admit(await asyncio.to_thread(inflated_size, body, encoding, limit))
+        return await asyncio.to_thread(decompress, body, encoding)
     except ProtocolError as exc:
         raise EncodingError(f"{exc.message} (--http-max-input-size)") from None
 

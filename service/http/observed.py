@@ -15,6 +15,7 @@ import grpc
 from opentelemetry.context import Context as OtelContext
 
 from service.http.asgi import Scope
+from service.http.body_budget import BodyCharge
 from service.inference.identity import ANYONE, Identity
 from service.observability.metrics import UNKNOWN
 from service.observability.observer import Observation, Observer
@@ -43,6 +44,13 @@ class Call:
     trace: Token[OtelContext] | None = None  # its span made current, until it ends
     started: float = 0.0  # perf_counter() when it came
     recorded: bool = False  # counted and logged (or passed on, to be counted elsewhere)
+    charge: BodyCharge | None = None  # what its body holds of the receive budget, once admitted
+
+    def held(self) -> BodyCharge:
+        """Its charge, which RestApp gives every request it admits before routing it."""
+        if self.charge is None:
+            raise RuntimeError("a REST request's body read before the request was admitted")
+        return self.charge
 
 
 def observe(observer: Observer, scope: Scope, rpc: str, route: str) -> Observation:

@@ -14,7 +14,14 @@ from service.dataplane.shared_memory import Peer
 from service.http import openai
 from service.http.asgi import Receive, Scope, header
 from service.http.batchstream import BatchStreams
-from service.http.bounds import Refused, RequestLimits, check_headers, decoded, read_body
+from service.http.bounds import (
+    HEADER_LENGTH,
+    Refused,
+    RequestLimits,
+    check_headers,
+    decoded,
+    read_body,
+)
 from service.http.encoding import preferred
 from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute, PassedOn
@@ -27,9 +34,6 @@ from service.http.shared_memory_routes import rest_peer
 from service.http.textgen import generation_model, generation_models
 from service.inference import errors
 from service.observability.observer import Observer
-
-# Triton's binary tensor data extension: where a body's JSON ends and its binary data begins.
-HEADER_LENGTH = b"inference-header-content-length"
 
 # The restricted-protocol check of a route: given the name of the gRPC method it stands for and
 # the request's headers, the header it lacks (None: served).
@@ -84,7 +88,7 @@ class InferRouter:
     async def complete(self, scope: Scope, receive: Receive, call: Call, path: str) -> Reply:
         """OpenAI's completions (`path`: one of COMPLETIONS)."""
         self._expect(scope, call, "POST", "ModelStreamInfer", path)
-        body = await read_body(scope, receive, self.limits)
+        body = await read_body(scope, receive, self.limits, call.held())
         chat = path == "/v1/chat/completions"
         work = self.completions.completions(body, chat, call.client, call)
         return await _answered(receive, work, body)
@@ -96,7 +100,7 @@ class InferRouter:
         route = "/v2/models/{model}" + ("/versions/{version}" if version else "") + f"/{action}"
         self._expect(scope, call, "POST", _MODEL_ROUTES[action], route)
         call.model, call.version = model, version
-        body = await read_body(scope, receive, self.limits)
+        body = await read_body(scope, receive, self.limits, call.held())
         stream = action == "generate_stream"
         work = self.generation.generate(model, version, body, stream, call.client)
         return await _answered(receive, work, body)
@@ -108,8 +112,8 @@ class InferRouter:
         model, version, route = target
         self._expect(scope, call, "POST", "ModelInfer", route)
         call.model, call.version = model, version
-        sent = await read_body(scope, receive, self.limits)
-        body = await decoded(scope, sent, self.limits.max_body_bytes)
+        sent = await read_body(scope, receive, self.limits, call.held(), binary=True)
+        body = await decoded(scope, sent, self.limits.max_body_bytes, call.held())
         call.encoding = preferred(header(scope, b"accept-encoding"))
         header_length = header(scope, HEADER_LENGTH)
         peer = _peer(scope)
@@ -196,12 +200,14 @@ class Router(InferRouter):
             return self.routes.live() if rest[1] == "live" else self.routes.ready()
         if rest == ["repository", "index"]:
             self._expect(scope, call, "POST", "RepositoryIndex", "/v2/repository/index")
-            return await self.routes.repository_index(await read_body(scope, receive, self.limits))
+            return await self.routes.repository_index(
+                await read_body(scope, receive, self.limits, call.held())
+            )
         if rest[:2] == ["repository", "models"] and len(rest) == 4 and rest[3] in _CONTROL:
             route = f"/v2/repository/models/{{model}}/{rest[3]}"
             self._expect(scope, call, "POST", _CONTROL[rest[3]], route)
             call.model = rest[2]
-            body = await read_body(scope, receive, self.limits)
+            body = await read_body(scope, receive, self.limits, call.held())
             control = self.routes.load if rest[3] == "load" else self.routes.unload
             return await control(rest[2], body)
         if rest[0] in _SHARED_MEMORY:
@@ -250,7 +256,9 @@ class Router(InferRouter):
         route = f"/v2/{rest[0]}" + ("/region/{region}" if name else "") + f"/{action}"
         self._expect(scope, call, "GET" if action == "status" else "POST", rpc, route)
         peer = _peer(scope)
-        body = b"" if action == "status" else await read_body(scope, receive, self.limits)
+        body = (
+            b"" if action == "status" else await read_body(scope, receive, self.limits, call.held())
+        )
         shared = self.routes.shared_memory
         if kind == "Cuda":
             if action == "status":

@@ -59,7 +59,13 @@ MAX_MESSAGE = 16 << 20
 RECEIVE_BUDGET_PER_ADDRESS = 16 << 20
 # The REST port's bounds (--http-max-input-size below the RSS goal, as MAX_MESSAGE; the idle
 # and body timeouts short, so that a slow client's row ends within seconds).
-HTTP_MAX_INPUT = MAX_MESSAGE
+HTTP_MAX_INPUT = 8 << 20
+# What the REST requests of one address may hold (--http-receive-budget-per-address): twice a
+# body at the input limit and a chunk of one being streamed (binary data is charged twice its
+# bytes), so that a binary body streamed past the limit meets the limit first; what it lets an
+# address hold (half its charge for binary data, less than its charge for JSON) is below the
+# RSS goal.
+HTTP_RECEIVE_BUDGET_PER_ADDRESS = 20 << 20
 HTTP_KEEPALIVE_S = 2.0
 HTTP_BODY_S = 3.0
 H2_OPTIONS = [
@@ -164,6 +170,7 @@ class Scale:
     orphans: int = 2  # double-forked children whose worker then ends
     slow_clients: int = 24  # REST connections trickling their headers, as many their bodies
     oversized_bodies: int = 2  # REST bodies past --http-max-input-size: declared, as many streamed
+    held_bodies: int = 16  # REST bodies of one address sent all but a byte, at once
     disconnects: int = 16  # REST clients vanishing, of each kind (mid-request, -answer, before it)
     metrics_connections: int = 64  # peers holding /metrics connections, at once
     # Between one good call and the next of each loop, in rows whose point is not the load
@@ -748,6 +755,7 @@ def chaos_server(
         *("--http-port", HTTP_PORT, "--http-max-input-size", str(HTTP_MAX_INPUT)),
         *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
         *("--http-body-timeout", str(HTTP_BODY_S)),
+        *("--http-receive-budget-per-address", str(HTTP_RECEIVE_BUDGET_PER_ADDRESS)),
         *(("--no-instance-queues",) if batcher else ()),
         *("--metrics-timeout", str(METRICS_TIMEOUT_S)),
     ]

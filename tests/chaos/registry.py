@@ -193,6 +193,12 @@ ATTACKS = (
         rest=True,
     ),
     AttackSpec(
+        "REST bodies holding the receive budget (stalled, JSON, chunked)",
+        rest.held_bodies,
+        rest.HELD,
+        rest=True,
+    ),
+    AttackSpec(
         "REST disconnect storm (infer, generate_stream)",
         rest.disconnect_storm,
         frozenset({*rest.VANISHED, rest.RESET}),
@@ -271,6 +277,13 @@ ATTACKS = (
         "REST oversized bodies (declared, streamed) (--frontends 2)",
         rest.oversized_bodies,
         frozenset({rest.DECLARED_400, rest.STREAMED_400}),
+        frontends=2,
+        rest=True,
+    ),
+    AttackSpec(
+        "REST bodies holding the receive budget (stalled, JSON, chunked) (--frontends 2)",
+        rest.held_bodies,
+        rest.HELD,
         frontends=2,
         rest=True,
     ),

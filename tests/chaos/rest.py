@@ -1,6 +1,7 @@
 """Attacks on the REST port, over raw HTTP/1.1 connections from another loopback address than
 the good clients': slow clients that trickle their headers or their body a byte at a time,
-bodies past --http-max-input-size (declared, and streamed in chunks), and storms of clients
+bodies past --http-max-input-size (declared, and streamed in chunks), bodies that hold the
+address's receive budget (stalled, JSON too large to parse, chunked past it), and storms of clients
 that send an infer or a generate_stream request and vanish mid-request, before the answer or
 mid-answer. Each checks that the server cut the attacker off within its bound and, for the
 storms, that the generations of vanished clients stopped."""
@@ -26,6 +27,7 @@ from tests.chaos.harness import (
     HTTP_BODY_S,
     HTTP_KEEPALIVE_S,
     HTTP_MAX_INPUT,
+    HTTP_RECEIVE_BUDGET_PER_ADDRESS,
     REFUSED,
     AttackResult,
     Scale,
@@ -39,6 +41,8 @@ TRICKLE_GAP_S = 0.1  # between a slow client's bytes
 # machine delays the server's timers).
 CUT_SLACK_S = 5.0
 CHUNK = 1 << 20  # a streamed oversized body's chunks
+# Triton's binary tensor data after no JSON: a body the receive budget charges twice its bytes.
+BINARY_DATA = "Inference-Header-Content-Length: 0\r\n"
 # What a streamed body may have sent past the limit before its answer came: the loopback socket
 # buffers (the client's send buffer, the server's autotuned receive buffer) and, with
 # --frontends, the hop from a front-end to the parent (its queue, the call's window, the link).
@@ -48,6 +52,7 @@ BUFFERED = 12 << 20
 PARALLEL = 16  # attacking connections at once
 ANSWER_TIMEOUT_S = 30.0
 # Outcomes
+HELD = frozenset({"stalled: 408", "stalled: 429", "json: 413", "chunked: 429", "chunked: 413"})
 HEADERS_CUT = "headers: connection closed"
 BODY_408 = "body: 408"
 DECLARED_400 = "declared: 400"
@@ -62,6 +67,7 @@ def _body() -> bytes:
 
 
 def _head(path: str, length: int | None, extra: str = "") -> bytes:
+    """`extra`: more header lines, each ending in CRLF."""
     size = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
     return (
         f"POST {path} HTTP/1.1\r\nHost: chaos\r\nContent-Type: application/json\r\n"
@@ -157,7 +163,8 @@ async def _streamed(target: Target, result: AttackResult) -> str:
 
     async def send() -> None:
         nonlocal sent
-        writer.write(_head(INFER_PATH, None))
+        # Binary data after no JSON: a JSON body would find the receive budget first (below).
+        writer.write(_head(INFER_PATH, None, BINARY_DATA))
         chunk = f"{CHUNK:x}\r\n".encode() + b" " * CHUNK + b"\r\n"
         while sent <= 2 * HTTP_MAX_INPUT:
             writer.write(chunk)
@@ -185,6 +192,67 @@ async def _streamed(target: Target, result: AttackResult) -> str:
     if sent > HTTP_MAX_INPUT + BUFFERED:
         result.problems.append(f"{sent} bytes were taken before the refusal")
     return f"streamed: {status}"
+
+
+async def _held(target: Target, length: int, extra: str, sent_bytes: int) -> str:
+    """A body of `length` declared, `sent_bytes` of it sent (in pieces, a declared body the
+    server has not taken waits in the socket), then the answer."""
+    reader, writer = await _open(target)
+    try:
+        writer.write(_head(INFER_PATH, length, extra))
+        piece = bytes(CHUNK)
+        for start in range(0, sent_bytes, CHUNK):
+            writer.write(piece[: min(CHUNK, sent_bytes - start)])
+            await writer.drain()
+        return await _status(reader)
+    except ConnectionError:
+        return "connection closed"
+    finally:
+        writer.close()
+
+
+async def _chunked_json(target: Target) -> str:
+    """A chunked JSON body's chunks until the server answers (it finds no room first)."""
+    reader, writer = await _open(target)
+
+    async def send() -> None:
+        writer.write(_head(INFER_PATH, None))
+        chunk = f"{CHUNK:x}\r\n".encode() + b" " * CHUNK + b"\r\n"
+        for _ in range(HTTP_MAX_INPUT // CHUNK):
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    sending = asyncio.ensure_future(send())
+    try:
+        return await _status(reader)
+    except ConnectionError:
+        return REFUSED
+    finally:
+        sending.cancel()
+        with contextlib.suppress(BaseException):
+            await sending
+        writer.close()
+
+
+async def held_bodies(target: Target, scale: Scale) -> AttackResult:
+    """`held_bodies` connections of one address declare binary bodies of an eighth of its
+    receive budget's charge and send all but a byte, at once: a few are read, the rest wait
+    unread, and each ends at the body timeout (408, or 429 for one that never found room).
+    Meanwhile as many JSON bodies whose parse would hold more than the address may are refused
+    413 unread, and chunked JSON bodies 429 (or 413) at the chunk that finds no room."""
+    result = AttackResult()
+    size = HTTP_RECEIVE_BUDGET_PER_ADDRESS // 8 // 2
+    stalled = [_held(target, size, BINARY_DATA, size - 1) for _ in range(scale.held_bodies)]
+    too_large = HTTP_RECEIVE_BUDGET_PER_ADDRESS // 40  # times the 48 a JSON byte is charged
+    json = [_held(target, too_large, "", 0) for _ in range(scale.held_bodies // 4)]
+    chunked = [_chunked_json(target) for _ in range(scale.held_bodies // 4)]
+    outcomes = await asyncio.gather(*stalled, *json, *chunked)
+    kinds = ["stalled"] * len(stalled) + ["json"] * len(json) + ["chunked"] * len(chunked)
+    result.outcomes.update(
+        f"{kind}: {outcome}" for kind, outcome in zip(kinds, outcomes, strict=True)
+    )
+    return result
 
 
 async def oversized_bodies(target: Target, scale: Scale) -> AttackResult:

@@ -28,7 +28,13 @@ from service.placement.topology import cpu_only_topology
 from service.registry.versions import ModelRegistry
 
 LIMITS = RequestLimits(
-    max_header_bytes=64, max_body_bytes=1024, body_timeout_s=5.0, max_requests=8, stall_s=5.0
+    max_header_bytes=64,
+    max_body_bytes=1024,
+    body_timeout_s=5.0,
+    max_requests=8,
+    stall_s=5.0,
+    receive_budget=1 << 20,
+    receive_budget_per_address=1 << 20,
 )
 
 

@@ -72,6 +72,11 @@ def inflate(data: bytes, encoding: str, limit: int) -> bytes:
     """The message `data` holds in `encoding`; its size is checked first (inflated_size), so
     the whole inflated message is only ever built when it is within `limit`."""
     inflated_size(data, encoding, limit)
+    return decompress(data, encoding)
+
+
+def decompress(data: bytes, encoding: str) -> bytes:
+    """`data` inflated whole: only for data whose inflated size was checked (inflated_size)."""
     return zlib.decompress(data, _WBITS[encoding])
 
 
