@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from service.http.callers import rest_client, rest_identity
 from service.http.encoding import deflated
 from service.http.event_stream import SSE, relay
 from service.http.infer_route import PassedOn
+from service.http.json_tensors import dumps
 from service.http.observed import TRANSPORT, Call
 from service.http.openai import error_document
 from service.http.reply import Reply
@@ -118,7 +118,7 @@ class RestApp:
                 lambda: self._ended(call),
             )
             return
-        body = b"" if reply.document is None else json.dumps(reply.document).encode()
+        body = b"" if reply.document is None else dumps(reply.document)
         if reply.document is None:
             headers.remove(_JSON)
         if reply.binary:

@@ -14,13 +14,12 @@ past it is refused, not queued: the body is always read, so that a departure is 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from service.dataplane.plane import InferencePlane
-from service.http.json_tensors import MAX_ID_CHARS, parsed
+from service.http.json_tensors import MAX_ID_CHARS, dumps, parsed
 from service.http.ndjson import Line, LineSplitter
 from service.http.openai_requests import OpenAIError, completion_request
 from service.http.reply import Reply
@@ -56,7 +55,7 @@ class BatchStreams:
 
 
 def event(name: str, document: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(document)}\n\n".encode()
+    return b"event: " + name.encode() + b"\ndata: " + dumps(document) + b"\n\n"
 
 
 class _Failed(Exception):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oip.bytes_tensor import deserialize_bytes
-from service.http.json_tensors import MAX_TENSORS, converted, flattened, output_json
+from service.http.json_tensors import MAX_TENSORS, converted, dumps, flattened, output_json
 from service.inference.errors import echoed, invalid
 from service.inference.jobs import InputTensor, OutputTensor
 from service.inference.validation import RequestValidator
@@ -113,7 +113,7 @@ class TextDecoder:
 
 
 def sse(document: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(document).encode() + b"\n\n"
+    return b"data: " + dumps(document) + b"\n\n"
 
 
 async def single(chunk: bytes) -> AsyncGenerator[bytes, None]:

@@ -10,14 +10,13 @@ Errors are `{"error": {"message", "type", "param", "code"}}` under Triton's stat
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 from service.dataplane.plane import DataPlane, InferencePlane
-from service.http.json_tensors import parsed
+from service.http.json_tensors import dumps, parsed
 from service.http.openai_requests import (
     CompletionRequest,
     Messages,
@@ -61,7 +60,7 @@ def error_document(status: int, message: str, exc: BaseException | None) -> dict
 
 
 def chunk(document: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(document).encode() + b"\n\n"
+    return b"data: " + dumps(document) + b"\n\n"
 
 
 class Labels(Protocol):

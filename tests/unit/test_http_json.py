@@ -19,7 +19,7 @@ from oip.datatypes import BY_NAME
 from service.http.encoding import preferred
 from service.http.generate import TextDecoder
 from service.http.json_depth import nesting_depth
-from service.http.json_tensors import MAX_DEPTH, converted, flattened, parsed
+from service.http.json_tensors import MAX_DEPTH, converted, dumps, flattened, output_json, parsed
 from service.http.status import Restricted, error_status, http_status
 from service.inference.errors import ServiceError
 from service.inference.jobs import OutputTensor
@@ -233,3 +233,42 @@ def test_a_body_with_a_number_json_does_not_have_is_refused(literal: bytes) -> N
     """As Triton's parser: NaN and infinities are not JSON."""
     with pytest.raises(ServiceError, match="not valid JSON"):
         parsed(b'{"data": [' + literal + b"]}")
+
+
+_NUMERIC = [d for d in BY_NAME.values() if d.name not in ("BYTES", "BF16")]
+
+
+@PROPERTY
+@given(
+    datatype=st.sampled_from(_NUMERIC),
+    raw=st.binary(min_size=0, max_size=512),
+)
+def test_an_output_as_json_reads_back_as_the_same_values(datatype: Any, raw: bytes) -> None:
+    """Any bytes as an output of any numeric datatype, written by `dumps` from the array
+    itself: every value reads back as the same value of that datatype (a float as the same
+    bits, -0.0 included), NaN and the infinities as null (JSON has no words for them)."""
+    width = np.dtype(datatype.numpy).itemsize
+    raw = raw[: len(raw) - len(raw) % width]
+    values = np.frombuffer(raw, datatype.numpy)
+    if datatype.name == "BOOL":
+        values = values.astype(bool)
+        raw = values.tobytes()
+    tensor = OutputTensor("y", datatype, (len(values),), raw)
+    read = json.loads(dumps({"outputs": [output_json(tensor, False)]}))["outputs"][0]["data"]
+    assert len(read) == len(values)
+    for wrote, back in zip(values.tolist(), read, strict=True):
+        if isinstance(wrote, float) and not math.isfinite(wrote):
+            assert back is None
+        elif isinstance(wrote, float):
+            assert (
+                np.array(back, datatype.numpy).tobytes()
+                == np.array(wrote, datatype.numpy).tobytes()
+            )
+        else:
+            assert back == wrote
+
+
+def test_a_bf16_output_as_json_is_its_float32_values() -> None:
+    halves = np.array([0x3F80, 0xC000, 0x0000, 0x7F80], "<u2")  # 1.0, -2.0, 0.0, inf
+    tensor = OutputTensor("y", BY_NAME["BF16"], (4,), halves.tobytes())
+    assert json.loads(dumps(output_json(tensor, False)))["data"] == [1.0, -2.0, 0.0, None]
