@@ -133,8 +133,8 @@ _HELP = {
     "(its first request's headers included) before the server closes it",
     "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
     "the request is answered 408 and its connection closed",
-    "http_receive_budget": "bytes the REST requests' bodies may hold in each process serving "
-    f"the port while they are read, inflated and parsed (a JSON body {JSON_HOLD_FACTOR} times its "
+    "http_receive_budget": "bytes the REST requests' bodies may hold, all front-ends together, "
+    f"while they are read, inflated and parsed (a JSON body {JSON_HOLD_FACTOR} times its "
     f"bytes, binary data {BINARY_HOLD_FACTOR} times): a declared body waits for room within "
     "--http-body-timeout, then 429; one that could never fit is 413",
     "http_receive_budget_per_address": "the same budget for the requests of one client IP address",

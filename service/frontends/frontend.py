@@ -160,7 +160,7 @@ async def run(index: int, runtime_dir: Path, settings: ServerSettings, tally_fd:
             )
             observing = link.serving.observer
             here = rest_app(settings, plane, observing, restrictions)
-            here.host = tally.rest()
+            here.share_host(tally.rest(), tally.rest_bodies())
             rest = RestHere(here, plane, forwarder, link.served_here)
     if tls is not None and settings.h3:
         tickets = open_ticket_store(

@@ -26,14 +26,17 @@ from transport.host_tally import (
 H3_SCOPES = 2  # HTTP/3 on the gRPC port, and on the REST port when that is another
 REST_REQUESTS = H3_SCOPES * h3.COUNTERS  # the counters after the HTTP/3 ones
 H2_RPCS = REST_REQUESTS + 1
-COUNTERS = H2_RPCS + 1
+REST_BODIES = H2_RPCS + 1  # what the REST requests' bodies hold (service/http/body_budget.py)
+COUNTERS = REST_BODIES + 1
 REFUSED = "Concurrent RPC limit exceeded"  # grpc.aio's words, and HTTP/3's
 
 
 def tally_layout(settings: ServerSettings, frontends: int) -> TallyLayout:
     """Room in each front-end's table for an address per connection it may hold on either
-    HTTP/3 port (more than the limit by what the others admit at the same instant)."""
+    HTTP/3 port (more than the limit by what the others admit at the same instant), and on
+    the REST port (an address whose requests' bodies hold part of the receive budget)."""
     entries = H3_SCOPES * (settings.h3_max_connections + frontends)
+    entries += settings.http_max_connections + frontends
     return TallyLayout(frontends, COUNTERS, slots_for(entries), h3.COLUMNS)
 
 
@@ -64,6 +67,10 @@ class FrontendTally:
 
     def rest(self) -> ScopedTally:
         return ScopedTally(self._tally, H3_SCOPES, REST_REQUESTS)
+
+    def rest_bodies(self) -> ScopedTally:
+        """The REST receive budget's: its counter, and the REST port's per-address entries."""
+        return ScopedTally(self._tally, H3_SCOPES, REST_BODIES)
 
     def h2_rpcs(self, limit: int) -> RpcCount:
         return RpcCount(ScopedTally(self._tally, H3_SCOPES, H2_RPCS), limit)

@@ -167,6 +167,14 @@ class RestApp:
             lambda: call.error,
         )
 
+    def share_host(self, requests: ScopedTally, bodies: ScopedTally) -> None:
+        """With --frontends N: --max-concurrent-rpcs and the receive budget held for the host,
+        every front-end's requests counted (service/frontends/host_limits.py)."""
+        self.host = requests
+        self.budget = BodyBudget(
+            self.limits.receive_budget, self.limits.receive_budget_per_address, bodies
+        )
+
     def busy(self) -> bool:
         """Past --max-concurrent-rpcs, the request asking counted: this process's requests
         and, with front-ends, every other front-end's."""

@@ -38,13 +38,10 @@ SLACK = 12 * MiB
 ROWS = np.linspace(-1.0, 1.0, 256, dtype=np.float32).reshape(1, 256)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("receive_budget")
+def budgeted(root: Path, frontends: int) -> Iterator[ServerProcess]:
     repository = model_repository(root / "models", ["mlp"])
     args = (
-        # Counted per process serving the port: one, whatever PADDLEQUIC_FRONTENDS says.
-        *("--frontends", "1"),
+        *("--frontends", str(frontends)),
         *("--http-port", HTTP_PORT),
         *("--http-max-input-size", str(MAX_INPUT)),
         *("--http-body-timeout", str(BODY_TIMEOUT_S)),
@@ -53,6 +50,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     )
     with running_server(repository, root / "server.log", args) as process:
         yield process
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One process, whatever PADDLEQUIC_FRONTENDS says: the RSS read is that process's."""
+    yield from budgeted(tmp_path_factory.mktemp("receive_budget"), 1)
+
+
+@pytest.fixture(scope="module")
+def frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from budgeted(tmp_path_factory.mktemp("receive_budget_frontends"), 2)
 
 
 def rss(pid: int) -> int:
@@ -200,3 +208,21 @@ def test_a_json_body_too_large_to_parse_is_refused_413_and_binary_data_is_served
         f"Inference-Header-Content-Length: {json_part}",
     )
     assert code == 200, payload
+
+
+async def test_the_budget_is_the_hosts_with_front_ends(frontends: ServerProcess) -> None:
+    """With --frontends 2 the kernel spreads one address's connections over both front-ends,
+    and the address's budget holds for the host: once two stalled bodies hold 20 of its 24
+    MiB, a chunked JSON body that needs more than the rest is refused 429 whichever front-end
+    takes it (each front-end counted alone would have room for it, and read it until the body
+    timeout)."""
+    sent = [0]
+    holders = [asyncio.create_task(stalled(frontends.http_port, sent)) for _ in range(2)]
+    await asyncio.sleep(WAITERS_AFTER_S)
+    charged = JSON_HOLD_FACTOR * JSON_PART + BINARY_HOLD_FACTOR * (STALLED_BODY - JSON_PART)
+    room = PER_ADDRESS - 2 * charged
+    refused = await asyncio.gather(
+        *(chunked(frontends.http_port, room // JSON_HOLD_FACTOR + 1) for _ in range(6))
+    )
+    assert [status(answer) for answer in refused] == ["429"] * 6, refused
+    assert [status(answer) for answer in await asyncio.gather(*holders)] == ["408"] * 2
