@@ -21,7 +21,7 @@ from service.http.callers import rest_client, rest_identity
 from service.http.encoding import deflated
 from service.http.event_stream import SSE, relay
 from service.http.infer_route import PassedOn
-from service.http.json_tensors import dumps
+from service.http.json_outputs import dumps
 from service.http.observed import TRANSPORT, Call
 from service.http.openai import error_document
 from service.http.reply import Reply

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.dataplane.plane import InferencePlane
-from service.http.json_tensors import MAX_ID_CHARS, dumps, parsed
+from service.http.json_outputs import dumps
+from service.http.json_tensors import MAX_ID_CHARS, parsed
 from service.http.ndjson import Line, LineSplitter
 from service.http.openai_requests import OpenAIError, completion_request
 from service.http.reply import Reply

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 
+from transport.h3.admission import COLUMNS, RECEIVED_COLUMN
 from transport.h3.receive_budget import ReceiveBudget, SharedReceiveBudget
 from transport.host_tally import ScopedTally
 
@@ -76,17 +77,6 @@ class BodyCharge:
         """Whether `size` more could ever be granted, were every other request to end."""
         return self.held + size <= min(self.per_address, self.total)
 
-    def room(self) -> int:
-        """What could be granted now."""
-        budget = self._shared.budget
-        return max(
-            0,
-            min(
-                budget.per_address - budget.held(self.address),
-                budget.total - budget.reserved_total,
-            ),
-        )
-
     def take(self, size: int) -> bool:
         """`size` more now, or nothing (False)."""
         if size <= 0:
@@ -113,9 +103,8 @@ class BodyCharge:
 
 
 # Where a front-end says what its REST bodies hold: the counter of its tally (all addresses),
-# and the column of each address's entry (the second: the first is HTTP/3's connections).
+# and each address's entry's column for received bytes (its entries laid out as HTTP/3's).
 HELD_COUNTER = 0
-HELD_COLUMN = 1
 
 
 class _Elsewhere:
@@ -126,10 +115,12 @@ class _Elsewhere:
         self._budget = budget
 
     def held(self, address: str) -> tuple[int, int]:
-        return self._host.others_at(address)[HELD_COLUMN], self._host.others(HELD_COUNTER)
+        return self._host.others_at(address)[RECEIVED_COLUMN], self._host.others(HELD_COUNTER)
 
     def publish(self, address: str) -> None:
         self._host.set(HELD_COUNTER, self._budget.reserved_total)
         # The table holds an entry for every address with bodies in flight (tally_layout sizes
         # it by --http-max-connections); were it full, the total would still be the host's.
-        self._host.set_at(address, (0, self._budget.held(address)))
+        values = [0] * COLUMNS
+        values[RECEIVED_COLUMN] = self._budget.held(address)
+        self._host.set_at(address, tuple(values))

@@ -25,9 +25,7 @@ class EncodingError(ValueError):
         self.unsupported = unsupported
 
 
-async def inflated(
-    body: bytes, encoding: str, limit: int, admit: Callable[[int], None] = lambda size: None
-) -> bytes:
+async def inflated(body: bytes, encoding: str, limit: int, admit: Callable[[int], None]) -> bytes:
     """The body as sent before its `Content-Encoding`, at most `limit` bytes (a body that would
     inflate past it is refused once its output passes the limit, never built whole). `admit`
     hears the inflated size before the body is built, and may refuse it by raising."""

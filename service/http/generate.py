@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from oip.bytes_tensor import deserialize_bytes
-from service.http.json_tensors import MAX_TENSORS, converted, dumps, flattened, output_json
+from service.http.json_outputs import dumps, output_json
+from service.http.json_tensors import MAX_TENSORS, converted, flattened
 from service.inference.errors import echoed, invalid
 from service.inference.jobs import InputTensor, OutputTensor
 from service.inference.validation import RequestValidator

@@ -14,7 +14,8 @@ import grpc
 from service.dataplane.plane import InferencePlane
 from service.dataplane.sequence_callers import SequenceCallers
 from service.dataplane.shared_memory import Peer
-from service.http.json_tensors import infer_request, input_tensor, output_json, parsed, split
+from service.http.json_outputs import output_json
+from service.http.json_tensors import infer_request, input_tensor, parsed, split
 from service.http.raw_binary import RAW_REQUEST, raw_input
 from service.http.reply import Reply
 from service.http.shared_memory_routes import SharedMemoryRoutes

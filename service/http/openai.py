@@ -16,7 +16,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 from service.dataplane.plane import DataPlane, InferencePlane
-from service.http.json_tensors import dumps, parsed
+from service.http.json_outputs import dumps
+from service.http.json_tensors import parsed
 from service.http.openai_requests import (
     CompletionRequest,
     Messages,

@@ -19,7 +19,8 @@ from oip.datatypes import BY_NAME
 from service.http.encoding import preferred
 from service.http.generate import TextDecoder
 from service.http.json_depth import nesting_depth
-from service.http.json_tensors import MAX_DEPTH, converted, dumps, flattened, output_json, parsed
+from service.http.json_outputs import dumps, output_json
+from service.http.json_tensors import MAX_DEPTH, converted, flattened, parsed
 from service.http.status import Restricted, error_status, http_status
 from service.inference.errors import ServiceError
 from service.inference.jobs import OutputTensor
