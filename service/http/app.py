@@ -46,6 +46,7 @@ class RestApp:
         self.passed_on = 0
         self.host: ScopedTally | None = None
         self.budget = BodyBudget(self.limits.receive_budget, self.limits.receive_budget_per_address)
+        self._draining: set[asyncio.Task[None]] = set()  # refused requests' bodies (_unread)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -97,8 +98,10 @@ class RestApp:
         except Refused as exc:
             reply = Reply(exc.status, _error(scope, exc.status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
-            if exc.close and scope.get("http_version") in ("1.0", "1.1"):
-                headers.append((b"connection", b"close"))
+            if exc.close:
+                self._unread(receive)
+                if scope.get("http_version") in ("1.0", "1.1"):
+                    headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
             status = error_status(exc)
             reply = Reply(status, _error(scope, status, exc.message, exc))
@@ -133,6 +136,18 @@ class RestApp:
         await self._start(send, call, reply.status, headers)
         self._ended(call)
         await send({"type": "http.response.body", "body": body})
+
+    def _unread(self, receive: Receive) -> None:
+        """A refused request's body, left unread, taken and dropped until its stream ends.
+        hypercorn queues a body for the application (10 messages), and once the queue is full
+        it stops reading the connection; after the answer it puts the stream's end in the same
+        queue: with nobody taking, that wait never ended, and neither did the connection (a
+        request left waiting for the receive budget and then refused 429 held its connection
+        and a stalled client for good). What is taken is dropped, within the lingering close's
+        bounds once hypercorn closes the connection (lingering.py)."""
+        task = asyncio.get_running_loop().create_task(_drop_until_end(receive))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
 
     @staticmethod
     async def _start(
@@ -221,6 +236,13 @@ class RestApp:
             return await self.router.route(scope, receive, call)
         finally:
             call.charge.release()
+
+
+async def _drop_until_end(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def _error(scope: Scope, status: int, message: str, exc: Exception) -> Any:
