@@ -44,6 +44,7 @@ class ServerSettings:
     http_keepalive_timeout: float = 5.0
     http_max_connections: int = 1024
     http_body_timeout: float = 30.0
+    http_send_timeout: float = 30.0
     http_receive_budget: int = BODY_BUDGET_TOTAL
     http_receive_budget_per_address: int = BODY_BUDGET_PER_ADDRESS
     log_level: str = "info"
@@ -133,10 +134,13 @@ _HELP = {
     "(its first request's headers included) before the server closes it",
     "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
     "the request is answered 408 and its connection closed",
+    "http_send_timeout": "seconds a client may take none of a REST response being sent (each "
+    "MiB of it); then its connection is closed",
     "http_receive_budget": "bytes the REST requests' bodies may hold, all front-ends together, "
     f"while they are read, inflated and parsed (a JSON body {JSON_HOLD_FACTOR} times its "
-    f"bytes, binary data {BINARY_HOLD_FACTOR} times): a declared body waits for room within "
-    "--http-body-timeout, then 429; one that could never fit is 413",
+    f"bytes, binary data {BINARY_HOLD_FACTOR} times), and their answers until sent: a declared "
+    "body waits for room within --http-body-timeout, then 429; one that could never fit is "
+    "413; an answer that finds no room is 429",
     "http_receive_budget_per_address": "the same budget for the requests of one client IP address",
     "log_level": "debug, info, warning or error",
     "h3": "also serve gRPC and REST over HTTP/3 (QUIC, UDP)",
@@ -367,8 +371,10 @@ def parse(argv: Sequence[str] | None = None) -> ServerSettings:
         parser.error(
             "--http-receive-budget and --http-receive-budget-per-address must be at least 1 MiB"
         )
-    if settings.http_keepalive_timeout <= 0 or settings.http_body_timeout <= 0:
+    if min(settings.http_keepalive_timeout, settings.http_body_timeout) <= 0:
         parser.error("--http-keepalive-timeout and --http-body-timeout must be above 0")
+    if not settings.http_send_timeout > 0:
+        parser.error("--http-send-timeout must be above 0")
     if not settings.h2_handshake_timeout > 0:
         parser.error("--h2-handshake-timeout must be above 0")
     if settings.metrics_max_connections < 1 or not settings.metrics_timeout > 0:

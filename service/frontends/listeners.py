@@ -209,6 +209,7 @@ async def start_rest(
         if advertised
         else (),
         client_auth if settings.http_tls else None,
+        settings.http_send_timeout,
     )
     return await start_http(app, options, settings.grace_period)
 

@@ -16,7 +16,7 @@ from opentelemetry import context as otel_context
 
 from service.http.asgi import Receive, Scope, Send, lifespan
 from service.http.body_budget import BodyBudget
-from service.http.bounds import HEADER_LENGTH, Refused
+from service.http.bounds import HEADER_LENGTH, Refused, hold_answer
 from service.http.callers import rest_client, rest_identity
 from service.http.encoding import deflated
 from service.http.event_stream import SSE, relay
@@ -91,25 +91,19 @@ class RestApp:
             self._record(call, time.perf_counter() - call.started)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send, call: Call) -> None:
-        headers: list[tuple[bytes, bytes]] = [_JSON]
         try:
             with self.holding():
                 reply = await self._admitted(scope, receive, call)
         except Refused as exc:
-            reply = Reply(exc.status, _error(scope, exc.status, exc.message, exc))
-            call.code, call.error = exc.code, exc.message
+            reply = self._refused(scope, call, exc)
             if exc.close:
                 self._unread(receive)
-                if scope.get("http_version") in ("1.0", "1.1"):
-                    headers.append((b"connection", b"close"))
         except errors.ServiceError as exc:
             status = error_status(exc)
             reply = Reply(status, _error(scope, status, exc.message, exc))
             call.code, call.error = exc.code, exc.message
         call.request_id = reply.request_id
         call.version = reply.model_version or call.version
-        if reply.status == 429:
-            headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         if reply.events is not None:
             await self._start(send, call, 200, list(SSE))
             await relay(
@@ -121,21 +115,53 @@ class RestApp:
                 lambda: self._ended(call),
             )
             return
+        body, headers = await self._encoded(reply, call)
+        status = reply.status
+        del reply  # its outputs, encoded: not held while the answer is sent
+        charge = call.charge
+        if charge is not None and status == 200:
+            # The answer holds the budget its body held until its client has taken it all: a
+            # client that reads nothing holds it --http-send-timeout at most (listener.py).
+            try:
+                hold_answer(charge, len(body))
+            except Refused as exc:
+                refusal = self._refused(scope, call, exc)
+                status = refusal.status
+                body, headers = await self._encoded(refusal, call)
+        try:
+            await self._start(send, call, status, headers)
+            self._ended(call)
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            if charge is not None:
+                charge.release()
+
+    @staticmethod
+    def _refused(scope: Scope, call: Call, exc: Refused) -> Reply:
+        call.code, call.error = exc.code, exc.message
+        close = exc.close and scope.get("http_version") in ("1.0", "1.1")
+        return Reply(exc.status, _error(scope, exc.status, exc.message, exc), close=close)
+
+    @staticmethod
+    async def _encoded(reply: Reply, call: Call) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """The reply's body and headers as sent."""
+        headers: list[tuple[bytes, bytes]] = []
+        if reply.close:
+            headers.append((b"connection", b"close"))
+        if reply.status == 429:
+            headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         body = b"" if reply.document is None else dumps(reply.document)
-        if reply.document is None:
-            headers.remove(_JSON)
         if reply.binary:
-            headers.remove(_JSON)
             headers.append((b"content-type", b"application/octet-stream"))
             headers.append((HEADER_LENGTH, str(len(body)).encode()))
             body = b"".join((body, *reply.binary))
+        elif reply.document is not None:
+            headers.append(_JSON)
         if call.encoding is not None and reply.status == 200:
             body = await deflated(body, call.encoding)
             headers.append((b"content-encoding", call.encoding.encode()))
         headers.append((b"content-length", str(len(body)).encode()))
-        await self._start(send, call, reply.status, headers)
-        self._ended(call)
-        await send({"type": "http.response.body", "body": body})
+        return body, headers
 
     def _unread(self, receive: Receive) -> None:
         """A refused request's body, left unread, taken and dropped until its stream ends.

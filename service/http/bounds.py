@@ -135,6 +135,41 @@ def take(charge: BodyCharge, size: int) -> None:
     )
 
 
+# A response body is sent in pieces of at most this, each within --http-send-timeout
+# (listener.py).
+SEND_PIECE = 1 << 20
+
+
+def answer_held(size: int) -> int:
+    """What an answer of `size` bytes holds while it is sent: its bytes, and the copies of a
+    piece the HTTP connection makes (its framing, then the socket's buffer)."""
+    return size + 2 * min(size, SEND_PIECE)
+
+
+def hold_answer(charge: BodyCharge, size: int) -> None:
+    """An answer of `size` bytes held against the budget until its client has taken it (its
+    request's body given back by then), or its refusal: 429 when the answers and bodies of the
+    address (or of all) hold the budget now, 400 for one that could never fit."""
+    held = answer_held(size)
+    if charge.take(held):
+        return
+    if not charge.could_fit(held):
+        raise Refused(
+            400,
+            f"the answer would hold {held} bytes until its client has read it, more than this "
+            f"process's REST budget ({_budget_words(charge)}): ask for the outputs as binary "
+            "data (binary_data_output) or raise the budget",
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+    raise Refused(
+        429,
+        f"no room in this process's REST budget for an answer of {size} bytes: answers its "
+        f"clients have not read yet and bodies being read hold it ({_budget_words(charge)}); "
+        "read the answers, then try again",
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+
+
 def _check_fits(charge: BodyCharge, size: int, declared: int | None) -> None:
     """413 for a request that could never be granted what it needs."""
     if charge.could_fit(size):

@@ -22,6 +22,8 @@ import contextlib
 import logging
 import socket
 import ssl
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +35,7 @@ from hypercorn.config import Config
 from hypercorn.utils import wrap_app
 
 from service.http.asgi import App, Message, Receive, Scope, Send
+from service.http.bounds import SEND_PIECE
 from service.http.held_connections import HeldConnections
 from service.http.lingering import LINGER_S, LingeringWriter
 from transport.asgi import tls_extension
@@ -59,6 +62,8 @@ class HttpOptions:
     response_headers: tuple[tuple[bytes, bytes], ...] = ()
     # Client certificates over TLS (--tls-client-ca, --require-client-cert; None: not asked).
     client_auth: ClientAuth | None = None
+    # How long a client may take none of a response being sent (--http-send-timeout).
+    send_timeout_s: float = 30.0
 
 
 class HttpListener:
@@ -99,7 +104,7 @@ async def start_http(app: App, options: HttpOptions, grace: float) -> HttpListen
         app = _with_headers(app, options.response_headers)
     app = _draining(app)
     context = None if options.tls is None else tls_context(options.tls, options.client_auth)
-    connections = _Connections(app, config)
+    connections = _Connections(app, config, options.send_timeout_s)
     try:
         server = await asyncio.start_server(
             connections.serve,
@@ -145,9 +150,10 @@ class _Connections:
     """Each accepted connection run by hypercorn's `TCPServer`, as `worker_serve` runs them, a
     TLS connection's app told its client's certificate."""
 
-    def __init__(self, app: App, config: Config) -> None:
+    def __init__(self, app: App, config: Config, send_timeout_s: float) -> None:
         self.app = app
         self.config = config
+        self.send_timeout_s = send_timeout_s
         self.context = WorkerContext(None)  # no bound on requests per process
         self.tasks: set[asyncio.Task[Any]] = set()
 
@@ -158,10 +164,11 @@ class _Connections:
         task.add_done_callback(self.tasks.discard)
         secured: ssl.SSLObject | None = writer.get_extra_info("ssl_object")
         app = self.app if secured is None else _with_tls(self.app, secured)
+        lingering = LingeringWriter(reader, writer)
+        app = sending_within(app, self.send_timeout_s, lambda: reset(writer.transport))
         # Our apps type their messages as plain dicts, hypercorn as TypedDicts: the same shapes.
         wrapped = wrap_app(cast(Any, app), 0, "asgi")
         loop = asyncio.get_running_loop()
-        lingering = LingeringWriter(reader, writer)
         # LingeringWriter has what TCPServer uses of a StreamWriter.
         closing = cast(asyncio.StreamWriter, lingering)
         try:
@@ -270,6 +277,65 @@ async def _drain(receive: Receive) -> None:
         async with asyncio.timeout(LINGER_S):
             while (await receive())["type"] != "http.disconnect":
                 pass
+
+
+def reset(transport: asyncio.WriteTransport) -> None:
+    """Closes the connection with a reset, dropping what its socket still holds to send: a
+    plain close (asyncio's `abort` too) leaves the kernel sending the socket's buffer (4 MB
+    each, measured) to a client that reads none of it, the connection in FIN-WAIT-1 meanwhile.
+    nginx resets a connection that timed out the same way (reset_timedout_connection)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class SendStalled(Exception):
+    """The client took none of a response piece within --http-send-timeout."""
+
+
+def sending_within(app: App, timeout_s: float, abort: Callable[[], None]) -> App:
+    """`app`, each piece of a response body (SEND_PIECE bytes at most) to be taken by the
+    client within `timeout_s`, else the connection is aborted (`abort`): as nginx's
+    send_timeout, the time between two pieces, not for all of it, so a slow reader gets a
+    large answer and one that reads nothing holds the answer (and its connection) that long,
+    no longer. A client that stops reading stalls hypercorn's send (HTTP/1.1: the socket's
+    buffer full; HTTP/2: the stream's window shut) with the whole answer held: 32 connections
+    that never read an answer of 11 MB held 624 MB for good, and a slow or lost client
+    looks the same."""
+
+    async def bounded(scope: Scope, receive: Receive, send: Send) -> None:
+        async def sending(message: Message) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            for start in range(0, max(len(body), 1), SEND_PIECE):
+                # Each piece a copy, made as it goes: one at a time besides the body.
+                piece = body if len(body) <= SEND_PIECE else body[start : start + SEND_PIECE]
+                last = start + SEND_PIECE >= len(body)
+                try:
+                    async with asyncio.timeout(timeout_s):
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": piece,
+                                "more_body": more or not last,
+                            }
+                        )
+                except TimeoutError:
+                    abort()
+                    raise SendStalled from None
+
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        with contextlib.suppress(SendStalled):
+            await app(scope, receive, sending)
+
+    return bounded
 
 
 def _with_headers(app: App, headers: tuple[tuple[bytes, bytes], ...]) -> App:

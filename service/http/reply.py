@@ -20,6 +20,7 @@ class Reply:
     # What says the client of a stream left, when its route reads the request itself (None:
     # the request's own receive).
     gone: Callable[[], Awaitable[Any]] | None = None
+    close: bool = False  # its connection closes after it (HTTP/1.1: a body left unread)
 
 
 OK = Reply(200)
