@@ -68,6 +68,7 @@ HTTP_MAX_INPUT = 8 << 20
 HTTP_RECEIVE_BUDGET_PER_ADDRESS = 20 << 20
 HTTP_KEEPALIVE_S = 2.0
 HTTP_BODY_S = 3.0
+HTTP_SEND_S = 2.0  # --http-send-timeout: a client that reads nothing is reset after it
 H2_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
@@ -78,6 +79,10 @@ GENERATION_MODEL = "generate"  # the decoupled example: one response per token
 SEQUENCE_MODEL = "kws"  # the stateful example: sequence batching with implicit state
 # A Python model that attacks the front-end through its worker (tests/fixtures/python_hostile).
 HOSTILE_MODEL = "hostile"
+# A Python model that answers its BYTES input (tests/fixtures/simple_identity): a NUL byte is
+# six bytes of JSON, so a small request has a large answer.
+ECHO_MODEL = "simple_identity"
+ECHO_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / ECHO_MODEL
 HOSTILE_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "python_hostile"
 # Client certificates from the server's CA (--tls-client-ca; callers without one are served).
 CLIENT_NAMES = ("victim", "intruder")
@@ -171,6 +176,7 @@ class Scale:
     slow_clients: int = 24  # REST connections trickling their headers, as many their bodies
     oversized_bodies: int = 2  # REST bodies past --http-max-input-size: declared, as many streamed
     held_bodies: int = 16  # REST bodies of one address sent all but a byte, at once
+    unread_answers: int = 16  # REST requests of one address whose answers are never read
     disconnects: int = 16  # REST clients vanishing, of each kind (mid-request, -answer, before it)
     metrics_connections: int = 64  # peers holding /metrics connections, at once
     # Between one good call and the next of each loop, in rows whose point is not the load
@@ -712,8 +718,8 @@ def chaos_repository(directory: Path) -> Path:
     """`mlp` with its version files copied (hot reload touches them) and two instances (a
     killed or stopped worker leaves one serving), `tokenizer`, a model with a BYTES input,
     `generate`, a decoupled one, `kws`, a sequence-batched one, `hostile`, a Python model
-    that attacks through its worker, and `processes`, a hostile Python model that may run
-    PROCESS_COUNT processes."""
+    that attacks through its worker, `processes`, a hostile Python model that may run
+    PROCESS_COUNT processes, and `simple_identity`, whose answers are larger than its requests."""
     repository = directory / "models"
     shutil.copytree(EXAMPLE_MODELS / GOOD_MODEL / "1", repository / GOOD_MODEL / "1")
     (repository / GOOD_MODEL / "config.pbtxt").write_text(MLP_CONFIG)
@@ -722,6 +728,9 @@ def chaos_repository(directory: Path) -> Path:
     shutil.copytree(EXAMPLE_MODELS / SEQUENCE_MODEL, repository / SEQUENCE_MODEL)
     shutil.copytree(HOSTILE_FIXTURE, repository / HOSTILE_MODEL)
     shutil.copytree(PROCESSES_FIXTURE, repository / PROCESSES_MODEL)
+    (repository / ECHO_MODEL / "1").mkdir(parents=True)
+    shutil.copy(ECHO_FIXTURE / "config.pbtxt", repository / ECHO_MODEL / "config.pbtxt")
+    shutil.copy(ECHO_FIXTURE / "model.py", repository / ECHO_MODEL / "1" / "model.py")
     with (repository / PROCESSES_MODEL / "config.pbtxt").open("a") as config:
         value = f'{{ string_value: "{PROCESS_COUNT}" }}'
         config.write(f'parameters {{ key: "python_child_processes" value: {value} }}\n')
@@ -755,6 +764,7 @@ def chaos_server(
         *("--http-port", HTTP_PORT, "--http-max-input-size", str(HTTP_MAX_INPUT)),
         *("--http-keepalive-timeout", str(HTTP_KEEPALIVE_S)),
         *("--http-body-timeout", str(HTTP_BODY_S)),
+        *("--http-send-timeout", str(HTTP_SEND_S)),
         *("--http-receive-budget-per-address", str(HTTP_RECEIVE_BUDGET_PER_ADDRESS)),
         *(("--no-instance-queues",) if batcher else ()),
         *("--metrics-timeout", str(METRICS_TIMEOUT_S)),

@@ -198,6 +198,7 @@ ATTACKS = (
         rest.HELD,
         rest=True,
     ),
+    AttackSpec("REST answers never read", rest.unread_answers, rest.UNREAD, rest=True),
     AttackSpec(
         "REST disconnect storm (infer, generate_stream)",
         rest.disconnect_storm,
@@ -284,6 +285,13 @@ ATTACKS = (
         "REST bodies holding the receive budget (stalled, JSON, chunked) (--frontends 2)",
         rest.held_bodies,
         rest.HELD,
+        frontends=2,
+        rest=True,
+    ),
+    AttackSpec(
+        "REST answers never read (--frontends 2)",
+        rest.unread_answers,
+        rest.UNREAD,
         frontends=2,
         rest=True,
     ),

@@ -1,7 +1,8 @@
 """Attacks on the REST port, over raw HTTP/1.1 connections from another loopback address than
 the good clients': slow clients that trickle their headers or their body a byte at a time,
 bodies past --http-max-input-size (declared, and streamed in chunks), bodies that hold the
-address's receive budget (stalled, JSON too large to parse, chunked past it), and storms of clients
+address's receive budget (stalled, JSON too large to parse, chunked past it), answers never read,
+and storms of clients
 that send an infer or a generate_stream request and vanish mid-request, before the answer or
 mid-answer. Each checks that the server cut the attacker off within its bound and, for the
 storms, that the generations of vanished clients stopped."""
@@ -11,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
+import socket
+import struct
 import time
 from collections.abc import Awaitable
 
@@ -22,12 +26,14 @@ import h2.events
 from tests.chaos.floods import ATTACKER_HOST
 from tests.chaos.generations import LONG_MAX_TOKENS, _settled
 from tests.chaos.harness import (
+    ECHO_MODEL,
     GENERATION_MODEL,
     GOOD_MODEL,
     HTTP_BODY_S,
     HTTP_KEEPALIVE_S,
     HTTP_MAX_INPUT,
     HTTP_RECEIVE_BUDGET_PER_ADDRESS,
+    HTTP_SEND_S,
     REFUSED,
     AttackResult,
     Scale,
@@ -252,6 +258,75 @@ async def held_bodies(target: Target, scale: Scale) -> AttackResult:
     result.outcomes.update(
         f"{kind}: {outcome}" for kind, outcome in zip(kinds, outcomes, strict=True)
     )
+    return result
+
+
+UNREAD_RESET = "unread: 200, reset"
+UNREAD_429 = "unread: 429"
+UNREAD = frozenset({UNREAD_RESET, UNREAD_429})
+ECHO_ELEMENT = 1 << 20  # NUL bytes: an answer of 6 MiB of JSON, more than the sockets buffer
+# A client reading nothing is reset HTTP_SEND_S after its answer stalls; one refused 429 is
+# closed at the keep-alive timeout: each far within this on a loaded machine too.
+RESET_WITHIN_S = 60.0
+
+
+def _echo_request() -> bytes:
+    """An infer request of ECHO_MODEL, its one element ECHO_ELEMENT NUL bytes as binary data."""
+    element = struct.pack("<I", ECHO_ELEMENT) + bytes(ECHO_ELEMENT)
+    tensor = {"name": "INPUT0", "datatype": "BYTES", "shape": [1, 1]}
+    document = json.dumps(
+        {"inputs": [{**tensor, "parameters": {"binary_data_size": len(element)}}]}
+    ).encode()
+    extra = f"Inference-Header-Content-Length: {len(document)}\r\n"
+    return _head(f"/v2/models/{ECHO_MODEL}/infer", len(document) + len(element), extra) + (
+        document + element
+    )
+
+
+def _unread(port: int, message: bytes) -> tuple[str, str]:
+    """One client that sends its request and reads nothing until the server ends the
+    connection (a thread's blocking socket: its receive buffer kept small), then what came."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.bind((ATTACKER_HOST, 0))
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(message)
+        poller = select.poll()
+        poller.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        if not poller.poll(int(RESET_WITHIN_S * 1000)):
+            return "never closed", f"not closed within {RESET_WITHIN_S} s"
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            line = sock.recv(64).split(b"\r\n", 1)[0].split()
+            if line[1:2] == [b"200"]:
+                return UNREAD_RESET, ""
+            if line[1:2] == [b"429"]:
+                return UNREAD_429, ""
+        return "no answer", ""
+    finally:
+        sock.close()
+
+
+async def unread_answers(target: Target, scale: Scale) -> AttackResult:
+    """`unread_answers` connections of one address ask `simple_identity` for an answer of 6
+    MiB (charged with the copies its sending makes) and read nothing, at once: the answers the
+    address's budget holds wait for their clients, the others are refused 429, and each
+    connection is closed, a held one reset once --http-send-timeout passes without a byte
+    taken (the row's RSS goal bounds what they held meanwhile)."""
+    result = AttackResult()
+    message = _echo_request()
+    outcomes = await asyncio.gather(
+        *(
+            asyncio.to_thread(_unread, target.http_port, message)
+            for _ in range(scale.unread_answers)
+        )
+    )
+    for outcome, problem in outcomes:
+        result.outcomes[outcome] += 1
+        if problem:
+            result.problems.append(problem)
+    result.notes["send timeout s"] = HTTP_SEND_S
     return result
 
 
