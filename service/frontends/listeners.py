@@ -25,7 +25,7 @@ from service.http.batchstream import BatchStreams
 from service.http.bounds import RequestLimits
 from service.http.generate_route import GenerateRoute
 from service.http.infer_route import InferRoute
-from service.http.listener import HttpListener, HttpOptions, start_http
+from service.http.listener import HttpListener, HttpOptions, sending_within, start_http
 from service.http.openai import Completions
 from service.http.router import Guard, InferRouter, Router
 from service.http.routes import Routes
@@ -268,6 +268,10 @@ async def start_grpc(
     return server, port
 
 
+def _kept() -> None:
+    """The connection kept: over HTTP/3 the stalled stream alone is reset."""
+
+
 def alt_svc_headers(settings: ServerSettings, tcp_port: int) -> tuple[tuple[str, str], ...]:
     """What every HTTP/2 response adds: where HTTP/3 answers, when it is served."""
     if not settings.h3 or settings.alt_svc_max_age <= 0:
@@ -328,7 +332,9 @@ async def start_h3(
         ),
         router=router,
         address_tokens=open_address_tokens(settings.ticket_key_file, settings.h3_token_lifetime),
-        plain=plain,
+        # Each piece of an answer within --http-send-timeout, as over TCP; over HTTP/3 an app
+        # that ends in the middle of its answer has its stream reset (transport/h3/asgi.py).
+        plain=None if plain is None else sending_within(plain, settings.http_send_timeout, _kept),
         host=host,
     )
     register(h3_server)

@@ -2,12 +2,14 @@
 its client's address until it is taken (--http-receive-budget-per-address), so what the
 server holds for clients that never read is bounded, the answers past the budget are refused
 429 naming it, another address is still served; a connection whose client takes nothing of an
-answer for --http-send-timeout is closed (HTTP/1.1 and HTTP/2), and what it held is given
-back. The answers come from `simple_identity`, which sends its BYTES input back: a NUL byte is
-six bytes of JSON (`\\u0000`), so a small request gets a large answer."""
+answer for --http-send-timeout is closed (HTTP/1.1 and HTTP/2; over HTTP/3 its stream is
+reset), and what it held is given back. The answers come from `simple_identity`, which sends
+its BYTES input back: a NUL byte is six bytes of JSON (`\\u0000`), so a small request gets a
+large answer."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import select
@@ -26,6 +28,9 @@ import pytest
 
 from service.http.bounds import answer_held
 from tests.servers import HTTP_PORT, ServerProcess, running_server
+from transport.h3.client import H3ClientConnection, client_configuration
+from transport.h3.settings import H3Settings
+from transport.h3.stream_state import StreamClosed
 
 pytestmark = pytest.mark.e2e
 
@@ -46,24 +51,36 @@ CLOSED_WITHIN_S = 60.0
 SLACK = 16 * MiB
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One process, whatever PADDLEQUIC_FRONTENDS says: the RSS read is that process's."""
-    root = tmp_path_factory.mktemp("unread_answers")
+def echoing(root: Path, *extra: str) -> Iterator[ServerProcess]:
     model = root / "models" / "simple_identity"
     (model / "1").mkdir(parents=True)
     shutil.copy(FIXTURE / "config.pbtxt", model / "config.pbtxt")
     shutil.copy(FIXTURE / "model.py", model / "1" / "model.py")
     args = (
-        *("--frontends", "1"),
         *("--http-port", HTTP_PORT),
         *("--http-send-timeout", str(SEND_TIMEOUT_S)),
         *("--http-receive-budget", str(TOTAL)),
         *("--http-receive-budget-per-address", str(PER_ADDRESS)),
+        *extra,
     )
     with running_server(root / "models", root / "server.log", args) as process:
         process.wait_loaded()
         yield process
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One process, whatever PADDLEQUIC_FRONTENDS says: the RSS read is that process's."""
+    yield from echoing(tmp_path_factory.mktemp("unread_answers"), "--frontends", "1")
+
+
+@pytest.fixture(scope="module")
+def tls_server(
+    tmp_path_factory: pytest.TempPathFactory, certs_dir: Path
+) -> Iterator[ServerProcess]:
+    """REST over TLS, and so over HTTP/3 on the same port number."""
+    root = tmp_path_factory.mktemp("unread_answers_h3")
+    yield from echoing(root, "--http-tls", "--certs-dir", str(certs_dir))
 
 
 def request() -> tuple[bytes, bytes]:
@@ -263,3 +280,53 @@ def test_an_http2_stream_whose_window_stays_shut_closes_its_connection(
     finally:
         sock.close()
     assert status == "200" and data == 0 and not ended, (status, data, ended)
+
+
+async def test_an_http3_stream_not_read_is_reset(
+    tls_server: ServerProcess, certs_dir: Path
+) -> None:
+    """An HTTP/3 client that reads nothing of its answer (a stream window of 64 KiB, never
+    extended) gets its headers, and its stream reset once --http-send-timeout passes without a
+    byte taken; the connection serves on."""
+    head, body = request()
+    fields = [
+        (name.lower().encode(), value.encode())
+        for name, value in (line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if line)
+        if name != "Host"
+    ]
+    configuration = client_configuration(
+        "localhost", str(certs_dir / "ca.pem"), settings=H3Settings(stream_window=64 << 10)
+    )
+    connection = await H3ClientConnection.connect("127.0.0.1", tls_server.http_port, configuration)
+    try:
+        async with asyncio.timeout(CLOSED_WITHIN_S):
+            await connection.wait_connected()
+            stream = connection.open_stream()
+            stream.send_headers(
+                [
+                    (b":method", b"POST"),
+                    (b":scheme", b"https"),
+                    (b":path", b"/v2/models/simple_identity/infer"),
+                    (b":authority", b"localhost"),
+                    *fields,
+                ]
+            )
+            await stream.send_data(body, end=True)
+            headers = await stream.wait_headers()
+            assert dict(headers)[b":status"] == b"200"
+            failed = await stream.wait_failed()
+        assert isinstance(failed, StreamClosed)
+        ready = connection.open_stream()
+        ready.send_headers(
+            [
+                (b":method", b"GET"),
+                (b":scheme", b"https"),
+                (b":path", b"/v2/health/ready"),
+                (b":authority", b"localhost"),
+            ],
+            end=True,
+        )
+        async with asyncio.timeout(CLOSED_WITHIN_S):
+            assert dict(await ready.wait_headers())[b":status"] == b"200"
+    finally:
+        await connection.close()
