@@ -282,6 +282,15 @@ def test_an_http2_stream_whose_window_stays_shut_closes_its_connection(
     assert status == "200" and data == 0 and not ended, (status, data, ended)
 
 
+def h3_head(method: str, path: str) -> list[tuple[bytes, bytes]]:
+    return [
+        (b":method", method.encode()),
+        (b":scheme", b"https"),
+        (b":path", path.encode()),
+        (b":authority", b"localhost"),
+    ]
+
+
 async def test_an_http3_stream_not_read_is_reset(
     tls_server: ServerProcess, certs_dir: Path
 ) -> None:
@@ -302,30 +311,14 @@ async def test_an_http3_stream_not_read_is_reset(
         async with asyncio.timeout(CLOSED_WITHIN_S):
             await connection.wait_connected()
             stream = connection.open_stream()
-            stream.send_headers(
-                [
-                    (b":method", b"POST"),
-                    (b":scheme", b"https"),
-                    (b":path", b"/v2/models/simple_identity/infer"),
-                    (b":authority", b"localhost"),
-                    *fields,
-                ]
-            )
+            stream.send_headers([*h3_head("POST", "/v2/models/simple_identity/infer"), *fields])
             await stream.send_data(body, end=True)
             headers = await stream.wait_headers()
             assert dict(headers)[b":status"] == b"200"
             failed = await stream.wait_failed()
         assert isinstance(failed, StreamClosed)
         ready = connection.open_stream()
-        ready.send_headers(
-            [
-                (b":method", b"GET"),
-                (b":scheme", b"https"),
-                (b":path", b"/v2/health/ready"),
-                (b":authority", b"localhost"),
-            ],
-            end=True,
-        )
+        ready.send_headers(h3_head("GET", "/v2/health/ready"), end=True)
         async with asyncio.timeout(CLOSED_WITHIN_S):
             assert dict(await ready.wait_headers())[b":status"] == b"200"
     finally:
