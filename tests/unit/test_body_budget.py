@@ -23,7 +23,16 @@ from service.http.body_budget import (
     BodyCharge,
     held_for,
 )
-from service.http.bounds import HEADER_LENGTH, Refused, RequestLimits, decoded, read_body
+from service.http.bounds import (
+    HEADER_LENGTH,
+    SEND_PIECE,
+    Refused,
+    RequestLimits,
+    answer_held,
+    decoded,
+    hold_answer,
+    read_body,
+)
 
 # What parsing a document holds beyond its share per byte, whatever its size: orjson's smallest
 # pool (4 KiB, measured for a one-byte document) and a little more.
@@ -230,3 +239,28 @@ def test_a_charge_released_twice_gives_back_once() -> None:
     one.release()
     assert budget.shared.budget.held("a") == 2 * MiB
     assert isinstance(one, BodyCharge)
+
+
+@given(size=st.integers(0, 12 * MiB), others=st.integers(0, 16 * MiB))
+@example(size=16 * MiB - 2 * SEND_PIECE, others=0)
+@example(size=16 * MiB - 2 * SEND_PIECE + 1, others=0)
+def test_an_answer_holds_the_budget_until_sent_or_is_refused(size: int, others: int) -> None:
+    """An answer is charged its bytes and two pieces' copies (answer_held): granted when the
+    address has room, 429 when it has not now, 400 naming binary outputs when it never could;
+    a refused one holds nothing."""
+    budget = BodyBudget(32 * MiB, 16 * MiB)
+    if others:
+        assert budget.charge("10.0.0.1").take(others)
+    charge = budget.charge("10.0.0.1")
+    held = answer_held(size)
+    if held + others <= 16 * MiB:
+        hold_answer(charge, size)
+        assert charge.held == held
+        return
+    with pytest.raises(Refused) as refused:
+        hold_answer(charge, size)
+    if held > 16 * MiB:
+        assert refused.value.status == 400 and "binary_data_output" in refused.value.message
+    else:
+        assert refused.value.status == 429 and "have not read" in refused.value.message
+    assert charge.held == 0
