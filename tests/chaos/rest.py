@@ -264,7 +264,9 @@ async def held_bodies(target: Target, scale: Scale) -> AttackResult:
 UNREAD_RESET = "unread: 200, reset"
 UNREAD_429 = "unread: 429"
 UNREAD = frozenset({UNREAD_RESET, UNREAD_429})
-ECHO_ELEMENT = 1 << 20  # NUL bytes: an answer of 6 MiB of JSON, more than the sockets buffer
+# NUL bytes: an answer of 9 MiB of JSON, more than the sockets buffer (tcp_wmem's default most,
+# 4 MiB), and a request below a quarter of the instance queue (--instance-queue-mb 8).
+ECHO_ELEMENT = 3 << 19
 # A client reading nothing is reset HTTP_SEND_S after its answer stalls; one refused 429 is
 # closed at the keep-alive timeout: each far within this on a loaded machine too.
 RESET_WITHIN_S = 60.0
@@ -309,7 +311,7 @@ def _unread(port: int, message: bytes) -> tuple[str, str]:
 
 
 async def unread_answers(target: Target, scale: Scale) -> AttackResult:
-    """`unread_answers` connections of one address ask `simple_identity` for an answer of 6
+    """`unread_answers` connections of one address ask `simple_identity` for an answer of 9
     MiB (charged with the copies its sending makes) and read nothing, at once: the answers the
     address's budget holds wait for their clients, the others are refused 429, and each
     connection is closed, a held one reset once --http-send-timeout passes without a byte

@@ -181,6 +181,9 @@ def test_answers_not_read_hold_the_addresses_budget_until_their_connections_clos
     answers cut short, and the address is served again."""
     held = answer_held(6 * ELEMENT)  # at least: the JSON has its document around the element
     assert PER_ADDRESS // held == 3
+    socket_holds = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    if socket_holds >= 6 * ELEMENT:
+        pytest.skip(f"a socket here holds a whole answer (tcp_wmem {socket_holds}): none stalls")
     pid = server.process.pid
     before_calls = answered_calls(server)
     before = rss(pid)
