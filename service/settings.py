@@ -135,7 +135,7 @@ _HELP = {
     "http_body_timeout": "seconds an HTTP request's body may take to arrive, all of it; then "
     "the request is answered 408 and its connection closed",
     "http_send_timeout": "seconds a client may take none of a REST response being sent (each "
-    "MiB of it); then its connection is closed",
+    "MiB of it); then its connection is reset (over HTTP/3, its stream)",
     "http_receive_budget": "bytes the REST requests' bodies may hold, all front-ends together, "
     f"while they are read, inflated and parsed (a JSON body {JSON_HOLD_FACTOR} times its "
     f"bytes, binary data {BINARY_HOLD_FACTOR} times), and their answers until sent: a declared "

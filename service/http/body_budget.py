@@ -19,7 +19,9 @@ A body whose length is declared is charged whole before any of it is read, waiti
 inflated body once inflated, each refused at once when there is no room: a request that holds
 part of the budget never waits for more, so the requests waiting cannot deadlock (one waiting
 while other front-ends hold part looks again every ELSEWHERE_RETRY_S: their releases wake
-nobody here). One that could never fit is refused 413 before anything is read."""
+nobody here). One that could never fit is refused 413 before anything is read.
+
+An answer holds the same budget until its client has taken it (bounds.hold_answer)."""
 
 from __future__ import annotations
 

@@ -164,11 +164,11 @@ class _Connections:
         task.add_done_callback(self.tasks.discard)
         secured: ssl.SSLObject | None = writer.get_extra_info("ssl_object")
         app = self.app if secured is None else _with_tls(self.app, secured)
-        lingering = LingeringWriter(reader, writer)
         app = sending_within(app, self.send_timeout_s, lambda: reset(writer.transport))
         # Our apps type their messages as plain dicts, hypercorn as TypedDicts: the same shapes.
         wrapped = wrap_app(cast(Any, app), 0, "asgi")
         loop = asyncio.get_running_loop()
+        lingering = LingeringWriter(reader, writer)
         # LingeringWriter has what TCPServer uses of a StreamWriter.
         closing = cast(asyncio.StreamWriter, lingering)
         try:

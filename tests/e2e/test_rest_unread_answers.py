@@ -17,7 +17,7 @@ import shutil
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h2.config
@@ -118,9 +118,9 @@ def answered_calls(server: ServerProcess) -> float:
     )
 
 
-def wait_until(done: object, limit_s: float, what: str) -> None:
+def wait_until(done: Callable[[], bool], limit_s: float, what: str) -> None:
     deadline = time.monotonic() + limit_s
-    while not done():  # type: ignore[operator]
+    while not done():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
 
